@@ -1,0 +1,7 @@
+"""``python -m dynaseq`` (also what ``torchrun -m dynaseq`` runs)."""
+
+import sys
+
+from dynaseq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,233 @@
+"""The ``dynaseq`` command: train, translate, evaluate, profile, average, demo.
+
+Bad input (missing files, bad configs, corrupt checkpoints) prints one line on stderr and
+exits with status 2; an interrupted training run exits 130 (SIGINT) or 143 (SIGTERM) after
+writing a checkpoint it can resume from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from dynaseq.errors import DynaseqError
+
+EXIT_BAD_INPUT = 2
+
+
+def _read_input(path: str | None) -> list[str]:
+    from dynaseq.data import read_lines
+
+    if path is None or path == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise DynaseqError(f"stdin: line {line} is not valid UTF-8") from None
+        return [ln.strip() for ln in text.splitlines()]
+    return read_lines(path)
+
+
+def _write_output(lines: list[str], path: str | None) -> None:
+    text = "".join(line + "\n" for line in lines)
+    if path is None or path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        Path(path).write_text(text, encoding="utf-8")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dynaseq.config import load_config
+    from dynaseq.train.loop import train
+
+    overrides = list(args.overrides)
+    if args.run_dir:
+        overrides.append(f"run_dir={args.run_dir}")
+    cfg = load_config(args.config, overrides)
+    result = train(cfg, progress=not args.quiet)
+    if result.stopped_by_signal is not None:
+        print(f"stopped by signal at step {result.state.step}; checkpoint saved in "
+              f"{result.run_dir} (run the same command to resume)", file=sys.stderr)
+        return 128 + int(result.stopped_by_signal)
+    print(f"trained to step {result.state.step}: {result.run_dir}", file=sys.stderr)
+    return 0
+
+
+def _translator(args: argparse.Namespace):
+    from dynaseq.infer.translator import Translator
+
+    return Translator.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    lines = _read_input(args.input)
+    t = _translator(args)
+    out = t.translate(lines, beam=args.beam, length_penalty=args.length_penalty,
+                      batch_size=args.batch_size)
+    _write_output(out, args.output)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from dynaseq.data import read_lines
+
+    src, ref = read_lines(args.src), read_lines(args.ref)
+    if len(src) != len(ref):
+        raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
+    t = _translator(args)
+    result = t.evaluate(src, ref, beam=args.beam, length_penalty=args.length_penalty,
+                        batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"BLEU {result['bleu']:.2f}  loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
+              f"({result['n_sentences']} sentences)\n{result['signature']}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from dynaseq.metrics.profile import profile_model
+
+    target = Path(args.target)
+    if target.is_dir():
+        model = _translator(args).model
+    elif target.is_file():
+        from dynaseq.config import load_config
+        from dynaseq.models import build_seq2seq
+
+        cfg = load_config(target, args.overrides)
+        model = build_seq2seq(cfg.model, cfg.data.vocab_size).eval()
+    else:
+        raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
+    result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    mpt, fc = result["macs_per_token"], result["macs_per_token_flop_counter"]
+    print(f"params            {result['params']:,}")
+    for part in ("encoder", "decoder", "total"):
+        print(f"MACs/token {part:<8} {mpt[part] / 1e6:9.3f} M  (flop counter "
+              f"{fc[part] / 1e6:.3f} M)")
+    lat = result["latency_ms"]
+    print(f"latency {args.src_len}->{args.tgt_len} tokens, batch {lat['batch']}: "
+          f"greedy {lat['greedy']:.1f} ms, beam 4 {lat['beam4']:.1f} ms")
+    return 0
+
+
+def cmd_average(args: argparse.Namespace) -> int:
+    from dynaseq.train.checkpoint import average_checkpoints, list_checkpoints
+
+    found = list_checkpoints(args.run_dir)
+    if not found:
+        raise DynaseqError(f"no checkpoint in run directory {args.run_dir}")
+    picked = found[-args.k:]
+    out = average_checkpoints(picked, Path(args.run_dir) / "averaged")
+    print(f"averaged {len(picked)} checkpoints into {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dynaseq.demo import run_demo
+
+    run_demo(args.out, minutes=args.minutes, seed=args.seed, progress=not args.quiet)
+    return 0
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
+    p.add_argument("--length-penalty", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", default="auto",
+                   help="auto (averaged > best > latest), best, latest, averaged or a path")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dynaseq", description="Sequence models whose computation is chosen at run time.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model from a YAML config")
+    p.add_argument("config", help="YAML run config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
+    p.add_argument("--run-dir", default=None, help="same as run_dir=...")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("translate", help="translate a file or stdin, one sentence per line")
+    p.add_argument("run_dir")
+    p.add_argument("--input", "-i", default=None, help="input file (default stdin)")
+    p.add_argument("--output", "-o", default=None, help="output file (default stdout)")
+    _add_decode_args(p)
+    _add_run_args(p)
+    p.set_defaults(func=cmd_translate)
+
+    p = sub.add_parser("evaluate", help="sacreBLEU and loss against references")
+    p.add_argument("run_dir")
+    p.add_argument("--src", required=True)
+    p.add_argument("--ref", required=True)
+    p.add_argument("--json", action="store_true")
+    _add_decode_args(p)
+    _add_run_args(p)
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("profile", help="parameters, MACs per token and decoding latency")
+    p.add_argument("target", help="a run directory or a YAML config (random weights)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides for a config")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--src-len", type=int, default=30)
+    p.add_argument("--tgt-len", type=int, default=30)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    _add_run_args(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("average", help="average the last K checkpoints into run_dir/averaged")
+    p.add_argument("run_dir")
+    p.add_argument("-k", type=int, default=5)
+    p.set_defaults(func=cmd_average)
+
+    p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")
+    p.add_argument("--minutes", type=float, default=4.0, help="training time budget")
+    p.add_argument("--out", default="runs/demo", help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("beam", "batch_size", "k", "repeats", "src_len", "tgt_len", "batch"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "minutes", 1) <= 0:
+        parser.error("--minutes must be > 0")
+    try:
+        return args.func(args)
+    except DynaseqError as e:
+        print(f"dynaseq: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("dynaseq: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        return 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

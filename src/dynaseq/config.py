@@ -1,0 +1,324 @@
+"""Typed run configuration: dataclasses validated in ``__post_init__``, YAML in and out.
+
+A run config has four sections (``model``, ``data``, ``train``, ``decode``) and a
+``run_dir``. Unknown keys and wrong value types raise :class:`ConfigError` naming the key.
+
+Example::
+
+    cfg = load_config("configs/multi30k_small.yaml", ["train.max_steps=100"])
+    save_config(cfg, "run/config.yaml")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from dynaseq.errors import ConfigError
+
+#: Named model sizes. ``tiny`` and ``small`` are the DMB paper's on-device settings.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 128, "ffn_dim": 512, "n_heads": 4},
+    "small": {"d_model": 256, "ffn_dim": 1024, "n_heads": 4},
+    "base": {"d_model": 512, "ffn_dim": 2048, "n_heads": 8},
+}
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {getattr(obj, name)!r}")
+
+
+def _check_fraction(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Dense pre-LayerNorm Transformer encoder-decoder.
+
+    ``size`` picks a named preset (``tiny``/``small``/``base``) whose values fill every
+    field the config does not set itself.
+    """
+
+    size: str | None = None
+    d_model: int = 128
+    ffn_dim: int = 512
+    n_heads: int = 4
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    share_embeddings: bool = True
+    tie_output: bool = True
+    max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.size is not None and self.size not in MODEL_SIZES:
+            raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
+        _check_positive(self, "d_model", "ffn_dim", "n_heads", "encoder_layers",
+                        "decoder_layers", "max_positions")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        _check_fraction(self, "dropout", "attention_dropout", "activation_dropout")
+
+    @classmethod
+    def preset_defaults(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """Return ``raw`` with the named size's values filled in under it."""
+        size = raw.get("size")
+        if size is None:
+            return raw
+        if size not in MODEL_SIZES:
+            raise ConfigError(f"unknown model size {size!r}; known: {sorted(MODEL_SIZES)}")
+        return {**MODEL_SIZES[size], **raw}
+
+
+@dataclass
+class DataConfig:
+    """Parallel text (one sentence per line, plain or .gz) and its SentencePiece model."""
+
+    train_src: str | None = None
+    train_tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    vocab_size: int = 8000
+    spm_model_type: str = "unigram"
+    character_coverage: float = 1.0
+    max_tokens: int = 4096
+    max_len: int = 256
+    long_lines: str = "skip"
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "vocab_size", "max_tokens", "max_len")
+        if self.long_lines not in ("skip", "truncate"):
+            raise ConfigError(f"long_lines must be 'skip' or 'truncate', got {self.long_lines!r}")
+        if self.spm_model_type not in ("unigram", "bpe", "char", "word"):
+            raise ConfigError(f"unknown spm_model_type {self.spm_model_type!r}")
+        if not 0.0 < self.character_coverage <= 1.0:
+            raise ConfigError("character_coverage must be in (0, 1]")
+        if self.max_tokens < self.max_len + 1:
+            raise ConfigError(f"max_tokens={self.max_tokens} must be > max_len={self.max_len}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping. ``lr`` is the peak of the inverse-sqrt schedule."""
+
+    seed: int = 1
+    lr: float = 7e-4
+    warmup_steps: int = 4000
+    betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    update_freq: int = 1
+    label_smoothing: float = 0.1
+    max_steps: int = 100_000
+    max_epochs: int = 1000
+    max_minutes: float | None = None
+    log_every: int = 50
+    valid_every: int = 1000
+    save_every: int = 1000
+    keep_last: int = 5
+    average_last_k: int = 0
+    valid_bleu_lines: int = 500
+    valid_beam: int = 1
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "lr", "update_freq", "max_steps", "max_epochs", "log_every",
+                        "valid_every", "save_every", "keep_last", "valid_beam")
+        if self.warmup_steps < 0 or self.average_last_k < 0 or self.valid_bleu_lines < 0:
+            raise ConfigError("warmup_steps, average_last_k and valid_bleu_lines must be >= 0")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ConfigError("max_minutes must be > 0")
+        _check_fraction(self, "label_smoothing")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+
+@dataclass
+class DecodeConfig:
+    """Search settings; output length is at most ``max_len_a * src_len + max_len_b``."""
+
+    beam: int = 4
+    length_penalty: float = 1.0
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "beam", "batch_size")
+        if self.max_len_a < 0 or self.max_len_b < 0:
+            raise ConfigError("max_len_a and max_len_b must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; saved as ``config.yaml`` in the run directory."""
+
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it in the field's type."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, prefix=f"{key}.")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+            return tuple(_coerce(v, a, key) for v, a in zip(value, args, strict=True))
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
+
+
+T = typing.TypeVar("T")
+
+
+def from_dict(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a plain mapping, refusing unknown keys and bad types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
+    if cls is ModelConfig:
+        raw = ModelConfig.preset_defaults(raw)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; "
+                          f"known keys: {', '.join(sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in raw.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}{e}" if prefix else str(e)) from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain, YAML-safe mapping of a config dataclass (tuples become lists)."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` strings (values parsed as YAML scalars) to a raw mapping."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        _set_dotted(raw, key.strip(), value)
+    return raw
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config {p}: {e}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        msg = str(e).replace("\n", " ")
+        raise ConfigError(f"config {p} is not valid YAML: {msg}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {p} must be a mapping at top level")
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML run config (or the defaults when ``path`` is None) plus overrides."""
+    raw = read_yaml(path) if path is not None else {}
+    raw = apply_overrides(raw, list(overrides or []))
+    return from_dict(RunConfig, raw)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,237 @@
+"""A shared SentencePiece subword model with fixed special ids.
+
+The special ids are the same in every model this module trains::
+
+    pad = 0, unk = 1, bos = 2, eos = 3
+
+:meth:`Tokenizer.encode` never adds bos/eos; the batching code adds them where the model
+needs them. :meth:`Tokenizer.decode` drops pad/bos/eos ids, so model output can be decoded
+as is.
+
+Example::
+
+    tok = Tokenizer.train(src_lines + tgt_lines, "run/spm.model", vocab_size=8000)
+    ids = tok.encode(["A dog runs."])          # [[17, 402, 961, 5]]
+    tok.decode(ids)                             # ['A dog runs.']
+    tok = Tokenizer.load("run/spm.model")
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from dynaseq.data.text import os_reason
+from dynaseq.errors import DynaseqError
+
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+
+#: Model types SentencePiece can train.
+MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+#: At most this many sentences are used for training (a random sample when there are more).
+MAX_TRAIN_SENTENCES = 2_000_000
+
+# A fixed thread count and sampling seed keep training reproducible across machines:
+# the unigram EM sums its statistics per thread, so the thread count can change the model.
+_TRAIN_THREADS = 4
+_TRAIN_SEED = 1234
+
+
+def _spm_message(e: Exception) -> str:
+    """SentencePiece's error text on one line, without the C++ source location."""
+    text = " ".join(str(e).split())
+    if "] " in text:
+        text = text.split("] ", 1)[1]
+    return text
+
+
+class Tokenizer:
+    """A loaded SentencePiece model; build one with :meth:`train` or :meth:`load`.
+
+    Attributes:
+        path: the model file this tokenizer was trained into or loaded from.
+    """
+
+    def __init__(self, processor: spm.SentencePieceProcessor, path: Path) -> None:
+        self._sp = processor
+        self.path = path
+        for name, value in (("pad", processor.pad_id()), ("unk", processor.unk_id()),
+                            ("bos", processor.bos_id()), ("eos", processor.eos_id())):
+            if value < 0:
+                raise DynaseqError(f"{path}: SentencePiece model has no {name} id")
+        ids = {processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id()}
+        if len(ids) != 4:
+            raise DynaseqError(f"{path}: SentencePiece model reuses a special id")
+        self._special = frozenset((processor.pad_id(), processor.bos_id(), processor.eos_id()))
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def train(
+        cls,
+        lines: list[str],
+        model_path: str | Path,
+        vocab_size: int,
+        model_type: str = "unigram",
+        character_coverage: float = 1.0,
+        seed_sentencepiece_size: int | None = None,
+    ) -> Tokenizer:
+        """Train one shared model on ``lines`` and write it to ``model_path``.
+
+        Pass the source and target lines together for a shared vocabulary. Training reads
+        the lines from memory (no temporary files), uses at most
+        :data:`MAX_TRAIN_SENTENCES` of them (a seeded random sample beyond that) and is
+        deterministic for the same input. ``vocab_size`` is an upper bound
+        (``hard_vocab_limit=False``): a small corpus gives a smaller vocabulary instead of
+        an error. A human-readable ``<model_path stem>.vocab`` (``piece<TAB>score``) is
+        written next to the model.
+
+        Raises:
+            DynaseqError: no lines, an unknown ``model_type``, a ``vocab_size`` too small
+                for the corpus's characters, or an unwritable ``model_path``.
+        """
+        model_path = Path(model_path)
+        if not lines:
+            raise DynaseqError("cannot train a SentencePiece model on no lines")
+        if model_type not in MODEL_TYPES:
+            raise DynaseqError(f"unknown SentencePiece model type {model_type!r}; "
+                               f"known: {', '.join(MODEL_TYPES)}")
+        if vocab_size <= 4:
+            raise DynaseqError(f"vocab_size must be > 4 (the special ids), got {vocab_size}")
+        if not 0.0 < character_coverage <= 1.0:
+            raise DynaseqError(f"character_coverage must be in (0, 1], got {character_coverage}")
+        options: dict[str, object] = {
+            "vocab_size": vocab_size,
+            "model_type": model_type,
+            "character_coverage": character_coverage,
+            "pad_id": PAD_ID,
+            "unk_id": UNK_ID,
+            "bos_id": BOS_ID,
+            "eos_id": EOS_ID,
+            "hard_vocab_limit": False,
+            "input_sentence_size": MAX_TRAIN_SENTENCES,
+            "shuffle_input_sentence": True,
+            "num_threads": _TRAIN_THREADS,
+            "minloglevel": 2,
+        }
+        if seed_sentencepiece_size is not None:
+            options["seed_sentencepiece_size"] = seed_sentencepiece_size
+        buffer = io.BytesIO()
+        # The sampling seed lives in the C++ library; setting it to a constant each time
+        # makes the sample (used only beyond MAX_TRAIN_SENTENCES lines) reproducible.
+        spm.set_random_generator_seed(_TRAIN_SEED)
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(lines), model_writer=buffer, **options
+            )
+        except (RuntimeError, OSError, ValueError) as e:
+            raise DynaseqError(f"cannot train SentencePiece model: {_spm_message(e)}") from None
+        proto = buffer.getvalue()
+        assert proto, "SentencePiece returned an empty model"
+        processor = spm.SentencePieceProcessor(model_proto=proto)
+        vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i)}\n"
+                        for i in range(processor.vocab_size()))
+        try:
+            model_path.parent.mkdir(parents=True, exist_ok=True)
+            model_path.write_bytes(proto)
+            vocab_path = model_path.with_suffix(".vocab")
+            if vocab_path != model_path:
+                vocab_path.write_text(vocab, encoding="utf-8")
+        except OSError as e:
+            raise DynaseqError(f"cannot write {model_path}: {os_reason(e)}") from None
+        return cls(processor, model_path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Load a model written by :meth:`train` (or any SentencePiece model with
+        pad/unk/bos/eos ids defined).
+
+        Raises:
+            DynaseqError: the file is missing, unreadable or not a SentencePiece model.
+        """
+        p = Path(path)
+        try:
+            proto = p.read_bytes()
+        except FileNotFoundError:
+            raise DynaseqError(f"cannot read {p}: no such file") from None
+        except OSError as e:
+            raise DynaseqError(f"cannot read {p}: {os_reason(e)}") from None
+        processor = spm.SentencePieceProcessor()
+        try:
+            processor.LoadFromSerializedProto(proto)
+        except (RuntimeError, OSError, ValueError):
+            raise DynaseqError(f"{p}: not a valid SentencePiece model") from None
+        if processor.vocab_size() <= 0:
+            raise DynaseqError(f"{p}: not a valid SentencePiece model (empty vocabulary)")
+        return cls(processor, p)
+
+    # ------------------------------------------------------------------ ids
+
+    @property
+    def pad_id(self) -> int:
+        return int(self._sp.pad_id())
+
+    @property
+    def unk_id(self) -> int:
+        return int(self._sp.unk_id())
+
+    @property
+    def bos_id(self) -> int:
+        return int(self._sp.bos_id())
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._sp.eos_id())
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special ids included: valid ids are ``0 .. vocab_size - 1``."""
+        return int(self._sp.vocab_size())
+
+    # ------------------------------------------------------------------ text <-> ids
+
+    def encode(self, lines: list[str]) -> list[list[int]]:
+        """Subword ids of each line, without bos/eos.
+
+        Example::
+
+            tok.encode(["a dog", ""])   # [[9, 312], []]
+        """
+        if not lines:
+            return []
+        return [list(ids) for ids in self._sp.encode(list(lines), out_type=int)]
+
+    def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Text of each id sequence; pad, bos and eos ids are dropped first.
+
+        Unknown pieces (``unk_id``) decode to SentencePiece's `` ⁇ `` mark.
+        """
+        vocab = self.vocab_size
+        out = []
+        for seq in ids:
+            kept = [int(i) for i in seq if int(i) not in self._special]
+            for i in kept:
+                if not 0 <= i < vocab:
+                    raise ValueError(f"id {i} is out of range for vocab_size={vocab}")
+            out.append(self._sp.decode(kept))
+        return out
+
+    def encode_pieces(self, line: str) -> list[str]:
+        """Subword pieces of one line, for debugging: ``'a dog' -> ['▁a', '▁dog']``."""
+        return list(self._sp.encode(line, out_type=str))
+
+    def id_to_piece(self, i: int) -> str:
+        """The piece of id ``i`` (special ids give ``<pad>``, ``<unk>``, ``<s>``, ``</s>``)."""
+        if not 0 <= i < self.vocab_size:
+            raise ValueError(f"id {i} is out of range for vocab_size={self.vocab_size}")
+        return str(self._sp.id_to_piece(i))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"

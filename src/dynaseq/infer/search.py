@@ -1,0 +1,141 @@
+"""Batched greedy and beam search with incremental decoding.
+
+Both encode once, then call ``model.decode_step`` one token at a time; keys/values of earlier
+steps live in the decoder state, so step t costs O(t) attention. Finished sentences are
+dropped from the batch (their rows are removed from every cache), so a batch costs what its
+unfinished sentences need.
+
+Models only need ``encode(src) -> EncoderOutput``, ``init_state()``,
+``decode_step(tokens (B, 1), enc, state) -> logits (B, V)`` and ``bos_id``/``eos_id``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def max_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int, cap: int) -> Tensor:
+    """Per-sentence output budget ``a · src_len + b`` (tokens incl. eos), capped at ``cap``."""
+    lengths = (src_lengths.double() * max_len_a).floor().long() + max_len_b
+    return lengths.clamp(min=1, max=cap)
+
+
+def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
+    """In place: rows where ``rows`` is True may only produce eos."""
+    if rows.any():
+        eos_col = logits[rows, eos_id].clone()
+        logits[rows] = float("-inf")
+        logits[rows, eos_id] = eos_col
+
+
+@torch.no_grad()
+def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 10,
+                  min_len: int = 0, max_positions: int = 1024) -> list[list[int]]:
+    """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos).
+
+    ``min_len`` forbids eos before that many tokens (used to time fixed-length outputs).
+    """
+    enc = model.encode(src)
+    n = src.size(0)
+    limits = max_lengths((~enc.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
+    limits = limits.clamp(min=min_len + 1)
+    state = model.init_state()
+    active = torch.arange(n, device=src.device)  # original row of each active row
+    out = torch.full((n, int(limits.max())), model.pad_id, dtype=torch.long, device=src.device)
+    lengths = torch.zeros(n, dtype=torch.long, device=src.device)
+    tokens = torch.full((n, 1), model.bos_id, dtype=torch.long, device=src.device)
+    for step in range(int(limits.max())):
+        logits = model.decode_step(tokens, enc, state)  # (n_active, V)
+        if step < min_len:
+            logits[:, model.eos_id] = float("-inf")
+        _force_eos(logits, model.eos_id, step + 1 >= limits[active])
+        nxt = logits.argmax(-1)  # (n_active,)
+        done = nxt.eq(model.eos_id)
+        out[active, step] = nxt
+        lengths[active] = step + 1 - done.long()
+        if done.all():
+            break
+        if done.any():
+            keep = (~done).nonzero().squeeze(1)
+            active, nxt = active[keep], nxt[keep]
+            enc = enc.index_select(keep)
+            state.reorder(keep)
+        tokens = nxt.unsqueeze(1)
+    return [out[i, : lengths[i]].tolist() for i in range(n)]
+
+
+@torch.no_grad()
+def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
+                max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
+                max_positions: int = 1024) -> list[list[int]]:
+    """Batched beam search; src (B, S) -> best hypothesis per sentence (no bos/eos).
+
+    A finished hypothesis of n tokens (eos included) scores ``log p / n^length_penalty``.
+    Each step takes the top 2·beam candidates of every sentence: eos candidates within the
+    first ``beam`` are finished, the best ``beam`` others go on. A sentence stops once it has
+    ``beam`` finished hypotheses; at its length limit every live beam is closed with eos.
+    """
+    if beam < 1:
+        raise ValueError("beam must be >= 1")
+    k = beam
+    enc0 = model.encode(src)
+    n = src.size(0)
+    device = src.device
+    limits = max_lengths((~enc0.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
+    limits = limits.clamp(min=min_len + 1)
+    expand = torch.arange(n, device=device).repeat_interleave(k)  # (n*k,)
+    enc = enc0.index_select(expand)
+    state = model.init_state()
+    active = torch.arange(n, device=device)
+    scores = torch.full((n, k), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # all beams start identical: expand only the first
+    history = torch.full((n * k, 0), model.pad_id, dtype=torch.long, device=device)
+    tokens = torch.full((n * k, 1), model.bos_id, dtype=torch.long, device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(n)]
+    for step in range(int(limits.max())):
+        m = active.numel()
+        logp = torch.log_softmax(model.decode_step(tokens, enc, state).float(), dim=-1)
+        vocab = logp.size(-1)
+        if step < min_len:
+            logp[:, model.eos_id] = float("-inf")
+        at_limit = (step + 1 >= limits[active]).repeat_interleave(k)
+        _force_eos(logp, model.eos_id, at_limit)
+        cand = (scores.unsqueeze(2) + logp.view(m, k, vocab)).view(m, k * vocab)
+        top_scores, top_idx = cand.topk(2 * k, dim=1)  # (m, 2k)
+        top_beam = torch.div(top_idx, vocab, rounding_mode="floor")
+        top_tok = top_idx % vocab
+        is_eos = top_tok.eq(model.eos_id) & torch.isfinite(top_scores)
+        closing = is_eos.clone()
+        closing[:, k:] = False
+        for row, rank in closing.nonzero().tolist():
+            sent = int(active[row])
+            if len(finished[sent]) >= k:
+                continue
+            prev = row * k + int(top_beam[row, rank])
+            hyp = history[prev].tolist()
+            norm = float(top_scores[row, rank]) / (len(hyp) + 1) ** length_penalty
+            finished[sent].append((norm, hyp))
+        # the best k non-eos candidates continue
+        live_scores = top_scores.masked_fill(is_eos, float("-inf"))
+        live_scores, order = live_scores.topk(k, dim=1)  # (m, k)
+        beams = top_beam.gather(1, order)
+        toks = top_tok.gather(1, order)
+        done = torch.tensor([len(finished[int(s)]) >= k for s in active], device=device)
+        done |= ~torch.isfinite(live_scores[:, 0])
+        if done.all():
+            break
+        keep = (~done).nonzero().squeeze(1)
+        rows = (keep.unsqueeze(1) * k + beams[keep]).view(-1)  # flat rows to continue
+        history = torch.cat([history[rows], toks[keep].view(-1, 1)], dim=1)
+        scores = live_scores[keep]
+        state.reorder(rows)
+        if keep.numel() != m:
+            enc = enc.index_select(keep.repeat_interleave(k) * k)
+        active = active[keep]
+        tokens = toks[keep].view(-1, 1)
+    results = []
+    for hyps in finished:
+        assert hyps, "every sentence is closed at its length limit"
+        results.append(max(hyps, key=lambda h: h[0])[1])
+    return results

@@ -1,0 +1,146 @@
+"""Load a run directory and translate, score or evaluate text with it.
+
+Example::
+
+    import dynaseq
+    t = dynaseq.load("runs/demo/run")
+    t.translate(["kalo mintu sum 3 4 end"], beam=4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import sacrebleu
+import torch
+from torch import nn
+
+from dynaseq.config import RunConfig, load_config
+from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
+from dynaseq.errors import CheckpointError, DynaseqError
+from dynaseq.infer.search import beam_search, greedy_search
+from dynaseq.models import build_seq2seq
+from dynaseq.train.checkpoint import load_weights, read_meta, resolve_checkpoint
+from dynaseq.train.distributed import pick_device
+from dynaseq.train.loss import label_smoothed_loss
+
+
+def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
+                  length_penalty: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
+                  batch_size: int = 64, min_len: int = 0,
+                  device: torch.device | None = None) -> list[list[int]]:
+    """Decode token-id sentences (no eos) in length-sorted batches; output in input order."""
+    device = device or next(model.parameters()).device
+    max_pos = model.encoder.positions.max_positions
+    order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
+    out: list[list[int]] = [[] for _ in src_ids]
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start: start + batch_size]
+            src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
+                                 model.pad_id, model.eos_id).to(device)
+            if beam == 1:
+                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos)
+            else:
+                hyps = beam_search(model, src, beam, length_penalty, max_len_a, max_len_b,
+                                   min_len, max_pos)
+            for i, h in zip(idx, hyps, strict=True):
+                out[i] = h
+    finally:
+        model.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[int]],
+                 max_len: int, max_tokens: int = 4096,
+                 device: torch.device | None = None) -> dict[str, float]:
+    """Teacher-forced NLL per target token (eos included) and perplexity."""
+    from dynaseq.data import token_batches
+
+    device = device or next(model.parameters()).device
+    corpus, _ = make_corpus(src_ids, tgt_ids, max_len, long_lines="truncate")
+    if len(corpus) == 0:
+        raise DynaseqError("nothing to score: every sentence pair is empty")
+    was_training = model.training
+    model.eval()
+    nll_sum, n_tok = 0.0, 0
+    try:
+        for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
+                                 seed=0, epoch=0, shuffle=False):
+            b = collate(corpus, idx, model.pad_id, model.bos_id, model.eos_id).to(device)
+            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in).logits, b.tgt_out, 0.0,
+                                            model.pad_id)
+            nll_sum += float(nll)
+            n_tok += n
+    finally:
+        model.train(was_training)
+    loss = nll_sum / n_tok
+    return {"loss": loss, "ppl": float(torch.tensor(loss).exp()), "n_tokens": n_tok}
+
+
+def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
+    """Corpus sacreBLEU on detokenized text: (score, signature)."""
+    metric = sacrebleu.BLEU()
+    result = metric.corpus_score(hyps, [refs])
+    return float(result.score), str(metric.get_signature())
+
+
+@dataclass
+class Translator:
+    """A trained model with its tokenizer and config, ready for inference."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: RunConfig
+    device: torch.device
+    checkpoint: Path
+
+    @classmethod
+    def load(cls, run_dir: str | Path, checkpoint: str = "auto",
+             device: str = "auto") -> Translator:
+        run = Path(run_dir)
+        if not run.is_dir():
+            raise CheckpointError(f"run directory not found: {run}")
+        if not (run / "config.yaml").is_file():
+            raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
+        cfg = load_config(run / "config.yaml")
+        ckpt = resolve_checkpoint(run, checkpoint)
+        read_meta(ckpt)
+        tok = Tokenizer.load(run / "spm.model")
+        dev = pick_device(device)
+        model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+        load_weights(model, ckpt)
+        return cls(model.to(dev).eval(), tok, cfg, dev, ckpt)
+
+    def translate(self, lines: list[str], beam: int | None = None,
+                  length_penalty: float | None = None, batch_size: int | None = None,
+                  max_len_a: float | None = None, max_len_b: int | None = None) -> list[str]:
+        """Translate raw sentences; returns detokenized sentences in the same order."""
+        d = self.config.decode
+        ids = self.tokenizer.encode(lines)
+        hyps = decode_corpus(
+            self.model, ids, beam=beam or d.beam,
+            length_penalty=d.length_penalty if length_penalty is None else length_penalty,
+            max_len_a=d.max_len_a if max_len_a is None else max_len_a,
+            max_len_b=d.max_len_b if max_len_b is None else max_len_b,
+            batch_size=batch_size or d.batch_size, device=self.device)
+        return self.tokenizer.decode(hyps)
+
+    def score(self, src: list[str], ref: list[str]) -> dict[str, float]:
+        """Teacher-forced loss (NLL per target token) and perplexity of the references."""
+        if len(src) != len(ref):
+            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        return score_corpus(self.model, self.tokenizer.encode(src), self.tokenizer.encode(ref),
+                            self.config.data.max_len, self.config.data.max_tokens, self.device)
+
+    def evaluate(self, src: list[str], ref: list[str], beam: int | None = None,
+                 **kwargs) -> dict[str, object]:
+        """sacreBLEU of the translations against ``ref`` plus the teacher-forced loss."""
+        hyps = self.translate(src, beam=beam, **kwargs)
+        score, signature = bleu(hyps, ref)
+        return {"bleu": score, "signature": signature, **self.score(src, ref),
+                "n_sentences": len(src), "checkpoint": str(self.checkpoint)}

@@ -1,0 +1,50 @@
+"""CPU/GPU latency of decoding a fixed-length sentence (the DMB paper's protocol)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from dynaseq.infer.search import beam_search, greedy_search
+
+
+@torch.no_grad()
+def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
+                      batch: int = 1, repeats: int = 5, seed: int = 0) -> float:
+    """Median wall time (ms) to translate ``batch`` sentences of ``src_len`` tokens into
+    exactly ``tgt_len`` tokens (eos is forbidden before, forced after), after one warm-up.
+
+    Fixing the output length makes models comparable whatever they would generate.
+    """
+    device = next(model.parameters()).device
+    vocab = model.decoder.output_proj.out_features
+    gen = torch.Generator().manual_seed(seed)
+    low = max(model.pad_id, model.bos_id, model.eos_id) + 1
+    src = torch.randint(low, vocab, (batch, src_len), generator=gen)
+    src[:, -1] = model.eos_id
+    src = src.to(device)
+    kwargs = {"max_len_a": 0.0, "max_len_b": tgt_len + 1, "min_len": tgt_len,
+              "max_positions": model.decoder.positions.max_positions}
+    was_training = model.training
+    model.eval()
+    times = []
+    try:
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if beam == 1:
+                out = greedy_search(model, src, **kwargs)
+            else:
+                out = beam_search(model, src, beam=beam, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i > 0:
+                times.append(time.perf_counter() - t0)
+            assert all(len(o) == tgt_len for o in out), "fixed-length decoding"
+    finally:
+        model.train(was_training)
+    return 1000.0 * statistics.median(times)

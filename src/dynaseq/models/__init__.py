@@ -1,0 +1,23 @@
+"""Models composed from dynaseq.nn blocks."""
+
+from dynaseq.models.seq2seq import (
+    Decoder,
+    DecoderState,
+    Encoder,
+    EncoderOutput,
+    Seq2SeqOutput,
+    Seq2SeqTransformer,
+    TokenEmbedding,
+    build_seq2seq,
+)
+
+__all__ = [
+    "Decoder",
+    "DecoderState",
+    "Encoder",
+    "EncoderOutput",
+    "Seq2SeqOutput",
+    "Seq2SeqTransformer",
+    "TokenEmbedding",
+    "build_seq2seq",
+]

@@ -1,0 +1,205 @@
+"""Pre-LayerNorm Transformer encoder-decoder (Vaswani et al. 2017; "nda" layout).
+
+The model composes blocks it is given: an :class:`Encoder` and a :class:`Decoder` each hold
+an embedding, sinusoidal positions and a list of layers whose sub-layers were built
+elsewhere. :func:`build_seq2seq` wires the dense version from a :class:`ModelConfig`.
+
+Example::
+
+    model = build_seq2seq(ModelConfig(size="tiny"), vocab_size=8000, pad_id=0)
+    out = model(src, tgt_in)          # src (B, S), tgt_in (B, T) -> out.logits (B, T, V)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dynaseq.config import ModelConfig
+from dynaseq.nn import (
+    AuxOutputs,
+    DecoderLayer,
+    EncoderLayer,
+    FeedForward,
+    KVCache,
+    SinusoidalPositions,
+    dense_attention,
+    padding_to_attn_mask,
+)
+
+
+class TokenEmbedding(nn.Module):
+    """E[x] · sqrt(d_model); weights ~ N(0, d_model^-1/2). (B, T) long -> (B, T, d)."""
+
+    def __init__(self, vocab_size: int, d_model: int, pad_id: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab_size, d_model) * d_model ** -0.5)
+        with torch.no_grad():
+            self.weight[pad_id].zero_()
+        self.pad_id = pad_id
+        self.scale = math.sqrt(d_model)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.size(0)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return nn.functional.embedding(tokens, self.weight, self.pad_id) * self.scale
+
+
+@dataclass
+class EncoderOutput:
+    """out: (B, S, d) encoder states; pad_mask: (B, S) bool, True at padding."""
+
+    out: Tensor
+    pad_mask: Tensor
+
+    @property
+    def attn_mask(self) -> Tensor:
+        return padding_to_attn_mask(self.pad_mask)
+
+    def index_select(self, index: Tensor) -> EncoderOutput:
+        return EncoderOutput(self.out.index_select(0, index), self.pad_mask.index_select(0, index))
+
+
+@dataclass
+class DecoderState:
+    """Incremental decoding state: per-layer self- and cross-attention caches and the step."""
+
+    self_caches: list[KVCache]
+    cross_caches: list[KVCache]
+    step: int = 0
+
+    @classmethod
+    def empty(cls, n_layers: int) -> DecoderState:
+        return cls([KVCache() for _ in range(n_layers)],
+                   [KVCache(static=True) for _ in range(n_layers)])
+
+    def reorder(self, index: Tensor) -> None:
+        for cache in (*self.self_caches, *self.cross_caches):
+            cache.reorder(index)
+
+
+@dataclass
+class Seq2SeqOutput:
+    """logits: (B, T, V); aux: auxiliary losses and traces from adaptive sub-layers."""
+
+    logits: Tensor
+    aux: AuxOutputs = field(default_factory=AuxOutputs)
+
+
+class Encoder(nn.Module):
+    """src (B, S) -> EncoderOutput. Embedding + positions + dropout, layers, final LayerNorm."""
+
+    def __init__(self, embed: TokenEmbedding, positions: SinusoidalPositions,
+                 layers: list[EncoderLayer], d_model: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embed = embed
+        self.positions = positions
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, src: Tensor, aux: AuxOutputs | None = None) -> EncoderOutput:
+        pad_mask = src.eq(self.embed.pad_id)  # (B, S)
+        x = self.dropout(self.embed(src) + self.positions(src.size(1)))
+        mask = padding_to_attn_mask(pad_mask)
+        for layer in self.layers:
+            x = layer(x, mask, aux=aux)
+        return EncoderOutput(self.norm(x), pad_mask)
+
+
+class Decoder(nn.Module):
+    """tgt_in (B, T) + EncoderOutput -> logits (B, T, V), optionally one step at a time."""
+
+    def __init__(self, embed: TokenEmbedding, positions: SinusoidalPositions,
+                 layers: list[DecoderLayer], d_model: int, output_proj: nn.Linear,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embed = embed
+        self.positions = positions
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.LayerNorm(d_model)
+        self.output_proj = output_proj
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tgt_in: Tensor, enc: EncoderOutput, state: DecoderState | None = None,
+                aux: AuxOutputs | None = None) -> Tensor:
+        offset = 0 if state is None else state.step
+        x = self.dropout(self.embed(tgt_in) + self.positions(tgt_in.size(1), offset))
+        mask = enc.attn_mask
+        for i, layer in enumerate(self.layers):
+            x = layer(x, enc.out, mask,
+                      self_cache=None if state is None else state.self_caches[i],
+                      cross_cache=None if state is None else state.cross_caches[i], aux=aux)
+        if state is not None:
+            state.step += tgt_in.size(1)
+        return self.output_proj(self.norm(x))
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Encoder-decoder translation model.
+
+    ``forward(src, tgt_in)`` is teacher-forced: src (B, S), tgt_in (B, T) -> Seq2SeqOutput with
+    logits (B, T, V). ``encode`` + ``decode_step`` give incremental decoding over cached
+    keys/values: each step costs O(t) attention instead of recomputing the prefix.
+    """
+
+    def __init__(self, encoder: Encoder, decoder: Decoder, pad_id: int, bos_id: int,
+                 eos_id: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Seq2SeqOutput:
+        aux = AuxOutputs()
+        enc = self.encoder(src, aux=aux)
+        return Seq2SeqOutput(self.decoder(tgt_in, enc, aux=aux), aux)
+
+    def encode(self, src: Tensor) -> EncoderOutput:
+        return self.encoder(src)
+
+    def init_state(self) -> DecoderState:
+        return DecoderState.empty(len(self.decoder.layers))
+
+    def decode_step(self, tokens: Tensor, enc: EncoderOutput, state: DecoderState) -> Tensor:
+        """tokens (B, 1) at position ``state.step`` -> next-token logits (B, V)."""
+        return self.decoder(tokens, enc, state)[:, -1]
+
+
+def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: int = 2,
+                  eos_id: int = 3) -> Seq2SeqTransformer:
+    """Dense pre-LN Transformer from a config.
+
+    ``share_embeddings`` ties source and target embeddings (one shared vocabulary);
+    ``tie_output`` ties the output projection to the target embedding (Press & Wolf 2017).
+    """
+    d = cfg.d_model
+
+    def attention() -> nn.Module:
+        return dense_attention(d, cfg.n_heads, cfg.attention_dropout)
+
+    def ffn() -> nn.Module:
+        return FeedForward(d, cfg.ffn_dim, cfg.activation_dropout)
+
+    src_embed = TokenEmbedding(vocab_size, d, pad_id)
+    tgt_embed = src_embed if cfg.share_embeddings else TokenEmbedding(vocab_size, d, pad_id)
+    output_proj = nn.Linear(d, vocab_size, bias=False)
+    if cfg.tie_output:
+        output_proj.weight = tgt_embed.weight
+    else:
+        nn.init.normal_(output_proj.weight, std=d ** -0.5)
+    encoder = Encoder(
+        src_embed, SinusoidalPositions(d, cfg.max_positions),
+        [EncoderLayer(d, attention(), ffn(), cfg.dropout) for _ in range(cfg.encoder_layers)],
+        d, cfg.dropout)
+    decoder = Decoder(
+        tgt_embed, SinusoidalPositions(d, cfg.max_positions),
+        [DecoderLayer(d, attention(), attention(), ffn(), cfg.dropout)
+         for _ in range(cfg.decoder_layers)],
+        d, output_proj, cfg.dropout)
+    return Seq2SeqTransformer(encoder, decoder, pad_id, bos_id, eos_id)

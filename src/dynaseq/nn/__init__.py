@@ -1,0 +1,19 @@
+"""Building blocks: attention with a key/value cache, feed-forward, positions, layers."""
+
+from dynaseq.nn.attention import KVCache, MultiHeadAttention, dense_attention, padding_to_attn_mask
+from dynaseq.nn.feedforward import FeedForward
+from dynaseq.nn.layers import DecoderLayer, EncoderLayer
+from dynaseq.nn.outputs import AuxOutputs
+from dynaseq.nn.positional import SinusoidalPositions
+
+__all__ = [
+    "AuxOutputs",
+    "DecoderLayer",
+    "EncoderLayer",
+    "FeedForward",
+    "KVCache",
+    "MultiHeadAttention",
+    "SinusoidalPositions",
+    "dense_attention",
+    "padding_to_attn_mask",
+]

@@ -1,0 +1,139 @@
+"""Multi-head attention whose projections are passed in, with a key/value cache.
+
+Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_head)) V  (Vaswani et al. 2017, eq. 1), computed
+with ``torch.nn.functional.scaled_dot_product_attention``. The q/k/v/output projections are
+modules handed to the constructor (torchtune style), so gated or branched projections swap in
+without flags; :func:`dense_attention` builds the plain version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dynaseq.nn.outputs import AuxOutputs
+
+
+@dataclass
+class KVCache:
+    """Projected keys and values of one attention sub-layer, each ``(B, H, T, d_head)``.
+
+    Self-attention appends one step per decoding step; cross-attention fills it once from the
+    encoder output (``static=True``) and reuses it.
+    """
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+    static: bool = False
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep/reorder rows of the batch (beam search, dropping finished sentences)."""
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.size(2)
+
+
+def padding_to_attn_mask(pad_mask: Tensor) -> Tensor:
+    """(B, S) bool, True at padding -> (B, 1, 1, S) bool, True where attention is allowed."""
+    return (~pad_mask)[:, None, None, :]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over ``n_heads`` heads of size ``d_model // n_heads``.
+
+    Args:
+        d_model: model width.
+        n_heads: number of heads.
+        q_proj, k_proj, v_proj, out_proj: modules mapping ``(B, T, d_model)`` to itself.
+        dropout: dropout on attention probabilities (training only).
+
+    ``forward(x, memory=None, ...)``: x ``(B, T, d_model)`` are the queries; keys/values come
+    from ``memory`` ``(B, S, d_model)`` (cross-attention) or from ``x`` (self-attention).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, q_proj: nn.Module, k_proj: nn.Module,
+                 v_proj: nn.Module, out_proj: nn.Module, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_head = d_model // n_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
+        self.dropout = dropout
+
+    def _split(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, hd)
+
+    def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
+                is_causal: bool = False, cache: KVCache | None = None,
+                aux: AuxOutputs | None = None) -> Tensor:
+        """Return ``(B, T, d_model)``.
+
+        attn_mask: bool, broadcastable to ``(B, H, T, S)``, True where attention is allowed.
+        is_causal: position t attends to keys <= t (full-sequence self-attention only).
+        cache: incremental decoding state, updated in place.
+        """
+        q = self._split(self.q_proj(x))  # (B, H, T, hd)
+        source = x if memory is None else memory
+        if cache is not None and cache.static and cache.k is not None:
+            k, v = cache.k, cache.v
+        else:
+            k = self._split(self.k_proj(source))  # (B, H, S, hd)
+            v = self._split(self.v_proj(source))
+            if cache is not None:
+                if cache.k is not None:
+                    k = torch.cat([cache.k, k], dim=2)
+                    v = torch.cat([cache.v, v], dim=2)
+                cache.k, cache.v = k, v
+        if is_causal and q.size(2) == 1:
+            is_causal = False  # one query attends to everything cached so far
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd)
+        b, _, t, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, self.d_model))
+
+    def macs(self, n_queries: int, n_keys: int, n_kv_tokens: int | None = None) -> dict[str, int]:
+        """Multiply-adds of one call with ``n_queries`` query rows attending to ``n_keys`` keys.
+
+        ``n_kv_tokens`` is how many tokens go through the k/v projections (defaults to
+        ``n_keys``; 0 when cached). Score and value products are ``n_queries · n_keys · d_model``
+        each. Assumes ``nn.Linear`` projections; adaptive projections report their own.
+        """
+        n_kv = n_keys if n_kv_tokens is None else n_kv_tokens
+
+        def lin(m: nn.Module, n: int) -> int:
+            assert isinstance(m, nn.Linear), "macs() assumes dense nn.Linear projections"
+            return n * m.in_features * m.out_features
+
+        return {
+            "q_proj": lin(self.q_proj, n_queries),
+            "k_proj": lin(self.k_proj, n_kv),
+            "v_proj": lin(self.v_proj, n_kv),
+            "attn_scores": n_queries * n_keys * self.d_model,
+            "attn_values": n_queries * n_keys * self.d_model,
+            "out_proj": lin(self.out_proj, n_queries),
+        }
+
+
+def _linear(d_in: int, d_out: int) -> nn.Linear:
+    layer = nn.Linear(d_in, d_out)
+    nn.init.xavier_uniform_(layer.weight)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def dense_attention(d_model: int, n_heads: int, dropout: float = 0.0) -> MultiHeadAttention:
+    """Plain multi-head attention with four ``nn.Linear(d_model, d_model)`` projections."""
+    return MultiHeadAttention(d_model, n_heads, _linear(d_model, d_model),
+                              _linear(d_model, d_model), _linear(d_model, d_model),
+                              _linear(d_model, d_model), dropout=dropout)

@@ -1,0 +1,59 @@
+"""Pre-LayerNorm encoder and decoder layers that receive their sub-layers.
+
+Each sub-layer f runs as ``x + dropout(f(LN(x)))`` (the pre-LN "nda" layout the CCT paper
+uses). Sub-layers are passed in, so gated (CCT) or branched (DMB) versions swap in: a
+sub-layer that skips a token must return exactly 0 there, leaving the residual untouched.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from dynaseq.nn.attention import KVCache
+from dynaseq.nn.outputs import AuxOutputs
+
+
+class EncoderLayer(nn.Module):
+    """x: (B, S, d) -> (B, S, d). ``attn_mask``: (B, 1, 1, S) bool, True = attend."""
+
+    def __init__(self, d_model: int, self_attn: nn.Module, ffn: nn.Module,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.self_attn_norm = nn.LayerNorm(d_model)
+        self.self_attn = self_attn
+        self.ffn_norm = nn.LayerNorm(d_model)
+        self.ffn = ffn
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None, aux: AuxOutputs | None = None) -> Tensor:
+        x = x + self.dropout(self.self_attn(self.self_attn_norm(x), attn_mask=attn_mask, aux=aux))
+        return x + self.dropout(self.ffn(self.ffn_norm(x), aux=aux))
+
+
+class DecoderLayer(nn.Module):
+    """x: (B, T, d), memory: (B, S, d) -> (B, T, d).
+
+    Without caches the self-attention is causal over the whole target (teacher forcing);
+    with caches x holds only the new step(s) and keys/values accumulate in ``self_cache``.
+    """
+
+    def __init__(self, d_model: int, self_attn: nn.Module, cross_attn: nn.Module, ffn: nn.Module,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.self_attn_norm = nn.LayerNorm(d_model)
+        self.self_attn = self_attn
+        self.cross_attn_norm = nn.LayerNorm(d_model)
+        self.cross_attn = cross_attn
+        self.ffn_norm = nn.LayerNorm(d_model)
+        self.ffn = ffn
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, *,
+                self_cache: KVCache | None = None, cross_cache: KVCache | None = None,
+                aux: AuxOutputs | None = None) -> Tensor:
+        h = self.self_attn(self.self_attn_norm(x), is_causal=True, cache=self_cache, aux=aux)
+        x = x + self.dropout(h)
+        h = self.cross_attn(self.cross_attn_norm(x), memory, attn_mask=memory_mask,
+                            cache=cross_cache, aux=aux)
+        x = x + self.dropout(h)
+        return x + self.dropout(self.ffn(self.ffn_norm(x), aux=aux))

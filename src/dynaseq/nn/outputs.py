@@ -1,0 +1,27 @@
+"""Per-call auxiliary outputs that sub-layers may fill (losses, gate traces).
+
+One :class:`AuxOutputs` is created per forward call and passed down explicitly, so
+adaptive sub-layers can report auxiliary losses and what ran for which token without any
+module-level state. Dense sub-layers accept it and ignore it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass
+class AuxOutputs:
+    """Auxiliary losses (summed per name) and traces (appended per name) of one call."""
+
+    losses: dict[str, Tensor] = field(default_factory=dict)
+    traces: dict[str, list[Any]] = field(default_factory=dict)
+
+    def add_loss(self, name: str, value: Tensor) -> None:
+        self.losses[name] = self.losses[name] + value if name in self.losses else value
+
+    def add_trace(self, name: str, value: Any) -> None:
+        self.traces.setdefault(name, []).append(value)
