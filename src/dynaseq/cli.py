@@ -95,6 +95,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     target = Path(args.target)
     if target.is_dir():
+        args.run_dir = str(target)
         model = _translator(args).model
     elif target.is_file():
         from dynaseq.config import load_config

@@ -103,8 +103,10 @@ def test_load_errors(tmp_path: Path) -> None:
 
 
 def test_train_errors(tmp_path: Path) -> None:
-    with pytest.raises(DynaseqError, match="no lines"):
+    with pytest.raises(DynaseqError, match="no non-empty lines"):
         Tokenizer.train([], tmp_path / "a.model", vocab_size=100)
+    with pytest.raises(DynaseqError, match="no non-empty lines"):
+        Tokenizer.train(["", "  "], tmp_path / "a.model", vocab_size=100)
     with pytest.raises(DynaseqError, match="unknown SentencePiece model type"):
         Tokenizer.train(NATURAL, tmp_path / "b.model", vocab_size=100, model_type="wordpiece")
     with pytest.raises(DynaseqError, match="cannot train SentencePiece model: .*vocab"):

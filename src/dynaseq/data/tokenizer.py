@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,18 +39,26 @@ MODEL_TYPES = ("unigram", "bpe", "char", "word")
 #: At most this many sentences are used for training (a random sample when there are more).
 MAX_TRAIN_SENTENCES = 2_000_000
 
-# A fixed thread count and sampling seed keep training reproducible across machines:
-# the unigram EM sums its statistics per thread, so the thread count can change the model.
+# A fixed thread count and sampling seed keep training reproducible across machines (the
+# trainer splits its statistics by thread, so a machine-dependent count might change the
+# floating-point sums and hence the model).
 _TRAIN_THREADS = 4
 _TRAIN_SEED = 1234
 
 
 def _spm_message(e: Exception) -> str:
-    """SentencePiece's error text on one line, without the C++ source location."""
+    """SentencePiece's error text on one line, without the status code and C++ location.
+
+    ``"INTERNAL: src/x.cc(638) [a <= b] Vocabulary size is ..."`` -> ``"Vocabulary size is
+    ..."``; a bare failed check ``"INTERNAL: src/x.cc(467) [!s.empty()]"`` -> ``"check failed:
+    !s.empty()"``.
+    """
     text = " ".join(str(e).split())
-    if "] " in text:
-        text = text.split("] ", 1)[1]
-    return text
+    match = re.fullmatch(r"(?:[A-Z_]+: )?\S+\.cc\(\d+\) \[(.*?)\](?: (.*))?", text)
+    if match is None:
+        return text
+    check, message = match.groups()
+    return message or f"check failed: {check}"
 
 
 class Tokenizer:
@@ -94,12 +103,12 @@ class Tokenizer:
         written next to the model.
 
         Raises:
-            DynaseqError: no lines, an unknown ``model_type``, a ``vocab_size`` too small
-                for the corpus's characters, or an unwritable ``model_path``.
+            DynaseqError: no non-empty line, an unknown ``model_type``, a ``vocab_size``
+                too small for the corpus's characters, or an unwritable ``model_path``.
         """
         model_path = Path(model_path)
-        if not lines:
-            raise DynaseqError("cannot train a SentencePiece model on no lines")
+        if not any(line.strip() for line in lines):
+            raise DynaseqError("cannot train a SentencePiece model on no non-empty lines")
         if model_type not in MODEL_TYPES:
             raise DynaseqError(f"unknown SentencePiece model type {model_type!r}; "
                                f"known: {', '.join(MODEL_TYPES)}")

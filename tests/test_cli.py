@@ -1,0 +1,142 @@
+"""The dynaseq command: outputs, and one-line errors with a non-zero exit for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import dynaseq
+from dynaseq.config import save_config
+
+from helpers import micro_config, run_cli
+
+
+def assert_clean_error(proc, *fragments: str) -> None:
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dynaseq: error:"), err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def test_lines(synthetic_paths):
+    return synthetic_paths["test.src"].read_text().splitlines()[:12]
+
+
+def test_translate_stdin_keeps_order_and_matches_python_api(trained_run, test_lines):
+    proc = run_cli("translate", str(trained_run), "--beam", "2",
+                   stdin=("\n".join(test_lines) + "\n").encode())
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode().splitlines()
+    assert out == dynaseq.load(trained_run).translate(test_lines, beam=2)
+    # batch composition does not change results: one at a time gives the same lines
+    t = dynaseq.load(trained_run)
+    assert [t.translate([x], beam=2)[0] for x in test_lines[:4]] == out[:4]
+
+
+def test_translate_files(trained_run, test_lines, tmp_path):
+    (tmp_path / "in.txt").write_text("\n".join(test_lines) + "\n")
+    proc = run_cli("translate", str(trained_run), "-i", str(tmp_path / "in.txt"),
+                   "-o", str(tmp_path / "out.txt"), "--beam", "1")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert len((tmp_path / "out.txt").read_text().splitlines()) == len(test_lines)
+
+
+def test_evaluate_json(trained_run, synthetic_paths):
+    proc = run_cli("evaluate", str(trained_run), "--src", str(synthetic_paths["test.src"]),
+                   "--ref", str(synthetic_paths["test.tgt"]), "--json", "--beam", "1")
+    assert proc.returncode == 0, proc.stderr.decode()
+    res = json.loads(proc.stdout)
+    assert res["signature"].startswith("nrefs:1") and 0 <= res["bleu"] <= 100
+    assert res["loss"] > 0 and res["ppl"] > 1 and res["n_sentences"] == 60
+
+
+def test_profile_json_for_run_and_config(trained_run):
+    for target in (str(trained_run), "configs/multi30k_tiny.yaml"):
+        proc = run_cli("profile", target, "--json", "--repeats", "1")
+        assert proc.returncode == 0, proc.stderr.decode()
+        res = json.loads(proc.stdout)
+        assert res["params"] > 0 and set(res["latency_ms"]) >= {"greedy", "beam4"}
+        for key in ("macs_per_token", "macs_per_token_flop_counter"):
+            assert set(res[key]) == {"encoder", "decoder", "total"}
+        assert res["macs_per_token_flop_counter"]["total"] == pytest.approx(
+            res["macs_per_token"]["total"], rel=0.02)
+
+
+def test_average_command(trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    proc = run_cli("average", str(run), "-k", "2")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert (run / "averaged" / "model.safetensors").is_file()
+    assert dynaseq.load(run).checkpoint.name == "averaged"
+
+
+def test_missing_input_file(trained_run):
+    assert_clean_error(run_cli("translate", str(trained_run), "-i", "/nonexistent/file.txt"),
+                       "/nonexistent/file.txt")
+
+
+def test_line_count_mismatch(trained_run, synthetic_paths, tmp_path):
+    (tmp_path / "ref").write_text("one\ntwo\n")
+    assert_clean_error(run_cli("evaluate", str(trained_run), "--src",
+                               str(synthetic_paths["test.src"]), "--ref", str(tmp_path / "ref")),
+                       "60 lines", "2")
+
+
+def test_invalid_utf8(trained_run, tmp_path):
+    (tmp_path / "bad").write_bytes(b"fine line\nbad \xff\xfe line\n")
+    assert_clean_error(run_cli("translate", str(trained_run), "-i", str(tmp_path / "bad")),
+                       "line 2", "UTF-8")
+    assert_clean_error(run_cli("translate", str(trained_run), stdin=b"ok\n\xff\n"),
+                       "stdin", "line 2")
+
+
+def test_bad_config_keys_and_types(tmp_path, synthetic_paths):
+    cfg = micro_config(tmp_path / "r", synthetic_paths)
+    save_config(cfg, tmp_path / "c.yaml")
+    assert_clean_error(run_cli("train", str(tmp_path / "c.yaml"), "model.nheads=4"),
+                       "unknown config key model.nheads")
+    assert_clean_error(run_cli("train", str(tmp_path / "c.yaml"), "train.max_steps=lots"),
+                       "train.max_steps: expected an integer")
+    text = (tmp_path / "c.yaml").read_text().replace("max_steps: 20", "max_steps: [1]")
+    (tmp_path / "d.yaml").write_text(text)
+    assert_clean_error(run_cli("train", str(tmp_path / "d.yaml")), "train.max_steps")
+    assert_clean_error(run_cli("train", str(tmp_path / "none.yaml")), "config file not found")
+    assert not (tmp_path / "r").exists()  # nothing half-written on a config error
+
+
+def test_training_data_errors(tmp_path, synthetic_paths):
+    (tmp_path / "short.tgt").write_text("a\nb\n")
+    cfg = micro_config(tmp_path / "r", {**synthetic_paths, "train.tgt": tmp_path / "short.tgt"})
+    save_config(cfg, tmp_path / "c.yaml")
+    assert_clean_error(run_cli("train", str(tmp_path / "c.yaml")), "has 1500 lines", "has 2")
+
+
+def test_run_dir_without_checkpoint(trained_run, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(trained_run / "config.yaml", run)
+    shutil.copy(trained_run / "spm.model", run)
+    assert_clean_error(run_cli("translate", str(run), stdin=b"x\n"), "no checkpoint")
+    assert_clean_error(run_cli("translate", str(tmp_path / "nope"), stdin=b"x\n"),
+                       "run directory not found")
+
+
+def test_corrupt_checkpoint(trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    weights = run / "best" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert_clean_error(run_cli("translate", str(run), "--checkpoint", "best", stdin=b"x\n"),
+                       "corrupt checkpoint")
+
+
+def test_bad_numeric_flags(trained_run):
+    proc = run_cli("translate", str(trained_run), "--beam", "0", stdin=b"x\n")
+    assert proc.returncode == 2 and b"Traceback" not in proc.stderr

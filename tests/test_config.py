@@ -1,0 +1,76 @@
+from pathlib import Path
+
+import pytest
+
+from dynaseq.config import (
+    MODEL_SIZES,
+    ModelConfig,
+    RunConfig,
+    from_dict,
+    load_config,
+    save_config,
+)
+from dynaseq.errors import ConfigError
+from dynaseq.models import build_seq2seq
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    assert len(CONFIGS) >= 3
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_parses_and_builds(path):
+    cfg = load_config(path)
+    model = build_seq2seq(cfg.model, cfg.data.vocab_size)
+    assert len(model.encoder.layers) == cfg.model.encoder_layers
+    assert model.encoder.layers[0].ffn.fc1.out_features == cfg.model.ffn_dim
+
+
+def test_named_sizes_fill_unset_fields_only():
+    cfg = from_dict(ModelConfig, {"size": "small", "encoder_layers": 2, "n_heads": 8})
+    assert (cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.encoder_layers) == (256, 1024, 8, 2)
+    assert MODEL_SIZES["tiny"]["d_model"] == 128 and MODEL_SIZES["base"]["ffn_dim"] == 2048
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["model.size=tiny", "train.betas=[0.9, 0.99]", "train.max_minutes=2"])
+    save_config(cfg, tmp_path / "c.yaml")
+    again = load_config(tmp_path / "c.yaml")
+    assert again == cfg and again.train.betas == (0.9, 0.99)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.colour=3", "unknown config key model.colour"),
+    ("nonsense=1", "unknown config key nonsense"),
+    ("train.lr=fast", "train.lr: expected a number"),
+    ("train.max_steps=1.5", "train.max_steps: expected an integer"),
+    ("model.tie_output=3", "model.tie_output: expected true/false"),
+    ("train.betas=[0.9]", "train.betas: expected 2 values"),
+    ("model.size=huge", "unknown model size 'huge'"),
+    ("data.long_lines=maybe", "long_lines must be 'skip' or 'truncate'"),
+    ("model.dropout=1.5", "dropout must be in [0, 1)"),
+    ("train", "is not of the form key=value"),
+])
+def test_bad_overrides_are_refused_with_the_key(override, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping at top level"):
+        load_config(bad)
+
+
+def test_defaults_are_valid():
+    assert isinstance(from_dict(RunConfig, {}), RunConfig)

@@ -1,0 +1,26 @@
+import json
+
+from dynaseq.demo import run_demo, token_accuracy
+
+
+def test_demo_writes_data_run_and_summary(tmp_path):
+    summary = run_demo(tmp_path / "demo", minutes=0.05, progress=False, eval_lines=40)
+    out = tmp_path / "demo"
+    for split, n in (("train", 20000), ("valid", 500), ("test", 2000)):
+        for side in ("src", "tgt"):
+            assert len((out / "data" / f"{split}.{side}").read_text().splitlines()) == n
+    assert (out / "run" / "config.yaml").is_file() and (out / "run" / "best").is_dir()
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved == summary
+    assert [r["decode"] for r in saved["rows"]] == ["greedy", "beam4"]
+    for r in saved["rows"]:
+        assert {"bleu", "exact_match", "hard_token_acc", "macs_per_token",
+                "latency_ms_30tok"} <= set(r)
+
+
+def test_token_accuracy_counts_hard_and_easy_words():
+    src = ["vumi sum 3 8 end"]
+    ref = ["gide = 1 1"]
+    acc = token_accuracy(["gide = 1 2"], ref, src)
+    assert acc == {"exact_match": 0.0, "hard_token_acc": 0.5, "easy_token_acc": 1.0}
+    assert token_accuracy(["gide ="], ref, src)["easy_token_acc"] == 0.0

@@ -1,0 +1,142 @@
+"""Training behaviour: learning, exact resume, signals, data filtering, DDP parity."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dynaseq.config import save_config
+from dynaseq.train import checkpoint as ckpt
+from dynaseq.train.loop import train
+
+from helpers import REPO, micro_config
+
+
+def events(run: Path, kind: str) -> list[dict]:
+    recs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["event"] == kind]
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / ckpt.WEIGHTS))
+
+
+def test_trained_run_has_everything(trained_run):
+    assert (trained_run / "config.yaml").is_file() and (trained_run / "spm.model").is_file()
+    assert [p.name for p in ckpt.list_checkpoints(trained_run)] == ["step_00000010",
+                                                                     "step_00000020"]
+    assert (trained_run / "best" / ckpt.WEIGHTS).is_file()
+    train_recs = events(trained_run, "train")
+    assert train_recs[0]["loss"] > train_recs[-1]["loss"]  # it learns
+    assert {"loss", "ppl", "bleu"} <= set(events(trained_run, "valid")[-1])
+    assert events(trained_run, "stop")[-1]["reason"] == "max_steps"
+
+
+def test_resume_is_exact_across_an_epoch_boundary(tmp_path, synthetic_paths):
+    def cfg(run, steps):
+        c = micro_config(tmp_path / run, synthetic_paths, max_steps=steps, save_every=6,
+                         valid_every=6, valid_bleu_lines=5)
+        c.data.max_tokens = 4000  # about 10 updates per epoch
+        return c
+
+    train(cfg("a", 16), progress=False)
+    train(cfg("b", 6), progress=False)
+    result = train(cfg("b", 16), progress=False)
+    assert result.state.step == 16 and result.state.epoch >= 1
+    assert events(tmp_path / "b", "resume")[0]["step"] == 6
+    a, b = weights(ckpt.step_dir(tmp_path / "a", 16)), weights(ckpt.step_dir(tmp_path / "b", 16))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_average_last_k_and_max_epochs(tmp_path, synthetic_paths):
+    cfg = micro_config(tmp_path / "r", synthetic_paths, max_steps=10_000, max_epochs=1,
+                       average_last_k=2, save_every=4, valid_every=100, valid_bleu_lines=5)
+    cfg.data.max_tokens = 4000
+    result = train(cfg, progress=False)
+    assert result.state.epoch == 1 and events(tmp_path / "r", "stop")[-1]["reason"] == "max_epochs"
+    assert events(tmp_path / "r", "average")[0]["checkpoints"] == [
+        p.name for p in ckpt.list_checkpoints(tmp_path / "r")[-2:]]
+    assert (tmp_path / "r" / "averaged" / ckpt.WEIGHTS).is_file()
+
+
+def test_empty_and_overlong_lines_are_skipped_and_counted(tmp_path, synthetic_paths):
+    src = synthetic_paths["train.src"].read_text().splitlines()[:300]
+    tgt = synthetic_paths["train.tgt"].read_text().splitlines()[:300]
+    src[5], tgt[7] = "", ""
+    src[9] = " ".join(["kalo"] * 500)
+    (tmp_path / "s").write_text("\n".join(src) + "\n")
+    (tmp_path / "t").write_text("\n".join(tgt) + "\n")
+    paths = {**synthetic_paths, "train.src": tmp_path / "s", "train.tgt": tmp_path / "t"}
+    cfg = micro_config(tmp_path / "r", paths, max_steps=2)
+    train(cfg, progress=False)
+    stats = events(tmp_path / "r", "data")[0]
+    assert (stats["lines"], stats["empty"], stats["too_long"], stats["kept"]) == (300, 2, 1, 297)
+
+
+def _write_cfg(tmp_path: Path, cfg) -> Path:
+    path = tmp_path / f"{Path(cfg.run_dir).name}.yaml"
+    save_config(cfg, path)
+    return path
+
+
+def test_sigterm_leaves_a_resumable_checkpoint(tmp_path, synthetic_paths):
+    run = tmp_path / "killed"
+    cfg = micro_config(run, synthetic_paths, max_steps=100_000, save_every=5, valid_every=10_000,
+                       log_every=1)
+    path = _write_cfg(tmp_path, cfg)
+    proc = subprocess.Popen([sys.executable, "-m", "dynaseq", "train", str(path), "--quiet"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not ckpt.list_checkpoints(run) and time.time() < deadline:
+        time.sleep(0.2)
+    assert ckpt.list_checkpoints(run), proc.stderr.read() if proc.poll() is not None else ""
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert b"Traceback" not in err
+    latest = ckpt.list_checkpoints(run)[-1]
+    stopped_at = ckpt.read_meta(latest)["step"]
+    assert events(run, "stop")[-1] == {**events(run, "stop")[-1], "reason": "signal",
+                                       "step": stopped_at}
+    cfg.train.max_steps = stopped_at + 3
+    result = train(cfg, progress=False)
+    assert result.state.step == stopped_at + 3
+    assert events(run, "resume")[-1]["step"] == stopped_at
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in events(run, "train")]
+
+
+def test_two_process_ddp_matches_one_process(tmp_path, synthetic_paths):
+    kw = {"max_steps": 6, "log_every": 1, "valid_every": 1000, "save_every": 1000}
+    single = micro_config(tmp_path / "single", synthetic_paths, **kw)
+    double = micro_config(tmp_path / "ddp", synthetic_paths, **kw)
+    single.model.dropout = double.model.dropout = 0.0
+    train(single, progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", "29517", "-m", "dynaseq", "train", str(_write_cfg(tmp_path, double)),
+         "--quiet"], cwd=REPO, capture_output=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    one, two = _losses(tmp_path / "single"), _losses(tmp_path / "ddp")
+    assert len(one) == len(two) == 6
+    assert two == pytest.approx(one, rel=1e-4)
+    a = weights(ckpt.step_dir(tmp_path / "single", 6))
+    b = weights(ckpt.step_dir(tmp_path / "ddp", 6))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
