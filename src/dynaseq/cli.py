@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")
-    p.add_argument("--minutes", type=float, default=4.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=5.0, help="training time budget")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")

@@ -144,3 +144,32 @@ def test_two_process_ddp_matches_one_process(tmp_path, synthetic_paths):
     lr_peak = single.train.lr
     for name in a:
         assert (a[name] - b[name]).abs().max() <= 2 * lr_peak, name
+
+
+def test_gradient_accumulation_normalises_over_all_micro_batches(tmp_path, synthetic_paths):
+    from dynaseq.data import Tokenizer, collate, make_corpus, read_parallel, token_batches
+    from dynaseq.models import build_seq2seq
+    from dynaseq.train.loss import label_smoothed_loss
+
+    cfg = micro_config(tmp_path / "acc", synthetic_paths, max_steps=1, update_freq=3,
+                       log_every=1, valid_every=100)
+    cfg.model.dropout = 0.0
+    train(cfg, progress=False)
+    logged = events(tmp_path / "acc", "train")[0]
+    # recompute the first update's loss by hand from the same initial weights and batches
+    tok = Tokenizer.load(tmp_path / "acc" / "spm.model")
+    src, tgt = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
+    corpus, _ = make_corpus(tok.encode(src), tok.encode(tgt), cfg.data.max_len)
+    batches = token_batches(corpus.src_lengths(), corpus.tgt_lengths(), cfg.data.max_tokens,
+                            cfg.train.seed, 0)[:3]
+    torch.manual_seed(cfg.train.seed)
+    model = build_seq2seq(cfg.model, tok.vocab_size)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for idx in batches:
+            b = collate(corpus, idx, 0, 2, 3)
+            loss, _, k = label_smoothed_loss(model(b.src, b.tgt_in).logits, b.tgt_out,
+                                             cfg.train.label_smoothing, 0)
+            total, n = total + float(loss), n + k
+    assert logged["loss"] == pytest.approx(total / n, rel=1e-5)
+    assert train(cfg, progress=False).state.tokens == n
