@@ -14,9 +14,11 @@ are safetensors and the trainer state is read with ``torch.load(weights_only=Tru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,23 +56,30 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, Any],
-                     trainer_state: dict[str, Any] | None = None) -> Path:
-    """Atomically write weights (+ optional trainer state) and ``meta`` to ``directory``."""
+@contextlib.contextmanager
+def _atomic_dir(directory: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success fsync it and move it to ``directory``."""
     final = Path(directory)
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / WEIGHTS))
-    if trainer_state is not None:
-        torch.save(trainer_state, tmp / TRAINER)
-    (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    yield tmp
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     _replace_dir(tmp, final)
-    return final
+
+
+def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, Any],
+                     trainer_state: dict[str, Any] | None = None) -> Path:
+    """Atomically write weights (+ optional trainer state) and ``meta`` to ``directory``."""
+    with _atomic_dir(directory) as tmp:
+        save_model(model, str(tmp / WEIGHTS))
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / TRAINER)
+        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return Path(directory)
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -144,17 +153,12 @@ def average_checkpoints(directories: list[Path], out_dir: str | Path) -> Path:
             t = t.double()
             total[name] = total[name] + t if name in total else t
     mean = {name: (t / len(directories)).float().contiguous() for name, t in total.items()}
-    final = Path(out_dir)
-    tmp = final.with_name(f".tmp-{final.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(mean, str(tmp / WEIGHTS))
     meta = {"averaged": [Path(d).name for d in directories],
             "step": read_meta(directories[-1]).get("step")}
-    (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    _replace_dir(tmp, final)
-    return final
+    with _atomic_dir(out_dir) as tmp:
+        save_file(mean, str(tmp / WEIGHTS))
+        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return Path(out_dir)
 
 
 def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
