@@ -253,6 +253,7 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                dynamic_ncols=True)
     t_start = time.monotonic() - state.elapsed
     window_tokens, window_t0 = 0, time.monotonic()
+    t_first = (time.monotonic(), state.step)
     stop_reason = None
     metrics: dict[str, float] = {}
     model.train()
@@ -314,7 +315,8 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                                     tok_s=f"{tps:.0f}")
                     if progress and env.is_main and not show_bar:
                         print(f"step {state.step} epoch {state.epoch} loss {rec['loss']:.3f} "
-                              f"lr {lr:.2e} tok/s {tps:.0f}", file=sys.stderr, flush=True)
+                              f"lr {lr:.2e} tok/s {tps:.0f} eta {_eta(state, tc, t_first)}",
+                              file=sys.stderr, flush=True)
                 last = state.step >= tc.max_steps
                 if state.step % tc.valid_every == 0 or last or flag:
                     metrics = _validate_and_keep_best(s, model, state)
@@ -342,6 +344,19 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
         signum = stop.signum
     barrier(env)
     return TrainResult(state, s.run_dir, signum, s.log.history)
+
+
+def _eta(state: TrainState, tc, t_first: tuple[float, int]) -> str:
+    """Time left until max_steps at this session's rate, or until max_minutes if sooner."""
+    t0, step0 = t_first
+    done = state.step - step0
+    if done <= 0:
+        return "?"
+    left = (tc.max_steps - state.step) * (time.monotonic() - t0) / done
+    if tc.max_minutes is not None:
+        left = min(left, tc.max_minutes * 60 - state.elapsed)
+    left = max(left, 0.0)
+    return f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
 
 
 def _validate_and_keep_best(s: Setup, model: nn.Module, state: TrainState) -> dict[str, float]:
