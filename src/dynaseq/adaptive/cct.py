@@ -1,0 +1,107 @@
+"""Conditional Computation Transformer (CCT; Bapna, Arivazhagan, Firat 2020): one import.
+
+The pieces live in small modules, re-exported here:
+
+* :mod:`~dynaseq.adaptive.gating` — control networks (eq. 4), noisy/hard gates (eq. 2-3),
+  the noise schedule, gate traces;
+* :mod:`~dynaseq.adaptive.conditional_attention` — gated attention (eq. 12-13) and its cache;
+* :mod:`~dynaseq.adaptive.conditional_ffn` — M gated feed-forward pieces (eq. 15);
+* :mod:`~dynaseq.adaptive.budget` — the two-sided multi-task budget loss (eq. 5-9).
+
+Wiring a model (sketch)::
+
+    layer = EncoderLayer(d, conditional_attention(d, heads), conditional_feedforward(d, ffn))
+    name_conditional_sublayers(model)             # trace names "encoder.layers.0.ffn", ...
+    set_gate_step(model, step)                    # each training step: noise scale α(step)
+    out = model(src, tgt_in)                      # out.aux holds the gate traces
+    terms = budget_terms(gate_traces(out.aux), {"encoder": ~src_pad, "decoder": ~tgt_pad,
+                                                "decoder.memory": ~src_pad})
+    loss = ce + budget_loss(terms, group, budgets, weight=lam).loss
+    model.eval(); realized_macs_by_layer(aux)     # MACs that actually ran, per sub-layer
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from torch import nn
+
+from dynaseq.adaptive.budget import BudgetLoss, BudgetTerm, budget_loss, budget_terms
+from dynaseq.adaptive.conditional_attention import (
+    ConditionalAttention,
+    GatedKVCache,
+    conditional_attention,
+)
+from dynaseq.adaptive.conditional_ffn import (
+    ConditionalFeedForward,
+    FeedForwardPiece,
+    conditional_feedforward,
+)
+from dynaseq.adaptive.gating import (
+    GATE_TRACE,
+    MACS_TRACE,
+    ControlNet,
+    Gate,
+    GateTrace,
+    MacsRecord,
+    NoiseSchedule,
+    force_gates,
+    set_gate_step,
+)
+from dynaseq.nn.outputs import AuxOutputs
+
+__all__ = [
+    "GATE_TRACE",
+    "MACS_TRACE",
+    "BudgetLoss",
+    "BudgetTerm",
+    "ConditionalAttention",
+    "ConditionalFeedForward",
+    "ControlNet",
+    "FeedForwardPiece",
+    "Gate",
+    "GateTrace",
+    "GatedKVCache",
+    "MacsRecord",
+    "NoiseSchedule",
+    "budget_loss",
+    "budget_terms",
+    "conditional_attention",
+    "conditional_feedforward",
+    "force_gates",
+    "gate_traces",
+    "name_conditional_sublayers",
+    "realized_macs_by_layer",
+    "set_gate_step",
+]
+
+
+def name_conditional_sublayers(model: nn.Module) -> int:
+    """Name every CCT sub-layer after its path in ``model`` (``"decoder.layers.1.cross_attn"``).
+
+    Its gate traces carry that name; :func:`budget_terms` reads the sub-network (encoder /
+    decoder) from the first component. Returns how many sub-layers were named.
+    """
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, (ConditionalAttention, ConditionalFeedForward)):
+            m.name = name
+            n += 1
+    return n
+
+
+def gate_traces(aux: AuxOutputs) -> list[GateTrace]:
+    """The gate traces that the CCT sub-layers recorded into ``aux`` during one call."""
+    return list(aux.traces.get(GATE_TRACE, []))
+
+
+def realized_macs_by_layer(aux: AuxOutputs) -> dict[str, dict[str, int]]:
+    """Sum the inference-time :class:`MacsRecord` entries of ``aux`` per sub-layer name.
+
+    Over a whole decode (many calls sharing one ``aux``), this is the compute that ran.
+    """
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for rec in aux.traces.get(MACS_TRACE, []):
+        for k, v in rec.macs.items():
+            out[rec.layer][k] += v
+    return {layer: dict(counts) for layer, counts in out.items()}
