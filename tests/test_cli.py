@@ -39,6 +39,11 @@ def test_translate_stdin_keeps_order_and_matches_python_api(trained_run, test_li
     assert [t.translate([x], beam=2)[0] for x in test_lines[:4]] == out[:4]
 
 
+def test_empty_lines_translate_to_empty_lines(trained_run, test_lines):
+    out = dynaseq.load(trained_run).translate([test_lines[0], "", "   ", test_lines[1]], beam=1)
+    assert out[1:3] == ["", ""] and out[0] and out[3]
+
+
 def test_translate_files(trained_run, test_lines, tmp_path):
     (tmp_path / "in.txt").write_text("\n".join(test_lines) + "\n")
     proc = run_cli("translate", str(trained_run), "-i", str(tmp_path / "in.txt"),

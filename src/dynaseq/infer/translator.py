@@ -119,16 +119,23 @@ class Translator:
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,
                   max_len_a: float | None = None, max_len_b: int | None = None) -> list[str]:
-        """Translate raw sentences; returns detokenized sentences in the same order."""
+        """Translate raw sentences; returns detokenized sentences in the same order.
+
+        An empty (or all-whitespace) line translates to an empty line.
+        """
         d = self.config.decode
-        ids = self.tokenizer.encode(lines)
+        keep = [i for i, line in enumerate(lines) if line.strip()]
+        ids = self.tokenizer.encode([lines[i] for i in keep])
         hyps = decode_corpus(
             self.model, ids, beam=beam or d.beam,
             length_penalty=d.length_penalty if length_penalty is None else length_penalty,
             max_len_a=d.max_len_a if max_len_a is None else max_len_a,
             max_len_b=d.max_len_b if max_len_b is None else max_len_b,
             batch_size=batch_size or d.batch_size, device=self.device)
-        return self.tokenizer.decode(hyps)
+        out = [""] * len(lines)
+        for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
+            out[i] = text
+        return out
 
     def score(self, src: list[str], ref: list[str]) -> dict[str, float]:
         """Teacher-forced loss (NLL per target token) and perplexity of the references."""
