@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynaseq.adaptive import ControlNet
+from dynaseq.adaptive.cct import ControlNet
 
 
 def _steer(control: ControlNet, features: list[int], scale: float = 1000.0) -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from dynaseq.adaptive import (
+from dynaseq.adaptive.cct import (
     BudgetTerm,
     budget_loss,
     budget_terms,

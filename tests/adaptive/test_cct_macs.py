@@ -2,7 +2,7 @@
 
 import torch
 
-from dynaseq.adaptive import (
+from dynaseq.adaptive.cct import (
     GatedKVCache,
     conditional_attention,
     conditional_feedforward,

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from dynaseq.adaptive import (
+from dynaseq.adaptive.cct import (
     ConditionalAttention,
     ControlNet,
     Gate,

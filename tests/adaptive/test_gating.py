@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from dynaseq.adaptive import ControlNet, Gate, NoiseSchedule, force_gates, set_gate_step
+from dynaseq.adaptive.cct import ControlNet, Gate, NoiseSchedule, force_gates, set_gate_step
 
 
 def test_noise_schedule_rises_linearly_then_holds():
