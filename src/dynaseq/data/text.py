@@ -30,17 +30,22 @@ def os_reason(e: OSError) -> str:
     return text[:1].lower() + text[1:]
 
 
+def read_bytes(p: Path) -> bytes:
+    """All bytes of ``p``; a missing or unreadable file raises a one-line DynaseqError."""
+    try:
+        return p.read_bytes()
+    except FileNotFoundError:
+        raise DynaseqError(f"cannot read {p}: no such file") from None
+    except OSError as e:
+        raise DynaseqError(f"cannot read {p}: {os_reason(e)}") from None
+
+
 def _read_bytes(p: Path) -> bytes:
     """All bytes of ``p``, gunzipped when they start with the gzip magic bytes.
 
     The file is read in one go (no seeking), so pipes such as ``/dev/stdin`` work too.
     """
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise DynaseqError(f"cannot read {p}: no such file") from None
-    except OSError as e:
-        raise DynaseqError(f"cannot read {p}: {os_reason(e)}") from None
+    data = read_bytes(p)
     if data[:2] != GZIP_MAGIC:
         return data
     try:

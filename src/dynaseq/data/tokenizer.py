@@ -25,7 +25,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from dynaseq.data.text import os_reason
+from dynaseq.data.text import os_reason, read_bytes
 from dynaseq.errors import DynaseqError
 
 PAD_ID = 0
@@ -166,12 +166,7 @@ class Tokenizer:
             DynaseqError: the file is missing, unreadable or not a SentencePiece model.
         """
         p = Path(path)
-        try:
-            proto = p.read_bytes()
-        except FileNotFoundError:
-            raise DynaseqError(f"cannot read {p}: no such file") from None
-        except OSError as e:
-            raise DynaseqError(f"cannot read {p}: {os_reason(e)}") from None
+        proto = read_bytes(p)
         processor = spm.SentencePieceProcessor()
         try:
             processor.LoadFromSerializedProto(proto)
