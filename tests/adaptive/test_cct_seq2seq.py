@@ -14,7 +14,7 @@ from dynaseq.adaptive.cct import (
     realized_macs_by_layer,
 )
 from dynaseq.metrics import count_macs
-from dynaseq.models import Decoder, DecoderState, Encoder, Seq2SeqTransformer, TokenEmbedding
+from dynaseq.models import Decoder, Encoder, Seq2SeqTransformer, TokenEmbedding
 from dynaseq.nn import AuxOutputs, DecoderLayer, EncoderLayer, SinusoidalPositions
 
 D, V = 32, 50
@@ -54,8 +54,8 @@ def test_cct_seq2seq_trains_decodes_and_counts():
         full = model(src, tgt).logits
         enc = model.encode(src)
         n = len(model.decoder.layers)
-        state = DecoderState([GatedKVCache() for _ in range(n)],
-                             [GatedKVCache(static=True) for _ in range(n)])
+        state = model.init_state()
+        assert all(isinstance(c, GatedKVCache) for c in state.self_caches + state.cross_caches)
         aux = AuxOutputs()
         steps = [model.decoder(tgt[:, i: i + 1], enc, state, aux=aux)[:, -1] for i in range(3)]
     torch.testing.assert_close(torch.stack(steps, 1), full)
@@ -67,3 +67,17 @@ def test_cct_seq2seq_trains_decodes_and_counts():
     assert report.encoder["ffn.control_ffn"] == 4 * (D * 16 + 16 * 4)
     with force_gates(model, 1.0), torch.no_grad():
         torch.testing.assert_close(model(src, tgt).logits, model.train()(src, tgt).logits)
+
+
+def test_cct_model_decodes_with_the_generic_search():
+    from dynaseq.infer import beam_search, greedy_search
+
+    torch.manual_seed(0)
+    model = _model().eval()
+    src = torch.tensor([[5, 6, 7, 3], [8, 9, 3, 0]])
+    with force_gates(model, 1.0):
+        assert beam_search(model, src, beam=1, max_len_b=5) == greedy_search(model, src,
+                                                                               max_len_b=5)
+    # hard gates, some off: finished rows are dropped from gated caches too
+    assert beam_search(model, src, beam=1, max_len_b=5) == greedy_search(model, src, max_len_b=5)
+    assert len(beam_search(model, src, beam=3, max_len_b=5)) == 2

@@ -305,6 +305,10 @@ class ConditionalAttention(nn.Module):
             aux.add_trace(GATE_TRACE, GateTrace(self.name, "kv", g_kv, cost_kv,
                                                 "memory" if cross else "input"))
 
+    def new_cache(self, static: bool = False) -> GatedKVCache:
+        """An empty :class:`GatedKVCache` (``static``: cross-attention)."""
+        return GatedKVCache(static=static)
+
     def macs(self, n_queries: int, n_keys: int, n_kv_tokens: int | None = None) -> dict[str, int]:
         """Dense maximum (every gate on) of one call, like ``MultiHeadAttention.macs``.
 

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -74,9 +75,11 @@ class DecoderState:
     step: int = 0
 
     @classmethod
-    def empty(cls, n_layers: int) -> DecoderState:
-        return cls([KVCache() for _ in range(n_layers)],
-                   [KVCache(static=True) for _ in range(n_layers)])
+    def for_layers(cls, layers: Iterable[nn.Module]) -> DecoderState:
+        """Empty caches of the kind each layer's attention sub-layers need."""
+        layers = list(layers)
+        return cls([layer.self_attn.new_cache(static=False) for layer in layers],
+                   [layer.cross_attn.new_cache(static=True) for layer in layers])
 
     def reorder(self, index: Tensor) -> None:
         for cache in (*self.self_caches, *self.cross_caches):
@@ -164,7 +167,7 @@ class Seq2SeqTransformer(nn.Module):
         return self.encoder(src)
 
     def init_state(self) -> DecoderState:
-        return DecoderState.empty(len(self.decoder.layers))
+        return DecoderState.for_layers(self.decoder.layers)
 
     def decode_step(self, tokens: Tensor, enc: EncoderOutput, state: DecoderState) -> Tensor:
         """tokens (B, 1) at position ``state.step`` -> next-token logits (B, V)."""

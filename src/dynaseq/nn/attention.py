@@ -69,6 +69,10 @@ class MultiHeadAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
         self.dropout = dropout
 
+    def new_cache(self, static: bool = False) -> KVCache:
+        """An empty cache for incremental decoding (``static``: cross-attention)."""
+        return KVCache(static=static)
+
     def _split(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, hd)
