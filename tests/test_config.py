@@ -11,6 +11,7 @@ from dynaseq.config import (
     save_config,
 )
 from dynaseq.errors import ConfigError
+from dynaseq.metrics import count_macs
 from dynaseq.models import build_seq2seq
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -25,7 +26,10 @@ def test_every_shipped_config_parses_and_builds(path):
     cfg = load_config(path)
     model = build_seq2seq(cfg.model, cfg.data.vocab_size)
     assert len(model.encoder.layers) == cfg.model.encoder_layers
-    assert model.encoder.layers[0].ffn.fc1.out_features == cfg.model.ffn_dim
+    macs = count_macs(model, 2, 2)  # dense maximum: the FFN width is what the config says
+    n_layers = cfg.model.encoder_layers
+    assert macs.encoder["ffn.ffn_in"] == n_layers * 2 * cfg.model.d_model * cfg.model.ffn_dim
+    assert model.n_controls == (0 if cfg.model.cct is None else len(cfg.model.cct.budgets))
 
 
 def test_named_sizes_fill_unset_fields_only():

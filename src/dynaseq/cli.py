@@ -68,7 +68,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     lines = _read_input(args.input)
     t = _translator(args)
     out = t.translate(lines, beam=args.beam, length_penalty=args.length_penalty,
-                      batch_size=args.batch_size)
+                      batch_size=args.batch_size, budget=args.budget)
     _write_output(out, args.output)
     return 0
 
@@ -81,7 +81,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
     t = _translator(args)
     result = t.evaluate(src, ref, beam=args.beam, length_penalty=args.length_penalty,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, budget=args.budget)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -91,21 +91,24 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from dynaseq.infer.translator import control_for_budget
     from dynaseq.metrics.profile import profile_model
 
     target = Path(args.target)
     if target.is_dir():
         args.run_dir = str(target)
-        model = _translator(args).model
+        t = _translator(args)
+        model, model_cfg = t.model, t.config.model
     elif target.is_file():
         from dynaseq.config import load_config
         from dynaseq.models import build_seq2seq
 
         cfg = load_config(target, args.overrides)
-        model = build_seq2seq(cfg.model, cfg.data.vocab_size).eval()
+        model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
-    result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch)
+    result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
+                           control=control_for_budget(model_cfg, args.budget))
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -139,7 +142,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_budget(text: str) -> float | tuple[float, float]:
+    """``0.33`` (encoder and decoder) or ``1,0.33`` (encoder, decoder)."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a budget: {text!r}") from None
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return (parts[0], parts[1])
+    raise argparse.ArgumentTypeError(f"a budget is F or ENC,DEC, got {text!r}")
+
+
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=parse_budget, default=None,
+                   help="compute budget of a CCT model: 0.33 or ENC,DEC (a trained one)")
     p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
     p.add_argument("--length-penalty", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
@@ -188,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt-len", type=int, default=30)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget", type=parse_budget, default=None,
+                   help="compute budget of a CCT model: 0.33 or ENC,DEC (a trained one)")
     _add_run_args(p)
     p.set_defaults(func=cmd_profile)
 

@@ -44,6 +44,33 @@ def _check_fraction(obj: Any, *names: str) -> None:
 
 
 @dataclass
+class CCTConfig:
+    """Conditional Computation Transformer (Bapna et al. 2020) settings.
+
+    ``budgets`` lists one (encoder, decoder) compute fraction per control symbol; every
+    training sequence is assigned one of them uniformly at random (repeat an entry to
+    sample it more often, as the paper's {1, 1, 1, .5, .33, .2}).
+    """
+
+    ffn_pieces: int = 4
+    control_hidden: int = 128
+    alpha_max: float = 5.0
+    noise_ramp_steps: int = 10_000
+    budgets: list[tuple[float, float]] = field(default_factory=lambda: [(1.0, 1.0)])
+    budget_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "ffn_pieces", "control_hidden")
+        if self.alpha_max < 0 or self.noise_ramp_steps < 0 or self.budget_weight < 0:
+            raise ConfigError("alpha_max, noise_ramp_steps and budget_weight must be >= 0")
+        if not self.budgets:
+            raise ConfigError("budgets must list at least one (encoder, decoder) budget")
+        for pair in self.budgets:
+            if not all(0.0 < b <= 1.0 for b in pair):
+                raise ConfigError(f"budgets entries must lie in (0, 1], got {list(pair)}")
+
+
+@dataclass
 class ModelConfig:
     """Dense pre-LayerNorm Transformer encoder-decoder.
 
@@ -63,8 +90,12 @@ class ModelConfig:
     share_embeddings: bool = True
     tie_output: bool = True
     max_positions: int = 1024
+    cct: CCTConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.cct is not None and self.ffn_dim % self.cct.ffn_pieces:
+            raise ConfigError(f"ffn_dim={self.ffn_dim} is not divisible by "
+                              f"cct.ffn_pieces={self.cct.ffn_pieces}")
         if self.size is not None and self.size not in MODEL_SIZES:
             raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
         _check_positive(self, "d_model", "ffn_dim", "n_heads", "encoder_layers",
@@ -189,6 +220,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:  # Optional[X]: X's own, more precise error
+            return _coerce(value, non_none[0], key)
         errors = []
         for arg in args:
             if arg is type(None):

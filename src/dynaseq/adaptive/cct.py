@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from torch import nn
+from torch import Tensor, nn
 
 from dynaseq.adaptive.budget import BudgetLoss, BudgetTerm, budget_loss, budget_terms
 from dynaseq.adaptive.conditional_attention import (
@@ -72,6 +72,7 @@ __all__ = [
     "gate_traces",
     "name_conditional_sublayers",
     "realized_macs_by_layer",
+    "seq2seq_budget_loss",
     "set_gate_step",
 ]
 
@@ -105,3 +106,15 @@ def realized_macs_by_layer(aux: AuxOutputs) -> dict[str, dict[str, int]]:
         for k, v in rec.macs.items():
             out[rec.layer][k] += v
     return {layer: dict(counts) for layer, counts in out.items()}
+
+
+def seq2seq_budget_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: int,
+                        control: Tensor, budgets: Tensor, weight: float) -> Tensor:
+    """Budget loss (eq. 5-9) of one encoder-decoder forward pass.
+
+    src (B, S), tgt_in (B, T): the batch (padding excluded from the costs); control (B,):
+    each sequence's control symbol; budgets (N, 2): (encoder, decoder) budget per symbol.
+    """
+    src_valid, tgt_valid = src.ne(pad_id), tgt_in.ne(pad_id)
+    valid = {"encoder": src_valid, "decoder": tgt_valid, "decoder.memory": src_valid}
+    return budget_loss(budget_terms(gate_traces(aux), valid), control, budgets, weight).loss

@@ -5,7 +5,7 @@ steps live in the decoder state, so step t costs O(t) attention. Finished senten
 dropped from the batch (their rows are removed from every cache), so a batch costs what its
 unfinished sentences need.
 
-Models only need ``encode(src) -> EncoderOutput``, ``init_state()``,
+Models only need ``encode(src, control=None) -> EncoderOutput``, ``init_state()``,
 ``decode_step(tokens (B, 1), enc, state) -> logits (B, V)`` and ``bos_id``/``eos_id``.
 """
 
@@ -31,12 +31,14 @@ def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
 
 @torch.no_grad()
 def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 10,
-                  min_len: int = 0, max_positions: int = 1024) -> list[list[int]]:
+                  min_len: int = 0, max_positions: int = 1024,
+                  control: Tensor | None = None) -> list[list[int]]:
     """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos).
 
     ``min_len`` forbids eos before that many tokens (used to time fixed-length outputs).
+    ``control``: (B,) control-symbol ids (the compute budget) for models that have them.
     """
-    enc = model.encode(src)
+    enc = model.encode(src, control=control)
     n = src.size(0)
     limits = max_lengths((~enc.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
     limits = limits.clamp(min=min_len + 1)
@@ -68,7 +70,7 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
 @torch.no_grad()
 def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
-                max_positions: int = 1024) -> list[list[int]]:
+                max_positions: int = 1024, control: Tensor | None = None) -> list[list[int]]:
     """Batched beam search; src (B, S) -> best hypothesis per sentence (no bos/eos).
 
     A finished hypothesis of n tokens (eos included) scores ``log p / n^length_penalty``.
@@ -79,7 +81,7 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     if beam < 1:
         raise ValueError("beam must be >= 1")
     k = beam
-    enc0 = model.encode(src)
+    enc0 = model.encode(src, control=control)
     n = src.size(0)
     device = src.device
     limits = max_lengths((~enc0.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import sacrebleu
 import torch
 from torch import nn
 
-from dynaseq.config import RunConfig, load_config
+from dynaseq.config import ModelConfig, RunConfig, load_config
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.errors import CheckpointError, DynaseqError
 from dynaseq.infer.search import beam_search, greedy_search
@@ -29,8 +30,12 @@ from dynaseq.train.loss import label_smoothed_loss
 def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   length_penalty: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
                   batch_size: int = 64, min_len: int = 0,
-                  device: torch.device | None = None) -> list[list[int]]:
-    """Decode token-id sentences (no eos) in length-sorted batches; output in input order."""
+                  device: torch.device | None = None,
+                  control: int | None = None) -> list[list[int]]:
+    """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
+
+    ``control``: the control-symbol id (trained budget) used for every sentence.
+    """
     device = device or next(model.parameters()).device
     max_pos = model.encoder.positions.max_positions
     order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
@@ -42,11 +47,13 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
             idx = order[start: start + batch_size]
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
                                  model.pad_id, model.eos_id).to(device)
+            ctrl = None if control is None else torch.full(
+                (src.size(0),), control, dtype=torch.long, device=device)
             if beam == 1:
-                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos)
+                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos, ctrl)
             else:
                 hyps = beam_search(model, src, beam, length_penalty, max_len_a, max_len_b,
-                                   min_len, max_pos)
+                                   min_len, max_pos, ctrl)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
     finally:
@@ -56,8 +63,8 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
 
 @torch.no_grad()
 def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[int]],
-                 max_len: int, max_tokens: int = 4096,
-                 device: torch.device | None = None) -> dict[str, float]:
+                 max_len: int, max_tokens: int = 4096, device: torch.device | None = None,
+                 control: int | None = None) -> dict[str, float]:
     """Teacher-forced NLL per target token (eos included) and perplexity."""
     from dynaseq.data import token_batches
 
@@ -72,7 +79,9 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
         for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
                                  seed=0, epoch=0, shuffle=False):
             b = collate(corpus, idx, model.pad_id, model.bos_id, model.eos_id).to(device)
-            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in).logits, b.tgt_out, 0.0,
+            ctrl = None if control is None else torch.full(
+                (len(idx),), control, dtype=torch.long, device=device)
+            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in, ctrl).logits, b.tgt_out, 0.0,
                                             model.pad_id)
             nll_sum += float(nll)
             n_tok += n
@@ -80,6 +89,34 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
         model.train(was_training)
     loss = nll_sum / n_tok
     return {"loss": loss, "ppl": float(torch.tensor(loss).exp()), "n_tokens": n_tok}
+
+
+Budget = float | tuple[float, float] | None
+
+
+def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
+    """The control-symbol id of a trained budget.
+
+    ``budget``: one fraction for encoder and decoder alike, an ``(encoder, decoder)`` pair,
+    or None for the largest trained budget. Dense models take no budget (None -> None).
+    """
+    if cfg.cct is None:
+        if budget is not None:
+            raise DynaseqError("this model is dense: it has no compute-budget knob "
+                               "(train it with a model.cct section to get one)")
+        return None
+    trained = [tuple(b) for b in cfg.cct.budgets]
+    if budget is None:
+        return max(range(len(trained)), key=lambda i: (sum(trained[i]), -i))
+    pair = (float(budget), float(budget)) if isinstance(budget, (int, float)) else tuple(budget)
+    if len(pair) != 2:
+        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got {budget}")
+    for i, (enc, dec) in enumerate(trained):
+        if math.isclose(enc, pair[0], abs_tol=1e-6) and math.isclose(dec, pair[1], abs_tol=1e-6):
+            return i
+    names = ", ".join(f"({e:g}, {d:g})" for e, d in dict.fromkeys(trained))
+    raise DynaseqError(f"budget ({pair[0]:g}, {pair[1]:g}) was not trained; "
+                       f"trained (encoder, decoder) budgets: {names}")
 
 
 def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
@@ -118,11 +155,14 @@ class Translator:
 
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,
-                  max_len_a: float | None = None, max_len_b: int | None = None) -> list[str]:
+                  max_len_a: float | None = None, max_len_b: int | None = None,
+                  budget: Budget = None) -> list[str]:
         """Translate raw sentences; returns detokenized sentences in the same order.
 
-        An empty (or all-whitespace) line translates to an empty line.
+        An empty (or all-whitespace) line translates to an empty line. ``budget`` (CCT
+        models): a trained compute budget, ``0.33`` or ``(1.0, 0.33)``; default the largest.
         """
+        control = control_for_budget(self.config.model, budget)
         d = self.config.decode
         keep = [i for i, line in enumerate(lines) if line.strip()]
         ids = self.tokenizer.encode([lines[i] for i in keep])
@@ -131,23 +171,24 @@ class Translator:
             length_penalty=d.length_penalty if length_penalty is None else length_penalty,
             max_len_a=d.max_len_a if max_len_a is None else max_len_a,
             max_len_b=d.max_len_b if max_len_b is None else max_len_b,
-            batch_size=batch_size or d.batch_size, device=self.device)
+            batch_size=batch_size or d.batch_size, device=self.device, control=control)
         out = [""] * len(lines)
         for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
             out[i] = text
         return out
 
-    def score(self, src: list[str], ref: list[str]) -> dict[str, float]:
+    def score(self, src: list[str], ref: list[str], budget: Budget = None) -> dict[str, float]:
         """Teacher-forced loss (NLL per target token) and perplexity of the references."""
         if len(src) != len(ref):
             raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
         return score_corpus(self.model, self.tokenizer.encode(src), self.tokenizer.encode(ref),
-                            self.config.data.max_len, self.config.data.max_tokens, self.device)
+                            self.config.data.max_len, self.config.data.max_tokens, self.device,
+                            control_for_budget(self.config.model, budget))
 
     def evaluate(self, src: list[str], ref: list[str], beam: int | None = None,
-                 **kwargs) -> dict[str, object]:
+                 budget: Budget = None, **kwargs) -> dict[str, object]:
         """sacreBLEU of the translations against ``ref`` plus the teacher-forced loss."""
-        hyps = self.translate(src, beam=beam, **kwargs)
+        hyps = self.translate(src, beam=beam, budget=budget, **kwargs)
         score, signature = bleu(hyps, ref)
-        return {"bleu": score, "signature": signature, **self.score(src, ref),
+        return {"bleu": score, "signature": signature, **self.score(src, ref, budget),
                 "n_sentences": len(src), "checkpoint": str(self.checkpoint)}

@@ -13,11 +13,13 @@ from dynaseq.infer.search import beam_search, greedy_search
 
 @torch.no_grad()
 def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
-                      batch: int = 1, repeats: int = 5, seed: int = 0) -> float:
+                      batch: int = 1, repeats: int = 5, seed: int = 0,
+                      control: int | None = None) -> float:
     """Median wall time (ms) to translate ``batch`` sentences of ``src_len`` tokens into
     exactly ``tgt_len`` tokens (eos is forbidden before, forced after), after one warm-up.
 
     Fixing the output length makes models comparable whatever they would generate.
+    ``control``: the control-symbol id (trained budget) of a CCT model.
     """
     device = next(model.parameters()).device
     vocab = model.decoder.output_proj.out_features
@@ -27,7 +29,9 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     src[:, -1] = model.eos_id
     src = src.to(device)
     kwargs = {"max_len_a": 0.0, "max_len_b": tgt_len + 1, "min_len": tgt_len,
-              "max_positions": model.decoder.positions.max_positions}
+              "max_positions": model.decoder.positions.max_positions,
+              "control": None if control is None else torch.full((batch,), control,
+                                                                 device=device)}
     was_training = model.training
     model.eval()
     times = []

@@ -108,8 +108,8 @@ def _counter() -> FlopCounterMode:
 
 
 @torch.no_grad()
-def flop_counter_macs(model: nn.Module, src: torch.Tensor,
-                      tgt_in: torch.Tensor) -> dict[str, float]:
+def flop_counter_macs(model: nn.Module, src: torch.Tensor, tgt_in: torch.Tensor,
+                      control: torch.Tensor | None = None) -> dict[str, float]:
     """MACs measured by FlopCounterMode for one teacher-forced pass, per token.
 
     src (1, S), tgt_in (1, T) without padding. Returns ``encoder``/``decoder``/``total`` per
@@ -119,7 +119,7 @@ def flop_counter_macs(model: nn.Module, src: torch.Tensor,
     model.eval()
     try:
         with _counter() as fc:
-            enc = model.encode(src)
+            enc = model.encode(src, control=control)
         enc_macs = fc.get_total_flops() / 2
         enc_ops = _ops(fc)
         with _counter() as fc:

@@ -17,8 +17,13 @@ def count_params(model: nn.Module) -> int:
 
 
 def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeats: int = 5,
-                  batch: int = 1, latency: bool = True) -> dict[str, Any]:
-    """The profile of a Seq2SeqTransformer for an S=src_len, T=tgt_len sentence pair."""
+                  batch: int = 1, latency: bool = True,
+                  control: int | None = None) -> dict[str, Any]:
+    """The profile of a Seq2SeqTransformer for an S=src_len, T=tgt_len sentence pair.
+
+    ``control``: the control-symbol id (budget) a CCT model runs at; its MACs here are the
+    dense maximum (what runs with every gate on).
+    """
     rep = count_macs(model, src_len, tgt_len)
     vocab = model.decoder.output_proj.out_features
     low = max(model.pad_id, model.bos_id, model.eos_id) + 1
@@ -26,7 +31,8 @@ def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeat
     device = next(model.parameters()).device
     src = torch.randint(low, vocab, (1, src_len), generator=gen).to(device)
     tgt = torch.randint(low, vocab, (1, tgt_len), generator=gen).to(device)
-    measured = flop_counter_macs(model, src, tgt)
+    ctrl = None if control is None else torch.tensor([control], device=device)
+    measured = flop_counter_macs(model, src, tgt, ctrl)
     result: dict[str, Any] = {
         "params": count_params(model),
         "src_tokens": src_len,
@@ -39,8 +45,10 @@ def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeat
     }
     if latency:
         result["latency_ms"] = {
-            "greedy": decode_latency_ms(model, src_len, tgt_len, 1, batch, repeats),
-            "beam4": decode_latency_ms(model, src_len, tgt_len, 4, batch, repeats),
+            "greedy": decode_latency_ms(model, src_len, tgt_len, 1, batch, repeats,
+                                        control=control),
+            "beam4": decode_latency_ms(model, src_len, tgt_len, 4, batch, repeats,
+                                       control=control),
             "batch": batch,
         }
     return result

@@ -53,17 +53,21 @@ class TokenEmbedding(nn.Module):
 
 @dataclass
 class EncoderOutput:
-    """out: (B, S, d) encoder states; pad_mask: (B, S) bool, True at padding."""
+    """out: (B, S, d) encoder states; pad_mask: (B, S) bool, True at padding;
+    control: (B, 1, d) control-symbol embedding the decoder adds to its inputs, or None."""
 
     out: Tensor
     pad_mask: Tensor
+    control: Tensor | None = None
 
     @property
     def attn_mask(self) -> Tensor:
         return padding_to_attn_mask(self.pad_mask)
 
     def index_select(self, index: Tensor) -> EncoderOutput:
-        return EncoderOutput(self.out.index_select(0, index), self.pad_mask.index_select(0, index))
+        control = None if self.control is None else self.control.index_select(0, index)
+        return EncoderOutput(self.out.index_select(0, index),
+                             self.pad_mask.index_select(0, index), control)
 
 
 @dataclass
@@ -106,13 +110,18 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, src: Tensor, aux: AuxOutputs | None = None) -> EncoderOutput:
+    def forward(self, src: Tensor, aux: AuxOutputs | None = None,
+                control: Tensor | None = None) -> EncoderOutput:
+        """control: (B, 1, d) added to every token's input embedding (CCT control symbol)."""
         pad_mask = src.eq(self.embed.pad_id)  # (B, S)
-        x = self.dropout(self.embed(src) + self.positions(src.size(1)))
+        x = self.embed(src) + self.positions(src.size(1))
+        if control is not None:
+            x = x + control
+        x = self.dropout(x)
         mask = padding_to_attn_mask(pad_mask)
         for layer in self.layers:
             x = layer(x, mask, aux=aux)
-        return EncoderOutput(self.norm(x), pad_mask)
+        return EncoderOutput(self.norm(x), pad_mask, control)
 
 
 class Decoder(nn.Module):
@@ -132,7 +141,10 @@ class Decoder(nn.Module):
     def forward(self, tgt_in: Tensor, enc: EncoderOutput, state: DecoderState | None = None,
                 aux: AuxOutputs | None = None) -> Tensor:
         offset = 0 if state is None else state.step
-        x = self.dropout(self.embed(tgt_in) + self.positions(tgt_in.size(1), offset))
+        x = self.embed(tgt_in) + self.positions(tgt_in.size(1), offset)
+        if enc.control is not None:
+            x = x + enc.control
+        x = self.dropout(x)
         mask = enc.attn_mask
         for i, layer in enumerate(self.layers):
             x = layer(x, enc.out, mask,
@@ -152,19 +164,39 @@ class Seq2SeqTransformer(nn.Module):
     """
 
     def __init__(self, encoder: Encoder, decoder: Decoder, pad_id: int, bos_id: int,
-                 eos_id: int) -> None:
+                 eos_id: int, control_embed: nn.Embedding | None = None) -> None:
         super().__init__()
         self.encoder = encoder
         self.decoder = decoder
+        self.control_embed = control_embed
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Seq2SeqOutput:
+    @property
+    def n_controls(self) -> int:
+        """Number of control symbols (trained budgets); 0 for a model without them."""
+        return 0 if self.control_embed is None else self.control_embed.num_embeddings
+
+    def _control(self, control: Tensor | None, batch: int) -> Tensor | None:
+        if self.control_embed is None:
+            if control is not None:
+                raise ValueError("this model has no control symbols")
+            return None
+        if control is None:
+            raise ValueError(f"this model needs a control symbol id in [0, {self.n_controls}) "
+                             "per sequence")
+        assert control.shape == (batch,), "control: one id per sequence"
+        return self.control_embed(control).unsqueeze(1)  # (B, 1, d)
+
+    def forward(self, src: Tensor, tgt_in: Tensor,
+                control: Tensor | None = None) -> Seq2SeqOutput:
+        """control: (B,) control-symbol ids, for models built with control symbols."""
         aux = AuxOutputs()
-        enc = self.encoder(src, aux=aux)
+        enc = self.encoder(src, aux=aux, control=self._control(control, src.size(0)))
         return Seq2SeqOutput(self.decoder(tgt_in, enc, aux=aux), aux)
 
-    def encode(self, src: Tensor) -> EncoderOutput:
-        return self.encoder(src)
+    def encode(self, src: Tensor, control: Tensor | None = None,
+               aux: AuxOutputs | None = None) -> EncoderOutput:
+        return self.encoder(src, aux=aux, control=self._control(control, src.size(0)))
 
     def init_state(self) -> DecoderState:
         return DecoderState.for_layers(self.decoder.layers)
@@ -176,18 +208,51 @@ class Seq2SeqTransformer(nn.Module):
 
 def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: int = 2,
                   eos_id: int = 3) -> Seq2SeqTransformer:
-    """Dense pre-LN Transformer from a config.
+    """Pre-LN Transformer from a config: dense, or CCT when ``cfg.cct`` is set.
 
     ``share_embeddings`` ties source and target embeddings (one shared vocabulary);
     ``tie_output`` ties the output projection to the target embedding (Press & Wolf 2017).
     """
     d = cfg.d_model
+    if cfg.cct is None:
+        def attention() -> nn.Module:
+            return dense_attention(d, cfg.n_heads, cfg.attention_dropout)
 
-    def attention() -> nn.Module:
-        return dense_attention(d, cfg.n_heads, cfg.attention_dropout)
+        def ffn() -> nn.Module:
+            return FeedForward(d, cfg.ffn_dim, cfg.activation_dropout)
 
-    def ffn() -> nn.Module:
-        return FeedForward(d, cfg.ffn_dim, cfg.activation_dropout)
+        return _assemble(cfg, vocab_size, attention, ffn, None, pad_id, bos_id, eos_id)
+
+    from dynaseq.adaptive.cct import (
+        NoiseSchedule,
+        conditional_attention,
+        conditional_feedforward,
+        name_conditional_sublayers,
+    )
+
+    cct = cfg.cct
+    schedule = NoiseSchedule(cct.alpha_max, cct.noise_ramp_steps)
+
+    def cond_attention() -> nn.Module:
+        return conditional_attention(d, cfg.n_heads, cfg.attention_dropout,
+                                     control_hidden=cct.control_hidden, schedule=schedule)
+
+    def cond_ffn() -> nn.Module:
+        return conditional_feedforward(d, cfg.ffn_dim, cct.ffn_pieces, cfg.activation_dropout,
+                                       control_hidden=cct.control_hidden, schedule=schedule)
+
+    control = nn.Embedding(len(cct.budgets), d)
+    nn.init.normal_(control.weight, std=d ** -0.5)
+    model = _assemble(cfg, vocab_size, cond_attention, cond_ffn, control, pad_id, bos_id, eos_id)
+    name_conditional_sublayers(model)
+    return model
+
+
+def _assemble(cfg: ModelConfig, vocab_size: int, attention, ffn,
+              control: nn.Embedding | None, pad_id: int, bos_id: int,
+              eos_id: int) -> Seq2SeqTransformer:
+    """Wire embeddings, positions and layers whose sub-layers come from the factories."""
+    d = cfg.d_model
 
     src_embed = TokenEmbedding(vocab_size, d, pad_id)
     tgt_embed = src_embed if cfg.share_embeddings else TokenEmbedding(vocab_size, d, pad_id)
@@ -205,4 +270,4 @@ def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: in
         [DecoderLayer(d, attention(), attention(), ffn(), cfg.dropout)
          for _ in range(cfg.decoder_layers)],
         d, output_proj, cfg.dropout)
-    return Seq2SeqTransformer(encoder, decoder, pad_id, bos_id, eos_id)
+    return Seq2SeqTransformer(encoder, decoder, pad_id, bos_id, eos_id, control)

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from dynaseq.adaptive.cct import seq2seq_budget_loss, set_gate_step
 from dynaseq.config import RunConfig, save_config
 from dynaseq.data import (
     ParallelCorpus,
@@ -35,7 +36,7 @@ from dynaseq.data import (
     token_batches,
 )
 from dynaseq.errors import ConfigError
-from dynaseq.infer.translator import bleu, decode_corpus, score_corpus
+from dynaseq.infer.translator import bleu, control_for_budget, decode_corpus, score_corpus
 from dynaseq.models import build_seq2seq
 from dynaseq.train import checkpoint as ckpt
 from dynaseq.train.distributed import (
@@ -149,14 +150,16 @@ def validate(s: Setup, model: nn.Module) -> dict[str, float]:
     result: dict[str, float] = {}
     if s.valid is None:
         return result
+    control = control_for_budget(s.cfg.model)  # the largest trained budget
     scores = score_corpus(model, s.valid.src, s.valid.tgt, s.cfg.data.max_len,
-                          s.cfg.data.max_tokens, s.device)
+                          s.cfg.data.max_tokens, s.device, control)
     result.update(loss=scores["loss"], ppl=scores["ppl"])
     if s.valid_src_ids:
         d = s.cfg.decode
         hyps = decode_corpus(model, s.valid_src_ids, beam=s.cfg.train.valid_beam,
                              length_penalty=d.length_penalty, max_len_a=d.max_len_a,
-                             max_len_b=d.max_len_b, batch_size=d.batch_size, device=s.device)
+                             max_len_b=d.max_len_b, batch_size=d.batch_size, device=s.device,
+                             control=control)
         result["bleu"], _ = bleu(s.tokenizer.decode(hyps), s.valid_refs)
     return result
 
@@ -248,6 +251,9 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
         wrapped = DistributedDataParallel(
             model, device_ids=[s.device.index] if s.device.type == "cuda" else None)
     src_len, tgt_len = s.train.src_lengths(), s.train.tgt_lengths()
+    budgets = None
+    if cfg.model.cct is not None:
+        budgets = torch.tensor(cfg.model.cct.budgets, dtype=torch.float32, device=s.device)
     show_bar = progress and env.is_main and sys.stderr.isatty()
     bar = tqdm(total=tc.max_steps, initial=state.step, disable=not show_bar, unit="upd",
                dynamic_ncols=True)
@@ -273,17 +279,29 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                 full = [collate(s.train, idx, model.pad_id, model.bos_id, model.eos_id)
                         for idx in group]
                 total_tokens = sum(b.n_tgt_tokens for b in full)
-                sums = [0.0, 0.0]
+                sums = [0.0, 0.0, 0.0]
+                if budgets is not None:
+                    set_gate_step(model, state.step)
                 for i, b in enumerate(full):
+                    control = _sample_controls(model, len(b), tc.seed, state.step, i)
+                    if control is not None:
+                        control = control[env.rank::env.world_size].to(s.device)
                     b = b.shard(env.rank, env.world_size).to(s.device)
                     sync = i == len(full) - 1 or not env.enabled
                     ctx = contextlib.nullcontext() if sync else wrapped.no_sync()
                     with ctx:
-                        out = wrapped(b.src, b.tgt_in)
-                        loss, nll, _ = label_smoothed_loss(out.logits, b.tgt_out,
-                                                           tc.label_smoothing, model.pad_id)
+                        out = wrapped(b.src, b.tgt_in, control)
+                        loss, nll, n_tok = label_smoothed_loss(out.logits, b.tgt_out,
+                                                               tc.label_smoothing, model.pad_id)
                         for aux_loss in out.aux.losses.values():
                             loss = loss + aux_loss
+                        if budgets is not None:
+                            # a per-batch mean: weighted by tokens so the sum over micro-batches
+                            # and ranks divided by all tokens averages it
+                            blo = seq2seq_budget_loss(out.aux, b.src, b.tgt_in, model.pad_id,
+                                                      control, budgets, cfg.model.cct.budget_weight)
+                            loss = loss + blo * n_tok
+                            sums[2] += float(blo.detach()) * n_tok
                         (loss * env.world_size / total_tokens).backward()
                     sums[0] += float(loss.detach())
                     sums[1] += float(nll)
@@ -298,8 +316,8 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                 window_tokens += total_tokens
                 state.elapsed = time.monotonic() - t_start
                 over_time = tc.max_minutes is not None and state.elapsed >= tc.max_minutes * 60
-                loss_sum, nll_sum, flag = all_reduce_sum(
-                    [sums[0], sums[1], float(stop.signum is not None or over_time)],
+                loss_sum, nll_sum, budget_sum, flag = all_reduce_sum(
+                    [sums[0], sums[1], sums[2], float(stop.signum is not None or over_time)],
                     env, s.device)
                 lr = scheduler.get_last_lr()[0]
                 bar.update(1)
@@ -310,6 +328,8 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                     rec = {"step": state.step, "epoch": state.epoch,
                            "loss": loss_sum / total_tokens, "nll": nll_sum / total_tokens,
                            "lr": lr, "tokens_per_s": tps, "elapsed_s": state.elapsed}
+                    if budgets is not None:
+                        rec["budget_loss"] = budget_sum / total_tokens
                     s.log.write("train", **rec)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{lr:.2e}",
                                     tok_s=f"{tps:.0f}")
@@ -344,6 +364,19 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
         signum = stop.signum
     barrier(env)
     return TrainResult(state, s.run_dir, signum, s.log.history)
+
+
+def _sample_controls(model: nn.Module, batch: int, seed: int, step: int,
+                     micro: int) -> torch.Tensor | None:
+    """One control symbol (trained budget) per sequence, uniformly at random (CCT sec. 2.2).
+
+    Drawn from (seed, step, micro-batch) alone, so every rank and every resume draws the
+    same ids for the same batch.
+    """
+    if model.n_controls == 0:
+        return None
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 131 + micro)
+    return torch.randint(model.n_controls, (batch,), generator=gen)
 
 
 def _eta(state: TrainState, tc, t_first: tuple[float, int]) -> str:

@@ -1,0 +1,77 @@
+"""A CCT model end to end: config -> training with the budget loss -> budgeted inference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dynaseq
+from dynaseq.config import CCTConfig
+from dynaseq.errors import DynaseqError
+from dynaseq.infer.translator import control_for_budget
+from dynaseq.train.loop import train
+
+from helpers import micro_config, run_cli
+
+BUDGETS = [(1.0, 1.0), (0.5, 0.5), (1.0, 0.33)]
+
+
+@pytest.fixture(scope="module")
+def cct_run(tmp_path_factory, synthetic_paths):
+    run = tmp_path_factory.mktemp("cct") / "run"
+    cfg = micro_config(run, synthetic_paths, max_steps=8, log_every=1, valid_every=8,
+                       save_every=8, valid_bleu_lines=4)
+    cfg.model.cct = CCTConfig(ffn_pieces=2, control_hidden=8, noise_ramp_steps=4,
+                              budgets=BUDGETS)
+    result = train(cfg, progress=False)
+    return run, result
+
+
+def test_training_logs_a_budget_loss(cct_run):
+    run, result = cct_run
+    recs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r["event"] == "train"]
+    assert len(train_recs) == 8 and all(r["budget_loss"] >= 0 for r in train_recs)
+    assert result.state.step == 8
+
+
+def test_budgeted_translation_and_refusals(cct_run, synthetic_paths):
+    run, _ = cct_run
+    t = dynaseq.load(run)
+    assert t.model.n_controls == 3
+    lines = synthetic_paths["test.src"].read_text().splitlines()[:3]
+    for budget in (None, 0.5, (1.0, 0.33)):
+        assert len(t.translate(lines, beam=2, budget=budget)) == 3
+    with pytest.raises(DynaseqError, match=r"budget \(0.2, 0.2\) was not trained; trained"):
+        t.translate(lines, budget=0.2)
+    proc = run_cli("translate", str(run), "--budget", "0.7", stdin=b"x\n")
+    assert proc.returncode == 2 and b"was not trained" in proc.stderr
+    assert b"(1, 0.33)" in proc.stderr
+    proc = run_cli("translate", str(run), "--budget", "1,0.33", stdin=b"x\n")
+    assert proc.returncode == 0, proc.stderr.decode()
+
+
+def test_control_for_budget_rules():
+    from dynaseq.config import ModelConfig
+
+    cfg = ModelConfig(cct=CCTConfig(budgets=[(0.5, 0.5), (1.0, 1.0), (1.0, 1.0)]))
+    assert control_for_budget(cfg) == 1  # the largest, first of equals
+    assert control_for_budget(cfg, 0.5) == 0
+    with pytest.raises(DynaseqError, match="dense"):
+        control_for_budget(ModelConfig(), 0.5)
+    assert control_for_budget(ModelConfig()) is None
+
+
+def test_control_symbol_changes_the_computation(cct_run):
+    run, _ = cct_run
+    model = dynaseq.load(run).model
+    src = torch.tensor([[5, 6, 7, 3]])
+    tgt = torch.tensor([[2, 9, 10]])
+    with torch.no_grad():
+        a = model(src, tgt, torch.tensor([0])).logits
+        b = model(src, tgt, torch.tensor([1])).logits
+    assert not torch.equal(a, b)
+    with pytest.raises(ValueError, match="needs a control symbol"):
+        model(src, tgt)
