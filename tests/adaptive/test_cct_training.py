@@ -75,3 +75,32 @@ def test_control_symbol_changes_the_computation(cct_run):
     assert not torch.equal(a, b)
     with pytest.raises(ValueError, match="needs a control symbol"):
         model(src, tgt)
+
+
+def test_evaluate_reports_realized_fraction(cct_run, synthetic_paths):
+    run, _ = cct_run
+    proc = run_cli("evaluate", str(run), "--src", str(synthetic_paths["valid.src"]), "--ref",
+                   str(synthetic_paths["valid.tgt"]), "--json", "--beam", "1",
+                   "--budget", "1,0.33")
+    assert proc.returncode == 0, proc.stderr.decode()
+    res = json.loads(proc.stdout)
+    assert res["budget"] == [1.0, 0.33]
+    frac = res["realized_fraction"]
+    assert set(frac) == {"encoder", "decoder", "total"}
+    assert all(0.0 <= v <= 1.0 for v in frac.values())
+
+
+def test_realized_fraction_is_one_with_every_gate_on_and_small_with_all_off(cct_run,
+                                                                            synthetic_paths):
+    from dynaseq.adaptive.cct import force_gates, realized_fraction
+
+    run, _ = cct_run
+    model = dynaseq.load(run).model
+    pairs = [(torch.tensor([[5, 6, 7, 3]]), torch.tensor([[2, 9, 10]]))]
+    with force_gates(model, 1.0):
+        on = realized_fraction(model, pairs, control=0)
+    assert on["fraction"] == {"encoder": 1.0, "decoder": 1.0, "total": 1.0}
+    with force_gates(model, 0.0):
+        off = realized_fraction(model, pairs, control=0)
+    # only the control networks still run
+    assert 0.0 < off["fraction"]["total"] < 0.2

@@ -22,8 +22,11 @@ Wiring a model (sketch)::
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterable
 
+import torch
 from torch import Tensor, nn
 
 from dynaseq.adaptive.budget import BudgetLoss, BudgetTerm, budget_loss, budget_terms
@@ -72,6 +75,7 @@ __all__ = [
     "gate_traces",
     "name_conditional_sublayers",
     "realized_macs_by_layer",
+    "realized_fraction",
     "seq2seq_budget_loss",
     "set_gate_step",
 ]
@@ -118,3 +122,43 @@ def seq2seq_budget_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: in
     src_valid, tgt_valid = src.ne(pad_id), tgt_in.ne(pad_id)
     valid = {"encoder": src_valid, "decoder": tgt_valid, "decoder.memory": src_valid}
     return budget_loss(budget_terms(gate_traces(aux), valid), control, budgets, weight).loss
+
+
+@torch.no_grad()
+def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
+                      control: int) -> dict[str, object]:
+    """MACs that ran in the gated sub-layers at a budget, as a fraction of all gates on.
+
+    pairs: ``(src (1, S), tgt_in (1, T))`` sentence pairs, run one at a time and teacher
+    forced (batch 1, so no packing padding is counted). Each pair runs twice in eval mode:
+    with the hard gates of control symbol ``control``, and with every gate forced on. The
+    fractions cover the gated sub-layers (attention, FFN, their control nets), the part the
+    budget governs; embeddings and the output layer always run and are not included.
+    Returns per-token MACs (encoder per source token, decoder per target token) and the
+    ``fraction`` object with ``encoder``, ``decoder`` and ``total``.
+    """
+    was_training = model.training
+    model.eval()
+    ran = {"encoder": 0, "decoder": 0}
+    full = {"encoder": 0, "decoder": 0}
+    n_src = n_tgt = 0
+    try:
+        for src, tgt_in in pairs:
+            ctrl = torch.tensor([control], device=src.device)
+            for totals, forced in ((ran, None), (full, 1.0)):
+                with force_gates(model, forced) if forced is not None else contextlib.nullcontext():
+                    out = model(src, tgt_in, ctrl)
+                for layer, counts in realized_macs_by_layer(out.aux).items():
+                    totals[layer.split(".")[0]] += sum(counts.values())
+            n_src += src.numel()
+            n_tgt += tgt_in.numel()
+    finally:
+        model.train(was_training)
+    if n_src == 0:
+        raise ValueError("realized_fraction needs at least one sentence pair")
+    per_token = {"encoder": ran["encoder"] / n_src, "decoder": ran["decoder"] / n_tgt}
+    max_per_token = {"encoder": full["encoder"] / n_src, "decoder": full["decoder"] / n_tgt}
+    fraction = {k: per_token[k] / max_per_token[k] for k in per_token}
+    fraction["total"] = sum(per_token.values()) / sum(max_per_token.values())
+    return {"fraction": fraction, "macs_per_token": per_token,
+            "max_macs_per_token": max_per_token}

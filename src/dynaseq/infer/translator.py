@@ -190,5 +190,30 @@ class Translator:
         """sacreBLEU of the translations against ``ref`` plus the teacher-forced loss."""
         hyps = self.translate(src, beam=beam, budget=budget, **kwargs)
         score, signature = bleu(hyps, ref)
-        return {"bleu": score, "signature": signature, **self.score(src, ref, budget),
-                "n_sentences": len(src), "checkpoint": str(self.checkpoint)}
+        result = {"bleu": score, "signature": signature, **self.score(src, ref, budget),
+                  "n_sentences": len(src), "checkpoint": str(self.checkpoint)}
+        control = control_for_budget(self.config.model, budget)
+        if control is not None:
+            result["budget"] = list(self.config.model.cct.budgets[control])
+            compute = self.realized_compute(src, ref, budget)
+            result["realized_fraction"] = compute["fraction"]
+            result["realized_macs_per_token"] = compute["macs_per_token"]
+        return result
+
+    def realized_compute(self, src: list[str], ref: list[str],
+                         budget: Budget = None) -> dict[str, object]:
+        """CCT models: MACs the gated sub-layers ran on the references (teacher forced),
+        per token and as a fraction of the same passes with every gate on."""
+        from dynaseq.adaptive.cct import realized_fraction
+
+        control = control_for_budget(self.config.model, budget)
+        if control is None:
+            raise DynaseqError("realized compute is reported for CCT models only")
+        corpus, _ = make_corpus(self.tokenizer.encode(src), self.tokenizer.encode(ref),
+                                self.config.data.max_len, long_lines="truncate")
+        m = self.model
+        pairs = (
+            (b.src.to(self.device), b.tgt_in.to(self.device))
+            for b in (collate(corpus, [i], m.pad_id, m.bos_id, m.eos_id)
+                      for i in range(len(corpus))))
+        return realized_fraction(m, pairs, control)
