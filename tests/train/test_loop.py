@@ -35,6 +35,8 @@ def test_trained_run_has_everything(trained_run):
     assert [p.name for p in ckpt.list_checkpoints(trained_run)] == ["step_00000010",
                                                                      "step_00000020"]
     assert (trained_run / "best" / ckpt.WEIGHTS).is_file()
+    meta = ckpt.read_meta(ckpt.list_checkpoints(trained_run)[-1])
+    assert meta["step"] == 20 and meta["config"]["model"]["d_model"] == 32
     train_recs = events(trained_run, "train")
     assert train_recs[0]["loss"] > train_recs[-1]["loss"]  # it learns
     assert {"loss", "ppl", "bleu"} <= set(events(trained_run, "valid")[-1])

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dynaseq.adaptive.cct import seq2seq_budget_loss, set_gate_step
-from dynaseq.config import RunConfig, save_config
+from dynaseq.config import RunConfig, save_config, to_dict
 from dynaseq.data import (
     ParallelCorpus,
     Tokenizer,
@@ -215,7 +215,8 @@ def _save(s: Setup, model: nn.Module, optimizer, scheduler, state: TrainState,
           metrics: dict[str, float] | None = None) -> None:
     if not s.env.is_main:
         return
-    meta = {"step": state.step, "epoch": state.epoch, "metrics": metrics or {}}
+    meta = {"step": state.step, "epoch": state.epoch, "metrics": metrics or {},
+            "config": to_dict(s.cfg)}
     trainer = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                "rng": _rng_state(), "state": asdict(state)}
     path = ckpt.write_checkpoint(ckpt.step_dir(s.run_dir, state.step), model, meta, trainer)
