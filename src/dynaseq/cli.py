@@ -158,9 +158,13 @@ def parse_budget(text: str) -> float | tuple[float, float]:
     raise argparse.ArgumentTypeError(f"a budget is F or ENC,DEC, got {text!r}")
 
 
-def _add_decode_args(p: argparse.ArgumentParser) -> None:
+def _add_budget_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=parse_budget, default=None,
                    help="compute budget of a CCT model: 0.33 or ENC,DEC (a trained one)")
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    _add_budget_arg(p)
     p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
     p.add_argument("--length-penalty", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
@@ -209,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt-len", type=int, default=30)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--budget", type=parse_budget, default=None,
-                   help="compute budget of a CCT model: 0.33 or ENC,DEC (a trained one)")
+    _add_budget_arg(p)
     _add_run_args(p)
     p.set_defaults(func=cmd_profile)
 

@@ -144,10 +144,9 @@ def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
     n_src = n_tgt = 0
     try:
         for src, tgt_in in pairs:
-            ctrl = torch.tensor([control], device=src.device)
             for totals, forced in ((ran, None), (full, 1.0)):
                 with force_gates(model, forced) if forced is not None else contextlib.nullcontext():
-                    out = model(src, tgt_in, ctrl)
+                    out = model(src, tgt_in, control)
                 for layer, counts in realized_macs_by_layer(out.aux).items():
                     totals[layer.split(".")[0]] += sum(counts.values())
             n_src += src.numel()

@@ -32,11 +32,12 @@ def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
 @torch.no_grad()
 def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 10,
                   min_len: int = 0, max_positions: int = 1024,
-                  control: Tensor | None = None) -> list[list[int]]:
+                  control: Tensor | int | None = None) -> list[list[int]]:
     """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos).
 
     ``min_len`` forbids eos before that many tokens (used to time fixed-length outputs).
-    ``control``: (B,) control-symbol ids (the compute budget) for models that have them.
+    ``control``: (B,) control-symbol ids or one id (the compute budget) for models that
+    have them.
     """
     enc = model.encode(src, control=control)
     n = src.size(0)
@@ -70,7 +71,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
 @torch.no_grad()
 def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
-                max_positions: int = 1024, control: Tensor | None = None) -> list[list[int]]:
+                max_positions: int = 1024,
+                control: Tensor | int | None = None) -> list[list[int]]:
     """Batched beam search; src (B, S) -> best hypothesis per sentence (no bos/eos).
 
     A finished hypothesis of n tokens (eos included) scores ``log p / n^length_penalty``.

@@ -47,13 +47,12 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
             idx = order[start: start + batch_size]
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
                                  model.pad_id, model.eos_id).to(device)
-            ctrl = None if control is None else torch.full(
-                (src.size(0),), control, dtype=torch.long, device=device)
             if beam == 1:
-                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos, ctrl)
+                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos,
+                                     control)
             else:
                 hyps = beam_search(model, src, beam, length_penalty, max_len_a, max_len_b,
-                                   min_len, max_pos, ctrl)
+                                   min_len, max_pos, control)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
     finally:
@@ -79,9 +78,7 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
         for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
                                  seed=0, epoch=0, shuffle=False):
             b = collate(corpus, idx, model.pad_id, model.bos_id, model.eos_id).to(device)
-            ctrl = None if control is None else torch.full(
-                (len(idx),), control, dtype=torch.long, device=device)
-            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in, ctrl).logits, b.tgt_out, 0.0,
+            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in, control).logits, b.tgt_out, 0.0,
                                             model.pad_id)
             nll_sum += float(nll)
             n_tok += n

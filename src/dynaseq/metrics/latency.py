@@ -29,9 +29,7 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     src[:, -1] = model.eos_id
     src = src.to(device)
     kwargs = {"max_len_a": 0.0, "max_len_b": tgt_len + 1, "min_len": tgt_len,
-              "max_positions": model.decoder.positions.max_positions,
-              "control": None if control is None else torch.full((batch,), control,
-                                                                 device=device)}
+              "max_positions": model.decoder.positions.max_positions, "control": control}
     was_training = model.training
     model.eval()
     times = []

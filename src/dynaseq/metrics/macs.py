@@ -109,7 +109,7 @@ def _counter() -> FlopCounterMode:
 
 @torch.no_grad()
 def flop_counter_macs(model: nn.Module, src: torch.Tensor, tgt_in: torch.Tensor,
-                      control: torch.Tensor | None = None) -> dict[str, float]:
+                      control: int | None = None) -> dict[str, float]:
     """MACs measured by FlopCounterMode for one teacher-forced pass, per token.
 
     src (1, S), tgt_in (1, T) without padding. Returns ``encoder``/``decoder``/``total`` per

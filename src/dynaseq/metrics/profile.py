@@ -31,8 +31,7 @@ def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeat
     device = next(model.parameters()).device
     src = torch.randint(low, vocab, (1, src_len), generator=gen).to(device)
     tgt = torch.randint(low, vocab, (1, tgt_len), generator=gen).to(device)
-    ctrl = None if control is None else torch.tensor([control], device=device)
-    measured = flop_counter_macs(model, src, tgt, ctrl)
+    measured = flop_counter_macs(model, src, tgt, control)
     result: dict[str, Any] = {
         "params": count_params(model),
         "src_tokens": src_len,

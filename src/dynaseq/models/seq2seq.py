@@ -176,7 +176,8 @@ class Seq2SeqTransformer(nn.Module):
         """Number of control symbols (trained budgets); 0 for a model without them."""
         return 0 if self.control_embed is None else self.control_embed.num_embeddings
 
-    def _control(self, control: Tensor | None, batch: int) -> Tensor | None:
+    def _control(self, control: Tensor | int | None, batch: int) -> Tensor | None:
+        """Control-symbol embeddings (B, 1, d); an int gives every sequence that symbol."""
         if self.control_embed is None:
             if control is not None:
                 raise ValueError("this model has no control symbols")
@@ -184,17 +185,21 @@ class Seq2SeqTransformer(nn.Module):
         if control is None:
             raise ValueError(f"this model needs a control symbol id in [0, {self.n_controls}) "
                              "per sequence")
+        weight = self.control_embed.weight
+        if isinstance(control, int):
+            return weight[control].expand(batch, 1, -1)  # (B, 1, d)
         assert control.shape == (batch,), "control: one id per sequence"
         return self.control_embed(control).unsqueeze(1)  # (B, 1, d)
 
     def forward(self, src: Tensor, tgt_in: Tensor,
-                control: Tensor | None = None) -> Seq2SeqOutput:
-        """control: (B,) control-symbol ids, for models built with control symbols."""
+                control: Tensor | int | None = None) -> Seq2SeqOutput:
+        """control: (B,) control-symbol ids, or one id for the whole batch, for models built
+        with control symbols."""
         aux = AuxOutputs()
         enc = self.encoder(src, aux=aux, control=self._control(control, src.size(0)))
         return Seq2SeqOutput(self.decoder(tgt_in, enc, aux=aux), aux)
 
-    def encode(self, src: Tensor, control: Tensor | None = None,
+    def encode(self, src: Tensor, control: Tensor | int | None = None,
                aux: AuxOutputs | None = None) -> EncoderOutput:
         return self.encoder(src, aux=aux, control=self._control(control, src.size(0)))
 
