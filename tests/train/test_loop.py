@@ -35,6 +35,9 @@ def test_trained_run_has_everything(trained_run):
     assert [p.name for p in ckpt.list_checkpoints(trained_run)] == ["step_00000010",
                                                                      "step_00000020"]
     assert (trained_run / "best" / ckpt.WEIGHTS).is_file()
+    valid = events(trained_run, "valid")
+    best_step = max(valid, key=lambda r: (r["bleu"], -r["step"]))["step"]
+    assert ckpt.read_meta(trained_run / "best")["step"] == best_step  # kept by valid BLEU
     meta = ckpt.read_meta(ckpt.list_checkpoints(trained_run)[-1])
     assert meta["step"] == 20 and meta["config"]["model"]["d_model"] == 32
     train_recs = events(trained_run, "train")
