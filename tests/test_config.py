@@ -4,6 +4,7 @@ import pytest
 
 from dynaseq.config import (
     MODEL_SIZES,
+    CCTConfig,
     ModelConfig,
     RunConfig,
     from_dict,
@@ -29,7 +30,7 @@ def test_every_shipped_config_parses_and_builds(path):
     macs = count_macs(model, 2, 2)  # dense maximum: the FFN width is what the config says
     n_layers = cfg.model.encoder_layers
     assert macs.encoder["ffn.ffn_in"] == n_layers * 2 * cfg.model.d_model * cfg.model.ffn_dim
-    assert model.n_controls == (0 if cfg.model.cct is None else len(cfg.model.cct.budgets))
+    assert model.n_controls == (0 if cfg.model.cct is None else len(cfg.model.cct.controls))
 
 
 def test_named_sizes_fill_unset_fields_only():
@@ -78,3 +79,18 @@ def test_bad_yaml_files(tmp_path):
 
 def test_defaults_are_valid():
     assert isinstance(from_dict(RunConfig, {}), RunConfig)
+
+
+def test_cct_budget_grid_is_the_cross_product_with_one_symbol_per_distinct_pair():
+    cct = CCTConfig(budget_grid=[1.0, 1.0, 0.5])
+    assert cct.budgets == [(1.0, 1.0), (1.0, 1.0), (1.0, 0.5), (1.0, 1.0), (1.0, 1.0),
+                           (1.0, 0.5), (0.5, 1.0), (0.5, 1.0), (0.5, 0.5)]
+    assert cct.controls == [(1.0, 1.0), (1.0, 0.5), (0.5, 1.0), (0.5, 0.5)]
+    assert cct.sampling_ids == [0, 0, 1, 0, 0, 1, 2, 2, 3]
+    again = from_dict(CCTConfig, {"budgets": [list(b) for b in cct.budgets],
+                                  "budget_grid": [1.0, 1.0, 0.5]})  # a saved config
+    assert again.controls == cct.controls
+    with pytest.raises(ConfigError, match="either budgets or budget_grid"):
+        CCTConfig(budgets=[(0.5, 0.5)], budget_grid=[1.0, 0.5])
+    with pytest.raises(ConfigError, match="budgets entries"):
+        CCTConfig(budget_grid=[1.0, 1.5])

@@ -47,9 +47,12 @@ def _check_fraction(obj: Any, *names: str) -> None:
 class CCTConfig:
     """Conditional Computation Transformer (Bapna et al. 2020) settings.
 
-    ``budgets`` lists one (encoder, decoder) compute fraction per control symbol; every
-    training sequence is assigned one of them uniformly at random (repeat an entry to
-    sample it more often, as the paper's {1, 1, 1, .5, .33, .2}).
+    ``budgets`` lists (encoder, decoder) compute fractions; every training sequence draws
+    one entry uniformly at random, so repeating an entry samples it more often (the paper's
+    {1, 1, 1, .5, .33, .2}). ``budget_grid`` instead gives one list of fractions whose cross
+    product (encoder x decoder, repeats kept) is the list, e.g. ``[1, 1, 1, .5, .33, .2]``
+    for the paper's 36-entry {1, 1, 1, .5, .33, .2}² table. Each distinct pair gets one
+    control symbol (:attr:`controls`).
     """
 
     ffn_pieces: int = 4
@@ -57,17 +60,39 @@ class CCTConfig:
     alpha_max: float = 5.0
     noise_ramp_steps: int = 10_000
     budgets: list[tuple[float, float]] = field(default_factory=lambda: [(1.0, 1.0)])
+    budget_grid: list[float] | None = None
     budget_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _check_positive(self, "ffn_pieces", "control_hidden")
         if self.alpha_max < 0 or self.noise_ramp_steps < 0 or self.budget_weight < 0:
             raise ConfigError("alpha_max, noise_ramp_steps and budget_weight must be >= 0")
+        if self.budget_grid is not None:
+            if not self.budget_grid:
+                raise ConfigError("budget_grid must list at least one fraction")
+            product = [(float(e), float(d)) for e in self.budget_grid for d in self.budget_grid]
+            # a saved config holds both; they must agree
+            if [tuple(map(float, b)) for b in self.budgets] not in ([(1.0, 1.0)], product):
+                raise ConfigError("give either budgets or budget_grid, not both")
+            self.budgets = product
         if not self.budgets:
             raise ConfigError("budgets must list at least one (encoder, decoder) budget")
         for pair in self.budgets:
-            if not all(0.0 < b <= 1.0 for b in pair):
-                raise ConfigError(f"budgets entries must lie in (0, 1], got {list(pair)}")
+            if len(pair) != 2 or not all(0.0 < b <= 1.0 for b in pair):
+                raise ConfigError("budgets entries must be (encoder, decoder) pairs in (0, 1], "
+                                  f"got {list(pair)}")
+
+    @property
+    def controls(self) -> list[tuple[float, float]]:
+        """The distinct (encoder, decoder) budgets in first-seen order: control symbol i
+        stands for ``controls[i]``."""
+        return list(dict.fromkeys((float(e), float(d)) for e, d in self.budgets))
+
+    @property
+    def sampling_ids(self) -> list[int]:
+        """The control symbol of each ``budgets`` entry (training draws entries uniformly)."""
+        index = {pair: i for i, pair in enumerate(self.controls)}
+        return [index[(float(e), float(d))] for e, d in self.budgets]
 
 
 @dataclass

@@ -102,7 +102,7 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
             raise DynaseqError("this model is dense: it has no compute-budget knob "
                                "(train it with a model.cct section to get one)")
         return None
-    trained = [tuple(b) for b in cfg.cct.budgets]
+    trained = cfg.cct.controls
     if budget is None:
         return max(range(len(trained)), key=lambda i: (sum(trained[i]), -i))
     pair = (float(budget), float(budget)) if isinstance(budget, (int, float)) else tuple(budget)
@@ -111,7 +111,7 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
     for i, (enc, dec) in enumerate(trained):
         if math.isclose(enc, pair[0], abs_tol=1e-6) and math.isclose(dec, pair[1], abs_tol=1e-6):
             return i
-    names = ", ".join(f"({e:g}, {d:g})" for e, d in dict.fromkeys(trained))
+    names = ", ".join(f"({e:g}, {d:g})" for e, d in trained)
     raise DynaseqError(f"budget ({pair[0]:g}, {pair[1]:g}) was not trained; "
                        f"trained (encoder, decoder) budgets: {names}")
 
@@ -191,7 +191,7 @@ class Translator:
                   "n_sentences": len(src), "checkpoint": str(self.checkpoint)}
         control = control_for_budget(self.config.model, budget)
         if control is not None:
-            result["budget"] = list(self.config.model.cct.budgets[control])
+            result["budget"] = list(self.config.model.cct.controls[control])
             compute = self.realized_compute(src, ref, budget)
             result["realized_fraction"] = compute["fraction"]
             result["realized_macs_per_token"] = compute["macs_per_token"]

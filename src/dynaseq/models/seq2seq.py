@@ -246,7 +246,7 @@ def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: in
         return conditional_feedforward(d, cfg.ffn_dim, cct.ffn_pieces, cfg.activation_dropout,
                                        control_hidden=cct.control_hidden, schedule=schedule)
 
-    control = nn.Embedding(len(cct.budgets), d)
+    control = nn.Embedding(len(cct.controls), d)
     nn.init.normal_(control.weight, std=d ** -0.5)
     model = _assemble(cfg, vocab_size, cond_attention, cond_ffn, control, pad_id, bos_id, eos_id)
     name_conditional_sublayers(model)

@@ -252,9 +252,10 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
         wrapped = DistributedDataParallel(
             model, device_ids=[s.device.index] if s.device.type == "cuda" else None)
     src_len, tgt_len = s.train.src_lengths(), s.train.tgt_lengths()
-    budgets = None
+    budgets = sampling_ids = None
     if cfg.model.cct is not None:
-        budgets = torch.tensor(cfg.model.cct.budgets, dtype=torch.float32, device=s.device)
+        budgets = torch.tensor(cfg.model.cct.controls, dtype=torch.float32, device=s.device)
+        sampling_ids = torch.tensor(cfg.model.cct.sampling_ids, dtype=torch.long)
     show_bar = progress and env.is_main and sys.stderr.isatty()
     bar = tqdm(total=tc.max_steps, initial=state.step, disable=not show_bar, unit="upd",
                dynamic_ncols=True)
@@ -284,7 +285,7 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                 if budgets is not None:
                     set_gate_step(model, state.step)
                 for i, b in enumerate(full):
-                    control = _sample_controls(model, len(b), tc.seed, state.step, i)
+                    control = _sample_controls(sampling_ids, len(b), tc.seed, state.step, i)
                     if control is not None:
                         control = control[env.rank::env.world_size].to(s.device)
                     b = b.shard(env.rank, env.world_size).to(s.device)
@@ -367,17 +368,18 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
     return TrainResult(state, s.run_dir, signum, s.log.history)
 
 
-def _sample_controls(model: nn.Module, batch: int, seed: int, step: int,
+def _sample_controls(sampling_ids: torch.Tensor | None, batch: int, seed: int, step: int,
                      micro: int) -> torch.Tensor | None:
-    """One control symbol (trained budget) per sequence, uniformly at random (CCT sec. 2.2).
+    """One control symbol per sequence: a uniformly drawn entry of the configured budget
+    list (CCT sec. 2.2), mapped to its symbol (``sampling_ids``, see ``CCTConfig``).
 
     Drawn from (seed, step, micro-batch) alone, so every rank and every resume draws the
-    same ids for the same batch.
+    same ids for the same batch. ``sampling_ids`` None (a dense model) gives None.
     """
-    if model.n_controls == 0:
+    if sampling_ids is None:
         return None
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 131 + micro)
-    return torch.randint(model.n_controls, (batch,), generator=gen)
+    return sampling_ids[torch.randint(sampling_ids.numel(), (batch,), generator=gen)]
 
 
 def _eta(state: TrainState, tc, t_first: tuple[float, int]) -> str:
