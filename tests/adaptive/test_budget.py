@@ -110,7 +110,17 @@ def test_traces_to_budget_terms_and_gradients_reach_the_control_nets():
         ("encoder.0.ffn", "ffn", "input"),
         ("decoder.0.self_attn", "q", "input"), ("decoder.0.self_attn", "kv", "input"),
         ("decoder.0.cross_attn", "q", "input"), ("decoder.0.cross_attn", "kv", "memory"),
-        ("decoder.0.ffn", "ffn", "input")}
+        ("decoder.0.ffn", "ffn", "input"),
+        ("encoder.0.self_attn", "control", "input"), ("encoder.0.ffn", "control", "input"),
+        ("decoder.0.self_attn", "control", "input"), ("decoder.0.ffn", "control", "input"),
+        ("decoder.0.cross_attn", "control", "input"),
+        ("decoder.0.cross_attn", "control", "memory")}
+    assert len(traces) == 16  # attention: q, kv and their two control nets; FFN: ffn, control
+    for tr in traces:
+        if tr.gate == "control":  # always on, costed at the control net's MACs per token
+            assert not tr.values.requires_grad and bool((tr.values == 1).all())
+            n_gates = 4 if tr.layer.endswith("ffn") else 1
+            assert float(tr.cost) == 32 * 16 + 16 * n_gates
     valid = {"encoder": ~src_pad, "decoder": ~tgt_pad, "decoder.memory": ~src_pad}
     terms = budget_terms(traces, valid)
     cross_kv = next(t for t, tr in zip(terms, traces, strict=True)

@@ -56,7 +56,8 @@ def test_attention_realized_macs_for_a_hand_set_pattern(steer, pattern):
     assert attn.realized_macs(q_on, kv_gate & ~pad) == expected
     assert measured == sum(expected.values())
     assert measured < 2 * sum(attn.macs(5, 5).values())  # macs() is per sequence
-    q_trace, kv_trace = aux.traces["cct.gates"]
+    q_trace, q_control, kv_trace, kv_control = aux.traces["cct.gates"]
+    assert (q_control.gate, kv_control.gate) == ("control", "control")
     assert torch.equal(q_trace.values[..., 0], q_on.float())
     assert torch.equal(kv_trace.values[..., 0], (kv_gate & ~pad).float())  # what ran
 

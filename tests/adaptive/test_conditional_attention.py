@@ -142,7 +142,7 @@ def test_incremental_hard_decoding_equals_full_sequence():
 
 
 def test_gated_cache_reorders_its_flags_and_plain_cache_is_refused():
-    cache = GatedKVCache(k=torch.randn(3, 2, 4, 8), v=torch.randn(3, 2, 4, 8),
+    cache = GatedKVCache(k=torch.randn(3, 4, 16), v=torch.randn(3, 4, 16),
                          on=torch.tensor([[1, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]).bool())
     on = cache.on
     cache.reorder(torch.tensor([2, 0]))

@@ -66,6 +66,7 @@ from dynaseq.adaptive.gating import (
     GateTrace,
     MacsRecord,
     NoiseSchedule,
+    control_trace,
 )
 from dynaseq.adaptive.packing import Packing, scatter_rows
 from dynaseq.nn.attention import KVCache
@@ -76,12 +77,17 @@ from dynaseq.nn.outputs import AuxOutputs
 class GatedKVCache(KVCache):
     """A :class:`~dynaseq.nn.KVCache` that also remembers which cached keys are on.
 
+    k, v: ``(B, S, d_model)``, heads not split (so the rows of the "on" keys are picked with
+    one ``index_select``); zero rows where the key is off.
     on: ``(B, S)`` bool, True where the key/value row was computed (hard inference); ``None``
-    for caches filled in training mode, whose rows already carry their soft gates. Works in
-    place of a plain ``KVCache`` for dense attention too (which ignores ``on``).
+    for caches filled in training mode, whose rows already carry their soft gates.
     """
 
     on: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.size(1)
 
     def reorder(self, index: Tensor) -> None:
         super().reorder(index)
@@ -210,16 +216,17 @@ class ConditionalAttention(nn.Module):
         else:
             src = x if memory is None else memory
             g_kv = self.gate(self.kv_control(src))  # (B, S, 1)
-            k = self._split(g_kv * self.k_norm(self.k_proj(src)))  # (B, H, S, hd)
-            v = self._split(g_kv * self.v_norm(self.v_proj(src)))
+            k = g_kv * self.k_norm(self.k_proj(src))  # (B, S, d)
+            v = g_kv * self.v_norm(self.v_proj(src))
             if cache is not None:
                 k, v, _ = _store(cache, k, v, None)
-        allowed = allowed_mask(attn_mask, is_causal, x.size(1), k.size(2), past, x.device)
-        a = F.scaled_dot_product_attention(self._split(self.q_proj(x)), k, v, attn_mask=allowed,
+        allowed = allowed_mask(attn_mask, is_causal, x.size(1), k.size(1), past, x.device)
+        a = F.scaled_dot_product_attention(self._split(self.q_proj(x)), self._split(k),
+                                           self._split(v), attn_mask=allowed,
                                            dropout_p=self.dropout if self.training else 0.0)
         out = g_q * self.out_proj(self.out_norm(self._merge(a)))  # (B, T, d)
         if aux is not None:
-            self._trace(aux, g_q, g_kv, allowed, k.size(2), memory is not None)
+            self._trace(aux, g_q, g_kv, allowed, k.size(1), memory is not None)
         return out
 
     # -- inference: hard gates, gated-off work skipped ------------------------------------------
@@ -242,30 +249,36 @@ class ConditionalAttention(nn.Module):
                 kv_ran = kv_ran & _attendable(attn_mask, b, src.size(1))
             if cache is None:  # nobody else will read these keys
                 kv_ran = kv_ran & q_on.any(1, keepdim=True)
-            k, v = self._project_kv(src, kv_ran)  # (B, H, S, hd), zero rows where off
+            k, v = self._project_kv(src, kv_ran)  # (B, S, d), zero rows where off
             key_on = kv_ran
             if cache is not None:
                 k, v, key_on = _store(cache, k, v, kv_ran)
-        s = k.size(2)
+        s = k.size(1)
         allowed = allowed_mask(attn_mask, is_causal, t, s, past, x.device)
         if allowed is None:
             allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=x.device)
         allowed = allowed.expand(b, allowed.size(1), t, s)  # (B, Hm, T, S)
+        n_off = (allowed & ~key_on[:, None, None, :]).sum(-1, keepdim=True)  # (B, Hm, T, 1)
 
-        out = x.new_zeros(b * t, d)
-        if q_on.any():
-            qp = Packing.of(q_on)  # the B' sequences with an open query
-            kp = Packing.of(key_on, rows=qp.rows)
-            q = self.q_proj(x.reshape(b * t, d).index_select(0, qp.flat))  # (Nq, d)
-            q = self._split(qp.pack(q))  # (B', H, Q, hd)
-            k_p, v_p = kp.gather(k, 2), kp.gather(v, 2)  # (B', H, K, hd)
-            n_off = (allowed & ~key_on[:, None, None, :]).sum(-1, keepdim=True)  # (B, Hm, T, 1)
-            n_off = qp.gather(n_off, 2).to(x.dtype)  # (B', Hm, Q, 1)
-            allowed_p = kp.gather(qp.gather(allowed, 2), 3, rows_selected=True)
-            allowed_p = allowed_p & kp.valid[:, None, None, :]  # (B', Hm, Q, K)
-            a = attend_with_zero_rows(q, k_p, v_p, allowed_p, n_off)  # (B', H, Q, hd)
-            y = self.out_proj(self.out_norm(qp.unpack(self._merge(a))))  # (Nq, d)
-            out.index_copy_(0, qp.flat, y)
+        if bool(q_on.all()) and not bool(n_off.any()):
+            # every query open and every key a query may see computed: plain attention
+            a = F.scaled_dot_product_attention(self._split(self.q_proj(x)), self._split(k),
+                                               self._split(v), attn_mask=allowed)
+            out = self.out_proj(self.out_norm(self._merge(a))).reshape(b * t, d)
+        else:
+            out = x.new_zeros(b * t, d)
+            if q_on.any():
+                qp = Packing.of(q_on)  # the B' sequences with an open query
+                kp = Packing.of(key_on, rows=qp.rows)
+                q = self.q_proj(x.reshape(b * t, d).index_select(0, qp.flat))  # (Nq, d)
+                q = self._split(qp.pack(q))  # (B', H, Q, hd)
+                k_p, v_p = self._split(kp.select(k)), self._split(kp.select(v))  # (B', H, K, hd)
+                n_off_p = qp.gather(n_off, 2).to(x.dtype)  # (B', Hm, Q, 1)
+                allowed_p = kp.gather(qp.gather(allowed, 2), 3, rows_selected=True)
+                allowed_p = allowed_p & kp.valid[:, None, None, :]  # (B', Hm, Q, K)
+                a = attend_with_zero_rows(q, k_p, v_p, allowed_p, n_off_p)  # (B', H, Q, hd)
+                y = self.out_proj(self.out_norm(qp.unpack(self._merge(a))))  # (Nq, d)
+                out.index_copy_(0, qp.flat, y)
         if aux is not None:
             dtype = x.dtype
             self._trace(aux, q_on[..., None].to(dtype),
@@ -276,16 +289,19 @@ class ConditionalAttention(nn.Module):
         return out.view(b, t, d)
 
     def _project_kv(self, src: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:
-        """LN(src W_k), LN(src W_v) on the ``on`` tokens only; zero rows elsewhere."""
+        """LN(src W_k), LN(src W_v) ``(B, S, d)`` on the ``on`` tokens only; zero rows
+        elsewhere (all tokens on: no gather/scatter)."""
         b, s, d = src.shape
+        if bool(on.all()):
+            return self.k_norm(self.k_proj(src)), self.v_norm(self.v_proj(src))
         flat = on.reshape(-1).nonzero().squeeze(1)
         if flat.numel() == 0:
-            zeros = src.new_zeros(b, self.n_heads, s, self.d_head)
+            zeros = src.new_zeros(b, s, d)
             return zeros, zeros.clone()
         rows = src.reshape(b * s, d).index_select(0, flat)  # (N_kv, d)
         k = scatter_rows(self.k_norm(self.k_proj(rows)), flat, b * s).view(b, s, d)
         v = scatter_rows(self.v_norm(self.v_proj(rows)), flat, b * s).view(b, s, d)
-        return self._split(k), self._split(v)
+        return k, v
 
     # -- accounting -----------------------------------------------------------------------------
 
@@ -299,11 +315,13 @@ class ConditionalAttention(nn.Module):
         per_query = _linear_macs(self.q_proj, 1) + _linear_macs(self.out_proj, 1)
         cost_q = (per_query + 2 * self.d_model * keys_seen)[..., None].to(g_q.dtype)
         aux.add_trace(GATE_TRACE, GateTrace(self.name, "q", g_q, cost_q, "input"))
+        aux.add_trace(GATE_TRACE, control_trace(self.name, self.q_control, g_q, "input"))
         if g_kv is not None:
             per_kv = _linear_macs(self.k_proj, 1) + _linear_macs(self.v_proj, 1)
             cost_kv = torch.tensor(float(per_kv), dtype=g_kv.dtype, device=g_kv.device)
-            aux.add_trace(GATE_TRACE, GateTrace(self.name, "kv", g_kv, cost_kv,
-                                                "memory" if cross else "input"))
+            stream = "memory" if cross else "input"
+            aux.add_trace(GATE_TRACE, GateTrace(self.name, "kv", g_kv, cost_kv, stream))
+            aux.add_trace(GATE_TRACE, control_trace(self.name, self.kv_control, g_kv, stream))
 
     def new_cache(self, static: bool = False) -> GatedKVCache:
         """An empty :class:`GatedKVCache` (``static``: cross-attention)."""
@@ -380,8 +398,8 @@ def _store(cache: GatedKVCache, k: Tensor, v: Tensor,
     if cache.k is not None and not cache.static:
         if (cache.on is None) != (on is None):
             raise ValueError("a cache cannot mix training-mode and inference-mode steps")
-        k = torch.cat([cache.k, k], dim=2)
-        v = torch.cat([cache.v, v], dim=2)
+        k = torch.cat([cache.k, k], dim=1)
+        v = torch.cat([cache.v, v], dim=1)
         on = None if on is None else torch.cat([cache.on, on], dim=1)
     cache.k, cache.v, cache.on = k, v, on
     return k, v, on

@@ -27,6 +27,7 @@ from dynaseq.adaptive.gating import (
     GateTrace,
     MacsRecord,
     NoiseSchedule,
+    control_trace,
 )
 from dynaseq.nn.feedforward import FeedForward
 from dynaseq.nn.outputs import AuxOutputs
@@ -81,6 +82,7 @@ class ConditionalFeedForward(nn.Module):
         if aux is not None:
             aux.add_trace(GATE_TRACE, GateTrace(self.name, "ffn", g, self._piece_costs(g),
                                                 "input"))
+            aux.add_trace(GATE_TRACE, control_trace(self.name, self.control, g, "input"))
             if not self.training:
                 aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(g.bool())))
         return out
@@ -92,7 +94,9 @@ class ConditionalFeedForward(nn.Module):
         out = x.new_zeros(b * t, d)
         for i, piece in enumerate(self.pieces):
             idx = flat_on[:, i].nonzero().squeeze(1)
-            if idx.numel():
+            if idx.numel() == b * t:  # every token: no gather/scatter
+                out += piece(flat_x)
+            elif idx.numel():
                 out.index_add_(0, idx, piece(flat_x.index_select(0, idx)))
         return out.view(b, t, d)
 

@@ -166,7 +166,10 @@ class GateTrace:
 
     layer: the sub-layer's ``name`` (e.g. ``"encoder.layers.0.self_attn"``, set by
         :func:`dynaseq.adaptive.cct.name_conditional_sublayers`).
-    gate: ``"q"`` or ``"kv"`` (attention), ``"ffn"`` (the M feed-forward pieces).
+    gate: ``"q"`` or ``"kv"`` (attention), ``"ffn"`` (the M feed-forward pieces), or
+        ``"control"``: the control network itself, which always runs (values all 1, no
+        gradient); it enters the budget so that the budget is a fraction of everything the
+        gated sub-layers execute, control nets included (see :func:`control_trace`).
     values: ``(B, T, G)`` gates per token: the soft (noisy) gates in training, with their
         graph (the budget loss differentiates them); at inference 0/1 for "ran / did not".
     cost: MACs that one open gate spends on one token, broadcastable to ``values``.
@@ -187,3 +190,17 @@ class MacsRecord:
 
     layer: str
     macs: dict[str, int]
+
+
+def control_trace(layer: str, control: ControlNet, gates: Tensor, stream: str) -> GateTrace:
+    """The always-on cost of ``control`` on the tokens of ``gates`` ``(B, T, G)``.
+
+    A :class:`GateTrace` with gate ``"control"``, values 1 ``(B, T, 1)`` and cost the control
+    net's MACs per token. The budget loss then counts the control nets in both the budget
+    and the utilization, so a trained budget p makes everything the gated sub-layers run
+    (the realized fraction that inference reports) about p of its maximum, instead of
+    p of the gated work plus the control nets on top.
+    """
+    ones = gates.new_ones(gates.shape[:-1] + (1,)).detach()
+    cost = torch.tensor(float(control.macs(1)), dtype=gates.dtype, device=gates.device)
+    return GateTrace(layer, "control", ones, cost, stream)

@@ -73,6 +73,13 @@ class Packing:
         """``(B', W, d)`` -> ``(N, d)`` rows of the selected tokens, in ``flat`` order."""
         return packed.reshape(self.n_rows * self.width, -1).index_select(0, self.slot)
 
+    def select(self, full: Tensor) -> Tensor:
+        """Packed slots of ``full`` ``(B, T, d)`` -> ``(B', W, d)`` with one ``index_select``
+        of whole rows; padding slots hold position 0's row (mask them)."""
+        b, t, d = full.shape
+        index = (self.rows[:, None] * t + self.pos).reshape(-1)  # (B'·W,)
+        return full.reshape(b * t, d).index_select(0, index).view(self.n_rows, self.width, d)
+
     def gather(self, full: Tensor, dim: int, *, rows_selected: bool = False) -> Tensor:
         """Pick the packed slots out of ``full`` ``(B, ..., T, ...)`` along ``dim`` (T's dim).
 
