@@ -145,6 +145,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from dynaseq.analysis import analyze, write_analysis
+    from dynaseq.data import read_lines
+
+    if args.max_lines is not None and args.max_lines < 1:
+        raise DynaseqError("--max-lines must be >= 1")
+    src = read_lines(args.src)
+    ref = None if args.ref is None else read_lines(args.ref)
+    t = _translator(args)
+    result = analyze(t, src, ref, budgets=args.budget, beam=args.beam,
+                     max_lines=args.max_lines)
+    result = {"run_dir": str(args.run_dir), "src": args.src, "ref": args.ref, **result}
+    paths = write_analysis(result, args.out)
+    print(f"analyzed {result['n_sentences']} sentences at {len(result['budgets'])} budgets: "
+          f"{len(paths)} files in {args.out}", file=sys.stderr)
+    return 0
+
+
 def parse_budget(text: str) -> float | tuple[float, float]:
     """``0.33`` (encoder and decoder) or ``1,0.33`` (encoder, decoder)."""
     try:
@@ -228,6 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("analyze", help="CCT gate statistics and plots (paper fig. 9-13)")
+    p.add_argument("run_dir")
+    p.add_argument("--src", required=True, help="source sentences")
+    p.add_argument("--ref", default=None,
+                   help="references to analyze (default: the model's own translations)")
+    p.add_argument("--out", required=True, help="output directory (analysis.json + PNGs)")
+    p.add_argument("--budget", type=parse_budget, action="append", default=None,
+                   help="a trained budget, 0.33 or ENC,DEC; repeat for more (default: all)")
+    p.add_argument("--max-lines", type=int, default=None, help="analyze the first N lines")
+    p.add_argument("--beam", type=int, default=1, help="beam size without --ref (1 = greedy)")
+    _add_run_args(p)
+    p.set_defaults(func=cmd_analyze)
     return parser
 
 
