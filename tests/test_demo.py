@@ -1,6 +1,6 @@
 import json
 
-from dynaseq.demo import run_demo, token_accuracy
+from dynaseq.demo import DEMO_BUDGETS, run_demo, token_accuracy
 
 
 def test_demo_writes_data_run_and_summary(tmp_path):
@@ -12,10 +12,12 @@ def test_demo_writes_data_run_and_summary(tmp_path):
     assert (out / "run" / "config.yaml").is_file() and (out / "run" / "best").is_dir()
     saved = json.loads((out / "summary.json").read_text())
     assert saved == summary
-    assert [r["decode"] for r in saved["rows"]] == ["greedy", "beam4"]
+    assert [tuple(r["budget"]) for r in saved["rows"]] == DEMO_BUDGETS  # one row per budget
     for r in saved["rows"]:
-        assert {"bleu", "exact_match", "hard_token_acc", "macs_per_token",
-                "latency_ms_30tok"} <= set(r)
+        assert {"bleu_greedy", "exact_match", "hard_token_acc", "realized_fraction",
+                "realized_macs_per_token", "ms_per_sentence"} <= set(r)
+        assert 0 < r["realized_fraction"] <= 1
+    assert saved["rows"][0]["realized_fraction"] == 1.0 or saved["rows"][0]["realized_fraction"] > 0
 
 
 def test_token_accuracy_counts_hard_and_easy_words():
