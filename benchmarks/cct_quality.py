@@ -1,0 +1,231 @@
+"""Benchmark `cct_quality` (CCT paper fig. 4-5): one CCT against MAC-matched dense models.
+
+One CCT with the capacity of `small` (3+3 layers, d=256, FFN 1024 in M=4 gated pieces),
+trained on Multi30k en->fr with the budgets of configs/multi30k_cct_small.yaml, is evaluated
+at (b, b) for b in {1, .5, .33, .2} and at the decoder-only budgets (1, b). Dense baselines
+are the `small` model shrunk in depth or in FFN width to about the MACs the CCT realizes at
+.5 and .33 (fig. 4), and with the full encoder and a shrunk decoder (fig. 5). The dense
+`small` en->fr model of benchmarks/mt_baseline.py is the "dense model of the CCT's size".
+
+    python benchmarks/cct_quality.py train cct          # the CCT (55 min, 1 thread)
+    python benchmarks/cct_quality.py train baselines    # the dense baselines (1 thread)
+    python benchmarks/cct_quality.py report             # evaluate, write results/
+
+The two `train` lanes use one thread each, so they can run side by side on 2 cores.
+Writes benchmarks/results/cct_quality.{json,md,png} (BLEU vs realized MACs/token) and
+cct_adherence.{json,md} (realized fraction vs each trained budget). Run from the
+repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from dynaseq.config import load_config
+from dynaseq.data import read_lines
+from dynaseq.infer.translator import Translator
+from dynaseq.metrics import count_macs
+from dynaseq.train.loop import train
+
+from mt_baseline import throughput
+
+DATA = Path("../shared/data/multi30k")
+RESULTS = Path("benchmarks/results")
+RUNS = Path("runs/bench")
+CCT_RUN = RUNS / "cct_quality_cct"
+CCT_MINUTES = 55.0
+DENSE_FULL = RUNS / "mt_baseline_small_en_fr"  # trained by benchmarks/mt_baseline.py
+DENSE_STEPS = 729  # the updates the dense small en->fr model got (mt_baseline.json)
+# name -> (description, overrides of configs/multi30k_small.yaml)
+BASELINES = {
+    "depth_2_1": ("depth: 2+1 layers", ["model.encoder_layers=2", "model.decoder_layers=1"]),
+    "depth_1_1": ("depth: 1+1 layers", ["model.encoder_layers=1", "model.decoder_layers=1"]),
+    "width_f128": ("FFN width 128", ["model.ffn_dim=128"]),
+    "decoder_3_1": ("full encoder, 1 decoder layer",
+                    ["model.encoder_layers=3", "model.decoder_layers=1"]),
+}
+CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.0, 0.33),
+               (1.0, 0.2)]
+
+
+def cct_config():
+    return load_config("configs/multi30k_cct_small.yaml",
+                       [f"run_dir={CCT_RUN}", f"train.max_minutes={CCT_MINUTES}"])
+
+
+def baseline_config(name: str):
+    return load_config("configs/multi30k_small.yaml", [
+        f"run_dir={RUNS / ('cct_quality_' + name)}",
+        f"data.train_tgt={DATA}/train.fr.gz", f"data.valid_tgt={DATA}/val.fr.gz",
+        f"train.max_steps={DENSE_STEPS}", "train.valid_bleu_lines=300", *BASELINES[name][1]])
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    configs = [cct_config()] if args.lane == "cct" else [
+        baseline_config(n) for n in BASELINES if not args.only or n in args.only]
+    for cfg in configs:
+        print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
+        result = train(cfg, progress=True)
+        if result.stopped_by_signal is not None:  # checkpoint written; rerun to resume
+            break
+
+
+def layer_macs_per_token(t: Translator, src: list[str], ref: list[str]) -> dict[str, float]:
+    """A dense model's attention + FFN MACs (embeddings and output layer excluded, like the
+    CCT's realized MACs) per source / target token over the test pairs, teacher forced."""
+    enc = dec = n_src = n_tgt = 0
+    for s_ids, r_ids in zip(t.tokenizer.encode(src), t.tokenizer.encode(ref), strict=True):
+        s_len, t_len = len(s_ids) + 1, len(r_ids) + 1  # + eos / + bos
+        rep = count_macs(t.model, s_len, t_len)
+        enc += rep.encoder_total
+        dec += rep.decoder_total - rep.decoder["output_proj"]
+        n_src, n_tgt = n_src + s_len, n_tgt + t_len
+    return {"encoder": enc / n_src, "decoder": dec / n_tgt, "total": enc / n_src + dec / n_tgt}
+
+
+def evaluate(t: Translator, src: list[str], ref: list[str], budget=None) -> dict:
+    r = t.evaluate(src, ref, beam=4, budget=budget)
+    row = {"bleu_beam4": round(r["bleu"], 2), "loss": round(r["loss"], 4),
+           "params": sum(p.numel() for p in t.model.parameters()),
+           **throughput(Path(t.config.run_dir))}
+    if budget is None:
+        row["layer_macs_per_token"] = {k: round(v) for k, v in
+                                       layer_macs_per_token(t, src, ref).items()}
+    else:
+        per_tok = r["realized_macs_per_token"]
+        row["budget"] = list(budget)
+        row["realized_fraction"] = {k: round(v, 3) for k, v in r["realized_fraction"].items()}
+        row["layer_macs_per_token"] = {"encoder": round(per_tok["encoder"]),
+                                       "decoder": round(per_tok["decoder"]),
+                                       "total": round(sum(per_tok.values()))}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    src = read_lines(DATA / "test_2016_flickr.en.gz")
+    ref = read_lines(DATA / "test_2016_flickr.fr.gz")
+    cct = Translator.load(CCT_RUN)
+    rows = [{"system": f"CCT ({e:g}, {d:g})", **evaluate(cct, src, ref, (e, d))}
+            for e, d in CCT_BUDGETS]
+    rows.append({"system": "dense small (3+3, FFN 1024)",
+                 **evaluate(Translator.load(DENSE_FULL), src, ref)})
+    for name, (desc, _) in BASELINES.items():
+        run = Path(baseline_config(name).run_dir)
+        if (run / "config.yaml").exists():
+            rows.append({"system": f"dense {desc}", **evaluate(Translator.load(run), src, ref)})
+    machine = {"platform": platform.platform(), "torch": torch.__version__,
+               "threads": torch.get_num_threads()}
+    command = ("python benchmarks/cct_quality.py train cct & python benchmarks/cct_quality.py "
+               "train baselines; python benchmarks/cct_quality.py report")
+    out = {"benchmark": "cct_quality", "command": command, "machine": machine,
+           "test_set": "multi30k test_2016_flickr en->fr (1000 sentences), beam 4", "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cct_quality.json").write_text(json.dumps(out, indent=1))
+    write_quality_md(out)
+    write_adherence(out)
+    plot(rows)
+
+
+def write_quality_md(out: dict) -> None:
+    full = next(r for r in out["rows"] if r["system"].startswith("dense small"))
+    lines = ["# cct_quality: one CCT at several budgets vs MAC-matched dense models", "",
+             f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
+             f"Test set: {out['test_set']}", "",
+             "Layer MACs/token: attention + FFN (+ control nets for the CCT) per source token "
+             "plus per target token, teacher forced over the test pairs, batch 1; embeddings "
+             "and the output layer (the same for every model) excluded. For the CCT, the "
+             "MACs that actually ran at that budget.", "",
+             "| system | BLEU beam4 | layer MACs/token | ÷ dense small | realized fraction "
+             "(enc, dec) | params | steps | train min |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in out["rows"]:
+        macs = r["layer_macs_per_token"]["total"]
+        frac = r.get("realized_fraction")
+        frac_s = f"{frac['encoder']}, {frac['decoder']}" if frac else ""
+        lines.append(f"| {r['system']} | {r['bleu_beam4']} | {macs / 1e6:.3f}M | "
+                     f"{macs / full['layer_macs_per_token']['total']:.3f} | {frac_s} | "
+                     f"{r['params']:,} | {r['steps']} | {r['train_minutes']} |")
+    (RESULTS / "cct_quality.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def write_adherence(out: dict) -> None:
+    rows = []
+    for r in out["rows"]:
+        if "budget" not in r:
+            continue
+        enc, dec = r["budget"]
+        f = r["realized_fraction"]
+        err = {"encoder": round(f["encoder"] - enc, 3), "decoder": round(f["decoder"] - dec, 3)}
+        rows.append({"budget": r["budget"], "realized_fraction": f, "error": err,
+                     "within_0.05": all(abs(v) <= 0.05 for v in err.values())})
+    res = {"benchmark": "cct_adherence", "command": out["command"], "machine": out["machine"],
+           "test_set": out["test_set"], "rows": rows}
+    (RESULTS / "cct_adherence.json").write_text(json.dumps(res, indent=1))
+    lines = ["# cct_adherence: realized compute fraction vs the trained budget", "",
+             f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
+             "Realized fraction: MACs the gated sub-layers (attention, FFN pieces, control "
+             "nets) ran on test_2016_flickr (teacher forced, batch 1) over the same passes "
+             "with every gate on. Target: within ±0.05 of the budget.", "",
+             "| budget (enc, dec) | realized enc | realized dec | error enc | error dec | "
+             "within ±0.05 |", "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        f, e = r["realized_fraction"], r["error"]
+        lines.append(f"| {tuple(r['budget'])} | {f['encoder']} | {f['decoder']} | "
+                     f"{e['encoder']:+} | {e['decoder']:+} | {'yes' if r['within_0.05'] else 'NO'} |")
+    (RESULTS / "cct_adherence.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for label, keep, style in (
+            ("CCT (b, b)", lambda r: "budget" in r and r["budget"][0] == r["budget"][1], "o-"),
+            ("CCT (1, b): decoder budget only", lambda r: "budget" in r
+             and r["budget"][0] == 1.0 and r["budget"][1] < 1.0, "s--")):
+        pts = sorted((r["layer_macs_per_token"]["total"] / 1e6, r["bleu_beam4"])
+                     for r in rows if keep(r))
+        ax.plot(*zip(*pts, strict=True), style, label=label)
+    for r in rows:
+        if "budget" not in r:
+            x = r["layer_macs_per_token"]["total"] / 1e6
+            ax.plot(x, r["bleu_beam4"], "k^")
+            ax.annotate(r["system"].removeprefix("dense "), (x, r["bleu_beam4"]), fontsize=7,
+                        xytext=(4, -3), textcoords="offset points")
+    ax.set_xlabel("layer MACs per token (millions; CCT: realized)")
+    ax.set_ylabel("BLEU, test_2016_flickr en→fr, beam 4")
+    ax.set_title("CCT budgets vs MAC-matched dense models (▲)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "cct_quality.png", dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("lane", choices=["cct", "baselines"])
+    t.add_argument("--only", nargs="*", choices=list(BASELINES))
+    t.set_defaults(func=cmd_train)
+    r = sub.add_parser("report")
+    r.set_defaults(func=cmd_report)
+    args = p.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
