@@ -1,6 +1,9 @@
 import json
 
-from dynaseq.demo import DEMO_BUDGETS, run_demo, token_accuracy
+from dynaseq.adaptive.cct import force_gates
+from dynaseq.data import read_lines
+from dynaseq.demo import DEMO_BUDGETS, hard_easy_compute, run_demo, token_accuracy
+from dynaseq.infer.translator import Translator
 
 
 def test_demo_writes_data_run_and_summary(tmp_path):
@@ -15,9 +18,16 @@ def test_demo_writes_data_run_and_summary(tmp_path):
     assert [tuple(r["budget"]) for r in saved["rows"]] == DEMO_BUDGETS  # one row per budget
     for r in saved["rows"]:
         assert {"bleu_greedy", "exact_match", "hard_token_acc", "realized_fraction",
-                "realized_macs_per_token", "ms_per_sentence"} <= set(r)
+                "realized_macs_per_token", "ms_per_sentence", "decoder_compute_hard",
+                "decoder_compute_easy"} <= set(r)
         assert 0 < r["realized_fraction"] <= 1
-    assert saved["rows"][0]["realized_fraction"] == 1.0 or saved["rows"][0]["realized_fraction"] > 0
+    # the hard/easy split of decoder compute: exact at the two extremes of the gates
+    t = Translator.load(out / "run")
+    src, ref = read_lines(out / "data" / "test.src")[:20], read_lines(out / "data" / "test.tgt")[:20]
+    for value in (1.0, 0.0):
+        with force_gates(t.model, value):
+            assert hard_easy_compute(t, src, ref, DEMO_BUDGETS[1]) == {
+                "decoder_compute_hard": value, "decoder_compute_easy": value}
 
 
 def test_token_accuracy_counts_hard_and_easy_words():

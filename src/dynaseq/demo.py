@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dynaseq.analysis.gates import sentence_traces, token_compute
 from dynaseq.config import (
     CCTConfig,
     DataConfig,
@@ -24,7 +27,7 @@ from dynaseq.config import (
     TrainConfig,
 )
 from dynaseq.data import hard_token_mask, read_lines, write_task
-from dynaseq.infer.translator import Translator, bleu
+from dynaseq.infer.translator import Translator, bleu, control_for_budget
 from dynaseq.metrics.profile import count_params
 from dynaseq.train.loop import train
 
@@ -103,10 +106,12 @@ def run_demo(out: str | Path, minutes: float = 5.0, seed: int = 0, progress: boo
         hyps = t.translate(src, beam=1, budget=budget)
         score, signature = bleu(hyps, ref)
         compute = t.realized_compute(src[:n_small], ref[:n_small], budget)
+        by_word = hard_easy_compute(t, src[:n_small], ref[:n_small], budget)
         rows.append({"budget": list(budget), "bleu_greedy": round(score, 2),
                      **{k: round(v, 4) for k, v in token_accuracy(hyps, ref, src).items()},
                      "realized_fraction": round(compute["fraction"]["total"], 3),
                      "realized_macs_per_token": round(sum(compute["macs_per_token"].values())),
+                     **{k: round(v, 3) for k, v in by_word.items()},
                      "ms_per_sentence": round(_greedy_ms(t, src[:50], budget), 2)})
     summary = {
         "task": "synthetic (dynaseq.data.synthetic)", "model": "CCT tiny 2+2 layers, M=4",
@@ -119,6 +124,36 @@ def run_demo(out: str | Path, minutes: float = 5.0, seed: int = 0, progress: boo
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(format_table(summary))
     return summary
+
+
+def hard_easy_compute(t: Translator, src: list[str], ref: list[str],
+                      budget: tuple[float, float]) -> dict[str, float]:
+    """Mean decoder compute (fraction of gated MACs that ran, as in ``dynaseq analyze``) on
+    the subword positions that predict hard (sum-result) vs easy reference words.
+
+    Each reference is tokenized word by word, so every subword belongs to one word; the
+    teacher-forced pass runs at batch 1 (no padding).
+    """
+    control = control_for_budget(t.config.model, budget)
+    m, tok = t.model, t.tokenizer
+    used = {True: 0.0, False: 0.0}
+    count = {True: 0, False: 0}
+    for line, target in zip(src, ref, strict=True):
+        words = target.split()
+        pieces = tok.encode(words) if words else []
+        ids = [i for p in pieces for i in p]
+        hard = [h for h, p in zip(hard_token_mask(line, target), pieces, strict=True)
+                for _ in p]
+        src_t = torch.tensor([tok.encode([line])[0] + [m.eos_id]], device=t.device)
+        tgt_in = torch.tensor([[m.bos_id] + ids], device=t.device)
+        with torch.no_grad():
+            traces = sentence_traces(m, src_t, tgt_in, control)
+        frac = token_compute(traces, "decoder", tgt_in.size(1)).fraction  # predicts ids, eos
+        for h, f in zip(hard, frac[: len(ids)].tolist(), strict=True):
+            used[h] += f
+            count[h] += 1
+    return {"decoder_compute_hard": used[True] / max(count[True], 1),
+            "decoder_compute_easy": used[False] / max(count[False], 1)}
 
 
 def _greedy_ms(t: Translator, src: list[str], budget: tuple[float, float]) -> float:
@@ -134,13 +169,15 @@ def format_table(summary: dict[str, Any]) -> str:
              f"{summary['params']:,} params, {summary['train_steps']} updates in "
              f"{summary['train_minutes']} min; greedy decoding",
              f"{'budget':<12} {'compute':>7} {'MACs/tok':>9} {'BLEU':>6} {'exact':>6} "
-             f"{'hard acc':>8} {'easy acc':>8} {'ms/sent':>8}"]
+             f"{'hard acc':>8} {'easy acc':>8} {'dec hard':>8} {'dec easy':>8} {'ms/sent':>8}"]
     for r in summary["rows"]:
         budget = f"({r['budget'][0]:g}, {r['budget'][1]:g})"
         lines.append(f"{budget:<12} {r['realized_fraction']:>7.3f} "
                      f"{r['realized_macs_per_token'] / 1e6:>8.3f}M {r['bleu_greedy']:>6.2f} "
                      f"{r['exact_match']:>6.3f} {r['hard_token_acc']:>8.3f} "
-                     f"{r['easy_token_acc']:>8.3f} {r['ms_per_sentence']:>8.2f}")
+                     f"{r['easy_token_acc']:>8.3f} {r['decoder_compute_hard']:>8.3f} "
+                     f"{r['decoder_compute_easy']:>8.3f} {r['ms_per_sentence']:>8.2f}")
     lines.append("compute: MACs the gated layers ran (teacher forced) over their all-on "
-                 "maximum; ms/sent: greedy, batch 1")
+                 "maximum; dec hard/easy: the decoder's compute fraction on the words that are "
+                 "sum results / all other words; ms/sent: greedy, batch 1")
     return "\n".join(lines)
