@@ -81,3 +81,21 @@ def test_cct_model_decodes_with_the_generic_search():
     # hard gates, some off: finished rows are dropped from gated caches too
     assert beam_search(model, src, beam=1, max_len_b=5) == greedy_search(model, src, max_len_b=5)
     assert len(beam_search(model, src, beam=3, max_len_b=5)) == 2
+
+
+def test_cct_batched_beam_search_equals_one_sentence_at_a_time():
+    """Gated self- and cross-attention caches survive beam reordering and dropped rows."""
+    from dynaseq.infer import beam_search
+
+    torch.manual_seed(3)
+    model = _model().eval()
+    src = torch.tensor([[5, 6, 7, 8, 3], [8, 9, 3, 0, 0], [11, 12, 13, 3, 0]])
+    aux = AuxOutputs()
+    with torch.no_grad():
+        model.encode(src, aux=aux)
+    gates = torch.cat([t.values.flatten() for t in gate_traces(aux) if t.gate != "control"])
+    assert 0 < gates.mean() < 1  # a mixed gate pattern
+    batched = beam_search(model, src, beam=3, max_len_a=1.0, max_len_b=4)
+    for i in range(3):
+        row = src[i: i + 1, : int(src[i].ne(0).sum())]
+        assert beam_search(model, row, beam=3, max_len_a=1.0, max_len_b=4)[0] == batched[i]

@@ -133,9 +133,11 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         rows = (keep.unsqueeze(1) * k + beams[keep]).view(-1)  # flat rows to continue
         history = torch.cat([history[rows], toks[keep].view(-1, 1)], dim=1)
         scores = live_scores[keep]
-        state.reorder(rows)
-        if keep.numel() != m:
-            enc = enc.index_select(keep.repeat_interleave(k) * k)
+        state.reorder_self(rows)
+        if keep.numel() != m:  # sentences finished: drop their rows (any beam's will do)
+            first_beams = keep.repeat_interleave(k) * k
+            enc = enc.index_select(first_beams)
+            state.reorder_cross(first_beams)
         active = active[keep]
         tokens = toks[keep].view(-1, 1)
     results = []

@@ -86,7 +86,20 @@ class DecoderState:
                    [layer.cross_attn.new_cache(static=True) for layer in layers])
 
     def reorder(self, index: Tensor) -> None:
-        for cache in (*self.self_caches, *self.cross_caches):
+        """Keep/reorder batch rows of every cache."""
+        self.reorder_self(index)
+        self.reorder_cross(index)
+
+    def reorder_self(self, index: Tensor) -> None:
+        """Keep/reorder batch rows of the self-attention caches only (beam search: the
+        beams of one sentence share their cross-attention keys/values, so picking beams
+        within a sentence leaves the cross-attention caches as they are)."""
+        for cache in self.self_caches:
+            cache.reorder(index)
+
+    def reorder_cross(self, index: Tensor) -> None:
+        """Keep/reorder batch rows of the cross-attention caches only."""
+        for cache in self.cross_caches:
             cache.reorder(index)
 
 
