@@ -1,9 +1,11 @@
 """Benchmark `cct_ablation` (CCT paper fig. 7-8) at small scale, on the synthetic task.
 
 Trains the demo's tiny CCT (2+2 layers, d=128, budgets (1,1) x2, (.5,.5), (.33,.33), (.2,.2))
-in four variants for the same number of updates, one thread each:
+in four variants for the same number of updates, one thread, with the demo's budget
+curriculum (full budget for the first 35% of the updates, then all budgets, ramping in over
+10%):
 
-* ``linear, M=4``: noise scale α rising linearly to 5 over the first 40% of the updates;
+* ``linear, M=4``: noise scale α rising linearly to 5 over the first 30% of the updates;
 * ``constant, M=4``: α = 5 from the first update (fig. 7's "discrete from the start");
 * ``linear, M=2`` and ``linear, M=1``: the FFN split into fewer gated pieces (fig. 8).
 
@@ -27,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from dynaseq.config import CCTConfig
 from dynaseq.data import read_lines, write_task
-from dynaseq.demo import DEMO_BUDGETS, demo_config, token_accuracy
+from dynaseq.demo import DEMO_BUDGETS, demo_cct, demo_config, token_accuracy
 from dynaseq.infer.translator import Translator, bleu
 from dynaseq.train.loop import train
 
@@ -37,8 +38,8 @@ RESULTS = Path("benchmarks/results")
 RUNS = Path("runs/bench/cct_ablation")
 DATA = RUNS / "data"
 # name -> (noise ramp as a fraction of the updates, FFN pieces M)
-VARIANTS = {"linear, M=4": (0.4, 4), "constant, M=4": (0.0, 4), "linear, M=2": (0.4, 2),
-            "linear, M=1": (0.4, 1)}
+VARIANTS = {"linear, M=4": (0.3, 4), "constant, M=4": (0.0, 4), "linear, M=2": (0.3, 2),
+            "linear, M=1": (0.3, 1)}
 
 
 def run_dir(name: str) -> Path:
@@ -49,9 +50,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     paths = write_task(DATA, seed=0)
     for name, (ramp, pieces) in VARIANTS.items():
-        cfg = demo_config(run_dir(name), paths, minutes=60.0, seed=0, cct=CCTConfig(
-            ffn_pieces=pieces, control_hidden=64, noise_ramp_steps=int(ramp * args.steps),
-            budgets=[DEMO_BUDGETS[0], *DEMO_BUDGETS]))
+        cct = demo_cct(args.steps, updates_per_minute=1.0)
+        cct.ffn_pieces, cct.noise_ramp_steps = pieces, int(ramp * args.steps)
+        cfg = demo_config(run_dir(name), paths, minutes=60.0, seed=0, cct=cct)
         cfg.run_dir = str(run_dir(name))
         cfg.train.max_steps = args.steps
         print(f"== training {name}", file=sys.stderr, flush=True)

@@ -94,3 +94,15 @@ def test_cct_budget_grid_is_the_cross_product_with_one_symbol_per_distinct_pair(
         CCTConfig(budgets=[(0.5, 0.5)], budget_grid=[1.0, 0.5])
     with pytest.raises(ConfigError, match="budgets entries"):
         CCTConfig(budget_grid=[1.0, 1.5])
+
+
+def test_cct_budget_curriculum_share():
+    cct = CCTConfig(budgets=[(1.0, 1.0), (0.5, 0.5)], budget_start_step=100,
+                    budget_ramp_steps=50)
+    assert [cct.sampled_share(s) for s in (0, 99, 100, 125, 150, 10_000)] == [
+        0.0, 0.0, 0.0, 0.5, 1.0, 1.0]
+    assert CCTConfig(budgets=[(1.0, 1.0), (0.5, 0.5)]).sampled_share(0) == 1.0
+    with pytest.raises(ConfigError, match="full budget"):
+        CCTConfig(budgets=[(0.5, 0.5), (1.0, 1.0)], budget_ramp_steps=10)
+    with pytest.raises(ConfigError, match=">= 0"):
+        CCTConfig(budget_start_step=-1)

@@ -55,11 +55,14 @@ def demo_config(out: Path, paths: dict[str, Path], minutes: float, seed: int,
     )
 
 
-def demo_cct(minutes: float) -> CCTConfig:
+def demo_cct(minutes: float, updates_per_minute: float = 360.0) -> CCTConfig:
     """The demo's CCT: M=4 FFN pieces, the :data:`DEMO_BUDGETS` (full budget drawn twice as
-    often), noise reaching its maximum after about 40% of the run's updates."""
-    ramp = max(int(minutes * 60 * 6 * 0.4), 1)  # ~6 updates/s on 2 cores
-    return CCTConfig(ffn_pieces=4, control_hidden=64, noise_ramp_steps=ramp,
+    often). For a run of about ``minutes · updates_per_minute`` updates (~6/s on 2 cores):
+    noise at its maximum after 30% of them; every sequence at the full budget for the first
+    35%, then budgets drawn from the list, ramping in over 10% (see ``CCTConfig``)."""
+    steps = max(int(minutes * updates_per_minute), 10)
+    return CCTConfig(ffn_pieces=4, control_hidden=64, noise_ramp_steps=int(0.3 * steps),
+                     budget_start_step=int(0.35 * steps), budget_ramp_steps=int(0.1 * steps),
                      budgets=[DEMO_BUDGETS[0], *DEMO_BUDGETS])
 
 

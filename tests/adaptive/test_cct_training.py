@@ -104,3 +104,19 @@ def test_realized_fraction_is_one_with_every_gate_on_and_small_with_all_off(cct_
         off = realized_fraction(model, pairs, control=0)
     # only the control networks still run
     assert 0.0 < off["fraction"]["total"] < 0.2
+
+
+def test_control_sampling_follows_the_list_and_the_curriculum():
+    from dynaseq.train.loop import _sample_controls
+
+    ids = torch.tensor(CCTConfig(budgets=[(1.0, 1.0), (1.0, 1.0), (0.5, 0.5),
+                                          (0.2, 0.2)]).sampling_ids)
+    assert ids.tolist() == [0, 0, 1, 2]
+    drawn = torch.cat([_sample_controls(ids, 500, 0, step, 0) for step in range(20)])
+    share = torch.bincount(drawn, minlength=3).float() / drawn.numel()
+    torch.testing.assert_close(share, torch.tensor([0.5, 0.25, 0.25]), atol=0.02, rtol=0)
+    assert torch.equal(_sample_controls(ids, 64, 0, 7, 1), _sample_controls(ids, 64, 0, 7, 1))
+    assert not _sample_controls(ids, 500, 0, 3, 0, share=0.0).any()  # all full budget
+    half = torch.cat([_sample_controls(ids, 500, 0, s, 0, share=0.5) for s in range(20)])
+    assert abs(float((half == 0).float().mean()) - 0.75) < 0.02  # 0.5 + 0.5 * 0.5
+    assert _sample_controls(None, 4, 0, 0, 0) is None

@@ -282,10 +282,13 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                         for idx in group]
                 total_tokens = sum(b.n_tgt_tokens for b in full)
                 sums = [0.0, 0.0, 0.0]
+                share = 1.0
                 if budgets is not None:
                     set_gate_step(model, state.step)
+                    share = cfg.model.cct.sampled_share(state.step)
                 for i, b in enumerate(full):
-                    control = _sample_controls(sampling_ids, len(b), tc.seed, state.step, i)
+                    control = _sample_controls(sampling_ids, len(b), tc.seed, state.step, i,
+                                               share)
                     if control is not None:
                         control = control[env.rank::env.world_size].to(s.device)
                     b = b.shard(env.rank, env.world_size).to(s.device)
@@ -299,10 +302,10 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                             loss = loss + aux_loss
                         if budgets is not None:
                             # a per-batch mean: weighted by tokens so the sum over micro-batches
-                            # and ranks divided by all tokens averages it
+                            # and ranks divided by all tokens averages it; logged without λ
                             blo = seq2seq_budget_loss(out.aux, b.src, b.tgt_in, model.pad_id,
-                                                      control, budgets, cfg.model.cct.budget_weight)
-                            loss = loss + blo * n_tok
+                                                      control, budgets, 1.0)
+                            loss = loss + cfg.model.cct.budget_weight * blo * n_tok
                             sums[2] += float(blo.detach()) * n_tok
                         (loss * env.world_size / total_tokens).backward()
                     sums[0] += float(loss.detach())
@@ -369,9 +372,10 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
 
 
 def _sample_controls(sampling_ids: torch.Tensor | None, batch: int, seed: int, step: int,
-                     micro: int) -> torch.Tensor | None:
+                     micro: int, share: float = 1.0) -> torch.Tensor | None:
     """One control symbol per sequence: a uniformly drawn entry of the configured budget
-    list (CCT sec. 2.2), mapped to its symbol (``sampling_ids``, see ``CCTConfig``).
+    list (CCT sec. 2.2), mapped to its symbol (``sampling_ids``, see ``CCTConfig``); with
+    probability ``1 - share`` the full budget (symbol 0) instead (``budget_ramp_steps``).
 
     Drawn from (seed, step, micro-batch) alone, so every rank and every resume draws the
     same ids for the same batch. ``sampling_ids`` None (a dense model) gives None.
@@ -379,7 +383,10 @@ def _sample_controls(sampling_ids: torch.Tensor | None, batch: int, seed: int, s
     if sampling_ids is None:
         return None
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 131 + micro)
-    return sampling_ids[torch.randint(sampling_ids.numel(), (batch,), generator=gen)]
+    ids = sampling_ids[torch.randint(sampling_ids.numel(), (batch,), generator=gen)]
+    if share < 1.0:
+        ids = torch.where(torch.rand(batch, generator=gen) < share, ids, torch.zeros_like(ids))
+    return ids
 
 
 def _eta(state: TrainState, tc, t_first: tuple[float, int]) -> str:

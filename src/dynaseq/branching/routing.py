@@ -1,0 +1,132 @@
+"""Top-1 routing of tokens to branches (Tan et al. 2021, DMB eq. 15-16) and token grouping.
+
+A :class:`Router` is the DMB "gating unit"::
+
+    a(x) = softmax(W_g x + b_g)                      (eq. 15)   W_g (N, d), b_g (N,)
+    g(x, i) = 1 if a_i(x) is the top element else 0   (eq. 16)
+
+so exactly one branch ``argmax_i a_i(x)`` runs for each token, in training and at
+inference alike. The branch output is **not** multiplied by ``a(x)`` (g is binary), so the
+task loss sends no gradient to ``W_g, b_g``: the paper trains the gate only through its
+auxiliary diversity and entropy losses (eq. 17-20, see :mod:`dynaseq.branching.losses`):
+"binary outputs of the gating units are not differentiable [...] To enable the end-to-end
+training of gating units, we introduce two auxiliary losses [...] the gating units can
+receive gradients directly from the loss functions". The router's *input* does receive the
+auxiliary losses' gradient (the paper does not detach it, neither does this module).
+
+:class:`BranchGroups` turns per-token branch ids into a grouping: tokens are sorted by
+branch (stable), each branch runs one matmul on its contiguous group, and the results are
+put back in token order. Nothing is computed for a (token, branch) pair that was not chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Route:
+    """A router's decision for a set of tokens.
+
+    logits: ``(..., N)`` ``W_g x + b_g`` (with their graph in training).
+    branch: ``(...)`` long, ``argmax`` over the N branches (ties: the lowest index).
+    """
+
+    logits: Tensor
+    branch: Tensor
+
+    @property
+    def probs(self) -> Tensor:
+        """``(..., N)`` the gate distribution ``a(x)`` of eq. 15."""
+        return self.logits.softmax(-1)
+
+
+class Router(nn.Module):
+    """DMB gating unit: ``(..., d_model)`` -> :class:`Route` over ``n_branches`` (eq. 15-16).
+
+    Args:
+        d_model: input width d.
+        n_branches: N (the paper uses 4).
+
+    ``W_g`` is Xavier-initialised and ``b_g`` zero. (A zero ``W_g`` would be a fixed point:
+    every token ties, goes to branch 0, and both auxiliary losses have zero gradient at the
+    uniform distribution.) MACs per token: ``d_model · n_branches``.
+
+    Example::
+
+        router = Router(16, n_branches=4)
+        route = router(torch.randn(2, 5, 16))   # route.branch (2, 5), route.logits (2, 5, 4)
+    """
+
+    def __init__(self, d_model: int, n_branches: int = 4) -> None:
+        super().__init__()
+        if d_model < 1:
+            raise ValueError(f"Router d_model must be >= 1, got {d_model}")
+        if n_branches < 1:
+            raise ValueError(f"Router n_branches must be >= 1, got {n_branches}")
+        self.proj = nn.Linear(d_model, n_branches)
+        nn.init.xavier_uniform_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    @property
+    def n_branches(self) -> int:
+        return self.proj.out_features
+
+    @property
+    def d_model(self) -> int:
+        return self.proj.in_features
+
+    def forward(self, x: Tensor) -> Route:
+        logits = self.proj(x)  # (..., N)
+        return Route(logits, logits.argmax(-1))
+
+    def macs(self, n_tokens: int) -> int:
+        """Multiply-adds of routing ``n_tokens`` tokens."""
+        return n_tokens * self.d_model * self.n_branches
+
+
+@dataclass
+class BranchGroups:
+    """Tokens grouped by branch: sort once, run one matmul per group, put back.
+
+    order: ``(M,)`` token indices sorted by branch (stable: token order within a branch).
+    inverse: ``(M,)`` the inverse permutation (row ``j`` of the sorted layout is token
+        ``order[j]``; token ``m`` sits at row ``inverse[m]``).
+    sizes: the N group sizes (a Python list: splitting needs them on the host).
+    """
+
+    order: Tensor
+    inverse: Tensor
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, branch: Tensor, n_branches: int) -> BranchGroups:
+        """Group the tokens of ``branch`` ``(M,)`` long, ids in ``[0, n_branches)``."""
+        if branch.dim() != 1 or branch.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"branch must be an (M,) integer tensor, got shape "
+                             f"{tuple(branch.shape)} {branch.dtype}")
+        if branch.numel():
+            lo, hi = torch.stack(torch.aminmax(branch)).tolist()  # one host sync
+            if lo < 0 or hi >= n_branches:
+                raise ValueError(f"branch ids must lie in [0, {n_branches}), got ids from "
+                                 f"{lo} to {hi}")
+        counts = torch.bincount(branch, minlength=n_branches)
+        order = torch.sort(branch, stable=True).indices
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return cls(order, inverse, counts.tolist())
+
+    @property
+    def n_tokens(self) -> int:
+        return self.order.numel()
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``(M, d)`` rows in token order -> ``(M, d)`` rows sorted by branch."""
+        return x.index_select(0, self.order)
+
+    def scatter(self, y: Tensor) -> Tensor:
+        """``(M, d)`` rows sorted by branch -> ``(M, d)`` rows in token order."""
+        return y.index_select(0, self.inverse)

@@ -1,0 +1,55 @@
+"""Fixtures for the DMB/MoE tests: steering a router to chosen branches, counting matmul rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dynaseq.branching import Router
+
+
+def _route_to(router: Router, x: torch.Tensor, branch: torch.Tensor,
+              scale: float = 50.0) -> torch.Tensor:
+    """Make ``router`` send token ``(b, t)`` of the returned copy of ``x`` to ``branch[b, t]``.
+
+    The router reads only the first N features (identity weights, zero bias), and those
+    features of the copy hold ``scale`` at the wanted branch and 0 elsewhere.
+    """
+    n = router.n_branches
+    with torch.no_grad():
+        router.proj.weight.zero_()
+        router.proj.weight[:, :n] = torch.eye(n)
+        router.proj.bias.zero_()
+    x = x.clone()
+    x[..., :n] = scale * F.one_hot(branch, n).to(x.dtype)
+    return x
+
+
+@pytest.fixture
+def route_to():
+    return _route_to
+
+
+class LinearRows:
+    """Records the number of rows of every ``F.linear`` call with a given weight shape."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], int]] = []
+
+    def rows(self, weight_shape: tuple[int, ...]) -> list[int]:
+        return [n for shape, n in self.calls if shape == weight_shape]
+
+
+@pytest.fixture
+def linear_rows(monkeypatch):
+    """Spy on ``torch.nn.functional.linear``: which weight shapes ran on how many rows."""
+    spy = LinearRows()
+    real = F.linear
+
+    def linear(x, weight, bias=None):
+        spy.calls.append((tuple(weight.shape), x.reshape(-1, x.size(-1)).size(0)))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", linear)
+    return spy

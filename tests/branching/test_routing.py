@@ -1,0 +1,114 @@
+"""Router, token grouping, BranchedLinear: one branch per row, shared-private gradients, merge."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dynaseq.branching import BranchedLinear, BranchGroups, Router, merge_shared_
+
+
+def test_router_picks_the_argmax_of_the_softmax():
+    torch.manual_seed(0)
+    router = Router(8, n_branches=3)
+    x = torch.randn(2, 5, 8)
+    route = router(x)
+    probs = torch.softmax(x @ router.proj.weight.T + router.proj.bias, -1)
+    torch.testing.assert_close(route.probs, probs)
+    assert torch.equal(route.branch, probs.argmax(-1))
+    assert route.branch.shape == (2, 5) and route.logits.shape == (2, 5, 3)
+    assert router.macs(10) == 10 * 8 * 3
+
+
+def test_groups_sort_stably_and_scatter_back():
+    branch = torch.tensor([2, 0, 2, 1, 0, 2])
+    g = BranchGroups.of(branch, 4)
+    assert g.sizes == [2, 1, 3, 0]
+    assert g.order.tolist() == [1, 4, 3, 0, 2, 5]
+    x = torch.arange(6.0)[:, None]
+    assert g.gather(x)[:, 0].tolist() == [1, 4, 3, 0, 2, 5]
+    assert torch.equal(g.scatter(g.gather(x)), x)
+
+
+def test_branched_linear_applies_each_rows_branch(linear_rows):
+    torch.manual_seed(0)
+    lin = BranchedLinear(6, 5, n_branches=4)
+    with torch.no_grad():
+        lin.shared_weight.normal_()
+        lin.shared_bias.normal_()
+    x = torch.randn(3, 7, 6)
+    branch = torch.randint(0, 4, (3, 7))
+    y = lin(x, branch)
+    w, b = lin.shared_weight + lin.weight, lin.shared_bias + lin.bias
+    ref = torch.stack([F.linear(x[i, j], w[branch[i, j]], b[branch[i, j]])
+                       for i in range(3) for j in range(7)]).view(3, 7, 5)
+    torch.testing.assert_close(y, ref)
+    # one matmul per branch over its own rows: 21 rows in total, not 4 * 21
+    rows = linear_rows.rows((5, 6))[:4]
+    assert rows == torch.bincount(branch.flatten(), minlength=4).tolist()
+    assert lin.macs(21) == 21 * 6 * 5
+
+
+def test_shared_part_gets_every_branchs_gradient_private_only_its_own():
+    torch.manual_seed(0)
+    lin = BranchedLinear(4, 3, n_branches=4)
+    x = torch.randn(10, 4)
+    branch = torch.tensor([0, 2, 2, 0, 2, 0, 0, 2, 2, 0])  # branches 1 and 3 get no rows
+    lin(x, branch).square().sum().backward()
+    gw, gb = lin.weight.grad, lin.bias.grad
+    for k in (1, 3):  # unused: a zero gradient (not None: DDP sees every parameter used)
+        assert torch.count_nonzero(gw[k]) == 0 and torch.count_nonzero(gb[k]) == 0
+    for k in (0, 2):
+        assert gw[k].abs().sum() > 0
+        # θ_Pk's gradient comes from the rows of branch k only (eq. 23)
+        w = (lin.shared_weight + lin.weight[k]).detach().requires_grad_()
+        F.linear(x[branch == k], w, (lin.shared_bias + lin.bias[k]).detach()).square().sum() \
+            .backward()
+        torch.testing.assert_close(gw[k], w.grad)
+    # θ_S collects the gradient of whichever branch ran, for every row (eq. 22)
+    torch.testing.assert_close(lin.shared_weight.grad, gw.sum(0))
+    torch.testing.assert_close(lin.shared_bias.grad, gb.sum(0))
+
+
+def test_shared_starts_at_zero_and_merge_gives_identical_outputs():
+    torch.manual_seed(0)
+    lin = BranchedLinear(6, 5, n_branches=3)
+    assert torch.count_nonzero(lin.shared_weight) == 0 and torch.count_nonzero(lin.shared_bias) == 0
+    with torch.no_grad():  # as after training
+        lin.shared_weight.normal_()
+        lin.shared_bias.normal_()
+    x, branch = torch.randn(4, 9, 6), torch.randint(0, 3, (4, 9))
+    before = lin(x, branch)
+    merged = copy.deepcopy(lin)
+    assert merge_shared_(torch.nn.Sequential(merged)) == 1
+    assert not merged.has_shared
+    assert set(merged.state_dict()) == {"weight", "bias"}
+    assert sum(p.numel() for p in merged.parameters()) == 3 * (6 * 5 + 5)
+    assert torch.equal(merged(x, branch), before)
+    assert merge_shared_(merged) == 0  # already merged: nothing to do
+
+
+def test_without_shared_part():
+    lin = BranchedLinear(4, 2, n_branches=2, shared=False, bias=False)
+    assert not lin.has_shared and lin.bias is None
+    assert [n for n, _ in lin.named_parameters()] == ["weight"]
+    y = lin(torch.ones(3, 4), torch.tensor([0, 1, 1]))
+    torch.testing.assert_close(y[0], lin.weight[0].sum(1).detach())
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Router(0), "d_model"),
+    (lambda: Router(8, n_branches=0), "n_branches"),
+    (lambda: BranchedLinear(0, 4), "in_features"),
+    (lambda: BranchedLinear(4, 4, n_branches=0), "n_branches"),
+    (lambda: BranchGroups.of(torch.tensor([0, 4]), 4), r"\[0, 4\)"),
+    (lambda: BranchGroups.of(torch.tensor([0.0]), 4), "integer"),
+    (lambda: BranchedLinear(4, 4)(torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long)),
+     "must match"),
+    (lambda: BranchedLinear(4, 4)(torch.randn(2, 5), torch.zeros(2, dtype=torch.long)),
+     "width 5"),
+])
+def test_bad_arguments_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
