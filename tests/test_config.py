@@ -5,7 +5,9 @@ import pytest
 from dynaseq.config import (
     MODEL_SIZES,
     CCTConfig,
+    DMBConfig,
     ModelConfig,
+    MoEConfig,
     RunConfig,
     from_dict,
     load_config,
@@ -29,7 +31,9 @@ def test_every_shipped_config_parses_and_builds(path):
     assert len(model.encoder.layers) == cfg.model.encoder_layers
     macs = count_macs(model, 2, 2)  # dense maximum: the FFN width is what the config says
     n_layers = cfg.model.encoder_layers
-    assert macs.encoder["ffn.ffn_in"] == n_layers * 2 * cfg.model.d_model * cfg.model.ffn_dim
+    per_token = 1 if cfg.model.moe is None else cfg.model.moe.k  # MoE: k experts per token
+    assert macs.encoder["ffn.ffn_in"] == (n_layers * 2 * cfg.model.d_model * cfg.model.ffn_dim
+                                          * per_token)
     assert model.n_controls == (0 if cfg.model.cct is None else len(cfg.model.cct.controls))
 
 
@@ -106,3 +110,39 @@ def test_cct_budget_curriculum_share():
         CCTConfig(budgets=[(0.5, 0.5), (1.0, 1.0)], budget_ramp_steps=10)
     with pytest.raises(ConfigError, match=">= 0"):
         CCTConfig(budget_start_step=-1)
+
+
+def test_dmb_and_moe_sections_round_trip_and_default_to_the_paper():
+    cfg = load_config(None, ["model.dmb={}"])
+    assert cfg.model.dmb == DMBConfig(n_branches=4, attention=True, shared_private=True,
+                                      aux_weight=0.1, diversity=True, entropy=True)
+    assert cfg.model.cct is None and cfg.model.moe is None
+    cfg = load_config(None, ["model.moe.k=1", "model.moe.n_experts=8", "model.moe.attention=false"])
+    assert cfg.model.moe == MoEConfig(n_experts=8, k=1, attention=False, aux_weight=0.1)
+    assert ModelConfig().dmb is None and ModelConfig().moe is None
+
+
+def test_dmb_and_moe_yaml_round_trip(tmp_path):
+    for override in ("model.dmb.entropy=false", "model.moe.aux_weight=0.5"):
+        cfg = load_config(None, [override, "model.dmb.n_branches=2"]
+                          if "dmb" in override else [override])
+        save_config(cfg, tmp_path / "c.yaml")
+        assert load_config(tmp_path / "c.yaml") == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.dmb={}", "model.moe={}"], "model.dmb and moe cannot be combined"),
+    (["model.cct={}", "model.dmb={}"], "model.cct and dmb cannot be combined"),
+    (["model.cct={}", "model.moe={}"], "model.cct and moe cannot be combined"),
+    (["model.dmb.n_branches=0"], "model.dmb.n_branches must be > 0"),
+    (["model.dmb.aux_weight=-1"], "model.dmb.aux_weight must be >= 0"),
+    (["model.dmb.attention=maybe"], "model.dmb.attention: expected true/false"),
+    (["model.dmb.experts=4"], "unknown config key model.dmb.experts"),
+    (["model.moe.k=4"], "model.moe.n_experts must exceed k"),
+    (["model.moe.k=0"], "model.moe.k must be > 0"),
+    (["model.moe.aux_weight=-0.1"], "model.moe.aux_weight must be >= 0"),
+])
+def test_bad_dmb_and_moe_configs_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -86,7 +86,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
     else:
         print(f"BLEU {result['bleu']:.2f}  loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
-              f"({result['n_sentences']} sentences)\n{result['signature']}")
+              f"PTR {result['ptr']:.2f}  ({result['n_sentences']} sentences)\n"
+              f"{result['signature']}")
     return 0
 
 
@@ -100,11 +101,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
         t = _translator(args)
         model, model_cfg = t.model, t.config.model
     elif target.is_file():
+        from dynaseq.branching import merge_shared_
         from dynaseq.config import load_config
         from dynaseq.models import build_seq2seq
 
         cfg = load_config(target, args.overrides)
         model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
+        merge_shared_(model)  # DMB: as Translator.load runs it
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
     result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
@@ -120,6 +123,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for part in ("encoder", "decoder", "total"):
         print(f"MACs/token {part:<8} {mpt[part] / 1e6:9.3f} M  ({label} "
               f"{fc[part] / 1e6:.3f} M)")
+    pair = result["macs_pair"]
+    print(f"MACs {pair['src_tokens']}->{pair['tgt_tokens']} pair   {pair['total'] / 1e6:9.3f} M  "
+          "(DMB paper convention: whole pass, output layer included)")
     lat = result["latency_ms"]
     print(f"latency {args.src_len}->{args.tgt_len} tokens, batch {lat['batch']}: "
           f"greedy {lat['greedy']:.1f} ms, beam 4 {lat['beam4']:.1f} ms")

@@ -62,6 +62,10 @@ class CCTConfig:
     300k updates; in 400-update runs on the synthetic task, drawing every budget from the
     first update left even the full-budget model far behind a dense one (validation loss
     3.7 against 1.0), while a single full-budget task kept up (1.2).
+
+    ``budget_estimate``: what the budget loss counts as used compute: ``"soft"`` (the
+    paper) the noisy training gates; ``"hard"`` the inference decisions ``1[logit >= 0]``
+    with a straight-through gradient (see ``Gate.for_budget``).
     """
 
     ffn_pieces: int = 4
@@ -73,6 +77,7 @@ class CCTConfig:
     budget_weight: float = 1.0
     budget_start_step: int = 0
     budget_ramp_steps: int = 0
+    budget_estimate: str = "soft"
 
     def __post_init__(self) -> None:
         _check_positive(self, "ffn_pieces", "control_hidden")
@@ -80,6 +85,9 @@ class CCTConfig:
                self.budget_start_step, self.budget_ramp_steps) < 0:
             raise ConfigError("alpha_max, noise_ramp_steps, budget_weight, budget_start_step "
                               "and budget_ramp_steps must be >= 0")
+        if self.budget_estimate not in ("soft", "hard"):
+            raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
+                              f"{self.budget_estimate!r}")
         if self.budget_grid is not None:
             if not self.budget_grid:
                 raise ConfigError("budget_grid must list at least one fraction")
@@ -120,11 +128,67 @@ class CCTConfig:
 
 
 @dataclass
+class DMBConfig:
+    """Dynamic multi-branch layers (Tan et al. 2021): ``n_branches`` branches per sub-layer,
+    exactly one run per token (top-1 gate).
+
+    ``attention``: DMB attention (branched q/k/v/out projections, eq. 25-30) in every
+    attention sub-layer of the encoder and decoder; False keeps dense attention and branches
+    the FFNs only (eq. 24; the paper's "w/o DMB attention" ablation). ``shared_private``:
+    θ_k = θ_S + θ_Pk with θ_S starting at zero (eq. 21-23); folded into the branches for
+    inference. ``aux_weight`` is α of eq. 31; ``diversity`` / ``entropy`` False drop that
+    term of the auxiliary loss (eq. 19 / eq. 20; the Table III ablations).
+    """
+
+    n_branches: int = 4
+    attention: bool = True
+    shared_private: bool = True
+    aux_weight: float = 0.1
+    diversity: bool = True
+    entropy: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "n_branches")
+        if self.aux_weight < 0:
+            raise ConfigError(f"aux_weight must be >= 0, got {self.aux_weight!r}")
+
+
+@dataclass
+class MoEConfig:
+    """Noisy top-k mixture of experts (Shazeer et al. 2017), the DMB paper's baseline.
+
+    Each expert has the shape of the dense sub-layer it replaces (an FFN of width
+    ``ffn_dim``; with ``attention``, also a set of q/k/v/out projections), so with
+    ``n_experts`` equal to ``dmb.n_branches`` and the same ``attention`` setting a MoE model
+    holds the parameters of the DMB model after its shared part is merged (the gates differ
+    by a few ``N·d``: the MoE gate has a noise matrix, the DMB gate a bias), as in the paper
+    (Table I: 15.8M both at tiny size). The paper's MoE numbers (313.2M against 229.6M
+    Mult-Adds for DMB, tiny) fit experts in attention and FFN alike, each token running k=2
+    of them. ``attention`` False puts experts in the FFNs only (Shazeer et al.'s layout).
+    ``aux_weight`` is the weight of the importance + load losses (α = 0.1 in the paper).
+    """
+
+    n_experts: int = 4
+    k: int = 2
+    attention: bool = True
+    aux_weight: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "n_experts", "k")
+        if self.n_experts <= self.k:
+            raise ConfigError(f"n_experts must exceed k (noisy top-k gating needs an expert "
+                              f"left out), got n_experts={self.n_experts}, k={self.k}")
+        if self.aux_weight < 0:
+            raise ConfigError(f"aux_weight must be >= 0, got {self.aux_weight!r}")
+
+
+@dataclass
 class ModelConfig:
     """Dense pre-LayerNorm Transformer encoder-decoder.
 
     ``size`` picks a named preset (``tiny``/``small``/``base``) whose values fill every
-    field the config does not set itself.
+    field the config does not set itself. At most one of ``cct`` (conditional computation),
+    ``dmb`` (dynamic multi-branch layers) and ``moe`` (its mixture-of-experts baseline) is set.
     """
 
     size: str | None = None
@@ -140,8 +204,14 @@ class ModelConfig:
     tie_output: bool = True
     max_positions: int = 1024
     cct: CCTConfig | None = None
+    dmb: DMBConfig | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        chosen = [name for name in ("cct", "dmb", "moe") if getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ConfigError(f"{chosen[0]} and {chosen[1]} cannot be combined (a model takes "
+                              "at most one of cct, dmb and moe)")
         if self.cct is not None and self.ffn_dim % self.cct.ffn_pieces:
             raise ConfigError(f"ffn_dim={self.ffn_dim} is not divisible by "
                               f"cct.ffn_pieces={self.cct.ffn_pieces}")

@@ -73,3 +73,17 @@ def test_control_net_rejects_bad_sizes(kwargs, match):
 def test_schedule_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         NoiseSchedule(**kwargs)
+
+
+def test_hard_budget_counts_the_inference_decision_with_the_sigmoid_gradient():
+    logits = torch.tensor([-2.0, -0.1, 0.0, 3.0], requires_grad=True)
+    gate = Gate(NoiseSchedule(5.0, 0), hard_budget=True).train()
+    g = gate(logits)
+    counted = gate.for_budget(logits, g)
+    assert counted.tolist() == [0.0, 0.0, 1.0, 1.0]  # what inference will run
+    counted.sum().backward()
+    s = torch.sigmoid(logits.detach())
+    torch.testing.assert_close(logits.grad, s * (1 - s))  # straight-through σ'
+    soft = Gate(NoiseSchedule(5.0, 0)).train()
+    assert soft.for_budget(logits, g) is g  # the paper: the noisy training gates
+    assert gate.eval().for_budget(logits, g) is g

@@ -157,3 +157,38 @@ def test_bad_masks_raise(valid, match):
 def test_negative_alpha_raises():
     with pytest.raises(ValueError, match="alpha"):
         routing_losses([_trace(LOGITS)], alpha=-0.1)
+
+
+@pytest.mark.parametrize("diversity, entropy", [(True, False), (False, True), (False, False)])
+def test_dropping_a_term_the_table_iii_ablations(diversity, entropy):
+    d, e = _hand_dmb(PROBS)
+    logits = LOGITS.clone().requires_grad_()
+    losses = routing_losses([_trace(logits)], VALID, alpha=0.1, diversity=diversity,
+                            entropy=entropy)
+    (gate,) = losses.gates
+    kept = {"diversity": d, "entropy": e}
+    kept = {k: v for k, v in kept.items() if {"diversity": diversity, "entropy": entropy}[k]}
+    assert set(gate.terms) == set(kept)
+    assert float(losses.total.detach()) == pytest.approx(0.1 * sum(kept.values()), rel=1e-5,
+                                                         abs=1e-12)
+    losses.total.backward()  # with no term left the gate stays in the graph: zero gradient
+    assert logits.grad is not None and (logits.grad.abs().sum() > 0) == bool(kept)
+
+
+def test_seq2seq_routing_loss_is_the_unweighted_mean_over_gates():
+    from dynaseq.branching import seq2seq_routing_loss
+
+    torch.manual_seed(0)
+    model = _tiny_seq2seq()
+    name_branching_sublayers(model)
+    src = torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0]])
+    tgt = torch.tensor([[2, 8, 9], [2, 8, 0]])
+    mask = padding_to_attn_mask(src.eq(0))
+    aux = AuxOutputs()
+    enc = model.encoder.layers[0](torch.randn(2, 4, 16), mask, aux=aux)
+    model.decoder.layers[0](torch.randn(2, 3, 16), enc, mask, aux=aux)
+    full = routing_losses(aux, seq2seq_valid(src, tgt, 0), alpha=0.1)
+    assert float(seq2seq_routing_loss(aux, src, tgt, 0).detach()) == pytest.approx(
+        float(full.total.detach()) / 0.1, rel=1e-6)
+    only_entropy = seq2seq_routing_loss(aux, src, tgt, 0, diversity=False).detach()
+    assert float(only_entropy) == pytest.approx(float(full.mean("entropy").detach()), rel=1e-6)

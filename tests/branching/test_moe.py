@@ -9,18 +9,21 @@ import torch.nn.functional as F
 
 from dynaseq.adaptive.cct import realized_macs_by_layer
 from dynaseq.branching import (
+    MoEAttention,
     MoEFeedForward,
     NoisyTopKGate,
+    dmb_attention,
     dmb_feedforward,
     load_probability,
     merge_shared_,
+    moe_attention,
     moe_feedforward,
     route_traces,
     routing_losses,
 )
 from dynaseq.branching.moe import BranchedLinear
 from dynaseq.metrics.macs import _counter
-from dynaseq.nn import AuxOutputs
+from dynaseq.nn import AuxOutputs, padding_to_attn_mask
 
 D, F_DIM, N = 16, 24, 4
 
@@ -132,7 +135,85 @@ def test_same_parameters_as_dmb_and_macs_of_two_experts():
                             BranchedLinear(F_DIM, D, 3)), "4 experts"),
     (lambda: moe_feedforward(D, F_DIM, activation_dropout=-0.1), "activation_dropout"),
     (lambda: load_probability(torch.zeros(2), torch.zeros(2), torch.ones(2), k=2), "k < N"),
+    (lambda: moe_attention(10, 3), "not divisible"),
+    (lambda: moe_attention(D, 4, dropout=1.0), "dropout"),
+    (lambda: MoEAttention(D, 4, NoisyTopKGate(D, 4), *[BranchedLinear(D, D, 3)] * 4),
+     "q_proj has 3 experts"),
+    (lambda: MoEAttention(D, 4, NoisyTopKGate(D, 4), torch.nn.Linear(D, D),
+                          *[BranchedLinear(D, D, 4)] * 3), "BranchedLinear"),
+    (lambda: MoEAttention(D, 4, NoisyTopKGate(8, 4), *[BranchedLinear(D, D, 4)] * 4),
+     "gate reads width 8"),
 ])
 def test_bad_arguments_raise(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def _moe_attn(train: bool):
+    torch.manual_seed(0)
+    attn = moe_attention(D, 4, N, k=2).train(train)
+    with torch.no_grad():
+        attn.gate.w_gate.weight.normal_()
+    return attn
+
+
+def _mixed(proj, x, route):
+    """Each token's projection mixed over its k experts, one token at a time."""
+    flat = x.reshape(-1, x.size(-1))
+    experts, gates = route.experts.reshape(flat.size(0), -1), route.gates.reshape(flat.size(0), -1)
+    rows = [sum(gates[m, j] * F.linear(flat[m], proj.weight[e], proj.bias[e])
+                for j, e in enumerate(experts[m].tolist())) for m in range(flat.size(0))]
+    return torch.stack(rows).view(*x.shape[:-1], -1)
+
+
+def test_moe_attention_matches_the_per_token_reference():
+    attn = _moe_attn(False)
+    x, mem = torch.randn(2, 5, D), torch.randn(2, 6, D)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    mask = padding_to_attn_mask(pad)
+    aux = AuxOutputs()
+    y = attn(x, mem, attn_mask=mask, aux=aux)
+    rq, rkv = attn.gate(x), attn.gate(mem)
+
+    def heads(t):
+        return t.view(2, t.size(1), 4, D // 4).transpose(1, 2)
+
+    q = heads(_mixed(attn.q_proj, x, rq))
+    k, v = heads(_mixed(attn.k_proj, mem, rkv)), heads(_mixed(attn.v_proj, mem, rkv))
+    scores = (q @ k.transpose(-1, -2) / (D // 4) ** 0.5).masked_fill(~mask, float("-inf"))
+    h = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, D)
+    torch.testing.assert_close(y, _mixed(attn.out_proj, h, rq))
+    inp, memory = route_traces(aux)
+    assert (inp.stream, memory.stream) == ("input", "memory") and inp.gate_id == memory.gate_id
+    assert memory.experts.shape == (2, 6, 2) and inp.load is None
+
+
+def test_moe_attention_losses_gradients_parameters_and_macs():
+    attn = _moe_attn(True)
+    aux = AuxOutputs()
+    attn(torch.randn(2, 5, D), torch.randn(2, 6, D), aux=aux).sum().backward(retain_graph=True)
+    assert attn.gate.w_gate.weight.grad.abs().sum() > 0
+    (gate,) = routing_losses(aux).gates  # input and memory records: one gating unit
+    assert gate.n_tokens == 22 and set(gate.terms) == {"importance", "load"}
+    dmb = dmb_attention(D, 4, N)
+    merge_shared_(dmb)
+
+    def count(*mods):
+        return sum(p.numel() for m in mods for p in m.parameters())
+
+    projections = ("q_proj", "k_proj", "v_proj", "out_proj")
+    assert count(*(getattr(attn, p) for p in projections)) == count(
+        *(getattr(dmb, p) for p in projections))
+    attn.eval()
+    aux = AuxOutputs()
+    with torch.no_grad(), _counter() as fc:
+        attn(torch.randn(2, 5, D), torch.randn(2, 7, D), aux=aux)
+    expected = attn.macs(10, 7, 14, cross=True)
+    assert expected["q_proj"] == 2 * 10 * D * D and expected["k_proj"] == 2 * 14 * D * D
+    assert expected["gate_kv"] == 14 * D * N
+    assert realized_macs_by_layer(aux) == {"attention": expected}
+    assert fc.get_total_flops() / 2 == sum(expected.values())

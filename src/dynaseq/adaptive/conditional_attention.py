@@ -208,14 +208,17 @@ class ConditionalAttention(nn.Module):
     def _forward_soft(self, x: Tensor, memory: Tensor | None, attn_mask: Tensor | None,
                       is_causal: bool, cache: GatedKVCache | None,
                       aux: AuxOutputs | None) -> Tensor:
-        g_q = self.gate(self.q_control(x))  # (B, T, 1)
+        q_logits = self.q_control(x)
+        g_q = self.gate(q_logits)  # (B, T, 1)
         past = cache.length if cache is not None and not cache.static else 0
-        g_kv = None
+        g_kv = b_kv = None
         if cache is not None and cache.static and cache.k is not None:
             k, v = cache.k, cache.v
         else:
             src = x if memory is None else memory
-            g_kv = self.gate(self.kv_control(src))  # (B, S, 1)
+            kv_logits = self.kv_control(src)
+            g_kv = self.gate(kv_logits)  # (B, S, 1)
+            b_kv = self.gate.for_budget(kv_logits, g_kv)
             k = g_kv * self.k_norm(self.k_proj(src))  # (B, S, d)
             v = g_kv * self.v_norm(self.v_proj(src))
             if cache is not None:
@@ -226,7 +229,8 @@ class ConditionalAttention(nn.Module):
                                            dropout_p=self.dropout if self.training else 0.0)
         out = g_q * self.out_proj(self.out_norm(self._merge(a)))  # (B, T, d)
         if aux is not None:
-            self._trace(aux, g_q, g_kv, allowed, k.size(1), memory is not None)
+            self._trace(aux, self.gate.for_budget(q_logits, g_q), b_kv, allowed, k.size(1),
+                        memory is not None)
         return out
 
     # -- inference: hard gates, gated-off work skipped ------------------------------------------
@@ -414,6 +418,7 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
 
 def conditional_attention(d_model: int, n_heads: int, dropout: float = 0.0, *,
                           control_hidden: int = 128, schedule: NoiseSchedule | None = None,
+                          hard_budget: bool = False,
                           name: str = "attention") -> ConditionalAttention:
     """CCT attention with ``nn.Linear`` projections, LayerNorms on K, V and the attention
     output, and two control nets of width ``control_hidden`` sharing one :class:`Gate`."""
@@ -421,6 +426,6 @@ def conditional_attention(d_model: int, n_heads: int, dropout: float = 0.0, *,
         d_model, n_heads, _linear(d_model, d_model), _linear(d_model, d_model),
         _linear(d_model, d_model), _linear(d_model, d_model),
         q_control=ControlNet(d_model, 1, control_hidden),
-        kv_control=ControlNet(d_model, 1, control_hidden), gate=Gate(schedule),
+        kv_control=ControlNet(d_model, 1, control_hidden), gate=Gate(schedule, hard_budget),
         k_norm=nn.LayerNorm(d_model), v_norm=nn.LayerNorm(d_model),
         out_norm=nn.LayerNorm(d_model), dropout=dropout, name=name)

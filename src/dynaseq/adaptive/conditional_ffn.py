@@ -74,14 +74,15 @@ class ConditionalFeedForward(nn.Module):
         return len(self.pieces)
 
     def forward(self, x: Tensor, aux: AuxOutputs | None = None) -> Tensor:
-        g = self.gate(self.control(x))  # (B, T, M)
+        logits = self.control(x)
+        g = self.gate(logits)  # (B, T, M)
         if self.training:
             out = sum(g[..., i, None] * piece(x) for i, piece in enumerate(self.pieces))
         else:
             out = self._forward_hard(x, g.bool())
         if aux is not None:
-            aux.add_trace(GATE_TRACE, GateTrace(self.name, "ffn", g, self._piece_costs(g),
-                                                "input"))
+            aux.add_trace(GATE_TRACE, GateTrace(self.name, "ffn", self.gate.for_budget(logits, g),
+                                                self._piece_costs(g), "input"))
             aux.add_trace(GATE_TRACE, control_trace(self.name, self.control, g, "input"))
             if not self.training:
                 aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(g.bool())))
@@ -132,7 +133,7 @@ class ConditionalFeedForward(nn.Module):
 
 def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,
                             activation_dropout: float = 0.0, *, control_hidden: int = 128,
-                            schedule: NoiseSchedule | None = None,
+                            schedule: NoiseSchedule | None = None, hard_budget: bool = False,
                             name: str = "ffn") -> ConditionalFeedForward:
     """CCT feed-forward: ``n_pieces`` (M) pieces of width ``ffn_dim // n_pieces``, each with
     input and output LayerNorms, and one control net with M gates."""
@@ -145,4 +146,4 @@ def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,
                                nn.LayerNorm(d_model), nn.LayerNorm(d_model))
               for _ in range(n_pieces)]
     return ConditionalFeedForward(pieces, ControlNet(d_model, n_pieces, control_hidden),
-                                  Gate(schedule), name=name)
+                                  Gate(schedule, hard_budget), name=name)

@@ -113,9 +113,10 @@ class Gate(nn.Module):
     exactly 0.0 or 1.0.
     """
 
-    def __init__(self, schedule: NoiseSchedule | None = None) -> None:
+    def __init__(self, schedule: NoiseSchedule | None = None, hard_budget: bool = False) -> None:
         super().__init__()
         self.schedule = schedule if schedule is not None else NoiseSchedule()
+        self.hard_budget = hard_budget
         self.register_buffer("step", torch.zeros((), dtype=torch.long), persistent=False)
         self.gate_override: float | None = None
 
@@ -131,8 +132,23 @@ class Gate(nn.Module):
             return torch.sigmoid(logits + alpha * torch.randn_like(logits))
         return (logits >= 0).to(logits.dtype)
 
+    def for_budget(self, logits: Tensor, gates: Tensor) -> Tensor:
+        """The gate values the budget loss counts, for ``gates = self(logits)``.
+
+        By default (the paper) the training gates themselves. With ``hard_budget`` (training
+        only, no override): the decision inference will take, ``1[logit >= 0]``, with the
+        gradient of ``σ(logit)`` (straight-through), so the loss steers the compute that will
+        really run instead of the noisy soft gates' expectation, which differs from it for
+        logits near 0.
+        """
+        if not (self.training and self.hard_budget and self.gate_override is None):
+            return gates
+        soft = torch.sigmoid(logits)
+        return (logits >= 0).to(soft.dtype) + soft - soft.detach()
+
     def extra_repr(self) -> str:
         return (f"alpha_max={self.schedule.alpha_max}, ramp_steps={self.schedule.ramp_steps}, "
+                f"hard_budget={self.hard_budget}, "
                 f"gate_override={self.gate_override}")
 
 

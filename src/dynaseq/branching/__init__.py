@@ -11,12 +11,15 @@ while holding N times the parameters. The pieces, one concept per module:
 * :mod:`~dynaseq.branching.dmb_ffn` — DMB feed-forward (eq. 24);
 * :mod:`~dynaseq.branching.dmb_attention` — DMB attention with branched q/k/v/out
   projections (eq. 25-30), with the plain key/value cache;
-* :mod:`~dynaseq.branching.moe` — noisy top-k mixture of experts (eq. 6-9, Shazeer 2017);
+* :mod:`~dynaseq.branching.moe` — noisy top-k mixture of experts (eq. 6-9, Shazeer 2017) for
+  the FFN and the attention projections;
 * :mod:`~dynaseq.branching.traces` / :mod:`~dynaseq.branching.losses` — per-call route
   records and the auxiliary losses built from them (eq. 17-20, 31; importance and load),
   with padding excluded.
 
-Wiring a model (sketch)::
+``build_seq2seq`` wires these from ``ModelConfig.dmb`` / ``ModelConfig.moe``, the training
+loop adds :func:`seq2seq_routing_loss` (weighted by ``aux_weight``) and ``Translator.load``
+merges the shared parts. By hand (sketch)::
 
     layer = EncoderLayer(d, dmb_attention(d, heads), dmb_feedforward(d, ffn_dim))
     name_branching_sublayers(model)               # trace names "encoder.layers.0.ffn", ...
@@ -41,13 +44,17 @@ from dynaseq.branching.losses import (
     diversity_loss,
     entropy_loss,
     routing_losses,
+    seq2seq_routing_loss,
     seq2seq_valid,
 )
 from dynaseq.branching.moe import (
+    ExpertPairs,
+    MoEAttention,
     MoEFeedForward,
     NoisyTopKGate,
     TopKRoute,
     load_probability,
+    moe_attention,
     moe_feedforward,
 )
 from dynaseq.branching.routing import BranchGroups, Route, Router
@@ -59,8 +66,10 @@ __all__ = [
     "BranchedAttention",
     "BranchedFeedForward",
     "BranchedLinear",
+    "ExpertPairs",
     "ExpertTrace",
     "GateLosses",
+    "MoEAttention",
     "MoEFeedForward",
     "NoisyTopKGate",
     "Route",
@@ -76,10 +85,12 @@ __all__ = [
     "entropy_loss",
     "load_probability",
     "merge_shared_",
+    "moe_attention",
     "moe_feedforward",
     "name_branching_sublayers",
     "route_traces",
     "routing_losses",
+    "seq2seq_routing_loss",
     "seq2seq_valid",
 ]
 
@@ -93,7 +104,7 @@ def name_branching_sublayers(model: nn.Module) -> int:
     """
     n = 0
     for name, m in model.named_modules():
-        if isinstance(m, (BranchedAttention, BranchedFeedForward, MoEFeedForward)):
+        if isinstance(m, (BranchedAttention, BranchedFeedForward, MoEAttention, MoEFeedForward)):
             m.name = name
             n += 1
     return n

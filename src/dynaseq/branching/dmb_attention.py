@@ -45,6 +45,27 @@ from dynaseq.nn.attention import KVCache
 from dynaseq.nn.outputs import AuxOutputs
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+           dropout_p: float = 0.0) -> Tensor:
+    """Scaled dot-product attention of q ``(B, H, T, hd)`` over k, v ``(B, H, S, hd)``.
+
+    ``is_causal``: query t attends to keys up to its own position, the queries being the
+    last T of the S keys (several new steps after a cache); combined with ``attn_mask`` (bool,
+    True = attend) when both are given. One query attends to everything cached so far.
+    """
+    causal = is_causal and q.size(2) > 1
+    if causal and (k.size(2) != q.size(2) or attn_mask is not None):
+        # explicit mask: queries sit at the end of the key sequence (several new steps
+        # after a cache), or a padding mask comes too (SDPA takes one or the other)
+        past = k.size(2) - q.size(2)
+        pos_q = torch.arange(q.size(2), device=q.device)[:, None] + past
+        allowed = torch.arange(k.size(2), device=q.device)[None, :] <= pos_q
+        attn_mask = allowed if attn_mask is None else attn_mask & allowed
+        causal = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                          dropout_p=dropout_p)
+
+
 class BranchedAttention(nn.Module):
     """Multi-head attention with per-token branched q/k/v/out projections (eq. 25-30).
 
@@ -143,18 +164,8 @@ class BranchedAttention(nn.Module):
                     k = torch.cat([cache.k, k], dim=2)
                     v = torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
-        causal = is_causal and q.size(2) > 1  # one query attends to everything cached so far
-        if causal and (k.size(2) != q.size(2) or attn_mask is not None):
-            # explicit mask: queries sit at the end of the key sequence (several new steps
-            # after a cache), or a padding mask comes too (SDPA takes one or the other)
-            past = k.size(2) - q.size(2)
-            pos_q = torch.arange(q.size(2), device=x.device)[:, None] + past
-            allowed = torch.arange(k.size(2), device=x.device)[None, :] <= pos_q
-            attn_mask = allowed if attn_mask is None else attn_mask & allowed
-            causal = False
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd)
+        out = attend(q, k, v, attn_mask, is_causal,
+                     self.dropout if self.training else 0.0)  # (B, H, T, hd)
         b, _, t, _ = out.shape
         h = out.transpose(1, 2).reshape(b * t, self.d_model)
         y = self._project(self.out_proj, groups_q, groups_q.gather(h), x.shape)

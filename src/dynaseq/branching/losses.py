@@ -136,13 +136,18 @@ def _rows(x: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], valid: Valid = None,
-                   *, alpha: float = 0.1) -> RoutingLosses:
+                   *, alpha: float = 0.1, diversity: bool = True,
+                   entropy: bool = True) -> RoutingLosses:
     """The auxiliary losses of eq. 17-20 and 31 (DMB) / Shazeer et al. (MoE) for one call.
 
     traces: an ``AuxOutputs`` (its ``ROUTE_TRACE`` records) or the records themselves.
     valid: padding masks (True = real token): a mapping by stream, one ``(B, T)`` mask for
         every trace, or None (every token counts); see the module docstring.
     alpha: α of eq. 31.
+    diversity, entropy: False leaves that DMB term out (the paper's Table III ablations; MoE
+        gates are not affected). A DMB gate with neither term still enters ``total`` as
+        ``0 · Σ logits``: its gate gets a zero gradient rather than none, so every parameter
+        takes part in every step (DDP without ``find_unused_parameters``).
 
     Returns zero ``total`` when there are no traces or no valid tokens.
     """
@@ -156,15 +161,20 @@ def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], vali
         shape = _values(tr).shape[:-1]
         by_gate.setdefault(tr.gate_id, []).append((tr, _valid_rows(tr, valid, shape)))
     gates: list[GateLosses] = []
+    sums: list[Tensor] = []  # per gate: the sum of its terms
     for items in by_gate.values():
         first = items[0][0]
         if isinstance(first, RouteTrace):
             logits = torch.cat([_rows(tr.logits, m) for tr, m in items])  # (M, N)
             if logits.size(0) == 0:
                 continue
-            terms = {"diversity": diversity_loss(logits.softmax(-1)),
-                     "entropy": entropy_loss(logits)}
+            terms: dict[str, Tensor] = {}
+            if diversity:
+                terms["diversity"] = diversity_loss(logits.softmax(-1))
+            if entropy:
+                terms["entropy"] = entropy_loss(logits)
             gates.append(GateLosses(first.layer, "dmb", logits.size(0), terms))
+            sums.append(sum(terms.values()) if terms else logits.sum() * 0.0)
         else:
             g = torch.cat([_rows(tr.gates, m) for tr, m in items])  # (M, N)
             if g.size(0) == 0:
@@ -174,22 +184,25 @@ def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], vali
                 load = torch.cat([_rows(tr.load, m) for tr, m in items])
                 terms["load"] = cv_squared(load.sum(0))
             gates.append(GateLosses(first.layer, "moe", g.size(0), terms))
+            sums.append(sum(terms.values()))
     if not gates:
         device = _values(records[0]).device if records else None
         return RoutingLosses(torch.zeros((), device=device), [])
-    per_gate = torch.stack([sum(g.terms.values()) for g in gates])  # (L,)
+    per_gate = torch.stack(sums)  # (L,)
     return RoutingLosses(alpha * per_gate.mean(), gates)
 
 
 def add_routing_losses(aux: AuxOutputs, valid: Valid = None, *, alpha: float = 0.1,
-                       scale: float = 1.0, name: str = "branching") -> RoutingLosses:
+                       scale: float = 1.0, name: str = "branching", diversity: bool = True,
+                       entropy: bool = True) -> RoutingLosses:
     """Compute :func:`routing_losses` from ``aux`` and add ``scale · total`` to
     ``aux.losses[name]`` (where the training loop picks auxiliary losses up).
 
     ``scale``: the number of target tokens when the main loss is a token sum, as in
-    ``dynaseq.train.loop`` (see the module docstring). Returns the unscaled losses.
+    ``dynaseq.train.loop`` (see the module docstring). ``diversity``/``entropy``: as in
+    :func:`routing_losses`. Returns the unscaled losses.
     """
-    losses = routing_losses(aux, valid, alpha=alpha)
+    losses = routing_losses(aux, valid, alpha=alpha, diversity=diversity, entropy=entropy)
     if losses.gates:
         aux.add_loss(name, losses.total * scale)
     return losses
@@ -199,3 +212,15 @@ def seq2seq_valid(src: Tensor, tgt_in: Tensor, pad_id: int) -> dict[str, Tensor]
     """The ``valid`` mapping of an encoder-decoder batch: src ``(B, S)``, tgt_in ``(B, T)``."""
     src_valid = src.ne(pad_id)
     return {"encoder": src_valid, "decoder": tgt_in.ne(pad_id), "decoder.memory": src_valid}
+
+
+def seq2seq_routing_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: int, *,
+                         diversity: bool = True, entropy: bool = True) -> Tensor:
+    """The routing loss of one encoder-decoder forward pass without its weight:
+    ``(1/L) Σ_l Σ terms_l`` (eq. 31 with α = 1), padding excluded; zero without route traces.
+
+    src (B, S), tgt_in (B, T): the batch; ``diversity``/``entropy``: as in
+    :func:`routing_losses` (DMB gates only).
+    """
+    return routing_losses(aux, seq2seq_valid(src, tgt_in, pad_id), alpha=1.0,
+                          diversity=diversity, entropy=entropy).total

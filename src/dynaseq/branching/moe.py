@@ -1,4 +1,5 @@
-"""Sparsely-gated mixture-of-experts FFN, the DMB paper's baseline (Shazeer et al. 2017).
+"""Sparsely-gated mixture of experts (Shazeer et al. 2017), the DMB paper's baseline: an FFN
+and an attention sub-layer whose projections are mixtures of experts.
 
 Noisy top-k gating (Tan et al. 2021, eq. 6-9; Shazeer et al. 2017, eq. 3-5)::
 
@@ -11,7 +12,14 @@ as many parameters as a DMB FFN with N branches of that width (without its share
 which merges away). Each token runs k experts (the paper: k = 2, N = 4), so the MoE spends
 k times the expert MACs of a DMB FFN. Execution: the ``M·k`` (token, expert) pairs are
 grouped by expert, each expert runs one FFN over its group, and the outputs, scaled by
-their gates, are added back to their tokens. At inference there is no noise: ``H(x) = W x``.
+their gates, are added back to their tokens (:class:`ExpertPairs`). At inference there is
+no noise: ``H(x) = W x``.
+
+:class:`MoEAttention` applies the same gating to the q/k/v/out projections of an attention
+sub-layer (routed like DMB attention: the query token's decision for q and out, each attended
+token's own decision for its k and v). With experts in attention and FFN alike, a MoE model
+has the parameters of a Transformer-DMB with as many branches, as in the paper's Table I
+(15.8M each at tiny size), and spends k times DMB's projection MACs (313.2M against 229.6M).
 
 Auxiliary losses (Shazeer et al. 2017, section 4 and appendix A), over a batch X:
 
@@ -36,8 +44,10 @@ from torch import Tensor, nn
 
 from dynaseq.adaptive.gating import MACS_TRACE, MacsRecord
 from dynaseq.branching.branched_linear import BranchedLinear
+from dynaseq.branching.dmb_attention import attend
 from dynaseq.branching.routing import BranchGroups
 from dynaseq.branching.traces import ROUTE_TRACE, ExpertTrace
+from dynaseq.nn.attention import KVCache
 from dynaseq.nn.outputs import AuxOutputs
 
 
@@ -78,6 +88,49 @@ def load_probability(clean: Tensor, noisy: Tensor, noise_std: Tensor, k: int) ->
     threshold = torch.where(is_in, threshold_if_in, threshold_if_out)
     z = (clean - threshold) / noise_std
     return 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
+
+
+@dataclass
+class ExpertPairs:
+    """The ``M·k`` (token, expert) pairs of a :class:`TopKRoute`, grouped by expert.
+
+    groups: the pairs sorted by expert (``groups.sizes[i]`` pairs for expert i).
+    token: ``(M·k,)`` the token of each pair, in that order.
+    weight: ``(M·k,)`` the gate value ``g(x, i)`` of each pair, in that order.
+
+    Each expert runs one matmul over the rows :meth:`gather` lines up for it; :meth:`combine`
+    adds the gate-weighted results back to their tokens (eq. 6).
+    """
+
+    groups: BranchGroups
+    token: Tensor
+    weight: Tensor
+
+    @classmethod
+    def of(cls, route: TopKRoute, n_experts: int) -> ExpertPairs:
+        experts = route.experts.reshape(-1)  # (M·k,) token-major
+        k = route.experts.size(-1)
+        token = torch.arange(experts.numel() // k, device=experts.device).repeat_interleave(k)
+        groups = BranchGroups.of(experts, n_experts)
+        return cls(groups, token.index_select(0, groups.order),
+                   route.gates.reshape(-1).index_select(0, groups.order))
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.groups.sizes
+
+    def gather(self, flat: Tensor) -> Tensor:
+        """``(M, d)`` token rows -> ``(M·k, d)``: each pair's token row, grouped by expert."""
+        return flat.index_select(0, self.token)
+
+    def combine(self, ys: Tensor, n_tokens: int) -> Tensor:
+        """``(M·k, d')`` pair outputs -> ``(M, d')``: ``Σ_pairs g(x, i) · y`` per token."""
+        out = ys.new_zeros(n_tokens, ys.size(-1))
+        return out.index_add(0, self.token, ys * self.weight[:, None])
+
+    def mix(self, proj: BranchedLinear, flat: Tensor) -> Tensor:
+        """``Σ_i g(x, i) · (W_i x + b_i)`` over each token's k experts: ``(M, in) -> (M, out)``."""
+        return self.combine(proj.grouped(self.gather(flat), self.sizes), flat.size(0))
 
 
 class NoisyTopKGate(nn.Module):
@@ -185,14 +238,9 @@ class MoEFeedForward(nn.Module):
         route = self.gate(x)  # gates/experts (..., k)
         flat = x.reshape(-1, d)  # (M, d)
         m = flat.size(0)
-        token = torch.arange(m, device=x.device).repeat_interleave(self.k)  # (M·k,)
-        groups = BranchGroups.of(route.experts.reshape(-1), self.n_experts)
-        token_sorted = token.index_select(0, groups.order)  # pairs grouped by expert
-        h = self.dropout(self.fc1.grouped(flat.index_select(0, token_sorted),
-                                          groups.sizes).relu_())
-        ys = self.fc2.grouped(h, groups.sizes)  # (M·k, d)
-        weight = route.gates.reshape(-1).index_select(0, groups.order)  # (M·k,)
-        out = flat.new_zeros(m, d).index_add(0, token_sorted, ys * weight[:, None])
+        pairs = ExpertPairs.of(route, self.n_experts)
+        h = self.dropout(self.fc1.grouped(pairs.gather(flat), pairs.sizes).relu_())
+        out = pairs.combine(self.fc2.grouped(h, pairs.sizes), m)  # (M, d)
         if aux is not None:
             aux.add_trace(ROUTE_TRACE, ExpertTrace(self.name, "input", route.dense_gates(),
                                                    route.experts, route.load, id(self.gate)))
@@ -219,3 +267,137 @@ def moe_feedforward(d_model: int, ffn_dim: int, n_experts: int = 4, k: int = 2,
         BranchedLinear(d_model, ffn_dim, n_experts, shared=False),
         BranchedLinear(ffn_dim, d_model, n_experts, shared=False),
         activation_dropout, name=name)
+
+
+class MoEAttention(nn.Module):
+    """Multi-head attention whose q/k/v/out projections are top-k mixtures of N experts.
+
+    The attention counterpart of :class:`MoEFeedForward`, with the routing of
+    :class:`~dynaseq.branching.BranchedAttention`: one noisy top-k gate per sub-layer; a
+    token's query and output projections mix the k experts its gate picks on x, and the keys
+    and values of an attended token mix the experts picked for *that* token (self-attention:
+    the same decision; cross-attention: the gate applied to each memory token, recorded as
+    stream ``"memory"``). Every projection is ``Σ_i g(x, i) (W_i x + b_i)`` over the k kept
+    experts, so N experts of ``d_model -> d_model`` projections hold the parameters of a DMB
+    attention with N branches and cost k times its projection MACs. Drop-in for
+    ``MultiHeadAttention`` (same ``forward`` and plain :class:`~dynaseq.nn.KVCache`).
+    Build it with :func:`moe_attention`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, gate: NoisyTopKGate, q_proj: BranchedLinear,
+                 k_proj: BranchedLinear, v_proj: BranchedLinear, out_proj: BranchedLinear,
+                 dropout: float = 0.0, name: str = "attention") -> None:
+        super().__init__()
+        if n_heads < 1 or d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        if gate.d_model != d_model:
+            raise ValueError(f"the gate reads width {gate.d_model}, expected {d_model}")
+        for pname, proj in (("q_proj", q_proj), ("k_proj", k_proj), ("v_proj", v_proj),
+                            ("out_proj", out_proj)):
+            if not isinstance(proj, BranchedLinear):
+                raise ValueError(f"{pname} must be a BranchedLinear, got {type(proj).__name__}")
+            if proj.n_branches != gate.n_experts:
+                raise ValueError(f"{pname} has {proj.n_branches} experts, the gate "
+                                 f"{gate.n_experts}")
+            if (proj.in_features, proj.out_features) != (d_model, d_model):
+                raise ValueError(f"{pname} must map {d_model} -> {d_model}, got "
+                                 f"{proj.in_features} -> {proj.out_features}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.gate = gate
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
+        self.dropout = dropout
+        self.name = name
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.n_experts
+
+    @property
+    def k(self) -> int:
+        return self.gate.k
+
+    def new_cache(self, static: bool = False) -> KVCache:
+        """An empty cache for incremental decoding (``static``: cross-attention)."""
+        return KVCache(static=static)
+
+    def _split(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, hd)
+
+    def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
+                is_causal: bool = False, cache: KVCache | None = None,
+                aux: AuxOutputs | None = None) -> Tensor:
+        """Return ``(B, T, d_model)``; arguments as ``BranchedAttention.forward``."""
+        b, t, d = x.shape
+        route_q = self.gate(x)  # experts/gates (B, T, k)
+        pairs_q = ExpertPairs.of(route_q, self.n_experts)
+        flat = x.reshape(-1, d)
+        q = self._split(pairs_q.mix(self.q_proj, flat).view(x.shape))  # (B, H, T, hd)
+        route_kv = None
+        n_kv = 0
+        if cache is not None and cache.static and cache.k is not None:
+            k, v = cache.k, cache.v
+        else:
+            if memory is None:  # self-attention: the query decisions route k and v too
+                src, pairs_kv, src_flat = x, pairs_q, flat
+            else:
+                route_kv = self.gate(memory)
+                src, pairs_kv = memory, ExpertPairs.of(route_kv, self.n_experts)
+                src_flat = memory.reshape(-1, d)
+            k = self._split(pairs_kv.mix(self.k_proj, src_flat).view(src.shape))
+            v = self._split(pairs_kv.mix(self.v_proj, src_flat).view(src.shape))
+            n_kv = src_flat.size(0)
+            if cache is not None:
+                if cache.k is not None:
+                    k = torch.cat([cache.k, k], dim=2)
+                    v = torch.cat([cache.v, v], dim=2)
+                cache.k, cache.v = k, v
+        out = attend(q, k, v, attn_mask, is_causal,
+                     self.dropout if self.training else 0.0)  # (B, H, T, hd)
+        h = out.transpose(1, 2).reshape(b * t, d)
+        y = pairs_q.mix(self.out_proj, h).view(x.shape)
+        if aux is not None:
+            aux.add_trace(ROUTE_TRACE, ExpertTrace(self.name, "input", route_q.dense_gates(),
+                                                   route_q.experts, route_q.load, id(self.gate)))
+            if route_kv is not None:
+                aux.add_trace(ROUTE_TRACE, ExpertTrace(
+                    self.name, "memory", route_kv.dense_gates(), route_kv.experts, route_kv.load,
+                    id(self.gate)))
+            if not self.training:
+                counts = self.macs(b * t, k.size(2), n_kv, cross=route_kv is not None)
+                aux.add_trace(MACS_TRACE, MacsRecord(self.name, counts))
+        return y
+
+    def macs(self, n_queries: int, n_keys: int, n_kv_tokens: int | None = None, *,
+             cross: bool = False) -> dict[str, int]:
+        """Multiply-adds at inference of one call; keys as ``BranchedAttention.macs``, every
+        projection running k experts per token (``gate_q``/``gate_kv``: the clean gate
+        logits; training also runs the noise projection)."""
+        n_kv = n_keys if n_kv_tokens is None else n_kv_tokens
+        products = n_queries * n_keys * self.d_model
+        return {
+            "q_proj": self.q_proj.macs(n_queries * self.k),
+            "k_proj": self.k_proj.macs(n_kv * self.k),
+            "v_proj": self.v_proj.macs(n_kv * self.k),
+            "attn_scores": products,
+            "attn_values": products,
+            "out_proj": self.out_proj.macs(n_queries * self.k),
+            "gate_q": self.gate.macs(n_queries),
+            "gate_kv": self.gate.macs(n_kv) if cross else 0,
+        }
+
+
+def moe_attention(d_model: int, n_heads: int, n_experts: int = 4, k: int = 2,
+                  dropout: float = 0.0, *, noise_epsilon: float = 1e-2,
+                  name: str = "attention") -> MoEAttention:
+    """MoE attention: a noisy top-``k`` gate and four :class:`BranchedLinear`
+    ``d_model -> d_model`` projections with ``n_experts`` experts each (no shared part): the
+    parameters of a merged DMB attention with as many branches."""
+
+    def proj() -> BranchedLinear:
+        return BranchedLinear(d_model, d_model, n_experts, shared=False)
+
+    return MoEAttention(d_model, n_heads, NoisyTopKGate(d_model, n_experts, k, noise_epsilon),
+                        proj(), proj(), proj(), proj(), dropout=dropout, name=name)

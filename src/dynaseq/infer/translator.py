@@ -17,10 +17,12 @@ import sacrebleu
 import torch
 from torch import nn
 
+from dynaseq.branching import merge_shared_
 from dynaseq.config import ModelConfig, RunConfig, load_config
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.errors import CheckpointError, DynaseqError
 from dynaseq.infer.search import beam_search, greedy_search
+from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models import build_seq2seq
 from dynaseq.train.checkpoint import load_weights, read_meta, resolve_checkpoint
 from dynaseq.train.distributed import pick_device
@@ -125,7 +127,11 @@ def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
 
 @dataclass
 class Translator:
-    """A trained model with its tokenizer and config, ready for inference."""
+    """A trained model with its tokenizer and config, ready for inference.
+
+    :meth:`load` folds the shared part of a DMB model's branches into each branch
+    (``merge_shared_``), so the loaded model's state dict has no ``shared_*`` entries.
+    """
 
     model: nn.Module
     tokenizer: Tokenizer
@@ -148,6 +154,9 @@ class Translator:
         dev = pick_device(device)
         model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
         load_weights(model, ckpt)
+        # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
+        # folds θ_S into every branch (same outputs, no shared parameters left to add)
+        merge_shared_(model)
         return cls(model.to(dev).eval(), tok, cfg, dev, ckpt)
 
     def translate(self, lines: list[str], beam: int | None = None,
@@ -184,11 +193,16 @@ class Translator:
 
     def evaluate(self, src: list[str], ref: list[str], beam: int | None = None,
                  budget: Budget = None, **kwargs) -> dict[str, object]:
-        """sacreBLEU of the translations against ``ref`` plus the teacher-forced loss."""
+        """sacreBLEU of the translations against ``ref`` plus the teacher-forced loss, and the
+        DMB paper's performance-time ratio ``ptr`` = BLEU / sqrt(``macs_pair``) · 10^4, with
+        ``macs_pair`` the Mult-Adds of a 30 -> 30-token pass, output layer included
+        (:func:`~dynaseq.metrics.macs.pair_macs`; CCT models: every gate on)."""
         hyps = self.translate(src, beam=beam, budget=budget, **kwargs)
         score, signature = bleu(hyps, ref)
+        macs = pair_macs(self.model)
         result = {"bleu": score, "signature": signature, **self.score(src, ref, budget),
-                  "n_sentences": len(src), "checkpoint": str(self.checkpoint)}
+                  "n_sentences": len(src), "checkpoint": str(self.checkpoint),
+                  "macs_pair": macs, "ptr": ptr(score, macs)}
         control = control_for_budget(self.config.model, budget)
         if control is not None:
             result["budget"] = list(self.config.model.cct.controls[control])

@@ -12,13 +12,21 @@ included) and T target positions:
 * output layer: T·d·V.
 
 Per-token figures divide the encoder by S and the decoder by T; ``total`` is their sum (the
-compute behind one source and one target token). The same counts come from
+compute behind one source and one target token). Branched sub-layers (DMB, MoE) add their
+gates (``gate_*``), including, in cross-attention, the gate on each encoder state.
+
+:func:`pair_macs` is the DMB paper's "#Mult-Adds" (Tan et al. 2021, Table I): the whole
+teacher-forced pass over one 30-token source and 30-token target sentence (not per token),
+embedding and output (classification) layers included; :func:`ptr` is its
+performance-time ratio ``BLEU / sqrt(#MACs) · 10^4`` (eq. 32). The same counts come from
 ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs = 2·MACs); :func:`flop_counter_macs`
 measures them, adding the CPU fused-attention kernel that the counter does not know.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -82,7 +90,7 @@ def count_macs(model: nn.Module, src_tokens: int, tgt_tokens: int) -> MacReport:
     rep.decoder["embedding"] = 0
     for i, layer in enumerate(model.decoder.layers):
         sa = layer.self_attn.macs(t, t)
-        ca = layer.cross_attn.macs(t, s)
+        ca = _cross_attention_macs(layer.cross_attn, t, s)
         ff = layer.ffn.macs(t)
         _add(rep.decoder, "self_attn", sa)
         _add(rep.decoder, "cross_attn", ca)
@@ -92,6 +100,42 @@ def count_macs(model: nn.Module, src_tokens: int, tgt_tokens: int) -> MacReport:
     proj = model.decoder.output_proj
     rep.decoder["output_proj"] = t * proj.in_features * proj.out_features
     return rep
+
+
+#: The sentence lengths the DMB paper's Mult-Adds are given for (Table I: 229.0M for its
+#: tiny Transformer = 30 source and 30 target tokens at d=128, 6+6 layers, 37k vocabulary).
+PAIR_TOKENS = 30
+
+
+def pair_macs(model: nn.Module, src_tokens: int = PAIR_TOKENS,
+              tgt_tokens: int = PAIR_TOKENS) -> int:
+    """The DMB paper's Mult-Adds: everything :func:`count_macs` counts for one teacher-forced
+    pass over a ``src_tokens`` -> ``tgt_tokens`` sentence pair, summed (not per token).
+
+    Counted: every encoder and decoder layer (q/k/v/out projections, both attention
+    products over the full S×S, T×T and T×S score matrices, FFN, and the gates of DMB/MoE
+    sub-layers), the embeddings (table look-ups: 0 Mult-Adds, as torchprofile counts them)
+    and the output layer (``T·d·V``). Not counted: LayerNorm, softmax, residual additions,
+    positions, biases. CCT models: every gate on (the dense maximum).
+    """
+    rep = count_macs(model, src_tokens, tgt_tokens)
+    return rep.encoder_total + rep.decoder_total
+
+
+def ptr(bleu: float, macs: float) -> float:
+    """Performance-time ratio ``BLEU / sqrt(#MACs) · 10^4`` (Tan et al. 2021, eq. 32); use
+    :func:`pair_macs` for the paper's #MACs."""
+    if macs <= 0:
+        raise ValueError(f"macs must be > 0, got {macs}")
+    return bleu / math.sqrt(macs) * 1e4
+
+
+def _cross_attention_macs(attn: nn.Module, n_queries: int, n_keys: int) -> dict[str, int]:
+    """``attn.macs`` of a cross-attention call; sub-layers that take ``cross`` (DMB and MoE
+    attention: their gate also routes each memory token) are told so."""
+    if "cross" in inspect.signature(attn.macs).parameters:
+        return attn.macs(n_queries, n_keys, cross=True)
+    return attn.macs(n_queries, n_keys)
 
 
 def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:

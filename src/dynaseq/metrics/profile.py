@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dynaseq.metrics.latency import decode_latency_ms
-from dynaseq.metrics.macs import count_macs, flop_counter_macs
+from dynaseq.metrics.macs import count_macs, flop_counter_macs, pair_macs
 
 
 def count_params(model: nn.Module) -> int:
@@ -22,7 +22,9 @@ def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeat
     """The profile of a Seq2SeqTransformer for an S=src_len, T=tgt_len sentence pair.
 
     ``control``: the control-symbol id (budget) a CCT model runs at; its MACs here are the
-    dense maximum (what runs with every gate on).
+    dense maximum (what runs with every gate on). ``macs_pair`` is the DMB paper's Mult-Adds
+    (see :func:`~dynaseq.metrics.macs.pair_macs`): the whole src_len -> tgt_len pass, output
+    layer included (the paper's figures are for 30 -> 30, the default).
     """
     rep = count_macs(model, src_len, tgt_len)
     vocab = model.decoder.output_proj.out_features
@@ -39,6 +41,8 @@ def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeat
         "macs_per_token": rep.per_token(),
         "macs_per_token_flop_counter": {k: measured[k] for k in ("encoder", "decoder", "total")},
         "macs_breakdown_per_token": rep.breakdown_per_token(),
+        "macs_pair": {"src_tokens": src_len, "tgt_tokens": tgt_len,
+                      "total": pair_macs(model, src_len, tgt_len)},
         "device": str(device),
         "threads": torch.get_num_threads(),
     }

@@ -2,7 +2,8 @@
 
 The model composes blocks it is given: an :class:`Encoder` and a :class:`Decoder` each hold
 an embedding, sinusoidal positions and a list of layers whose sub-layers were built
-elsewhere. :func:`build_seq2seq` wires the dense version from a :class:`ModelConfig`.
+elsewhere. :func:`build_seq2seq` wires the dense version, or a CCT, DMB or MoE one, from a
+:class:`ModelConfig`.
 
 Example::
 
@@ -226,19 +227,23 @@ class Seq2SeqTransformer(nn.Module):
 
 def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: int = 2,
                   eos_id: int = 3) -> Seq2SeqTransformer:
-    """Pre-LN Transformer from a config: dense, or CCT when ``cfg.cct`` is set.
+    """Pre-LN Transformer from a config: dense, CCT (``cfg.cct``), Transformer-DMB
+    (``cfg.dmb``) or its mixture-of-experts baseline (``cfg.moe``).
 
     ``share_embeddings`` ties source and target embeddings (one shared vocabulary);
     ``tie_output`` ties the output projection to the target embedding (Press & Wolf 2017).
     """
     d = cfg.d_model
+
+    def attention() -> nn.Module:
+        return dense_attention(d, cfg.n_heads, cfg.attention_dropout)
+
+    def ffn() -> nn.Module:
+        return FeedForward(d, cfg.ffn_dim, cfg.activation_dropout)
+
+    if cfg.dmb is not None or cfg.moe is not None:
+        return _build_branching(cfg, vocab_size, attention, pad_id, bos_id, eos_id)
     if cfg.cct is None:
-        def attention() -> nn.Module:
-            return dense_attention(d, cfg.n_heads, cfg.attention_dropout)
-
-        def ffn() -> nn.Module:
-            return FeedForward(d, cfg.ffn_dim, cfg.activation_dropout)
-
         return _assemble(cfg, vocab_size, attention, ffn, None, pad_id, bos_id, eos_id)
 
     from dynaseq.adaptive.cct import (
@@ -253,11 +258,13 @@ def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: in
 
     def cond_attention() -> nn.Module:
         return conditional_attention(d, cfg.n_heads, cfg.attention_dropout,
-                                     control_hidden=cct.control_hidden, schedule=schedule)
+                                     control_hidden=cct.control_hidden, schedule=schedule,
+                                     hard_budget=cct.budget_estimate == "hard")
 
     def cond_ffn() -> nn.Module:
         return conditional_feedforward(d, cfg.ffn_dim, cct.ffn_pieces, cfg.activation_dropout,
-                                       control_hidden=cct.control_hidden, schedule=schedule)
+                                       control_hidden=cct.control_hidden, schedule=schedule,
+                                       hard_budget=cct.budget_estimate == "hard")
 
     # the same per-dimension scale as a token embedding (N(0, 1/d) times sqrt(d)): at 1/sqrt(d)
     # the control nets barely saw the symbol and missed their budgets for hundreds of updates
@@ -265,6 +272,45 @@ def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: in
     nn.init.normal_(control.weight, std=1.0)
     model = _assemble(cfg, vocab_size, cond_attention, cond_ffn, control, pad_id, bos_id, eos_id)
     name_conditional_sublayers(model)
+    return model
+
+
+def _build_branching(cfg: ModelConfig, vocab_size: int, dense_attn, pad_id: int, bos_id: int,
+                     eos_id: int) -> Seq2SeqTransformer:
+    """Transformer-DMB (Tan et al. 2021) or the top-k MoE baseline: every FFN, and with
+    ``attention`` every self- and cross-attention, of encoder and decoder is branched; the
+    sub-layers are named after their paths for the routing losses."""
+    from dynaseq.branching import (
+        dmb_attention,
+        dmb_feedforward,
+        moe_attention,
+        moe_feedforward,
+        name_branching_sublayers,
+    )
+
+    d, heads = cfg.d_model, cfg.n_heads
+    if cfg.dmb is not None:
+        n, shared = cfg.dmb.n_branches, cfg.dmb.shared_private
+        with_attention = cfg.dmb.attention
+
+        def branched_attn() -> nn.Module:
+            return dmb_attention(d, heads, n, cfg.attention_dropout, shared=shared)
+
+        def branched_ffn() -> nn.Module:
+            return dmb_feedforward(d, cfg.ffn_dim, n, cfg.activation_dropout, shared=shared)
+    else:
+        moe = cfg.moe
+        with_attention = moe.attention
+
+        def branched_attn() -> nn.Module:
+            return moe_attention(d, heads, moe.n_experts, moe.k, cfg.attention_dropout)
+
+        def branched_ffn() -> nn.Module:
+            return moe_feedforward(d, cfg.ffn_dim, moe.n_experts, moe.k, cfg.activation_dropout)
+
+    model = _assemble(cfg, vocab_size, branched_attn if with_attention else dense_attn,
+                      branched_ffn, None, pad_id, bos_id, eos_id)
+    name_branching_sublayers(model)
     return model
 
 

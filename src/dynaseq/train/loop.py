@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dynaseq.adaptive.cct import seq2seq_budget_loss, set_gate_step
+from dynaseq.branching import seq2seq_routing_loss
 from dynaseq.config import RunConfig, save_config, to_dict
 from dynaseq.data import (
     ParallelCorpus,
@@ -256,6 +257,8 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
     if cfg.model.cct is not None:
         budgets = torch.tensor(cfg.model.cct.controls, dtype=torch.float32, device=s.device)
         sampling_ids = torch.tensor(cfg.model.cct.sampling_ids, dtype=torch.long)
+    routing = cfg.model.dmb or cfg.model.moe  # DMB / MoE: the gates' auxiliary losses
+    dmb = cfg.model.dmb
     show_bar = progress and env.is_main and sys.stderr.isatty()
     bar = tqdm(total=tc.max_steps, initial=state.step, disable=not show_bar, unit="upd",
                dynamic_ncols=True)
@@ -281,7 +284,7 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                 full = [collate(s.train, idx, model.pad_id, model.bos_id, model.eos_id)
                         for idx in group]
                 total_tokens = sum(b.n_tgt_tokens for b in full)
-                sums = [0.0, 0.0, 0.0]
+                sums = [0.0, 0.0, 0.0, 0.0]
                 share = 1.0
                 if budgets is not None:
                     set_gate_step(model, state.step)
@@ -307,6 +310,15 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                                                       control, budgets, 1.0)
                             loss = loss + cfg.model.cct.budget_weight * blo * n_tok
                             sums[2] += float(blo.detach()) * n_tok
+                        if routing is not None:
+                            # eq. 31 without α, padding excluded: weighted by tokens like the
+                            # budget loss, so α weighs it against the per-token CE
+                            rlo = seq2seq_routing_loss(
+                                out.aux, b.src, b.tgt_in, model.pad_id,
+                                diversity=dmb is None or dmb.diversity,
+                                entropy=dmb is None or dmb.entropy)
+                            loss = loss + routing.aux_weight * rlo * n_tok
+                            sums[3] += float(rlo.detach()) * n_tok
                         (loss * env.world_size / total_tokens).backward()
                     sums[0] += float(loss.detach())
                     sums[1] += float(nll)
@@ -321,9 +333,8 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                 window_tokens += total_tokens
                 state.elapsed = time.monotonic() - t_start
                 over_time = tc.max_minutes is not None and state.elapsed >= tc.max_minutes * 60
-                loss_sum, nll_sum, budget_sum, flag = all_reduce_sum(
-                    [sums[0], sums[1], sums[2], float(stop.signum is not None or over_time)],
-                    env, s.device)
+                loss_sum, nll_sum, budget_sum, routing_sum, flag = all_reduce_sum(
+                    [*sums, float(stop.signum is not None or over_time)], env, s.device)
                 lr = scheduler.get_last_lr()[0]
                 bar.update(1)
                 if state.step % tc.log_every == 0 or state.step == 1:
@@ -335,6 +346,8 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                            "lr": lr, "tokens_per_s": tps, "elapsed_s": state.elapsed}
                     if budgets is not None:
                         rec["budget_loss"] = budget_sum / total_tokens
+                    if routing is not None:
+                        rec["routing_loss"] = routing_sum / total_tokens
                     s.log.write("train", **rec)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{lr:.2e}",
                                     tok_s=f"{tps:.0f}")
