@@ -59,10 +59,12 @@ def demo_cct(minutes: float, updates_per_minute: float = 360.0) -> CCTConfig:
     """The demo's CCT: M=4 FFN pieces, the :data:`DEMO_BUDGETS` (full budget drawn twice as
     often). For a run of about ``minutes · updates_per_minute`` updates (~6/s on 2 cores):
     noise at its maximum after 30% of them; every sequence at the full budget for the first
-    35%, then budgets drawn from the list, ramping in over 10% (see ``CCTConfig``)."""
+    35%, then budgets drawn from the list, ramping in over 10%; the budget loss counts the
+    gates inference will open (``budget_estimate="hard"``; see ``CCTConfig``)."""
     steps = max(int(minutes * updates_per_minute), 10)
     return CCTConfig(ffn_pieces=4, control_hidden=64, noise_ramp_steps=int(0.3 * steps),
                      budget_start_step=int(0.35 * steps), budget_ramp_steps=int(0.1 * steps),
+                     budget_estimate="hard",
                      budgets=[DEMO_BUDGETS[0], *DEMO_BUDGETS])
 
 
