@@ -10,6 +10,7 @@ Leaves under ``out``: ``data/{train,valid,test}.{src,tgt}`` (the generated task)
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,9 @@ def run_demo(out: str | Path, minutes: float = 5.0, seed: int = 0, progress: boo
     say(f"[demo] writing the synthetic task to {out / 'data'}")
     paths = write_task(out / "data", seed=seed)
     cfg = demo_config(out, paths, minutes, seed, demo_cct(minutes))
+    if Path(cfg.run_dir).exists():  # the demo's own scratch run: a fresh model every time
+        say(f"[demo] removing the previous demo run {cfg.run_dir}")
+        shutil.rmtree(cfg.run_dir)
     say(f"[demo] training one tiny CCT for {len(DEMO_BUDGETS)} budgets, up to {minutes:g} min, "
         f"in {cfg.run_dir}")
     result = train(cfg, progress=progress)
