@@ -224,10 +224,7 @@ class ConditionalAttention(nn.Module):
             if cache is not None:
                 k, v, _ = _store(cache, k, v, None)
         allowed = allowed_mask(attn_mask, is_causal, x.size(1), k.size(1), past, x.device)
-        a = F.scaled_dot_product_attention(self._split(self.q_proj(x)), self._split(k),
-                                           self._split(v), attn_mask=allowed,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        out = g_q * self.out_proj(self.out_norm(self._merge(a)))  # (B, T, d)
+        out = g_q * self._attend_all(x, k, v, allowed)  # (B, T, d)
         if aux is not None:
             self._trace(aux, self.gate.for_budget(q_logits, g_q), b_kv, allowed, k.size(1),
                         memory is not None)
@@ -266,9 +263,7 @@ class ConditionalAttention(nn.Module):
 
         if bool(q_on.all()) and not bool(n_off.any()):
             # every query open and every key a query may see computed: plain attention
-            a = F.scaled_dot_product_attention(self._split(self.q_proj(x)), self._split(k),
-                                               self._split(v), attn_mask=allowed)
-            out = self.out_proj(self.out_norm(self._merge(a))).reshape(b * t, d)
+            out = self._attend_all(x, k, v, allowed).reshape(b * t, d)
         else:
             out = x.new_zeros(b * t, d)
             if q_on.any():
@@ -291,6 +286,14 @@ class ConditionalAttention(nn.Module):
             aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(q_on, kv_ran,
                                                                                key_on)))
         return out.view(b, t, d)
+
+    def _attend_all(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> Tensor:
+        """LN(MultiHeadAtten(K, V, x W_q)) W_o for every query: x ``(B, T, d)``, k/v
+        ``(B, S, d)`` -> ``(B, T, d)`` (the ungated part of eq. 13; dropout in training)."""
+        a = F.scaled_dot_product_attention(self._split(self.q_proj(x)), self._split(k),
+                                           self._split(v), attn_mask=allowed,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(self.out_norm(self._merge(a)))
 
     def _project_kv(self, src: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:
         """LN(src W_k), LN(src W_v) ``(B, S, d)`` on the ``on`` tokens only; zero rows
