@@ -50,6 +50,38 @@ def test_branched_linear_applies_each_rows_branch(linear_rows):
     assert lin.macs(21) == 21 * 6 * 5
 
 
+def test_inference_runs_only_the_branches_that_have_rows(linear_rows):
+    torch.manual_seed(0)
+    lin = BranchedLinear(6, 5, n_branches=4)
+    x = torch.randn(9, 6)
+    with torch.no_grad():
+        # one token (a greedy decoding step): no sort, no split, one matmul
+        g = BranchGroups.of(torch.tensor([3]), 4)
+        assert g.in_order and g.sizes == [0, 0, 0, 1]
+        row = x[:1]
+        assert g.gather(row) is row and g.scatter(row) is row
+        y1 = lin(x[:1], torch.tensor([3]))
+        assert linear_rows.calls == [((5, 6), 1)]
+        torch.testing.assert_close(y1, F.linear(x[:1], lin.weight[3], lin.bias[3]))
+        linear_rows.calls.clear()
+        branch = torch.tensor([1, 3, 1, 1, 3, 3, 1, 1, 3])  # branches 0 and 2 empty
+        y = lin(x, branch)
+        assert linear_rows.calls == [((5, 6), 5), ((5, 6), 4)]
+    with torch.enable_grad():
+        torch.testing.assert_close(lin(x, branch), y)  # training path: every branch runs
+    assert len(linear_rows.calls) == 2 + 4
+
+
+def test_groups_reject_ids_outside_the_branches():
+    with pytest.raises(ValueError, match=r"\[0, 4\), got id 4"):
+        BranchGroups.of(torch.tensor([0, 4]), 4)
+    with pytest.raises(ValueError, match=r"got id -1"):
+        BranchGroups.of(torch.tensor([0, -1]), 4)
+    for bad in (-1, 4):  # the one-token path checks too
+        with pytest.raises(ValueError, match=rf"got id {bad}"):
+            BranchGroups.of(torch.tensor([bad]), 4)
+
+
 def test_shared_part_gets_every_branchs_gradient_private_only_its_own():
     torch.manual_seed(0)
     lin = BranchedLinear(4, 3, n_branches=4)

@@ -94,16 +94,22 @@ class BranchedLinear(nn.Module):
     def grouped(self, xs: Tensor, sizes: Sequence[int]) -> Tensor:
         """``(M, in)`` rows sorted by branch, ``sizes[k]`` rows for branch k -> ``(M, out)``.
 
-        One ``F.linear`` per branch over its contiguous rows (empty groups included, see the
-        module docstring).
+        One ``F.linear`` per branch over its contiguous rows. With gradients enabled empty
+        groups run too (see the module docstring); without (inference), only the non-empty
+        groups run, and a single one runs on ``xs`` directly (no split, no concatenation).
         """
         if len(sizes) != self.n_branches:
             raise ValueError(f"got {len(sizes)} group sizes for {self.n_branches} branches")
         weight, bias = self.branch_parameters()
+        if not torch.is_grad_enabled():
+            used = [k for k, n in enumerate(sizes) if n]
+            if len(used) == 1:
+                k = used[0]
+                return F.linear(xs, weight[k], None if bias is None else bias[k])
         parts = xs.split(list(sizes))
         outs = [F.linear(part, weight[k], None if bias is None else bias[k])
-                for k, part in enumerate(parts)]
-        return torch.cat(outs)
+                for k, part in enumerate(parts) if sizes[k] or torch.is_grad_enabled()]
+        return torch.cat(outs) if outs else xs.new_zeros(0, self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
         if branch.shape != x.shape[:-1]:

@@ -96,11 +96,15 @@ class BranchGroups:
     inverse: ``(M,)`` the inverse permutation (row ``j`` of the sorted layout is token
         ``order[j]``; token ``m`` sits at row ``inverse[m]``).
     sizes: the N group sizes (a Python list: splitting needs them on the host).
+    in_order: the tokens are already sorted by branch (one branch took them all, e.g. the
+        single token of a greedy decoding step), so :meth:`gather` and :meth:`scatter`
+        return their input as it is.
     """
 
     order: Tensor
     inverse: Tensor
     sizes: list[int]
+    in_order: bool = False
 
     @classmethod
     def of(cls, branch: Tensor, n_branches: int) -> BranchGroups:
@@ -108,16 +112,29 @@ class BranchGroups:
         if branch.dim() != 1 or branch.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"branch must be an (M,) integer tensor, got shape "
                              f"{tuple(branch.shape)} {branch.dtype}")
-        if branch.numel():
-            lo, hi = torch.stack(torch.aminmax(branch)).tolist()  # one host sync
-            if lo < 0 or hi >= n_branches:
-                raise ValueError(f"branch ids must lie in [0, {n_branches}), got ids from "
-                                 f"{lo} to {hi}")
-        counts = torch.bincount(branch, minlength=n_branches)
+        m = branch.numel()
+        if m == 1:  # one token (a decoding step at batch 1): one host sync, nothing to count
+            k = int(branch)
+            if not 0 <= k < n_branches:
+                raise ValueError(f"branch ids must lie in [0, {n_branches}), got id {k}")
+            sizes = [0] * n_branches
+            sizes[k] = 1
+            identity = branch.new_zeros(1)
+            return cls(identity, identity, sizes, in_order=True)
+        if m and int(branch.min()) < 0:
+            raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
+                             f"{int(branch.min())}")
+        sizes = torch.bincount(branch, minlength=n_branches).tolist()  # one host sync
+        if len(sizes) > n_branches:
+            raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
+                             f"{len(sizes) - 1}")
+        if m == 0 or max(sizes) == m:  # one branch takes every token: nothing to sort
+            identity = torch.arange(m, device=branch.device)
+            return cls(identity, identity, sizes, in_order=True)
         order = torch.sort(branch, stable=True).indices
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return cls(order, inverse, counts.tolist())
+        inverse[order] = torch.arange(m, device=order.device)
+        return cls(order, inverse, sizes)
 
     @property
     def n_tokens(self) -> int:
@@ -125,8 +142,8 @@ class BranchGroups:
 
     def gather(self, x: Tensor) -> Tensor:
         """``(M, d)`` rows in token order -> ``(M, d)`` rows sorted by branch."""
-        return x.index_select(0, self.order)
+        return x if self.in_order else x.index_select(0, self.order)
 
     def scatter(self, y: Tensor) -> Tensor:
         """``(M, d)`` rows sorted by branch -> ``(M, d)`` rows in token order."""
-        return y.index_select(0, self.inverse)
+        return y if self.in_order else y.index_select(0, self.inverse)

@@ -1,0 +1,274 @@
+"""Benchmark `dmb` (Tan et al. 2021, Tables I-IV, fig. 5) on Multi30k en->de, `tiny` size.
+
+Transformer vs Transformer-MoE (noisy top-2 of 4) vs Transformer-DMB (N = 4): #params,
+#MACs (the paper's convention: a 30 -> 30-token pass, output layer included), BLEU (beam 4,
+test_2016_flickr) and PTR = BLEU / sqrt(#MACs) · 10^4 (Table I); sequence-level distillation
+from the dense `small` model (Table IV); DMB without shared-private, without each auxiliary
+loss, without DMB attention (Table III); N in {2, 4, 8} (fig. 5); CPU latency of a 30-token
+sentence, greedy and beam 4, batch 1 and 32, fp32 and int8 (Table II protocol).
+
+Every tiny model gets the same number of updates (STEPS) with the same data, batch size,
+learning-rate schedule and seed as the dense tiny model of benchmarks/mt_baseline.py, which
+is reused (runs/bench/mt_baseline_tiny_en_de, 1001 updates).
+
+    python benchmarks/dmb.py train a        # DMB N=4, MoE, w/o shared-private, w/o diversity
+    python benchmarks/dmb.py train b        # w/o entropy, w/o DMB attention, N=2, N=8
+    python benchmarks/dmb.py train kd       # distill-data from the small teacher, 2 students
+    python benchmarks/dmb.py report         # evaluate + latency + int8, write results/
+
+The `train` lanes use one thread each, so two can run side by side on 2 cores; `report`
+measures latency with every core and should run alone. Writes
+benchmarks/results/dmb.{json,md,png}. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dynaseq.config import load_config
+from dynaseq.data import read_lines
+from dynaseq.infer.translator import Translator
+from dynaseq.metrics.latency import decode_latency_ms
+from dynaseq.train.loop import train
+
+from mt_baseline import throughput
+
+DATA = Path("../shared/data/multi30k")
+RESULTS = Path("benchmarks/results")
+RUNS = Path("runs/bench")
+STEPS = 1000
+DENSE = RUNS / "mt_baseline_tiny_en_de"  # trained by benchmarks/mt_baseline.py
+TEACHER = RUNS / "mt_baseline_small_en_de"  # dense small en->de, the distillation teacher
+KD_DATA = RUNS / "dmb_kd" / "train.distilled.de"
+DMB_CFG, MOE_CFG = "configs/multi30k_dmb_tiny.yaml", "configs/multi30k_moe_tiny.yaml"
+DENSE_CFG = "configs/multi30k_tiny.yaml"
+# name -> (lane, table, description, config, overrides)
+VARIANTS: dict[str, tuple[str, str, str, str, list[str]]] = {
+    "dmb": ("a", "I", "Transformer-DMB (N=4)", DMB_CFG, []),
+    "moe": ("a", "I", "Transformer-MoE (top-2 of 4)", MOE_CFG, []),
+    "dmb_no_shared_private": ("a", "III", "DMB w/o shared-private", DMB_CFG,
+                              ["model.dmb.shared_private=false"]),
+    "dmb_no_diversity": ("a", "III", "DMB w/o diversity loss", DMB_CFG,
+                         ["model.dmb.diversity=false"]),
+    "dmb_no_entropy": ("b", "III", "DMB w/o entropy loss", DMB_CFG, ["model.dmb.entropy=false"]),
+    "dmb_no_attention": ("b", "III", "DMB w/o DMB attention (FFN only)", DMB_CFG,
+                         ["model.dmb.attention=false"]),
+    "dmb_n2": ("b", "fig5", "DMB N=2", DMB_CFG, ["model.dmb.n_branches=2"]),
+    "dmb_n8": ("b", "fig5", "DMB N=8", DMB_CFG, ["model.dmb.n_branches=8"]),
+    "kd_dense": ("kd", "IV", "Transformer + seq-KD", DENSE_CFG,
+                 [f"data.train_tgt={KD_DATA}"]),
+    "kd_dmb": ("kd", "IV", "Transformer-DMB (N=4) + seq-KD", DMB_CFG,
+               [f"data.train_tgt={KD_DATA}"]),
+}
+
+
+def run_dir(name: str) -> Path:
+    return RUNS / f"dmb_{name}"
+
+
+def variant_config(name: str):
+    _, _, _, path, overrides = VARIANTS[name]
+    return load_config(path, [f"run_dir={run_dir(name)}", f"train.max_steps={STEPS}",
+                              "train.valid_bleu_lines=300", *overrides])
+
+
+def distill_data() -> None:
+    """The teacher's beam-4 translations of the training sources (Kim & Rush 2016)."""
+    if KD_DATA.exists():
+        return
+    KD_DATA.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "dynaseq", "distill-data", str(TEACHER),
+           "--src", str(DATA / "train.en.gz"), "--out", str(KD_DATA), "--beam", "4"]
+    print("==", " ".join(cmd), file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    (KD_DATA.parent / "distill_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    if args.lane == "kd":
+        distill_data()
+    names = [n for n, v in VARIANTS.items() if v[0] == args.lane
+             and (not args.only or n in args.only)]
+    for name in names:
+        cfg = variant_config(name)
+        print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
+        result = train(cfg, progress=True)
+        if result.stopped_by_signal is not None:  # checkpoint written; rerun to resume
+            break
+
+
+def evaluate(t: Translator, src: list[str], ref: list[str]) -> dict:
+    r = t.evaluate(src, ref, beam=4)
+    row = {"bleu_beam4": round(r["bleu"], 2), "macs_pair": r["macs_pair"],
+           "ptr": round(r["ptr"], 2), "loss": round(r["loss"], 4),
+           "params": sum(p.numel() for p in t.model.parameters()),
+           **throughput(Path(t.config.run_dir))}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+def latency(model: torch.nn.Module, repeats: int) -> dict[str, float]:
+    """ms for a 30 -> 30-token translation, greedy and beam 4, batch 1 and 32."""
+    return {f"{'greedy' if beam == 1 else 'beam4'}_b{batch}": round(decode_latency_ms(
+        model, 30, 30, beam=beam, batch=batch, repeats=repeats), 2)
+        for beam in (1, 4) for batch in (1, 32)}
+
+
+def interleaved_latency(models: dict[str, torch.nn.Module], rounds: int,
+                        repeats: int) -> dict[str, dict[str, float]]:
+    """Latency of each model, the models taking turns ``rounds`` times (the machine's noise
+    then hits them alike); the median of each model's per-round medians."""
+    per: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            per[name].append(latency(model, repeats))
+    out = {}
+    for name, runs in per.items():
+        out[name] = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
+    return out
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from dynaseq.compress.int8 import quantize_int8
+
+    src = read_lines(DATA / "test_2016_flickr.en.gz")
+    ref = read_lines(DATA / "test_2016_flickr.de.gz")
+    rows, translators = [], {}
+    systems = [("dense", "I", "Transformer", DENSE)]
+    systems += [(n, v[1], v[2], run_dir(n)) for n, v in VARIANTS.items()]
+    for name, table, desc, path in systems:
+        if not (path / "config.yaml").exists():
+            print(f"-- {name}: no run at {path}, skipped", file=sys.stderr)
+            continue
+        t = Translator.load(path)
+        translators[name] = t
+        rows.append({"name": name, "table": table, "system": desc, **evaluate(t, src, ref)})
+    int8 = {}
+    for name in ("dense", "dmb", "moe"):
+        if name in translators:
+            t = Translator.load(translators[name].config.run_dir)
+            t.model = quantize_int8(t.model)
+            int8[name] = t
+            rows.append({"name": f"{name}_int8", "table": "int8",
+                         "system": f"{next(r['system'] for r in rows if r['name'] == name)}"
+                                   " int8", **evaluate(t, src, ref)})
+    models = {n: translators[n].model for n in ("dense", "dmb", "moe") if n in translators}
+    models.update({f"{n}_int8": t.model for n, t in int8.items()})
+    lat = interleaved_latency(models, args.rounds, args.repeats)
+    for r in rows:
+        if r["name"] in lat:
+            r["latency_ms"] = lat[r["name"]]
+    machine = {"platform": platform.platform(), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "cpus": torch.get_num_threads()}
+    command = ("python benchmarks/dmb.py train a & python benchmarks/dmb.py train b; "
+               "python benchmarks/dmb.py train kd; python benchmarks/dmb.py report")
+    out = {"benchmark": "dmb", "command": command, "machine": machine,
+           "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4",
+           "updates": STEPS, "rows": rows, "disk_bytes": disk_sizes(translators)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "dmb.json").write_text(json.dumps(out, indent=1))
+    write_md(out)
+    plot(rows)
+
+
+def disk_sizes(translators: dict[str, Translator]) -> dict[str, dict[str, int]]:
+    """Bytes of the fp32 checkpoint each run's translator loads, and of its int8 run written
+    by ``dynaseq quantize`` (into runs/bench/dmb_int8/<name>)."""
+    out = {}
+    for name in ("dense", "dmb", "moe"):
+        if name not in translators:
+            continue
+        t = translators[name]
+        q_dir = RUNS / "dmb_int8" / name
+        if not q_dir.exists():
+            subprocess.run([sys.executable, "-m", "dynaseq", "quantize", str(t.config.run_dir),
+                            "--out", str(q_dir)], check=True)
+        q_weights = sum(p.stat().st_size for p in q_dir.rglob("*.safetensors"))
+        out[name] = {"fp32": Path(t.checkpoint).stat().st_size, "int8": q_weights}
+    return out
+
+
+def write_md(out: dict) -> None:
+    rows = {r["name"]: r for r in out["rows"]}
+    dense = rows.get("dense")
+    lines = ["# dmb: Transformer vs Transformer-MoE vs Transformer-DMB (tiny, Multi30k en→de)",
+             "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
+             f"Test set: {out['test_set']}; every model {out['updates']} updates "
+             "(the reused dense model 1001).", "",
+             "#MACs: the DMB paper's convention, one 30 → 30-token pass with the output layer "
+             "(Mult-Adds). PTR = BLEU / sqrt(#MACs) · 10⁴. Params: the inference model (shared "
+             "part merged).", "",
+             "| table | system | params | #MACs | ÷ Transformer | BLEU | PTR | steps | train min |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in out["rows"]:
+        ratio = f"{r['macs_pair'] / dense['macs_pair']:.4f}" if dense else ""
+        lines.append(f"| {r['table']} | {r['system']} | {r['params'] / 1e6:.2f}M | "
+                     f"{r['macs_pair'] / 1e6:.1f}M | {ratio} | {r['bleu_beam4']} | {r['ptr']} | "
+                     f"{r['steps']} | {r['train_minutes']} |")
+    lat_rows = [r for r in out["rows"] if "latency_ms" in r]
+    if lat_rows:
+        keys = list(lat_rows[0]["latency_ms"])
+        base = rows["dense"]["latency_ms"] if "dense" in rows else None
+        lines += ["", "## CPU latency, 30 → 30 tokens (ms; ratio to the fp32 Transformer)", "",
+                  "| system | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+        for r in lat_rows:
+            cells = [f"{r['latency_ms'][k]} ({r['latency_ms'][k] / base[k]:.2f}×)" if base
+                     else str(r['latency_ms'][k]) for k in keys]
+            lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+    if out.get("disk_bytes"):
+        lines += ["", "## Disk size of the weights (bytes)", "", "| model | fp32 | int8 | ratio |",
+                  "|---|---:|---:|---:|"]
+        for name, d in out["disk_bytes"].items():
+            lines.append(f"| {name} | {d['fp32']:,} | {d['int8']:,} | "
+                         f"{d['int8'] / d['fp32']:.3f} |")
+    (RESULTS / "dmb.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for r in rows:
+        ax.plot(r["macs_pair"] / 1e6, r["bleu_beam4"], "o")
+        ax.annotate(r["name"], (r["macs_pair"] / 1e6, r["bleu_beam4"]), fontsize=7,
+                    xytext=(4, -3), textcoords="offset points")
+    ax.set_xlabel("#MACs of a 30 → 30-token pass (millions)")
+    ax.set_ylabel("BLEU, test_2016_flickr en→de, beam 4")
+    ax.set_title("dmb: BLEU vs Mult-Adds (tiny)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "dmb.png", dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("lane", choices=["a", "b", "kd"])
+    t.add_argument("--only", nargs="*", choices=list(VARIANTS))
+    t.add_argument("--threads", type=int, default=1)
+    t.set_defaults(func=cmd_train)
+    r = sub.add_parser("report")
+    r.add_argument("--rounds", type=int, default=3)
+    r.add_argument("--repeats", type=int, default=3)
+    r.set_defaults(func=cmd_report)
+    args = p.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
