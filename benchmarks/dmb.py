@@ -37,6 +37,7 @@ from dynaseq.config import load_config
 from dynaseq.data import read_lines
 from dynaseq.infer.translator import Translator
 from dynaseq.metrics.latency import decode_latency_ms
+from dynaseq.metrics.profile import count_params
 from dynaseq.train.loop import train
 
 from mt_baseline import throughput
@@ -111,7 +112,7 @@ def evaluate(t: Translator, src: list[str], ref: list[str]) -> dict:
     r = t.evaluate(src, ref, beam=4)
     row = {"bleu_beam4": round(r["bleu"], 2), "macs_pair": r["macs_pair"],
            "ptr": round(r["ptr"], 2), "loss": round(r["loss"], 4),
-           "params": sum(p.numel() for p in t.model.parameters()),
+           "params": count_params(t.model),
            **throughput(Path(t.config.run_dir))}
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
@@ -194,7 +195,8 @@ def disk_sizes(translators: dict[str, Translator]) -> dict[str, dict[str, int]]:
             subprocess.run([sys.executable, "-m", "dynaseq", "quantize", str(t.config.run_dir),
                             "--out", str(q_dir)], check=True)
         q_weights = sum(p.stat().st_size for p in q_dir.rglob("*.safetensors"))
-        out[name] = {"fp32": Path(t.checkpoint).stat().st_size, "int8": q_weights}
+        fp32 = sum(p.stat().st_size for p in Path(t.checkpoint).rglob("*.safetensors"))
+        out[name] = {"fp32": fp32, "int8": q_weights}
     return out
 
 

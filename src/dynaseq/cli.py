@@ -49,7 +49,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     cfg = load_config(args.config, overrides)
-    result = train(cfg, progress=not args.quiet)
+    if getattr(cfg, "task", None) == "lm":  # task: lm -> the language-model loop
+        from dynaseq.train.lm_loop import train as train_lm
+
+        result = train_lm(cfg, progress=not args.quiet)
+    else:
+        result = train(cfg, progress=not args.quiet)
     if result.stopped_by_signal is not None:
         print(f"stopped by signal at step {result.state.step}; checkpoint saved in "
               f"{result.run_dir} (run the same command to resume)", file=sys.stderr)
@@ -76,6 +81,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
+    if _run_kind(args.run_dir) == "lm":
+        return _evaluate_lm(args)
+    if args.src is None or args.ref is None:
+        raise DynaseqError("evaluate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
     if len(src) != len(ref):
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
@@ -96,6 +105,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dynaseq.metrics.profile import profile_model
 
     target = Path(args.target)
+    if target.is_dir() and _run_kind(str(target)) == "lm":
+        return _profile_lm(args)
     if target.is_dir():
         args.run_dir = str(target)
         t = _translator(args)
@@ -106,6 +117,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from dynaseq.models import build_seq2seq
 
         cfg = load_config(target, args.overrides)
+        if getattr(cfg, "task", None) == "lm":  # random weights, vocabulary of data.train
+            return _profile_lm(args, cfg)
         model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
         merge_shared_(model)  # DMB: as Translator.load runs it
     else:
@@ -169,6 +182,118 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_kind(run_dir: str) -> str:
+    """What a run directory holds: ``"seq2seq"`` (a translation run, :class:`RunConfig` in
+    config.yaml). Commands that differ by kind (``quantize``) dispatch on it; language-model
+    runs get their own kind here."""
+    from dynaseq.config import load_config
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise DynaseqError(f"run directory not found: {run}")
+    if not (run / "config.yaml").is_file():
+        raise DynaseqError(f"{run} is not a run directory (no config.yaml)")
+    cfg = load_config(run / "config.yaml")  # a bad config fails here, with its own message
+    return "lm" if getattr(cfg, "task", None) == "lm" else "seq2seq"
+
+
+def _quantize_seq2seq(args: argparse.Namespace) -> int:
+    from dynaseq.compress.int8 import quantize_run
+
+    rep = quantize_run(args.run_dir, args.out, checkpoint=args.checkpoint)
+
+    def mb(n: int) -> str:
+        return f"{n / 1e6:.2f} MB"
+
+    print(f"int8 run written to {rep.out_dir}\n"
+          f"weights  {mb(rep.weights_before)} -> {mb(rep.weights_after)}  "
+          f"({rep.weights_before / max(rep.weights_after, 1):.1f}x smaller; from "
+          f"{rep.checkpoint})\n"
+          f"run dir  {mb(rep.run_before)} -> {mb(rep.run_after)}")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """``dynaseq quantize RUN_DIR --out NEW_DIR``: dispatch on the kind of run."""
+    kind = _run_kind(args.run_dir)
+    if kind == "seq2seq":
+        return _quantize_seq2seq(args)
+    raise DynaseqError(f"quantize: {kind} runs are not supported")
+
+
+def cmd_distill_data(args: argparse.Namespace) -> int:
+    from dynaseq.compress.seqkd import write_distill_data
+    from dynaseq.data import read_lines
+
+    read_lines(args.src)  # a missing source fails before the model loads
+    t = _translator(args)
+    n = write_distill_data(t, args.src, args.out, beam=args.beam, batch_size=args.batch_size,
+                           budget=args.budget, progress=not args.quiet)
+    print(f"wrote {n} teacher translations to {args.out} (train the student with "
+          f"data.train_tgt={args.out})", file=sys.stderr)
+    return 0
+
+
+def _language_model(args: argparse.Namespace):
+    from dynaseq.infer.lm import LanguageModel
+
+    return LanguageModel.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+
+
+def _evaluate_lm(args: argparse.Namespace) -> int:
+    """``dynaseq evaluate LM_RUN --split valid|test``: perplexity (``ppl``)."""
+    lm = _language_model(args)
+    result = {"split": args.split, **lm.evaluate(args.split, batch_size=args.batch_size),
+              "checkpoint": str(lm.checkpoint)}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{args.split} ppl {result['ppl']:.2f}  loss {result['loss']:.4f}  "
+              f"({result['tokens']:,} tokens, {result['checkpoint']})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``dynaseq generate LM_RUN``: sample text one token at a time."""
+    if args.tokens < 0 or args.temperature < 0:
+        raise DynaseqError("--tokens and --temperature must be >= 0")
+    if _run_kind(args.run_dir) != "lm":
+        raise DynaseqError(f"generate: {args.run_dir} is not a language-model run")
+    lm = _language_model(args)
+    print(lm.generate(args.prompt, args.tokens, args.temperature, args.seed, args.top_k))
+    return 0
+
+
+def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
+    """An LM run directory, or an LM config (``cfg``: random weights, vocabulary size from
+    its data.train) -> params, MACs/token, ms/token at positions 100 and 10,000."""
+    from dynaseq.metrics.lm_profile import profile_lm
+
+    if cfg is None:
+        args.run_dir = args.target
+        model = _language_model(args).model
+    else:
+        from dynaseq.data.lm_corpus import Vocab, read_lm_lines
+        from dynaseq.models.lm import build_lm
+
+        if cfg.data.train is None:
+            raise DynaseqError("profile: an LM config needs data.train (for the vocabulary)")
+        vocab = Vocab.build(read_lm_lines(cfg.data.train))
+        model = build_lm(cfg.model, len(vocab)).eval()
+    result = profile_lm(model, steps=max(args.repeats, 5) * 4)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    macs = result["macs_per_token"]
+    print(f"params            {result['params']:,}")
+    print(f"MACs/token        {macs['total'] / 1e6:9.3f} M  (incremental, context "
+          f"{result['context']}, full softmax)")
+    for pos, ms in result["ms_per_token"].items():
+        print(f"ms/token at position {int(pos):>6,}: {ms:.3f}")
+    print(f"ratio (last / first position): {result['ratio_last_first']:.3f}")
+    return 0
+
+
 def parse_budget(text: str) -> float | tuple[float, float]:
     """``0.33`` (encoder and decoder) or ``1,0.33`` (encoder, decoder)."""
     try:
@@ -220,10 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(func=cmd_translate)
 
-    p = sub.add_parser("evaluate", help="sacreBLEU and loss against references")
+    p = sub.add_parser("evaluate", help="sacreBLEU and loss against references; "
+                       "perplexity for language models")
     p.add_argument("run_dir")
-    p.add_argument("--src", required=True)
-    p.add_argument("--ref", required=True)
+    p.add_argument("--src", default=None, help="source sentences (translation runs)")
+    p.add_argument("--ref", default=None, help="references (translation runs)")
+    p.add_argument("--split", default="valid", choices=["valid", "test"],
+                   help="language models: which data file of the run's config")
     p.add_argument("--json", action="store_true")
     _add_decode_args(p)
     _add_run_args(p)
@@ -240,6 +368,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget_arg(p)
     _add_run_args(p)
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("generate", help="sample text from a language model")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", default=None, help="text to continue (default: a new line)")
+    p.add_argument("--tokens", type=int, default=50, help="words to generate")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    _add_run_args(p)
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("average", help="average the last K checkpoints into run_dir/averaged")
     p.add_argument("run_dir")
@@ -265,6 +403,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam", type=int, default=1, help="beam size without --ref (1 = greedy)")
     _add_run_args(p)
     p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser(
+        "quantize", help="write an int8 copy of a run (smaller on disk, int8 CPU kernels)",
+        description="Write NEW_DIR, a run directory holding the int8 version of RUN_DIR's "
+                    "model (RUN_DIR is not modified). translate/evaluate/profile load it "
+                    "like any run, on the CPU.")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="new run directory (must not exist, or be empty)")
+    p.add_argument("--checkpoint", default="auto",
+                   help="auto (averaged > best > latest), best, latest, averaged or a path")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser(
+        "distill-data", help="sequence-level knowledge distillation data (teacher beam outputs)",
+        description="Translate every line of --src with the teacher run and write the outputs, "
+                    "one per line and aligned with --src, to --out (.gz: gzip). Train the "
+                    "student with a normal config whose data.train_tgt is --out (and "
+                    "data.train_src the same --src).")
+    p.add_argument("run_dir", help="the teacher run")
+    p.add_argument("--src", required=True, help="source sentences (plain or .gz)")
+    p.add_argument("--out", required=True, help="output file (.gz: gzip-compressed)")
+    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
+    p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_budget_arg(p)
+    _add_run_args(p)
+    p.set_defaults(func=cmd_distill_data)
     return parser
 
 

@@ -325,6 +325,121 @@ class RunConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
 
+# --------------------------------------------------------------------------- language models
+
+
+@dataclass
+class LMModelConfig:
+    """MicroNet-style decoder-only LM (Yan et al. 2020, appendix A): relative-position
+    attention over a per-layer ``context`` C, trained on windows of ``extended_context`` C_e
+    tokens (choose C_e >= n_layers·(C-1)+1 to backpropagate through every dependency),
+    adaptive input/softmax with bins ``cutoffs`` and widths ``adaptive_dims`` (default
+    ``[d, d/4, d/64]``; MicroNet: d=256, L=8, H=8, d_head=24, ffn 768, C=97, C_e=1152,
+    widths [256, 64, 4]). ``d_head`` defaults to d_model / n_heads. ``tie_embeddings`` shares
+    the input and output embeddings, ``tie_projections`` also the tail projections."""
+
+    d_model: int = 256
+    n_layers: int = 8
+    n_heads: int = 8
+    d_head: int | None = None
+    ffn_dim: int = 768
+    context: int = 97
+    extended_context: int = 1152
+    cutoffs: list[int] = field(default_factory=lambda: [3500, 20000])
+    adaptive_dims: list[int] | None = None
+    tie_embeddings: bool = True
+    tie_projections: bool = True
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "d_model", "n_layers", "n_heads", "ffn_dim", "context",
+                        "extended_context")
+        if self.d_head is None and self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by "
+                              f"n_heads={self.n_heads} (or set d_head)")
+        if self.d_head is not None and self.d_head <= 0:
+            raise ConfigError(f"d_head must be > 0, got {self.d_head!r}")
+        c = self.cutoffs
+        if any(x <= 0 for x in c) or any(a >= b for a, b in zip(c, c[1:], strict=False)):
+            raise ConfigError(f"cutoffs must be increasing and > 0, got {c}")
+        dims = self.adaptive_dims
+        if dims is not None:
+            if len(dims) != len(c) + 1:
+                raise ConfigError(f"adaptive_dims needs {len(c) + 1} widths (one per bin), "
+                                  f"got {dims}")
+            if dims[0] != self.d_model or any(x <= 0 for x in dims):
+                raise ConfigError(f"adaptive_dims must be > 0 with adaptive_dims[0] = "
+                                  f"d_model={self.d_model}, got {dims}")
+        _check_fraction(self, "dropout", "attention_dropout", "activation_dropout")
+
+
+@dataclass
+class LMDataConfig:
+    """Word-level text (WikiText format: one paragraph a line, ``<eos>`` appended).
+
+    ``batch_size`` parallel streams per update (each window is batch_size x C_e tokens);
+    ``eval_batch_size`` streams for validation/test; ``valid_max_tokens`` limits the
+    validation run during training (None: the whole valid file)."""
+
+    train: str | None = None
+    valid: str | None = None
+    test: str | None = None
+    batch_size: int = 16
+    eval_batch_size: int = 10
+    valid_max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "batch_size", "eval_batch_size")
+        if self.valid_max_tokens is not None and self.valid_max_tokens <= 0:
+            raise ConfigError("valid_max_tokens must be > 0")
+
+
+@dataclass
+class LMTrainConfig(TrainConfig):
+    """:class:`TrainConfig` with LM defaults and a ``schedule``: ``cosine`` (MicroNet:
+    linear warm-up, then cosine decay to ``min_lr_ratio`` · lr at max_steps) or
+    ``inverse_sqrt``. Label smoothing is off for perplexity."""
+
+    lr: float = 5e-4
+    warmup_steps: int = 1000
+    betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-8
+    label_smoothing: float = 0.0
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.schedule not in ("cosine", "inverse_sqrt"):
+            raise ConfigError(f"schedule must be 'cosine' or 'inverse_sqrt', got "
+                              f"{self.schedule!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("min_lr_ratio must be in [0, 1]")
+        if self.update_freq != 1:
+            raise ConfigError("update_freq must be 1 for language models")
+
+
+@dataclass
+class LMRunConfig:
+    """A language-model run: selected by ``task: lm`` at the top of the YAML."""
+
+    task: str = "lm"
+    run_dir: str = "runs/lm"
+    model: LMModelConfig = field(default_factory=LMModelConfig)
+    data: LMDataConfig = field(default_factory=LMDataConfig)
+    train: LMTrainConfig = field(default_factory=LMTrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.task != "lm":
+            raise ConfigError(f"task must be 'lm' for a language-model config, got {self.task!r}")
+
+
+#: ``task:`` values and their run-config types (a missing key means seq2seq).
+TASKS: dict[str, type] = {"seq2seq": RunConfig, "lm": LMRunConfig}
+
+
 # --------------------------------------------------------------------------- conversion
 
 
@@ -466,11 +581,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML run config (or the defaults when ``path`` is None) plus overrides."""
+def load_config(path: str | Path | None,
+                overrides: list[str] | None = None) -> RunConfig | LMRunConfig:
+    """Read a YAML run config (or the defaults when ``path`` is None) plus overrides.
+
+    The top-level ``task`` key picks the config type (:data:`TASKS`): absent or
+    ``seq2seq`` gives a :class:`RunConfig`, ``lm`` an :class:`LMRunConfig`.
+    """
     raw = read_yaml(path) if path is not None else {}
     raw = apply_overrides(raw, list(overrides or []))
-    return from_dict(RunConfig, raw)
+    task = raw.get("task", "seq2seq")
+    if not isinstance(task, str) or task not in TASKS:
+        raise ConfigError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    if task == "seq2seq":
+        raw = {k: v for k, v in raw.items() if k != "task"}
+    return from_dict(TASKS[task], raw)
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.ao.nn.quantized import dynamic as nnqd
 
 from dynaseq.adaptive.gating import (
     GATE_TRACE,
@@ -96,7 +97,8 @@ class GatedKVCache(KVCache):
 
 
 def _linear_macs(m: nn.Module, n: int) -> int:
-    assert isinstance(m, nn.Linear), "MAC counts assume nn.Linear projections"
+    # nn.Linear, or its int8 version (dynaseq.compress.int8)
+    assert isinstance(m, (nn.Linear, nnqd.Linear)), "MAC counts assume dense projections"
     return n * m.in_features * m.out_features
 
 

@@ -131,6 +131,8 @@ class Translator:
 
     :meth:`load` folds the shared part of a DMB model's branches into each branch
     (``merge_shared_``), so the loaded model's state dict has no ``shared_*`` entries.
+    A checkpoint written by ``dynaseq quantize`` (``meta.json`` ``"quantization": "int8"``)
+    loads as the int8 model of :mod:`dynaseq.compress.int8`, on the CPU.
     """
 
     model: nn.Module
@@ -149,10 +151,16 @@ class Translator:
             raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
         cfg = load_config(run / "config.yaml")
         ckpt = resolve_checkpoint(run, checkpoint)
-        read_meta(ckpt)
+        meta = read_meta(ckpt)
         tok = Tokenizer.load(run / "spm.model")
         dev = pick_device(device)
         model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+        if meta.get("quantization") == "int8":  # written by `dynaseq quantize`
+            from dynaseq.compress.int8 import load_int8
+
+            if dev.type != "cpu" and device != "auto":
+                raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
+            return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt)
         load_weights(model, ckpt)
         # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
         # folds θ_S into every branch (same outputs, no shared parameters left to add)

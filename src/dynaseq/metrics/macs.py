@@ -143,12 +143,20 @@ def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
+def _int8_linear_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of an int8 dynamic linear (``dynaseq.compress.int8``): ``2·rows·in·out`` as for
+    ``nn.Linear`` (the packed weight has no shape here; the output gives ``out``)."""
+    return 2 * math.prod(input_shape) * out_shape[-1]
+
+
 def _counter() -> FlopCounterMode:
     # FlopCounterMode knows the CUDA fused-attention kernels but not the CPU one; without this
-    # it reports 0 for attention products that really run.
+    # it reports 0 for attention products that really run. Nor does it know int8 linears.
     return FlopCounterMode(display=False,
                            custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu:
-                                           _cpu_sdpa_flops})
+                                           _cpu_sdpa_flops,
+                                           torch.ops.quantized.linear_dynamic:
+                                           _int8_linear_flops})
 
 
 @torch.no_grad()

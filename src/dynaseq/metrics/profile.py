@@ -12,8 +12,11 @@ from dynaseq.metrics.macs import count_macs, flop_counter_macs, pair_macs
 
 
 def count_params(model: nn.Module) -> int:
-    """Distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Distinct parameters (tied weights counted once), int8 weights included."""
+    from dynaseq.compress.int8 import int8_param_count  # int8 modules hold no nn.Parameter
+
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return n + int8_param_count(model)
 
 
 def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeats: int = 5,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.ao.nn.quantized import dynamic as nnqd
 
 from dynaseq.nn.outputs import AuxOutputs
 
@@ -116,7 +117,8 @@ class MultiHeadAttention(nn.Module):
         n_kv = n_keys if n_kv_tokens is None else n_kv_tokens
 
         def lin(m: nn.Module, n: int) -> int:
-            assert isinstance(m, nn.Linear), "macs() assumes dense nn.Linear projections"
+            # dense projections: nn.Linear, or its int8 version (dynaseq.compress.int8)
+            assert isinstance(m, (nn.Linear, nnqd.Linear)), "macs() assumes dense projections"
             return n * m.in_features * m.out_features
 
         return {

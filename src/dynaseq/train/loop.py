@@ -10,15 +10,11 @@ position). SIGINT/SIGTERM finish the current update, write a checkpoint and stop
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import random
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +36,15 @@ from dynaseq.errors import ConfigError
 from dynaseq.infer.translator import bleu, control_for_budget, decode_corpus, score_corpus
 from dynaseq.models import build_seq2seq
 from dynaseq.train import checkpoint as ckpt
+from dynaseq.train.common import (  # shared with the LM loop (train/lm_loop.py)
+    RunLog,
+    TrainResult,
+    TrainState,
+)
+from dynaseq.train.common import StopFlag as _StopFlag
+from dynaseq.train.common import eta as _eta
+from dynaseq.train.common import rng_state as _rng_state
+from dynaseq.train.common import set_rng_state as _set_rng_state
 from dynaseq.train.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -50,41 +55,6 @@ from dynaseq.train.distributed import (
 )
 from dynaseq.train.loss import label_smoothed_loss
 from dynaseq.train.schedule import inverse_sqrt_schedule
-
-
-@dataclass
-class TrainState:
-    """Counters saved with every checkpoint; (epoch, epoch_pos) is the data position."""
-
-    step: int = 0
-    epoch: int = 0
-    epoch_pos: int = 0
-    tokens: int = 0
-    elapsed: float = 0.0
-    best_score: float | None = None
-
-
-@dataclass
-class TrainResult:
-    state: TrainState
-    run_dir: Path
-    stopped_by_signal: int | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-
-class RunLog:
-    """JSON lines in ``run_dir/log.jsonl`` (main rank only) and the in-memory history."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-        self.history: list[dict[str, Any]] = []
-
-    def write(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "time": round(time.time(), 3), **fields}
-        self.history.append(record)
-        if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
 
 
 @dataclass
@@ -171,45 +141,6 @@ def _score_of(metrics: dict[str, float]) -> float | None:
     if "loss" in metrics:
         return -metrics["loss"]
     return None
-
-
-class _StopFlag:
-    """Records SIGINT/SIGTERM so the loop can checkpoint and stop between updates."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopFlag:
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.signum = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _save(s: Setup, model: nn.Module, optimizer, scheduler, state: TrainState,
@@ -400,19 +331,6 @@ def _sample_controls(sampling_ids: torch.Tensor | None, batch: int, seed: int, s
     if share < 1.0:
         ids = torch.where(torch.rand(batch, generator=gen) < share, ids, torch.zeros_like(ids))
     return ids
-
-
-def _eta(state: TrainState, tc, t_first: tuple[float, int]) -> str:
-    """Time left until max_steps at this session's rate, or until max_minutes if sooner."""
-    t0, step0 = t_first
-    done = state.step - step0
-    if done <= 0:
-        return "?"
-    left = (tc.max_steps - state.step) * (time.monotonic() - t0) / done
-    if tc.max_minutes is not None:
-        left = min(left, tc.max_minutes * 60 - state.elapsed)
-    left = max(left, 0.0)
-    return f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
 
 
 def _validate_and_keep_best(s: Setup, model: nn.Module, state: TrainState) -> dict[str, float]:

@@ -1,0 +1,85 @@
+"""``dynaseq profile`` for language models: parameters, MACs per generated token and the
+wall time of one incremental step at two document positions (MicroNet's short per-layer
+context: the time at position 10,000 should match the time at position 100)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from dynaseq.metrics.profile import count_params
+from dynaseq.models.lm import LMState, TransformerLM
+
+
+def lm_macs_per_token(model: TransformerLM) -> dict[str, int]:
+    """Analytic multiply-adds to generate one token with a full next-word distribution,
+    the caches holding C-1 positions (embedding lookups are free; adaptive-input
+    up-projections are counted for tail words only, so they are left out)."""
+    total: dict[str, int] = {}
+    for layer in model.layers:
+        attn = layer.self_attn
+        parts = attn.macs(n_keys=attn.context)
+        parts.update(layer.ffn.macs(1))
+        for k, v in parts.items():
+            total[k] = total.get(k, 0) + v
+    total.update(model.softmax.macs(1, full=True))
+    total["total"] = sum(total.values())
+    return total
+
+
+@torch.no_grad()
+def prefill(model: TransformerLM, tokens: torch.Tensor, window: int) -> LMState | None:
+    """Run ``tokens`` (B, P) through the model in windows; return the incremental state."""
+    state = None
+    for start in range(0, tokens.size(1), window):
+        state = model(tokens[:, start:start + window], state).state
+    return state
+
+
+@torch.no_grad()
+def step_ms(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000), steps: int = 20,
+            window: int = 512, seed: int = 0) -> dict[int, float]:
+    """Median ms for one incremental step (``model.step``: full distribution + sampling),
+    batch 1, after each of ``positions`` tokens of random text. The positions take turns
+    step by step, so a change in machine load affects them alike."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    n = max(positions) + steps + 3
+    text = torch.randint(0, model.vocab_size, (1, n), generator=gen).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        states = {p: prefill(model, text[:, :p], window) for p in positions}
+        times: dict[int, list[float]] = {p: [] for p in positions}
+        for i in range(steps + 2):
+            for p in positions:
+                t0 = time.perf_counter()
+                out = model.step(text[:, p + i], states[p])
+                torch.multinomial(out.log_probs.exp(), 1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                if i >= 2:  # warm-up
+                    times[p].append(time.perf_counter() - t0)
+                states[p] = out.state
+    finally:
+        model.train(was_training)
+    return {p: 1000.0 * statistics.median(t) for p, t in times.items()}
+
+
+def profile_lm(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000),
+               steps: int = 20) -> dict[str, Any]:
+    """Params, MACs per token and ms per generated token at each of ``positions``."""
+    ms = {str(p): v for p, v in step_ms(model, positions, steps).items()}
+    first, last = ms[str(positions[0])], ms[str(positions[-1])]
+    return {
+        "params": count_params(model),
+        "context": model.context,
+        "macs_per_token": lm_macs_per_token(model),
+        "ms_per_token": ms,
+        "ratio_last_first": last / first,
+        "device": str(next(model.parameters()).device),
+        "threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,277 @@
+"""int8 quantization (dynaseq.compress.int8) and the ``dynaseq quantize`` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.ao.nn.quantized.dynamic as nnqd
+from torch import nn
+
+from dynaseq.branching import BranchedLinear
+from dynaseq.branching.routing import BranchGroups, Router
+from dynaseq.cli import main
+from dynaseq.compress import int8
+from dynaseq.compress.int8 import (
+    Int8BranchedLinear,
+    Int8TokenEmbedding,
+    is_int8,
+    load_int8,
+    quantize_int8,
+    quantize_run,
+    save_int8,
+)
+from dynaseq.config import DMBConfig, ModelConfig, MoEConfig
+from dynaseq.data import read_lines
+from dynaseq.errors import DynaseqError
+from dynaseq.infer.search import beam_search, greedy_search
+from dynaseq.infer.translator import Translator
+from dynaseq.models import build_seq2seq
+
+VOCAB = 60
+
+
+def micro_model(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=2, encoder_layers=2, decoder_layers=2,
+                      **kw)
+    return build_seq2seq(cfg, VOCAB).eval()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(4, VOCAB, (3, 9), generator=g), torch.randint(4, VOCAB, (3, 6), generator=g)
+
+
+KINDS = {"dense": {}, "dmb": {"dmb": DMBConfig(n_branches=3)},
+         "moe": {"moe": MoEConfig(n_experts=3, k=2)}}
+
+
+def test_dense_layers_become_torch_ao_dynamic_int8_and_input_is_untouched():
+    model = micro_model()
+    q = quantize_int8(model)
+    assert is_int8(q) and not is_int8(model)
+    assert not any(type(m) is nn.Linear for m in q.modules())
+    qlin = [m for m in q.modules() if isinstance(m, nnqd.Linear)]
+    assert len(qlin) == 2 * 6 + 2 * 10 + 1  # enc: 4 proj + 2 ffn; dec: 8 proj + 2 ffn; output
+    assert all(m.weight().dtype == torch.qint8 for m in qlin)
+    assert q.decoder.output_proj.weight().qscheme() in (torch.per_channel_affine,
+                                                        torch.per_channel_symmetric)
+    assert isinstance(q.encoder.embed, Int8TokenEmbedding)
+    assert q.encoder.embed is q.decoder.embed  # shared embeddings stay shared
+    assert type(model.decoder.output_proj) is nn.Linear  # the input model is not modified
+
+
+def test_dense_logits_close_to_fp32():
+    model = micro_model()
+    q = quantize_int8(model)
+    src, tgt = batch()
+    a, b = model(src, tgt).logits, q(src, tgt).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert a.argmax(-1).eq(b.argmax(-1)).float().mean() > 0.9
+
+
+def test_tied_output_layer_is_the_int8_embedding():
+    q = quantize_int8(micro_model())
+    w = q.decoder.output_proj.weight()
+    assert q.decoder.embed.matches(w)
+    tokens = torch.tensor([[5, 7]])
+    expected = w.dequantize()[tokens] * q.decoder.embed.scale
+    assert torch.allclose(q.decoder.embed(tokens), expected)
+
+
+def test_branched_linear_int8_runs_each_row_on_its_own_branch_only():
+    torch.manual_seed(0)
+    lin = BranchedLinear(8, 16, n_branches=3, shared=True)
+    with torch.no_grad():
+        lin.shared_weight.normal_()
+    q = Int8BranchedLinear.from_float(lin)
+    assert all(type(b) is nnqd.Linear for b in q.branches)
+    x = torch.randn(4, 5, 8)
+    branch = torch.randint(0, 3, (4, 5))
+    branch[0, 0] = 0
+    branch[branch.eq(2)] = 1  # branch 2 gets no row: an empty group
+    out = q(x, branch)
+    flat_x, flat_b, flat_out = x.reshape(-1, 8), branch.reshape(-1), out.reshape(-1, 16)
+    for k in range(3):
+        rows = flat_b.eq(k)
+        if rows.any():  # the same rows through branch k's own quantized Linear, exactly
+            assert torch.equal(flat_out[rows], q.branches[k](flat_x[rows]))
+    # grouped() on pre-sorted rows gives the same as forward()
+    groups = BranchGroups.of(flat_b, 3)
+    assert torch.equal(groups.scatter(q.grouped(groups.gather(flat_x), groups.sizes)), flat_out)
+    # close to the float layer (θ_S + θ_Pk)
+    ref = lin(x, branch)
+    assert (ref - out).abs().max() < 0.03 * ref.abs().max()
+    assert q.macs(10) == lin.macs(10)
+
+
+@pytest.mark.parametrize("kind", ["dmb", "moe"])
+def test_dmb_and_moe_quantize_and_translate(kind):
+    model = micro_model(**KINDS[kind])
+    q = quantize_int8(model)
+    branched = [m for m in q.modules() if isinstance(m, Int8BranchedLinear)]
+    assert branched and not any(isinstance(m, BranchedLinear) for m in q.modules())
+    assert all(type(m.proj) is nn.Linear for m in q.modules() if isinstance(m, Router))
+    src, tgt = batch()
+    a, b = model(src, tgt).logits, q(src, tgt).logits
+    # an untrained router has near-ties: int8 rounding may send a few tokens elsewhere
+    assert a.argmax(-1).eq(b.argmax(-1)).float().mean() > 0.85
+    assert (a - b).abs().mean() < 0.3 * a.abs().mean()
+    for hyps in (greedy_search(q, src, max_len_b=5), beam_search(q, src, 2, max_len_b=5)):
+        assert len(hyps) == 3 and all(isinstance(t, int) for h in hyps for t in h)
+
+
+def test_cct_model_quantizes_with_float_control_nets():
+    from dynaseq.adaptive.gating import ControlNet
+    from dynaseq.config import CCTConfig
+
+    model = micro_model(cct=CCTConfig(ffn_pieces=2, control_hidden=16,
+                                      budgets=[(1.0, 1.0), (0.5, 0.5)]))
+    q = quantize_int8(model)
+    nets = [m for m in q.modules() if isinstance(m, ControlNet)]
+    assert nets and all(type(m.w1) is nn.Linear for m in nets)
+    assert any(isinstance(m, nnqd.Linear) for m in q.modules())
+    src, _ = batch()
+    for control in (0, 1):
+        hyps = greedy_search(q, src, max_len_b=5, control=control)
+        assert len(hyps) == 3
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_save_load_roundtrip_is_bit_identical(kind, tmp_path):
+    q = quantize_int8(micro_model(**KINDS[kind]))
+    save_int8(q, tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["quantization"] == "int8"
+    torch.manual_seed(123)  # a float model with other weights: only the structure is used
+    cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=2, encoder_layers=2, decoder_layers=2,
+                      **KINDS[kind])
+    loaded = load_int8(build_seq2seq(cfg, VOCAB).eval(), tmp_path / "ckpt")
+    src, tgt = batch()
+    assert torch.equal(loaded(src, tgt).logits, q(src, tgt).logits)
+    assert greedy_search(loaded, src) == greedy_search(q, src)
+
+
+def test_quantize_errors():
+    q = quantize_int8(micro_model())
+    with pytest.raises(DynaseqError, match="already"):
+        quantize_int8(q)
+    with pytest.raises(DynaseqError, match="nothing to quantize"):
+        quantize_int8(nn.Sequential(nn.LayerNorm(4)))
+
+
+def test_load_rejects_a_checkpoint_of_another_model(tmp_path):
+    save_int8(quantize_int8(micro_model()), tmp_path / "ckpt")
+    with pytest.raises(DynaseqError, match="does not match"):
+        load_int8(micro_model(**KINDS["dmb"]), tmp_path / "ckpt")
+
+
+# --------------------------------------------------------------------------- run directories
+
+
+def _listing(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def int8_run(trained_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("int8") / "run_int8"
+    quantize_run(trained_run, out)
+    return out
+
+
+def test_quantized_run_loads_transparently_and_matches_in_memory(trained_run, int8_run,
+                                                                  synthetic_paths):
+    fp32 = Translator.load(trained_run)
+    t = Translator.load(int8_run)
+    assert is_int8(t.model) and t.device.type == "cpu"
+    q = quantize_int8(fp32.model)
+    src, tgt = batch()
+    src, tgt = src % 50 + 4, tgt % 50 + 4
+    assert torch.equal(t.model(src, tgt).logits, q(src, tgt).logits)
+    lines = read_lines(synthetic_paths["test.src"])[:30]
+    hyps = t.translate(lines, beam=1)
+    assert hyps == dataclasses.replace(fp32, model=q).translate(lines, beam=1)
+    # a 20-update model has flat distributions (many near-ties), still most outputs agree
+    same = sum(a == b for a, b in zip(hyps, fp32.translate(lines, beam=1), strict=True))
+    assert same >= 0.5 * len(lines)
+    a, b = fp32.model(src, tgt).logits, t.model(src, tgt).logits
+    assert a.argmax(-1).eq(b.argmax(-1)).float().mean() > 0.9
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_quantized_run_is_smaller_on_disk(trained_run, int8_run):
+    src_w = Translator.load(trained_run).checkpoint / "model.safetensors"
+    (ckpt,) = [p.parent for p in int8_run.rglob("model.safetensors")]
+    assert ckpt.relative_to(int8_run) == src_w.parent.relative_to(trained_run)
+    assert (ckpt / "model.safetensors").stat().st_size < 0.45 * src_w.stat().st_size
+    assert {p.name for p in int8_run.iterdir()} >= {"config.yaml", "spm.model"}
+    assert not list(int8_run.parent.glob(".tmp-*"))
+
+
+def test_cli_quantize_then_evaluate_and_profile(trained_run, synthetic_paths, tmp_path, capsys):
+    before = _listing(trained_run)
+    out = tmp_path / "q"
+    assert main(["quantize", str(trained_run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "weights" in printed and "MB ->" in printed
+    assert _listing(trained_run) == before  # RUN_DIR untouched
+    assert main(["evaluate", str(out), "--src", str(synthetic_paths["test.src"]), "--ref",
+                 str(synthetic_paths["test.tgt"]), "--beam", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_sentences"] > 0
+    profiles = []
+    for run in (out, trained_run):
+        assert main(["profile", str(run), "--json", "--repeats", "1", "--src-len", "5",
+                     "--tgt-len", "5"]) == 0
+        profiles.append(json.loads(capsys.readouterr().out))
+    q, f = profiles
+    assert q["params"] == f["params"]  # int8 weights counted, the tied output layer once
+    assert q["macs_pair"] == f["macs_pair"]
+    for part in ("encoder", "decoder", "total"):  # the flop counter sees the int8 linears
+        assert q["macs_per_token_flop_counter"][part] == pytest.approx(
+            f["macs_per_token_flop_counter"][part])
+
+
+def test_cli_quantize_bad_input(trained_run, tmp_path, capsys):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "file").write_text("x")
+    assert main(["quantize", str(trained_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dynaseq: error:") and "not empty" in err and err.count("\n") == 1
+    assert main(["quantize", str(tmp_path / "missing"), "--out", str(tmp_path / "n")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dynaseq: error:") and "not found" in err
+    assert not (tmp_path / "n").exists()
+    empty = tmp_path / "empty"  # an existing empty directory is fine
+    empty.mkdir()
+    assert main(["quantize", str(trained_run), "--out", str(empty)]) == 0
+    assert (empty / "config.yaml").is_file()
+    # an int8 run cannot be quantized again
+    assert main(["quantize", str(empty), "--out", str(tmp_path / "again")]) == 2
+    assert "already" in capsys.readouterr().err
+
+
+def test_failed_quantize_leaves_no_directory(trained_run, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(int8, "save_int8", boom)
+    with pytest.raises(RuntimeError):
+        quantize_run(trained_run, tmp_path / "q")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_quantize_picks_checkpoint_and_refuses_out_inside_run(trained_run, tmp_path, capsys):
+    out = tmp_path / "latest"
+    assert main(["quantize", str(trained_run), "--out", str(out), "--checkpoint", "latest"]) == 0
+    (ckpt,) = [p.parent for p in out.rglob("model.safetensors")]
+    assert ckpt.parent.name == "checkpoints" and ckpt.name.startswith("step_")
+    assert Translator.load(out, checkpoint="latest").checkpoint == ckpt
+    assert main(["quantize", str(trained_run), "--out", str(trained_run / "int8")]) == 2
+    assert "outside" in capsys.readouterr().err
+    assert not (trained_run / "int8").exists()
