@@ -54,13 +54,17 @@ def test_budgeted_translation_and_refusals(cct_run, synthetic_paths):
 
 
 def test_control_for_budget_rules():
-    from dynaseq.config import ModelConfig
+    from dynaseq.config import DMBConfig, ModelConfig, MoEConfig
 
     cfg = ModelConfig(cct=CCTConfig(budgets=[(0.5, 0.5), (1.0, 1.0), (1.0, 1.0)]))
     assert control_for_budget(cfg) == 1  # the largest, first of equals
     assert control_for_budget(cfg, 0.5) == 0
-    with pytest.raises(DynaseqError, match="dense"):
+    with pytest.raises(DynaseqError, match="this is a dense model, which has no compute"):
         control_for_budget(ModelConfig(), 0.5)
+    with pytest.raises(DynaseqError, match="this is a DMB model, which has no compute"):
+        control_for_budget(ModelConfig(dmb=DMBConfig()), 0.5)
+    with pytest.raises(DynaseqError, match="this is a MoE model, which has no compute"):
+        control_for_budget(ModelConfig(moe=MoEConfig()), 0.5)
     assert control_for_budget(ModelConfig()) is None
 
 

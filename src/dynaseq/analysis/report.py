@@ -42,8 +42,8 @@ def budget_controls(translator: Translator, budgets: list[Budget] | None) -> lis
     trained budget. Raises :class:`DynaseqError` for a dense model or an untrained budget."""
     cfg = translator.config.model
     if cfg.cct is None:
-        raise DynaseqError("analyze needs a CCT model, but this run's model is dense "
-                           "(its config has no model.cct section, so it has no gates)")
+        raise DynaseqError("analyze needs a CCT model, but this run's config has no "
+                           "model.cct section, so it has no gates")
     if not budgets:
         return list(range(len(cfg.cct.controls)))
     ids = [control_for_budget(cfg, b) for b in budgets]

@@ -101,8 +101,10 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
     """
     if cfg.cct is None:
         if budget is not None:
-            raise DynaseqError("this model is dense: it has no compute-budget knob "
-                               "(train it with a model.cct section to get one)")
+            kind = ("a DMB model" if cfg.dmb is not None else "a MoE model"
+                    if cfg.moe is not None else "a dense model")
+            raise DynaseqError(f"this is {kind}, which has no compute-budget knob (train it "
+                               "with a model.cct section to get one)")
         return None
     trained = cfg.cct.controls
     if budget is None:
