@@ -7,7 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dynaseq.config import DataConfig, DecodeConfig, ModelConfig, RunConfig, TrainConfig
+from dynaseq.config import (
+    DataConfig,
+    DecodeConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -36,3 +43,27 @@ def run_cli(*args: str, stdin: bytes | None = None, cwd: Path | None = None,
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "dynaseq", *args], input=stdin,
                           capture_output=True, cwd=cwd or REPO, timeout=timeout, env=env)
+
+
+def lm_corpus(tmp_path: Path) -> None:
+    """Write train/valid/test.txt of a small random word-level corpus (80 types)."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(80)]
+    lines = [" ".join(rng.choice(words[: rng.randint(5, 80)]) for _ in range(rng.randint(3, 15)))
+             for _ in range(400)]
+    for name, part in (("train", lines[:320]), ("valid", lines[320:360]), ("test", lines[360:])):
+        (tmp_path / f"{name}.txt").write_text("".join(f" {ln} \n" for ln in part))
+
+
+def lm_config(tmp_path: Path, *extra: str):
+    """A tiny LM run config (d=32, 2 layers) on :func:`lm_corpus` in ``tmp_path``."""
+    lm_corpus(tmp_path)
+    return load_config(None, [
+        "task=lm", f"run_dir={tmp_path / 'run'}", "model.d_model=32", "model.n_layers=2",
+        "model.n_heads=2", "model.ffn_dim=64", "model.context=4", "model.extended_context=12",
+        "model.cutoffs=[10, 40]", f"data.train={tmp_path / 'train.txt'}",
+        f"data.valid={tmp_path / 'valid.txt'}", f"data.test={tmp_path / 'test.txt'}",
+        "data.batch_size=4", "train.max_steps=12", "train.warmup_steps=2", "train.lr=0.003",
+        "train.valid_every=6", "train.save_every=6", "train.log_every=6", *extra])

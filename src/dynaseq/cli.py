@@ -1,4 +1,15 @@
-"""The ``dynaseq`` command: train, translate, evaluate, profile, average, demo.
+"""The ``dynaseq`` command: train, translate, evaluate, profile, average, demo; for language
+models also generate, prune, quantize (QAT), cache-search and distill-data.
+
+Language-model pipeline (MicroNet), each step a new run directory::
+
+    dynaseq train configs/wikitext2_tiny.yaml
+    dynaseq distill-data runs/teacher --out runs/teacher_top30 --k 30
+    dynaseq prune runs/lm --out runs/lm_p40 --sparsity 0.4 --steps 200
+    dynaseq quantize runs/lm_p40 --out runs/lm_p40_q9 --bits 9 --steps 200
+    dynaseq cache-search runs/lm_p40_q9 --out runs/lm_final --cache-sizes 3000
+    dynaseq evaluate runs/lm_final --split test --json     # ppl, ppl_cache
+    dynaseq profile runs/lm_final --json                   # ... micronet score
 
 Bad input (missing files, bad configs, corrupt checkpoints) prints one line on stderr and
 exits with status 2; an interrupted training run exits 130 (SIGINT) or 143 (SIGTERM) after
@@ -213,18 +224,98 @@ def _quantize_seq2seq(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_lm(args: argparse.Namespace) -> int:
+    """``dynaseq quantize LM_RUN --out NEW_DIR --bits 9 --steps 200``: QAT fine-tuning,
+    conversion and an exact-representability check."""
+    from dynaseq.compress.lm_runs import qat_lm_run
+
+    rep = qat_lm_run(args.run_dir, args.out, args.bits, args.steps, args.lr,
+                     checkpoint=args.checkpoint, progress=not args.quiet)
+    print(f"{args.bits}-bit QAT run written to {args.out} ({rep['steps']} fine-tuning steps): "
+          f"valid ppl {rep['valid_ppl_before']:.2f} -> {rep['valid_ppl_after']:.2f}; all "
+          f"{len(rep['representable'])} quantized matrices exactly representable")
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
-    """``dynaseq quantize RUN_DIR --out NEW_DIR``: dispatch on the kind of run."""
+    """``dynaseq quantize RUN_DIR --out NEW_DIR``: dispatch on the kind of run (translation:
+    int8; language model: QAT at ``--bits``)."""
+    if args.bits is not None:  # checked before anything is read or written
+        from dynaseq.compress.qat import check_bits
+
+        check_bits(args.bits)
     kind = _run_kind(args.run_dir)
     if kind == "seq2seq":
+        if args.bits is not None or args.steps:
+            raise DynaseqError("quantize: --bits and --steps are for language-model runs "
+                               "(translation runs are quantized to int8)")
         return _quantize_seq2seq(args)
-    raise DynaseqError(f"quantize: {kind} runs are not supported")
+    if args.bits is None:
+        args.bits = 9
+    return _quantize_lm(args)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """``dynaseq prune LM_RUN --out NEW_DIR --sparsity 0.4 --steps 200``."""
+    from dynaseq.compress.lm_runs import prune_lm_run
+    from dynaseq.compress.prune import _check_sparsity
+
+    _check_sparsity(args.sparsity)  # before anything is read or written
+    if _run_kind(args.run_dir) != "lm":
+        raise DynaseqError(f"prune: {args.run_dir} is not a language-model run")
+    rep = prune_lm_run(args.run_dir, args.out, args.sparsity, args.steps, args.grid,
+                       args.valid_tokens, args.lr, checkpoint=args.checkpoint,
+                       progress=not args.quiet)
+    print(f"pruned run written to {args.out}: sparsity {rep['achieved_sparsity']:.3f} "
+          f"(target {rep['target']}, plan {rep['planned_sparsity']:.3f}); valid ppl "
+          f"{rep['baseline_ppl']:.2f} -> {rep['valid_ppl_after']:.2f} after "
+          f"{rep['steps']} fine-tuning steps (report: prune_report.json)")
+    return 0
+
+
+def cmd_cache_search(args: argparse.Namespace) -> int:
+    """``dynaseq cache-search LM_RUN --out NEW_DIR --cache-sizes 3000 --max-evals 40``."""
+    from dynaseq.compress.lm_runs import cache_search_run
+
+    if _run_kind(args.run_dir) != "lm":
+        raise DynaseqError(f"cache-search: {args.run_dir} is not a language-model run")
+    rep = cache_search_run(args.run_dir, args.out, args.cache_sizes, args.max_evals,
+                           args.valid_tokens, checkpoint=args.checkpoint)
+    b, a = rep["before"], rep["after"]
+    print(f"valid ppl {rep['valid_ppl']:.2f} ({rep['valid_tokens']:,} tokens)\n"
+          f"before: ppl_cache {b['ppl_cache']:.2f}  theta {b['theta']:.4g}  lam "
+          f"{b['lam']:.4g}  n_cache {b['n_cache']}\n"
+          f"after:  ppl_cache {a['ppl_cache']:.2f}  theta {a['theta']:.4g}  lam "
+          f"{a['lam']:.4g}  n_cache {a['n_cache']}  ({len(rep['evaluations'])} evaluations)\n"
+          f"written to {args.out}")
+    return 0
+
+
+def _distill_data_lm(args: argparse.Namespace) -> int:
+    """``dynaseq distill-data TEACHER_LM --out DIR --k 30``: the teacher's top-k over the
+    training stream in the student's order (its --batch-size and --window; default the
+    teacher config's data.batch_size and model.extended_context)."""
+    from dynaseq.compress.lm_distill import dump_lm_teacher
+
+    if Path(args.out).exists():
+        raise DynaseqError(f"{args.out} already exists (choose a new --out)")
+    lm = _language_model(args)
+    topk = dump_lm_teacher(lm, args.out, args.k, args.batch_size, args.window, args.src,
+                           progress=not args.quiet)
+    print(f"wrote the teacher's top-{topk.k} for {topk.n_tokens:,} training tokens to "
+          f"{args.out} (train the student with train.distill.topk_dir={args.out} and the "
+          f"same data.batch_size / model.extended_context)", file=sys.stderr)
+    return 0
 
 
 def cmd_distill_data(args: argparse.Namespace) -> int:
     from dynaseq.compress.seqkd import write_distill_data
     from dynaseq.data import read_lines
 
+    if _run_kind(args.run_dir) == "lm":
+        return _distill_data_lm(args)
+    if args.src is None:
+        raise DynaseqError("distill-data: --src is required for translation runs")
     read_lines(args.src)  # a missing source fails before the model loads
     t = _translator(args)
     n = write_distill_data(t, args.src, args.out, beam=args.beam, batch_size=args.batch_size,
@@ -241,15 +332,21 @@ def _language_model(args: argparse.Namespace):
 
 
 def _evaluate_lm(args: argparse.Namespace) -> int:
-    """``dynaseq evaluate LM_RUN --split valid|test``: perplexity (``ppl``)."""
+    """``dynaseq evaluate LM_RUN --split valid|test [--json]``: perplexity without (``ppl``)
+    and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
+    θ 0.016, λ 0.07 for a run without a cache)."""
     lm = _language_model(args)
-    result = {"split": args.split, **lm.evaluate(args.split, batch_size=args.batch_size),
+    result = {"split": args.split,
+              **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True),
               "checkpoint": str(lm.checkpoint)}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"{args.split} ppl {result['ppl']:.2f}  loss {result['loss']:.4f}  "
-              f"({result['tokens']:,} tokens, {result['checkpoint']})")
+        c = result["cache"]
+        print(f"{args.split} ppl {result['ppl']:.2f}  ppl_cache {result['ppl_cache']:.2f}  "
+              f"loss {result['loss']:.4f}  ({result['tokens']:,} tokens, "
+              f"{result['checkpoint']}; cache {c['source']}: n {c['n_cache']}, "
+              f"theta {c['theta']:.4g}, lambda {c['lam']:.4g})")
     return 0
 
 
@@ -291,7 +388,28 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
     for pos, ms in result["ms_per_token"].items():
         print(f"ms/token at position {int(pos):>6,}: {ms:.3f}")
     print(f"ratio (last / first position): {result['ratio_last_first']:.3f}")
+    mn = result["micronet"]
+    ops = mn["ops_per_token"]
+    print(f"MicroNet: storage {mn['params_storage'] / 1e6:.4f} M params (32-bit), ops/token "
+          f"{ops['total'] / 1e6:.4f} M ({ops['mults'] / 1e6:.4f} M mults + "
+          f"{ops['adds'] / 1e6:.4f} M adds), score {mn['score']:.5f}")
     return 0
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}"
+                                         ) from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}"
+                                         ) from None
 
 
 def parse_budget(text: str) -> float | tuple[float, float]:
@@ -405,27 +523,90 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser(
-        "quantize", help="write an int8 copy of a run (smaller on disk, int8 CPU kernels)",
+        "quantize", help="write an int8 copy of a translation run, or a QAT-quantized "
+                         "copy of a language-model run",
         description="Write NEW_DIR, a run directory holding the int8 version of RUN_DIR's "
                     "model (RUN_DIR is not modified). translate/evaluate/profile load it "
-                    "like any run, on the CPU.")
+                    "like any run, on the CPU. Language-model runs: quantization-aware "
+                    "fine-tuning at --bits for --steps updates (pruned zeros kept), then "
+                    "conversion and an exact-representability check. Example: dynaseq "
+                    "quantize runs/lm_p40 --out runs/lm_q9 --bits 9 --steps 200")
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="new run directory (must not exist, or be empty)")
     p.add_argument("--checkpoint", default="auto",
                    help="auto (averaged > best > latest), best, latest, averaged or a path")
+    p.add_argument("--bits", type=int, default=None,
+                   help="language models: QAT bit width, 2..16 (default 9)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="language models: QAT fine-tuning updates (default 0)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="language models: fine-tuning lr (default 0.1 x the run's train.lr)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser(
-        "distill-data", help="sequence-level knowledge distillation data (teacher beam outputs)",
-        description="Translate every line of --src with the teacher run and write the outputs, "
-                    "one per line and aligned with --src, to --out (.gz: gzip). Train the "
-                    "student with a normal config whose data.train_tgt is --out (and "
-                    "data.train_src the same --src).")
+        "prune", help="sensitivity-guided gradual pruning of a language model into a new run",
+        description="Per-matrix sensitivity analysis on validation, per-matrix targets for "
+                    "--sparsity by a binary search on a perplexity threshold, then gradual "
+                    "pruning while fine-tuning --steps updates. Writes NEW_DIR (plain weights "
+                    "with zeros, prune_report.json); RUN_DIR is not modified. Example: "
+                    "dynaseq prune runs/lm --out runs/lm_p40 --sparsity 0.4 --steps 200")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="new run directory (must not exist, or be empty)")
+    p.add_argument("--sparsity", type=float, required=True,
+                   help="target overall sparsity of the prunable matrices, in [0, 1)")
+    p.add_argument("--steps", type=int, default=0, help="fine-tuning updates (0: one shot)")
+    p.add_argument("--grid", type=_float_list, default=None,
+                   help="sensitivity sparsities, e.g. 0,0.2,0.4,0.6,0.8 (default 0.1..0.9)")
+    p.add_argument("--valid-tokens", type=int, default=20_000,
+                   help="validation tokens for the sensitivity analysis (default 20000)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="fine-tuning lr (default 0.1 x the run's train.lr)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    _add_run_args(p)
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser(
+        "cache-search", help="tune a language model's neural cache (theta, lambda, size) on "
+                             "validation into a new run",
+        description="Local search over the cache's theta and lambda (then each of "
+                    "--cache-sizes) minimising validation perplexity with the cache; writes "
+                    "NEW_DIR whose model.cache holds the best values. Example: dynaseq "
+                    "cache-search runs/lm --out runs/lm_cache --cache-sizes 3000,4000")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="new run directory (must not exist, or be empty)")
+    p.add_argument("--cache-sizes", type=_int_list, default=[],
+                   help="larger cache sizes to search too, e.g. 500,1000,2000")
+    p.add_argument("--max-evals", type=int, default=40, help="evaluations at most (default 40)")
+    p.add_argument("--valid-tokens", type=int, default=None,
+                   help="search on the first N validation tokens (default: all)")
+    _add_run_args(p)
+    p.set_defaults(func=cmd_cache_search)
+
+    p = sub.add_parser(
+        "distill-data", help="knowledge distillation data: teacher beam outputs "
+                             "(translation) or top-k labels (language models)",
+        description="Translation: translate every line of --src with the teacher run and "
+                    "write the outputs, one per line and aligned with --src, to --out (.gz: "
+                    "gzip). Train the student with a normal config whose data.train_tgt is "
+                    "--out (and data.train_src the same --src). Language models: write the "
+                    "teacher's top --k next-word probabilities over the training text "
+                    "(--src, default the teacher's data.train) to the directory --out, in "
+                    "the order a student with --batch-size streams and --window tokens per "
+                    "window reads it (default: the teacher config's); train the student "
+                    "with train.distill.topk_dir=--out. Example: dynaseq distill-data "
+                    "runs/teacher --out runs/teacher_top30 --k 30")
     p.add_argument("run_dir", help="the teacher run")
-    p.add_argument("--src", required=True, help="source sentences (plain or .gz)")
-    p.add_argument("--out", required=True, help="output file (.gz: gzip-compressed)")
+    p.add_argument("--src", default=None, help="source sentences (plain or .gz; required for "
+                   "translation runs) / LM training text")
+    p.add_argument("--out", required=True, help="output file (.gz: gzip-compressed) / LM: "
+                   "output directory")
     p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
-    p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sentences per batch / LM: the student's data.batch_size")
+    p.add_argument("--k", type=int, default=30, help="LM: top-k labels per token (default 30)")
+    p.add_argument("--window", type=int, default=None,
+                   help="LM: the student's model.extended_context")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_budget_arg(p)
     _add_run_args(p)
@@ -436,7 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("beam", "batch_size", "k", "repeats", "src_len", "tgt_len", "batch"):
+    for name in ("beam", "batch_size", "k", "repeats", "src_len", "tgt_len", "batch",
+                 "window", "max_evals", "valid_tokens"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

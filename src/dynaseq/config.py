@@ -329,6 +329,42 @@ class RunConfig:
 
 
 @dataclass
+class LMCacheConfig:
+    """Differentiable neural cache (MicroNet §3.5): P = (1−λ)·P_model + λ·P_cache over the
+    last ``n_cache`` (hidden state, next word) pairs. ``theta``/``lam`` are the initial
+    values; with ``train: true`` they are trained jointly with the model (the cache memory
+    carried across consecutive training windows); otherwise they are used as given at
+    evaluation only. ``dynaseq cache-search`` re-tunes them on validation."""
+
+    n_cache: int = 2000
+    theta: float = 0.016
+    lam: float = 0.07
+    train: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "n_cache", "theta")
+        if not 0.0 < self.lam < 1.0:
+            raise ConfigError(f"lam must lie strictly between 0 and 1, got {self.lam!r}")
+
+
+@dataclass
+class LMHebbianConfig:
+    """Hebbian softmax (Rae et al. 2018; MicroNet A.1: gamma 0.01, max_count 500): after each
+    update the output embedding of each word seen is pulled towards the hidden states that
+    predicted it, until the word has been seen ``max_count`` times. ``match_norm`` rescales
+    the states to the row's norm first (MicroNet's code)."""
+
+    gamma: float = 0.01
+    max_count: int = 500
+    match_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"gamma must be in (0, 1], got {self.gamma!r}")
+        _check_positive(self, "max_count")
+
+
+@dataclass
 class LMModelConfig:
     """MicroNet-style decoder-only LM (Yan et al. 2020, appendix A): relative-position
     attention over a per-layer ``context`` C, trained on windows of ``extended_context`` C_e
@@ -336,7 +372,12 @@ class LMModelConfig:
     adaptive input/softmax with bins ``cutoffs`` and widths ``adaptive_dims`` (default
     ``[d, d/4, d/64]``; MicroNet: d=256, L=8, H=8, d_head=24, ffn 768, C=97, C_e=1152,
     widths [256, 64, 4]). ``d_head`` defaults to d_model / n_heads. ``tie_embeddings`` shares
-    the input and output embeddings, ``tie_projections`` also the tail projections."""
+    the input and output embeddings, ``tie_projections`` also the tail projections.
+
+    Options: ``cache`` (:class:`LMCacheConfig`, a neural cache; off when null), ``hebbian``
+    (:class:`LMHebbianConfig`, a Hebbian softmax; off when null) and ``qat_bits`` (set by
+    ``dynaseq quantize``: the weights are QAT-converted at that width, and loading re-applies
+    the quantization structure before reading them)."""
 
     d_model: int = 256
     n_layers: int = 8
@@ -352,10 +393,15 @@ class LMModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
+    cache: LMCacheConfig | None = None
+    hebbian: LMHebbianConfig | None = None
+    qat_bits: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive(self, "d_model", "n_layers", "n_heads", "ffn_dim", "context",
                         "extended_context")
+        if self.qat_bits is not None and not 2 <= self.qat_bits <= 16:
+            raise ConfigError(f"qat_bits must be in 2..16, got {self.qat_bits!r}")
         if self.d_head is None and self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by "
                               f"n_heads={self.n_heads} (or set d_head)")
@@ -397,10 +443,29 @@ class LMDataConfig:
 
 
 @dataclass
+class LMDistillConfig:
+    """Token-level distillation (MicroNet §4.1) from a teacher's top-k written by
+    ``dynaseq distill-data TEACHER --out topk_dir``: loss (1−λ_t)·L_hard + λ_t·L_soft with
+    λ_t annealed linearly from ``lam_max`` (step 0) to ``lam_min`` (train.max_steps)."""
+
+    topk_dir: str = ""
+    lam_max: float = 0.5
+    lam_min: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.topk_dir:
+            raise ConfigError("distill.topk_dir is required")
+        for name in ("lam_max", "lam_min"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+
+
+@dataclass
 class LMTrainConfig(TrainConfig):
     """:class:`TrainConfig` with LM defaults and a ``schedule``: ``cosine`` (MicroNet:
     linear warm-up, then cosine decay to ``min_lr_ratio`` · lr at max_steps) or
-    ``inverse_sqrt``. Label smoothing is off for perplexity."""
+    ``inverse_sqrt``. Label smoothing is off for perplexity. ``distill``
+    (:class:`LMDistillConfig`) trains against a teacher's top-k labels."""
 
     lr: float = 5e-4
     warmup_steps: int = 1000
@@ -409,6 +474,7 @@ class LMTrainConfig(TrainConfig):
     label_smoothing: float = 0.0
     schedule: str = "cosine"
     min_lr_ratio: float = 0.0
+    distill: LMDistillConfig | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

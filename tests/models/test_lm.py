@@ -12,6 +12,7 @@ from dynaseq.config import LMModelConfig, load_config, save_config
 from dynaseq.errors import ConfigError
 from dynaseq.models.lm import LMOutput, build_lm
 
+from helpers import lm_config as _lm_config
 from helpers import run_cli
 
 V = 60
@@ -100,28 +101,6 @@ def test_cutoff_at_or_above_vocabulary_is_refused():
         tiny_cfg(cutoffs=[40, 12])
     with pytest.raises(ConfigError, match="adaptive_dims"):
         tiny_cfg(adaptive_dims=[16, 8, 2])
-
-
-def _corpus(tmp_path):
-    import random
-
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(80)]
-    lines = [" ".join(rng.choice(words[: rng.randint(5, 80)]) for _ in range(rng.randint(3, 15)))
-             for _ in range(400)]
-    for name, part in (("train", lines[:320]), ("valid", lines[320:360]), ("test", lines[360:])):
-        (tmp_path / f"{name}.txt").write_text("".join(f" {ln} \n" for ln in part))
-
-
-def _lm_config(tmp_path, *extra: str):
-    _corpus(tmp_path)
-    return load_config(None, [
-        "task=lm", f"run_dir={tmp_path / 'run'}", "model.d_model=32", "model.n_layers=2",
-        "model.n_heads=2", "model.ffn_dim=64", "model.context=4", "model.extended_context=12",
-        "model.cutoffs=[10, 40]", f"data.train={tmp_path / 'train.txt'}",
-        f"data.valid={tmp_path / 'valid.txt'}", f"data.test={tmp_path / 'test.txt'}",
-        "data.batch_size=4", "train.max_steps=12", "train.warmup_steps=2", "train.lr=0.003",
-        "train.valid_every=6", "train.save_every=6", "train.log_every=6", *extra])
 
 
 def test_cli_train_evaluate_generate(tmp_path, capsys):

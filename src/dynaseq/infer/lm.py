@@ -1,9 +1,19 @@
 """Load a language-model run directory; perplexity over a text stream; sampling.
 
+Perplexity with the neural cache (``ppl_cache``) uses the run's cache (``model.cache`` in
+its config: the trained or searched θ, λ and n_cache) or, for a run without one, MicroNet's
+initial values (:data:`DEFAULT_CACHE`: n_cache 2000, θ 0.016, λ 0.07). The cache memory
+is carried across the windows of each stream and starts empty.
+
+A run whose config has ``model.qat_bits`` (written by ``dynaseq quantize``) is rebuilt with
+the QAT structure (:func:`apply_qat_structure`: prepare + convert) before its weights are
+read.
+
 Example::
 
     lm = LanguageModel.load("runs/wikitext2_tiny")
     lm.evaluate("valid")["ppl"]
+    lm.evaluate("valid", with_cache=True)["ppl_cache"]
     print(lm.generate("the game", n_tokens=30, temperature=0.8, seed=1))
 """
 
@@ -17,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dynaseq.config import LMRunConfig, load_config, read_yaml
+from dynaseq.adaptive.neural_cache import NeuralCache
+from dynaseq.config import LMCacheConfig, LMRunConfig, load_config, read_yaml
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
 from dynaseq.errors import CheckpointError, DynaseqError
 from dynaseq.models.lm import LMState, TransformerLM, build_lm
@@ -27,6 +38,42 @@ from dynaseq.train.distributed import pick_device
 #: ``adjust(hidden (B, T, d), model_logp (B, T), targets (B, T)) -> logp (B, T)``: called on
 #: consecutive windows of each stream, so a closure may carry memory (a neural cache).
 Adjust = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+#: cache parameters for ``ppl_cache`` of a run without a cache (MicroNet's initial values)
+DEFAULT_CACHE = LMCacheConfig(n_cache=2000, theta=0.016, lam=0.07, train=False)
+
+
+def cache_adjust(cache: NeuralCache) -> Adjust:
+    """An :data:`Adjust` mixing ``cache`` into the target log-probs, its memory carried
+    from one window to the next (one per evaluation: the memory starts empty)."""
+    memory = None
+
+    def adjust(hidden: Tensor, model_logp: Tensor, targets: Tensor) -> Tensor:
+        nonlocal memory
+        logp, memory = cache.target_log_prob(model_logp, hidden, targets, memory)
+        return logp
+
+    return adjust
+
+
+def eval_cache(model: TransformerLM) -> NeuralCache:
+    """The model's cache, or one with :data:`DEFAULT_CACHE` parameters."""
+    if model.cache is not None:
+        return model.cache
+    c = DEFAULT_CACHE
+    return NeuralCache(c.n_cache, c.theta, c.lam).to(next(model.parameters()).device)
+
+
+def apply_qat_structure(model: TransformerLM, bits: int, convert: bool = True) -> None:
+    """Insert the QAT structure of ``dynaseq quantize`` at ``bits`` (prepare; then convert,
+    so a converted state dict loads). Layer choice depends on the architecture only."""
+    from dynaseq.compress.qat import QATConfig, convert_qat_, prepare_qat_
+
+    device = next(model.parameters()).device
+    probe = torch.zeros(1, 2, dtype=torch.long, device=device)
+    prepare_qat_(model, QATConfig(bits=bits), example_inputs=(probe,))
+    if convert:
+        convert_qat_(model)
 
 
 def is_lm_run(run_dir: str | Path) -> bool:
@@ -95,6 +142,8 @@ class LanguageModel:
         path = ckpt.resolve_checkpoint(run, checkpoint)
         dev = pick_device(device)
         model = build_lm(cfg.model, len(vocab))
+        if cfg.model.qat_bits is not None:
+            apply_qat_structure(model, cfg.model.qat_bits)
         ckpt.load_weights(model, path)
         return cls(model.to(dev).eval(), vocab, cfg, path, dev)
 
@@ -105,16 +154,36 @@ class LanguageModel:
             raise DynaseqError(f"the run's config has no data.{split} file")
         return path
 
-    def evaluate(self, split_or_path: str, batch_size: int | None = None,
-                 max_tokens: int | None = None, adjust: Adjust | None = None) -> dict:
-        """Perplexity of a split of the run's config (``valid``/``test``) or a text file."""
+    def ids(self, split_or_path: str) -> Tensor:
+        """(N,) ids of a split of the run's config (``valid``/``test``) or a text file."""
         path = (self.split_path(split_or_path)
                 if split_or_path in ("train", "valid", "test") else split_or_path)
-        ids = self.vocab.encode_lines(read_lm_lines(path, min_lines=1))
-        result = evaluate_stream(self.model, ids,
+        return self.vocab.encode_lines(read_lm_lines(path, min_lines=1))
+
+    def evaluate(self, split_or_path: str, batch_size: int | None = None,
+                 max_tokens: int | None = None, adjust: Adjust | None = None,
+                 with_cache: bool = False) -> dict:
+        """Perplexity of a split of the run's config (``valid``/``test``) or a text file.
+
+        ``with_cache`` adds ``ppl_cache``/``loss_cache`` (the run's cache, else
+        :data:`DEFAULT_CACHE`) and ``cache`` (its n_cache, θ, λ and where they came from);
+        it replaces ``adjust``.
+        """
+        path = (self.split_path(split_or_path)
+                if split_or_path in ("train", "valid", "test") else split_or_path)
+        cache = eval_cache(self.model) if with_cache else None
+        if cache is not None:
+            adjust = cache_adjust(cache)
+        result = evaluate_stream(self.model, self.ids(split_or_path),
                                  batch_size or self.config.data.eval_batch_size,
                                  self.config.model.extended_context, self.device, max_tokens,
                                  adjust)
+        if cache is not None:
+            result["loss_cache"] = result.pop("loss_adjusted")
+            result["ppl_cache"] = result.pop("ppl_adjusted")
+            result["cache"] = {"n_cache": cache.n_cache, "theta": float(cache.theta.detach()),
+                               "lam": float(cache.lam.detach()),
+                               "source": "run" if self.model.cache is not None else "default"}
         return {"path": str(path), **result}
 
     def encode_prompt(self, text: str | None) -> Tensor:

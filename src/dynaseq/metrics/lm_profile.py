@@ -1,6 +1,12 @@
-"""``dynaseq profile`` for language models: parameters, MACs per generated token and the
+"""``dynaseq profile`` for language models: parameters, MACs per generated token, the
 wall time of one incremental step at two document positions (MicroNet's short per-layer
-context: the time at position 10,000 should match the time at position 100)."""
+context: the time at position 10,000 should match the time at position 100) and the
+MicroNet score (:func:`micronet_profile`).
+
+Example::
+
+    micronet_profile(model)   # {"params_storage": ..., "ops_per_token": {...}, "score": ...}
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dynaseq.metrics.micronet import MicroNetOpCounter, micronet_score, parameter_storage
 from dynaseq.metrics.profile import count_params
 from dynaseq.models.lm import LMState, TransformerLM
 
@@ -69,9 +76,53 @@ def step_ms(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000), st
     return {p: 1000.0 * statistics.median(t) for p, t in times.items()}
 
 
+@torch.no_grad()
+def micronet_profile(model: TransformerLM, n_tokens: int = 16, seed: int = 0
+                     ) -> dict[str, Any]:
+    """MicroNet score of ``model`` (MicroNet §2.1; :mod:`dynaseq.metrics.micronet`).
+
+    - ``params_storage``: 32-bit-equivalent parameter storage (QAT widths, sparse tensors
+      counted by the challenge rules; Hebbian counts are buffers needed only in training).
+    - ``ops_per_token``: math operations of :meth:`TransformerLM.step` (one token in, the
+      full next-word distribution out), counted by :class:`MicroNetOpCounter` over
+      ``n_tokens`` random tokens fed one at a time after C tokens have filled the per-layer
+      caches; ``mults`` (quantized multiplies at b/32; exp/div/log count as multiplies) and
+      ``adds`` (32-bit) per token. A run with a neural cache adds
+      :meth:`NeuralCache.ops_per_token` for a full cache and the full distribution
+      (its exps and divisions counted with the multiplies).
+    - ``score`` = params_storage / 159M + ops_per_token.total / 318M.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    c = model.context
+    text = torch.randint(0, model.vocab_size, (1, c + n_tokens), generator=gen).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        state = prefill(model, text[:, :c], c)
+        counter = MicroNetOpCounter(model)
+        with counter:
+            for t in range(n_tokens):
+                state = model.step(text[:, c + t], state).state
+    finally:
+        model.train(was_training)
+    mults = counter.counts.mults32 / n_tokens
+    adds = counter.counts.adds32 / n_tokens
+    if model.cache is not None:
+        ops = model.cache.ops_per_token(model.d_model, vocab_size=model.vocab_size)
+        mults += ops.mults + ops.exps + ops.divs
+        adds += ops.adds
+    storage = parameter_storage(model).total
+    score = micronet_score(storage, mults + adds)
+    return {"params_storage": storage,
+            "ops_per_token": {"mults": mults, "adds": adds, "total": mults + adds},
+            "score": score.score}
+
+
 def profile_lm(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000),
                steps: int = 20) -> dict[str, Any]:
-    """Params, MACs per token and ms per generated token at each of ``positions``."""
+    """Params, MACs per token, ms per generated token at each of ``positions`` and the
+    MicroNet score (``micronet``, :func:`micronet_profile`)."""
     ms = {str(p): v for p, v in step_ms(model, positions, steps).items()}
     first, last = ms[str(positions[0])], ms[str(positions[-1])]
     return {
@@ -80,6 +131,7 @@ def profile_lm(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000),
         "macs_per_token": lm_macs_per_token(model),
         "ms_per_token": ms,
         "ratio_last_first": last / first,
+        "micronet": micronet_profile(model),
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
     }

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dynaseq.adaptive.neural_cache import NeuralCache
 from dynaseq.nn.adaptive_io import AdaptiveInput, AdaptiveSoftmax
 from dynaseq.nn.feedforward import FeedForward
 from dynaseq.nn.relative_attention import RelativeCache, relative_attention
@@ -93,11 +94,19 @@ class TransformerLM(nn.Module):
         softmax: :class:`AdaptiveSoftmax` (``model.softmax``).
         context: C (for information: the layers hold it).
         dropout: on the embeddings.
+        cache: an optional :class:`NeuralCache` (``model.cache``): its θ/λ live in the
+            state dict; the forward pass does not use it (the loss and the evaluation do).
+        hebbian: optional Hebbian-softmax states (``model.hebbian``, from
+            :func:`~dynaseq.nn.hebbian.make_adaptive_hebbian`): per-word counts saved with
+            the weights, updated after each training step.
     """
 
     def __init__(self, embed: AdaptiveInput, layers: list[LMLayer], softmax: AdaptiveSoftmax,
-                 context: int, dropout: float = 0.0) -> None:
+                 context: int, dropout: float = 0.0, cache: NeuralCache | None = None,
+                 hebbian: nn.ModuleList | None = None) -> None:
         super().__init__()
+        self.cache = cache
+        self.hebbian = hebbian
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.norm = nn.LayerNorm(embed.d_model)
@@ -180,8 +189,12 @@ def sample_next(log_probs: Tensor, temperature: float = 1.0, top_k: int | None =
 def build_lm(cfg, vocab_size: int) -> TransformerLM:
     """Wire a :class:`TransformerLM` from an ``LMModelConfig`` for ``vocab_size`` words.
 
-    Raises ConfigError when an adaptive cutoff is not below ``vocab_size``.
+    Raises ConfigError when an adaptive cutoff is not below ``vocab_size``. ``cfg.cache``
+    adds a :class:`NeuralCache`, ``cfg.hebbian`` Hebbian-softmax counts (``cfg.qat_bits``
+    is applied by the loader, :meth:`dynaseq.infer.lm.LanguageModel.load`).
     """
+    from dynaseq.nn.hebbian import make_adaptive_hebbian
+
     softmax = AdaptiveSoftmax(cfg.d_model, vocab_size, cfg.cutoffs, cfg.adaptive_dims)
     if cfg.tie_embeddings:
         embed = AdaptiveInput.tied_to(softmax, tie_projections=cfg.tie_projections)
@@ -195,4 +208,12 @@ def build_lm(cfg, vocab_size: int) -> TransformerLM:
                 cfg.dropout)
         for _ in range(cfg.n_layers)
     ]
-    return TransformerLM(embed, layers, softmax, cfg.context, cfg.dropout)
+    cache = None
+    if cfg.cache is not None:
+        cache = NeuralCache(cfg.cache.n_cache, cfg.cache.theta, cfg.cache.lam)
+        cache.requires_grad_(cfg.cache.train)
+    hebbian = None
+    if cfg.hebbian is not None:
+        hebbian = make_adaptive_hebbian(softmax, cfg.hebbian.gamma, cfg.hebbian.max_count,
+                                        match_norm=cfg.hebbian.match_norm)
+    return TransformerLM(embed, layers, softmax, cfg.context, cfg.dropout, cache, hebbian)

@@ -133,6 +133,30 @@ class AdaptiveSoftmax(nn.Module):
             out = out.index_add(0, rows, tail_lp.gather(1, local).squeeze(1))
         return out
 
+    def log_prob_at(self, h: Tensor, ids: Tensor) -> Tensor:
+        """h (N, d), ids (N, m) long -> (N, m) float32 log p(ids[n, j] | h[n]).
+
+        Tail i runs only on the rows with at least one id in it (the cheap path of token
+        distillation: the target plus a teacher's top-k). Column values equal
+        :meth:`forward` / :meth:`log_prob` at those ids.
+        """
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise ValueError(f"ids must be in [0, {self.vocab_size})")
+        ids = ids.contiguous()
+        head_lp = F.log_softmax(self.head(h).float(), dim=-1)  # (N, c_1 + k)
+        cluster = self.cluster_of(ids)  # (N, m)
+        out = head_lp.gather(1, torch.where(cluster == 0, ids, self.shortlist + cluster - 1))
+        for i, tail in enumerate(self.tails):
+            hit = cluster == i + 1  # (N, m)
+            rows = hit.any(1).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            tail_lp = F.log_softmax(tail(h.index_select(0, rows)).float(), dim=-1)  # (R, |i|)
+            local = (ids.index_select(0, rows) - self.bounds[i + 1]).clamp(0, tail_lp.size(1) - 1)
+            picked = tail_lp.gather(1, local) * hit.index_select(0, rows)  # 0 off-cluster
+            out = out.index_add(0, rows, picked)
+        return out
+
     def log_prob(self, h: Tensor) -> Tensor:
         """h (N, d) -> (N, V) float32 log-probabilities of every word (all tails run)."""
         head_lp = F.log_softmax(self.head(h).float(), dim=-1)

@@ -10,7 +10,10 @@ Single process (no DDP).
 
 Extension points (:class:`LMHooks`): ``loss`` computes the loss of a window (where token
 distillation and a trained neural cache plug in), ``after_step`` runs after every optimizer
-step (where a Hebbian softmax update plugs in).
+step (where a Hebbian softmax update plugs in), ``before_step`` before each forward pass
+(where gradual pruning plugs in). :func:`setup` builds the hooks the config asks for
+(:func:`dynaseq.train.lm_hooks.config_hooks`: ``model.cache`` with ``train: true``,
+``model.hebbian``, ``train.distill``), checking them before the run directory is written.
 
 Run directory: ``config.yaml``, ``vocab.txt``, ``log.jsonl``, ``checkpoints/step_*``,
 ``best/`` (lowest validation loss), optionally ``averaged/``.
@@ -76,14 +79,19 @@ def lm_loss(model: TransformerLM, out: LMOutput, targets: Tensor, step: int) -> 
 
 #: ``after_step(model, out, targets)``: called after each optimizer step (Hebbian softmax).
 AfterStep = Callable[[TransformerLM, LMOutput, Tensor], None]
+#: ``before_step(model, step)``: called before the forward pass of each step (pruning).
+BeforeStep = Callable[[TransformerLM, int], None]
 
 
 @dataclass
 class LMHooks:
-    """Where distillation, the neural cache and the Hebbian softmax plug into training."""
+    """Where distillation, the neural cache, the Hebbian softmax and pruning plug into
+    training. ``loss(model, out, targets, step)``: ``step`` is the global update index; the
+    window index in the epoch is ``step % len(train)`` (both advance together)."""
 
     loss: Callable[[TransformerLM, LMOutput, Tensor, int], LossTerms] = lm_loss
     after_step: list[AfterStep] = field(default_factory=list)
+    before_step: list[BeforeStep] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +104,7 @@ class LMSetup:
     valid_ids: Tensor | None
     model: TransformerLM
     log: RunLog
+    hooks: LMHooks = field(default_factory=LMHooks)
 
 
 def setup(cfg: LMRunConfig) -> LMSetup:
@@ -114,6 +123,9 @@ def setup(cfg: LMRunConfig) -> LMSetup:
         valid_ids = vocab.encode_lines(read_lm_lines(cfg.data.valid, min_lines=1))
     torch.manual_seed(cfg.train.seed)
     model = build_lm(cfg.model, len(vocab))  # bad cutoffs raise here, before any writing
+    from dynaseq.train.lm_hooks import config_hooks
+
+    hooks = config_hooks(cfg, train, vocab)  # a bad teacher top-k dir too
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     if not vocab_path.is_file():
@@ -121,7 +133,7 @@ def setup(cfg: LMRunConfig) -> LMSetup:
     log = RunLog(run_dir / "log.jsonl", True)
     log.write("data", split="train", tokens=train.n_tokens + cfg.data.batch_size,
               vocab=len(vocab), windows=len(train))
-    return LMSetup(cfg, run_dir, device, vocab, train, valid_ids, model.to(device), log)
+    return LMSetup(cfg, run_dir, device, vocab, train, valid_ids, model.to(device), log, hooks)
 
 
 def validate(s: LMSetup, model: TransformerLM) -> dict[str, float]:
@@ -195,8 +207,10 @@ def _validate_and_keep_best(s: LMSetup, state: TrainState) -> dict[str, float]:
 
 
 def fit(s: LMSetup, progress: bool = True, hooks: LMHooks | None = None) -> TrainResult:
-    """Train until max_steps / max_epochs / max_minutes or a signal; return the final state."""
-    hooks = hooks or LMHooks()
+    """Train until max_steps / max_epochs / max_minutes or a signal; return the final state.
+
+    ``hooks`` default to the config's (``s.hooks``)."""
+    hooks = hooks or s.hooks
     tc, model = s.cfg.train, s.model
     optimizer = torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps,
                                  weight_decay=tc.weight_decay)
@@ -224,6 +238,8 @@ def fit(s: LMSetup, progress: bool = True, hooks: LMHooks | None = None) -> Trai
                 if state.epoch_pos == 0:
                     memory = None  # a new pass over the streams
                 x, y = (t.to(s.device) for t in s.train[state.epoch_pos])
+                for before in hooks.before_step:
+                    before(model, state.step)
                 out = model(x, memory)
                 terms = hooks.loss(model, out, y, state.step)
                 terms.loss.backward()

@@ -1,0 +1,99 @@
+"""LM run -> new run: cache-search, prune, quantize (QAT) and their bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dynaseq.cli import main
+from dynaseq.compress.prune import prunable_parameters, sparsity_report
+from dynaseq.compress.qat import check_representable
+from dynaseq.infer.lm import LanguageModel
+from dynaseq.train.lm_loop import train
+
+from helpers import lm_config
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lmrun")
+    train(lm_config(tmp, "model.cache={n_cache: 20, theta: 0.1, lam: 0.1}"), progress=False)
+    return tmp / "run"
+
+
+def _one_line_error(capsys, *fragments: str) -> None:
+    err = capsys.readouterr().err
+    assert err.startswith("dynaseq: error:") and err.count("\n") == 1, err
+    for f in fragments:
+        assert f in err, err
+
+
+def test_cache_search_writes_best_parameters(lm_run, tmp_path, capsys):
+    out = tmp_path / "cs"
+    assert main(["cache-search", str(lm_run), "--out", str(out), "--cache-sizes", "40",
+                 "--max-evals", "12", "--valid-tokens", "300"]) == 0
+    text = capsys.readouterr().out
+    assert "before: ppl_cache" in text and "after:  ppl_cache" in text
+    rep = json.loads((out / "cache_search.json").read_text())
+    assert rep["after"]["ppl_cache"] <= rep["before"]["ppl_cache"]
+    assert len(rep["evaluations"]) <= 12 and rep["valid_tokens"] <= 300 + 10
+    lm = LanguageModel.load(out)
+    assert lm.config.model.cache.n_cache == rep["after"]["n_cache"] == lm.model.cache.n_cache
+    assert float(lm.model.cache.lam.detach()) == pytest.approx(rep["after"]["lam"], rel=1e-5)
+    assert main(["cache-search", str(lm_run), "--out", str(out)]) == 2  # out exists
+    _one_line_error(capsys, "already exists")
+
+
+def test_prune_reaches_target_and_refuses_bad_sparsity(lm_run, tmp_path, capsys):
+    for bad in ("1.0", "-0.1", "1.5"):
+        assert main(["prune", str(lm_run), "--out", str(tmp_path / "bad"), "--sparsity",
+                     bad]) == 2
+        _one_line_error(capsys, "sparsity must be in [0, 1)")
+        assert not (tmp_path / "bad").exists()
+    before = sorted(p.name for p in lm_run.rglob("*"))
+    out = tmp_path / "pruned"
+    assert main(["prune", str(lm_run), "--out", str(out), "--sparsity", "0.4", "--steps", "6",
+                 "--grid", "0,0.2,0.4,0.6,0.8", "--valid-tokens", "200", "--quiet"]) == 0
+    assert sorted(p.name for p in lm_run.rglob("*")) == before  # RUN_DIR untouched
+    rep = json.loads((out / "prune_report.json").read_text())
+    assert rep["achieved_sparsity"] >= 0.4 and rep["steps"] == 6
+    assert set(rep["curves"]) == set(rep["per_matrix_targets"])
+    lm = LanguageModel.load(out)  # plain state dict with zeros
+    names = prunable_parameters(lm.model)
+    assert sparsity_report(lm.model, names).overall == pytest.approx(rep["achieved_sparsity"])
+    assert not any(".parametrizations." in k for k in lm.model.state_dict())
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_quantize_lm_keeps_zeros_and_reloads_exact(lm_run, tmp_path, capsys):
+    for bad in ("1", "17"):
+        assert main(["quantize", str(lm_run), "--out", str(tmp_path / "bad"), "--bits",
+                     bad]) == 2
+        _one_line_error(capsys, "2..16")
+        assert not (tmp_path / "bad").exists()
+    pruned = tmp_path / "pruned"
+    assert main(["prune", str(lm_run), "--out", str(pruned), "--sparsity", "0.3",
+                 "--grid", "0.3,0.6", "--valid-tokens", "200"]) == 0  # one shot
+    zeros = sparsity_report(LanguageModel.load(pruned).model).zeros
+    out = tmp_path / "q9"
+    assert main(["quantize", str(pruned), "--out", str(out), "--bits", "9", "--steps", "4",
+                 "--quiet"]) == 0
+    lm = LanguageModel.load(out)
+    assert lm.config.model.qat_bits == 9
+    rep = check_representable(lm.model, 9)
+    assert rep.ok, rep.failures
+    assert all(m["max_distinct_per_scale"] <= 2 ** 9 for m in rep.modules.values())
+    assert sparsity_report(lm.model).zeros >= zeros  # pruned zeros kept
+    ppl = lm.evaluate("valid")["ppl"]
+    assert ppl == pytest.approx(json.loads((out / "quantize_report.json").read_text())
+                                ["valid_ppl_after"], rel=1e-6)
+    q3 = tmp_path / "q3"  # no fine-tuning: calibrate and convert
+    assert main(["quantize", str(pruned), "--out", str(q3), "--bits", "3"]) == 0
+    for m in LanguageModel.load(q3).model.modules():
+        if hasattr(m, "weight_scale") and isinstance(m, torch.nn.Linear):
+            k = torch.round(m.weight / m.weight_scale.view(-1, 1))
+            assert all(torch.unique(row).numel() <= 2 ** 3 for row in k)
+    assert main(["quantize", str(out), "--out", str(tmp_path / "again")]) == 2
+    _one_line_error(capsys, "already quantized")
