@@ -139,6 +139,12 @@ def interleaved_latency(models: dict[str, torch.nn.Module], rounds: int,
     return out
 
 
+def finished(run: Path) -> bool:
+    """The run trained to its last update (a stopped or half-started one does not count)."""
+    log = run / "log.jsonl"
+    return log.exists() and '"reason": "max_steps"' in log.read_text()
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from dynaseq.compress.int8 import quantize_int8
 
@@ -148,8 +154,8 @@ def cmd_report(args: argparse.Namespace) -> None:
     systems = [("dense", "I", "Transformer", DENSE)]
     systems += [(n, v[1], v[2], run_dir(n)) for n, v in VARIANTS.items()]
     for name, table, desc, path in systems:
-        if not (path / "config.yaml").exists():
-            print(f"-- {name}: no run at {path}, skipped", file=sys.stderr)
+        if not (finished(path) or path == DENSE):  # DENSE: stopped by time at 1001 updates
+            print(f"-- {name}: no finished run at {path}, skipped", file=sys.stderr)
             continue
         t = Translator.load(path)
         translators[name] = t

@@ -29,7 +29,13 @@ from dynaseq.analysis.gates import (
     usage_by_step,
 )
 from dynaseq.errors import DynaseqError
-from dynaseq.infer.translator import Budget, Translator, control_for_budget, decode_corpus
+from dynaseq.infer.translator import (
+    Budget,
+    Translator,
+    control_for_budget,
+    decode_corpus,
+    model_kind,
+)
 
 HISTOGRAM_BINS = 10
 JSON_NAME = "analysis.json"
@@ -42,8 +48,8 @@ def budget_controls(translator: Translator, budgets: list[Budget] | None) -> lis
     trained budget. Raises :class:`DynaseqError` for a dense model or an untrained budget."""
     cfg = translator.config.model
     if cfg.cct is None:
-        raise DynaseqError("analyze needs a CCT model, but this run's config has no "
-                           "model.cct section, so it has no gates")
+        raise DynaseqError(f"analyze needs a CCT model, but this is {model_kind(cfg)} (its "
+                           "config has no model.cct section, so it has no gates)")
     if not budgets:
         return list(range(len(cfg.cct.controls)))
     ids = [control_for_budget(cfg, b) for b in budgets]

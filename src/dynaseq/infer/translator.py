@@ -93,6 +93,14 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
 Budget = float | tuple[float, float] | None
 
 
+def model_kind(cfg: ModelConfig) -> str:
+    """``"a CCT model"``, ``"a DMB model"``, ``"a MoE model"`` or ``"a dense model"``."""
+    if cfg.cct is not None:
+        return "a CCT model"
+    return ("a DMB model" if cfg.dmb is not None else "a MoE model"
+            if cfg.moe is not None else "a dense model")
+
+
 def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
     """The control-symbol id of a trained budget.
 
@@ -101,10 +109,8 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
     """
     if cfg.cct is None:
         if budget is not None:
-            kind = ("a DMB model" if cfg.dmb is not None else "a MoE model"
-                    if cfg.moe is not None else "a dense model")
-            raise DynaseqError(f"this is {kind}, which has no compute-budget knob (train it "
-                               "with a model.cct section to get one)")
+            raise DynaseqError(f"this is {model_kind(cfg)}, which has no compute-budget knob "
+                               "(train it with a model.cct section to get one)")
         return None
     trained = cfg.cct.controls
     if budget is None:
