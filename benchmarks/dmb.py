@@ -139,6 +139,22 @@ def interleaved_latency(models: dict[str, torch.nn.Module], rounds: int,
     return out
 
 
+def scaled_models(size: str) -> dict[str, torch.nn.Module]:
+    """Untrained dense / DMB / MoE models of ``size`` (3+3 layers, vocabulary 8000), the
+    DMB shared parts folded as for inference: latency does not depend on training, except
+    through how tokens spread over branches (random-init routers spread them too)."""
+    from dynaseq.branching import merge_shared_
+    from dynaseq.models import build_seq2seq
+
+    torch.manual_seed(0)
+    out = {}
+    for name, path in (("dense", DENSE_CFG), ("dmb", DMB_CFG), ("moe", MOE_CFG)):
+        model = build_seq2seq(load_config(path, [f"model.size={size}"]).model, 8000)
+        merge_shared_(model)
+        out[f"{name}_{size}"] = model.eval()
+    return out
+
+
 def finished(run: Path) -> bool:
     """The run trained to its last update (a stopped or half-started one does not count)."""
     log = run / "log.jsonl"
@@ -172,6 +188,8 @@ def cmd_report(args: argparse.Namespace) -> None:
     models = {n: translators[n].model for n in ("dense", "dmb", "moe") if n in translators}
     models.update({f"{n}_int8": t.model for n, t in int8.items()})
     lat = interleaved_latency(models, args.rounds, args.repeats)
+    scaled = {size: interleaved_latency(scaled_models(size), args.rounds, args.repeats)
+              for size in args.scale_sizes}
     for r in rows:
         if r["name"] in lat:
             r["latency_ms"] = lat[r["name"]]
@@ -181,7 +199,8 @@ def cmd_report(args: argparse.Namespace) -> None:
                "python benchmarks/dmb.py train kd; python benchmarks/dmb.py report")
     out = {"benchmark": "dmb", "command": command, "machine": machine,
            "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4",
-           "updates": STEPS, "rows": rows, "disk_bytes": disk_sizes(translators)}
+           "updates": STEPS, "rows": rows, "disk_bytes": disk_sizes(translators),
+           "latency_untrained_ms": scaled}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "dmb.json").write_text(json.dumps(out, indent=1))
     write_md(out)
@@ -233,6 +252,15 @@ def write_md(out: dict) -> None:
             cells = [f"{r['latency_ms'][k]} ({r['latency_ms'][k] / base[k]:.2f}×)" if base
                      else str(r['latency_ms'][k]) for k in keys]
             lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+    for size, lat in out.get("latency_untrained_ms", {}).items():
+        keys = list(next(iter(lat.values())))
+        base = lat[f"dense_{size}"]
+        lines += ["", f"## CPU latency at the `{size}` size, untrained, 3+3 layers (ms; ratio to "
+                  "dense)", "", "| model | " + " | ".join(keys) + " |",
+                  "|---|" + "---:|" * len(keys)]
+        for name, ms in lat.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{ms[k]} ({ms[k] / base[k]:.2f}×)" for k in keys) + " |")
     if out.get("disk_bytes"):
         lines += ["", "## Disk size of the weights (bytes)", "", "| model | fp32 | int8 | ratio |",
                   "|---|---:|---:|---:|"]
@@ -273,6 +301,8 @@ def main() -> None:
     r = sub.add_parser("report")
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--scale-sizes", nargs="*", default=["small"],
+                   help="also time untrained dense/DMB/MoE models of these sizes")
     r.set_defaults(func=cmd_report)
     args = p.parse_args()
     args.func(args)

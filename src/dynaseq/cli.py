@@ -280,7 +280,7 @@ def cmd_cache_search(args: argparse.Namespace) -> int:
     if _run_kind(args.run_dir) != "lm":
         raise DynaseqError(f"cache-search: {args.run_dir} is not a language-model run")
     rep = cache_search_run(args.run_dir, args.out, args.cache_sizes, args.max_evals,
-                           args.valid_tokens, checkpoint=args.checkpoint)
+                           args.valid_tokens, checkpoint=args.checkpoint, n_cache=args.n_cache)
     b, a = rep["before"], rep["after"]
     print(f"valid ppl {rep['valid_ppl']:.2f} ({rep['valid_tokens']:,} tokens)\n"
           f"before: ppl_cache {b['ppl_cache']:.2f}  theta {b['theta']:.4g}  lam "
@@ -577,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="new run directory (must not exist, or be empty)")
     p.add_argument("--cache-sizes", type=_int_list, default=[],
                    help="larger cache sizes to search too, e.g. 500,1000,2000")
+    p.add_argument("--n-cache", type=int, default=None,
+                   help="cache size to start from and search at, instead of the run's own "
+                        "(or 2000 for a run without a cache), e.g. a small cache to keep the "
+                        "extra ops per token low")
     p.add_argument("--max-evals", type=int, default=40, help="evaluations at most (default 40)")
     p.add_argument("--valid-tokens", type=int, default=None,
                    help="search on the first N validation tokens (default: all)")

@@ -46,6 +46,21 @@ def test_cache_search_writes_best_parameters(lm_run, tmp_path, capsys):
     _one_line_error(capsys, "already exists")
 
 
+def test_cache_search_at_a_chosen_size_searches_only_that_size(lm_run, tmp_path, capsys):
+    out = tmp_path / "cs7"
+    assert main(["cache-search", str(lm_run), "--out", str(out), "--n-cache", "7",
+                 "--max-evals", "6", "--valid-tokens", "200"]) == 0
+    rep = json.loads((out / "cache_search.json").read_text())
+    assert rep["before"]["n_cache"] == rep["after"]["n_cache"] == 7
+    assert {e["n_cache"] for e in rep["evaluations"]} == {7}
+    assert LanguageModel.load(out).model.cache.n_cache == 7
+    capsys.readouterr()
+    assert main(["cache-search", str(lm_run), "--out", str(tmp_path / "bad"), "--n-cache",
+                 "0"]) == 2
+    _one_line_error(capsys, "cache sizes must be >= 1")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_prune_reaches_target_and_refuses_bad_sparsity(lm_run, tmp_path, capsys):
     for bad in ("1.0", "-0.1", "1.5"):
         assert main(["prune", str(lm_run), "--out", str(tmp_path / "bad"), "--sparsity",

@@ -28,6 +28,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -267,15 +268,16 @@ def qat_lm_run(run_dir: str | Path, out_dir: str | Path, bits: int, steps: int =
 def cache_search_run(run_dir: str | Path, out_dir: str | Path,
                      cache_sizes: Sequence[int] = (), max_evals: int = 40,
                      valid_tokens: int | None = None, checkpoint: str = "auto",
-                     device: str = "auto") -> dict[str, Any]:
+                     device: str = "auto", n_cache: int | None = None) -> dict[str, Any]:
     """Local search over θ, λ (then each of ``cache_sizes``) minimising the cache perplexity
     on the first ``valid_tokens`` validation tokens (all when None), starting from the
-    run's cache (or :data:`DEFAULT_CACHE`). The model's states are computed once; each
+    run's cache (or :data:`DEFAULT_CACHE`), at cache size ``n_cache`` when given (e.g. a
+    small cache that keeps the extra ops low) instead of the run's. The model's states are computed once; each
     evaluation only reruns the cache. The new run's ``model.cache`` holds the best values
     (``train`` kept, false for a run that had no cache). Returns ``cache_search.json``."""
     if max_evals < 1:
         raise DynaseqError(f"--max-evals must be >= 1, got {max_evals}")
-    for n in cache_sizes:
+    for n in [*cache_sizes, *([] if n_cache is None else [n_cache])]:
         if n < 1:
             raise DynaseqError(f"cache sizes must be >= 1, got {n}")
     run, out = Path(run_dir), Path(out_dir)
@@ -303,6 +305,8 @@ def cache_search_run(run_dir: str | Path, out_dir: str | Path,
     if model.cache is not None:
         start = LMCacheConfig(model.cache.n_cache, float(model.cache.theta.detach()),
                               float(model.cache.lam.detach()), start.train)
+    if n_cache is not None:
+        start = replace(start, n_cache=n_cache)
     before = cache_ppl(start.theta, start.lam, start.n_cache)
     found = local_search(cache_ppl, start.theta, start.lam, start.n_cache,
                          cache_sizes=list(cache_sizes), max_evals=max_evals)
