@@ -41,6 +41,7 @@ from dynaseq.metrics.profile import count_params
 from dynaseq.train.loop import train
 
 from mt_baseline import throughput
+from plotting import labelled_scatter
 
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
@@ -185,7 +186,8 @@ def cmd_report(args: argparse.Namespace) -> None:
             rows.append({"name": f"{name}_int8", "table": "int8",
                          "system": f"{next(r['system'] for r in rows if r['name'] == name)}"
                                    " int8", **evaluate(t, src, ref)})
-    models = {n: translators[n].model for n in ("dense", "dmb", "moe") if n in translators}
+    models = {n: translators[n].model for n in ("dense", "dmb", "moe", "dmb_no_attention")
+              if n in translators}
     models.update({f"{n}_int8": t.model for n, t in int8.items()})
     lat = interleaved_latency(models, args.rounds, args.repeats)
     scaled = {size: interleaved_latency(scaled_models(size), args.rounds, args.repeats)
@@ -272,22 +274,10 @@ def write_md(out: dict) -> None:
 
 
 def plot(rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for r in rows:
-        ax.plot(r["macs_pair"] / 1e6, r["bleu_beam4"], "o")
-        ax.annotate(r["name"], (r["macs_pair"] / 1e6, r["bleu_beam4"]), fontsize=7,
-                    xytext=(4, -3), textcoords="offset points")
-    ax.set_xlabel("#MACs of a 30 → 30-token pass (millions)")
-    ax.set_ylabel("BLEU, test_2016_flickr en→de, beam 4")
-    ax.set_title("dmb: BLEU vs Mult-Adds (tiny)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "dmb.png", dpi=120)
+    labelled_scatter([(r["name"], r["macs_pair"] / 1e6, r["bleu_beam4"]) for r in rows],
+                     "#MACs of a 30 → 30-token pass (millions)",
+                     "BLEU, test_2016_flickr en→de, beam 4", "dmb: BLEU vs Mult-Adds (tiny)",
+                     RESULTS / "dmb.png")
 
 
 def main() -> None:

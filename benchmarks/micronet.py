@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from plotting import labelled_scatter
+
 RESULTS = Path("benchmarks/results")
 RUNS = Path("runs/bench/micronet")
 CONFIG = "configs/wikitext2_tiny.yaml"
@@ -58,14 +60,15 @@ DERIVED: dict[str, tuple[str, str, str, list[str]]] = {
     "core_cache400": ("2", "core + cache search, n_cache 400 (within 5% more ops)", "core",
                       ["cache-search", "--n-cache", "400", "--valid-tokens", "60000"]),
     "prune": ("2", f"+ pruning to {SPARSITY:.0%}", "distill",
-              ["prune", "--sparsity", str(SPARSITY), "--steps", "300",
+              ["prune", "--sparsity", str(SPARSITY), "--steps", "1000",
                "--valid-tokens", "20000"]),
     "cache": ("2", "+ cache search", "prune",
               ["cache-search", "--cache-sizes", "2000,3000", "--valid-tokens", "60000"]),
     "quant": ("2", f"+ {BITS}-bit QAT", "cache", ["quantize", "--bits", str(BITS),
-                                                   "--steps", "200"]),
+                                                   "--steps", "600"]),
 }
-LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill", "prune", "cache", "quant"],
+LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill", "prune",
+                      "cache", "quant"],
          "ablations": ["ctx8", "ctx16", "ctx64", "cache_train500", "cache_train2000",
                        "hebbian"]}
 
@@ -204,24 +207,10 @@ def write_md(out: dict) -> None:
 
 
 def plot(rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for r in rows:
-        if r["name"] == "teacher":
-            continue
-        ax.plot(r["score"], r["test_ppl_cache"], "o")
-        ax.annotate(r["name"], (r["score"], r["test_ppl_cache"]), fontsize=7, xytext=(4, -3),
-                    textcoords="offset points")
-    ax.set_xlabel("MicroNet score (lower is better)")
-    ax.set_ylabel("test perplexity with the cache")
-    ax.set_title("micronet: WikiText-2")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "micronet.png", dpi=120)
+    labelled_scatter([(r["name"], r["score"], r["test_ppl_cache"]) for r in rows
+                      if r["name"] != "teacher"],
+                     "MicroNet score (lower is better)", "test perplexity with the cache",
+                     "micronet: WikiText-2", RESULTS / "micronet.png")
 
 
 def main() -> None:
