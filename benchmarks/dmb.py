@@ -15,6 +15,8 @@ is reused (runs/bench/mt_baseline_tiny_en_de, 1001 updates).
     python benchmarks/dmb.py train b        # w/o entropy, w/o DMB attention, N=2, N=8
     python benchmarks/dmb.py train kd       # distill-data from the small teacher, 2 students
     python benchmarks/dmb.py report         # evaluate + latency + int8, write results/
+    python benchmarks/dmb.py train long     # the Transformer and DMB continued to 3000 updates
+    python benchmarks/dmb.py report-long    # Table I at 3000 updates: results/dmb_long.*
 
 The `train` lanes use one thread each, so two can run side by side on 2 cores; `report`
 measures latency with every core and should run alone. Writes
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -71,6 +74,13 @@ VARIANTS: dict[str, tuple[str, str, str, str, list[str]]] = {
                [f"data.train_tgt={KD_DATA}"]),
 }
 
+LONG_STEPS = 3000
+# name -> (description, the 1000-update run it continues, config)
+LONG: dict[str, tuple[str, Path, str]] = {
+    "dense_3k": ("Transformer", DENSE, DENSE_CFG),
+    "dmb_3k": ("Transformer-DMB (N=4)", RUNS / "dmb_dmb", DMB_CFG),
+}
+
 
 def run_dir(name: str) -> Path:
     return RUNS / f"dmb_{name}"
@@ -95,8 +105,26 @@ def distill_data() -> None:
     (KD_DATA.parent / "distill_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
 
 
+def train_long(names: list[str]) -> None:
+    """Continue a finished run to LONG_STEPS updates in a copy of its directory (resuming is
+    exact, so this equals training LONG_STEPS updates straight through)."""
+    for name in names:
+        desc, source, config = LONG[name]
+        dst = run_dir(name)
+        if not dst.exists():
+            shutil.copytree(source, dst)
+        cfg = load_config(config, [f"run_dir={dst}", f"train.max_steps={LONG_STEPS}",
+                                   "train.max_minutes=1000", "train.valid_bleu_lines=300"])
+        print(f"== training {cfg.run_dir} to {LONG_STEPS} updates", file=sys.stderr, flush=True)
+        if train(cfg, progress=True).stopped_by_signal is not None:
+            break
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
+    if args.lane == "long":
+        train_long([n for n in LONG if not args.only or n in args.only])
+        return
     if args.lane == "kd":
         distill_data()
     names = [n for n, v in VARIANTS.items() if v[0] == args.lane
@@ -156,10 +184,13 @@ def scaled_models(size: str) -> dict[str, torch.nn.Module]:
     return out
 
 
-def finished(run: Path) -> bool:
-    """The run trained to its last update (a stopped or half-started one does not count)."""
+def finished(run: Path, steps: int = STEPS) -> bool:
+    """The run trained to ``steps`` updates (a stopped or half-started one does not count)."""
     log = run / "log.jsonl"
-    return log.exists() and '"reason": "max_steps"' in log.read_text()
+    if not log.exists():
+        return False
+    stops = [json.loads(line) for line in log.read_text().splitlines() if '"stop"' in line]
+    return any(e.get("reason") == "max_steps" and e.get("step", 0) >= steps for e in stops)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -207,6 +238,36 @@ def cmd_report(args: argparse.Namespace) -> None:
     (RESULTS / "dmb.json").write_text(json.dumps(out, indent=1))
     write_md(out)
     plot(rows)
+
+
+def cmd_report_long(args: argparse.Namespace) -> None:
+    src = read_lines(DATA / "test_2016_flickr.en.gz")
+    ref = read_lines(DATA / "test_2016_flickr.de.gz")
+    rows = []
+    for name, (desc, source, _) in LONG.items():
+        for label, path in ((f"{LONG_STEPS} updates", run_dir(name)), ("1000 updates", source)):
+            if path == run_dir(name) and not finished(path, LONG_STEPS):
+                print(f"-- {name}: no finished run at {path}, skipped", file=sys.stderr)
+                continue
+            rows.append({"name": name, "system": desc, "updates": label,
+                         **evaluate(Translator.load(path), src, ref)})
+    out = {"benchmark": "dmb_long", "command": "python benchmarks/dmb.py train long; "
+           "python benchmarks/dmb.py report-long",
+           "machine": {"platform": platform.platform(), "torch": torch.__version__},
+           "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4", "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "dmb_long.json").write_text(json.dumps(out, indent=1))
+    lines = ["# dmb_long: Transformer vs Transformer-DMB (tiny, Multi30k en→de) by training "
+             "length", "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
+             f"Test set: {out['test_set']}", "",
+             "| system | updates | params | #MACs | BLEU | PTR | test loss |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['updates']} | {r['params'] / 1e6:.2f}M | "
+                     f"{r['macs_pair'] / 1e6:.1f}M | {r['bleu_beam4']} | {r['ptr']} | "
+                     f"{r['loss']} |")
+    (RESULTS / "dmb_long.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def disk_sizes(translators: dict[str, Translator]) -> dict[str, dict[str, int]]:
@@ -284,8 +345,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train")
-    t.add_argument("lane", choices=["a", "b", "kd"])
-    t.add_argument("--only", nargs="*", choices=list(VARIANTS))
+    t.add_argument("lane", choices=["a", "b", "kd", "long"])
+    t.add_argument("--only", nargs="*", choices=[*VARIANTS, *LONG])
     t.add_argument("--threads", type=int, default=1)
     t.set_defaults(func=cmd_train)
     r = sub.add_parser("report")
@@ -294,6 +355,7 @@ def main() -> None:
     r.add_argument("--scale-sizes", nargs="*", default=["small"],
                    help="also time untrained dense/DMB/MoE models of these sizes")
     r.set_defaults(func=cmd_report)
+    sub.add_parser("report-long").set_defaults(func=cmd_report_long)
     args = p.parse_args()
     args.func(args)
 
