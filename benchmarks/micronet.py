@@ -93,7 +93,7 @@ def done(name: str) -> bool:
     return (run / "config.yaml").exists()
 
 
-def build(name: str) -> None:
+def build(name: str, prune_from: str = "distill") -> None:
     run = RUNS / name
     t0 = time.perf_counter()
     if name in TRAINED:
@@ -106,6 +106,7 @@ def build(name: str) -> None:
         if done(name):
             return
         _, _, source, cmd = DERIVED[name]
+        source = prune_from if name == "prune" else source
         dynaseq(cmd[0], str(RUNS / source), "--out", str(run), *cmd[1:])
     (RUNS / f"{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}\n")
 
@@ -114,7 +115,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     RUNS.mkdir(parents=True, exist_ok=True)
     for name in LANES[args.lane]:
         if not args.only or name in args.only:
-            build(name)
+            build(name, args.prune_from)
+
+
+def pruned_from() -> str | None:
+    """The run the pruned model started from (``train --prune-from``), from its report."""
+    report = RUNS / "prune" / "prune_report.json"
+    return Path(json.loads(report.read_text())["source_run"]).name if report.exists() else None
 
 
 def measure(name: str) -> dict:
@@ -152,7 +159,11 @@ def cmd_report(args: argparse.Namespace) -> None:
     for name in [*TRAINED, *DERIVED]:
         if done(name):
             table, desc = (TRAINED.get(name) or DERIVED[name])[:2]
-            rows.append({"table": table, "system": desc, "measured": today, **measure(name)})
+            row = {"table": table, "system": desc, "measured": today, **measure(name)}
+            if name == "prune":
+                row["pruned_from"] = pruned_from()
+                row["system"] += f" (from {row['pruned_from']})"
+            rows.append(row)
         elif name in earlier and args.carry:
             print(f"-- {name}: not built, row carried from the committed results",
                   file=sys.stderr)
@@ -188,9 +199,10 @@ def targets(rows: list[dict]) -> dict:
     if "quant" in by and "cache" in by:
         before = by["cache"]["test_ppl_cache"]
         after = by["quant"]["test_ppl_cache"]
-        unpruned = by["distill"]["test_ppl"] if "distill" in by else None
+        source = by["prune"].get("pruned_from", "distill") if "prune" in by else "distill"
+        unpruned = by[source]["test_ppl"] if source in by else None
         out["prune_quant"] = {
-            "ppl_before_prune": unpruned, "ppl_pruned_cache": before, "ppl_quantized": after,
+            "pruned_from": source, "ppl_before_prune": unpruned, "ppl_pruned_cache": before, "ppl_quantized": after,
             "relative_cost_of_prune_and_qat":
                 round(by["quant"]["test_ppl"] / unpruned - 1, 4) if unpruned else None,
             "target": f">= 35% sparsity + {BITS}-bit QAT cost <= 3% ppl"}
@@ -234,6 +246,8 @@ def main() -> None:
     t = sub.add_parser("train")
     t.add_argument("lane", choices=list(LANES))
     t.add_argument("--only", nargs="*", choices=[*TRAINED, *DERIVED])
+    t.add_argument("--prune-from", choices=["distill", "core"], default="distill",
+                   help="the run `prune` starts from (core: skip the teacher and distillation)")
     t.set_defaults(func=cmd_train)
     r = sub.add_parser("report")
     r.add_argument("--no-carry", dest="carry", action="store_false",
