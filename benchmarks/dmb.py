@@ -292,8 +292,8 @@ def write_md(out: dict) -> None:
     dense = rows.get("dense")
     lines = ["# dmb: Transformer vs Transformer-MoE vs Transformer-DMB (tiny, Multi30k en→de)",
              "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Test set: {out['test_set']}; every model {out['updates']} updates "
-             "(the reused dense model 1001).", "",
+             f"Test set: {out['test_set']}; every model {out['updates']} updates with the same "
+             "data, batch size, schedule and seed.", "",
              "#MACs: the DMB paper's convention, one 30 → 30-token pass with the output layer "
              "(Mult-Adds). PTR = BLEU / sqrt(#MACs) · 10⁴. Params: the inference model (shared "
              "part merged).", "",
