@@ -66,9 +66,17 @@ DERIVED: dict[str, tuple[str, str, str, list[str]]] = {
               ["cache-search", "--cache-sizes", "2000,3000", "--valid-tokens", "60000"]),
     "quant": ("2", f"+ {BITS}-bit QAT", "cache", ["quantize", "--bits", str(BITS),
                                                    "--steps", "600"]),
+    # pruning + QAT fine-tune 1600 updates: the same updates without pruning or quantization
+    "control": ("2", "control: 1600 fine-tuning updates at sparsity 0, no QAT", "distill",
+                ["prune", "--sparsity", "0", "--steps", "1600", "--valid-tokens", "20000"]),
+    # the minimum sparsity, same updates (1000 pruning + 600 QAT), no cache search
+    "prune35": ("2", "+ pruning to 35%", "distill",
+                ["prune", "--sparsity", "0.35", "--steps", "1000", "--valid-tokens", "20000"]),
+    "quant35": ("2", f"+ {BITS}-bit QAT (35% sparse)", "prune35",
+                ["quantize", "--bits", str(BITS), "--steps", "600"]),
 }
 LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill", "prune",
-                      "cache", "quant"],
+                      "cache", "quant", "control", "prune35", "quant35"],
          "ablations": ["ctx8", "ctx16", "ctx64", "cache_train500", "cache_train2000",
                        "hebbian"]}
 
@@ -106,7 +114,7 @@ def build(name: str, prune_from: str = "distill") -> None:
         if done(name):
             return
         _, _, source, cmd = DERIVED[name]
-        source = prune_from if name == "prune" else source
+        source = prune_from if name in ("prune", "control", "prune35") else source
         dynaseq(cmd[0], str(RUNS / source), "--out", str(run), *cmd[1:])
     (RUNS / f"{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}\n")
 
@@ -202,10 +210,19 @@ def targets(rows: list[dict]) -> dict:
         source = by["prune"].get("pruned_from", "distill") if "prune" in by else "distill"
         unpruned = by[source]["test_ppl"] if source in by else None
         out["prune_quant"] = {
-            "pruned_from": source, "ppl_before_prune": unpruned, "ppl_pruned_cache": before, "ppl_quantized": after,
+            "pruned_from": source, "ppl_before_prune": unpruned, "ppl_pruned_cache": before,
+            "ppl_quantized": after,
             "relative_cost_of_prune_and_qat":
                 round(by["quant"]["test_ppl"] / unpruned - 1, 4) if unpruned else None,
             "target": f">= 35% sparsity + {BITS}-bit QAT cost <= 3% ppl"}
+        if "control" in by:  # the same number of fine-tuning updates, dense and in float
+            control = by["control"]["test_ppl"]
+            out["prune_quant"].update(ppl_control=control, relative_cost_vs_control=round(
+                by["quant"]["test_ppl"] / control - 1, 4))
+            if "quant35" in by:
+                out["prune_quant"]["at_35_percent"] = {
+                    "ppl_quantized": by["quant35"]["test_ppl"], "relative_cost_vs_control":
+                        round(by["quant35"]["test_ppl"] / control - 1, 4)}
     if "core" in by:
         out["generation"] = {"ms_per_token": by["core"]["ms_per_token"],
                              "ratio": by["core"]["gen_ratio"], "target": "<= 1.1"}
