@@ -126,9 +126,9 @@ def cmd_train(args: argparse.Namespace) -> None:
             build(name, args.prune_from)
 
 
-def pruned_from() -> str | None:
-    """The run the pruned model started from (``train --prune-from``), from its report."""
-    report = RUNS / "prune" / "prune_report.json"
+def pruned_from(name: str) -> str | None:
+    """The run a pruned model started from (``train --prune-from``), from its report."""
+    report = RUNS / name / "prune_report.json"
     return Path(json.loads(report.read_text())["source_run"]).name if report.exists() else None
 
 
@@ -165,15 +165,15 @@ def cmd_report(args: argparse.Namespace) -> None:
     rows, earlier = [], earlier_rows()
     today = time.strftime("%Y-%m-%d")
     for name in [*TRAINED, *DERIVED]:
-        if done(name):
+        if done(name) and (not args.only or name in args.only):
             table, desc = (TRAINED.get(name) or DERIVED[name])[:2]
             row = {"table": table, "system": desc, "measured": today, **measure(name)}
-            if name == "prune":
-                row["pruned_from"] = pruned_from()
+            if name in ("prune", "prune35"):
+                row["pruned_from"] = pruned_from(name)
                 row["system"] += f" (from {row['pruned_from']})"
             rows.append(row)
         elif name in earlier and args.carry:
-            print(f"-- {name}: not built, row carried from the committed results",
+            print(f"-- {name}: not measured now, row carried from the committed results",
                   file=sys.stderr)
             rows.append(earlier[name])
         else:
@@ -269,6 +269,8 @@ def main() -> None:
     r = sub.add_parser("report")
     r.add_argument("--no-carry", dest="carry", action="store_false",
                    help="leave out runs not built here instead of carrying their committed rows")
+    r.add_argument("--only", nargs="*", choices=[*TRAINED, *DERIVED],
+                   help="measure only these runs; the others' committed rows are carried")
     r.set_defaults(func=cmd_report)
     args = p.parse_args()
     args.func(args)
