@@ -7,6 +7,8 @@ sparsity (sensitivity-guided per-matrix targets) -> + neural-cache search on val
 fed one at a time), valid/test perplexity with and without the cache, and the MicroNet score.
 Ablations: per-layer context C (Table 4), the cache size used in training (Table 5) and the
 Hebbian softmax (Table 6). Every model trains the same number of updates as the core LM.
+`control` fine-tunes the pruned model's source for the same 1600 updates as pruning + QAT,
+without either (the fair baseline for their cost); `prune35`/`quant35` repeat them at 35%.
 
     python benchmarks/micronet.py train pipeline    # teacher, core, distilled, prune, ...
     python benchmarks/micronet.py train ablations   # context sweep, training cache, Hebbian
