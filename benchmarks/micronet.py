@@ -55,13 +55,14 @@ TRAINED: dict[str, tuple[str, str, list[str]]] = {
                         ["model.cache={}", "model.cache.n_cache=2000"]),
     "hebbian": ("6", "+ Hebbian softmax", ["model.hebbian={}"]),
 }
-# name -> (table, description, source run, command and arguments)
-DERIVED: dict[str, tuple[str, str, str, list[str]]] = {
+# name -> (table, description, source run (None: the one `train --prune-from` names), command
+# and arguments)
+DERIVED: dict[str, tuple[str, str, str | None, list[str]]] = {
     "core_cache": ("2", "core + cache search", "core",
                    ["cache-search", "--cache-sizes", "2000,3000", "--valid-tokens", "60000"]),
     "core_cache400": ("2", "core + cache search, n_cache 400 (within 5% more ops)", "core",
                       ["cache-search", "--n-cache", "400", "--valid-tokens", "60000"]),
-    "prune": ("2", f"+ pruning to {SPARSITY:.0%}", "distill",
+    "prune": ("2", f"+ pruning to {SPARSITY:.0%}", None,
               ["prune", "--sparsity", str(SPARSITY), "--steps", "1000",
                "--valid-tokens", "20000"]),
     "cache": ("2", "+ cache search", "prune",
@@ -69,10 +70,10 @@ DERIVED: dict[str, tuple[str, str, str, list[str]]] = {
     "quant": ("2", f"+ {BITS}-bit QAT", "cache", ["quantize", "--bits", str(BITS),
                                                    "--steps", "600"]),
     # pruning + QAT fine-tune 1600 updates: the same updates without pruning or quantization
-    "control": ("2", "control: 1600 fine-tuning updates at sparsity 0, no QAT", "distill",
+    "control": ("2", "control: 1600 fine-tuning updates at sparsity 0, no QAT", None,
                 ["prune", "--sparsity", "0", "--steps", "1600", "--valid-tokens", "20000"]),
     # the minimum sparsity, same updates (1000 pruning + 600 QAT), no cache search
-    "prune35": ("2", "+ pruning to 35%", "distill",
+    "prune35": ("2", "+ pruning to 35%", None,
                 ["prune", "--sparsity", "0.35", "--steps", "1000", "--valid-tokens", "20000"]),
     "quant35": ("2", f"+ {BITS}-bit QAT (35% sparse)", "prune35",
                 ["quantize", "--bits", str(BITS), "--steps", "600"]),
@@ -116,8 +117,7 @@ def build(name: str, prune_from: str = "distill") -> None:
         if done(name):
             return
         _, _, source, cmd = DERIVED[name]
-        source = prune_from if name in ("prune", "control", "prune35") else source
-        dynaseq(cmd[0], str(RUNS / source), "--out", str(run), *cmd[1:])
+        dynaseq(cmd[0], str(RUNS / (source or prune_from)), "--out", str(run), *cmd[1:])
     (RUNS / f"{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}\n")
 
 
