@@ -17,6 +17,7 @@ with the same data, batch size, learning-rate schedule and seed.
     python benchmarks/dmb.py report         # evaluate + latency + int8, write results/
     python benchmarks/dmb.py train long     # the Transformer and DMB continued to 3000 updates
     python benchmarks/dmb.py report-long    # Table I at 3000 updates: results/dmb_long.*
+    python benchmarks/dmb.py report-latency # latency only, tiny trained + small/base untrained
 
 The `train` lanes use one thread each, so two can run side by side on 2 cores; `report`
 measures latency with every core and should run alone. Writes
@@ -239,6 +240,61 @@ def cmd_report(args: argparse.Namespace) -> None:
     plot(rows)
 
 
+def cmd_report_latency(args: argparse.Namespace) -> None:
+    """Latency only (no BLEU): the trained tiny models fp32 and int8, and untrained models of
+    ``--scale-sizes``, each group interleaved; results/dmb_latency{_TAG}.{json,md}."""
+    from dynaseq.compress.int8 import quantize_int8
+
+    trained = {}
+    for name in ("dense", "dmb", "moe", "dmb_no_attention"):
+        if finished(run_dir(name)):
+            trained[name] = Translator.load(run_dir(name)).model
+        else:
+            print(f"-- {name}: no finished run, skipped", file=sys.stderr)
+    for name in ("dense", "dmb", "moe"):
+        if name in trained:
+            trained[f"{name}_int8"] = quantize_int8(Translator.load(run_dir(name)).model)
+    groups = {"tiny (trained)": interleaved_latency(trained, args.rounds, args.repeats)}
+    for size in args.scale_sizes:
+        groups[f"{size} (untrained)"] = interleaved_latency(scaled_models(size), args.rounds,
+                                                            args.repeats)
+    import dynaseq  # the code timed: this checkout, or another on PYTHONPATH
+
+    src = Path(dynaseq.__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."],
+                           capture_output=True, text=True).stdout.strip()
+    commit += " (with uncommitted changes)" if dirty else ""
+    tag = f"_{args.tag}" if args.tag else ""
+    command = f"python benchmarks/dmb.py report-latency{f' --tag {args.tag}' if tag else ''}"
+    out = {"benchmark": "dmb_latency", "command": command, "commit": commit,
+           "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                       "threads": torch.get_num_threads()},
+           "measured": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
+           "repeats": args.repeats, "groups": groups}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"dmb_latency{tag}.json").write_text(json.dumps(out, indent=1))
+    lines = ["# dmb_latency: CPU latency of a 30 → 30-token translation (ms; ratio to the "
+             "dense model of the same group)", "", f"Command: `{command}`  ",
+             f"Code: {commit} ({out['measured']})  ", f"Machine: {out['machine']}  ",
+             f"Each group's models take turns {args.rounds} times ({args.repeats} timed "
+             "decodes each after a warm-up); the median of the per-round medians. The trained "
+             "models are the `report` runs (1000 updates); untrained ones have 3+3 layers, "
+             "vocabulary 8000, and DMB shared parts merged."]
+    for group, lat in groups.items():
+        base = next(ms for name, ms in lat.items() if name.split("_")[0] == "dense"
+                    and not name.endswith("int8"))
+        keys = list(base)
+        lines += ["", f"## {group}", "", "| model | " + " | ".join(keys) + " |",
+                  "|---|" + "---:|" * len(keys)]
+        for name, ms in lat.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{ms[k]} ({ms[k] / base[k]:.2f}×)" for k in keys) + " |")
+    (RESULTS / f"dmb_latency{tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def cmd_report_long(args: argparse.Namespace) -> None:
     src = read_lines(DATA / "test_2016_flickr.en.gz")
     ref = read_lines(DATA / "test_2016_flickr.de.gz")
@@ -355,6 +411,12 @@ def main() -> None:
                    help="also time untrained dense/DMB/MoE models of these sizes")
     r.set_defaults(func=cmd_report)
     sub.add_parser("report-long").set_defaults(func=cmd_report_long)
+    lat = sub.add_parser("report-latency")
+    lat.add_argument("--rounds", type=int, default=5)
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--scale-sizes", nargs="*", default=["small", "base"])
+    lat.add_argument("--tag", default="", help="suffix of the result files, e.g. `before`")
+    lat.set_defaults(func=cmd_report_latency)
     args = p.parse_args()
     args.func(args)
 

@@ -9,9 +9,12 @@ Ablations: per-layer context C (Table 4), the cache size used in training (Table
 Hebbian softmax (Table 6). Every model trains the same number of updates as the core LM.
 `control` fine-tunes the pruned model's source for the same 1600 updates as pruning + QAT,
 without either (the fair baseline for their cost); `prune35`/`quant35` repeat them at 35%.
+The `converged` lane repeats control / 35% pruning / QAT from `core5`, the core trained about
+5 epochs (6800 updates) instead of one.
 
     python benchmarks/micronet.py train pipeline    # teacher, core, distilled, prune, ...
     python benchmarks/micronet.py train ablations   # context sweep, training cache, Hebbian
+    python benchmarks/micronet.py train converged   # core5 and its control / prune / QAT
     python benchmarks/micronet.py report            # evaluate + profile, write results/
 
 The two `train` lanes use one thread each, so they can run side by side on 2 cores. Writes
@@ -54,6 +57,9 @@ TRAINED: dict[str, tuple[str, str, list[str]]] = {
     "cache_train2000": ("5", "cache of 2000 trained with the model",
                         ["model.cache={}", "model.cache.n_cache=2000"]),
     "hebbian": ("6", "+ Hebbian softmax", ["model.hebbian={}"]),
+    # the core trained ~5 epochs: pruning a model still far from converged mostly measures how
+    # much a smaller model learns less in the fine-tuning updates (see `control`)
+    "core5": ("2", "core LM, 5 epochs (6800 updates)", ["train.max_steps=6800"]),
 }
 # name -> (table, description, source run (None: the one `train --prune-from` names), command
 # and arguments)
@@ -77,11 +83,19 @@ DERIVED: dict[str, tuple[str, str, str | None, list[str]]] = {
                 ["prune", "--sparsity", "0.35", "--steps", "1000", "--valid-tokens", "20000"]),
     "quant35": ("2", f"+ {BITS}-bit QAT (35% sparse)", "prune35",
                 ["quantize", "--bits", str(BITS), "--steps", "600"]),
+    # the same three from the 5-epoch core
+    "control5": ("2", "core5 control: 1600 fine-tuning updates at sparsity 0, no QAT", "core5",
+                 ["prune", "--sparsity", "0", "--steps", "1600", "--valid-tokens", "20000"]),
+    "prune35_5": ("2", "core5 + pruning to 35%", "core5",
+                  ["prune", "--sparsity", "0.35", "--steps", "1000", "--valid-tokens", "20000"]),
+    "quant35_5": ("2", f"core5 + pruning to 35% + {BITS}-bit QAT", "prune35_5",
+                  ["quantize", "--bits", str(BITS), "--steps", "600"]),
 }
 LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill", "prune",
                       "cache", "quant", "control", "prune35", "quant35"],
          "ablations": ["ctx8", "ctx16", "ctx64", "cache_train500", "cache_train2000",
-                       "hebbian"]}
+                       "hebbian"],
+         "converged": ["core5", "control5", "prune35_5", "quant35_5"]}
 
 
 def dynaseq(*args: str, capture: bool = False) -> str:
@@ -170,7 +184,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         if done(name) and (not args.only or name in args.only):
             table, desc = (TRAINED.get(name) or DERIVED[name])[:2]
             row = {"table": table, "system": desc, "measured": today, **measure(name)}
-            if name in ("prune", "prune35"):
+            if name in ("prune", "prune35") or name.startswith("prune35_"):
                 row["pruned_from"] = pruned_from(name)
                 row["system"] += f" (from {row['pruned_from']})"
             rows.append(row)
@@ -225,6 +239,15 @@ def targets(rows: list[dict]) -> dict:
                 out["prune_quant"]["at_35_percent"] = {
                     "ppl_quantized": by["quant35"]["test_ppl"], "relative_cost_vs_control":
                         round(by["quant35"]["test_ppl"] / control - 1, 4)}
+    if all(n in by for n in ("core5", "control5", "quant35_5")):
+        control = by["control5"]["test_ppl"]
+        out["prune_quant_converged"] = {
+            "ppl_core5": by["core5"]["test_ppl"], "ppl_control": control,
+            "ppl_quantized": by["quant35_5"]["test_ppl"],
+            "relative_cost_vs_control": round(by["quant35_5"]["test_ppl"] / control - 1, 4),
+            "relative_cost_vs_core5": round(
+                by["quant35_5"]["test_ppl"] / by["core5"]["test_ppl"] - 1, 4),
+            "target": f">= 35% sparsity + {BITS}-bit QAT cost <= 3% ppl"}
     if "core" in by:
         out["generation"] = {"ms_per_token": by["core"]["ms_per_token"],
                              "ratio": by["core"]["gen_ratio"], "target": "<= 1.1"}

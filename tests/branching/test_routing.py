@@ -72,6 +72,27 @@ def test_inference_runs_only_the_branches_that_have_rows(linear_rows):
     assert len(linear_rows.calls) == 2 + 4
 
 
+def test_inference_views_follow_parameter_updates():
+    """The per-branch views kept for inference never serve stale weights."""
+    torch.manual_seed(0)
+    lin = BranchedLinear(6, 5, n_branches=4, shared=False)
+    x, branch = torch.randn(9, 6), torch.tensor([1, 3, 1, 0, 3, 3, 1, 1, 3])
+
+    def reference() -> torch.Tensor:
+        return torch.stack([F.linear(x[i], lin.weight[k], lin.bias[k])
+                            for i, k in enumerate(branch.tolist())])
+
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x, branch), reference())
+        other = BranchedLinear(6, 5, n_branches=4, shared=False)
+        lin.load_state_dict(other.state_dict())  # in place
+        torch.testing.assert_close(lin(x, branch), reference())
+        lin.weight.data = torch.randn(4, 5, 6)  # new storage
+        torch.testing.assert_close(lin(x, branch), reference())
+        lin.bias.mul_(2.0)
+        torch.testing.assert_close(lin(x[:1], branch[:1]), reference()[:1])
+
+
 def test_groups_reject_ids_outside_the_branches():
     with pytest.raises(ValueError, match=r"\[0, 4\), got id 4"):
         BranchGroups.of(torch.tensor([0, 4]), 4)

@@ -91,6 +91,28 @@ class BranchedLinear(nn.Module):
             bias = bias + self.shared_bias
         return weight, bias
 
+    def _branch_views(self) -> list[tuple[Tensor, Tensor | None]]:
+        """Per-branch ``(weight_k, bias_k)`` for inference, without re-slicing at every call.
+
+        The views are kept while the parameters keep their storage: in-place updates
+        (:meth:`merge_`, ``load_state_dict``, an optimizer step) show through the views,
+        and ``.to()`` or assigning ``.data`` changes the storage, which rebuilds them.
+        Indexing ``weight[k]`` at every call costs as much as the matmul of a decoding step
+        at d=128. Unmerged layers form ``θ_S + θ_Pk`` at every call instead.
+        """
+        if self.has_shared:
+            weight, bias = self.branch_parameters()
+            return [(weight[k], None if bias is None else bias[k])
+                    for k in range(self.n_branches)]
+        bias = self.bias
+        key = (self.weight.data_ptr(), None if bias is None else bias.data_ptr())
+        cached = self.__dict__.get("_views")
+        if cached is None or cached[0] != key:
+            biases = [None] * self.n_branches if bias is None else bias.unbind(0)
+            cached = (key, list(zip(self.weight.unbind(0), biases, strict=True)))
+            self.__dict__["_views"] = cached
+        return cached[1]
+
     def grouped(self, xs: Tensor, sizes: Sequence[int]) -> Tensor:
         """``(M, in)`` rows sorted by branch, ``sizes[k]`` rows for branch k -> ``(M, out)``.
 
@@ -100,15 +122,17 @@ class BranchedLinear(nn.Module):
         """
         if len(sizes) != self.n_branches:
             raise ValueError(f"got {len(sizes)} group sizes for {self.n_branches} branches")
-        weight, bias = self.branch_parameters()
         if not torch.is_grad_enabled():
+            views = self._branch_views()
             used = [k for k, n in enumerate(sizes) if n]
             if len(used) == 1:
-                k = used[0]
-                return F.linear(xs, weight[k], None if bias is None else bias[k])
-        parts = xs.split(list(sizes))
-        outs = [F.linear(part, weight[k], None if bias is None else bias[k])
-                for k, part in enumerate(parts) if sizes[k] or torch.is_grad_enabled()]
+                return F.linear(xs, *views[used[0]])
+            parts = xs.split(list(sizes))
+            outs = [F.linear(parts[k], *views[k]) for k in used]
+        else:
+            weight, bias = self.branch_parameters()
+            outs = [F.linear(part, weight[k], None if bias is None else bias[k])
+                    for k, part in enumerate(xs.split(list(sizes)))]
         return torch.cat(outs) if outs else xs.new_zeros(0, self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -80,7 +81,9 @@ class Router(nn.Module):
         return self.proj.in_features
 
     def forward(self, x: Tensor) -> Route:
-        logits = self.proj(x)  # (..., N)
+        # F.linear, not self.proj(x): routing runs at every sub-layer of every decoding
+        # step, and a second module call costs as much as the (d x N) matmul itself
+        logits = F.linear(x, self.proj.weight, self.proj.bias)  # (..., N)
         return Route(logits, logits.argmax(-1))
 
     def macs(self, n_tokens: int) -> int:

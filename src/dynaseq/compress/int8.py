@@ -137,14 +137,17 @@ class Int8BranchedLinear(nn.Module):
     def grouped(self, xs: Tensor, sizes: Sequence[int]) -> Tensor:
         """``(M, in)`` rows sorted by branch, ``sizes[k]`` rows for branch k -> ``(M, out)``.
 
-        One int8 matmul per non-empty group (an empty group computes nothing).
+        One int8 matmul per non-empty group (an empty group computes nothing); a single
+        group runs on ``xs`` directly (no split, no concatenation).
         """
         if len(sizes) != self.n_branches:
             raise ValueError(f"got {len(sizes)} group sizes for {self.n_branches} branches")
+        used = [k for k, n in enumerate(sizes) if n]
+        if len(used) == 1:
+            return self.branches[used[0]](xs)
         parts = xs.split(list(sizes))
-        outs = [branch(part) if part.size(0) else part.new_empty(0, self.out_features)
-                for branch, part in zip(self.branches, parts, strict=True)]
-        return torch.cat(outs)
+        outs = [self.branches[k](parts[k]) for k in used]
+        return torch.cat(outs) if outs else xs.new_zeros(0, self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
         if branch.shape != x.shape[:-1]:
