@@ -82,6 +82,21 @@ def test_prune_reaches_target_and_refuses_bad_sparsity(lm_run, tmp_path, capsys)
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_prune_at_sparsity_zero_is_dense_fine_tuning(lm_run, tmp_path):
+    """The fair control for pruning: the same updates, nothing pruned, no sensitivity sweep
+    (one validation pass for the baseline, none per matrix and sparsity)."""
+    out = tmp_path / "control"
+    assert main(["prune", str(lm_run), "--out", str(out), "--sparsity", "0", "--steps", "4",
+                 "--valid-tokens", "200", "--quiet"]) == 0
+    rep = json.loads((out / "prune_report.json").read_text())
+    assert rep["achieved_sparsity"] == 0.0 and rep["steps"] == 4
+    assert all(len(curve) == 1 for curve in rep["curves"].values())
+    assert set(rep["per_matrix_targets"].values()) == {0.0}
+    before = LanguageModel.load(lm_run).model.state_dict()
+    after = LanguageModel.load(out).model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # it did train
+
+
 def test_quantize_lm_keeps_zeros_and_reloads_exact(lm_run, tmp_path, capsys):
     for bad in ("1", "17"):
         assert main(["quantize", str(lm_run), "--out", str(tmp_path / "bad"), "--bits",

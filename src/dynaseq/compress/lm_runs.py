@@ -145,7 +145,8 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
     binary-searched per-matrix targets for the overall ``sparsity`` (parameter-weighted over
     :func:`prunable_parameters`), then automated gradual pruning over ``steps`` fine-tuning
     updates (AGP reaches the targets at 3/4 of them, pruning every 1/10 of that; one shot
-    without fine-tuning when ``steps`` is 0). Returns the report written to
+    without fine-tuning when ``steps`` is 0). At ``sparsity`` 0 nothing is analysed or
+    pruned: dense fine-tuning, the control for a pruned run. Returns the report written to
     ``out_dir/prune_report.json``."""
     target = _check_sparsity(sparsity)
     grid = sorted({_check_sparsity(g, "grid sparsity") for g in (grid or DEFAULT_GRID)})
@@ -159,7 +160,8 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
     model = lm.model
     evaluate, _ = _valid_ppl(lm, valid_tokens)
     names = prunable_parameters(model)
-    sens = sensitivity_analysis(model, evaluate, grid, names)
+    # at sparsity 0 (a dense fine-tuning control) every target is 0 whatever the curves
+    sens = sensitivity_analysis(model, evaluate, grid if target > 0 else [], names)
     plan = thresholds_for_target(sens.curves, sens.sizes, target)
     with new_run_dir(run, out) as tmp:
         end = steps * 3 // 4
