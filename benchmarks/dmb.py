@@ -306,10 +306,12 @@ def cmd_report_long(args: argparse.Namespace) -> None:
                 continue
             rows.append({"name": name, "system": desc, "updates": label,
                          **evaluate(Translator.load(path), src, ref)})
+    curves = {name: valid_curve(run_dir(name)) for name in LONG}
     out = {"benchmark": "dmb_long", "command": "python benchmarks/dmb.py train long; "
            "python benchmarks/dmb.py report-long",
            "machine": {"platform": platform.platform(), "torch": torch.__version__},
-           "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4", "rows": rows}
+           "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4", "rows": rows,
+           "valid_curves": curves}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "dmb_long.json").write_text(json.dumps(out, indent=1))
     lines = ["# dmb_long: Transformer vs Transformer-DMB (tiny, Multi30k en→de) by training "
@@ -321,8 +323,26 @@ def cmd_report_long(args: argparse.Namespace) -> None:
         lines.append(f"| {r['system']} | {r['updates']} | {r['params'] / 1e6:.2f}M | "
                      f"{r['macs_pair'] / 1e6:.1f}M | {r['bleu_beam4']} | {r['ptr']} | "
                      f"{r['loss']} |")
+    steps = sorted({step for c in curves.values() for step in c})
+    lines += ["", "## Validation by update (valid loss / greedy BLEU on 300 valid lines; from "
+              "each run's log.jsonl, so a run still training shows the updates it reached)", "",
+              "| update | " + " | ".join(LONG) + " |", "|---:|" + "---:|" * len(LONG)]
+    for step in steps:
+        cells = [f"{curves[n][step]['loss']:.3f} / {curves[n][step]['bleu']:.1f}"
+                 if step in curves[n] else "" for n in LONG]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     (RESULTS / "dmb_long.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def valid_curve(run: Path) -> dict[int, dict[str, float]]:
+    """Validation events of a run's log at every 200th update (the configs' valid_every):
+    ``{step: {"loss", "bleu"}}``. A run stopped by a signal also logs one at the step it
+    stopped at; those are left out."""
+    log = run / "log.jsonl"
+    events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return {e["step"]: {"loss": round(e["loss"], 4), "bleu": round(e.get("bleu", float("nan")), 2)}
+            for e in events if e.get("event") == "valid" and e["step"] % 200 == 0}
 
 
 def disk_sizes(translators: dict[str, Translator]) -> dict[str, dict[str, int]]:
