@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.branching.routing import BranchGroups
+from dynaseq.branching.routing import BranchGroups, run_used_groups
 
 
 class BranchedLinear(nn.Module):
@@ -124,16 +124,12 @@ class BranchedLinear(nn.Module):
             raise ValueError(f"got {len(sizes)} group sizes for {self.n_branches} branches")
         if not torch.is_grad_enabled():
             views = self._branch_views()
-            used = [k for k, n in enumerate(sizes) if n]
-            if len(used) == 1:
-                return F.linear(xs, *views[used[0]])
-            parts = xs.split(list(sizes))
-            outs = [F.linear(parts[k], *views[k]) for k in used]
-        else:
-            weight, bias = self.branch_parameters()
-            outs = [F.linear(part, weight[k], None if bias is None else bias[k])
-                    for k, part in enumerate(xs.split(list(sizes)))]
-        return torch.cat(outs) if outs else xs.new_zeros(0, self.out_features)
+            return run_used_groups(xs, sizes, lambda k, rows: F.linear(rows, *views[k]),
+                                   self.out_features)
+        weight, bias = self.branch_parameters()
+        outs = [F.linear(part, weight[k], None if bias is None else bias[k])
+                for k, part in enumerate(xs.split(list(sizes)))]
+        return torch.cat(outs)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
         if branch.shape != x.shape[:-1]:

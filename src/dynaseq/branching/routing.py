@@ -21,6 +21,7 @@ put back in token order. Nothing is computed for a (token, branch) pair that was
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,3 +151,15 @@ class BranchGroups:
     def scatter(self, y: Tensor) -> Tensor:
         """``(M, d)`` rows sorted by branch -> ``(M, d)`` rows in token order."""
         return y if self.in_order else y.index_select(0, self.inverse)
+
+
+def run_used_groups(xs: Tensor, sizes: Sequence[int], apply: Callable[[int, Tensor], Tensor],
+                    out_features: int) -> Tensor:
+    """Inference over rows sorted by branch: ``apply(k, rows)`` on each non-empty group only;
+    a single group runs on ``xs`` directly (no split, no concatenation). ``(M, out)``."""
+    used = [k for k, n in enumerate(sizes) if n]
+    if len(used) == 1:
+        return apply(used[0], xs)
+    parts = xs.split(list(sizes))
+    outs = [apply(k, parts[k]) for k in used]
+    return torch.cat(outs) if outs else xs.new_zeros(0, out_features)

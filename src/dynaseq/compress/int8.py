@@ -61,7 +61,7 @@ from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 from torch.ao.quantization.observer import default_per_channel_weight_observer
 
 from dynaseq.branching.branched_linear import BranchedLinear, merge_shared_
-from dynaseq.branching.routing import BranchGroups, Router
+from dynaseq.branching.routing import BranchGroups, Router, run_used_groups
 from dynaseq.errors import CheckpointError, DynaseqError
 
 #: The value of ``meta.json``'s ``"quantization"`` key in an int8 checkpoint.
@@ -142,12 +142,8 @@ class Int8BranchedLinear(nn.Module):
         """
         if len(sizes) != self.n_branches:
             raise ValueError(f"got {len(sizes)} group sizes for {self.n_branches} branches")
-        used = [k for k, n in enumerate(sizes) if n]
-        if len(used) == 1:
-            return self.branches[used[0]](xs)
-        parts = xs.split(list(sizes))
-        outs = [self.branches[k](parts[k]) for k in used]
-        return torch.cat(outs) if outs else xs.new_zeros(0, self.out_features)
+        return run_used_groups(xs, sizes, lambda k, rows: self.branches[k](rows),
+                               self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
         if branch.shape != x.shape[:-1]:
