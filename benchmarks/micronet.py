@@ -100,13 +100,23 @@ DERIVED: dict[str, tuple[str, str, str | None, list[str]]] = {
                         "20000"]),
     "quant35_5_long": ("2", f"core5 + pruning to 35% (3000) + {BITS}-bit QAT", "prune35_5_long",
                        ["quantize", "--bits", str(BITS), "--steps", "600"]),
+    # longer still: 6000 pruning updates (targets at 4500), reusing prune35_5_long's
+    # sensitivity curves (the same sweep of the same core5: a fresh one gives the same)
+    "control5_xl": ("2", "core5 control: 6600 fine-tuning updates at sparsity 0", "core5",
+                    ["prune", "--sparsity", "0", "--steps", "6600", "--valid-tokens", "20000"]),
+    "prune35_5_xl": ("2", "core5 + pruning to 35% over 6000 updates", "core5",
+                     ["prune", "--sparsity", "0.35", "--steps", "6000", "--sensitivity",
+                      str(RUNS / "prune35_5_long" / "prune_report.json")]),
+    "quant35_5_xl": ("2", f"core5 + pruning to 35% (6000) + {BITS}-bit QAT", "prune35_5_xl",
+                     ["quantize", "--bits", str(BITS), "--steps", "600"]),
 }
 LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill", "prune",
                       "cache", "quant", "control", "prune35", "quant35"],
          "ablations": ["ctx8", "ctx16", "ctx64", "cache_train500", "cache_train2000",
                        "hebbian"],
          "converged": ["core5", "control5", "prune35_5", "quant35_5", "prune35_5_long",
-                       "quant35_5_long", "control5_long"]}
+                       "quant35_5_long", "control5_long", "prune35_5_xl", "quant35_5_xl",
+                       "control5_xl"]}
 
 
 def dynaseq(*args: str, capture: bool = False) -> str:
@@ -252,7 +262,9 @@ def targets(rows: list[dict]) -> dict:
                         round(by["quant35"]["test_ppl"] / control - 1, 4)}
     for quant, control_name, key in (("quant35_5", "control5", "prune_quant_converged"),
                                      ("quant35_5_long", "control5_long",
-                                      "prune_quant_converged_long")):
+                                      "prune_quant_converged_long"),
+                                     ("quant35_5_xl", "control5_xl",
+                                      "prune_quant_converged_xl")):
         if all(n in by for n in ("core5", control_name, quant)):
             control = by[control_name]["test_ppl"]
             out[key] = {

@@ -231,8 +231,11 @@ def _quantize_lm(args: argparse.Namespace) -> int:
 
     rep = qat_lm_run(args.run_dir, args.out, args.bits, args.steps, args.lr,
                      checkpoint=args.checkpoint, progress=not args.quiet)
-    print(f"{args.bits}-bit QAT run written to {args.out} ({rep['steps']} fine-tuning steps): "
-          f"valid ppl {rep['valid_ppl_before']:.2f} -> {rep['valid_ppl_after']:.2f}; all "
+    kept = (f", kept step {rep['kept_step']}" if rep.get("kept_step") else
+            ", kept the calibrated start" if "kept_step" in rep else "")
+    print(f"{args.bits}-bit QAT run written to {args.out} ({rep['steps']} fine-tuning steps"
+          f"{kept}): valid ppl {rep['valid_ppl_before']:.2f} -> "
+          f"{rep['valid_ppl_calibrated']:.2f} calibrated -> {rep['valid_ppl_after']:.2f}; all "
           f"{len(rep['representable'])} quantized matrices exactly representable")
     return 0
 
@@ -265,7 +268,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise DynaseqError(f"prune: {args.run_dir} is not a language-model run")
     rep = prune_lm_run(args.run_dir, args.out, args.sparsity, args.steps, args.grid,
                        args.valid_tokens, args.lr, checkpoint=args.checkpoint,
-                       progress=not args.quiet)
+                       progress=not args.quiet, sensitivity=args.sensitivity)
     print(f"pruned run written to {args.out}: sparsity {rep['achieved_sparsity']:.3f} "
           f"(target {rep['target']}, plan {rep['planned_sparsity']:.3f}); valid ppl "
           f"{rep['baseline_ppl']:.2f} -> {rep['valid_ppl_after']:.2f} after "
@@ -562,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validation tokens for the sensitivity analysis (default 20000)")
     p.add_argument("--lr", type=float, default=None,
                    help="fine-tuning lr (default 0.1 x the run's train.lr)")
+    p.add_argument("--sensitivity", default=None, metavar="PRUNE_REPORT",
+                   help="reuse the sensitivity curves of an earlier prune_report.json of the "
+                        "same run instead of the sweep")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     _add_run_args(p)
     p.set_defaults(func=cmd_prune)

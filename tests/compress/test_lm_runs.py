@@ -82,6 +82,37 @@ def test_prune_reaches_target_and_refuses_bad_sparsity(lm_run, tmp_path, capsys)
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_prune_reuses_sensitivity_curves_of_an_earlier_report(lm_run, tmp_path, capsys):
+    """--sensitivity skips the sweep: same curves, so the same plan for the same target,
+    and a new plan for another target; a report of another model or none is refused."""
+    first = tmp_path / "p40"
+    assert main(["prune", str(lm_run), "--out", str(first), "--sparsity", "0.4",
+                 "--grid", "0,0.3,0.6,0.9", "--valid-tokens", "200", "--quiet"]) == 0
+    rep1 = json.loads((first / "prune_report.json").read_text())
+    again = tmp_path / "p40b"
+    assert main(["prune", str(lm_run), "--out", str(again), "--sparsity", "0.4", "--steps",
+                 "2", "--sensitivity", str(first / "prune_report.json"), "--quiet"]) == 0
+    rep2 = json.loads((again / "prune_report.json").read_text())
+    assert rep2["curves"] == rep1["curves"] and rep2["grid"] == [0.3, 0.6, 0.9]
+    assert rep2["per_matrix_targets"] == rep1["per_matrix_targets"]
+    assert rep2["sensitivity_from"] == str(first / "prune_report.json")
+    lower = tmp_path / "p20"
+    assert main(["prune", str(lm_run), "--out", str(lower), "--sparsity", "0.2",
+                 "--sensitivity", str(first / "prune_report.json"), "--quiet"]) == 0
+    assert json.loads((lower / "prune_report.json").read_text())["achieved_sparsity"] < 0.4
+    capsys.readouterr()
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**rep1, "curves": {"x.weight": [[0, 1.0]]}}))
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    for path, msg in ((wrong, "do not match"), (garbage, "not a prune report"),
+                      (tmp_path / "missing.json", "not a prune report")):
+        assert main(["prune", str(lm_run), "--out", str(tmp_path / "bad"), "--sparsity",
+                     "0.4", "--sensitivity", str(path)]) == 2
+        _one_line_error(capsys, "--sensitivity", msg)
+        assert not (tmp_path / "bad").exists()
+
+
 def test_prune_at_sparsity_zero_is_dense_fine_tuning(lm_run, tmp_path):
     """The fair control for pruning: the same updates, nothing pruned, no sensitivity sweep
     (one validation pass for the baseline, none per matrix and sparsity)."""
@@ -119,6 +150,17 @@ def test_quantize_lm_keeps_zeros_and_reloads_exact(lm_run, tmp_path, capsys):
     ppl = lm.evaluate("valid")["ppl"]
     assert ppl == pytest.approx(json.loads((out / "quantize_report.json").read_text())
                                 ["valid_ppl_after"], rel=1e-6)
+    rep9 = json.loads((out / "quantize_report.json").read_text())
+    assert [s for s, _ in rep9["valid_curve"]] == [1, 2, 3, 4]  # validated every step
+    assert rep9["valid_ppl_after"] <= rep9["valid_ppl_calibrated"] * (1 + 1e-6)
+    wild = tmp_path / "q9wild"  # a destructive lr: no step beats the calibrated start
+    assert main(["quantize", str(pruned), "--out", str(wild), "--bits", "9", "--steps", "3",
+                 "--lr", "3", "--quiet"]) == 0
+    repw = json.loads((wild / "quantize_report.json").read_text())
+    assert repw["kept_step"] == 0
+    assert min(p for _, p in repw["valid_curve"]) > repw["valid_ppl_calibrated"]
+    assert repw["valid_ppl_after"] == pytest.approx(repw["valid_ppl_calibrated"], rel=1e-5)
+    assert sparsity_report(LanguageModel.load(wild).model).zeros >= zeros
     q3 = tmp_path / "q3"  # no fine-tuning: calibrate and convert
     assert main(["quantize", str(pruned), "--out", str(q3), "--bits", "3"]) == 0
     for m in LanguageModel.load(q3).model.modules():
