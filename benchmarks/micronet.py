@@ -10,7 +10,8 @@ Hebbian softmax (Table 6). Every model trains the same number of updates as the 
 `control` fine-tunes the pruned model's source for the same 1600 updates as pruning + QAT,
 without either (the fair baseline for their cost); `prune35`/`quant35` repeat them at 35%.
 The `converged` lane repeats control / 35% pruning / QAT from `core5`, the core trained about
-5 epochs (6800 updates) instead of one, with 1600 and with 3600 fine-tuning updates.
+5 epochs (6800 updates) instead of one, with 1000, 3000 and 6000 pruning updates (+ up to 600
+QAT updates), each against a dense control of 1600, 3600 and 6600 updates.
 
     python benchmarks/micronet.py train pipeline    # teacher, core, distilled, prune, ...
     python benchmarks/micronet.py train ablations   # context sweep, training cache, Hebbian

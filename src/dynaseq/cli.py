@@ -268,7 +268,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise DynaseqError(f"prune: {args.run_dir} is not a language-model run")
     rep = prune_lm_run(args.run_dir, args.out, args.sparsity, args.steps, args.grid,
                        args.valid_tokens, args.lr, checkpoint=args.checkpoint,
-                       progress=not args.quiet, sensitivity=args.sensitivity)
+                       progress=not args.quiet, sensitivity=args.sensitivity,
+                       distill=args.distill)
     print(f"pruned run written to {args.out}: sparsity {rep['achieved_sparsity']:.3f} "
           f"(target {rep['target']}, plan {rep['planned_sparsity']:.3f}); valid ppl "
           f"{rep['baseline_ppl']:.2f} -> {rep['valid_ppl_after']:.2f} after "
@@ -568,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sensitivity", default=None, metavar="PRUNE_REPORT",
                    help="reuse the sensitivity curves of an earlier prune_report.json of the "
                         "same run instead of the sweep")
+    p.add_argument("--distill", default=None, metavar="TOPK_DIR",
+                   help="distill from this teacher top-k while fine-tuning, e.g. the run's "
+                        "own: dynaseq distill-data RUN_DIR --out TOPK_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     _add_run_args(p)
     p.set_defaults(func=cmd_prune)

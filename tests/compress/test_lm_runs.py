@@ -113,6 +113,28 @@ def test_prune_reuses_sensitivity_curves_of_an_earlier_report(lm_run, tmp_path, 
         assert not (tmp_path / "bad").exists()
 
 
+def test_prune_distills_from_the_unpruned_model(lm_run, tmp_path, capsys):
+    """--distill: the fine-tuning loss is (1−λ)·hard + λ·soft with the run's own top-k;
+    the new run's config stays without distillation."""
+    topk = tmp_path / "top5"
+    assert main(["distill-data", str(lm_run), "--out", str(topk), "--k", "5"]) == 0
+    out = tmp_path / "p30kd"
+    assert main(["prune", str(lm_run), "--out", str(out), "--sparsity", "0.3", "--steps", "3",
+                 "--grid", "0.3,0.6", "--valid-tokens", "200", "--distill", str(topk),
+                 "--quiet"]) == 0
+    assert json.loads((out / "prune_report.json").read_text())["distill_from"] == str(topk)
+    last = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()
+            if '"train"' in line][-1]
+    assert last["step"] == 3 and last["soft"] > 0 and 0.05 <= last["distill_lambda"] <= 0.5
+    assert LanguageModel.load(out).config.train.distill is None
+    capsys.readouterr()
+    assert main(["prune", str(lm_run), "--out", str(tmp_path / "bad"), "--sparsity", "0.3",
+                 "--steps", "2", "--grid", "0.3", "--valid-tokens", "200", "--distill",
+                 str(tmp_path)]) == 2
+    _one_line_error(capsys, "not a teacher top-k directory")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_prune_at_sparsity_zero_is_dense_fine_tuning(lm_run, tmp_path):
     """The fair control for pruning: the same updates, nothing pruned, no sensitivity sweep
     (one validation pass for the baseline, none per matrix and sparsity)."""

@@ -166,6 +166,10 @@ def test_threshold_binary_search_hits_target():
     assert thresholds_for_target(curves, sizes, 0.0).achieved == 0.0
     with pytest.raises(DynaseqError, match="above"):
         thresholds_for_target({"a": [(0.0, 30.0), (0.5, 31.0)]}, {"a": 10}, 0.7)
+    # every matrix at the grid's one sparsity reaches exactly that target (no rounding miss)
+    odd = {n: [(0.0, 30.0), (0.3, 31.0 + i)] for i, n in enumerate("abc")}
+    assert thresholds_for_target(odd, {"a": 500, "b": 333, "c": 1024}, 0.3).sparsities == {
+        "a": 0.3, "b": 0.3, "c": 0.3}  # Σ|φ|·0.3/Σ|φ| = 0.29999999999999993
 
 
 def test_plan_drives_pruner_to_overall_target():

@@ -53,7 +53,7 @@ from dynaseq.compress.prune import (
     thresholds_for_target,
 )
 from dynaseq.compress.qat import check_bits, check_representable, convert_qat_
-from dynaseq.config import LMCacheConfig, save_config, to_dict
+from dynaseq.config import LMCacheConfig, LMDistillConfig, save_config, to_dict
 from dynaseq.data.lm_corpus import VOCAB_FILE
 from dynaseq.errors import DynaseqError
 from dynaseq.infer.lm import (
@@ -117,13 +117,17 @@ def _valid_ppl(lm: LanguageModel, max_tokens: int | None) -> tuple[Callable[[], 
 def finetune(lm: LanguageModel, tmp: Path, steps: int, lr: float | None = None,
              before_step: Callable[[TransformerLM, int], None] | None = None,
              progress: bool = False, valid_every: int | None = None,
-             keep_best_from: float | None = None) -> dict[str, Any]:
+             keep_best_from: float | None = None, distill: str | Path | None = None,
+             ) -> dict[str, Any]:
     """Continue training ``lm.model`` (changed in place) in ``tmp`` for ``steps`` updates,
     validating every ``valid_every`` updates (default: once, at the end).
 
     ``keep_best_from``: the validation loss of the model before fine-tuning. The model is
     then left at its best validated state — the best step, or the starting weights when no
-    step beat them (``kept_step`` 0) — instead of the last one."""
+    step beat them (``kept_step`` 0) — instead of the last one.
+
+    ``distill``: a ``dynaseq distill-data`` top-k directory (e.g. of the unpruned model
+    itself) to distill from while fine-tuning (``train.distill``, λ annealed 0.5 → 0.05)."""
     from dynaseq.train.lm_loop import fit, setup
 
     cfg = copy.deepcopy(lm.config)
@@ -135,6 +139,8 @@ def finetune(lm: LanguageModel, tmp: Path, steps: int, lr: float | None = None,
     tc.valid_every = min(valid_every or steps, steps)
     tc.average_last_k, tc.keep_last, tc.max_minutes, tc.max_epochs = 0, 1, None, 1_000_000
     tc.schedule, tc.device = "cosine", lm.device.type
+    if distill is not None:
+        tc.distill = LMDistillConfig(topk_dir=str(distill))
     lm.vocab.save(tmp / VOCAB_FILE)  # setup reuses it: same ids
     s = setup(cfg)
     s.model = lm.model.train()
@@ -193,7 +199,7 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
                  grid: Sequence[float] | None = None, valid_tokens: int | None = 20_000,
                  lr: float | None = None, checkpoint: str = "auto", device: str = "auto",
                  progress: bool = False, sensitivity: str | Path | None = None,
-                 ) -> dict[str, Any]:
+                 distill: str | Path | None = None) -> dict[str, Any]:
     """Sensitivity analysis per matrix on the first ``valid_tokens`` validation tokens,
     binary-searched per-matrix targets for the overall ``sparsity`` (parameter-weighted over
     :func:`prunable_parameters`), then automated gradual pruning over ``steps`` fine-tuning
@@ -201,8 +207,9 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
     without fine-tuning when ``steps`` is 0). At ``sparsity`` 0 nothing is analysed or
     pruned: dense fine-tuning, the control for a pruned run. ``sensitivity``: the
     ``prune_report.json`` of an earlier pruning of the same model, whose curves are reused
-    instead of the sweep (e.g. for a longer schedule or another target). Returns the report
-    written to ``out_dir/prune_report.json``."""
+    instead of the sweep (e.g. for a longer schedule or another target). ``distill``: a
+    top-k directory to distill from while fine-tuning (see :func:`finetune`). Returns the
+    report written to ``out_dir/prune_report.json``."""
     target = _check_sparsity(sparsity)
     grid = sorted({_check_sparsity(g, "grid sparsity") for g in (grid or DEFAULT_GRID)})
     if steps < 0:
@@ -212,6 +219,9 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
     lm = LanguageModel.load(run, checkpoint=checkpoint, device=device)
     if lm.config.model.qat_bits is not None:
         raise DynaseqError(f"{run} is quantized; prune before quantizing")
+    if distill is not None and not (Path(distill) / "meta.json").is_file():
+        raise DynaseqError(f"--distill {distill} is not a teacher top-k directory (no "
+                           "meta.json; write one with 'dynaseq distill-data RUN --out DIR')")
     model = lm.model
     evaluate, _ = _valid_ppl(lm, valid_tokens)
     names = prunable_parameters(model)
@@ -228,14 +238,16 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
         pruner.ensure_masks()
         tuned: dict[str, Any] = {"steps": 0}
         if steps > 0:
-            tuned = finetune(lm, tmp, steps, lr, lambda _m, step: pruner.step(step), progress)
+            tuned = finetune(lm, tmp, steps, lr, lambda _m, step: pruner.step(step), progress,
+                             distill=distill)
         else:
             pruner.step(0)
         pruner.finalize()
         rep = sparsity_report(model, names)
         report = {
             "source_run": str(run), "checkpoint": str(lm.checkpoint), "target": target,
-            "sensitivity_from": None if sensitivity is None else str(sensitivity), "grid": grid, "valid_tokens": valid_tokens, "baseline_ppl": sens.baseline,
+            "sensitivity_from": None if sensitivity is None else str(sensitivity),
+            "distill_from": None if distill is None else str(distill), "grid": grid, "valid_tokens": valid_tokens, "baseline_ppl": sens.baseline,
             "curves": sens.curves, "sizes": sens.sizes, "threshold_ppl": plan.threshold,
             "per_matrix_targets": plan.sparsities, "planned_sparsity": plan.achieved,
             "achieved_sparsity": rep.overall,
@@ -248,7 +260,7 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
 
 # --------------------------------------------------------------------------- QAT
 
-def _keep_pruned_zeros(model: TransformerLM) -> list[tuple[torch.nn.Module, str]]:
+def keep_pruned_zeros(model: TransformerLM) -> list[tuple[torch.nn.Module, str]]:
     """Mask the exact zeros of every prunable matrix (also those QAT leaves in float, like
     the tied embeddings), so fine-tuning cannot revive pruned weights."""
     masked = []
@@ -263,7 +275,7 @@ def _keep_pruned_zeros(model: TransformerLM) -> list[tuple[torch.nn.Module, str]
 
 
 @torch.no_grad()
-def _calibrate(lm: LanguageModel, n_windows: int = 8) -> None:
+def calibrate_activations(lm: LanguageModel, n_windows: int = 8) -> None:
     """Without fine-tuning: feed the first training windows in training mode so the
     activation observers see real statistics."""
     from dynaseq.data.lm_corpus import StreamBatches, read_lm_lines
@@ -303,9 +315,9 @@ def qat_lm_run(run_dir: str | Path, out_dir: str | Path, bits: int, steps: int =
     evaluate, _ = _valid_ppl(lm, lm.config.data.valid_max_tokens)
     before = evaluate()
     with new_run_dir(run, out) as tmp:
-        masked = _keep_pruned_zeros(model)
+        masked = keep_pruned_zeros(model)
         apply_qat_structure(model, bits, convert=False)
-        _calibrate(lm)
+        calibrate_activations(lm)
         ptq = evaluate()  # quantized, before any fine-tuning
         tuned: dict[str, Any] = {"steps": 0}
         if steps > 0:

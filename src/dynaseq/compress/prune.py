@@ -296,14 +296,15 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
         return PruningPlan(threshold=-math.inf, sparsities=dict.fromkeys(curves, 0.0),
                            achieved=0.0, target=0.0)
     candidates = sorted({ppl for c in curves.values() for _, ppl in c})
+    tol = 1e-9  # Σ|φ|ρ/Σ|φ| rounds: every matrix at exactly ρ must reach ρ
     max_rho, _ = _overall(curves, sizes, math.inf)
-    if max_rho < target:
+    if max_rho < target - tol:
         raise DynaseqError(f"target sparsity {target} is above the {max_rho:.4f} reachable by "
                            "pruning every matrix to its largest analysed sparsity; analyse "
                            "higher sparsities")
     # rho is monotone in the candidate index: find the first index reaching the target.
     lo = bisect.bisect_left(range(len(candidates)), True,
-                            key=lambda i: _overall(curves, sizes, candidates[i])[0] >= target)
+                            key=lambda i: _overall(curves, sizes, candidates[i])[0] >= target - tol)
     if lo == len(candidates):  # NaN perplexities on some curve: fall back to every point
         lo = len(candidates) - 1
     threshold = candidates[lo]

@@ -1,0 +1,137 @@
+"""Where does the cost of `dynaseq quantize` come from? Quantization without fine-tuning.
+
+For each language-model run given: validation perplexity in float, then after inserting the
+QAT structure of `dynaseq quantize` and calibrating the activation ranges on the first 8
+training windows, without a single update (post-training quantization): weights only (per
+output channel, the default), weights per tensor, and weights + activations. Also each
+quantized Linear's input range (what the 9-bit activation scale must cover) against its
+99.9th percentile. Compare with the `valid_curve` of the run's QAT fine-tuning in its
+`quantize_report.json`: any gap between the two is the fine-tuning's, not the bit width's.
+
+    python benchmarks/qat_probe.py runs/bench/micronet/prune35_5_long [--bits 9 6 4]
+
+Writes benchmarks/results/qat_probe.{json,md}. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dynaseq.compress.lm_runs import calibrate_activations, keep_pruned_zeros
+from dynaseq.compress.qat import QATConfig, prepare_qat_
+from dynaseq.infer.lm import LanguageModel, evaluate_stream
+
+RESULTS = Path("benchmarks/results")
+VALID_TOKENS = 40_000
+SETTINGS = {  # name -> QATConfig overrides
+    "weights per channel": {"quantize_activations": False},
+    "weights per tensor": {"quantize_activations": False, "per_channel": False},
+    "weights + activations": {},
+}
+
+
+def valid_ppl(lm: LanguageModel) -> float:
+    c = lm.config
+    return evaluate_stream(lm.model, lm.ids("valid"), c.data.eval_batch_size,
+                           c.model.extended_context, lm.device, VALID_TOKENS)["ppl"]
+
+
+def quantized(run: str, bits: int, overrides: dict) -> LanguageModel:
+    lm = LanguageModel.load(run, device="cpu")
+    keep_pruned_zeros(lm.model)
+    probe = torch.zeros(1, 2, dtype=torch.long)
+    prepare_qat_(lm.model, QATConfig(bits=bits, **overrides), example_inputs=(probe,))
+    calibrate_activations(lm)
+    return lm
+
+
+@torch.no_grad()
+def input_ranges(run: str) -> dict[str, dict[str, float]]:
+    """max |x| and its 99.9th percentile over the inputs of every Linear, 2 windows."""
+    lm = LanguageModel.load(run, device="cpu")
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook(name: str):
+        return lambda _m, args: seen.setdefault(name, []).append(
+            args[0].detach().abs().flatten())
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in lm.model.named_modules()
+               if isinstance(m, torch.nn.Linear) and "emb" not in n]
+    calibrate_activations(lm, n_windows=2)
+    for h in handles:
+        h.remove()
+    out = {}
+    for name, xs in seen.items():
+        x = torch.cat(xs)[:4_000_000].float()
+        out[name] = {"max": round(float(x.max()), 3),
+                     "p99.9": round(float(torch.quantile(x, 0.999)), 3)}
+    return out
+
+
+def probe(run: str, bits: int) -> dict:
+    row = {"run": run, "bits": bits,
+           "float": round(valid_ppl(LanguageModel.load(run, device="cpu")), 2)}
+    for name, overrides in SETTINGS.items():
+        row[name] = round(valid_ppl(quantized(run, bits, overrides)), 2)
+        print(f"{run}: {name}: {row[name]}", file=sys.stderr, flush=True)
+    reports = [r for r in Path(run).parent.glob("*/quantize_report.json")  # QAT of this run
+               if Path(json.loads(r.read_text())["source_run"]) == Path(run)
+               and json.loads(r.read_text())["bits"] == bits]
+    if reports:
+        report = max(reports, key=lambda r: r.stat().st_mtime)
+        rep = json.loads(report.read_text())
+        row["qat_run"] = str(report.parent)
+        row["qat_valid_curve"] = rep.get("valid_curve")
+        row["qat_kept_step"] = rep.get("kept_step")
+    row["input_ranges"] = input_ranges(run)
+    return row
+
+
+def write(rows: list[dict], command: str) -> None:
+    out = {"command": command, "machine": {"platform": platform.platform(),
+                                           "torch": torch.__version__},
+           "measured": time.strftime("%Y-%m-%d"), "valid_tokens": VALID_TOKENS, "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "qat_probe.json").write_text(json.dumps(out, indent=1) + "\n")
+    lines = ["# qat_probe: quantization without fine-tuning (post-training) vs QAT fine-tuning",
+             "", f"Command: `{command}`  ", f"Machine: {out['machine']}  ",
+             f"Measured: {out['measured']}; valid perplexity on the first {VALID_TOKENS} "
+             "validation tokens; activation ranges calibrated on 8 training windows, no "
+             "update.", "",
+             "| run | bits | float | " + " | ".join(SETTINGS) + " | QAT fine-tuning valid "
+             "curve (step, ppl) | kept step |",
+             "|---|---:|---:|" + "---:|" * len(SETTINGS) + "---|---:|"]
+    for r in rows:
+        curve = ", ".join(f"{s}: {p:.2f}" for s, p in r.get("qat_valid_curve") or [])
+        lines.append(f"| {r['run']} | {r['bits']} | {r['float']} | "
+                     + " | ".join(str(r[s]) for s in SETTINGS)
+                     + f" | {curve or '–'} | {r.get('qat_kept_step', '–')} |")
+    lines += ["", "Inputs of the quantized Linear layers (2 training windows): max |x| and "
+              "99.9th percentile of |x|.", "", "| run | layer | max | p99.9 |",
+              "|---|---|---:|---:|"]
+    for r in {r["run"]: r for r in rows}.values():  # the ranges do not depend on the bits
+        for name, v in r["input_ranges"].items():
+            lines.append(f"| {r['run']} | {name} | {v['max']} | {v['p99.9']} |")
+    (RESULTS / "qat_probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:12 + len(rows)]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="language-model run directories (float, maybe pruned)")
+    p.add_argument("--bits", type=int, nargs="+", default=[9], help="bit widths, e.g. 9 6 4")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rows = [probe(run, b) for run in args.runs for b in args.bits]
+    write(rows, "python benchmarks/qat_probe.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
