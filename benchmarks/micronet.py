@@ -11,7 +11,8 @@ Hebbian softmax (Table 6). Every model trains the same number of updates as the 
 without either (the fair baseline for their cost); `prune35`/`quant35` repeat them at 35%.
 The `converged` lane repeats control / 35% pruning / QAT from `core5`, the core trained about
 5 epochs (6800 updates) instead of one, with 1000, 3000 and 6000 pruning updates (+ up to 600
-QAT updates), each against a dense control of 1600, 3600 and 6600 updates.
+QAT updates), each against a dense control of 1600, 3600 and 6600 updates, and the 6000-update
+pruning distilled from core5's own top-30 (`_kd`, with a control distilled the same way).
 
     python benchmarks/micronet.py train pipeline    # teacher, core, distilled, prune, ...
     python benchmarks/micronet.py train ablations   # context sweep, training cache, Hebbian
@@ -44,6 +45,7 @@ STEPS = ["train.max_minutes=1000"]  # stop on the config's max_steps, whatever t
 TEACHER = ["model.d_model=256", "model.ffn_dim=1024", "model.n_layers=4",
            "model.adaptive_dims=[256,64,4]"]
 TOPK = RUNS / "teacher_top30"
+TOPK5 = RUNS / "core5_top30"  # core5's own top-30: the pruned model learns from its parent
 SPARSITY, BITS = 0.4, 9
 # name -> (table, description, overrides of CONFIG)
 TRAINED: dict[str, tuple[str, str, list[str]]] = {
@@ -110,6 +112,17 @@ DERIVED: dict[str, tuple[str, str, str | None, list[str]]] = {
                       str(RUNS / "prune35_5_long" / "prune_report.json")]),
     "quant35_5_xl": ("2", f"core5 + pruning to 35% (6000) + {BITS}-bit QAT", "prune35_5_xl",
                      ["quantize", "--bits", str(BITS), "--steps", "600"]),
+    # the same 6000 pruning updates distilled from core5 (its top-30), and the dense control
+    # distilled the same way (self-distillation), so that the gain is not distillation's alone
+    "control5_kd": ("2", "core5 control: 6600 updates at sparsity 0, distilled from core5",
+                    "core5", ["prune", "--sparsity", "0", "--steps", "6600", "--distill",
+                              str(TOPK5)]),
+    "prune35_5_kd": ("2", "core5 + pruning to 35% over 6000 updates, distilled from core5",
+                     "core5", ["prune", "--sparsity", "0.35", "--steps", "6000", "--sensitivity",
+                               str(RUNS / "prune35_5_long" / "prune_report.json"), "--distill",
+                               str(TOPK5)]),
+    "quant35_5_kd": ("2", f"core5 + pruning to 35% (6000, distilled) + {BITS}-bit QAT",
+                     "prune35_5_kd", ["quantize", "--bits", str(BITS), "--steps", "600"]),
 }
 LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill", "prune",
                       "cache", "quant", "control", "prune35", "quant35"],
@@ -117,7 +130,7 @@ LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill
                        "hebbian"],
          "converged": ["core5", "control5", "prune35_5", "quant35_5", "prune35_5_long",
                        "quant35_5_long", "control5_long", "prune35_5_xl", "quant35_5_xl",
-                       "control5_xl"]}
+                       "control5_xl", "prune35_5_kd", "quant35_5_kd", "control5_kd"]}
 
 
 def dynaseq(*args: str, capture: bool = False) -> str:
@@ -153,6 +166,8 @@ def build(name: str, prune_from: str = "distill") -> None:
         if done(name):
             return
         _, _, source, cmd = DERIVED[name]
+        if str(TOPK5) in cmd and not (TOPK5 / "meta.json").exists():
+            dynaseq("distill-data", str(RUNS / "core5"), "--out", str(TOPK5), "--k", "30")
         dynaseq(cmd[0], str(RUNS / (source or prune_from)), "--out", str(run), *cmd[1:])
     (RUNS / f"{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}\n")
 
@@ -265,7 +280,11 @@ def targets(rows: list[dict]) -> dict:
                                      ("quant35_5_long", "control5_long",
                                       "prune_quant_converged_long"),
                                      ("quant35_5_xl", "control5_xl",
-                                      "prune_quant_converged_xl")):
+                                      "prune_quant_converged_xl"),
+                                     ("quant35_5_kd", "control5_xl",
+                                      "prune_quant_converged_kd"),
+                                     ("quant35_5_kd", "control5_kd",
+                                      "prune_quant_converged_kd_vs_kd_control")):
         if all(n in by for n in ("core5", control_name, quant)):
             control = by[control_name]["test_ppl"]
             out[key] = {
