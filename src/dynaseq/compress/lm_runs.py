@@ -13,7 +13,7 @@ rows) for ``steps`` updates from the start of the training stream, at ``lr`` (de
 0.1 × train.lr) with a cosine schedule and a warm-up of min(train.warmup_steps, steps/10).
 A fresh optimizer on a converged model costs perplexity at first (measured on a pruned
 WikiText-2 core: 600 such updates, in float or with 9- or 16-bit QAT alike, take valid
-perplexity 138.5 → 145.9; it takes thousands of updates to win it back), so QAT keeps its
+perplexity 138.5 → 145.7–145.9; it takes thousands of updates to win it back), so QAT keeps its
 best validated state, the calibrated start included.
 
 Example::
@@ -247,7 +247,8 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
         report = {
             "source_run": str(run), "checkpoint": str(lm.checkpoint), "target": target,
             "sensitivity_from": None if sensitivity is None else str(sensitivity),
-            "distill_from": None if distill is None else str(distill), "grid": grid, "valid_tokens": valid_tokens, "baseline_ppl": sens.baseline,
+            "distill_from": None if distill is None else str(distill), "grid": grid,
+            "valid_tokens": valid_tokens, "baseline_ppl": sens.baseline,
             "curves": sens.curves, "sizes": sens.sizes, "threshold_ppl": plan.threshold,
             "per_matrix_targets": plan.sparsities, "planned_sparsity": plan.achieved,
             "achieved_sparsity": rep.overall,
