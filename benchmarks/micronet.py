@@ -46,6 +46,7 @@ TEACHER = ["model.d_model=256", "model.ffn_dim=1024", "model.n_layers=4",
            "model.adaptive_dims=[256,64,4]"]
 TOPK = RUNS / "teacher_top30"
 TOPK5 = RUNS / "core5_top30"  # core5's own top-30: the pruned model learns from its parent
+TOPK_TEACHERS = {TOPK: "teacher", TOPK5: "core5"}  # top-k directory -> the run that writes it
 SPARSITY, BITS = 0.4, 9
 # name -> (table, description, overrides of CONFIG)
 TRAINED: dict[str, tuple[str, str, list[str]]] = {
@@ -153,21 +154,24 @@ def done(name: str) -> bool:
     return (run / "config.yaml").exists()
 
 
+def ensure_topk(args: list[str]) -> None:
+    """Write each teacher top-30 that ``args`` name and that does not exist yet."""
+    for topk, teacher in TOPK_TEACHERS.items():
+        if any(str(topk) in a for a in args) and not (topk / "meta.json").exists():
+            dynaseq("distill-data", str(RUNS / teacher), "--out", str(topk), "--k", "30")
+
+
 def build(name: str, prune_from: str = "distill") -> None:
     run = RUNS / name
     t0 = time.perf_counter()
+    if done(name):
+        return
     if name in TRAINED:
-        if name == "distill" and not (TOPK / "meta.json").exists():
-            dynaseq("distill-data", str(RUNS / "teacher"), "--out", str(TOPK), "--k", "30")
-        if done(name):
-            return
+        ensure_topk(TRAINED[name][2])
         dynaseq("train", CONFIG, f"run_dir={run}", *STEPS, *TRAINED[name][2])
     else:
-        if done(name):
-            return
         _, _, source, cmd = DERIVED[name]
-        if str(TOPK5) in cmd and not (TOPK5 / "meta.json").exists():
-            dynaseq("distill-data", str(RUNS / "core5"), "--out", str(TOPK5), "--k", "30")
+        ensure_topk(cmd)
         dynaseq(cmd[0], str(RUNS / (source or prune_from)), "--out", str(run), *cmd[1:])
     (RUNS / f"{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}\n")
 

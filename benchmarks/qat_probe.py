@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from dynaseq.compress.lm_runs import calibrate_activations, keep_pruned_zeros
-from dynaseq.compress.qat import QATConfig, prepare_qat_
-from dynaseq.infer.lm import LanguageModel, evaluate_stream
+from dynaseq.compress.qat import QATConfig
+from dynaseq.infer.lm import LanguageModel, apply_qat_structure, evaluate_stream
 
 RESULTS = Path("benchmarks/results")
 VALID_TOKENS = 40_000
@@ -44,10 +44,10 @@ def valid_ppl(lm: LanguageModel) -> float:
 
 
 def quantized(run: str, bits: int, overrides: dict) -> LanguageModel:
+    """The run as `dynaseq quantize` prepares it (with ``overrides``), calibrated."""
     lm = LanguageModel.load(run, device="cpu")
     keep_pruned_zeros(lm.model)
-    probe = torch.zeros(1, 2, dtype=torch.long)
-    prepare_qat_(lm.model, QATConfig(bits=bits, **overrides), example_inputs=(probe,))
+    apply_qat_structure(lm.model, QATConfig(bits=bits, **overrides), convert=False)
     calibrate_activations(lm)
     return lm
 
@@ -81,12 +81,13 @@ def probe(run: str, bits: int) -> dict:
     for name, overrides in SETTINGS.items():
         row[name] = round(valid_ppl(quantized(run, bits, overrides)), 2)
         print(f"{run}: {name}: {row[name]}", file=sys.stderr, flush=True)
-    reports = [r for r in Path(run).parent.glob("*/quantize_report.json")  # QAT of this run
-               if Path(json.loads(r.read_text())["source_run"]) == Path(run)
-               and json.loads(r.read_text())["bits"] == bits]
-    if reports:
-        report = max(reports, key=lambda r: r.stat().st_mtime)
-        rep = json.loads(report.read_text())
+    reports = {p: json.loads(p.read_text())
+               for p in Path(run).parent.glob("*/quantize_report.json")}
+    mine = [p for p, r in reports.items()  # QAT of this run at these bits
+            if Path(r["source_run"]) == Path(run) and r["bits"] == bits]
+    if mine:
+        report = max(mine, key=lambda p: p.stat().st_mtime)
+        rep = reports[report]
         row["qat_run"] = str(report.parent)
         row["qat_valid_curve"] = rep.get("valid_curve")
         row["qat_kept_step"] = rep.get("kept_step")

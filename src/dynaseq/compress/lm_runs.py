@@ -44,6 +44,8 @@ from dynaseq.compress.prune import (
     GradualPruner,
     SensitivityResult,
     _check_sparsity,
+    _resolve,
+    _source_param,
     add_mask,
     get_mask,
     prunable_parameters,
@@ -187,8 +189,7 @@ def load_sensitivity(path: str | Path, model: TransformerLM) -> SensitivityResul
         raise DynaseqError(f"--sensitivity {path}: its matrices do not match this model's "
                            f"prunable matrices ({len(curves)} vs {len(names)})")
     for n in names:
-        mod_name, _, attr = n.rpartition(".")
-        got = getattr(model.get_submodule(mod_name), attr).numel()
+        got = _source_param(*_resolve(model, n)).numel()  # as sensitivity_analysis counts
         if sizes[n] != got:
             raise DynaseqError(f"--sensitivity {path}: {n} has {sizes[n]} elements there, "
                                f"{got} in this model")

@@ -303,8 +303,9 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
                            "pruning every matrix to its largest analysed sparsity; analyse "
                            "higher sparsities")
     # rho is monotone in the candidate index: find the first index reaching the target.
-    lo = bisect.bisect_left(range(len(candidates)), True,
-                            key=lambda i: _overall(curves, sizes, candidates[i])[0] >= target - tol)
+    lo = bisect.bisect_left(
+        range(len(candidates)), True,
+        key=lambda i: _overall(curves, sizes, candidates[i])[0] >= target - tol)
     if lo == len(candidates):  # NaN perplexities on some curve: fall back to every point
         lo = len(candidates) - 1
     threshold = candidates[lo]

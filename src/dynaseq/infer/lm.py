@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,6 +35,9 @@ from dynaseq.errors import CheckpointError, DynaseqError
 from dynaseq.models.lm import LMState, TransformerLM, build_lm
 from dynaseq.train import checkpoint as ckpt
 from dynaseq.train.distributed import pick_device
+
+if TYPE_CHECKING:
+    from dynaseq.compress.qat import QATConfig
 
 #: ``adjust(hidden (B, T, d), model_logp (B, T), targets (B, T)) -> logp (B, T)``: called on
 #: consecutive windows of each stream, so a closure may carry memory (a neural cache).
@@ -64,14 +68,17 @@ def eval_cache(model: TransformerLM) -> NeuralCache:
     return NeuralCache(c.n_cache, c.theta, c.lam).to(next(model.parameters()).device)
 
 
-def apply_qat_structure(model: TransformerLM, bits: int, convert: bool = True) -> None:
-    """Insert the QAT structure of ``dynaseq quantize`` at ``bits`` (prepare; then convert,
-    so a converted state dict loads). Layer choice depends on the architecture only."""
+def apply_qat_structure(model: TransformerLM, bits: int | QATConfig,
+                        convert: bool = True) -> None:
+    """Insert the QAT structure of ``dynaseq quantize`` at ``bits`` (or a full
+    :class:`~dynaseq.compress.qat.QATConfig`) (prepare; then convert, so a converted state
+    dict loads). Layer choice depends on the architecture only."""
     from dynaseq.compress.qat import QATConfig, convert_qat_, prepare_qat_
 
     device = next(model.parameters()).device
     probe = torch.zeros(1, 2, dtype=torch.long, device=device)
-    prepare_qat_(model, QATConfig(bits=bits), example_inputs=(probe,))
+    cfg = bits if isinstance(bits, QATConfig) else QATConfig(bits=bits)
+    prepare_qat_(model, cfg, example_inputs=(probe,))
     if convert:
         convert_qat_(model)
 
