@@ -32,7 +32,11 @@ def route_to():
 
 
 class LinearRows:
-    """Records the number of rows of every ``F.linear`` call with a given weight shape."""
+    """Records the number of rows of every ``F.linear`` call with a given weight shape.
+
+    A grouped matmul (``F.grouped_mm``) is recorded as one call per group with the group's
+    weight shape ``(out, in)`` and rows, as if each group ran its own ``F.linear``.
+    """
 
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[int, ...], int]] = []
@@ -43,13 +47,23 @@ class LinearRows:
 
 @pytest.fixture
 def linear_rows(monkeypatch):
-    """Spy on ``torch.nn.functional.linear``: which weight shapes ran on how many rows."""
+    """Spy on ``torch.nn.functional.linear`` and ``grouped_mm``: which weight shapes ran on
+    how many rows."""
     spy = LinearRows()
-    real = F.linear
+    real, real_grouped = F.linear, F.grouped_mm
 
     def linear(x, weight, bias=None):
         spy.calls.append((tuple(weight.shape), x.reshape(-1, x.size(-1)).size(0)))
         return real(x, weight, bias)
 
+    def grouped_mm(x, weights, *, offs, **kwargs):
+        start = 0
+        for end in offs.tolist():
+            if end > start:  # an empty group runs nothing
+                spy.calls.append(((weights.size(2), weights.size(1)), end - start))
+            start = end
+        return real_grouped(x, weights, offs=offs, **kwargs)
+
     monkeypatch.setattr(F, "linear", linear)
+    monkeypatch.setattr(F, "grouped_mm", grouped_mm)
     return spy

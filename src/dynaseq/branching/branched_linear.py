@@ -21,13 +21,14 @@ gradient rather than none: every parameter takes part in every step, which DDP n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.branching.routing import BranchGroups, run_used_groups
+
+#: dtypes ``F.grouped_mm`` takes for inference (float32 on CPU, bf16/fp16 on either)
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class BranchedLinear(nn.Module):
@@ -113,23 +114,41 @@ class BranchedLinear(nn.Module):
             self.__dict__["_views"] = cached
         return cached[1]
 
-    def grouped(self, xs: Tensor, sizes: Sequence[int]) -> Tensor:
-        """``(M, in)`` rows sorted by branch, ``sizes[k]`` rows for branch k -> ``(M, out)``.
+    def grouped(self, xs: Tensor, groups: BranchGroups) -> Tensor:
+        """``(M, in)`` rows sorted by branch as ``groups`` lays them out -> ``(M, out)``.
 
-        One ``F.linear`` per branch over its contiguous rows. With gradients enabled empty
-        groups run too (see the module docstring); without (inference), only the non-empty
-        groups run, and a single one runs on ``xs`` directly (no split, no concatenation).
+        Training: one ``F.linear`` per branch over its contiguous rows, empty groups
+        included (see the module docstring). Inference: a single used branch runs one
+        ``F.linear`` on ``xs`` directly; several run as one grouped matmul
+        (``F.grouped_mm``, each group against its own weight only) plus the bias row of
+        each group; where the kernel does not apply (widths not a multiple of 16 bytes, an
+        unsupported dtype) one ``F.linear`` per non-empty group.
         """
-        if len(sizes) != self.n_branches:
-            raise ValueError(f"got {len(sizes)} group sizes for {self.n_branches} branches")
+        if len(groups.sizes) != self.n_branches:
+            raise ValueError(f"got {len(groups.sizes)} group sizes for {self.n_branches} "
+                             f"branches")
         if not torch.is_grad_enabled():
+            only = groups.only_branch
+            if only is None and groups.ends is not None and self._grouped_mm_applies(xs):
+                weight, bias = self.branch_parameters()  # (N, out, in), (N, out)
+                y = F.grouped_mm(xs, weight.transpose(1, 2), offs=groups.ends)
+                return y if bias is None else y.add_(bias.index_select(0,
+                                                                       groups.branch_sorted))
             views = self._branch_views()
-            return run_used_groups(xs, sizes, lambda k, rows: F.linear(rows, *views[k]),
-                                   self.out_features)
+            return run_used_groups(xs, groups.sizes,
+                                   lambda k, rows: F.linear(rows, *views[k]), self.out_features)
         weight, bias = self.branch_parameters()
         outs = [F.linear(part, weight[k], None if bias is None else bias[k])
-                for k, part in enumerate(xs.split(list(sizes)))]
+                for k, part in enumerate(xs.split(groups.sizes))]
         return torch.cat(outs)
+
+    def _grouped_mm_applies(self, xs: Tensor) -> bool:
+        """The CPU/GPU grouped-matmul kernel takes these rows: a floating dtype it supports,
+        matching the weights, and row widths that are multiples of 16 bytes."""
+        if xs.dtype not in _GROUPED_MM_DTYPES or xs.dtype != self.weight.dtype:
+            return False
+        size = xs.element_size()
+        return (self.in_features * size) % 16 == 0 and (self.out_features * size) % 16 == 0
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
         if branch.shape != x.shape[:-1]:
@@ -139,7 +158,7 @@ class BranchedLinear(nn.Module):
             raise ValueError(f"x has width {x.size(-1)}, expected {self.in_features}")
         groups = BranchGroups.of(branch.reshape(-1), self.n_branches)
         flat = x.reshape(-1, self.in_features)
-        out = groups.scatter(self.grouped(groups.gather(flat), groups.sizes))
+        out = groups.scatter(self.grouped(groups.gather(flat), groups))
         return out.view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()

@@ -128,12 +128,12 @@ class BranchedAttention(nn.Module):
     def _route(self, x: Tensor) -> tuple[Route, BranchGroups, Tensor]:
         """Route ``x`` ``(B, T, d)``: decision, grouping, and its rows sorted by branch."""
         route = self.router(x)  # branch (B, T)
-        groups = BranchGroups.of(route.branch.reshape(-1), self.n_branches)
+        groups = BranchGroups.of(route.branch.reshape(-1), self.n_branches, validate=False)
         return route, groups, groups.gather(x.reshape(-1, self.d_model))
 
     def _project(self, proj: BranchedLinear, groups: BranchGroups, xs: Tensor,
                  shape: torch.Size) -> Tensor:
-        return groups.scatter(proj.grouped(xs, groups.sizes)).view(shape)
+        return groups.scatter(proj.grouped(xs, groups)).view(shape)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
                 is_causal: bool = False, cache: KVCache | None = None,

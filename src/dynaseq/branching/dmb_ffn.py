@@ -65,10 +65,10 @@ class BranchedFeedForward(nn.Module):
     def forward(self, x: Tensor, aux: AuxOutputs | None = None) -> Tensor:
         d = x.size(-1)
         route = self.router(x)  # logits (..., N), branch (...)
-        groups = BranchGroups.of(route.branch.reshape(-1), self.n_branches)
+        groups = BranchGroups.of(route.branch.reshape(-1), self.n_branches, validate=False)
         xs = groups.gather(x.reshape(-1, d))  # (M, d) sorted by branch
-        h = self.dropout(self.fc1.grouped(xs, groups.sizes).relu_())  # (M, ffn_dim)
-        out = groups.scatter(self.fc2.grouped(h, groups.sizes)).view(x.shape)
+        h = self.dropout(self.fc1.grouped(xs, groups).relu_())  # (M, ffn_dim)
+        out = groups.scatter(self.fc2.grouped(h, groups)).view(x.shape)
         if aux is not None:
             aux.add_trace(ROUTE_TRACE, RouteTrace(self.name, "ffn", "input", route.logits,
                                                   route.branch, id(self.router)))

@@ -111,7 +111,7 @@ class ExpertPairs:
         experts = route.experts.reshape(-1)  # (M·k,) token-major
         k = route.experts.size(-1)
         token = torch.arange(experts.numel() // k, device=experts.device).repeat_interleave(k)
-        groups = BranchGroups.of(experts, n_experts)
+        groups = BranchGroups.of(experts, n_experts, validate=False)
         return cls(groups, token.index_select(0, groups.order),
                    route.gates.reshape(-1).index_select(0, groups.order))
 
@@ -130,7 +130,7 @@ class ExpertPairs:
 
     def mix(self, proj: BranchedLinear, flat: Tensor) -> Tensor:
         """``Σ_i g(x, i) · (W_i x + b_i)`` over each token's k experts: ``(M, in) -> (M, out)``."""
-        return self.combine(proj.grouped(self.gather(flat), self.sizes), flat.size(0))
+        return self.combine(proj.grouped(self.gather(flat), self.groups), flat.size(0))
 
 
 class NoisyTopKGate(nn.Module):
@@ -239,8 +239,8 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(-1, d)  # (M, d)
         m = flat.size(0)
         pairs = ExpertPairs.of(route, self.n_experts)
-        h = self.dropout(self.fc1.grouped(pairs.gather(flat), pairs.sizes).relu_())
-        out = pairs.combine(self.fc2.grouped(h, pairs.sizes), m)  # (M, d)
+        h = self.dropout(self.fc1.grouped(pairs.gather(flat), pairs.groups).relu_())
+        out = pairs.combine(self.fc2.grouped(h, pairs.groups), m)  # (M, d)
         if aux is not None:
             aux.add_trace(ROUTE_TRACE, ExpertTrace(self.name, "input", route.dense_gates(),
                                                    route.experts, route.load, id(self.gate)))

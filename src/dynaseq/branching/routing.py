@@ -103,16 +103,25 @@ class BranchGroups:
     in_order: the tokens are already sorted by branch (one branch took them all, e.g. the
         single token of a greedy decoding step), so :meth:`gather` and :meth:`scatter`
         return their input as it is.
+    ends: ``(N,)`` int32 cumulative group sizes (where each group ends in the sorted layout),
+        the ``offs`` of ``torch.nn.functional.grouped_mm``; None when ``in_order``.
+    branch_sorted: ``(M,)`` the branch of each sorted row; None when ``in_order``.
     """
 
     order: Tensor
     inverse: Tensor
     sizes: list[int]
     in_order: bool = False
+    ends: Tensor | None = None
+    branch_sorted: Tensor | None = None
 
     @classmethod
-    def of(cls, branch: Tensor, n_branches: int) -> BranchGroups:
-        """Group the tokens of ``branch`` ``(M,)`` long, ids in ``[0, n_branches)``."""
+    def of(cls, branch: Tensor, n_branches: int, *, validate: bool = True) -> BranchGroups:
+        """Group the tokens of ``branch`` ``(M,)`` long, ids in ``[0, n_branches)``.
+
+        ``validate=False`` skips the range check of the ids (one reduction and one host
+        sync); for ids that hold by construction, such as a router's argmax.
+        """
         if branch.dim() != 1 or branch.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"branch must be an (M,) integer tensor, got shape "
                              f"{tuple(branch.shape)} {branch.dtype}")
@@ -125,24 +134,30 @@ class BranchGroups:
             sizes[k] = 1
             identity = branch.new_zeros(1)
             return cls(identity, identity, sizes, in_order=True)
-        if m and int(branch.min()) < 0:
+        if validate and m and int(branch.min()) < 0:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
                              f"{int(branch.min())}")
-        sizes = torch.bincount(branch, minlength=n_branches).tolist()  # one host sync
+        counts = torch.bincount(branch, minlength=n_branches)
+        sizes = counts.tolist()  # one host sync
         if len(sizes) > n_branches:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
                              f"{len(sizes) - 1}")
         if m == 0 or max(sizes) == m:  # one branch takes every token: nothing to sort
             identity = torch.arange(m, device=branch.device)
             return cls(identity, identity, sizes, in_order=True)
-        order = torch.sort(branch, stable=True).indices
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(m, device=order.device)
-        return cls(order, inverse, sizes)
+        branch_sorted, order = torch.sort(branch, stable=True)
+        return cls(order, order.argsort(), sizes, ends=counts.cumsum(0, dtype=torch.int32),
+                   branch_sorted=branch_sorted)
 
     @property
     def n_tokens(self) -> int:
         return self.order.numel()
+
+    @property
+    def only_branch(self) -> int | None:
+        """The branch that holds every token, if one does (and there are tokens)."""
+        used = [k for k, n in enumerate(self.sizes) if n]
+        return used[0] if len(used) == 1 else None
 
     def gather(self, x: Tensor) -> Tensor:
         """``(M, d)`` rows in token order -> ``(M, d)`` rows sorted by branch."""

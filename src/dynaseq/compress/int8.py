@@ -134,15 +134,16 @@ class Int8BranchedLinear(nn.Module):
     def has_shared(self) -> bool:
         return False
 
-    def grouped(self, xs: Tensor, sizes: Sequence[int]) -> Tensor:
-        """``(M, in)`` rows sorted by branch, ``sizes[k]`` rows for branch k -> ``(M, out)``.
+    def grouped(self, xs: Tensor, groups: BranchGroups) -> Tensor:
+        """``(M, in)`` rows sorted by branch as ``groups`` lays them out -> ``(M, out)``.
 
         One int8 matmul per non-empty group (an empty group computes nothing); a single
         group runs on ``xs`` directly (no split, no concatenation).
         """
-        if len(sizes) != self.n_branches:
-            raise ValueError(f"got {len(sizes)} group sizes for {self.n_branches} branches")
-        return run_used_groups(xs, sizes, lambda k, rows: self.branches[k](rows),
+        if len(groups.sizes) != self.n_branches:
+            raise ValueError(f"got {len(groups.sizes)} group sizes for {self.n_branches} "
+                             f"branches")
+        return run_used_groups(xs, groups.sizes, lambda k, rows: self.branches[k](rows),
                                self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
@@ -153,7 +154,7 @@ class Int8BranchedLinear(nn.Module):
             raise ValueError(f"x has width {x.size(-1)}, expected {self.in_features}")
         groups = BranchGroups.of(branch.reshape(-1), self.n_branches)
         flat = x.reshape(-1, self.in_features)
-        out = groups.scatter(self.grouped(groups.gather(flat), groups.sizes))
+        out = groups.scatter(self.grouped(groups.gather(flat), groups))
         return out.view(*x.shape[:-1], self.out_features)
 
     def macs(self, n_tokens: int) -> int:

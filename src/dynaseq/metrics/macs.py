@@ -149,14 +149,23 @@ def _int8_linear_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(input_shape) * out_shape[-1]
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of a grouped matmul ``(M, K) x (G, K, N)`` with group offsets (the DMB/MoE
+    inference kernel): each row meets its own group's matrix only, ``2·M·K·N``."""
+    assert len(a_shape) == 2 and len(b_shape) == 3, "only the 2-D x 3-D form is used here"
+    return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+
+
 def _counter() -> FlopCounterMode:
     # FlopCounterMode knows the CUDA fused-attention kernels but not the CPU one; without this
-    # it reports 0 for attention products that really run. Nor does it know int8 linears.
+    # it reports 0 for attention products that really run. Nor does it know int8 linears or
+    # grouped matmuls.
     return FlopCounterMode(display=False,
                            custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu:
                                            _cpu_sdpa_flops,
                                            torch.ops.quantized.linear_dynamic:
-                                           _int8_linear_flops})
+                                           _int8_linear_flops,
+                                           aten._grouped_mm: _grouped_mm_flops})
 
 
 @torch.no_grad()
