@@ -246,16 +246,17 @@ def cmd_report(args: argparse.Namespace) -> None:
     models = {n: translators[n].model for n in ("dense", "dmb", "moe", "dmb_no_attention")
               if n in translators}
     models.update({f"{n}_int8": t.model for n, t in int8.items()})
-    lat = interleaved_latency(models, args.rounds, args.repeats)
+    lat = interleaved_latency(models, args.rounds, args.repeats) if args.latency else {}
     scaled = {size: interleaved_latency(scaled_models(size), args.rounds, args.repeats)
-              for size in args.scale_sizes}
+              for size in (args.scale_sizes if args.latency else [])}
     for r in rows:
         if r["name"] in lat:
             r["latency_ms"] = lat[r["name"]]
     machine = {"platform": platform.platform(), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "cpus": torch.get_num_threads()}
     command = ("python benchmarks/dmb.py train a & python benchmarks/dmb.py train b; "
-               "python benchmarks/dmb.py train kd; python benchmarks/dmb.py report")
+               "python benchmarks/dmb.py train kd; python benchmarks/dmb.py report"
+               f"{'' if args.latency else ' --no-latency'}")
     out = {"benchmark": "dmb", "command": command, "machine": machine,
            "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4",
            "updates": STEPS, "rows": rows, "disk_bytes": disk_sizes(translators),
@@ -413,6 +414,9 @@ def write_md(out: dict) -> None:
                      f"{r['macs_pair'] / 1e6:.1f}M | {ratio} | {r['bleu_beam4']} | {r['ptr']} | "
                      f"{r['steps']} | {r['train_minutes']} |")
     lat_rows = [r for r in out["rows"] if "latency_ms" in r]
+    if not lat_rows:
+        lines += ["", "CPU latency: `python benchmarks/dmb.py report-latency` "
+                  "(`dmb_latency.md`)."]
     if lat_rows:
         keys = list(lat_rows[0]["latency_ms"])
         base = rows["dense"]["latency_ms"] if "dense" in rows else None
@@ -461,6 +465,8 @@ def main() -> None:
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--scale-sizes", nargs="*", default=["small"],
                    help="also time untrained dense/DMB/MoE models of these sizes")
+    r.add_argument("--no-latency", dest="latency", action="store_false",
+                   help="BLEU, MACs, params and disk size only (time with report-latency)")
     r.set_defaults(func=cmd_report)
     sub.add_parser("report-long").set_defaults(func=cmd_report_long)
     lat = sub.add_parser("report-latency")
