@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -152,7 +153,7 @@ def main() -> None:
     write({"benchmark": "dmb_kernels", "command": command,
            "measured": time.strftime("%Y-%m-%d %H:%M"),
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "cpus": torch.get_num_threads()},
+                       "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
            "timings_us": timings}, command)
 
 

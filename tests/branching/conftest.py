@@ -40,6 +40,7 @@ class LinearRows:
 
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[int, ...], int]] = []
+        self.grouped_calls = 0  # F.grouped_mm calls (each also listed per group in calls)
 
     def rows(self, weight_shape: tuple[int, ...]) -> list[int]:
         return [n for shape, n in self.calls if shape == weight_shape]
@@ -57,6 +58,7 @@ def linear_rows(monkeypatch):
         return real(x, weight, bias)
 
     def grouped_mm(x, weights, *, offs, **kwargs):
+        spy.grouped_calls += 1
         start = 0
         for end in offs.tolist():
             if end > start:  # an empty group runs nothing

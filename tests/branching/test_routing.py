@@ -72,6 +72,29 @@ def test_inference_runs_only_the_branches_that_have_rows(linear_rows):
     assert len(linear_rows.calls) == 2 + 4
 
 
+def test_inference_runs_several_branches_as_one_grouped_matmul(linear_rows):
+    """Widths that are multiples of 16 bytes take F.grouped_mm (each group against its own
+    weight, bias added per row); other widths one F.linear per group: the same outputs."""
+    torch.manual_seed(0)
+    branch = torch.tensor([2, 0, 2, 2, 0, 3, 0, 2, 3, 0, 0])  # branch 1 empty
+    for d_in, d_out, grouped in ((8, 12, True), (6, 12, False), (8, 5, False)):
+        lin = BranchedLinear(d_in, d_out, n_branches=4)
+        with torch.no_grad():
+            lin.shared_weight.normal_()
+            lin.shared_bias.normal_()
+        x = torch.randn(11, d_in)
+        w, b = lin.shared_weight + lin.weight, lin.shared_bias + lin.bias
+        ref = torch.stack([F.linear(x[i], w[k], b[k]) for i, k in enumerate(branch.tolist())])
+        linear_rows.calls.clear()
+        linear_rows.grouped_calls = 0
+        with torch.no_grad():
+            y = lin(x, branch)
+        torch.testing.assert_close(y, ref)
+        assert linear_rows.grouped_calls == int(grouped)
+        assert linear_rows.calls == [((d_out, d_in), 5), ((d_out, d_in), 4),
+                                     ((d_out, d_in), 2)]  # the empty branch runs nothing
+
+
 def test_inference_views_follow_parameter_updates():
     """The per-branch views kept for inference never serve stale weights."""
     torch.manual_seed(0)
