@@ -7,8 +7,13 @@ from dynaseq.infer.translator import Translator
 
 
 def test_demo_writes_data_run_and_summary(tmp_path):
-    summary = run_demo(tmp_path / "demo", minutes=0.05, progress=False, eval_lines=40)
     out = tmp_path / "demo"
+    # a run left by an older demo (another model) is replaced, not resumed into the CCT
+    stale = out / "run" / "checkpoints" / "step_00000200"
+    stale.mkdir(parents=True)
+    (out / "run" / "config.yaml").write_text("model: {size: tiny}\n")
+    summary = run_demo(out, minutes=0.05, progress=False, eval_lines=40)
+    assert not stale.exists()
     for split, n in (("train", 20000), ("valid", 500), ("test", 2000)):
         for side in ("src", "tgt"):
             assert len((out / "data" / f"{split}.{side}").read_text().splitlines()) == n
