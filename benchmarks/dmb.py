@@ -73,6 +73,10 @@ VARIANTS: dict[str, tuple[str, str, str, str, list[str]]] = {
                          ["model.dmb.attention=false"]),
     "dmb_n2": ("b", "fig5", "DMB N=2", DMB_CFG, ["model.dmb.n_branches=2"]),
     "dmb_n8": ("b", "fig5", "DMB N=8", DMB_CFG, ["model.dmb.n_branches=8"]),
+    # not in the paper: at α = 0.1 the diversity loss makes routing uniform, without it routing
+    # collapses onto one branch per sub-layer; a tenth of it lies between
+    "dmb_div01": ("b", "III", "DMB, diversity loss × 0.1", DMB_CFG,
+                  ["model.dmb.diversity_weight=0.1"]),
     "kd_dense": ("kd", "IV", "Transformer + seq-KD", DENSE_CFG,
                  [f"data.train_tgt={KD_DATA}"]),
     "kd_dmb": ("kd", "IV", "Transformer-DMB (N=4) + seq-KD", DMB_CFG,

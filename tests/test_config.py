@@ -141,6 +141,7 @@ def test_dmb_and_moe_yaml_round_trip(tmp_path):
     (["model.cct={}", "model.moe={}"], "model.cct and moe cannot be combined"),
     (["model.dmb.n_branches=0"], "model.dmb.n_branches must be > 0"),
     (["model.dmb.aux_weight=-1"], "model.dmb.aux_weight must be >= 0"),
+    (["model.dmb.diversity_weight=-0.5"], "model.dmb.diversity_weight must be >= 0"),
     (["model.dmb.attention=maybe"], "model.dmb.attention: expected true/false"),
     (["model.dmb.experts=4"], "unknown config key model.dmb.experts"),
     (["model.moe.k=4"], "model.moe.n_experts must exceed k"),

@@ -138,6 +138,8 @@ class DMBConfig:
     θ_k = θ_S + θ_Pk with θ_S starting at zero (eq. 21-23); folded into the branches for
     inference. ``aux_weight`` is α of eq. 31; ``diversity`` / ``entropy`` False drop that
     term of the auxiliary loss (eq. 19 / eq. 20; the Table III ablations).
+    ``diversity_weight`` scales the diversity term against the entropy term (1 = eq. 31; not
+    in the paper: at 1 the routing comes out uniform, at 0 it collapses onto one branch).
     """
 
     n_branches: int = 4
@@ -146,11 +148,14 @@ class DMBConfig:
     aux_weight: float = 0.1
     diversity: bool = True
     entropy: bool = True
+    diversity_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _check_positive(self, "n_branches")
         if self.aux_weight < 0:
             raise ConfigError(f"aux_weight must be >= 0, got {self.aux_weight!r}")
+        if not self.diversity_weight >= 0:
+            raise ConfigError(f"diversity_weight must be >= 0, got {self.diversity_weight!r}")
 
 
 @dataclass

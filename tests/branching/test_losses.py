@@ -175,6 +175,16 @@ def test_dropping_a_term_the_table_iii_ablations(diversity, entropy):
     assert logits.grad is not None and (logits.grad.abs().sum() > 0) == bool(kept)
 
 
+def test_diversity_weight_scales_only_the_diversity_term():
+    d, e = _hand_dmb(PROBS)
+    losses = routing_losses([_trace(LOGITS)], VALID, alpha=0.1, diversity=0.25)
+    (gate,) = losses.gates
+    assert float(gate.terms["diversity"]) == pytest.approx(d, rel=1e-5)  # logged unweighted
+    assert float(losses.total) == pytest.approx(0.1 * (0.25 * d + e), rel=1e-5)
+    with pytest.raises(ValueError, match="diversity weight must be >= 0"):
+        routing_losses([_trace(LOGITS)], VALID, diversity=-1.0)
+
+
 def test_seq2seq_routing_loss_is_the_unweighted_mean_over_gates():
     from dynaseq.branching import seq2seq_routing_loss
 

@@ -136,7 +136,7 @@ def _rows(x: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], valid: Valid = None,
-                   *, alpha: float = 0.1, diversity: bool = True,
+                   *, alpha: float = 0.1, diversity: float = 1.0,
                    entropy: bool = True) -> RoutingLosses:
     """The auxiliary losses of eq. 17-20 and 31 (DMB) / Shazeer et al. (MoE) for one call.
 
@@ -144,8 +144,10 @@ def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], vali
     valid: padding masks (True = real token): a mapping by stream, one ``(B, T)`` mask for
         every trace, or None (every token counts); see the module docstring.
     alpha: α of eq. 31.
-    diversity, entropy: False leaves that DMB term out (the paper's Table III ablations; MoE
-        gates are not affected). A DMB gate with neither term still enters ``total`` as
+    diversity, entropy: False (0) leaves that DMB term out (the paper's Table III ablations;
+        MoE gates are not affected). ``diversity`` may also be a weight ≥ 0 of the diversity
+        term against the entropy term (1 = eq. 31; ``terms`` keep the unweighted value).
+        A DMB gate with neither term still enters ``total`` as
         ``0 · Σ logits``: its gate gets a zero gradient rather than none, so every parameter
         takes part in every step (DDP without ``find_unused_parameters``).
 
@@ -153,6 +155,9 @@ def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], vali
     """
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if not diversity >= 0:
+        raise ValueError(f"the diversity weight must be >= 0, got {diversity}")
+    weight = {"diversity": float(diversity), "entropy": 1.0}
     records = route_traces(traces) if isinstance(traces, AuxOutputs) else list(traces)
     by_gate: dict[int, list[tuple[RouteTrace | ExpertTrace, Tensor | None]]] = {}
     for tr in records:
@@ -174,7 +179,8 @@ def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], vali
             if entropy:
                 terms["entropy"] = entropy_loss(logits)
             gates.append(GateLosses(first.layer, "dmb", logits.size(0), terms))
-            sums.append(sum(terms.values()) if terms else logits.sum() * 0.0)
+            sums.append(sum(weight[k] * v for k, v in terms.items()) if terms
+                        else logits.sum() * 0.0)
         else:
             g = torch.cat([_rows(tr.gates, m) for tr, m in items])  # (M, N)
             if g.size(0) == 0:
@@ -193,7 +199,7 @@ def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], vali
 
 
 def add_routing_losses(aux: AuxOutputs, valid: Valid = None, *, alpha: float = 0.1,
-                       scale: float = 1.0, name: str = "branching", diversity: bool = True,
+                       scale: float = 1.0, name: str = "branching", diversity: float = 1.0,
                        entropy: bool = True) -> RoutingLosses:
     """Compute :func:`routing_losses` from ``aux`` and add ``scale · total`` to
     ``aux.losses[name]`` (where the training loop picks auxiliary losses up).
@@ -215,7 +221,7 @@ def seq2seq_valid(src: Tensor, tgt_in: Tensor, pad_id: int) -> dict[str, Tensor]
 
 
 def seq2seq_routing_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: int, *,
-                         diversity: bool = True, entropy: bool = True) -> Tensor:
+                         diversity: float = 1.0, entropy: bool = True) -> Tensor:
     """The routing loss of one encoder-decoder forward pass without its weight:
     ``(1/L) Σ_l Σ terms_l`` (eq. 31 with α = 1), padding excluded; zero without route traces.
 

@@ -246,7 +246,8 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                             # budget loss, so α weighs it against the per-token CE
                             rlo = seq2seq_routing_loss(
                                 out.aux, b.src, b.tgt_in, model.pad_id,
-                                diversity=dmb is None or dmb.diversity,
+                                diversity=(1.0 if dmb is None else
+                                           dmb.diversity_weight * dmb.diversity),
                                 entropy=dmb is None or dmb.entropy)
                             loss = loss + routing.aux_weight * rlo * n_tok
                             sums[3] += float(rlo.detach()) * n_tok
