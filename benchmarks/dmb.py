@@ -320,6 +320,7 @@ def cmd_report_latency(args: argparse.Namespace) -> None:
     commit += " (with uncommitted changes)" if dirty else ""
     tag = f"_{args.tag}" if args.tag else ""
     command = (f"python benchmarks/dmb.py report-latency{f' --tag {args.tag}' if tag else ''}"
+               f" --rounds {args.rounds} --scale-sizes {' '.join(args.scale_sizes)}"
                f"{'' if args.int8 else ' --no-int8'}")
     out = {"benchmark": "dmb_latency", "command": command, "commit": commit,
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
