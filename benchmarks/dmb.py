@@ -3,8 +3,9 @@
 Transformer vs Transformer-MoE (noisy top-2 of 4) vs Transformer-DMB (N = 4): #params,
 #MACs (the paper's convention: a 30 -> 30-token pass, output layer included), BLEU (beam 4,
 test_2016_flickr) and PTR = BLEU / sqrt(#MACs) · 10^4 (Table I); sequence-level distillation
-from the dense tiny Transformer trained 3000 updates (`train long`; Table IV); DMB without shared-private, without each auxiliary
-loss, without DMB attention (Table III); N in {2, 4, 8} (fig. 5); CPU latency of a 30-token
+from the dense tiny Transformer trained 3000 updates (`train long`; Table IV); DMB without
+shared-private, without each auxiliary loss (and with a tenth of the diversity loss), without
+DMB attention (Table III); N in {2, 4, 8} (fig. 5); CPU latency of a 30-token
 sentence, greedy and beam 4, batch 1 and 32, fp32 and int8 (Table II protocol).
 
 Every tiny model, the dense Transformer included, gets the same number of updates (STEPS)
@@ -12,7 +13,8 @@ with the same data, batch size, learning-rate schedule and seed.
 
     python benchmarks/dmb.py train a        # Transformer, DMB N=4, MoE, w/o shared-private,
                                             # w/o diversity
-    python benchmarks/dmb.py train b        # w/o entropy, w/o DMB attention, N=2, N=8
+    python benchmarks/dmb.py train b        # w/o entropy, w/o DMB attention, N=2, N=8,
+                                            # diversity × 0.1
     python benchmarks/dmb.py train kd       # distill-data from dense_3k (after `train long`),
                                             # 2 students
     python benchmarks/dmb.py report         # evaluate + latency + int8, write results/
