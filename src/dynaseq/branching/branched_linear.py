@@ -128,15 +128,14 @@ class BranchedLinear(nn.Module):
             raise ValueError(f"got {len(groups.sizes)} group sizes for {self.n_branches} "
                              f"branches")
         if not torch.is_grad_enabled():
-            only = groups.only_branch
-            if only is None and groups.ends is not None and self._grouped_mm_applies(xs):
+            if groups.ends is not None and self._grouped_mm_applies(xs):
                 weight, bias = self.branch_parameters()  # (N, out, in), (N, out)
                 y = F.grouped_mm(xs, weight.transpose(1, 2), offs=groups.ends)
                 return y if bias is None else y.add_(bias.index_select(0,
                                                                        groups.branch_sorted))
             views = self._branch_views()
-            return run_used_groups(xs, groups.sizes,
-                                   lambda k, rows: F.linear(rows, *views[k]), self.out_features)
+            return run_used_groups(xs, groups, lambda k, rows: F.linear(rows, *views[k]),
+                                   self.out_features)
         weight, bias = self.branch_parameters()
         outs = [F.linear(part, weight[k], None if bias is None else bias[k])
                 for k, part in enumerate(xs.split(groups.sizes))]

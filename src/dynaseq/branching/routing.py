@@ -21,7 +21,7 @@ put back in token order. Nothing is computed for a (token, branch) pair that was
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +103,7 @@ class BranchGroups:
     in_order: the tokens are already sorted by branch (one branch took them all, e.g. the
         single token of a greedy decoding step), so :meth:`gather` and :meth:`scatter`
         return their input as it is.
+    only: the branch that holds every token, if one does (and there are tokens), else None.
     ends: ``(N,)`` int32 cumulative group sizes (where each group ends in the sorted layout),
         the ``offs`` of ``torch.nn.functional.grouped_mm``; None when ``in_order``.
     branch_sorted: ``(M,)`` the branch of each sorted row; None when ``in_order``.
@@ -112,6 +113,7 @@ class BranchGroups:
     inverse: Tensor
     sizes: list[int]
     in_order: bool = False
+    only: int | None = None
     ends: Tensor | None = None
     branch_sorted: Tensor | None = None
 
@@ -133,7 +135,7 @@ class BranchGroups:
             sizes = [0] * n_branches
             sizes[k] = 1
             identity = branch.new_zeros(1)
-            return cls(identity, identity, sizes, in_order=True)
+            return cls(identity, identity, sizes, in_order=True, only=k)
         if validate and m and int(branch.min()) < 0:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
                              f"{int(branch.min())}")
@@ -144,7 +146,8 @@ class BranchGroups:
                              f"{len(sizes) - 1}")
         if m == 0 or max(sizes) == m:  # one branch takes every token: nothing to sort
             identity = torch.arange(m, device=branch.device)
-            return cls(identity, identity, sizes, in_order=True)
+            return cls(identity, identity, sizes, in_order=True,
+                       only=sizes.index(m) if m else None)
         branch_sorted, order = torch.sort(branch, stable=True)
         return cls(order, order.argsort(), sizes, ends=counts.cumsum(0, dtype=torch.int32),
                    branch_sorted=branch_sorted)
@@ -152,12 +155,6 @@ class BranchGroups:
     @property
     def n_tokens(self) -> int:
         return self.order.numel()
-
-    @property
-    def only_branch(self) -> int | None:
-        """The branch that holds every token, if one does (and there are tokens)."""
-        used = [k for k, n in enumerate(self.sizes) if n]
-        return used[0] if len(used) == 1 else None
 
     def gather(self, x: Tensor) -> Tensor:
         """``(M, d)`` rows in token order -> ``(M, d)`` rows sorted by branch."""
@@ -168,13 +165,13 @@ class BranchGroups:
         return y if self.in_order else y.index_select(0, self.inverse)
 
 
-def run_used_groups(xs: Tensor, sizes: Sequence[int], apply: Callable[[int, Tensor], Tensor],
+def run_used_groups(xs: Tensor, groups: BranchGroups, apply: Callable[[int, Tensor], Tensor],
                     out_features: int) -> Tensor:
-    """Inference over rows sorted by branch: ``apply(k, rows)`` on each non-empty group only;
-    a single group runs on ``xs`` directly (no split, no concatenation). ``(M, out)``."""
-    used = [k for k, n in enumerate(sizes) if n]
-    if len(used) == 1:
-        return apply(used[0], xs)
-    parts = xs.split(list(sizes))
-    outs = [apply(k, parts[k]) for k in used]
+    """Inference over rows sorted by branch as ``groups`` lays them out: ``apply(k, rows)`` on
+    each non-empty group only; a single group runs on ``xs`` directly (no split, no
+    concatenation). ``(M, out)``."""
+    if groups.only is not None:
+        return apply(groups.only, xs)
+    parts = xs.split(groups.sizes)
+    outs = [apply(k, parts[k]) for k, n in enumerate(groups.sizes) if n]
     return torch.cat(outs) if outs else xs.new_zeros(0, out_features)

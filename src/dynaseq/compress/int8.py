@@ -143,7 +143,7 @@ class Int8BranchedLinear(nn.Module):
         if len(groups.sizes) != self.n_branches:
             raise ValueError(f"got {len(groups.sizes)} group sizes for {self.n_branches} "
                              f"branches")
-        return run_used_groups(xs, groups.sizes, lambda k, rows: self.branches[k](rows),
+        return run_used_groups(xs, groups, lambda k, rows: self.branches[k](rows),
                                self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:

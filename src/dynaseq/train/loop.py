@@ -247,7 +247,7 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                             rlo = seq2seq_routing_loss(
                                 out.aux, b.src, b.tgt_in, model.pad_id,
                                 diversity=(1.0 if dmb is None else
-                                           dmb.diversity_weight * dmb.diversity),
+                                           dmb.diversity_weight if dmb.diversity else 0.0),
                                 entropy=dmb is None or dmb.entropy)
                             loss = loss + routing.aux_weight * rlo * n_tok
                             sums[3] += float(rlo.detach()) * n_tok
