@@ -133,3 +133,27 @@ def test_flop_counter_sees_the_recorded_realized_macs_of_a_decoder_layer():
     measured = _measured(lambda: [layer(x[:, i: i + 1], mem, mask, self_cache=caches[0],
                                         cross_cache=caches[1], aux=aux) for i in range(5)])
     assert measured == sum(sum(m.values()) for m in realized_macs_by_layer(aux).values())
+
+
+def test_flop_counter_agrees_with_the_record_in_every_attention_layout(steer, pattern):
+    """Plain, query-packed and fully packed layouts (see test_conditional_attention.LAYOUTS):
+    the products that run are what the record says."""
+    from tests.adaptive.test_conditional_attention import LAYOUTS
+
+    torch.manual_seed(0)
+    attn = conditional_attention(D, H, control_hidden=C).eval()
+    steer(attn.q_control, [0])
+    steer(attn.kv_control, [1])
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    for q_on, kv_on in LAYOUTS.values():
+        q_on, kv_on = torch.tensor(q_on).bool(), torch.tensor(kv_on).bool()
+        x = pattern(torch.randn(3, 6, D), 0, q_on)
+        mem = pattern(torch.randn(3, 5, D), 1, kv_on)
+        aux = AuxOutputs()
+        mask = padding_to_attn_mask(pad)
+        measured = _measured(lambda: attn(x, mem, attn_mask=mask, aux=aux))  # noqa: B023
+        record = aux.traces["cct.macs"][0].macs
+        # keys run where on, not padding, and some query of the sequence is open
+        assert record == attn.realized_macs(q_on, kv_on & ~pad & q_on.any(1, keepdim=True))
+        assert measured == sum(record.values())

@@ -105,6 +105,55 @@ def test_hard_is_the_zero_one_limit_of_soft(steer, pattern):
     assert torch.isfinite(hard).all()
 
 
+# (q_on, kv_on) hitting each layout of the inference path; memory padding: seq 1, keys 3-4.
+# PACKINGS: how many Packing.of calls (queries, keys) and zero-row softmaxes each layout runs.
+PACKINGS = {"packed": (2, 1), "packed_queries": (1, 0), "plain": (0, 0), "packed_keys": (2, 1)}
+LAYOUTS = {
+    # some queries off, no packed sequence has every key on: queries and keys packed
+    "packed": ([[1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]],
+               [[1, 0, 0, 1, 1], [1, 0, 1, 1, 1], [0, 0, 0, 0, 0]]),
+    # some queries off, seq 0 has every key on: queries packed, keys not (off = zero rows)
+    "packed_queries": ([[1, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]],
+                       [[1, 1, 1, 1, 1], [1, 0, 1, 1, 1], [0, 1, 0, 0, 1]]),
+    # every query open, seq 2 has every key on: plain attention over all keys
+    "plain": ([[1] * 6] * 3, [[1, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    # every query open, no sequence with every key on: keys packed
+    "packed_keys": ([[1] * 6] * 3, [[1, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 0, 1, 1]]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_is_the_zero_row_computation(steer, pattern, layout, monkeypatch):
+    """Whichever layout runs (packed or not), off keys act as zero rows in the softmax."""
+    from dynaseq.adaptive import conditional_attention as module
+
+    calls = {"pack": 0, "zero_rows": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(module.Packing, "of", classmethod(counted(module.Packing.of.__func__,
+                                                                   "pack")))
+    monkeypatch.setattr(module, "attend_with_zero_rows",
+                        counted(module.attend_with_zero_rows, "zero_rows"))
+    torch.manual_seed(0)
+    attn = conditional_attention(D, H, control_hidden=16)
+    steer(attn.q_control, [0])
+    steer(attn.kv_control, [1])
+    x, mem, mask = _inputs()
+    q_on, kv_on = (torch.tensor(v).bool() for v in LAYOUTS[layout])
+    x, mem = pattern(x, 0, q_on), pattern(mem, 1, kv_on)
+    hard, soft = _modes(attn, x, memory=mem, attn_mask=mask)
+    torch.testing.assert_close(hard, soft)
+    torch.testing.assert_close(hard, _zero_row_reference(attn, x, mem, mask, q_on.float(),
+                                                         kv_on.float()))
+    assert torch.equal(hard[~q_on], torch.zeros(int((~q_on).sum()), D))
+    assert (calls["pack"], calls["zero_rows"]) == PACKINGS[layout]  # the eval-mode call
+
+
 def test_gated_off_sublayers_leave_the_residual_exactly():
     torch.manual_seed(0)
     enc = EncoderLayer(D, conditional_attention(D, H, control_hidden=8),

@@ -257,28 +257,20 @@ class ConditionalAttention(nn.Module):
             if cache is not None:
                 k, v, key_on = _store(cache, k, v, kv_ran)
         s = k.size(1)
-        allowed = allowed_mask(attn_mask, is_causal, t, s, past, x.device)
-        if allowed is None:
-            allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=x.device)
-        allowed = allowed.expand(b, allowed.size(1), t, s)  # (B, Hm, T, S)
-        n_off = (allowed & ~key_on[:, None, None, :]).sum(-1, keepdim=True)  # (B, Hm, T, 1)
-
-        if bool(q_on.all()) and not bool(n_off.any()):
-            # every query open and every key a query may see computed: plain attention
+        allowed = allowed_mask(attn_mask, is_causal, t, s, past, x.device)  # None: no mask
+        # Keys are packed only where that narrows them: if a sequence with an open query has
+        # every key on, the packed width is S anyway, and attention runs over all keys, the
+        # off ones as the zero rows they are (the same products, without the packing).
+        if bool(q_on.all()) and int(key_on.sum(1).max()) == s:
             out = self._attend_all(x, k, v, allowed).reshape(b * t, d)
         else:
             out = x.new_zeros(b * t, d)
-            if q_on.any():
+            if bool(q_on.any()):
                 qp = Packing.of(q_on)  # the B' sequences with an open query
-                kp = Packing.of(key_on, rows=qp.rows)
-                q = self.q_proj(x.reshape(b * t, d).index_select(0, qp.flat))  # (Nq, d)
-                q = self._split(qp.pack(q))  # (B', H, Q, hd)
-                k_p, v_p = self._split(kp.select(k)), self._split(kp.select(v))  # (B', H, K, hd)
-                n_off_p = qp.gather(n_off, 2).to(x.dtype)  # (B', Hm, Q, 1)
-                allowed_p = kp.gather(qp.gather(allowed, 2), 3, rows_selected=True)
-                allowed_p = allowed_p & kp.valid[:, None, None, :]  # (B', Hm, Q, K)
-                a = attend_with_zero_rows(q, k_p, v_p, allowed_p, n_off_p)  # (B', H, Q, hd)
-                y = self.out_proj(self.out_norm(qp.unpack(self._merge(a))))  # (Nq, d)
+                if int(key_on.sum(1).index_select(0, qp.rows).max()) == s:
+                    y = self._attend_packed_queries(x, k, v, allowed, qp)
+                else:
+                    y = self._attend_packed(x, k, v, allowed, key_on, qp)
                 out.index_copy_(0, qp.flat, y)
         if aux is not None:
             dtype = x.dtype
@@ -288,6 +280,42 @@ class ConditionalAttention(nn.Module):
             aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(q_on, kv_ran,
                                                                                key_on)))
         return out.view(b, t, d)
+
+    def _attend_packed_queries(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
+                               qp: Packing) -> Tensor:
+        """Open queries packed per sequence (``qp``) attend over every key of their sequence,
+        the off keys as zero rows of ``k``/``v`` (for when packing the keys would not narrow
+        them). Returns ``(Nq, d)``, the open queries' outputs in ``qp.flat`` order."""
+        b, t, d = x.shape
+        q = self.q_proj(x.reshape(b * t, d).index_select(0, qp.flat))  # (Nq, d)
+        q = self._split(qp.pack(q))  # (B', H, Q, hd)
+        k_r, v_r = self._split(k.index_select(0, qp.rows)), self._split(v.index_select(0, qp.rows))
+        mask = None
+        if allowed is not None:  # padding query slots take position 0's row (always valid)
+            mask = qp.gather(allowed.expand(b, allowed.size(1), t, k.size(1)), 2)
+        a = F.scaled_dot_product_attention(q, k_r, v_r, attn_mask=mask)  # (B', H, Q, hd)
+        return self.out_proj(self.out_norm(qp.unpack(self._merge(a))))
+
+    def _attend_packed(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
+                       key_on: Tensor, qp: Packing) -> Tensor:
+        """Open queries and on keys packed per sequence; the off keys a query may see enter
+        its softmax as a count (:func:`attend_with_zero_rows`). Returns ``(Nq, d)`` in
+        ``qp.flat`` order."""
+        b, t, d = x.shape
+        s = k.size(1)
+        if allowed is None:
+            allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=x.device)
+        allowed = allowed.expand(b, allowed.size(1), t, s)  # (B, Hm, T, S)
+        n_off = (allowed & ~key_on[:, None, None, :]).sum(-1, keepdim=True)  # (B, Hm, T, 1)
+        kp = Packing.of(key_on, rows=qp.rows)
+        q = self.q_proj(x.reshape(b * t, d).index_select(0, qp.flat))  # (Nq, d)
+        q = self._split(qp.pack(q))  # (B', H, Q, hd)
+        k_p, v_p = self._split(kp.select(k)), self._split(kp.select(v))  # (B', H, K, hd)
+        n_off_p = qp.gather(n_off, 2).to(x.dtype)  # (B', Hm, Q, 1)
+        allowed_p = kp.gather(qp.gather(allowed, 2), 3, rows_selected=True)
+        allowed_p = allowed_p & kp.valid[:, None, None, :]  # (B', Hm, Q, K)
+        a = attend_with_zero_rows(q, k_p, v_p, allowed_p, n_off_p)  # (B', H, Q, hd)
+        return self.out_proj(self.out_norm(qp.unpack(self._merge(a))))
 
     def _attend_all(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> Tensor:
         """LN(MultiHeadAtten(K, V, x W_q)) W_o for every query: x ``(B, T, d)``, k/v
