@@ -52,7 +52,7 @@ class Packing:
         rank = sel.cumsum(1)[b_idx, t_idx] - 1
         slot = b_idx * width + rank
         pos = torch.zeros(rows.numel() * width, dtype=torch.long, device=selected.device)
-        pos = pos.index_copy(0, slot, t_idx).view(rows.numel(), width)
+        pos = pos.index_copy_(0, slot, t_idx).view(rows.numel(), width)
         valid = torch.arange(width, device=selected.device) < counts[:, None]
         return cls(rows[b_idx] * t + t_idx, rows, slot, pos, valid)
 
@@ -67,7 +67,7 @@ class Packing:
     def pack(self, values: Tensor) -> Tensor:
         """``(N, d)`` values of the selected tokens (in ``flat`` order) -> ``(B', W, d)``."""
         out = values.new_zeros(self.n_rows * self.width, values.size(-1))
-        return out.index_copy(0, self.slot, values).view(self.n_rows, self.width, -1)
+        return out.index_copy_(0, self.slot, values).view(self.n_rows, self.width, -1)
 
     def unpack(self, packed: Tensor) -> Tensor:
         """``(B', W, d)`` -> ``(N, d)`` rows of the selected tokens, in ``flat`` order."""
@@ -98,4 +98,4 @@ class Packing:
 
 def scatter_rows(values: Tensor, flat: Tensor, n_total: int) -> Tensor:
     """``(N, d)`` rows at flat indices ``flat`` -> ``(n_total, d)``, zeros elsewhere."""
-    return values.new_zeros(n_total, values.size(-1)).index_copy(0, flat, values)
+    return values.new_zeros(n_total, values.size(-1)).index_copy_(0, flat, values)

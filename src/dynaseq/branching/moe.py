@@ -126,7 +126,7 @@ class ExpertPairs:
     def combine(self, ys: Tensor, n_tokens: int) -> Tensor:
         """``(M·k, d')`` pair outputs -> ``(M, d')``: ``Σ_pairs g(x, i) · y`` per token."""
         out = ys.new_zeros(n_tokens, ys.size(-1))
-        return out.index_add(0, self.token, ys * self.weight[:, None])
+        return out.index_add_(0, self.token, ys * self.weight[:, None])
 
     def mix(self, proj: BranchedLinear, flat: Tensor) -> Tensor:
         """``Σ_i g(x, i) · (W_i x + b_i)`` over each token's k experts: ``(M, in) -> (M, out)``."""
