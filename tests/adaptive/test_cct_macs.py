@@ -157,3 +157,32 @@ def test_flop_counter_agrees_with_the_record_in_every_attention_layout(steer, pa
         # keys run where on, not padding, and some query of the sequence is open
         assert record == attn.realized_macs(q_on, kv_on & ~pad & q_on.any(1, keepdim=True))
         assert measured == sum(record.values())
+
+
+def test_static_cache_packs_its_keys_once_and_counts_that_width(steer, pattern, monkeypatch):
+    """Cross-attention steps reuse one packing of the cached keys (over every sequence), and
+    the record counts the width that ran; the output is that of a per-step packing."""
+    from dynaseq.adaptive import conditional_attention as module
+
+    torch.manual_seed(0)
+    attn = conditional_attention(D, H, control_hidden=C).eval()
+    steer(attn.q_control, [0])
+    steer(attn.kv_control, [1])
+    mem = pattern(torch.randn(2, 6, D), 1,
+                  torch.tensor([[1, 1, 0, 1, 0, 0], [0, 0, 1, 0, 0, 0]]).bool())
+    cache = GatedKVCache(static=True)
+    attn(torch.randn(2, 1, D), mem, cache=cache)  # fills the cache: 3 and 1 keys on
+    packings, pack = [], module.PackedKeys.of
+    monkeypatch.setattr(module.PackedKeys, "of",
+                        staticmethod(lambda *a: packings.append(1) or pack(*a)))
+    q_on = torch.tensor([[False], [True]])  # seq 1's query only
+    x = pattern(torch.randn(2, 1, D), 0, q_on)
+    for _ in range(2):
+        aux = AuxOutputs()
+        measured = _measured(lambda: attn(x, mem, cache=cache, aux=aux))  # noqa: B023
+        # seq 1 alone has 1 key on, but the shared packing is 3 wide
+        assert aux.traces["cct.macs"][0].macs["attn_scores"] == 1 * 1 * 3 * D
+        assert measured == sum(aux.traces["cct.macs"][0].macs.values())
+    assert len(packings) == 1
+    reference = attn._attend_packed(x, cache.k, cache.v, None, cache.on, module.Packing.of(q_on))
+    torch.testing.assert_close(attn(x, mem, cache=cache)[1], reference)

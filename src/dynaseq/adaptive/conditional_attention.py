@@ -85,6 +85,7 @@ class GatedKVCache(KVCache):
     """
 
     on: Tensor | None = None
+    packed: PackedKeys | None = None
 
     @property
     def length(self) -> int:
@@ -94,6 +95,44 @@ class GatedKVCache(KVCache):
         super().reorder(index)
         if self.on is not None:
             self.on = self.on.index_select(0, index)
+        if self.packed is not None:
+            self.packed = self.packed.select(index)
+
+
+@dataclass
+class PackedKeys:
+    """A static cache's on keys packed to the left per sequence, once for every step.
+
+    k, v: ``(B, H, W, d_head)`` contiguous; W is the most on keys of any sequence.
+    valid: ``(B, W)`` bool, True at real slots.
+    n_off: ``(B,)`` float, keys every query may attend that are off (zero rows of the
+    softmax; the mask of a static cache does not depend on the query).
+    """
+
+    k: Tensor
+    v: Tensor
+    valid: Tensor
+    n_off: Tensor
+
+    @classmethod
+    def of(cls, k: Tensor, v: Tensor, on: Tensor, allowed: Tensor | None,
+           split) -> PackedKeys:
+        """k, v ``(B, S, d)``; on ``(B, S)``; allowed broadcastable to ``(B, 1, 1, S)``;
+        ``split``: ``(B, W, d)`` -> ``(B, H, W, d_head)``."""
+        assert allowed is None or allowed.size(1) == allowed.size(2) == 1, "query-independent"
+        kp = Packing.of(on, rows=torch.arange(on.size(0), device=on.device))
+        may = on.new_ones(()) if allowed is None else allowed[:, 0, 0, :]
+        n_off = (may & ~on).sum(1).to(k.dtype)
+        return cls(split(kp.select(k)).contiguous(), split(kp.select(v)).contiguous(),
+                   kp.valid, n_off)
+
+    @property
+    def width(self) -> int:
+        return self.valid.size(1)
+
+    def select(self, rows: Tensor) -> PackedKeys:
+        return PackedKeys(self.k.index_select(0, rows), self.v.index_select(0, rows),
+                          self.valid.index_select(0, rows), self.n_off.index_select(0, rows))
 
 
 def _linear_macs(m: nn.Module, n: int) -> int:
@@ -261,6 +300,7 @@ class ConditionalAttention(nn.Module):
         # Keys are packed only where that narrows them: if a sequence with an open query has
         # every key on, the packed width is S anyway, and attention runs over all keys, the
         # off ones as the zero rows they are (the same products, without the packing).
+        key_width = None  # packed over the open sequences (realized_macs' default)
         if bool(q_on.all()) and int(key_on.sum(1).max()) == s:
             out = self._attend_all(x, k, v, allowed).reshape(b * t, d)
         else:
@@ -269,6 +309,12 @@ class ConditionalAttention(nn.Module):
                 qp = Packing.of(q_on)  # the B' sequences with an open query
                 if int(key_on.sum(1).index_select(0, qp.rows).max()) == s:
                     y = self._attend_packed_queries(x, k, v, allowed, qp)
+                elif cache is not None and cache.static and (allowed is None
+                                                             or allowed.size(2) == 1):
+                    if cache.packed is None:  # packed once; every later step reuses it
+                        cache.packed = PackedKeys.of(k, v, key_on, allowed, self._split)
+                    key_width = cache.packed.width
+                    y = self._attend_static_packed(x, cache.packed, qp)
                 else:
                     y = self._attend_packed(x, k, v, allowed, key_on, qp)
                 out.index_copy_(0, qp.flat, y)
@@ -277,8 +323,8 @@ class ConditionalAttention(nn.Module):
             self._trace(aux, q_on[..., None].to(dtype),
                         None if kv_ran is None else kv_ran[..., None].to(dtype),
                         allowed, s, memory is not None)
-            aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(q_on, kv_ran,
-                                                                               key_on)))
+            aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(
+                q_on, kv_ran, key_on, key_width=key_width)))
         return out.view(b, t, d)
 
     def _attend_packed_queries(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
@@ -294,6 +340,17 @@ class ConditionalAttention(nn.Module):
         if allowed is not None:  # padding query slots take position 0's row (always valid)
             mask = qp.gather(allowed.expand(b, allowed.size(1), t, k.size(1)), 2)
         a = F.scaled_dot_product_attention(q, k_r, v_r, attn_mask=mask)  # (B', H, Q, hd)
+        return self.out_proj(self.out_norm(qp.unpack(self._merge(a))))
+
+    def _attend_static_packed(self, x: Tensor, packed: PackedKeys, qp: Packing) -> Tensor:
+        """Open queries (``qp``) attend over a static cache's :class:`PackedKeys` (no
+        per-step packing of the keys). Returns ``(Nq, d)`` in ``qp.flat`` order."""
+        b, t, d = x.shape
+        keys = packed if qp.n_rows == b else packed.select(qp.rows)  # (B', H, W, hd)
+        q = self.q_proj(x.reshape(b * t, d).index_select(0, qp.flat))  # (Nq, d)
+        q = self._split(qp.pack(q))  # (B', H, Q, hd)
+        a = attend_with_zero_rows(q, keys.k, keys.v, keys.valid[:, None, None, :],
+                                  keys.n_off[:, None, None, None])  # (B', H, Q, hd)
         return self.out_proj(self.out_norm(qp.unpack(self._merge(a))))
 
     def _attend_packed(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
@@ -383,8 +440,8 @@ class ConditionalAttention(nn.Module):
             "control_kv": self.kv_control.macs(n_kv),
         }
 
-    def realized_macs(self, q_on: Tensor, kv_on: Tensor | None,
-                      key_on: Tensor | None = None) -> dict[str, int]:
+    def realized_macs(self, q_on: Tensor, kv_on: Tensor | None, key_on: Tensor | None = None,
+                      key_width: int | None = None) -> dict[str, int]:
         """MACs the inference path executes for a hard gate pattern (keys as in :meth:`macs`).
 
         q_on: ``(B, T)`` bool, queries whose gate is on.
@@ -397,6 +454,8 @@ class ConditionalAttention(nn.Module):
         Projections count per open token. The attention products run on the packed layout:
         ``B'`` sequences with an open query, each padded to the most open queries (``Q``)
         and the most open keys (``K``) among them: ``B'·Q·K·d_model`` each.
+        key_width: ``K`` when the keys were packed over more sequences than the open ones
+            (a static cache's :class:`PackedKeys`, packed once for every step).
         """
         if key_on is None:
             if kv_on is None:
@@ -407,7 +466,7 @@ class ConditionalAttention(nn.Module):
         if n_q:
             rows = q_on.any(1)
             width_q = int(q_on.sum(1).max())
-            width_k = int(key_on[rows].sum(1).max())
+            width_k = int(key_on[rows].sum(1).max()) if key_width is None else key_width
             products = int(rows.sum()) * width_q * width_k * self.d_model
         n_kv = 0 if kv_on is None else int(kv_on.sum())
         return {
@@ -439,6 +498,7 @@ def _store(cache: GatedKVCache, k: Tensor, v: Tensor,
         v = torch.cat([cache.v, v], dim=1)
         on = None if on is None else torch.cat([cache.on, on], dim=1)
     cache.k, cache.v, cache.on = k, v, on
+    cache.packed = None  # packed from these keys when first needed
     return k, v, on
 
 
