@@ -40,6 +40,10 @@ enters only as the count ``n_off``, so the score/value products run over the "on
    keys are packed per sequence (:class:`~dynaseq.adaptive.packing.Packing`) and attend;
    the output LayerNorm and projection run on those queries only and are scattered back.
    A gated-off query's output is exactly 0, so the residual passes unchanged.
+3. Keys are packed only where that narrows them: when a sequence with an open query has
+   every key on, the packed width would be S anyway, so attention runs over all keys (plain
+   scaled-dot-product attention), the off ones entering as the zero rows they are. A static
+   (cross-attention) cache packs its on keys once (:class:`PackedKeys`) for every step.
 
 Incremental decoding needs a :class:`GatedKVCache`: it keeps the keys/values (zero rows where
 off) and which keys are on, so step-by-step decoding equals the full-sequence pass.
