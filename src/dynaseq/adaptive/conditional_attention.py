@@ -56,6 +56,7 @@ attended token: the soft gates in training, 0/1 "ran" at inference. At inference
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,7 +121,7 @@ class PackedKeys:
 
     @classmethod
     def of(cls, k: Tensor, v: Tensor, on: Tensor, allowed: Tensor | None,
-           split) -> PackedKeys:
+           split: Callable[[Tensor], Tensor]) -> PackedKeys:
         """k, v ``(B, S, d)``; on ``(B, S)``; allowed broadcastable to ``(B, 1, 1, S)``;
         ``split``: ``(B, W, d)`` -> ``(B, H, W, d_head)``."""
         assert allowed is None or allowed.size(1) == allowed.size(2) == 1, "query-independent"
