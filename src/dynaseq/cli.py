@@ -108,6 +108,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"BLEU {result['bleu']:.2f}  loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
               f"PTR {result['ptr']:.2f}  ({result['n_sentences']} sentences)\n"
               f"{result['signature']}")
+    if result.get("collapsed"):
+        from dynaseq.branching.usage import COLLAPSE_SHARE
+
+        n, names = len(result["branch_usage"]), result["collapsed"]
+        print(f"dynaseq: warning: routing collapsed in {len(names)} of {n} gating units (one "
+              f"branch ran over {COLLAPSE_SHARE:.0%} of their tokens): {', '.join(names)}",
+              file=sys.stderr)
     return 0
 
 

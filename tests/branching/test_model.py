@@ -263,6 +263,12 @@ def test_evaluate_json_reports_paper_macs_and_ptr(branch_run, synthetic_paths):
     model = dynaseq.load(run).model
     assert res["macs_pair"] == pair_macs(model, 30, 30)
     assert res["ptr"] == pytest.approx(res["bleu"] / math.sqrt(res["macs_pair"]) * 1e4)
+    # 1+1 layers: 2 encoder units (attention, FFN), 4 decoder units (cross-attention: 2 streams)
+    usage = res["branch_usage"]
+    assert len(usage) == 2 + 4 and all(len(s) == 3 for s in usage.values())
+    assert all(sum(s) == pytest.approx(1.0) for s in usage.values())
+    assert res["collapsed"] == [n for n, s in usage.items() if max(s) > 0.9]
+    assert ("routing collapsed" in proc.stderr.decode()) == bool(res["collapsed"])
 
 
 # ------------------------------------------------------------------------------ MACs, PTR

@@ -103,7 +103,7 @@ class RoutingLosses:
         return torch.stack(values).mean()
 
 
-def _valid_rows(trace: RouteTrace | ExpertTrace, valid: Valid, shape: torch.Size) -> Tensor | None:
+def valid_rows(trace: RouteTrace | ExpertTrace, valid: Valid, shape: torch.Size) -> Tensor | None:
     """The ``(B, T)`` bool mask of ``trace``'s tokens, None for all (see module docstring)."""
     if valid is None:
         return None
@@ -164,7 +164,7 @@ def routing_losses(traces: AuxOutputs | Sequence[RouteTrace | ExpertTrace], vali
         if not isinstance(tr, (RouteTrace, ExpertTrace)):
             raise ValueError(f"not a route trace: {type(tr).__name__}")
         shape = _values(tr).shape[:-1]
-        by_gate.setdefault(tr.gate_id, []).append((tr, _valid_rows(tr, valid, shape)))
+        by_gate.setdefault(tr.gate_id, []).append((tr, valid_rows(tr, valid, shape)))
     gates: list[GateLosses] = []
     sums: list[Tensor] = []  # per gate: the sum of its terms
     for items in by_gate.values():

@@ -225,7 +225,27 @@ class Translator:
             compute = self.realized_compute(src, ref, budget)
             result["realized_fraction"] = compute["fraction"]
             result["realized_macs_per_token"] = compute["macs_per_token"]
+        if self.config.model.dmb is not None or self.config.model.moe is not None:
+            from dynaseq.branching.usage import collapsed
+
+            result["branch_usage"] = self.branch_usage(src, ref)
+            result["collapsed"] = collapsed(result["branch_usage"])
         return result
+
+    def branch_usage(self, src: list[str], ref: list[str]) -> dict[str, list[float]]:
+        """DMB / MoE models: share of the tokens each branch ran per gating unit, teacher
+        forced on the references (:func:`~dynaseq.branching.usage.branch_usage`)."""
+        from dynaseq.branching.usage import branch_usage
+        from dynaseq.data import token_batches
+
+        corpus, _ = make_corpus(self.tokenizer.encode(src), self.tokenizer.encode(ref),
+                                self.config.data.max_len, long_lines="truncate")
+        m = self.model
+        batches = (collate(corpus, idx, m.pad_id, m.bos_id, m.eos_id).to(self.device)
+                   for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(),
+                                            self.config.data.max_tokens, seed=0, epoch=0,
+                                            shuffle=False))
+        return branch_usage(m, ((b.src, b.tgt_in) for b in batches), m.pad_id)
 
     def realized_compute(self, src: list[str], ref: list[str],
                          budget: Budget = None) -> dict[str, object]:
