@@ -8,13 +8,17 @@ round by round (these machines are noisy; the ratios come from the same rounds):
   ``data.max_tokens`` tokens);
 * batched beam-4 decoding of the same sentences (batches of 64).
 
+* beam-4 decoding of the same sentences forced to exactly ``--fixed-len`` tokens each
+  (``min_len``; no early end): every system then runs the same number of steps, so the
+  ratios hold compute per step apart from how long each system's translations are.
+
 Times are reported as ratios to the CCT at budget 1 (median over rounds). Also measured:
 the CCT with every gate forced off (``force_gates(model, 0.0)``: embeddings, output layer,
-control nets and gating overhead only), scored only (decoding it would run to the length
-limit): the floor under any budget. ``floor + b·(1 − floor)`` is then the best scoring time a
-budget b can reach given the ungated parts (Amdahl).
+control nets and gating overhead only), scored and decoded at the fixed length: the floor
+under any budget. ``floor + b·(1 − floor)`` is then the best time a budget b can reach
+given the ungated parts (Amdahl).
 
-    python benchmarks/cct_speed.py [--rounds 3] [--decode-lines 1000]
+    python benchmarks/cct_speed.py [--rounds 3] [--decode-lines 1000] [--fixed-len 16]
 
 Writes benchmarks/results/cct_speed.{json,md}. Run from the repository root, alone.
 """
@@ -34,7 +38,7 @@ import torch
 
 from dynaseq.adaptive.cct import force_gates
 from dynaseq.data import read_lines
-from dynaseq.infer.translator import Translator
+from dynaseq.infer.translator import Translator, control_for_budget, decode_corpus
 
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
@@ -49,10 +53,19 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def fixed_length_beam4(t: Translator, lines: list[str], budget, length: int) -> None:
+    """Beam-4 decoding of ``lines`` (batches of 64) to exactly ``length`` tokens each."""
+    decode_corpus(t.model, t.tokenizer.encode(lines), beam=4, max_len_a=0.0,
+                  max_len_b=length, min_len=length - 1, batch_size=64, device=t.device,
+                  control=control_for_budget(t.config.model, budget))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decode-lines", type=int, default=1000)
+    p.add_argument("--fixed-len", type=int, default=16,
+                   help="tokens per sentence (eos included) of the fixed-length decoding")
     args = p.parse_args()
     src = read_lines(DATA / "test_2016_flickr.en.gz")
     ref = read_lines(DATA / "test_2016_flickr.fr.gz")
@@ -62,7 +75,7 @@ def main() -> None:
     systems = {f"cct {b[0]:g},{b[1]:g}": (cct, b, None) for b in BUDGETS}
     systems["cct all gates off"] = (cct, BUDGETS[0], 0.0)
     systems["dense small"] = (dense, None, None)
-    times = {name: {"score": [], "beam4": []} for name in systems}
+    times = {name: {"score": [], "beam4": [], "beam4_fixed": []} for name in systems}
     for r in range(args.rounds + 1):  # round 0 warms up and is not counted
         for name, (t, budget, forced) in systems.items():
             ctx = force_gates(t.model, forced) if forced is not None else contextlib.nullcontext()
@@ -70,14 +83,16 @@ def main() -> None:
                 s = timed(lambda t=t, budget=budget: t.score(src, ref, budget=budget))
                 d = float("nan") if forced is not None else timed(
                     lambda t=t, budget=budget: t.translate(dec_src, beam=4, budget=budget))
+                f = timed(lambda t=t, budget=budget: fixed_length_beam4(
+                    t, dec_src, budget, args.fixed_len))
             if r:
-                times[name]["score"].append(s)
-                times[name]["beam4"].append(d)
-            print(f"round {r} {name}: score {s:.2f}s beam4 {d:.2f}s", file=sys.stderr,
-                  flush=True)
+                for key, value in (("score", s), ("beam4", d), ("beam4_fixed", f)):
+                    times[name][key].append(value)
+            print(f"round {r} {name}: score {s:.2f}s beam4 {d:.2f}s fixed {f:.2f}s",
+                  file=sys.stderr, flush=True)
     med = {n: {k: statistics.median(v) for k, v in m.items()} for n, m in times.items()}
     base = med["cct 1,1"]
-    floor = med["cct all gates off"]["score"] / base["score"]
+    floor = {k: med["cct all gates off"][k] / base[k] for k in ("score", "beam4_fixed")}
     rows = []
     for name in systems:
         row = {"system": name, "seconds": {k: round(v, 3) for k, v in med[name].items()},
@@ -87,37 +102,49 @@ def main() -> None:
             b = budget[0]
             row["budget"] = list(budget)
             row["target"] = {"score": round(b + 0.10, 3), "beam4": round(b + 0.25, 3)}
-            row["amdahl_limit"] = {"score": round(floor + b * (1 - floor), 3)}
+            row["amdahl_limit"] = {k: round(f + b * (1 - f), 3) for k, f in floor.items()}
         rows.append(row)
     dense_vs_cct = {k: round(base[k] / med["dense small"][k], 3) for k in base}
     out = {"benchmark": "cct_speed",
            "command": f"python benchmarks/cct_speed.py --rounds {args.rounds} "
-                      f"--decode-lines {args.decode_lines}",
+                      f"--decode-lines {args.decode_lines} --fixed-len {args.fixed_len}",
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
                        "threads": torch.get_num_threads()},
            "test_set": f"multi30k test_2016_flickr en->fr: {len(src)} sentences scored, "
-                       f"{len(dec_src)} decoded (beam 4, batches of 64)",
+                       f"{len(dec_src)} decoded (beam 4, batches of 64), also to exactly "
+                       f"{args.fixed_len} tokens each",
            "rows": rows, "cct_budget_1_time_over_dense": dense_vs_cct,
-           "floor_all_gates_off": {"score": round(floor, 3)}}
+           "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cct_speed.json").write_text(json.dumps(out, indent=1))
+    write_md(out)
+
+
+def write_md(out: dict) -> None:
     lines = ["# cct_speed: wall time at each budget, ratio to budget 1 (same run, interleaved)",
              "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
              f"Test set: {out['test_set']}", "",
-             "| system | scoring s | scoring ratio | target | Amdahl limit | beam-4 s | "
-             "beam-4 ratio | target |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        tg, lim = r.get("target", {}), r.get("amdahl_limit", {})
+             "| system | scoring ratio | target | Amdahl limit | beam-4 ratio | target | "
+             "fixed-length beam-4 ratio | Amdahl limit | scoring s | beam-4 s | fixed s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in out["rows"]:
+        tg, lim, ratio, sec = (r.get("target", {}), r.get("amdahl_limit", {}),
+                               r["ratio_to_cct_budget_1"], r["seconds"])
         lines.append(
-            f"| {r['system']} | {r['seconds']['score']} | {r['ratio_to_cct_budget_1']['score']}"
-            f" | {tg.get('score', '')} | {lim.get('score', '')} | {r['seconds']['beam4']} | "
-            f"{r['ratio_to_cct_budget_1']['beam4']} | {tg.get('beam4', '')} |")
-    lines += ["", f"CCT at budget 1 takes {dense_vs_cct['score']}× the dense model's time "
-              f"to score and {dense_vs_cct['beam4']}× to beam-decode (target ≤ 1.10×).",
-              "", "Amdahl limit: floor + b·(1 − floor), where the floor is the CCT's time "
-              "with every gate forced off (the ungated embeddings, output layer and control "
-              "nets, plus gating overhead), scoring: "
-              f"{out['floor_all_gates_off']['score']} of budget 1's time."]
+            f"| {r['system']} | {ratio['score']} | {tg.get('score', '')} | "
+            f"{lim.get('score', '')} | {ratio['beam4']} | {tg.get('beam4', '')} | "
+            f"{ratio['beam4_fixed']} | {lim.get('beam4_fixed', '')} | {sec['score']} | "
+            f"{sec['beam4']} | {sec['beam4_fixed']} |")
+    dense, floor = out["cct_budget_1_time_over_dense"], out["floor_all_gates_off"]
+    lines += ["", f"CCT at budget 1 takes {dense['score']}× the dense model's time to score, "
+              f"{dense['beam4']}× to beam-decode and {dense['beam4_fixed']}× to beam-decode at "
+              "the fixed length (target ≤ 1.10×).", "",
+              "Amdahl limit: floor + b·(1 − floor), where the floor is the CCT's time with "
+              "every gate forced off (the ungated embeddings, output layer and control nets, "
+              f"plus gating overhead): {floor['score']} of budget 1's time to score, "
+              f"{floor['beam4_fixed']} to decode at the fixed length. The beam-4 column "
+              "decodes each system's own translations, whose lengths differ by system; the "
+              "fixed-length column runs every system the same number of steps."]
     (RESULTS / "cct_speed.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
