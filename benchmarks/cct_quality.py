@@ -5,7 +5,8 @@ trained on Multi30k en->fr with the budgets of configs/multi30k_cct_small.yaml, 
 at (b, b) for b in {1, .5, .33, .2} and at the decoder-only budgets (1, b). Dense baselines
 are the `small` model shrunk in depth or in FFN width to about the MACs the CCT realizes at
 .5 and .33 (fig. 4), and with the full encoder and a shrunk decoder (fig. 5). The dense
-`small` en->fr model of benchmarks/mt_baseline.py is the "dense model of the CCT's size".
+`small` model itself (same data, updates, batch and seed as the CCT) is the "dense model of
+the CCT's size".
 
     python benchmarks/cct_quality.py train cct          # the CCT (60 min, 1 thread)
     python benchmarks/cct_quality.py train baselines    # the dense baselines (1 thread)
@@ -40,13 +41,15 @@ RESULTS = Path("benchmarks/results")
 RUNS = Path("runs/bench")
 CCT_RUN = RUNS / "cct_quality_cct"
 CCT_MINUTES = 60.0
-DENSE_FULL = RUNS / "mt_baseline_small_en_fr"  # trained by benchmarks/mt_baseline.py
-DENSE_STEPS = 729  # the updates the dense small en->fr model got (mt_baseline.json)
-# name -> (description, overrides of configs/multi30k_small.yaml)
+# Every dense model gets the CCT's updates (configs/multi30k_cct_small.yaml train.max_steps),
+# with the same data, batch size, schedule and seed: equal training, not equal minutes.
+DENSE_STEPS = 1400
+# name -> (description, overrides of configs/multi30k_small.yaml); listed in training order
 BASELINES = {
-    "depth_2_1": ("depth: 2+1 layers", ["model.encoder_layers=2", "model.decoder_layers=1"]),
+    "small": ("small (3+3, FFN 1024)", []),
     "depth_1_1": ("depth: 1+1 layers", ["model.encoder_layers=1", "model.decoder_layers=1"]),
     "width_f128": ("FFN width 128", ["model.ffn_dim=128"]),
+    "depth_2_1": ("depth: 2+1 layers", ["model.encoder_layers=2", "model.decoder_layers=1"]),
     "decoder_3_1": ("full encoder, 1 decoder layer",
                     ["model.encoder_layers=3", "model.decoder_layers=1"]),
 }
@@ -115,8 +118,6 @@ def cmd_report(args: argparse.Namespace) -> None:
     cct = Translator.load(CCT_RUN)
     rows = [{"system": f"CCT ({e:g}, {d:g})", **evaluate(cct, src, ref, (e, d))}
             for e, d in CCT_BUDGETS]
-    rows.append({"system": "dense small (3+3, FFN 1024)",
-                 **evaluate(Translator.load(DENSE_FULL), src, ref)})
     for name, (desc, _) in BASELINES.items():
         run = Path(baseline_config(name).run_dir)
         if (run / "config.yaml").exists():

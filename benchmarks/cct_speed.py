@@ -1,7 +1,7 @@
 """Benchmark `cct_speed`: is a CCT budget a wall-clock saving? (2 CPU cores)
 
 For the CCT of benchmarks/cct_quality.py at each budget (b, b), and for the dense `small`
-model of the same size (benchmarks/mt_baseline.py), measures in one process, interleaved
+model of the same size trained as long (benchmarks/cct_quality.py), measures in one process, interleaved
 round by round (these machines are noisy; the ratios come from the same rounds):
 
 * teacher-forced scoring of Multi30k test_2016_flickr (1000 sentences, batches of
@@ -43,7 +43,7 @@ from dynaseq.infer.translator import Translator, control_for_budget, decode_corp
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
 CCT_RUN = Path("runs/bench/cct_quality_cct")
-DENSE_RUN = Path("runs/bench/mt_baseline_small_en_fr")
+DENSE_RUN = Path("runs/bench/cct_quality_small")
 BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 
 

@@ -19,6 +19,7 @@ writing a checkpoint it can resume from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -118,6 +119,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dynaseq.data import read_lines
+
+    src, ref = read_lines(args.src), read_lines(args.ref)
+    if len(src) != len(ref):
+        raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
+    t = _translator(args)
+    fitted = t.calibrate(src[: args.lines], ref[: args.lines], budgets=args.budgets,
+                         tol=args.tol)
+    path = t.save_calibration(args.run_dir, {"src": args.src, "ref": args.ref,
+                                             "lines": min(args.lines, len(src))})
+    print("budget (enc, dec)  control  offset enc  offset dec  realized before -> after")
+    for c in fitted:
+        before, after = c.uncalibrated, c.realized
+        print(f"({c.budget[0]:g}, {c.budget[1]:g})".ljust(19) + f"{c.control:>7}  "
+              f"{c.offsets['encoder']:>+10.3f}  {c.offsets['decoder']:>+10.3f}  "
+              f"({before['encoder']:.3f}, {before['decoder']:.3f}) -> "
+              f"({after['encoder']:.3f}, {after['decoder']:.3f})")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from dynaseq.infer.translator import control_for_budget
     from dynaseq.metrics.profile import profile_model
@@ -125,10 +148,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if target.is_dir() and _run_kind(str(target)) == "lm":
         return _profile_lm(args)
+    budget_ctx = contextlib.nullcontext(None)
     if target.is_dir():
         args.run_dir = str(target)
         t = _translator(args)
-        model, model_cfg = t.model, t.config.model
+        model = t.model
+        budget_ctx = t.at_budget(args.budget)  # with the run's calibration, if any
     elif target.is_file():
         from dynaseq.branching import merge_shared_
         from dynaseq.config import load_config
@@ -137,12 +162,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
         cfg = load_config(target, args.overrides)
         if getattr(cfg, "task", None) == "lm":  # random weights, vocabulary of data.train
             return _profile_lm(args, cfg)
-        model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
+        model = build_seq2seq(cfg.model, cfg.data.vocab_size).eval()
         merge_shared_(model)  # DMB: as Translator.load runs it
+        budget_ctx = contextlib.nullcontext(control_for_budget(cfg.model, args.budget))
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
-    result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
-                           control=control_for_budget(model_cfg, args.budget))
+    with budget_ctx as control:
+        result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
+                               control=control)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -486,6 +513,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(func=cmd_evaluate)
 
+    p = sub.add_parser(
+        "calibrate", help="CCT: fit gate thresholds so each budget's realized compute meets it",
+        description="Run the CCT teacher forced on held-out pairs (batch 1) and find, per "
+                    "budget and sub-network, one offset for the inference threshold of its "
+                    "gates that brings the realized compute fraction to the budget. Writes "
+                    "RUN_DIR/calibration.json for the checkpoint used; translate, evaluate "
+                    "and profile then run each calibrated budget with its offsets. A budget "
+                    "that was not trained (--budgets) starts from the nearest trained one. "
+                    "Example: dynaseq calibrate runs/cct --src val.en --ref val.fr")
+    p.add_argument("run_dir")
+    p.add_argument("--src", required=True, help="held-out source sentences (e.g. validation)")
+    p.add_argument("--ref", required=True, help="their references")
+    p.add_argument("--budgets", type=parse_budget, nargs="+", default=None,
+                   help="budgets to fit, each 0.33 or ENC,DEC (default: every trained one)")
+    p.add_argument("--lines", type=int, default=300, help="calibrate on the first N pairs")
+    p.add_argument("--tol", type=float, default=0.005,
+                   help="stop once the realized fraction is this close (default 0.005)")
+    _add_run_args(p)
+    p.set_defaults(func=cmd_calibrate)
+
     p = sub.add_parser("profile", help="parameters, MACs per token and decoding latency")
     p.add_argument("target", help="a run directory or a YAML config (random weights)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for a config")
@@ -639,12 +686,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("beam", "batch_size", "k", "repeats", "src_len", "tgt_len", "batch",
-                 "window", "max_evals", "valid_tokens"):
+                 "window", "max_evals", "valid_tokens", "lines"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "minutes", 1) <= 0:
         parser.error("--minutes must be > 0")
+    if getattr(args, "tol", 1) <= 0:
+        parser.error("--tol must be > 0")
     try:
         return args.func(args)
     except DynaseqError as e:

@@ -11,22 +11,8 @@ import dynaseq
 from dynaseq.config import CCTConfig
 from dynaseq.errors import DynaseqError
 from dynaseq.infer.translator import control_for_budget
-from dynaseq.train.loop import train
 
-from helpers import micro_config, run_cli
-
-BUDGETS = [(1.0, 1.0), (0.5, 0.5), (1.0, 0.33)]
-
-
-@pytest.fixture(scope="module")
-def cct_run(tmp_path_factory, synthetic_paths):
-    run = tmp_path_factory.mktemp("cct") / "run"
-    cfg = micro_config(run, synthetic_paths, max_steps=8, log_every=1, valid_every=8,
-                       save_every=8, valid_bleu_lines=4)
-    cfg.model.cct = CCTConfig(ffn_pieces=2, control_hidden=8, noise_ramp_steps=4,
-                              budgets=BUDGETS)
-    result = train(cfg, progress=False)
-    return run, result
+from helpers import run_cli
 
 
 def test_training_logs_a_budget_loss(cct_run):

@@ -12,7 +12,9 @@ and a :class:`Gate` turns logits into gates:
 * inference: hard gates ``g = 1[σ(G(x)) >= 0.5] = 1[G(x) >= 0]`` (eq. 2), no noise.
 
 ``Gate.gate_override`` (or :func:`force_gates` over a whole model) pins every gate to a
-constant, e.g. 1.0 to run the full network. Gated sub-layers report what their gates did
+constant, e.g. 1.0 to run the full network. ``Gate.offset`` (or :func:`shift_gates` per
+sub-network) moves the inference threshold, ``g = 1[G(x) + offset >= 0]``: the knob that
+:mod:`~dynaseq.adaptive.calibration` turns to make a budget's realized compute hit it. Gated sub-layers report what their gates did
 through :class:`GateTrace` and :class:`MacsRecord` entries in the per-call ``AuxOutputs``.
 
 Example::
@@ -24,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -105,9 +107,11 @@ class Gate(nn.Module):
     """Logits -> gates: noisy sigmoid in training (eq. 3), 0/1 threshold at inference (eq. 2).
 
     ``step`` (a non-persistent buffer: checkpoints hold weights only) is the training step
-    that sets the noise scale α; the training loop sets it (:func:`set_gate_step`). ``gate_override`` pins every gate: in training the gates
-    equal it; at inference they are ``1`` if it is >= 0.5, else ``0``. ``None`` (default)
-    lets the control network decide.
+    that sets the noise scale α; the training loop sets it (:func:`set_gate_step`).
+    ``gate_override`` pins every gate: in training the gates equal it; at inference they are
+    ``1`` if it is >= 0.5, else ``0``. ``None`` (default) lets the control network decide.
+    ``offset`` (inference only, default 0) is added to the logits before the threshold:
+    ``1[logits + offset >= 0]``; a positive offset opens more gates.
 
     forward: logits ``(...)`` -> gates ``(...)``, same shape and dtype; at inference
     exactly 0.0 or 1.0.
@@ -119,6 +123,7 @@ class Gate(nn.Module):
         self.hard_budget = hard_budget
         self.register_buffer("step", torch.zeros((), dtype=torch.long), persistent=False)
         self.gate_override: float | None = None
+        self.offset = 0.0
 
     def alpha(self) -> Tensor:
         return self.schedule.alpha(self.step)
@@ -130,7 +135,7 @@ class Gate(nn.Module):
         if self.training:
             alpha = self.alpha().to(logits.device, logits.dtype)
             return torch.sigmoid(logits + alpha * torch.randn_like(logits))
-        return (logits >= 0).to(logits.dtype)
+        return (logits >= -self.offset).to(logits.dtype)
 
     def for_budget(self, logits: Tensor, gates: Tensor) -> Tensor:
         """The gate values the budget loss counts, for ``gates = self(logits)``.
@@ -149,7 +154,7 @@ class Gate(nn.Module):
     def extra_repr(self) -> str:
         return (f"alpha_max={self.schedule.alpha_max}, ramp_steps={self.schedule.ramp_steps}, "
                 f"hard_budget={self.hard_budget}, "
-                f"gate_override={self.gate_override}")
+                f"gate_override={self.gate_override}, offset={self.offset}")
 
 
 def set_gate_step(model: nn.Module, step: int) -> None:
@@ -174,6 +179,27 @@ def force_gates(model: nn.Module, value: float | None = 1.0) -> Iterator[nn.Modu
     finally:
         for g, old in zip(gates, saved, strict=True):
             g.gate_override = old
+
+
+@contextmanager
+def shift_gates(model: nn.Module, offsets: Mapping[str, float]) -> Iterator[nn.Module]:
+    """Inside the block, add ``offsets[j]`` to the inference logits of every :class:`Gate` of
+    sub-network ``j`` (the first component of its module path, ``"encoder"`` / ``"decoder"``),
+    then restore. Sub-networks not named keep their offsets.
+    """
+    named = [(name.split(".")[0], m) for name, m in model.named_modules() if isinstance(m, Gate)]
+    unknown = set(offsets) - {sub for sub, _ in named}
+    if unknown:
+        raise ValueError(f"no gates in sub-network(s) {sorted(unknown)} of this model")
+    saved = [m.offset for _, m in named]
+    for sub, m in named:
+        if sub in offsets:
+            m.offset = float(offsets[sub])
+    try:
+        yield model
+    finally:
+        for (_, m), old in zip(named, saved, strict=True):
+            m.offset = old
 
 
 @dataclass

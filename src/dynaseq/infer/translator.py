@@ -9,14 +9,19 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
-from dataclasses import dataclass
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import sacrebleu
 import torch
 from torch import nn
 
+from dynaseq.adaptive.calibration import BudgetCalibration, applied
 from dynaseq.branching import merge_shared_
 from dynaseq.config import ModelConfig, RunConfig, load_config
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
@@ -91,6 +96,8 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
 
 
 Budget = float | tuple[float, float] | None
+CALIBRATION_FILE = "calibration.json"
+"""Written into a run directory by ``dynaseq calibrate`` (:meth:`Translator.calibrate`)."""
 
 
 def model_kind(cfg: ModelConfig) -> str:
@@ -115,15 +122,25 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
     trained = cfg.cct.controls
     if budget is None:
         return max(range(len(trained)), key=lambda i: (sum(trained[i]), -i))
-    pair = (float(budget), float(budget)) if isinstance(budget, (int, float)) else tuple(budget)
-    if len(pair) != 2:
-        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got {budget}")
-    for i, (enc, dec) in enumerate(trained):
-        if math.isclose(enc, pair[0], abs_tol=1e-6) and math.isclose(dec, pair[1], abs_tol=1e-6):
+    pair = budget_pair(budget)
+    for i, trained_pair in enumerate(trained):
+        if same_budget(trained_pair, pair):
             return i
     names = ", ".join(f"({e:g}, {d:g})" for e, d in trained)
     raise DynaseqError(f"budget ({pair[0]:g}, {pair[1]:g}) was not trained; "
                        f"trained (encoder, decoder) budgets: {names}")
+
+
+def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
+    """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats."""
+    pair = (float(budget), float(budget)) if isinstance(budget, (int, float)) else tuple(budget)
+    if len(pair) != 2:
+        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got {budget}")
+    return float(pair[0]), float(pair[1])
+
+
+def same_budget(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return all(math.isclose(x, y, abs_tol=1e-6) for x, y in zip(a, b, strict=True))
 
 
 def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
@@ -141,6 +158,10 @@ class Translator:
     (``merge_shared_``), so the loaded model's state dict has no ``shared_*`` entries.
     A checkpoint written by ``dynaseq quantize`` (``meta.json`` ``"quantization": "int8"``)
     loads as the int8 model of :mod:`dynaseq.compress.int8`, on the CPU.
+
+    ``calibrations`` (CCT models): the run's ``calibration.json`` for the loaded checkpoint
+    (:meth:`calibrate`); a calibrated budget runs with its gate offsets, and an untrained
+    budget can be run once it is calibrated.
     """
 
     model: nn.Module
@@ -148,6 +169,36 @@ class Translator:
     config: RunConfig
     device: torch.device
     checkpoint: Path
+    calibrations: list[BudgetCalibration] = field(default_factory=list)
+
+    def budget_setting(self, budget: Budget = None) -> tuple[int | None, BudgetCalibration | None]:
+        """The control-symbol id a budget runs with, and its calibration (None if none).
+
+        A calibrated budget (trained or not) takes its calibration's control and offsets;
+        otherwise it must be a trained budget (``None``: the largest), else an error names
+        the trained and the calibrated budgets.
+        """
+        cfg = self.config.model
+        if cfg.cct is None or not self.calibrations:
+            return control_for_budget(cfg, budget), None
+        pair = (cfg.cct.controls[control_for_budget(cfg)] if budget is None
+                else budget_pair(budget))
+        for cal in self.calibrations:
+            if same_budget(cal.budget, pair):
+                return cal.control, cal
+        try:
+            return control_for_budget(cfg, pair), None
+        except DynaseqError as e:
+            names = ", ".join(f"({c.budget[0]:g}, {c.budget[1]:g})" for c in self.calibrations)
+            raise DynaseqError(f"{e}; calibrated: {names}") from None
+
+    @contextlib.contextmanager
+    def at_budget(self, budget: Budget = None) -> Iterator[int | None]:
+        """Inside the block the model runs at ``budget``: yields the control-symbol id to
+        pass to it, with the budget's calibrated gate offsets applied (if any)."""
+        control, cal = self.budget_setting(budget)
+        with applied(self.model, cal):
+            yield control
 
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
@@ -168,12 +219,14 @@ class Translator:
 
             if dev.type != "cpu" and device != "auto":
                 raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
-            return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt)
+            return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
+                       read_calibration(run, ckpt, model.n_controls))
         load_weights(model, ckpt)
         # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
         # folds θ_S into every branch (same outputs, no shared parameters left to add)
         merge_shared_(model)
-        return cls(model.to(dev).eval(), tok, cfg, dev, ckpt)
+        return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
+                   read_calibration(run, ckpt, model.n_controls))
 
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,
@@ -184,16 +237,16 @@ class Translator:
         An empty (or all-whitespace) line translates to an empty line. ``budget`` (CCT
         models): a trained compute budget, ``0.33`` or ``(1.0, 0.33)``; default the largest.
         """
-        control = control_for_budget(self.config.model, budget)
         d = self.config.decode
         keep = [i for i, line in enumerate(lines) if line.strip()]
         ids = self.tokenizer.encode([lines[i] for i in keep])
-        hyps = decode_corpus(
-            self.model, ids, beam=beam or d.beam,
-            length_penalty=d.length_penalty if length_penalty is None else length_penalty,
-            max_len_a=d.max_len_a if max_len_a is None else max_len_a,
-            max_len_b=d.max_len_b if max_len_b is None else max_len_b,
-            batch_size=batch_size or d.batch_size, device=self.device, control=control)
+        with self.at_budget(budget) as control:
+            hyps = decode_corpus(
+                self.model, ids, beam=beam or d.beam,
+                length_penalty=d.length_penalty if length_penalty is None else length_penalty,
+                max_len_a=d.max_len_a if max_len_a is None else max_len_a,
+                max_len_b=d.max_len_b if max_len_b is None else max_len_b,
+                batch_size=batch_size or d.batch_size, device=self.device, control=control)
         out = [""] * len(lines)
         for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
             out[i] = text
@@ -203,9 +256,10 @@ class Translator:
         """Teacher-forced loss (NLL per target token) and perplexity of the references."""
         if len(src) != len(ref):
             raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
-        return score_corpus(self.model, self.tokenizer.encode(src), self.tokenizer.encode(ref),
-                            self.config.data.max_len, self.config.data.max_tokens, self.device,
-                            control_for_budget(self.config.model, budget))
+        with self.at_budget(budget) as control:
+            return score_corpus(self.model, self.tokenizer.encode(src),
+                                self.tokenizer.encode(ref), self.config.data.max_len,
+                                self.config.data.max_tokens, self.device, control)
 
     def evaluate(self, src: list[str], ref: list[str], beam: int | None = None,
                  budget: Budget = None, **kwargs) -> dict[str, object]:
@@ -219,9 +273,11 @@ class Translator:
         result = {"bleu": score, "signature": signature, **self.score(src, ref, budget),
                   "n_sentences": len(src), "checkpoint": str(self.checkpoint),
                   "macs_pair": macs, "ptr": ptr(score, macs)}
-        control = control_for_budget(self.config.model, budget)
+        control, cal = self.budget_setting(budget)
         if control is not None:
-            result["budget"] = list(self.config.model.cct.controls[control])
+            result["budget"] = (list(cal.budget) if cal is not None
+                                else list(self.config.model.cct.controls[control]))
+            result["gate_offsets"] = cal.offsets if cal is not None else None
             compute = self.realized_compute(src, ref, budget)
             result["realized_fraction"] = compute["fraction"]
             result["realized_macs_per_token"] = compute["macs_per_token"]
@@ -253,14 +309,98 @@ class Translator:
         per token and as a fraction of the same passes with every gate on."""
         from dynaseq.adaptive.cct import realized_fraction
 
-        control = control_for_budget(self.config.model, budget)
-        if control is None:
+        if self.config.model.cct is None:
             raise DynaseqError("realized compute is reported for CCT models only")
+        with self.at_budget(budget) as control:
+            return realized_fraction(self.model, self._pairs(src, ref), control)
+
+    def _pairs(self, src: list[str], ref: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(src (1, S), tgt_in (1, T))`` tensors of each sentence pair, teacher forced."""
         corpus, _ = make_corpus(self.tokenizer.encode(src), self.tokenizer.encode(ref),
                                 self.config.data.max_len, long_lines="truncate")
         m = self.model
-        pairs = (
-            (b.src.to(self.device), b.tgt_in.to(self.device))
-            for b in (collate(corpus, [i], m.pad_id, m.bos_id, m.eos_id)
-                      for i in range(len(corpus))))
-        return realized_fraction(m, pairs, control)
+        return [(b.src.to(self.device), b.tgt_in.to(self.device))
+                for b in (collate(corpus, [i], m.pad_id, m.bos_id, m.eos_id)
+                          for i in range(len(corpus)))]
+
+    def calibrate(self, src: list[str], ref: list[str],
+                  budgets: list[Budget] | None = None, tol: float = 0.005
+                  ) -> list[BudgetCalibration]:
+        """Fit gate offsets so each budget's realized compute on these held-out pairs meets
+        it (:func:`~dynaseq.adaptive.calibration.calibrate_budget`), keep them on this
+        translator, and return them. ``budgets``: default every trained budget; an
+        untrained one starts from the nearest trained control symbol. Use
+        :meth:`save_calibration` to keep them with the run."""
+        from dynaseq.adaptive.calibration import calibrate_budget, nearest_control
+
+        cct = self.config.model.cct
+        if cct is None:
+            raise DynaseqError(f"this is {model_kind(self.config.model)}, which has no "
+                               "compute-budget knob to calibrate")
+        if len(src) != len(ref):
+            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        pairs = self._pairs(src, ref)
+        if not pairs:
+            raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
+        targets = list(cct.controls) if budgets is None else [budget_pair(b) for b in budgets]
+        for pair in targets:
+            if not all(0 < b <= 1 for b in pair):
+                raise DynaseqError(f"a budget is a fraction in (0, 1], got {pair}")
+        fitted = []
+        for pair in targets:
+            trained = [i for i, c in enumerate(cct.controls) if same_budget(c, pair)]
+            control = trained[0] if trained else nearest_control(cct.controls, pair)
+            fitted.append(calibrate_budget(self.model, pairs, control, pair, tol=tol))
+        kept = [c for c in self.calibrations
+                if not any(same_budget(c.budget, f.budget) for f in fitted)]
+        self.calibrations = kept + fitted
+        return fitted
+
+    def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:
+        """Write :attr:`calibrations` to ``run_dir/calibration.json`` (atomically), tied to
+        the loaded checkpoint; ``data`` describes the calibration data."""
+        path = Path(run_dir) / CALIBRATION_FILE
+        payload = {"checkpoint": _checkpoint_id(Path(run_dir), self.checkpoint),
+                   "data": data or {}, "budgets": [c.to_json() for c in self.calibrations]}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(path)
+        return path
+
+
+def _checkpoint_id(run: Path, ckpt: Path) -> str:
+    """The checkpoint's path relative to the run (absolute if outside it)."""
+    ckpt = ckpt.resolve()
+    try:
+        return str(ckpt.relative_to(run.resolve()))
+    except ValueError:
+        return str(ckpt)
+
+
+def read_calibration(run: Path, ckpt: Path, n_controls: int) -> list[BudgetCalibration]:
+    """The calibrations in ``run/calibration.json`` made for checkpoint ``ckpt`` of a model
+    with ``n_controls`` control symbols.
+
+    No file: none. A file made for another checkpoint: none, with a warning (its offsets
+    were fitted to other weights). An unreadable file: a :class:`DynaseqError`.
+    """
+    path = run / CALIBRATION_FILE
+    if not path.is_file():
+        return []
+    try:
+        payload = json.loads(path.read_text())
+        made_for = payload["checkpoint"]
+        cals = [BudgetCalibration.from_json(d) for d in payload["budgets"]]
+        for c in cals:
+            if not 0 <= c.control < n_controls:
+                raise ValueError(f"control {c.control} of budget {c.budget} is not one of "
+                                 f"the model's {n_controls} control symbols")
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise DynaseqError(f"{path} is not a calibration file ({type(e).__name__}: {e}); "
+                           "delete it or run dynaseq calibrate again") from None
+    if made_for != _checkpoint_id(run, ckpt):
+        warnings.warn(f"{path} was made for checkpoint {made_for}, not "
+                      f"{_checkpoint_id(run, ckpt)}: its gate offsets are not used (run "
+                      "dynaseq calibrate again)", stacklevel=3)
+        return []
+    return cals
