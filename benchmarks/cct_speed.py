@@ -20,6 +20,9 @@ given the ungated parts (Amdahl).
 
     python benchmarks/cct_speed.py [--rounds 3] [--decode-lines 1000] [--fixed-len 16]
 
+Each budget runs as the CCT run's calibration.json sets it (written by
+``cct_quality.py report``): with the gate offsets that make its realized compute meet it.
+
 Writes benchmarks/results/cct_speed.{json,md}. Run from the repository root, alone.
 """
 
@@ -38,7 +41,7 @@ import torch
 
 from dynaseq.adaptive.cct import force_gates
 from dynaseq.data import read_lines
-from dynaseq.infer.translator import Translator, control_for_budget, decode_corpus
+from dynaseq.infer.translator import Translator, decode_corpus
 
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
@@ -55,9 +58,10 @@ def timed(fn) -> float:
 
 def fixed_length_beam4(t: Translator, lines: list[str], budget, length: int) -> None:
     """Beam-4 decoding of ``lines`` (batches of 64) to exactly ``length`` tokens each."""
-    decode_corpus(t.model, t.tokenizer.encode(lines), beam=4, max_len_a=0.0,
-                  max_len_b=length, min_len=length - 1, batch_size=64, device=t.device,
-                  control=control_for_budget(t.config.model, budget))
+    with t.at_budget(budget) as control:
+        decode_corpus(t.model, t.tokenizer.encode(lines), beam=4, max_len_a=0.0,
+                      max_len_b=length, min_len=length - 1, batch_size=64, device=t.device,
+                      control=control)
 
 
 def main() -> None:
@@ -113,6 +117,7 @@ def main() -> None:
            "test_set": f"multi30k test_2016_flickr en->fr: {len(src)} sentences scored, "
                        f"{len(dec_src)} decoded (beam 4, batches of 64), also to exactly "
                        f"{args.fixed_len} tokens each",
+           "calibrated_budgets": [list(c.budget) for c in cct.calibrations],
            "rows": rows, "cct_budget_1_time_over_dense": dense_vs_cct,
            "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()}}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -123,7 +128,8 @@ def main() -> None:
 def write_md(out: dict) -> None:
     lines = ["# cct_speed: wall time at each budget, ratio to budget 1 (same run, interleaved)",
              "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Test set: {out['test_set']}", "",
+             f"Test set: {out['test_set']}  ",
+             f"Budgets run with calibrated gate offsets: {out['calibrated_budgets']}", "",
              "| system | scoring ratio | target | Amdahl limit | beam-4 ratio | target | "
              "fixed-length beam-4 ratio | Amdahl limit | scoring s | beam-4 s | fixed s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
