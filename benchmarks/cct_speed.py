@@ -8,6 +8,9 @@ round by round (these machines are noisy; the ratios come from the same rounds):
   ``data.max_tokens`` tokens);
 * batched beam-4 decoding of the same sentences (batches of 64).
 
+* the scoring pass's output projection and loss alone (``output layer + loss only``), the
+  part of scoring no gate can skip;
+
 * beam-4 decoding of the same sentences forced to exactly ``--fixed-len`` tokens each
   (``min_len``; no early end): every system then runs the same number of steps, so the
   ratios hold compute per step apart from how long each system's translations are.
@@ -35,13 +38,15 @@ import platform
 import statistics
 import sys
 import time
+from math import nan
 from pathlib import Path
 
 import torch
 
 from dynaseq.adaptive.cct import force_gates
-from dynaseq.data import read_lines
+from dynaseq.data import collate, make_corpus, read_lines, token_batches
 from dynaseq.infer.translator import Translator, decode_corpus
+from dynaseq.train.loss import label_smoothed_loss
 
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
@@ -64,6 +69,37 @@ def fixed_length_beam4(t: Translator, lines: list[str], budget, length: int) -> 
                       control=control)
 
 
+OUTPUT_ONLY = "output layer + loss only"
+
+
+@torch.no_grad()
+def score_output_layer_only(t: Translator, src: list[str], ref: list[str]) -> None:
+    """The scoring pass's output projection and loss alone, on the same batches as
+    ``Translator.score`` (the decoder's states replaced by zeros): the part of scoring
+    that no gate can skip."""
+    m = t.model
+    corpus, _ = make_corpus(t.tokenizer.encode(src), t.tokenizer.encode(ref),
+                            t.config.data.max_len, long_lines="truncate")
+    for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(),
+                             t.config.data.max_tokens, seed=0, epoch=0, shuffle=False):
+        b = collate(corpus, idx, m.pad_id, m.bos_id, m.eos_id)
+        h = torch.zeros(*b.tgt_in.shape, m.decoder.output_proj.in_features)
+        label_smoothed_loss(m.decoder.output_proj(h), b.tgt_out, 0.0, m.pad_id)
+
+
+def time_system(t: Translator, budget, forced: float | None, src: list[str], ref: list[str],
+                dec_src: list[str], fixed_len: int) -> tuple[float, float, float]:
+    """Seconds to score ``src``/``ref``, beam-decode ``dec_src`` and beam-decode it to
+    ``fixed_len`` tokens (no free decoding with forced gates: its lengths mean nothing)."""
+    ctx = force_gates(t.model, forced) if forced is not None else contextlib.nullcontext()
+    with ctx:
+        s = timed(lambda: t.score(src, ref, budget=budget))
+        d = nan if forced is not None else timed(
+            lambda: t.translate(dec_src, beam=4, budget=budget))
+        f = timed(lambda: fixed_length_beam4(t, dec_src, budget, fixed_len))
+    return s, d, f
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -79,16 +115,14 @@ def main() -> None:
     systems = {f"cct {b[0]:g},{b[1]:g}": (cct, b, None) for b in BUDGETS}
     systems["cct all gates off"] = (cct, BUDGETS[0], 0.0)
     systems["dense small"] = (dense, None, None)
+    systems[OUTPUT_ONLY] = (cct, None, None)
     times = {name: {"score": [], "beam4": [], "beam4_fixed": []} for name in systems}
     for r in range(args.rounds + 1):  # round 0 warms up and is not counted
         for name, (t, budget, forced) in systems.items():
-            ctx = force_gates(t.model, forced) if forced is not None else contextlib.nullcontext()
-            with ctx:
-                s = timed(lambda t=t, budget=budget: t.score(src, ref, budget=budget))
-                d = float("nan") if forced is not None else timed(
-                    lambda t=t, budget=budget: t.translate(dec_src, beam=4, budget=budget))
-                f = timed(lambda t=t, budget=budget: fixed_length_beam4(
-                    t, dec_src, budget, args.fixed_len))
+            if name == OUTPUT_ONLY:
+                s, d, f = timed(lambda: score_output_layer_only(cct, src, ref)), nan, nan
+            else:
+                s, d, f = time_system(t, budget, forced, src, ref, dec_src, args.fixed_len)
             if r:
                 for key, value in (("score", s), ("beam4", d), ("beam4_fixed", f)):
                     times[name][key].append(value)
@@ -119,7 +153,8 @@ def main() -> None:
                        f"{args.fixed_len} tokens each",
            "calibrated_budgets": [list(c.budget) for c in cct.calibrations],
            "rows": rows, "cct_budget_1_time_over_dense": dense_vs_cct,
-           "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()}}
+           "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()},
+           "floor_output_layer_scoring": round(med[OUTPUT_ONLY]["score"] / base["score"], 3)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cct_speed.json").write_text(json.dumps(out, indent=1))
     write_md(out)
@@ -150,7 +185,13 @@ def write_md(out: dict) -> None:
               f"plus gating overhead): {floor['score']} of budget 1's time to score, "
               f"{floor['beam4_fixed']} to decode at the fixed length. The beam-4 column "
               "decodes each system's own translations, whose lengths differ by system; the "
-              "fixed-length column runs every system the same number of steps."]
+              "fixed-length column runs every system the same number of steps.", "",
+              f"Of budget 1's scoring time, {out['floor_output_layer_scoring']} is the output "
+              "projection and loss alone (`output layer + loss only`: the same batches with "
+              "the decoder states zeroed), which no gate can skip: even if every gated "
+              "sub-layer scaled exactly with the budget, scoring at budget b could not take "
+              f"less than {out['floor_output_layer_scoring']} + "
+              f"b·(1 − {out['floor_output_layer_scoring']}) of budget 1's time."]
     (RESULTS / "cct_speed.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
