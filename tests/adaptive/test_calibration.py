@@ -109,7 +109,8 @@ def test_calibrated_budgets_are_saved_reloaded_and_used(run_copy, synthetic_path
     t = dynaseq.load(run_copy)
     src, ref = _lines(synthetic_paths, "valid", 30)
     lines = synthetic_paths["test.src"].read_text().splitlines()[:3]
-    with pytest.raises(DynaseqError, match="was not trained"):
+    with pytest.raises(DynaseqError, match=r"was not trained; .* \(dynaseq calibrate --budgets "
+                                           r"0.7,0.7 can fit it\)"):
         t.translate(lines, budget=0.7)
     fitted = t.calibrate(src, ref, budgets=[0.7, (1.0, 0.33)], tol=0.02)
     assert [c.budget for c in fitted] == [(0.7, 0.7), (1.0, 0.33)]

@@ -179,7 +179,7 @@ class Translator:
         the trained and the calibrated budgets.
         """
         cfg = self.config.model
-        if cfg.cct is None or not self.calibrations:
+        if cfg.cct is None:
             return control_for_budget(cfg, budget), None
         pair = (cfg.cct.controls[control_for_budget(cfg)] if budget is None
                 else budget_pair(budget))
@@ -190,7 +190,9 @@ class Translator:
             return control_for_budget(cfg, pair), None
         except DynaseqError as e:
             names = ", ".join(f"({c.budget[0]:g}, {c.budget[1]:g})" for c in self.calibrations)
-            raise DynaseqError(f"{e}; calibrated: {names}") from None
+            raise DynaseqError(f"{e}{'; calibrated: ' + names if names else ''} (dynaseq "
+                               f"calibrate --budgets {pair[0]:g},{pair[1]:g} can fit it)"
+                               ) from None
 
     @contextlib.contextmanager
     def at_budget(self, budget: Budget = None) -> Iterator[int | None]:
