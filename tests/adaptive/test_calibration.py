@@ -172,3 +172,21 @@ def test_calibrate_command(run_copy, synthetic_paths, trained_run):
         proc = run_cli(*cmd)
         assert proc.returncode == 2 and proc.stderr.count(b"\n") == 1, proc.stderr
         assert message in proc.stderr and b"Traceback" not in proc.stderr
+
+
+def test_analyze_runs_a_calibrated_budget_with_its_offsets(run_copy, synthetic_paths):
+    from dynaseq.analysis.report import analyze
+
+    t = dynaseq.load(run_copy)
+    src, ref = _lines(synthetic_paths, "valid", 12)
+    with pytest.raises(DynaseqError, match="was not trained"):
+        analyze(t, src, ref, budgets=[0.7])
+    (fitted,) = t.calibrate(src, ref, budgets=[0.7], tol=0.02)
+    result = analyze(t, src, ref, budgets=[0.7, 0.5])
+    calibrated, trained = result["budgets"]
+    assert calibrated["budget"] == [0.7, 0.7] and calibrated["control"] == 1
+    assert calibrated["gate_offsets"] == fitted.offsets
+    assert trained["budget"] == [0.5, 0.5] and trained["gate_offsets"] is None
+    # same control symbol, other thresholds: the gates the analysis saw differ
+    assert fitted.offsets != {"encoder": 0.0, "decoder": 0.0}
+    assert calibrated["gated_fraction"] != trained["gated_fraction"]

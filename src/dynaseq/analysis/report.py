@@ -32,7 +32,7 @@ from dynaseq.errors import DynaseqError
 from dynaseq.infer.translator import (
     Budget,
     Translator,
-    control_for_budget,
+    budget_pair,
     decode_corpus,
     model_kind,
 )
@@ -43,17 +43,21 @@ JSON_NAME = "analysis.json"
 Pair = tuple[list[int], list[int]]
 
 
-def budget_controls(translator: Translator, budgets: list[Budget] | None) -> list[int]:
-    """Control-symbol ids of ``budgets`` (duplicates dropped, order kept); None: every
-    trained budget. Raises :class:`DynaseqError` for a dense model or an untrained budget."""
+def budget_pairs(translator: Translator, budgets: list[Budget] | None
+                 ) -> list[tuple[float, float]]:
+    """The ``(encoder, decoder)`` budgets to analyze (duplicates dropped, order kept); None:
+    every trained budget. Raises :class:`DynaseqError` for a dense model, or a budget that
+    was neither trained nor calibrated."""
     cfg = translator.config.model
     if cfg.cct is None:
         raise DynaseqError(f"analyze needs a CCT model, but this is {model_kind(cfg)} (its "
                            "config has no model.cct section, so it has no gates)")
     if not budgets:
-        return list(range(len(cfg.cct.controls)))
-    ids = [control_for_budget(cfg, b) for b in budgets]
-    return list(dict.fromkeys(i for i in ids if i is not None))
+        return list(cfg.cct.controls)
+    pairs = list(dict.fromkeys(budget_pair(b) for b in budgets))
+    for pair in pairs:
+        translator.budget_setting(pair)  # refuses an unknown budget before any work
+    return pairs
 
 
 def encode_pairs(translator: Translator, src_lines: list[str],
@@ -116,10 +120,10 @@ def _side(translator: Translator, ids: torch.Tensor, fraction: torch.Tensor,
     }
 
 
-def summarize(translator: Translator, stats: GateStats, control: int,
+def summarize(translator: Translator, stats: GateStats, budget: tuple[float, float],
               bins: int = HISTOGRAM_BINS) -> dict[str, object]:
     """The JSON record of one budget (see :func:`analyze` for the keys)."""
-    enc, dec = translator.config.model.cct.controls[control]
+    control, cal = translator.budget_setting(budget)
     steps: dict[str, object] = {}
     for kind in ("self_attn", "cross_attn"):
         u = usage_by_step(stats, kind)
@@ -127,8 +131,9 @@ def summarize(translator: Translator, stats: GateStats, control: int,
         steps[kind] = {"mean": _rounded(u.mean.tolist()),
                        "layers": {k: _rounded(v.tolist()) for k, v in u.layers.items()}}
     return {
-        "budget": [enc, dec],
+        "budget": list(budget),
         "control": control,
+        "gate_offsets": None if cal is None else cal.offsets,
         "n_sentences": stats.n_sentences,
         "gated_fraction": {"encoder": stats.total_fraction("encoder"),
                            "decoder": stats.total_fraction("decoder")},
@@ -146,7 +151,9 @@ def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] |
 
     src_lines / ref_lines: raw sentences (the first ``max_lines``; empty sources skipped);
     without references, each budget analyzes its own translations (``beam`` 1 = greedy).
-    budgets: trained budgets (``0.5`` or ``(enc, dec)``); None: all the model was trained for.
+    budgets: trained or calibrated budgets (``0.5`` or ``(enc, dec)``), each run as
+    :meth:`Translator.at_budget` sets it (calibrated gate offsets included); None: all the
+    model was trained for.
 
     Returns a JSON-ready dict: ``target`` ("reference" / "hypothesis"), ``bins`` (histogram
     edges) and ``budgets``, one record per budget with ``budget`` [enc, dec], ``control``,
@@ -155,7 +162,7 @@ def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] |
     ``by_subword`` means), ``layers`` (fig. 11: sub-layer -> gate -> activation rate) and
     ``by_step`` (fig. 12-13: q-gate rate per decoding step, per layer and averaged).
     """
-    controls = budget_controls(translator, budgets)
+    pairs = budget_pairs(translator, budgets)
     if ref_lines is not None and len(ref_lines) != len(src_lines):
         raise DynaseqError(f"source has {len(src_lines)} lines but reference has "
                            f"{len(ref_lines)}")
@@ -164,11 +171,12 @@ def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] |
         ref_lines = None if ref_lines is None else ref_lines[:max_lines]
     src, ref = encode_pairs(translator, src_lines, ref_lines)
     records = []
-    for control in controls:
-        tgt = ref if ref is not None else translate_ids(translator, src, control, beam)
-        pairs = (pair_tensors(translator, s, t) for s, t in zip(src, tgt, strict=True))
-        stats = collect_gate_stats(translator.model, pairs, control)
-        records.append(summarize(translator, stats, control, bins))
+    for budget in pairs:
+        with translator.at_budget(budget) as control:  # with its calibration, if any
+            tgt = ref if ref is not None else translate_ids(translator, src, control, beam)
+            stats = collect_gate_stats(translator.model, (
+                pair_tensors(translator, s, t) for s, t in zip(src, tgt, strict=True)), control)
+        records.append(summarize(translator, stats, budget, bins))
     return {
         "checkpoint": str(translator.checkpoint),
         "target": "reference" if ref is not None else "hypothesis",
