@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dynaseq.data import write_lines
 from dynaseq.errors import DynaseqError
-from dynaseq.infer.translator import Budget, Translator, control_for_budget, decode_corpus
+from dynaseq.infer.translator import Budget, Translator, decode_corpus
 
 
 def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
@@ -34,7 +34,7 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
     """The teacher's translation of each line, in input order (``""`` for an empty line).
 
     ``beam``: beam size (1 = greedy); ``batch_size``: sentences per batch (default the run's
-    ``decode.batch_size``); ``budget``: a trained budget of a CCT teacher. Length penalty and
+    ``decode.batch_size``); ``budget``: a trained (or calibrated) budget of a CCT teacher. Length penalty and
     output-length limits come from the teacher's ``decode`` config. ``progress`` shows a tqdm
     bar over sentences.
     """
@@ -44,30 +44,30 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
     batch = batch_size or d.batch_size
     if batch < 1:
         raise DynaseqError(f"batch size must be >= 1, got {batch}")
-    control = control_for_budget(teacher.config.model, budget)
     keep = [i for i, line in enumerate(lines) if line.strip()]
     ids = teacher.tokenizer.encode([lines[i] for i in keep])
     order = sorted(range(len(ids)), key=lambda j: len(ids[j]))  # similar lengths batch well
     hyps: list[list[int]] = [[] for _ in ids]
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    with teacher.at_budget(budget) as control:  # refuses an unknown budget first
+        bar = None
+        if progress:
+            from tqdm import tqdm
 
-        bar = tqdm(total=len(ids), unit="sent", desc="distill", dynamic_ncols=True)
-    try:
-        for start in range(0, len(order), batch):
-            chunk = order[start: start + batch]
-            out = decode_corpus(teacher.model, [ids[j] for j in chunk], beam=beam,
-                                length_penalty=d.length_penalty, max_len_a=d.max_len_a,
-                                max_len_b=d.max_len_b, batch_size=batch,
-                                device=teacher.device, control=control)
-            for j, h in zip(chunk, out, strict=True):
-                hyps[j] = h
+            bar = tqdm(total=len(ids), unit="sent", desc="distill", dynamic_ncols=True)
+        try:
+            for start in range(0, len(order), batch):
+                chunk = order[start: start + batch]
+                out = decode_corpus(teacher.model, [ids[j] for j in chunk], beam=beam,
+                                    length_penalty=d.length_penalty, max_len_a=d.max_len_a,
+                                    max_len_b=d.max_len_b, batch_size=batch,
+                                    device=teacher.device, control=control)
+                for j, h in zip(chunk, out, strict=True):
+                    hyps[j] = h
+                if bar is not None:
+                    bar.update(len(chunk))
+        finally:
             if bar is not None:
-                bar.update(len(chunk))
-    finally:
-        if bar is not None:
-            bar.close()
+                bar.close()
     result = [""] * len(lines)
     for i, text in zip(keep, teacher.tokenizer.decode(hyps), strict=True):
         result[i] = text.replace("\n", " ").strip()
