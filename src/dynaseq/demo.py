@@ -28,7 +28,7 @@ from dynaseq.config import (
     TrainConfig,
 )
 from dynaseq.data import hard_token_mask, read_lines, write_task
-from dynaseq.infer.translator import Translator, bleu, control_for_budget
+from dynaseq.infer.translator import Translator, bleu
 from dynaseq.metrics.profile import count_params
 from dynaseq.train.loop import train
 
@@ -143,26 +143,32 @@ def hard_easy_compute(t: Translator, src: list[str], ref: list[str],
     Each reference is tokenized word by word, so every subword belongs to one word; the
     teacher-forced pass runs at batch 1 (no padding).
     """
-    control = control_for_budget(t.config.model, budget)
-    m, tok = t.model, t.tokenizer
     used = {True: 0.0, False: 0.0}
     count = {True: 0, False: 0}
-    for line, target in zip(src, ref, strict=True):
-        words = target.split()
-        pieces = tok.encode(words) if words else []
-        ids = [i for p in pieces for i in p]
-        hard = [h for h, p in zip(hard_token_mask(line, target), pieces, strict=True)
-                for _ in p]
-        src_t = torch.tensor([tok.encode([line])[0] + [m.eos_id]], device=t.device)
-        tgt_in = torch.tensor([[m.bos_id] + ids], device=t.device)
-        with torch.no_grad():
-            traces = sentence_traces(m, src_t, tgt_in, control)
-        frac = token_compute(traces, "decoder", tgt_in.size(1)).fraction  # predicts ids, eos
-        for h, f in zip(hard, frac[: len(ids)].tolist(), strict=True):
-            used[h] += f
-            count[h] += 1
+    with t.at_budget(budget) as control:
+        for line, target in zip(src, ref, strict=True):
+            _count_sentence(t, line, target, control, used, count)
     return {"decoder_compute_hard": used[True] / max(count[True], 1),
             "decoder_compute_easy": used[False] / max(count[False], 1)}
+
+
+def _count_sentence(t: Translator, line: str, target: str, control: int,
+                    used: dict[bool, float], count: dict[bool, int]) -> None:
+    """Add one pair's decoder compute per hard / easy reference subword to the tallies."""
+    m, tok = t.model, t.tokenizer
+    words = target.split()
+    pieces = tok.encode(words) if words else []
+    ids = [i for p in pieces for i in p]
+    hard = [h for h, p in zip(hard_token_mask(line, target), pieces, strict=True)
+            for _ in p]
+    src_t = torch.tensor([tok.encode([line])[0] + [m.eos_id]], device=t.device)
+    tgt_in = torch.tensor([[m.bos_id] + ids], device=t.device)
+    with torch.no_grad():
+        traces = sentence_traces(m, src_t, tgt_in, control)
+    frac = token_compute(traces, "decoder", tgt_in.size(1)).fraction  # predicts ids, eos
+    for h, f in zip(hard, frac[: len(ids)].tolist(), strict=True):
+        used[h] += f
+        count[h] += 1
 
 
 def _greedy_ms(t: Translator, src: list[str], budget: tuple[float, float]) -> float:
