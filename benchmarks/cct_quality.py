@@ -262,8 +262,11 @@ def plot(rows: list[dict]) -> None:
         if "budget" not in r:
             x = r["layer_macs_per_token"]["total"] / 1e6
             ax.plot(x, r["bleu_beam4"], "k^")
-            ax.annotate(r["system"].removeprefix("dense "), (x, r["bleu_beam4"]), fontsize=7,
-                        xytext=(4, -3), textcoords="offset points")
+            label = r["system"].removeprefix("dense ")
+            if r["steps"] != DENSE_STEPS:  # a carried row trained for other updates
+                label += f" ({r['steps']} upd.)"
+            ax.annotate(label, (x, r["bleu_beam4"]), fontsize=7, xytext=(4, -3),
+                        textcoords="offset points")
     ax.set_xlabel("layer MACs per token (millions; CCT: realized)")
     ax.set_ylabel("BLEU, test_2016_flickr en→fr, beam 4")
     ax.set_title("CCT budgets vs MAC-matched dense models (▲)")
