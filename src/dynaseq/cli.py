@@ -122,6 +122,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
+    if _run_kind(args.run_dir) == "lm":
+        raise DynaseqError(f"calibrate: {args.run_dir} is a language-model run; budgets are "
+                           "calibrated for CCT translation models")
     src, ref = read_lines(args.src), read_lines(args.ref)
     if len(src) != len(ref):
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
@@ -148,7 +151,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if target.is_dir() and _run_kind(str(target)) == "lm":
         return _profile_lm(args)
-    budget_ctx = contextlib.nullcontext(None)
     if target.is_dir():
         args.run_dir = str(target)
         t = _translator(args)

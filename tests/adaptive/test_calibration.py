@@ -14,7 +14,7 @@ from dynaseq.adaptive.cct import force_gates, realized_fraction
 from dynaseq.adaptive.gating import Gate, shift_gates
 from dynaseq.errors import DynaseqError
 
-from helpers import run_cli
+from helpers import lm_config, run_cli
 
 
 @pytest.fixture
@@ -148,6 +148,18 @@ def test_a_calibration_of_another_checkpoint_is_not_used(run_copy, synthetic_pat
     path.write_text("{not json")
     with pytest.raises(DynaseqError, match="is not a calibration file"):
         dynaseq.load(run_copy)
+
+
+def test_calibrate_refuses_a_language_model_run(tmp_path, synthetic_paths):
+    from dynaseq.config import save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(lm_config(tmp_path), run / "config.yaml")
+    proc = run_cli("calibrate", str(run), "--src", str(synthetic_paths["valid.src"]), "--ref",
+                   str(synthetic_paths["valid.tgt"]))
+    assert proc.returncode == 2 and proc.stderr.count(b"\n") == 1, proc.stderr
+    assert b"is a language-model run; budgets are calibrated for CCT" in proc.stderr
 
 
 def test_calibrate_command(run_copy, synthetic_paths, trained_run):

@@ -14,8 +14,9 @@ and a :class:`Gate` turns logits into gates:
 ``Gate.gate_override`` (or :func:`force_gates` over a whole model) pins every gate to a
 constant, e.g. 1.0 to run the full network. ``Gate.offset`` (or :func:`shift_gates` per
 sub-network) moves the inference threshold, ``g = 1[G(x) + offset >= 0]``: the knob that
-:mod:`~dynaseq.adaptive.calibration` turns to make a budget's realized compute hit it. Gated sub-layers report what their gates did
-through :class:`GateTrace` and :class:`MacsRecord` entries in the per-call ``AuxOutputs``.
+:mod:`~dynaseq.adaptive.calibration` turns to make a budget's realized compute hit it.
+Gated sub-layers report what their gates did through :class:`GateTrace` and
+:class:`MacsRecord` entries in the per-call ``AuxOutputs``.
 
 Example::
 
