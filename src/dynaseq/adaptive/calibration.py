@@ -79,7 +79,6 @@ class _Meter:
         self.model, self.pairs, self.control = model, pairs, control
         with force_gates(model, 1.0):
             self.full = self._ran()
-        self.calls = 0
 
     @torch.no_grad()
     def _ran(self) -> dict[str, int]:
@@ -91,7 +90,6 @@ class _Meter:
         return totals
 
     def __call__(self, offsets: dict[str, float]) -> dict[str, float]:
-        self.calls += 1
         with shift_gates(self.model, offsets):
             ran = self._ran()
         return {k: ran[k] / self.full[k] for k in SUBNETWORKS}

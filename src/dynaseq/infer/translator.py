@@ -348,11 +348,9 @@ class Translator:
         for pair in targets:
             if not all(0 < b <= 1 for b in pair):
                 raise DynaseqError(f"a budget is a fraction in (0, 1], got {pair}")
-        fitted = []
-        for pair in targets:
-            trained = [i for i, c in enumerate(cct.controls) if same_budget(c, pair)]
-            control = trained[0] if trained else nearest_control(cct.controls, pair)
-            fitted.append(calibrate_budget(self.model, pairs, control, pair, tol=tol))
+        # a trained budget is its own nearest (distance 0): it keeps its control symbol
+        fitted = [calibrate_budget(self.model, pairs, nearest_control(cct.controls, pair), pair,
+                                   tol=tol) for pair in targets]
         kept = [c for c in self.calibrations
                 if not any(same_budget(c.budget, f.budget) for f in fitted)]
         self.calibrations = kept + fitted
