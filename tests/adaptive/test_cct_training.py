@@ -110,3 +110,39 @@ def test_control_sampling_follows_the_list_and_the_curriculum():
     half = torch.cat([_sample_controls(ids, 500, 0, s, 0, share=0.5) for s in range(20)])
     assert abs(float((half == 0).float().mean()) - 0.75) < 0.02  # 0.5 + 0.5 * 0.5
     assert _sample_controls(None, 4, 0, 0, 0) is None
+
+
+def test_output_norms_and_control_init_std_shape_the_built_model():
+    """``output_norms=False`` drops the LayerNorms on K, V, the attention output and each FFN
+    piece's output (input LayerNorms stay); the model then still meets "gates forced on, hard
+    = soft". ``control_init_std`` sets the control embeddings' init scale."""
+    from torch import nn
+
+    from dynaseq.adaptive.cct import force_gates
+    from dynaseq.config import ModelConfig
+    from dynaseq.models import build_seq2seq
+
+    def build(**cct):
+        torch.manual_seed(0)
+        cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=4, encoder_layers=1, decoder_layers=1,
+                          dropout=0.0, cct=CCTConfig(ffn_pieces=2, control_hidden=8,
+                                                     budgets=[(1.0, 1.0), (0.5, 0.5)], **cct))
+        return build_seq2seq(cfg, 40, 0, 1, 2)
+
+    plain = build(output_norms=False, control_init_std=0.0)
+    attn, ffn = plain.decoder.layers[0].cross_attn, plain.decoder.layers[0].ffn
+    assert all(isinstance(m, nn.Identity) for m in (attn.k_norm, attn.v_norm, attn.out_norm))
+    assert all(isinstance(p.out_norm, nn.Identity) and isinstance(p.in_norm, nn.LayerNorm)
+               for p in ffn.pieces)
+    assert torch.equal(plain.control_embed.weight, torch.zeros_like(plain.control_embed.weight))
+    normed = build()
+    assert isinstance(normed.encoder.layers[0].self_attn.k_norm, nn.LayerNorm)
+    assert isinstance(normed.encoder.layers[0].ffn.pieces[0].out_norm, nn.LayerNorm)
+    assert normed.control_embed.weight.std() > 0.5  # the default scale, 1
+    src, tgt = torch.tensor([[5, 6, 7, 2]]), torch.tensor([[1, 8, 9]])
+    with force_gates(plain, 1.0), torch.no_grad():
+        soft = plain.train()(src, tgt, 1).logits
+        hard = plain.eval()(src, tgt, 1).logits
+    torch.testing.assert_close(hard, soft)
+    with pytest.raises(DynaseqError, match="control_init_std must be >= 0"):
+        CCTConfig(control_init_std=-1.0)

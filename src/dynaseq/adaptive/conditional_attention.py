@@ -516,14 +516,18 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
 
 def conditional_attention(d_model: int, n_heads: int, dropout: float = 0.0, *,
                           control_hidden: int = 128, schedule: NoiseSchedule | None = None,
-                          hard_budget: bool = False,
+                          hard_budget: bool = False, norms: bool = True,
                           name: str = "attention") -> ConditionalAttention:
     """CCT attention with ``nn.Linear`` projections, LayerNorms on K, V and the attention
-    output, and two control nets of width ``control_hidden`` sharing one :class:`Gate`."""
+    output (``norms=False``: none, plain attention maths), and two control nets of width
+    ``control_hidden`` sharing one :class:`Gate`."""
+
+    def norm() -> nn.Module:
+        return nn.LayerNorm(d_model) if norms else nn.Identity()
+
     return ConditionalAttention(
         d_model, n_heads, _linear(d_model, d_model), _linear(d_model, d_model),
         _linear(d_model, d_model), _linear(d_model, d_model),
         q_control=ControlNet(d_model, 1, control_hidden),
         kv_control=ControlNet(d_model, 1, control_hidden), gate=Gate(schedule, hard_budget),
-        k_norm=nn.LayerNorm(d_model), v_norm=nn.LayerNorm(d_model),
-        out_norm=nn.LayerNorm(d_model), dropout=dropout, name=name)
+        k_norm=norm(), v_norm=norm(), out_norm=norm(), dropout=dropout, name=name)

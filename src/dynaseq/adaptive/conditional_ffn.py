@@ -134,16 +134,18 @@ class ConditionalFeedForward(nn.Module):
 def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,
                             activation_dropout: float = 0.0, *, control_hidden: int = 128,
                             schedule: NoiseSchedule | None = None, hard_budget: bool = False,
+                            out_norms: bool = True,
                             name: str = "ffn") -> ConditionalFeedForward:
     """CCT feed-forward: ``n_pieces`` (M) pieces of width ``ffn_dim // n_pieces``, each with
-    input and output LayerNorms, and one control net with M gates."""
+    an input and (``out_norms``) an output LayerNorm, and one control net with M gates."""
     if n_pieces < 1:
         raise ValueError(f"n_pieces must be >= 1, got {n_pieces}")
     if ffn_dim % n_pieces:
         raise ValueError(f"ffn_dim={ffn_dim} is not divisible by n_pieces={n_pieces}: each "
                          "gated piece must have the same width ffn_dim / n_pieces")
     pieces = [FeedForwardPiece(FeedForward(d_model, ffn_dim // n_pieces, activation_dropout),
-                               nn.LayerNorm(d_model), nn.LayerNorm(d_model))
+                               nn.LayerNorm(d_model),
+                               nn.LayerNorm(d_model) if out_norms else nn.Identity())
               for _ in range(n_pieces)]
     return ConditionalFeedForward(pieces, ControlNet(d_model, n_pieces, control_hidden),
                                   Gate(schedule, hard_budget), name=name)

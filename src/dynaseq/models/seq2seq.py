@@ -259,17 +259,17 @@ def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: in
     def cond_attention() -> nn.Module:
         return conditional_attention(d, cfg.n_heads, cfg.attention_dropout,
                                      control_hidden=cct.control_hidden, schedule=schedule,
-                                     hard_budget=cct.budget_estimate == "hard")
+                                     hard_budget=cct.budget_estimate == "hard",
+                                     norms=cct.output_norms)
 
     def cond_ffn() -> nn.Module:
         return conditional_feedforward(d, cfg.ffn_dim, cct.ffn_pieces, cfg.activation_dropout,
                                        control_hidden=cct.control_hidden, schedule=schedule,
-                                       hard_budget=cct.budget_estimate == "hard")
+                                       hard_budget=cct.budget_estimate == "hard",
+                                       out_norms=cct.output_norms)
 
-    # the same per-dimension scale as a token embedding (N(0, 1/d) times sqrt(d)): at 1/sqrt(d)
-    # the control nets barely saw the symbol and missed their budgets for hundreds of updates
     control = nn.Embedding(len(cct.controls), d)
-    nn.init.normal_(control.weight, std=1.0)
+    nn.init.normal_(control.weight, std=cct.control_init_std)
     model = _assemble(cfg, vocab_size, cond_attention, cond_ffn, control, pad_id, bos_id, eos_id)
     name_conditional_sublayers(model)
     return model
