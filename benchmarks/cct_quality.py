@@ -11,6 +11,8 @@ the CCT's size".
     python benchmarks/cct_quality.py train cct          # the CCT (60 min, 1 thread)
     python benchmarks/cct_quality.py train baselines    # the dense baselines (1 thread)
     python benchmarks/cct_quality.py report             # evaluate, write results/
+    python benchmarks/cct_quality.py train cct --variants cct_ctl cct_nonorm  # VARIANTS
+    python benchmarks/cct_quality.py report --only cct_ctl cct_nonorm
 
 The two `train` lanes use one thread each, so they can run side by side on 2 cores.
 Writes benchmarks/results/cct_quality.{json,md,png} (BLEU vs realized MACs/token) and
@@ -41,6 +43,16 @@ DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
 RUNS = Path("runs/bench")
 CCT_RUN = RUNS / "cct_quality_cct"
+# CCT variants trained like the CCT with these overrides of its config (`train cct --variants`),
+# reported at the calibrated (b, b) budgets: how the model's settings move quality. Both
+# start from a quieter control symbol; "cct_nonorm" also drops the paper's output LayerNorms
+# (a 200-update probe with every gate on had each change closing part of the gap to dense).
+VARIANTS = {
+    "cct_ctl": ("CCT, control init std 0.25", ["model.cct.control_init_std=0.25"]),
+    "cct_nonorm": ("CCT, control init std 0.25, no output LayerNorms",
+                   ["model.cct.control_init_std=0.25", "model.cct.output_norms=false"]),
+}
+VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 CCT_MINUTES = 90.0  # a time cap only: max_steps (1400) ends the run first
 # Every dense model gets the CCT's updates (configs/multi30k_cct_small.yaml train.max_steps),
 # with the same data, batch size, schedule and seed: equal training, not equal minutes.
@@ -59,9 +71,12 @@ CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.
 UNTRAINED = [(0.4, 0.4)]  # run by calibrating the nearest trained budget's gates
 
 
-def cct_config():
+def cct_config(variant: str | None = None):
+    """The CCT's config, or that of one of :data:`VARIANTS`."""
+    run, overrides = (CCT_RUN, []) if variant is None else (RUNS / f"cct_quality_{variant}",
+                                                             VARIANTS[variant][1])
     return load_config("configs/multi30k_cct_small.yaml",
-                       [f"run_dir={CCT_RUN}", f"train.max_minutes={CCT_MINUTES}"])
+                       [f"run_dir={run}", f"train.max_minutes={CCT_MINUTES}", *overrides])
 
 
 def baseline_config(name: str):
@@ -73,8 +88,10 @@ def baseline_config(name: str):
 
 def cmd_train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    configs = [cct_config()] if args.lane == "cct" else [
-        baseline_config(n) for n in BASELINES if not args.only or n in args.only]
+    if args.lane == "cct":
+        configs = [cct_config(v) for v in args.variants] if args.variants else [cct_config()]
+    else:
+        configs = [baseline_config(n) for n in BASELINES if not args.only or n in args.only]
     for cfg in configs:
         print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
         result = train(cfg, progress=True)
@@ -115,14 +132,14 @@ def evaluate(t: Translator, src: list[str], ref: list[str], budget=None) -> dict
     return row
 
 
-def calibrated_cct(lines: int) -> Translator:
-    """The CCT with every trained budget and :data:`UNTRAINED` calibrated on the first
+def calibrated_cct(run: Path, lines: int, extra=UNTRAINED) -> Translator:
+    """The CCT of ``run`` with every trained budget and ``extra`` calibrated on the first
     ``lines`` validation pairs (saved as the run's calibration.json)."""
-    t = Translator.load(CCT_RUN)
+    t = Translator.load(run)
     t.calibrations = []
     t.calibrate(read_lines(DATA / "val.en.gz")[:lines], read_lines(DATA / "val.fr.gz")[:lines],
-                budgets=[*t.config.model.cct.controls, *UNTRAINED])
-    t.save_calibration(CCT_RUN, {"src": str(DATA / "val.en.gz"), "lines": lines})
+                budgets=[*t.config.model.cct.controls, *extra])
+    t.save_calibration(run, {"src": str(DATA / "val.en.gz"), "lines": lines})
     return t
 
 
@@ -150,11 +167,20 @@ def cmd_report(args: argparse.Namespace) -> None:
         raw.calibrations = []  # the trained gates as they are, whatever calibration.json holds
         rows += [{"system": f"CCT ({e:g}, {d:g})", **evaluate(raw, src, ref, (e, d))}
                  for e, d in CCT_BUDGETS]
-        cal = calibrated_cct(args.calibration_lines)
+        cal = calibrated_cct(CCT_RUN, args.calibration_lines)
         rows += [{"system": f"CCT ({e:g}, {d:g}) calibrated", **evaluate(cal, src, ref, (e, d))}
                  for e, d in [*CCT_BUDGETS, *UNTRAINED]]
     else:
-        rows += [r for name, r in carried.items() if name.startswith("CCT ")]
+        rows += [r for name, r in carried.items() if name.startswith("CCT (")]
+    for variant, (label, _) in VARIANTS.items():
+        run = Path(cct_config(variant).run_dir)
+        if wanted(variant) and (run / "config.yaml").exists():
+            cal = calibrated_cct(run, args.calibration_lines, extra=[])
+            rows += [{"system": f"{label} ({e:g}, {d:g}) calibrated",
+                      "variant": variant, **evaluate(cal, src, ref, (e, d))}
+                     for e, d in VARIANT_BUDGETS]
+        else:
+            rows += [r for name, r in carried.items() if name.startswith(label + " (")]
     for name, (desc, _) in BASELINES.items():
         run, system = Path(baseline_config(name).run_dir), f"dense {desc}"
         if wanted(name) and (run / "config.yaml").exists():
@@ -166,7 +192,8 @@ def cmd_report(args: argparse.Namespace) -> None:
     machine = {"platform": platform.platform(), "torch": torch.__version__,
                "threads": torch.get_num_threads()}
     command = ("python benchmarks/cct_quality.py train cct & python benchmarks/cct_quality.py "
-               "train baselines; python benchmarks/cct_quality.py report")
+               "train baselines; python benchmarks/cct_quality.py train cct --variants "
+               f"{' '.join(VARIANTS)}; python benchmarks/cct_quality.py report")
     out = {"benchmark": "cct_quality", "command": command, "machine": machine, "date": today,
            "test_set": "multi30k test_2016_flickr en->fr (1000 sentences), beam 4",
            "calibration": f"first {args.calibration_lines} pairs of multi30k val en->fr",
@@ -194,6 +221,8 @@ def write_quality_md(out: dict) -> None:
              "(enc, dec) | params | steps | train min | measured |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in out["rows"]:
+        if r.get("variant"):
+            continue  # in the variants table
         macs = r["layer_macs_per_token"]["total"]
         frac = r.get("realized_fraction")
         frac_s = f"{frac['encoder']}, {frac['decoder']}" if frac else ""
@@ -201,14 +230,35 @@ def write_quality_md(out: dict) -> None:
                      f"{macs / full['layer_macs_per_token']['total']:.3f} | {frac_s} | "
                      f"{r['params']:,} | {r['steps']} | {r['train_minutes']} | "
                      f"{r.get('measured', '')} |")
+    lines += variants_table(out["rows"])
     (RESULTS / "cct_quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def variants_table(rows: list[dict]) -> list[str]:
+    """BLEU of the CCT and each of :data:`VARIANTS` at the calibrated (b, b) budgets."""
+    by_system = {r["system"]: r for r in rows}
+    cols = [f"({b:g}, {b:g})" for b, _ in VARIANT_BUDGETS]
+    lines = ["", "## CCT variants (same data, updates, budgets and seed; calibrated budgets)", "",
+             "| model | config overrides | " + " | ".join(f"BLEU {c}" for c in cols)
+             + " | measured |", "|---|---|" + "---:|" * len(cols) + "---|"]
+    notes = ["", "One training run (seed 1) each: a BLEU or two between variants is within what "
+             "another seed could move."]
+    for label, overrides in [("CCT", []), *VARIANTS.values()]:
+        found = [by_system.get(f"{label} {c} calibrated") for c in cols]
+        if not any(found):
+            continue
+        cells = [str(r["bleu_beam4"]) if r else "" for r in found]
+        date = next(r for r in found if r).get("measured", "")
+        lines.append(f"| {label} | {' '.join(overrides) or '(as configured)'} | "
+                     + " | ".join(cells) + f" | {date} |")
+    return lines + notes
 
 
 def write_adherence(out: dict) -> None:
     rows = []
     for r in out["rows"]:
-        if "budget" not in r:
+        if "budget" not in r or r.get("variant"):
             continue
         enc, dec = r["budget"]
         f = r["realized_fraction"]
@@ -247,7 +297,8 @@ def plot(rows: list[dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     def cct(r: dict, calibrated: bool) -> bool:
-        return "budget" in r and bool(r.get("gate_offsets")) == calibrated
+        return ("budget" in r and not r.get("variant")
+                and bool(r.get("gate_offsets")) == calibrated)
 
     for label, keep, style in (
             ("CCT (b, b)", lambda r: cct(r, False) and r["budget"][0] == r["budget"][1], "o-"),
@@ -258,6 +309,12 @@ def plot(rows: list[dict]) -> None:
         pts = sorted((r["layer_macs_per_token"]["total"] / 1e6, r["bleu_beam4"])
                      for r in rows if keep(r))
         ax.plot(*zip(*pts, strict=True), style, label=label)
+    for variant in VARIANTS:
+        pts = sorted((r["layer_macs_per_token"]["total"] / 1e6, r["bleu_beam4"])
+                     for r in rows if r.get("variant") == variant)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), ".:", color="0.6", lw=0.8)
+            ax.annotate(variant, pts[-1], fontsize=6, color="0.4")
     for r in rows:
         if "budget" not in r:
             x = r["layer_macs_per_token"]["total"] / 1e6
@@ -281,10 +338,12 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train")
     t.add_argument("lane", choices=["cct", "baselines"])
+    t.add_argument("--variants", nargs="*", choices=list(VARIANTS),
+                   help="with lane cct: train these variants instead of the CCT")
     t.add_argument("--only", nargs="*", choices=list(BASELINES))
     t.set_defaults(func=cmd_train)
     r = sub.add_parser("report")
-    r.add_argument("--only", nargs="*", choices=["cct", *BASELINES],
+    r.add_argument("--only", nargs="*", choices=["cct", *VARIANTS, *BASELINES],
                    help="re-measure these systems only (cct: every CCT row); the other rows "
                         "are kept from the committed results with their dates")
     r.add_argument("--calibration-lines", type=int, default=300,

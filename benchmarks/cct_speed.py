@@ -22,6 +22,11 @@ under any budget. ``floor + b·(1 − floor)`` is then the best time a budget b 
 given the ungated parts (Amdahl).
 
     python benchmarks/cct_speed.py [--rounds 3] [--decode-lines 1000] [--fixed-len 16]
+                                   [--variants cct_nonorm ...]
+
+``--variants`` also times CCT variants of ``cct_quality.py`` (runs/bench/cct_quality_NAME,
+calibrated by its report) at every budget, in the same rounds: their ratios to their own
+budget 1, and their budget 1 against the dense model.
 
 Each budget runs as the CCT run's calibration.json sets it (written by
 ``cct_quality.py report``): with the gate offsets that make its realized compute meet it.
@@ -106,6 +111,8 @@ def main() -> None:
     p.add_argument("--decode-lines", type=int, default=1000)
     p.add_argument("--fixed-len", type=int, default=16,
                    help="tokens per sentence (eos included) of the fixed-length decoding")
+    p.add_argument("--variants", nargs="*", default=[],
+                   help="CCT variants of cct_quality.py to time too (e.g. cct_nonorm)")
     args = p.parse_args()
     src = read_lines(DATA / "test_2016_flickr.en.gz")
     ref = read_lines(DATA / "test_2016_flickr.fr.gz")
@@ -116,6 +123,9 @@ def main() -> None:
     systems["cct all gates off"] = (cct, BUDGETS[0], 0.0)
     systems["dense small"] = (dense, None, None)
     systems[OUTPUT_ONLY] = (cct, None, None)
+    for v in args.variants:
+        tv = Translator.load(CCT_RUN.parent / f"cct_quality_{v}")
+        systems.update({f"{v} {b[0]:g},{b[1]:g}": (tv, b, None) for b in BUDGETS})
     times = {name: {"score": [], "beam4": [], "beam4_fixed": []} for name in systems}
     for r in range(args.rounds + 1):  # round 0 warms up and is not counted
         for name, (t, budget, forced) in systems.items():
@@ -136,16 +146,24 @@ def main() -> None:
         row = {"system": name, "seconds": {k: round(v, 3) for k, v in med[name].items()},
                "ratio_to_cct_budget_1": {k: round(med[name][k] / base[k], 3) for k in base}}
         budget = systems[name][1]
-        if name.startswith("cct ") and systems[name][2] is None:
+        variant = next((v for v in args.variants if name.startswith(v + " ")), None)
+        if variant is not None:
+            own = med[f"{variant} 1,1"]
+            row["ratio_to_own_budget_1"] = {k: round(med[name][k] / own[k], 3) for k in own}
+        if (name.startswith("cct ") or variant) and systems[name][2] is None:
             b = budget[0]
             row["budget"] = list(budget)
             row["target"] = {"score": round(b + 0.10, 3), "beam4": round(b + 0.25, 3)}
-            row["amdahl_limit"] = {k: round(f + b * (1 - f), 3) for k, f in floor.items()}
+            if variant is None:  # the floor was measured on the CCT, not its variants
+                row["amdahl_limit"] = {k: round(f + b * (1 - f), 3) for k, f in floor.items()}
         rows.append(row)
     dense_vs_cct = {k: round(base[k] / med["dense small"][k], 3) for k in base}
+    variants_vs_dense = {v: {k: round(med[f"{v} 1,1"][k] / med["dense small"][k], 3)
+                             for k in base} for v in args.variants}
     out = {"benchmark": "cct_speed",
            "command": f"python benchmarks/cct_speed.py --rounds {args.rounds} "
-                      f"--decode-lines {args.decode_lines} --fixed-len {args.fixed_len}",
+                      f"--decode-lines {args.decode_lines} --fixed-len {args.fixed_len}"
+                      + (f" --variants {' '.join(args.variants)}" if args.variants else ""),
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
                        "threads": torch.get_num_threads()},
            "test_set": f"multi30k test_2016_flickr en->fr: {len(src)} sentences scored, "
@@ -153,6 +171,7 @@ def main() -> None:
                        f"{args.fixed_len} tokens each",
            "calibrated_budgets": [list(c.budget) for c in cct.calibrations],
            "rows": rows, "cct_budget_1_time_over_dense": dense_vs_cct,
+           "variant_budget_1_time_over_dense": variants_vs_dense,
            "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()},
            "floor_output_layer_scoring": round(med[OUTPUT_ONLY]["score"] / base["score"], 3)}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -169,8 +188,8 @@ def write_md(out: dict) -> None:
              "fixed-length beam-4 ratio | Amdahl limit | scoring s | beam-4 s | fixed s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in out["rows"]:
-        tg, lim, ratio, sec = (r.get("target", {}), r.get("amdahl_limit", {}),
-                               r["ratio_to_cct_budget_1"], r["seconds"])
+        tg, lim, sec = r.get("target", {}), r.get("amdahl_limit", {}), r["seconds"]
+        ratio = r.get("ratio_to_own_budget_1", r["ratio_to_cct_budget_1"])
         lines.append(
             f"| {r['system']} | {ratio['score']} | {tg.get('score', '')} | "
             f"{lim.get('score', '')} | {ratio['beam4']} | {tg.get('beam4', '')} | "
@@ -179,7 +198,12 @@ def write_md(out: dict) -> None:
     dense, floor = out["cct_budget_1_time_over_dense"], out["floor_all_gates_off"]
     lines += ["", f"CCT at budget 1 takes {dense['score']}× the dense model's time to score, "
               f"{dense['beam4']}× to beam-decode and {dense['beam4_fixed']}× to beam-decode at "
-              "the fixed length (target ≤ 1.10×).", "",
+              "the fixed length (target ≤ 1.10×).", ""]
+    for v, vs in out.get("variant_budget_1_time_over_dense", {}).items():
+        lines += [f"Variant `{v}` (its rows: ratios to its own budget 1) at budget 1 takes "
+                  f"{vs['score']}× the dense model's time to score, {vs['beam4']}× to "
+                  f"beam-decode and {vs['beam4_fixed']}× at the fixed length.", ""]
+    lines += [
               "Amdahl limit: floor + b·(1 − floor), where the floor is the CCT's time with "
               "every gate forced off (the ungated embeddings, output layer and control nets, "
               f"plus gating overhead): {floor['score']} of budget 1's time to score, "

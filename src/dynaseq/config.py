@@ -75,7 +75,9 @@ class CCTConfig:
     ``output_norms``: the LayerNorms of eq. 12-13 and 15 on K, V, the attention output and
     every FFN piece's output (paper section 8 (i) calls them critical at its scale). False
     drops them (the per-piece input LayerNorms stay): in the same 200-update probe, 3.32
-    without against 3.46 with, and 3.21 with neither them nor a loud control symbol.
+    without against 3.46 with, and 3.21 with neither them nor a loud control symbol. Trained
+    the full 1400 updates, neither closed the gap at full budget (benchmarks/results/
+    cct_quality.md, "CCT variants"), so the defaults stay the paper's.
     """
 
     ffn_pieces: int = 4
