@@ -51,6 +51,13 @@ VARIANTS = {
     "cct_ctl": ("CCT, control init std 0.25", ["model.cct.control_init_std=0.25"]),
     "cct_nonorm": ("CCT, control init std 0.25, no output LayerNorms",
                    ["model.cct.control_init_std=0.25", "model.cct.output_norms=false"]),
+    # how many sequences take the full-budget path: the paper's 36-entry cross product (half
+    # of each side's draws at 1, (1, 1) a quarter, as now), and (1, 1) half of the draws
+    "cct_grid": ("CCT, the paper's budget grid", [
+        "model.cct.budgets=[[1.0, 1.0]]", "model.cct.budget_grid=[1, 1, 1, 0.5, 0.33, 0.2]"]),
+    "cct_full50": ("CCT, full budget half the draws", [
+        "model.cct.budgets=[[1, 1], [1, 1], [1, 1], [1, 1], [1, 1], [1, 1], [0.5, 0.5], "
+        "[0.33, 0.33], [0.2, 0.2], [1, 0.5], [1, 0.33], [1, 0.2]]"]),
 }
 VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 CCT_MINUTES = 90.0  # a time cap only: max_steps (1400) ends the run first
@@ -132,13 +139,14 @@ def evaluate(t: Translator, src: list[str], ref: list[str], budget=None) -> dict
     return row
 
 
-def calibrated_cct(run: Path, lines: int, extra=UNTRAINED) -> Translator:
-    """The CCT of ``run`` with every trained budget and ``extra`` calibrated on the first
-    ``lines`` validation pairs (saved as the run's calibration.json)."""
+def calibrated_cct(run: Path, lines: int, budgets=None) -> Translator:
+    """The CCT of ``run`` with ``budgets`` (default: every trained budget and
+    :data:`UNTRAINED`) calibrated on the first ``lines`` validation pairs (saved as the run's
+    calibration.json)."""
     t = Translator.load(run)
     t.calibrations = []
     t.calibrate(read_lines(DATA / "val.en.gz")[:lines], read_lines(DATA / "val.fr.gz")[:lines],
-                budgets=[*t.config.model.cct.controls, *extra])
+                budgets=budgets or [*t.config.model.cct.controls, *UNTRAINED])
     t.save_calibration(run, {"src": str(DATA / "val.en.gz"), "lines": lines})
     return t
 
@@ -175,7 +183,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     for variant, (label, _) in VARIANTS.items():
         run = Path(cct_config(variant).run_dir)
         if wanted(variant) and (run / "config.yaml").exists():
-            cal = calibrated_cct(run, args.calibration_lines, extra=[])
+            cal = calibrated_cct(run, args.calibration_lines, VARIANT_BUDGETS)
             rows += [{"system": f"{label} ({e:g}, {d:g}) calibrated",
                       "variant": variant, **evaluate(cal, src, ref, (e, d))}
                      for e, d in VARIANT_BUDGETS]
