@@ -77,7 +77,8 @@ class CCTConfig:
     drops them (the per-piece input LayerNorms stay): in the same 200-update probe, 3.32
     without against 3.46 with, and 3.21 with neither them nor a loud control symbol. Trained
     the full 1400 updates, neither closed the gap at full budget (benchmarks/results/
-    cct_quality.md, "CCT variants"), so the defaults stay the paper's.
+    cct_quality.md, "CCT variants"), so the defaults stay as they were: a token-scale
+    symbol and the paper's LayerNorms.
     """
 
     ffn_pieces: int = 4
