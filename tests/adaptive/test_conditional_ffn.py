@@ -83,3 +83,42 @@ def test_control_gates_must_match_pieces():
     pieces = [FeedForwardPiece(FeedForward(D, 8), nn.Identity(), nn.Identity())]
     with pytest.raises(ValueError, match="2 gates for 1 pieces"):
         ConditionalFeedForward(pieces, ControlNet(D, 2), Gate())
+
+
+@pytest.mark.parametrize("out_norms", [True, False])
+def test_fused_all_on_tokens_equal_the_pieces_and_skip_them(steer, out_norms):
+    """Tokens with every gate on take the folded pass (no piece module runs when all do);
+    outputs equal the M pieces summed, with non-trivial LayerNorm affines folded in."""
+    torch.manual_seed(0)
+    ffn = conditional_feedforward(D, F, M, control_hidden=16, out_norms=out_norms)
+    with torch.no_grad():
+        for p in ffn.pieces:
+            for norm in (p.in_norm, p.out_norm):
+                for w in norm.parameters():
+                    w.uniform_(-1.5, 1.5)
+    steer(ffn.control, [0, 1, 2, 3])
+    calls = []
+    for p in ffn.pieces:
+        p.register_forward_hook(lambda m, i, o: calls.append(i[0].size(0)))
+    ffn.eval()
+    x = torch.randn(2, 5, D)
+
+    def reference(on):
+        return sum(on[..., i, None] * p(x) for i, p in enumerate(ffn.pieces))
+
+    on = torch.ones(2, 5, M, dtype=torch.bool)
+    x[..., :M] = 1.0
+    out = ffn(x)
+    assert calls == []
+    torch.testing.assert_close(out, reference(on), rtol=1e-5, atol=1e-5)
+    on[0, 0] = False  # every gate off
+    on[0, 1, 2] = on[1, 4, 0] = False  # partly on: those tokens go piece by piece
+    x[..., :M] = on.float() * 2 - 1
+    calls.clear()
+    out = ffn(x)
+    assert calls == [1, 2, 1, 2]  # pieces 0..3 ran on their partly-on tokens only
+    assert torch.equal(out[0, 0], torch.zeros(D))
+    torch.testing.assert_close(out, reference(on), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the folded weights follow a parameter change
+        ffn.pieces[1].in_norm.bias.add_(0.5)
+    torch.testing.assert_close(ffn(x), reference(on), rtol=1e-5, atol=1e-5)
