@@ -11,9 +11,6 @@ round by round (these machines are noisy; the ratios come from the same rounds):
 * the scoring pass's output projection and loss alone (``output layer + loss only``), the
   part of scoring no gate can skip;
 
-* the CCT at budgets 1 and .5 with its FFN pieces run one by one (``unfused FFN cct``)
-  instead of folded into one pass for the tokens with every gate on (the default);
-
 * beam-4 decoding of the same sentences forced to exactly ``--fixed-len`` tokens each
   (``min_len``; no early end): every system then runs the same number of steps, so the
   ratios hold compute per step apart from how long each system's translations are.
@@ -52,7 +49,6 @@ from pathlib import Path
 import torch
 
 from dynaseq.adaptive.cct import force_gates
-from dynaseq.adaptive.conditional_ffn import ConditionalFeedForward
 from dynaseq.data import collate, make_corpus, read_lines, token_batches
 from dynaseq.infer.translator import Translator, decode_corpus
 from dynaseq.train.loss import label_smoothed_loss
@@ -79,7 +75,6 @@ def fixed_length_beam4(t: Translator, lines: list[str], budget, length: int) -> 
 
 
 OUTPUT_ONLY = "output layer + loss only"
-UNFUSED = "unfused FFN cct"
 
 
 @torch.no_grad()
@@ -128,11 +123,6 @@ def main() -> None:
     systems["cct all gates off"] = (cct, BUDGETS[0], 0.0)
     systems["dense small"] = (dense, None, None)
     systems[OUTPUT_ONLY] = (cct, None, None)
-    unfused = Translator.load(CCT_RUN)  # its FFN pieces run one by one, never folded
-    for m in unfused.model.modules():
-        if isinstance(m, ConditionalFeedForward):
-            m.fuse = False
-    systems.update({f"{UNFUSED} {b[0]:g},{b[1]:g}": (unfused, b, None) for b in BUDGETS[:2]})
     for v in args.variants:
         tv = Translator.load(CCT_RUN.parent / f"cct_quality_{v}")
         systems.update({f"{v} {b[0]:g},{b[1]:g}": (tv, b, None) for b in BUDGETS})
@@ -183,10 +173,7 @@ def main() -> None:
            "rows": rows, "cct_budget_1_time_over_dense": dense_vs_cct,
            "variant_budget_1_time_over_dense": variants_vs_dense,
            "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()},
-           "floor_output_layer_scoring": round(med[OUTPUT_ONLY]["score"] / base["score"], 3),
-           "fused_over_unfused": {f"{b[0]:g},{b[1]:g}": {
-               k: round(med[f"cct {b[0]:g},{b[1]:g}"][k] / med[f"{UNFUSED} {b[0]:g},{b[1]:g}"][k],
-                        3) for k in base} for b in BUDGETS[:2]}}
+           "floor_output_layer_scoring": round(med[OUTPUT_ONLY]["score"] / base["score"], 3)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cct_speed.json").write_text(json.dumps(out, indent=1))
     write_md(out)
@@ -212,11 +199,6 @@ def write_md(out: dict) -> None:
     lines += ["", f"CCT at budget 1 takes {dense['score']}× the dense model's time to score, "
               f"{dense['beam4']}× to beam-decode and {dense['beam4_fixed']}× to beam-decode at "
               "the fixed length (target ≤ 1.10×).", ""]
-    for b, r in out.get("fused_over_unfused", {}).items():
-        lines += [f"Folded FFN pieces (tokens with every gate on take one pass) at budget "
-                  f"({b}) take {r['score']}× the time of the pieces run one by one "
-                  f"(`{UNFUSED}` rows) to score, {r['beam4']}× to beam-decode and "
-                  f"{r['beam4_fixed']}× at the fixed length.", ""]
     for v, vs in out.get("variant_budget_1_time_over_dense", {}).items():
         lines += [f"Variant `{v}` (its rows: ratios to its own budget 1) at budget 1 takes "
                   f"{vs['score']}× the dense model's time to score, {vs['beam4']}× to "

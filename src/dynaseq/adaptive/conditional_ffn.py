@@ -11,24 +11,12 @@ of every independently gated feed-forward sub-network"); the layer adds the resi
 
 Training: every piece runs on every token, scaled by its soft noisy gate. Inference: hard
 0/1 gates; piece i runs only on the tokens whose gate i is on (``index_select`` → piece →
-``index_add``); a token with every gate off gets exactly 0. Tokens with every gate on (all
-of them at budget 1) take one fused pass instead of M small ones: the input LayerNorms share
-their statistics, so their affine parts fold into the first matrices,
-
-    W1_i LN_in_i(x) + b1_i = (W1_i diag γ_i) x̂ + (W1_i β_i + b1_i),   x̂ = (x − μ) / σ,
-
-the M input LayerNorms become one normalization and the M first matrices one ``(ffn_dim,
-d)`` matmul; the second matrices run piece by piece on slices of the hidden activations
-(each into its output LayerNorm), or as one ``(d, ffn_dim)`` matmul without output
-LayerNorms. The same multiply-adds as the M pieces, in fewer kernels.
+``index_add``); a token with every gate off gets exactly 0.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.adaptive.gating import (
@@ -43,11 +31,6 @@ from dynaseq.adaptive.gating import (
 )
 from dynaseq.nn.feedforward import FeedForward
 from dynaseq.nn.outputs import AuxOutputs
-
-# Tokens per block of the fused pass: its (N, ffn_dim) hidden activations stay in cache (at
-# ffn_dim 1024 one block is 1 MiB): on this project's 2-core CPU one 1280-token block ran
-# 1.14x the time of the M pieces, while up to 256 tokens ran 0.8-0.9x.
-FUSED_ROWS = 256
 
 
 class FeedForwardPiece(nn.Module):
@@ -69,16 +52,13 @@ class ConditionalFeedForward(nn.Module):
         control: :class:`ControlNet` with M gates.
         gate: logits -> gates (noise schedule, hard threshold, override).
         name: sub-layer name carried by its traces.
-        fuse: at inference, run the tokens with every gate on as one folded pass (module
-            docstring); False runs them piece by piece like the others (same outputs up to
-            float rounding; for timing the fold).
 
     ``forward(x, aux=None)``: x ``(B, T, d)`` -> ``(B, T, d)``. Build it with
     :func:`conditional_feedforward`.
     """
 
     def __init__(self, pieces: list[FeedForwardPiece], control: ControlNet, gate: Gate,
-                 name: str = "ffn", fuse: bool = True) -> None:
+                 name: str = "ffn") -> None:
         super().__init__()
         if not pieces:
             raise ValueError("ConditionalFeedForward needs at least one piece")
@@ -87,9 +67,7 @@ class ConditionalFeedForward(nn.Module):
                              f"{len(pieces)} pieces")
         self.pieces = nn.ModuleList(pieces)
         self.control, self.gate = control, gate
-        self.name, self.fuse = name, fuse
-        # (parameter versions, folded weights): a plain attribute, never in a state dict
-        self._fused_cache: tuple[tuple, _Fused | None] | None = None
+        self.name = name
 
     @property
     def n_pieces(self) -> int:
@@ -114,56 +92,14 @@ class ConditionalFeedForward(nn.Module):
         b, t, d = x.shape
         flat_x = x.reshape(b * t, d)
         flat_on = on.reshape(b * t, -1)  # (B·T, M)
-        fused = self._fused_weights() if self.fuse else None
-        if fused is not None and self.n_pieces > 1:
-            all_on = flat_on.all(1)
-            n_all = int(all_on.sum())
-            if n_all == b * t:
-                return self._forward_fused(flat_x, fused).view(b, t, d)
-            if n_all:
-                idx = all_on.nonzero().squeeze(1)
-                out = x.new_zeros(b * t, d)
-                out.index_add_(0, idx, self._forward_fused(flat_x.index_select(0, idx), fused))
-                return self._forward_pieces(flat_x, flat_on & ~all_on[:, None], out).view(b, t, d)
-        return self._forward_pieces(flat_x, flat_on, x.new_zeros(b * t, d)).view(b, t, d)
-
-    def _forward_pieces(self, flat_x: Tensor, flat_on: Tensor, out: Tensor) -> Tensor:
-        """Add piece i's output on the tokens whose ``flat_on[:, i]`` is set to ``out``
-        ``(N, d)``; ``flat_x`` ``(N, d)``."""
-        n = flat_x.size(0)
+        out = x.new_zeros(b * t, d)
         for i, piece in enumerate(self.pieces):
             idx = flat_on[:, i].nonzero().squeeze(1)
-            if idx.numel() == n:  # every token: no gather/scatter
+            if idx.numel() == b * t:  # every token: no gather/scatter
                 out += piece(flat_x)
             elif idx.numel():
                 out.index_add_(0, idx, piece(flat_x.index_select(0, idx)))
-        return out
-
-    def _fused_weights(self) -> _Fused | None:
-        """The pieces' weights folded for :meth:`_forward_fused`, rebuilt when a parameter
-        changes (in place or replaced); None where the pieces are not the standard
-        LayerNorm → :class:`FeedForward` → LayerNorm / Identity the fold is exact for."""
-        key = tuple((p.data_ptr(), p._version) for p in self.pieces.parameters())
-        if self._fused_cache is None or self._fused_cache[0] != key:
-            self._fused_cache = (key, _fold(list(self.pieces)))
-        return self._fused_cache[1]
-
-    def _forward_fused(self, x: Tensor, w: _Fused) -> Tensor:
-        """Σ_i LN_out_i(FF_i(LN_in_i(x))) in one pass: ``x`` ``(N, d)`` -> ``(N, d)``, in
-        blocks of :data:`FUSED_ROWS` tokens."""
-        if x.size(0) > FUSED_ROWS:
-            return torch.cat([self._forward_fused(b, w) for b in x.split(FUSED_ROWS)])
-        h = F.linear(F.layer_norm(x, x.shape[-1:], eps=w.in_eps), w.w1, w.b1).relu_()
-        if w.w2 is not None:  # no output LayerNorms: the pieces' fc2 side by side
-            return F.linear(h, w.w2, w.b2)
-        out = None
-        widths = [p.ffn.fc1.out_features for p in self.pieces]
-        for h_i, piece in zip(h.split(widths, 1), self.pieces, strict=True):
-            fc2, norm = piece.ffn.fc2, piece.out_norm
-            y = F.layer_norm(F.linear(h_i, fc2.weight, fc2.bias), norm.normalized_shape,
-                             norm.weight, norm.bias, norm.eps)
-            out = y if out is None else out.add_(y)
-        return out
+        return out.view(b, t, d)
 
     def _piece_costs(self, g: Tensor) -> Tensor:
         """``(M,)`` MACs one open gate i spends on one token (budget costs C_l)."""
@@ -193,46 +129,6 @@ class ConditionalFeedForward(nn.Module):
                 out[k] += v
         out["control_ffn"] = self.control.macs(on.numel() // self.n_pieces)
         return out
-
-
-class _Fused(NamedTuple):
-    """Folded weights of M pieces (module docstring): ``w1`` ``(ffn_dim, d)``, ``b1``
-    ``(ffn_dim,)``; without output LayerNorms also the pieces' second matrices side by side,
-    ``w2`` ``(d, ffn_dim)`` and ``b2`` ``(d,)`` (else None: each piece's own run)."""
-
-    w1: Tensor
-    b1: Tensor
-    in_eps: float
-    w2: Tensor | None
-    b2: Tensor | None
-
-
-def _plain_ln(m: nn.Module) -> bool:
-    return (type(m) is nn.LayerNorm and m.elementwise_affine and m.bias is not None
-            and len(m.normalized_shape) == 1)
-
-
-def _plain_ffn(m: nn.Module) -> bool:  # not e.g. a dynamically quantized copy
-    return type(m) is FeedForward and type(m.fc1) is nn.Linear and type(m.fc2) is nn.Linear
-
-
-def _fold(pieces: list[FeedForwardPiece]) -> _Fused | None:
-    """The pieces' weights folded; None unless every piece is LayerNorm → ReLU FeedForward →
-    LayerNorm (or every one → Identity), where the fold is exact."""
-    ins, outs = [p.in_norm for p in pieces], [p.out_norm for p in pieces]
-    if not (all(_plain_ffn(p.ffn) for p in pieces) and all(map(_plain_ln, ins))
-            and len({m.eps for m in ins}) == 1):
-        return None
-    no_out = all(type(m) is nn.Identity for m in outs)
-    if not no_out and not all(map(_plain_ln, outs)):
-        return None
-    with torch.no_grad():
-        w1 = torch.cat([p.ffn.fc1.weight * p.in_norm.weight for p in pieces], 0)
-        b1 = torch.cat([p.ffn.fc1.weight @ p.in_norm.bias + p.ffn.fc1.bias for p in pieces])
-        if not no_out:
-            return _Fused(w1, b1, ins[0].eps, None, None)
-        return _Fused(w1, b1, ins[0].eps, torch.cat([p.ffn.fc2.weight for p in pieces], 1),
-                      sum(p.ffn.fc2.bias for p in pieces))
 
 
 def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,
