@@ -42,15 +42,29 @@ from mt_baseline import throughput
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
 RUNS = Path("runs/bench")
-CCT_RUN = RUNS / "cct_quality_cct"
+
+
+def run_dir(name: str) -> Path:
+    """Where system ``name`` (``cct``, a variant, a baseline) is trained."""
+    return RUNS / f"cct_quality_{name}"
+
+
+CCT_RUN = run_dir("cct")
 # CCT variants trained like the CCT with these overrides of its config (`train cct --variants`),
 # reported at the calibrated (b, b) budgets: how the model's settings move quality.
 # QUARTER: the budgets the CCT had until cct_full50 (the full budget half the draws, now the
 # configured list) beat it at every budget; cct_ctl / cct_nonorm were trained on it, from a
 # quieter control symbol and without the paper's output LayerNorms (a 200-update probe with
 # every gate on had each change closing part of the gap to dense).
-QUARTER = ("model.cct.budgets=[[1, 1], [1, 1], [0.5, 0.5], [0.33, 0.33], [0.2, 0.2], "
-           "[1, 0.5], [1, 0.33], [1, 0.2]]")
+LOWER = "[0.5, 0.5], [0.33, 0.33], [0.2, 0.2], [1, 0.5], [1, 0.33], [1, 0.2]"
+
+
+def full_share(n_full: int) -> str:
+    """The budgets override drawing (1, 1) ``n_full`` times and each :data:`LOWER` once."""
+    return "model.cct.budgets=[" + ", ".join(["[1, 1]"] * n_full + [LOWER]) + "]"
+
+
+QUARTER = full_share(2)
 VARIANTS = {
     "cct_quarter": ("CCT, full budget a quarter of the draws", [QUARTER]),
     "cct_ctl": ("CCT, control init std 0.25", [QUARTER, "model.cct.control_init_std=0.25"]),
@@ -59,9 +73,7 @@ VARIANTS = {
     # the paper's 36-entry cross product: half of each side's draws at 1, (1, 1) a quarter
     "cct_grid": ("CCT, the paper's budget grid", [
         "model.cct.budgets=[[1.0, 1.0]]", "model.cct.budget_grid=[1, 1, 1, 0.5, 0.33, 0.2]"]),
-    "cct_full67": ("CCT, full budget two thirds of the draws", [
-        "model.cct.budgets=[" + ", ".join(["[1, 1]"] * 12) + ", [0.5, 0.5], [0.33, 0.33], "
-        "[0.2, 0.2], [1, 0.5], [1, 0.33], [1, 0.2]]"]),
+    "cct_full67": ("CCT, full budget two thirds of the draws", [full_share(12)]),
     "cct_nolnout": ("CCT, no output LayerNorms", ["model.cct.output_norms=false"]),
 }
 VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
@@ -85,7 +97,7 @@ UNTRAINED = [(0.4, 0.4)]  # run by calibrating the nearest trained budget's gate
 
 def cct_config(variant: str | None = None):
     """The CCT's config, or that of one of :data:`VARIANTS`."""
-    run, overrides = (CCT_RUN, []) if variant is None else (RUNS / f"cct_quality_{variant}",
+    run, overrides = (CCT_RUN, []) if variant is None else (run_dir(variant),
                                                              VARIANTS[variant][1])
     return load_config("configs/multi30k_cct_small.yaml",
                        [f"run_dir={run}", f"train.max_minutes={CCT_MINUTES}", *overrides])
@@ -93,7 +105,7 @@ def cct_config(variant: str | None = None):
 
 def baseline_config(name: str):
     return load_config("configs/multi30k_small.yaml", [
-        f"run_dir={RUNS / ('cct_quality_' + name)}",
+        f"run_dir={run_dir(name)}",
         f"data.train_tgt={DATA}/train.fr.gz", f"data.valid_tgt={DATA}/val.fr.gz",
         f"train.max_steps={DENSE_STEPS}", "train.valid_bleu_lines=300", *BASELINES[name][1]])
 
@@ -186,7 +198,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     else:
         rows += [r for name, r in carried.items() if name.startswith("CCT (")]
     for variant, (label, _) in VARIANTS.items():
-        run = Path(cct_config(variant).run_dir)
+        run = run_dir(variant)
         if wanted(variant) and (run / "config.yaml").exists():
             cal = calibrated_cct(run, args.calibration_lines, VARIANT_BUDGETS)
             rows += [{"system": f"{label} ({e:g}, {d:g}) calibrated",

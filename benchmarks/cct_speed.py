@@ -53,10 +53,11 @@ from dynaseq.data import collate, make_corpus, read_lines, token_batches
 from dynaseq.infer.translator import Translator, decode_corpus
 from dynaseq.train.loss import label_smoothed_loss
 
+from cct_quality import CCT_RUN, run_dir
+
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")
-CCT_RUN = Path("runs/bench/cct_quality_cct")
-DENSE_RUN = Path("runs/bench/cct_quality_small")
+DENSE_RUN = run_dir("small")
 BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 
 
@@ -123,9 +124,12 @@ def main() -> None:
     systems["cct all gates off"] = (cct, BUDGETS[0], 0.0)
     systems["dense small"] = (dense, None, None)
     systems[OUTPUT_ONLY] = (cct, None, None)
+    variant_of: dict[str, str] = {}  # system name -> the variant it times
     for v in args.variants:
-        tv = Translator.load(CCT_RUN.parent / f"cct_quality_{v}")
-        systems.update({f"{v} {b[0]:g},{b[1]:g}": (tv, b, None) for b in BUDGETS})
+        tv = Translator.load(run_dir(v))
+        for b in BUDGETS:
+            systems[f"{v} {b[0]:g},{b[1]:g}"] = (tv, b, None)
+            variant_of[f"{v} {b[0]:g},{b[1]:g}"] = v
     times = {name: {"score": [], "beam4": [], "beam4_fixed": []} for name in systems}
     for r in range(args.rounds + 1):  # round 0 warms up and is not counted
         for name, (t, budget, forced) in systems.items():
@@ -146,7 +150,7 @@ def main() -> None:
         row = {"system": name, "seconds": {k: round(v, 3) for k, v in med[name].items()},
                "ratio_to_cct_budget_1": {k: round(med[name][k] / base[k], 3) for k in base}}
         budget = systems[name][1]
-        variant = next((v for v in args.variants if name.startswith(v + " ")), None)
+        variant = variant_of.get(name)
         if variant is not None:
             own = med[f"{variant} 1,1"]
             row["ratio_to_own_budget_1"] = {k: round(med[name][k] / own[k], 3) for k in own}
