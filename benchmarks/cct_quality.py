@@ -75,6 +75,14 @@ VARIANTS = {
         "model.cct.budgets=[[1.0, 1.0]]", "model.cct.budget_grid=[1, 1, 1, 0.5, 0.33, 0.2]"]),
     "cct_full67": ("CCT, full budget two thirds of the draws", [full_share(12)]),
     "cct_nolnout": ("CCT, no output LayerNorms", ["model.cct.output_norms=false"]),
+    # the configured CCT trained twice as long (compare with dense small_long): does the gap
+    # at full budget close with training? Resume is exact, so a copy of the 1400-update run
+    # continued to 2800 equals a 2800-update run from scratch.
+    # in-place self-distillation (dynaseq.train.self_distill): budgets below (1, 1) also
+    # learn the full budget's output distribution on the same batch
+    "cct_distill": ("CCT, in-place self-distillation 0.5", ["model.cct.distill_weight=0.5"]),
+    "cct_distill1": ("CCT, in-place self-distillation 1.0", ["model.cct.distill_weight=1.0"]),
+    "cct_long": ("CCT, 2800 updates", ["train.max_steps=2800", "train.max_minutes=240"]),
 }
 VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 CCT_MINUTES = 90.0  # a time cap only: max_steps (1400) ends the run first
@@ -89,6 +97,7 @@ BASELINES = {
     "depth_2_1": ("depth: 2+1 layers", ["model.encoder_layers=2", "model.decoder_layers=1"]),
     "decoder_3_1": ("full encoder, 1 decoder layer",
                     ["model.encoder_layers=3", "model.decoder_layers=1"]),
+    "small_long": ("small (3+3, FFN 1024), 2800 updates", ["train.max_steps=2800"]),
 }
 CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.0, 0.33),
                (1.0, 0.2)]

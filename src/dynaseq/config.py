@@ -79,6 +79,11 @@ class CCTConfig:
     the full 1400 updates, neither closed the gap at full budget (benchmarks/results/
     cct_quality.md, "CCT variants"), so the defaults stay as they were: a token-scale
     symbol and the paper's LayerNorms.
+
+    ``distill_weight`` (β, not in the paper; 0 = off): in-place self-distillation
+    (:mod:`dynaseq.train.self_distill`): sequences drawn below the largest budget also learn
+    the largest budget's output distribution on the same batch, weight β against the
+    reference. Costs one extra forward pass over them per update.
     """
 
     ffn_pieces: int = 4
@@ -93,9 +98,12 @@ class CCTConfig:
     budget_estimate: str = "soft"
     control_init_std: float = 1.0
     output_norms: bool = True
+    distill_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive(self, "ffn_pieces", "control_hidden")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ConfigError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
         if not self.control_init_std >= 0:
             raise ConfigError(f"control_init_std must be >= 0, got {self.control_init_std}")
         if min(self.alpha_max, self.noise_ramp_steps, self.budget_weight,
@@ -119,6 +127,9 @@ class CCTConfig:
             if len(pair) != 2 or not all(0.0 < b <= 1.0 for b in pair):
                 raise ConfigError("budgets entries must be (encoder, decoder) pairs in (0, 1], "
                                   f"got {list(pair)}")
+        if self.distill_weight and len(self.controls) < 2:
+            raise ConfigError("distill_weight needs at least two distinct budgets: the lower "
+                              "ones learn from the largest")
         if (self.budget_start_step or self.budget_ramp_steps) and self.controls[0] != (1.0, 1.0):
             raise ConfigError("budget_start_step/budget_ramp_steps need the full budget (1, 1) "
                               "as the first budgets entry: it is what the curriculum assigns")

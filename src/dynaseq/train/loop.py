@@ -55,6 +55,7 @@ from dynaseq.train.distributed import (
 )
 from dynaseq.train.loss import label_smoothed_loss
 from dynaseq.train.schedule import inverse_sqrt_schedule
+from dynaseq.train.self_distill import inplace_distill_term
 
 
 @dataclass
@@ -185,9 +186,12 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
             model, device_ids=[s.device.index] if s.device.type == "cuda" else None)
     src_len, tgt_len = s.train.src_lengths(), s.train.tgt_lengths()
     budgets = sampling_ids = None
+    distill, teacher_control = 0.0, 0
     if cfg.model.cct is not None:
         budgets = torch.tensor(cfg.model.cct.controls, dtype=torch.float32, device=s.device)
         sampling_ids = torch.tensor(cfg.model.cct.sampling_ids, dtype=torch.long)
+        distill = cfg.model.cct.distill_weight
+        teacher_control = control_for_budget(cfg.model)  # the largest trained budget
     routing = cfg.model.dmb or cfg.model.moe  # DMB / MoE: the gates' auxiliary losses
     dmb = cfg.model.dmb
     show_bar = progress and env.is_main and sys.stderr.isatty()
@@ -232,6 +236,10 @@ def fit(s: Setup, progress: bool = True) -> TrainResult:
                         out = wrapped(b.src, b.tgt_in, control)
                         loss, nll, n_tok = label_smoothed_loss(out.logits, b.tgt_out,
                                                                tc.label_smoothing, model.pad_id)
+                        if distill:  # the teacher pass runs on the bare model, outside DDP
+                            loss = loss + inplace_distill_term(
+                                model, b.src, b.tgt_in, b.tgt_out, control, out.logits,
+                                teacher_control, distill, tc.label_smoothing, model.pad_id)
                         for aux_loss in out.aux.losses.values():
                             loss = loss + aux_loss
                         if budgets is not None:
