@@ -83,7 +83,10 @@ class CCTConfig:
     ``distill_weight`` (β, not in the paper; 0 = off): in-place self-distillation
     (:mod:`dynaseq.train.self_distill`): sequences drawn below the largest budget also learn
     the largest budget's output distribution on the same batch, weight β against the
-    reference. Costs one extra forward pass over them per update.
+    reference. Costs one extra forward pass over them per update. Measured once (Multi30k
+    en->fr, 1400 updates, β 0.5) it lost at every budget, most at the lowest (46.1 / 39.1 /
+    35.4 / 17.8 BLEU at (b, b), b = 1, .5, .33, .2, against 47.4 / 41.1 / 38.2 / 29.0
+    without), so it stays off by default.
     """
 
     ffn_pieces: int = 4
