@@ -362,7 +362,7 @@ def plot(rows: list[dict]) -> None:
             x = r["layer_macs_per_token"]["total"] / 1e6
             ax.plot(x, r["bleu_beam4"], "k^")
             label = r["system"].removeprefix("dense ")
-            if r["steps"] != DENSE_STEPS:  # a carried row trained for other updates
+            if r["steps"] != DENSE_STEPS and "updates" not in label:  # trained longer
                 label += f" ({r['steps']} upd.)"
             ax.annotate(label, (x, r["bleu_beam4"]), fontsize=7, xytext=(4, -3),
                         textcoords="offset points")

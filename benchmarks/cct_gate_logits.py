@@ -1,0 +1,110 @@
+"""Benchmark `cct_gate_logits`: how far a trained CCT's gate logits sit from the threshold.
+
+In training every gate is σ(logit + α·N(0, 1)) (CCT eq. 3, α = ``alpha_max`` once ramped);
+at inference 1[logit ≥ 0]. A gate that inference opens is dropped in training with
+probability Φ(−logit / α). This script runs each trained control symbol over the first
+validation pairs (teacher forced, batch 1, inference gates, no calibration), collects the
+logits of every gate at every position, and reports per budget the share of gates open, the
+quantiles of the open gates' logits and the mean Φ(−logit / α) over them: the share of the
+work inference runs that the training noise was switching off.
+
+    python benchmarks/cct_gate_logits.py runs/bench/cct_quality_cct runs/bench/cct_quality_cct_long
+
+Writes benchmarks/results/cct_gate_logits.{json,md}. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from dynaseq.adaptive.gating import Gate
+from dynaseq.data import collate, make_corpus, read_lines
+from dynaseq.infer.translator import Translator
+
+DATA = Path("../shared/data/multi30k")
+RESULTS = Path("benchmarks/results")
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def gate_logits(t: Translator, lines: int) -> dict[tuple[float, float], torch.Tensor]:
+    """Each trained budget -> the logits (1-D) of every gate at every position, one pair at a
+    time (batch 1: no padding to leave out)."""
+    model = t.model.eval()
+    src = t.tokenizer.encode(read_lines(DATA / "val.en.gz")[:lines])
+    tgt = t.tokenizer.encode(read_lines(DATA / "val.fr.gz")[:lines])
+    corpus, _ = make_corpus(src, tgt, t.config.data.max_len, "truncate")
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, inputs, _o: seen.append(inputs[0].flatten()))
+             for m in model.modules() if isinstance(m, Gate)]
+    out = {}
+    try:
+        for control, pair in enumerate(t.config.model.cct.controls):
+            seen.clear()
+            for i in range(len(corpus)):
+                b = collate(corpus, [i], model.pad_id, model.bos_id, model.eos_id)
+                with torch.no_grad():
+                    model(b.src, b.tgt_in, torch.full((1,), control))
+            out[pair] = torch.cat(seen)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def summarize(logits: torch.Tensor, alpha: float) -> dict:
+    on = logits[logits >= 0]
+    q = torch.quantile(on[torch.randperm(on.numel(), generator=torch.Generator().manual_seed(0))
+                          [:1_000_000]], torch.tensor(QUANTILES))
+    dropped = torch.distributions.Normal(0.0, 1.0).cdf(-on / alpha).mean() if alpha else 0.0
+    return {"gates": logits.numel(), "open": round(float(on.numel() / logits.numel()), 3),
+            "open_logit_quantiles": {f"{p:g}": round(float(v), 1)
+                                     for p, v in zip(QUANTILES, q, strict=True)},
+            "noise_drops_open": round(float(dropped), 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="trained CCT run directories")
+    p.add_argument("--lines", type=int, default=200, help="validation pairs (default 200)")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    rows = []
+    for run in args.runs:
+        t = Translator.load(run)
+        if t.config.model.cct is None:
+            raise SystemExit(f"error: {run} is not a CCT run")
+        alpha = t.config.model.cct.alpha_max
+        for pair, logits in gate_logits(t, args.lines).items():
+            rows.append({"run": str(run), "budget": list(pair), "alpha": alpha,
+                         **summarize(logits, alpha)})
+    cmd = "python benchmarks/cct_gate_logits.py " + " ".join(map(str, args.runs))
+    out = {"benchmark": "cct_gate_logits", "command": cmd, "date": time.strftime("%Y-%m-%d"),
+           "machine": {"platform": platform.platform(), "torch": torch.__version__},
+           "data": f"first {args.lines} pairs of multi30k val en->fr, teacher forced",
+           "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cct_gate_logits.json").write_text(json.dumps(out, indent=1))
+    cols = " / ".join(f"{q:g}" for q in QUANTILES)
+    lines = ["# cct_gate_logits: trained gate logits against the training noise", "",
+             f"Command: `{cmd}`  ", f"Machine: {out['machine']}  ", f"Data: {out['data']}", "",
+             "open: share of gates inference opens (logit >= 0). Quantiles of the open gates' "
+             "logits. noise drops: mean Φ(−logit/α) over the open gates, the share of their "
+             "work the training noise α·N(0, 1) switched off.", "",
+             f"| run | budget (enc, dec) | open | open-gate logit quantiles ({cols}) | "
+             "noise drops |", "|---|---|---:|---|---:|"]
+    for r in rows:
+        q = " / ".join(str(v) for v in r["open_logit_quantiles"].values())
+        lines.append(f"| {Path(r['run']).name} | {tuple(r['budget'])} | {r['open']} | {q} | "
+                     f"{r['noise_drops_open']} |")
+    (RESULTS / "cct_gate_logits.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
