@@ -13,7 +13,7 @@ the CCT's size".
     python benchmarks/cct_quality.py report             # evaluate, write results/
     python benchmarks/cct_quality.py train cct --variants cct_ctl cct_nonorm  # VARIANTS
     python benchmarks/cct_quality.py report --only cct_ctl cct_nonorm
-    python benchmarks/cct_quality.py train baselines --only small_long width_f128_long  # 2800
+    python benchmarks/cct_quality.py train baselines --only small_long width_f128_long depth_1_1_long
 
 The two `train` lanes use one thread each, so they can run side by side on 2 cores.
 Writes benchmarks/results/cct_quality.{json,md,png} (BLEU vs realized MACs/token) and
@@ -76,12 +76,12 @@ VARIANTS = {
         "model.cct.budgets=[[1.0, 1.0]]", "model.cct.budget_grid=[1, 1, 1, 0.5, 0.33, 0.2]"]),
     "cct_full67": ("CCT, full budget two thirds of the draws", [full_share(12)]),
     "cct_nolnout": ("CCT, no output LayerNorms", ["model.cct.output_norms=false"]),
-    # the configured CCT trained twice as long (compare with dense small_long): does the gap
-    # at full budget close with training? Resume is exact, so a copy of the 1400-update run
-    # continued to 2800 equals a 2800-update run from scratch.
     # in-place self-distillation (dynaseq.train.self_distill): budgets below (1, 1) also
     # learn the full budget's output distribution on the same batch
     "cct_distill": ("CCT, in-place self-distillation 0.5", ["model.cct.distill_weight=0.5"]),
+    # the configured CCT trained twice as long (compare with dense small_long): does the gap
+    # at full budget close with training? Resume is exact, so a copy of the 1400-update run
+    # continued to 2800 equals a 2800-update run from scratch.
     "cct_long": ("CCT, 2800 updates", ["train.max_steps=2800", "train.max_minutes=240"]),
 }
 VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
@@ -101,6 +101,8 @@ BASELINES = {
     "small_long": ("small (3+3, FFN 1024), 2800 updates", ["train.max_steps=2800"]),
     "width_f128_long": ("FFN width 128, 2800 updates",
                         ["model.ffn_dim=128", "train.max_steps=2800"]),
+    "depth_1_1_long": ("depth: 1+1 layers, 2800 updates", [
+        "model.encoder_layers=1", "model.decoder_layers=1", "train.max_steps=2800"]),
 }
 CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.0, 0.33),
                (1.0, 0.2)]

@@ -64,4 +64,3 @@ def inplace_distill_term(model: Callable, src: Tensor, tgt_in: Tensor, tgt_out: 
     soft = soft_target_loss(student, teacher, s_out, pad_id)
     hard, _, _ = label_smoothed_loss(student, s_out, smoothing, pad_id)
     return weight * (soft - hard)
-
