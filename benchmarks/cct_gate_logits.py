@@ -25,6 +25,7 @@ import torch
 
 from dynaseq.adaptive.gating import Gate
 from dynaseq.data import collate, make_corpus, read_lines
+from dynaseq.errors import DynaseqError
 from dynaseq.infer.translator import Translator
 
 DATA = Path("../shared/data/multi30k")
@@ -76,7 +77,10 @@ def main() -> None:
     torch.set_num_threads(2)
     rows = []
     for run in args.runs:
-        t = Translator.load(run)
+        try:
+            t = Translator.load(run)
+        except DynaseqError as e:
+            raise SystemExit(f"error: {e}") from None
         if t.config.model.cct is None:
             raise SystemExit(f"error: {run} is not a CCT run")
         alpha = t.config.model.cct.alpha_max
