@@ -66,6 +66,7 @@ def full_share(n_full: int) -> str:
 
 
 QUARTER = full_share(2)
+LONG_STEPS = 2800  # the "twice as long" runs: cct_long and LONG_BASELINES
 VARIANTS = {
     "cct_quarter": ("CCT, full budget a quarter of the draws", [QUARTER]),
     "cct_ctl": ("CCT, control init std 0.25", [QUARTER, "model.cct.control_init_std=0.25"]),
@@ -82,7 +83,8 @@ VARIANTS = {
     # the configured CCT trained twice as long (compare with dense small_long): does the gap
     # at full budget close with training? Resume is exact, so a copy of the 1400-update run
     # continued to 2800 equals a 2800-update run from scratch.
-    "cct_long": ("CCT, 2800 updates", ["train.max_steps=2800", "train.max_minutes=240"]),
+    "cct_long": (f"CCT, {LONG_STEPS} updates",
+                 [f"train.max_steps={LONG_STEPS}", "train.max_minutes=240"]),
 }
 VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 CCT_MINUTES = 90.0  # a time cap only: max_steps (1400) ends the run first
@@ -97,13 +99,13 @@ BASELINES = {
     "depth_2_1": ("depth: 2+1 layers", ["model.encoder_layers=2", "model.decoder_layers=1"]),
     "decoder_3_1": ("full encoder, 1 decoder layer",
                     ["model.encoder_layers=3", "model.decoder_layers=1"]),
-    # twice the updates, against the CCT variant cct_long (trained only when named)
-    "small_long": ("small (3+3, FFN 1024), 2800 updates", ["train.max_steps=2800"]),
-    "width_f128_long": ("FFN width 128, 2800 updates",
-                        ["model.ffn_dim=128", "train.max_steps=2800"]),
-    "depth_1_1_long": ("depth: 1+1 layers, 2800 updates", [
-        "model.encoder_layers=1", "model.decoder_layers=1", "train.max_steps=2800"]),
 }
+# the dense models of cct_long's size and of its (.5, .5) and (.33, .33) MACs, trained twice
+# the updates; `train baselines` trains them only when named (they double the lane's time)
+LONG_BASELINES = {f"{n}_long": (f"{BASELINES[n][0]}, {LONG_STEPS} updates",
+                                 [*BASELINES[n][1], f"train.max_steps={LONG_STEPS}"])
+                  for n in ("small", "width_f128", "depth_1_1")}
+BASELINES.update(LONG_BASELINES)
 CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.0, 0.33),
                (1.0, 0.2)]
 UNTRAINED = [(0.4, 0.4)]  # run by calibrating the nearest trained budget's gates
@@ -129,9 +131,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.lane == "cct":
         configs = [cct_config(v) for v in args.variants] if args.variants else [cct_config()]
     else:
-        # the 2800-update baselines only when named: they double the lane's time
         configs = [baseline_config(n) for n in BASELINES
-                   if (n in args.only if args.only else not n.endswith("_long"))]
+                   if (n in args.only if args.only else n not in LONG_BASELINES)]
     for cfg in configs:
         print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
         result = train(cfg, progress=True)
@@ -235,7 +236,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     command = ("python benchmarks/cct_quality.py train cct & python benchmarks/cct_quality.py "
                "train baselines; python benchmarks/cct_quality.py train cct --variants "
                f"{' '.join(VARIANTS)}; python benchmarks/cct_quality.py train baselines --only "
-               f"{' '.join(n for n in BASELINES if n.endswith('_long'))}; "
+               f"{' '.join(LONG_BASELINES)}; "
                "python benchmarks/cct_quality.py report")
     out = {"benchmark": "cct_quality", "command": command, "machine": machine, "date": today,
            "test_set": "multi30k test_2016_flickr en->fr (1000 sentences), beam 4",
