@@ -14,6 +14,7 @@ the CCT's size".
     python benchmarks/cct_quality.py train cct --variants cct_ctl cct_nonorm  # VARIANTS
     python benchmarks/cct_quality.py report --only cct_ctl cct_nonorm
     python benchmarks/cct_quality.py train baselines --only small_long width_f128_long depth_1_1_long
+    python benchmarks/cct_quality.py train baselines --only small_x3 width_f128_x3 depth_1_1_x3
 
 The two `train` lanes use one thread each, so they can run side by side on 2 cores.
 Writes benchmarks/results/cct_quality.{json,md,png} (BLEU vs realized MACs/token) and
@@ -66,7 +67,9 @@ def full_share(n_full: int) -> str:
 
 
 QUARTER = full_share(2)
-LONG_STEPS = 2800  # the "twice as long" runs: cct_long and LONG_BASELINES
+# the longer runs, name suffix -> updates: cct_long / cct_x3 and LONG_BASELINES, each continued
+# from a copy of the next shorter run's directory (resume is exact)
+LONG_STEPS = {"long": 2800, "x3": 4200}
 VARIANTS = {
     "cct_quarter": ("CCT, full budget a quarter of the draws", [QUARTER]),
     "cct_ctl": ("CCT, control init std 0.25", [QUARTER, "model.cct.control_init_std=0.25"]),
@@ -80,11 +83,12 @@ VARIANTS = {
     # in-place self-distillation (dynaseq.train.self_distill): budgets below (1, 1) also
     # learn the full budget's output distribution on the same batch
     "cct_distill": ("CCT, in-place self-distillation 0.5", ["model.cct.distill_weight=0.5"]),
-    # the configured CCT trained twice as long (compare with dense small_long): does the gap
-    # at full budget close with training? Resume is exact, so a copy of the 1400-update run
-    # continued to 2800 equals a 2800-update run from scratch.
-    "cct_long": (f"CCT, {LONG_STEPS} updates",
-                 [f"train.max_steps={LONG_STEPS}", "train.max_minutes=240"]),
+    # the configured CCT trained two and three times as long (compare with dense small_long,
+    # small_x3): does the gap at full budget close with training? Resume is exact, so a copy
+    # of the 1400-update run continued to 2800 equals a 2800-update run from scratch.
+    **{f"cct_{tag}": (f"CCT, {steps} updates",
+                      [f"train.max_steps={steps}", f"train.max_minutes={steps // 10}"])
+       for tag, steps in LONG_STEPS.items()},
 }
 VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 CCT_MINUTES = 90.0  # a time cap only: max_steps (1400) ends the run first
@@ -100,10 +104,11 @@ BASELINES = {
     "decoder_3_1": ("full encoder, 1 decoder layer",
                     ["model.encoder_layers=3", "model.decoder_layers=1"]),
 }
-# the dense models of cct_long's size and of its (.5, .5) and (.33, .33) MACs, trained twice
-# the updates; `train baselines` trains them only when named (they double the lane's time)
-LONG_BASELINES = {f"{n}_long": (f"{BASELINES[n][0]}, {LONG_STEPS} updates",
-                                 [*BASELINES[n][1], f"train.max_steps={LONG_STEPS}"])
+# the dense models of the long CCTs' size and of their (.5, .5) and (.33, .33) MACs, trained
+# as long; `train baselines` trains them only when named (each doubles the lane's time or more)
+LONG_BASELINES = {f"{n}_{tag}": (f"{BASELINES[n][0]}, {steps} updates",
+                                  [*BASELINES[n][1], f"train.max_steps={steps}"])
+                  for tag, steps in LONG_STEPS.items()
                   for n in ("small", "width_f128", "depth_1_1")}
 BASELINES.update(LONG_BASELINES)
 CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.0, 0.33),
