@@ -67,9 +67,9 @@ def full_share(n_full: int) -> str:
 
 
 QUARTER = full_share(2)
-# the longer runs, name suffix -> updates: cct_long / cct_x3 and LONG_BASELINES, each continued
+# the longer runs, name suffix -> updates: cct_long / _x3 / _x4 and LONG_BASELINES, each continued
 # from a copy of the next shorter run's directory (resume is exact)
-LONG_STEPS = {"long": 2800, "x3": 4200}
+LONG_STEPS = {"long": 2800, "x3": 4200, "x4": 5600}
 VARIANTS = {
     "cct_quarter": ("CCT, full budget a quarter of the draws", [QUARTER]),
     "cct_ctl": ("CCT, control init std 0.25", [QUARTER, "model.cct.control_init_std=0.25"]),
@@ -83,9 +83,10 @@ VARIANTS = {
     # in-place self-distillation (dynaseq.train.self_distill): budgets below (1, 1) also
     # learn the full budget's output distribution on the same batch
     "cct_distill": ("CCT, in-place self-distillation 0.5", ["model.cct.distill_weight=0.5"]),
-    # the configured CCT trained two and three times as long (compare with dense small_long,
-    # small_x3): does the gap at full budget close with training? Resume is exact, so a copy
-    # of the 1400-update run continued to 2800 equals a 2800-update run from scratch.
+    # the configured CCT trained two, three and four times as long (compare with dense
+    # small_long, small_x3, small_x4): does the gap at full budget close with training?
+    # Resume is exact, so a copy of the 1400-update run continued to 2800 equals a
+    # 2800-update run from scratch.
     **{f"cct_{tag}": (f"CCT, {steps} updates",
                       [f"train.max_steps={steps}", f"train.max_minutes={steps // 10}"])
        for tag, steps in LONG_STEPS.items()},
@@ -340,15 +341,21 @@ def write_adherence(out: dict) -> None:
 
 
 def plot(rows: list[dict]) -> None:
+    """Left: every system at 1400 updates (the CCT's variants in grey). Right: the CCT at its
+    calibrated (b, b) budgets and the dense models of equal MACs, one colour per length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, (ax, ax_len) = plt.subplots(1, 2, figsize=(13, 5))
+
     def cct(r: dict, calibrated: bool) -> bool:
         return ("budget" in r and not r.get("variant")
                 and bool(r.get("gate_offsets")) == calibrated)
+
+    def mmacs(r: dict) -> float:
+        return r["layer_macs_per_token"]["total"] / 1e6
 
     for label, keep, style in (
             ("CCT (b, b)", lambda r: cct(r, False) and r["budget"][0] == r["budget"][1], "o-"),
@@ -356,31 +363,49 @@ def plot(rows: list[dict]) -> None:
              and r["budget"][0] == r["budget"][1], "o:"),
             ("CCT (1, b): decoder budget only", lambda r: cct(r, False)
              and r["budget"][0] == 1.0 and r["budget"][1] < 1.0, "s--")):
-        pts = sorted((r["layer_macs_per_token"]["total"] / 1e6, r["bleu_beam4"])
-                     for r in rows if keep(r))
-        ax.plot(*zip(*pts, strict=True), style, label=label)
+        ax.plot(*zip(*sorted((mmacs(r), r["bleu_beam4"]) for r in rows if keep(r)),
+                     strict=True), style, label=label)
+    long_cct = {f"cct_{tag}": steps for tag, steps in LONG_STEPS.items()}
     for variant in VARIANTS:
-        pts = sorted((r["layer_macs_per_token"]["total"] / 1e6, r["bleu_beam4"])
-                     for r in rows if r.get("variant") == variant)
-        if pts:
+        pts = sorted((mmacs(r), r["bleu_beam4"]) for r in rows if r.get("variant") == variant)
+        if pts and variant not in long_cct:
             ax.plot(*zip(*pts, strict=True), ".:", color="0.6", lw=0.8)
             ax.annotate(variant, pts[-1], fontsize=6, color="0.4")
-    for r in rows:
-        if "budget" not in r:
-            x = r["layer_macs_per_token"]["total"] / 1e6
-            ax.plot(x, r["bleu_beam4"], "k^")
-            label = r["system"].removeprefix("dense ")
-            if r["steps"] != DENSE_STEPS and "updates" not in label:  # trained longer
-                label += f" ({r['steps']} upd.)"
-            ax.annotate(label, (x, r["bleu_beam4"]), fontsize=7, xytext=(4, -3),
-                        textcoords="offset points")
-    ax.set_xlabel("layer MACs per token (millions; CCT: realized)")
-    ax.set_ylabel("BLEU, test_2016_flickr en→fr, beam 4")
-    ax.set_title("CCT budgets vs MAC-matched dense models (▲)")
-    ax.grid(alpha=0.3)
+    dense = [r for r in rows if "budget" not in r]
+    for r in dense:
+        if r["steps"] == DENSE_STEPS:
+            ax.plot(mmacs(r), r["bleu_beam4"], "k^")
+            ax.annotate(r["system"].removeprefix("dense "), (mmacs(r), r["bleu_beam4"]),
+                        fontsize=7, xytext=(4, -3), textcoords="offset points")
+    ax.set_title(f"{DENSE_STEPS} updates: CCT budgets vs MAC-matched dense models (▲)")
     ax.legend(fontsize=8)
+
+    trained = [list(b) for b in VARIANT_BUDGETS]  # not the untrained (0.4, 0.4)
+    by_system = {r["system"]: r for r in dense}
+    lengths = {DENSE_STEPS: ("", [r for r in rows if cct(r, True)]), **{
+        steps: (f"_{tag}", [r for r in rows if r.get("variant") == f"cct_{tag}"])
+        for tag, steps in LONG_STEPS.items()}}
+    for i, (steps, (suffix, cct_rows)) in enumerate(lengths.items()):
+        pts = sorted((mmacs(r), r["bleu_beam4"]) for r in cct_rows if r["budget"] in trained)
+        if pts:
+            ax_len.plot(*zip(*pts, strict=True), "o-", color=f"C{i}",
+                        label=f"CCT (b, b) calibrated, {steps} updates")
+        for n in ("small", "width_f128", "depth_1_1"):
+            r = by_system.get(f"dense {BASELINES[n + suffix][0]}")
+            if r is not None:
+                ax_len.plot(mmacs(r), r["bleu_beam4"], "^", color=f"C{i}", ms=8)
+                if not suffix:
+                    ax_len.annotate(BASELINES[n][0], (mmacs(r), r["bleu_beam4"]), fontsize=7,
+                                    xytext=(6, -12), textcoords="offset points")
+    ax_len.set_title("Training length: CCT (●) and dense models of equal MACs (▲)")
+    ax_len.legend(fontsize=8, loc="lower right")
+    for a in (ax, ax_len):
+        a.set_xlabel("layer MACs per token (millions; CCT: realized)")
+        a.set_ylabel("BLEU, test_2016_flickr en→fr, beam 4")
+        a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS / "cct_quality.png", dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
