@@ -107,10 +107,11 @@ BASELINES = {
 }
 # the dense models of the long CCTs' size and of their (.5, .5) and (.33, .33) MACs, trained
 # as long; `train baselines` trains them only when named (each doubles the lane's time or more)
+LONG_DENSE = ("small", "width_f128", "depth_1_1")
 LONG_BASELINES = {f"{n}_{tag}": (f"{BASELINES[n][0]}, {steps} updates",
                                   [*BASELINES[n][1], f"train.max_steps={steps}"])
                   for tag, steps in LONG_STEPS.items()
-                  for n in ("small", "width_f128", "depth_1_1")}
+                  for n in LONG_DENSE}
 BASELINES.update(LONG_BASELINES)
 CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.0, 0.33),
                (1.0, 0.2)]
@@ -390,7 +391,7 @@ def plot(rows: list[dict]) -> None:
         if pts:
             ax_len.plot(*zip(*pts, strict=True), "o-", color=f"C{i}",
                         label=f"CCT (b, b) calibrated, {steps} updates")
-        for n in ("small", "width_f128", "depth_1_1"):
+        for n in LONG_DENSE:
             r = by_system.get(f"dense {BASELINES[n + suffix][0]}")
             if r is not None:
                 ax_len.plot(mmacs(r), r["bleu_beam4"], "^", color=f"C{i}", ms=8)
