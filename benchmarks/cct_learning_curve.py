@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from cct_quality import run_dir
+from mt_baseline import learning_curve
 
 RESULTS = Path("benchmarks/results")
 
@@ -30,15 +31,10 @@ RESULTS = Path("benchmarks/results")
 def valid_curve(run: Path) -> dict[int, dict[str, float]]:
     """step -> {"loss", "bleu"} of every validation in ``run``'s log (a step validated twice,
     after a stop and resume, keeps its last entry)."""
-    log = run / "log.jsonl"
-    if not log.exists():
-        raise FileNotFoundError(f"{log} does not exist: train the system first")
-    curve = {}
-    for line in log.read_text().splitlines():
-        event = json.loads(line)
-        if event.get("event") == "valid":
-            curve[int(event["step"])] = {k: event[k] for k in ("loss", "bleu") if k in event}
-    return curve
+    if not (run / "log.jsonl").exists():
+        raise FileNotFoundError(f"{run / 'log.jsonl'} does not exist: train the system first")
+    return {int(v["step"]): {"loss": v["valid_loss"], "bleu": v["valid_bleu"]}
+            for v in learning_curve(run)}
 
 
 def main() -> None:
