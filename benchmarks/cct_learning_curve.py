@@ -3,11 +3,13 @@
 Reads the validation events that training wrote to each run's ``log.jsonl`` (every
 ``train.valid_every`` updates: teacher-forced loss over Multi30k val en->fr and greedy BLEU on
 its first ``train.valid_bleu_lines`` lines) and puts the CCT next to the dense models step by
-step. The CCT validates at its largest trained budget, (1, 1), with its raw gates (no
-calibration), so its curve is the full-budget one. A run continued from a copy of a shorter
-run's directory (``cct_quality.py`` ``*_long`` / ``*_x3``) holds the whole history in its log.
+step, over the updates the CCT and the first dense model both ran (a shorter dense run's
+later cells stay empty). The CCT validates at its largest trained budget, (1, 1), with its raw
+gates (no calibration), so its curve is the full-budget one. A run continued from a copy of a
+shorter run's directory (``cct_quality.py`` ``*_long`` / ``*_x3`` / ...) holds the whole
+history in its log.
 
-    python benchmarks/cct_learning_curve.py [--cct cct_x3] [--dense small_x3 width_f128_x3 ...]
+    python benchmarks/cct_learning_curve.py [--cct cct_x5] [--dense small_x5 width_f128_x4 ...]
 
 Names are systems of benchmarks/cct_quality.py (run directories runs/bench/cct_quality_NAME).
 Writes benchmarks/results/cct_learning_curve.{json,md,png}; costs nothing but reading logs.
@@ -39,8 +41,8 @@ def valid_curve(run: Path) -> dict[int, dict[str, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cct", default="cct_x3", help="the CCT system (default cct_x3)")
-    p.add_argument("--dense", nargs="+", default=["small_x3", "width_f128_x3", "depth_1_1_x3"],
+    p.add_argument("--cct", default="cct_x5", help="the CCT system (default cct_x5)")
+    p.add_argument("--dense", nargs="+", default=["small_x5", "width_f128_x4", "depth_1_1_x4"],
                    help="dense systems; the first is the dense model of the CCT's size")
     args = p.parse_args()
     names = [args.cct, *args.dense]
@@ -48,11 +50,13 @@ def main() -> None:
         curves = {n: valid_curve(run_dir(n)) for n in names}
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
-    steps = sorted(set.intersection(*(set(c) for c in curves.values())))
-    if not steps:
-        sys.exit("error: the runs share no validated step")
     ref = args.dense[0]
-    rows = [{"step": s, **{n: curves[n][s] for n in names},
+    # every step the CCT and the first dense model both validated; a shorter dense run
+    # leaves its later cells empty
+    steps = sorted(set(curves[args.cct]) & set(curves[ref]))
+    if not steps:
+        sys.exit(f"error: {args.cct} and {ref} share no validated step")
+    rows = [{"step": s, **{n: curves[n][s] for n in names if s in curves[n]},
              "loss_gap_to_" + ref: round(curves[args.cct][s]["loss"] - curves[ref][s]["loss"], 4)}
             for s in steps]
     out = {"benchmark": "cct_learning_curve",
@@ -77,9 +81,10 @@ def write_md(out: dict, names: list[str], ref: str) -> None:
              + " | ".join(f"{n} BLEU" for n in names) + " |",
              "|---:|" + "---:|" * (2 * len(names) + 1)]
     for r in out["rows"]:
-        lines.append(f"| {r['step']} | " + " | ".join(f"{r[n]['loss']:.3f}" for n in names)
-                     + f" | {r[gap]:+.3f} | "
-                     + " | ".join(f"{r[n].get('bleu', float('nan')):.2f}" for n in names) + " |")
+        loss = [f"{r[n]['loss']:.3f}" if n in r else "" for n in names]
+        bleu = [f"{r[n].get('bleu', float('nan')):.2f}" if n in r else "" for n in names]
+        lines.append(f"| {r['step']} | " + " | ".join(loss) + f" | {r[gap]:+.3f} | "
+                     + " | ".join(bleu) + " |")
     (RESULTS / "cct_learning_curve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -93,7 +98,8 @@ def plot(out: dict, names: list[str], ref: str) -> None:
     fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in out["rows"]]
     for n in names:
-        ax_loss.plot(steps, [r[n]["loss"] for r in out["rows"]], "o-", ms=3, label=n)
+        ax_loss.plot([r["step"] for r in out["rows"] if n in r],
+                     [r[n]["loss"] for r in out["rows"] if n in r], "o-", ms=3, label=n)
     ax_loss.set_ylim(top=min(3.0, ax_loss.get_ylim()[1]))
     ax_loss.set_xlabel("update")
     ax_loss.set_ylabel("validation loss (CCT at budget (1, 1))")
