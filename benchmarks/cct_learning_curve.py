@@ -9,7 +9,7 @@ gates (no calibration), so its curve is the full-budget one. A run continued fro
 shorter run's directory (``cct_quality.py`` ``*_long`` / ``*_x3`` / ...) holds the whole
 history in its log.
 
-    python benchmarks/cct_learning_curve.py [--cct cct_x5] [--dense small_x5 width_f128_x4 ...]
+    python benchmarks/cct_learning_curve.py [--cct cct_x5] [--dense small_x5 width_f128_x5 ...]
 
 Names are systems of benchmarks/cct_quality.py (run directories runs/bench/cct_quality_NAME).
 Writes benchmarks/results/cct_learning_curve.{json,md,png}; costs nothing but reading logs.
@@ -42,7 +42,7 @@ def valid_curve(run: Path) -> dict[int, dict[str, float]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cct", default="cct_x5", help="the CCT system (default cct_x5)")
-    p.add_argument("--dense", nargs="+", default=["small_x5", "width_f128_x4", "depth_1_1_x4"],
+    p.add_argument("--dense", nargs="+", default=["small_x5", "width_f128_x5", "depth_1_1_x5"],
                    help="dense systems; the first is the dense model of the CCT's size")
     args = p.parse_args()
     names = [args.cct, *args.dense]
