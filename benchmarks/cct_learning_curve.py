@@ -82,7 +82,7 @@ def write_md(out: dict, names: list[str], ref: str) -> None:
              "|---:|" + "---:|" * (2 * len(names) + 1)]
     for r in out["rows"]:
         loss = [f"{r[n]['loss']:.3f}" if n in r else "" for n in names]
-        bleu = [f"{r[n].get('bleu', float('nan')):.2f}" if n in r else "" for n in names]
+        bleu = [f"{r[n]['bleu']:.2f}" if n in r else "" for n in names]
         lines.append(f"| {r['step']} | " + " | ".join(loss) + f" | {r[gap]:+.3f} | "
                      + " | ".join(bleu) + " |")
     (RESULTS / "cct_learning_curve.md").write_text("\n".join(lines) + "\n")
