@@ -69,7 +69,7 @@ def full_share(n_full: int) -> str:
 QUARTER = full_share(2)
 # the longer runs, name suffix -> updates: cct_long / _x3 / _x4 / _x5 and LONG_BASELINES,
 # each continued from a copy of the next shorter run's directory (resume is exact)
-LONG_STEPS = {"long": 2800, "x3": 4200, "x4": 5600, "x5": 7000}
+LONG_STEPS = {"long": 2800, "x3": 4200, "x4": 5600, "x5": 7000, "x6": 8400}
 VARIANTS = {
     "cct_quarter": ("CCT, full budget a quarter of the draws", [QUARTER]),
     "cct_ctl": ("CCT, control init std 0.25", [QUARTER, "model.cct.control_init_std=0.25"]),

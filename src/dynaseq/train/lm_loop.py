@@ -49,6 +49,7 @@ from dynaseq.train.common import (
     set_rng_state,
 )
 from dynaseq.train.distributed import pick_device
+from dynaseq.train.run_lock import RunDirLock
 from dynaseq.train.schedule import cosine_schedule, inverse_sqrt_schedule
 
 
@@ -105,6 +106,7 @@ class LMSetup:
     model: TransformerLM
     log: RunLog
     hooks: LMHooks = field(default_factory=LMHooks)
+    lock: RunDirLock | None = None  # held until fit() ends
 
 
 def setup(cfg: LMRunConfig) -> LMSetup:
@@ -126,14 +128,19 @@ def setup(cfg: LMRunConfig) -> LMSetup:
     from dynaseq.train.lm_hooks import config_hooks
 
     hooks = config_hooks(cfg, train, vocab)  # a bad teacher top-k dir too
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    if not vocab_path.is_file():
-        vocab.save(vocab_path)
-    log = RunLog(run_dir / "log.jsonl", True)
-    log.write("data", split="train", tokens=train.n_tokens + cfg.data.batch_size,
-              vocab=len(vocab), windows=len(train))
-    return LMSetup(cfg, run_dir, device, vocab, train, valid_ids, model.to(device), log, hooks)
+    lock = RunDirLock(run_dir).acquire()  # creates run_dir; refused if another run holds it
+    try:
+        save_config(cfg, run_dir / "config.yaml")
+        if not vocab_path.is_file():
+            vocab.save(vocab_path)
+        log = RunLog(run_dir / "log.jsonl", True)
+        log.write("data", split="train", tokens=train.n_tokens + cfg.data.batch_size,
+                  vocab=len(vocab), windows=len(train))
+    except BaseException:
+        lock.release()
+        raise
+    return LMSetup(cfg, run_dir, device, vocab, train, valid_ids, model.to(device), log, hooks,
+                   lock)
 
 
 def validate(s: LMSetup, model: TransformerLM) -> dict[str, float]:
@@ -209,7 +216,16 @@ def _validate_and_keep_best(s: LMSetup, state: TrainState) -> dict[str, float]:
 def fit(s: LMSetup, progress: bool = True, hooks: LMHooks | None = None) -> TrainResult:
     """Train until max_steps / max_epochs / max_minutes or a signal; return the final state.
 
-    ``hooks`` default to the config's (``s.hooks``)."""
+    ``hooks`` default to the config's (``s.hooks``). Releases the run directory's lock
+    (``s.lock``) when it returns or raises."""
+    try:
+        return _fit(s, progress, hooks)
+    finally:
+        if s.lock is not None:
+            s.lock.release()
+
+
+def _fit(s: LMSetup, progress: bool, hooks: LMHooks | None) -> TrainResult:
     hooks = hooks or s.hooks
     tc, model = s.cfg.train, s.model
     optimizer = torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps,

@@ -54,6 +54,7 @@ from dynaseq.train.distributed import (
     pick_device,
 )
 from dynaseq.train.loss import label_smoothed_loss
+from dynaseq.train.run_lock import RunDirLock
 from dynaseq.train.schedule import inverse_sqrt_schedule
 from dynaseq.train.self_distill import inplace_distill_term
 
@@ -71,6 +72,7 @@ class Setup:
     valid_refs: list[str]
     model: nn.Module
     log: RunLog
+    lock: RunDirLock | None = None  # held by the main rank until fit() ends
 
 
 def _require(cfg: RunConfig, *names: str) -> None:
@@ -85,6 +87,17 @@ def setup(cfg: RunConfig) -> Setup:
     device = pick_device(cfg.train.device)
     env = init_distributed(device)
     run_dir = Path(cfg.run_dir)
+    lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
+    try:
+        return _load(cfg, env, device, run_dir, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _load(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path,
+          lock: RunDirLock | None) -> Setup:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -114,7 +127,7 @@ def setup(cfg: RunConfig) -> Setup:
     torch.manual_seed(cfg.train.seed)
     model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
     return Setup(cfg, run_dir, env, device, tok, train, valid, valid_src_ids, valid_refs,
-                 model.to(device), log)
+                 model.to(device), log, lock)
 
 
 def validate(s: Setup, model: nn.Module) -> dict[str, float]:
@@ -173,7 +186,17 @@ def _resume(s: Setup, optimizer, scheduler) -> TrainState:
 
 
 def fit(s: Setup, progress: bool = True) -> TrainResult:
-    """Train until max_steps / max_epochs / max_minutes or a signal; return the final state."""
+    """Train until max_steps / max_epochs / max_minutes or a signal; return the final state.
+
+    Releases the run directory's lock (``s.lock``) when it returns or raises."""
+    try:
+        return _fit(s, progress)
+    finally:
+        if s.lock is not None:
+            s.lock.release()
+
+
+def _fit(s: Setup, progress: bool) -> TrainResult:
     cfg, tc, env = s.cfg, s.cfg.train, s.env
     model = s.model
     optimizer = torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps,
