@@ -23,6 +23,8 @@ given the ungated parts (Amdahl).
 
     python benchmarks/cct_speed.py [--rounds 3] [--decode-lines 1000] [--fixed-len 16]
                                    [--variants cct_nonorm ...]
+                                   [--cct RUN --dense RUN --score-lines N --no-free-beam
+                                    --name cct_speed_base]
 
 ``--variants`` also times CCT variants of ``cct_quality.py`` (runs/bench/cct_quality_NAME,
 calibrated by its report) at every budget, in the same rounds: their ratios to their own
@@ -31,7 +33,12 @@ budget 1, and their budget 1 against the dense model.
 Each budget runs as the CCT run's calibration.json sets it (written by
 ``cct_quality.py report``): with the gate offsets that make its realized compute meet it.
 
-Writes benchmarks/results/cct_speed.{json,md}. Run from the repository root, alone.
+``--cct`` / ``--dense`` time other runs (e.g. the untrained, calibrated base-size pair of
+``cct_base_untrained.py``; ``--no-free-beam`` then skips the free beam decoding, whose
+lengths mean nothing for an untrained model) and ``--name`` names the result files.
+
+Writes benchmarks/results/cct_speed.{json,md} (``--name``). Run from the repository root,
+alone.
 """
 
 from __future__ import annotations
@@ -94,13 +101,15 @@ def score_output_layer_only(t: Translator, src: list[str], ref: list[str]) -> No
 
 
 def time_system(t: Translator, budget, forced: float | None, src: list[str], ref: list[str],
-                dec_src: list[str], fixed_len: int) -> tuple[float, float, float]:
+                dec_src: list[str], fixed_len: int, free_beam: bool = True
+                ) -> tuple[float, float, float]:
     """Seconds to score ``src``/``ref``, beam-decode ``dec_src`` and beam-decode it to
-    ``fixed_len`` tokens (no free decoding with forced gates: its lengths mean nothing)."""
+    ``fixed_len`` tokens (no free decoding with forced gates, or without ``free_beam``:
+    its lengths mean nothing there)."""
     ctx = force_gates(t.model, forced) if forced is not None else contextlib.nullcontext()
     with ctx:
         s = timed(lambda: t.score(src, ref, budget=budget))
-        d = nan if forced is not None else timed(
+        d = nan if forced is not None or not free_beam else timed(
             lambda: t.translate(dec_src, beam=4, budget=budget))
         f = timed(lambda: fixed_length_beam4(t, dec_src, budget, fixed_len))
     return s, d, f
@@ -114,15 +123,23 @@ def main() -> None:
                    help="tokens per sentence (eos included) of the fixed-length decoding")
     p.add_argument("--variants", nargs="*", default=[],
                    help="CCT variants of cct_quality.py to time too (e.g. cct_nonorm)")
+    p.add_argument("--cct", default=CCT_RUN, help="the CCT run (calibrated) to time")
+    p.add_argument("--dense", default=DENSE_RUN, help="the dense run of the CCT's size")
+    p.add_argument("--score-lines", type=int, default=None,
+                   help="score only the first N test sentences (default all)")
+    p.add_argument("--no-free-beam", action="store_true",
+                   help="skip free beam decoding (fixed-length only), e.g. untrained models")
+    p.add_argument("--name", default="cct_speed", help="result file name (no suffix)")
     args = p.parse_args()
-    src = read_lines(DATA / "test_2016_flickr.en.gz")
-    ref = read_lines(DATA / "test_2016_flickr.fr.gz")
+    src = read_lines(DATA / "test_2016_flickr.en.gz")[: args.score_lines]
+    ref = read_lines(DATA / "test_2016_flickr.fr.gz")[: args.score_lines]
     dec_src = src[: args.decode_lines]
-    cct, dense = Translator.load(CCT_RUN), Translator.load(DENSE_RUN)
+    cct, dense = Translator.load(args.cct), Translator.load(args.dense)
     # name -> (translator, budget, gates forced to)
     systems = {f"cct {b[0]:g},{b[1]:g}": (cct, b, None) for b in BUDGETS}
     systems["cct all gates off"] = (cct, BUDGETS[0], 0.0)
-    systems["dense small"] = (dense, None, None)
+    dense_name = "dense small" if str(args.dense) == str(DENSE_RUN) else "dense, same size"
+    systems[dense_name] = (dense, None, None)
     systems[OUTPUT_ONLY] = (cct, None, None)
     variant_of: dict[str, str] = {}  # system name -> the variant it times
     for v in args.variants:
@@ -136,7 +153,8 @@ def main() -> None:
             if name == OUTPUT_ONLY:
                 s, d, f = timed(lambda: score_output_layer_only(cct, src, ref)), nan, nan
             else:
-                s, d, f = time_system(t, budget, forced, src, ref, dec_src, args.fixed_len)
+                s, d, f = time_system(t, budget, forced, src, ref, dec_src, args.fixed_len,
+                                      not args.no_free_beam)
             if r:
                 for key, value in (("score", s), ("beam4", d), ("beam4_fixed", f)):
                     times[name][key].append(value)
@@ -161,13 +179,20 @@ def main() -> None:
             if variant is None:  # the floor was measured on the CCT, not its variants
                 row["amdahl_limit"] = {k: round(f + b * (1 - f), 3) for k, f in floor.items()}
         rows.append(row)
-    dense_vs_cct = {k: round(base[k] / med["dense small"][k], 3) for k in base}
-    variants_vs_dense = {v: {k: round(med[f"{v} 1,1"][k] / med["dense small"][k], 3)
+    dense_vs_cct = {k: round(base[k] / med[dense_name][k], 3) for k in base}
+    variants_vs_dense = {v: {k: round(med[f"{v} 1,1"][k] / med[dense_name][k], 3)
                              for k in base} for v in args.variants}
-    out = {"benchmark": "cct_speed",
+    extra = [f"--variants {' '.join(args.variants)}" if args.variants else "",
+             f"--cct {args.cct}" if str(args.cct) != str(CCT_RUN) else "",
+             f"--dense {args.dense}" if str(args.dense) != str(DENSE_RUN) else "",
+             f"--score-lines {args.score_lines}" if args.score_lines else "",
+             "--no-free-beam" if args.no_free_beam else "",
+             f"--name {args.name}" if args.name != "cct_speed" else ""]
+    out = {"benchmark": args.name,
            "command": f"python benchmarks/cct_speed.py --rounds {args.rounds} "
                       f"--decode-lines {args.decode_lines} --fixed-len {args.fixed_len}"
-                      + (f" --variants {' '.join(args.variants)}" if args.variants else ""),
+                      + "".join(f" {e}" for e in extra if e),
+           "runs": {"cct": str(args.cct), "dense": str(args.dense)},
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
                        "threads": torch.get_num_threads()},
            "test_set": f"multi30k test_2016_flickr en->fr: {len(src)} sentences scored, "
@@ -179,13 +204,15 @@ def main() -> None:
            "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()},
            "floor_output_layer_scoring": round(med[OUTPUT_ONLY]["score"] / base["score"], 3)}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cct_speed.json").write_text(json.dumps(out, indent=1))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1))
     write_md(out)
 
 
 def write_md(out: dict) -> None:
-    lines = ["# cct_speed: wall time at each budget, ratio to budget 1 (same run, interleaved)",
-             "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
+    lines = [f"# {out['benchmark']}: wall time at each budget, ratio to budget 1 (same run, "
+             "interleaved)", "", f"Command: `{out['command']}`  ",
+             f"Runs: CCT `{out['runs']['cct']}`, dense `{out['runs']['dense']}`  ",
+             f"Machine: {out['machine']}  ",
              f"Test set: {out['test_set']}  ",
              f"Budgets run with calibrated gate offsets: {out['calibrated_budgets']}", "",
              "| system | scoring ratio | target | Amdahl limit | beam-4 ratio | target | "
@@ -220,7 +247,7 @@ def write_md(out: dict) -> None:
               "sub-layer scaled exactly with the budget, scoring at budget b could not take "
               f"less than {out['floor_output_layer_scoring']} + "
               f"b·(1 − {out['floor_output_layer_scoring']}) of budget 1's time."]
-    (RESULTS / "cct_speed.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{out['benchmark']}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
