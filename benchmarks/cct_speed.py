@@ -58,6 +58,7 @@ import torch
 from dynaseq.adaptive.cct import force_gates
 from dynaseq.data import collate, make_corpus, read_lines, token_batches
 from dynaseq.infer.translator import Translator, decode_corpus
+from dynaseq.train.checkpoint import read_meta, resolve_checkpoint
 from dynaseq.train.loss import label_smoothed_loss
 
 from cct_quality import CCT_RUN, run_dir
@@ -193,6 +194,9 @@ def main() -> None:
                       f"--decode-lines {args.decode_lines} --fixed-len {args.fixed_len}"
                       + "".join(f" {e}" for e in extra if e),
            "runs": {"cct": str(args.cct), "dense": str(args.dense)},
+           # weights never trained (cct_base_untrained.py): timings only, no quality
+           "untrained": [str(r) for r in (args.cct, args.dense)
+                         if read_meta(resolve_checkpoint(r)).get("untrained", False)],
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
                        "threads": torch.get_num_threads()},
            "test_set": f"multi30k test_2016_flickr en->fr: {len(src)} sentences scored, "
@@ -211,7 +215,11 @@ def main() -> None:
 def write_md(out: dict) -> None:
     lines = [f"# {out['benchmark']}: wall time at each budget, ratio to budget 1 (same run, "
              "interleaved)", "", f"Command: `{out['command']}`  ",
-             f"Runs: CCT `{out['runs']['cct']}`, dense `{out['runs']['dense']}`  ",
+             f"Runs: CCT `{out['runs']['cct']}`, dense `{out['runs']['dense']}`"
+             + (f" ({', '.join(out['untrained'])}: untrained weights, built by "
+                "`benchmarks/cct_base_untrained.py`, the CCT's gate offsets calibrated so each "
+                "budget's realized compute meets it; these timings say nothing of quality)"
+                if out.get("untrained") else "") + "  ",
              f"Machine: {out['machine']}  ",
              f"Test set: {out['test_set']}  ",
              f"Budgets run with calibrated gate offsets: {out['calibrated_budgets']}", "",
