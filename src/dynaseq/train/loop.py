@@ -98,6 +98,7 @@ def setup(cfg: RunConfig) -> Setup:
 
 def _load(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path,
           lock: RunDirLock | None) -> Setup:
+    """The rest of :func:`setup`, with the run directory locked (main rank)."""
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")

@@ -70,7 +70,8 @@ class RunDirLock:
             self._fd = None
 
     def __del__(self) -> None:  # e.g. a training Setup dropped without fit(): unlock with it
-        self.release()
+        if self._fd is not None and os is not None:  # (at interpreter exit the OS unlocks)
+            self.release()
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()
