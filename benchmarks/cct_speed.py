@@ -58,7 +58,7 @@ import torch
 from dynaseq.adaptive.cct import force_gates
 from dynaseq.data import collate, make_corpus, read_lines, token_batches
 from dynaseq.infer.translator import Translator, decode_corpus
-from dynaseq.train.checkpoint import read_meta, resolve_checkpoint
+from dynaseq.train.checkpoint import read_meta
 from dynaseq.train.loss import label_smoothed_loss
 
 from cct_quality import CCT_RUN, run_dir
@@ -195,8 +195,8 @@ def main() -> None:
                       + "".join(f" {e}" for e in extra if e),
            "runs": {"cct": str(args.cct), "dense": str(args.dense)},
            # weights never trained (cct_base_untrained.py): timings only, no quality
-           "untrained": [str(r) for r in (args.cct, args.dense)
-                         if read_meta(resolve_checkpoint(r)).get("untrained", False)],
+           "untrained": [str(r) for r, t in ((args.cct, cct), (args.dense, dense))
+                         if read_meta(t.checkpoint).get("untrained", False)],
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
                        "threads": torch.get_num_threads()},
            "test_set": f"multi30k test_2016_flickr en->fr: {len(src)} sentences scored, "
