@@ -33,8 +33,8 @@ budget 1, and their budget 1 against the dense model.
 Each budget runs as the CCT run's calibration.json sets it (written by
 ``cct_quality.py report``): with the gate offsets that make its realized compute meet it.
 
-``--cct`` / ``--dense`` time other runs (e.g. the untrained, calibrated base-size pair of
-``cct_base_untrained.py``; ``--no-free-beam`` then skips the free beam decoding, whose
+``--cct`` / ``--dense`` time other runs (e.g. the untrained, calibrated base- or big-size pairs of
+``cct_untrained.py``; ``--no-free-beam`` then skips the free beam decoding, whose
 lengths mean nothing for an untrained model) and ``--name`` names the result files.
 
 Writes benchmarks/results/cct_speed.{json,md} (``--name``). Run from the repository root,
@@ -194,7 +194,7 @@ def main() -> None:
                       f"--decode-lines {args.decode_lines} --fixed-len {args.fixed_len}"
                       + "".join(f" {e}" for e in extra if e),
            "runs": {"cct": str(args.cct), "dense": str(args.dense)},
-           # weights never trained (cct_base_untrained.py): timings only, no quality
+           # weights never trained (cct_untrained.py): timings only, no quality
            "untrained": [str(r) for r, t in ((args.cct, cct), (args.dense, dense))
                          if read_meta(t.checkpoint).get("untrained", False)],
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
@@ -217,7 +217,7 @@ def write_md(out: dict) -> None:
              "interleaved)", "", f"Command: `{out['command']}`  ",
              f"Runs: CCT `{out['runs']['cct']}`, dense `{out['runs']['dense']}`"
              + (f" ({', '.join(out['untrained'])}: untrained weights, built by "
-                "`benchmarks/cct_base_untrained.py`, the CCT's gate offsets calibrated so each "
+                "`benchmarks/cct_untrained.py`, the CCT's gate offsets calibrated so each "
                 "budget's realized compute meets it; these timings say nothing of quality)"
                 if out.get("untrained") else "") + "  ",
              f"Machine: {out['machine']}  ",

@@ -46,6 +46,8 @@ def test_named_sizes_fill_unset_fields_only():
     cfg = from_dict(ModelConfig, {"size": "small", "encoder_layers": 2, "n_heads": 8})
     assert (cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.encoder_layers) == (256, 1024, 8, 2)
     assert MODEL_SIZES["tiny"]["d_model"] == 128 and MODEL_SIZES["base"]["ffn_dim"] == 2048
+    big = from_dict(ModelConfig, {"size": "big"})
+    assert (big.d_model, big.ffn_dim, big.n_heads) == (1024, 4096, 16)
 
 
 def test_yaml_round_trip(tmp_path):

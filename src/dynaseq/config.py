@@ -27,6 +27,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"d_model": 128, "ffn_dim": 512, "n_heads": 4},
     "small": {"d_model": 256, "ffn_dim": 1024, "n_heads": 4},
     "base": {"d_model": 512, "ffn_dim": 2048, "n_heads": 8},
+    "big": {"d_model": 1024, "ffn_dim": 4096, "n_heads": 16},  # Vaswani et al. (2017) big
 }
 
 
@@ -222,7 +223,7 @@ class MoEConfig:
 class ModelConfig:
     """Dense pre-LayerNorm Transformer encoder-decoder.
 
-    ``size`` picks a named preset (``tiny``/``small``/``base``) whose values fill every
+    ``size`` picks a named preset (``tiny``/``small``/``base``/``big``) whose values fill every
     field the config does not set itself. At most one of ``cct`` (conditional computation),
     ``dmb`` (dynamic multi-branch layers) and ``moe`` (its mixture-of-experts baseline) is set.
     """

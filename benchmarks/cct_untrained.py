@@ -1,24 +1,27 @@
-"""Build an untrained base-size CCT and dense model, for timing CCT budgets at scale.
+"""Build an untrained CCT and dense model at base or big size, for timing budgets at scale.
 
 ``cct_speed.py`` times the trained CCT of ``small`` size (d=256, 3+3 layers). There the
 parts no gate can skip (embeddings, output layer and loss, control nets) take about 0.4 of
-budget 1's scoring time, which caps what any budget can save (Amdahl). A base-size model
-(d=512, FFN 2048, 8 heads, 6+6 layers, the CCT paper's size class) has a much smaller
-ungated share. Training one to budget adherence is out of reach on 2 CPU cores, so this
-script builds both models with random weights (seed 0) and **calibrates** the CCT's gate
-offsets (:mod:`dynaseq.adaptive.calibration`) so that each budget's realized compute on
-held-out pairs meets it. The gates then skip the work of a real budget's share of tokens,
-and the timings of ``cct_speed.py --no-free-beam`` (teacher-forced scoring and fixed-length
-beam decoding) are real wall-clock measurements of the implementation at that size. What
-they do not show is quality, nor a trained model's gate patterns (which tokens are on).
+budget 1's scoring time, which caps what any budget can save (Amdahl). At larger sizes that
+ungated share shrinks: the gated sub-layers grow with d², the output layer, control nets
+and gating bookkeeping only with d. ``--size base`` (d=512, FFN 2048, 8 heads) and ``--size
+big`` (d=1024, FFN 4096, 16 heads; the CCT paper's model is Transformer Big), both 6+6
+layers. Training either to budget adherence is out of reach on 2 CPU cores, so this script
+builds both models with random weights (seed 0) and **calibrates** the CCT's gate offsets
+(:mod:`dynaseq.adaptive.calibration`) so that each budget's realized compute on held-out
+pairs meets it. The gates then skip the work of a real budget's share of tokens, and the
+timings of ``cct_speed.py --no-free-beam`` (teacher-forced scoring and fixed-length beam
+decoding) are real wall-clock measurements of the implementation at that size. What they do
+not show is quality, nor a trained model's gate patterns (which tokens are on).
 
-    python benchmarks/cct_base_untrained.py [--calibration-lines 100]
-    python benchmarks/cct_speed.py --rounds 3 --score-lines 500 --decode-lines 200 \\
+    python benchmarks/cct_untrained.py --size base [--calibration-lines 100]
+    python benchmarks/cct_speed.py --rounds 5 --score-lines 500 --decode-lines 200 \\
         --fixed-len 16 --no-free-beam --name cct_speed_base \\
         --cct runs/bench/cct_base_untrained --dense runs/bench/dense_base_untrained
 
-Writes the two run directories (config.yaml, spm.model of the trained small CCT, weights
-in ``best/``; the CCT's calibration.json) and prints the calibration.
+(``--size big``: runs/bench/{cct,dense}_big_untrained, ``--name cct_speed_big``.) Writes the
+two run directories (config.yaml, spm.model of the trained small CCT, weights in ``best/``;
+the CCT's calibration.json) and prints the calibration.
 """
 
 from __future__ import annotations
@@ -38,12 +41,17 @@ from dynaseq.train import checkpoint as ckpt
 from cct_quality import CCT_RUN
 
 DATA = Path("../shared/data/multi30k")
-BASE = ["model.size=base", "model.encoder_layers=6", "model.decoder_layers=6"]
-RUNS = {  # run dir -> (config, overrides)
-    "runs/bench/cct_base_untrained": ("configs/multi30k_cct_small.yaml",
-                                      [*BASE, "model.cct.control_hidden=128"]),
-    "runs/bench/dense_base_untrained": ("configs/multi30k_small.yaml", BASE),
-}
+SIZES = ("base", "big")
+
+
+def runs(size: str) -> dict[str, tuple[str, list[str]]]:
+    """Run dir -> (config, overrides) of the CCT (first) and the dense model of ``size``."""
+    shape = [f"model.size={size}", "model.encoder_layers=6", "model.decoder_layers=6"]
+    return {f"runs/bench/cct_{size}_untrained": ("configs/multi30k_cct_small.yaml",
+                                                 [*shape, "model.cct.control_hidden=128"]),
+            f"runs/bench/dense_{size}_untrained": ("configs/multi30k_small.yaml", shape)}
+
+
 BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 
 
@@ -64,13 +72,15 @@ def build(run: str, config: str, overrides: list[str], tok: Tokenizer) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=SIZES, default="base", help="model size (6+6 layers)")
     p.add_argument("--calibration-lines", type=int, default=100,
                    help="validation pairs the gate offsets are fitted on")
     args = p.parse_args()
     tok = Tokenizer.load(Path(CCT_RUN) / "spm.model")
-    for run, (config, overrides) in RUNS.items():
+    pair = runs(args.size)
+    for run, (config, overrides) in pair.items():
         build(run, config, overrides, tok)
-    cct_run = next(iter(RUNS))
+    cct_run = next(iter(pair))
     t = Translator.load(cct_run)
     n = args.calibration_lines
     src = read_lines(DATA / "val.en.gz")[:n]
