@@ -11,6 +11,7 @@ from dynaseq.adaptive.cct import (
     conditional_feedforward,
     force_gates,
 )
+from dynaseq.adaptive.conditional_attention import allowed_mask
 from dynaseq.nn import (
     AuxOutputs,
     DecoderLayer,
@@ -188,6 +189,17 @@ def test_incremental_hard_decoding_equals_full_sequence():
     assert self_cache.length == 7 and cross_cache.length == 5
     kv = [tr for tr in aux.traces["cct.gates"] if tr.gate == "kv"]
     assert len(kv) == 7 + 1  # self-attention K/V every step, cross-attention once
+
+
+def test_causal_mask_is_built_only_where_it_hides_a_key():
+    cpu = torch.device("cpu")
+    # decoding step: one query after 4 cached keys sees all 5, so no mask at all
+    assert allowed_mask(None, True, 1, 5, 4, cpu) is None
+    # 3 queries after 2 cached keys: query t sees keys <= 2 + t
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]).bool()
+    assert torch.equal(allowed_mask(None, True, 3, 5, 2, cpu), expected[None, None])
+    pad = torch.tensor([[True, True, False, True, True]])[:, None, None, :]
+    assert torch.equal(allowed_mask(pad, True, 1, 5, 4, cpu), pad)
 
 
 def test_gated_cache_reorders_its_flags_and_plain_cache_is_refused():

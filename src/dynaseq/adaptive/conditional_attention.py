@@ -161,7 +161,7 @@ def allowed_mask(attn_mask: Tensor | None, is_causal: bool, n_queries: int, n_ke
         mask = attn_mask
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
-    if is_causal:
+    if is_causal and past < n_keys - 1:  # else the first query already sees every key
         q_pos = torch.arange(n_queries, device=device) + past
         causal = torch.arange(n_keys, device=device)[None, :] <= q_pos[:, None]  # (T, S)
         mask = causal[None, None] if mask is None else mask & causal
