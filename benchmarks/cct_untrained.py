@@ -42,6 +42,7 @@ from cct_quality import CCT_RUN
 
 DATA = Path("../shared/data/multi30k")
 SIZES = ("base", "big")
+BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 
 
 def runs(size: str) -> dict[str, tuple[str, list[str]]]:
@@ -50,9 +51,6 @@ def runs(size: str) -> dict[str, tuple[str, list[str]]]:
     return {f"runs/bench/cct_{size}_untrained": ("configs/multi30k_cct_small.yaml",
                                                  [*shape, "model.cct.control_hidden=128"]),
             f"runs/bench/dense_{size}_untrained": ("configs/multi30k_small.yaml", shape)}
-
-
-BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 
 
 def build(run: str, config: str, overrides: list[str], tok: Tokenizer) -> None:
