@@ -89,3 +89,19 @@ def test_length_limits_and_min_len():
     fixed = beam_search(m, src, beam=2, max_len_a=0.0, max_len_b=9, min_len=8)
     assert all(len(h) == 8 for h in fixed)
     assert all(EOS not in h for h in fixed)
+
+
+def test_beam_first_step_runs_once_per_sentence():
+    m = model()
+    src = sources()  # 6 sentences, padded to 7 tokens
+    rows = []
+    m.decoder.layers[0].cross_attn.k_proj.register_forward_hook(
+        lambda mod, args, out: rows.append(args[0].shape[:2]))
+    steps = []
+    decode_step = m.decode_step
+    m.decode_step = lambda tokens, enc, state: (steps.append(tokens.size(0)),
+                                                decode_step(tokens, enc, state))[1]
+    beam_search(m, src, beam=3, max_len_a=0.0, max_len_b=4, min_len=3)
+    # the cross-attention keys/values are projected once, for one row per sentence
+    assert rows == [torch.Size([6, 7])]
+    assert steps == [6, 18, 18, 18]  # then 3 beams each

@@ -79,6 +79,9 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     Each step takes the top 2·beam candidates of every sentence: eos candidates within the
     first ``beam`` are finished, the best ``beam`` others go on. A sentence stops once it has
     ``beam`` finished hypotheses; at its length limit every live beam is closed with eos.
+    The beams of a sentence are identical until the first token, so the first step runs
+    one row per sentence (projecting its cross-attention keys/values once, not ``beam``
+    times) and then copies its rows and caches to the ``beam`` beams.
     """
     if beam < 1:
         raise ValueError("beam must be >= 1")
@@ -89,17 +92,21 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     limits = max_lengths((~enc0.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
     limits = limits.clamp(min=min_len + 1)
     expand = torch.arange(n, device=device).repeat_interleave(k)  # (n*k,)
-    enc = enc0.index_select(expand)
+    enc = enc0  # one row per sentence for the first step, then k
     state = model.init_state()
     active = torch.arange(n, device=device)
     scores = torch.full((n, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # all beams start identical: expand only the first
     history = torch.full((n * k, 0), model.pad_id, dtype=torch.long, device=device)
-    tokens = torch.full((n * k, 1), model.bos_id, dtype=torch.long, device=device)
+    tokens = torch.full((n, 1), model.bos_id, dtype=torch.long, device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(n)]
     for step in range(int(limits.max())):
         m = active.numel()
         logp = torch.log_softmax(model.decode_step(tokens, enc, state).float(), dim=-1)
+        if step == 0:  # the k beams of each sentence start from its one row
+            logp = logp.index_select(0, expand)
+            enc = enc0.index_select(expand)
+            state.reorder(expand)
         vocab = logp.size(-1)
         if step < min_len:
             logp[:, model.eos_id] = float("-inf")
