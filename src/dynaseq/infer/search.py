@@ -5,7 +5,8 @@ steps live in the decoder state, so step t costs O(t) attention. Finished senten
 dropped from the batch (their rows are removed from every cache), so a batch costs what its
 unfinished sentences need.
 
-Models only need ``encode(src, control=None) -> EncoderOutput``, ``init_state()``,
+Models only need ``encode(src, control=None) -> EncoderOutput``, ``init_state()`` (a state
+with ``reorder``, ``reorder_self`` and ``reorder_cross`` of batch rows),
 ``decode_step(tokens (B, 1), enc, state) -> logits (B, V)`` and ``bos_id``/``eos_id``.
 """
 
