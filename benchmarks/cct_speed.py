@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -183,16 +184,9 @@ def main() -> None:
     dense_vs_cct = {k: round(base[k] / med[dense_name][k], 3) for k in base}
     variants_vs_dense = {v: {k: round(med[f"{v} 1,1"][k] / med[dense_name][k], 3)
                              for k in base} for v in args.variants}
-    extra = [f"--variants {' '.join(args.variants)}" if args.variants else "",
-             f"--cct {args.cct}" if str(args.cct) != str(CCT_RUN) else "",
-             f"--dense {args.dense}" if str(args.dense) != str(DENSE_RUN) else "",
-             f"--score-lines {args.score_lines}" if args.score_lines else "",
-             "--no-free-beam" if args.no_free_beam else "",
-             f"--name {args.name}" if args.name != "cct_speed" else ""]
     out = {"benchmark": args.name,
-           "command": f"python benchmarks/cct_speed.py --rounds {args.rounds} "
-                      f"--decode-lines {args.decode_lines} --fixed-len {args.fixed_len}"
-                      + "".join(f" {e}" for e in extra if e),
+           "command": " ".join(["python benchmarks/cct_speed.py",
+                                *map(shlex.quote, sys.argv[1:])]),
            "runs": {"cct": str(args.cct), "dense": str(args.dense)},
            # weights never trained (cct_untrained.py): timings only, no quality
            "untrained": [str(r) for r, t in ((args.cct, cct), (args.dense, dense))
