@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dynaseq.config import (
+from dynaseq.core.config import (
     DataConfig,
     DecodeConfig,
     ModelConfig,

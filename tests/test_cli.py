@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import dynaseq
-from dynaseq.config import save_config
+from dynaseq.core.config import save_config
 
 from helpers import micro_config, run_cli
 

@@ -3,8 +3,8 @@
 Example::
 
     import dynaseq
-    translator = dynaseq.load("runs/demo/run")
-    print(translator.translate(["kalo mintu"], beam=4))
+    translator = dynaseq.load("runs/demo/run")      # any run kind: its task's Predictor
+    print(translator.translate(["kalo mintu"], beam=4, budget=0.5))
 """
 
 from __future__ import annotations
@@ -12,19 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dynaseq.errors import CheckpointError, ConfigError, DynaseqError
+from dynaseq.core.errors import CheckpointError, ConfigError, DynaseqError
 
 if TYPE_CHECKING:
-    from dynaseq.infer.translator import Translator
+    from dynaseq.tasks.protocol import Predictor
 
 __version__ = "0.1.0"
 
 
-def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto") -> Translator:
-    """Load a trained run directory; returns a :class:`~dynaseq.infer.translator.Translator`."""
-    from dynaseq.infer.translator import Translator
+def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto") -> Predictor:
+    """Load a trained run directory of any kind: a translation run gives a
+    :class:`~dynaseq.tasks.translation.predictor.Translator`, a language-model run a
+    :class:`~dynaseq.tasks.lm.predictor.LanguageModel` (both
+    :class:`~dynaseq.tasks.protocol.Predictor`)."""
+    from dynaseq.tasks.registry import load as load_run
 
-    return Translator.load(run_dir, checkpoint=checkpoint, device=device)
+    return load_run(run_dir, checkpoint=checkpoint, device=device)
 
 
 __all__ = ["CheckpointError", "ConfigError", "DynaseqError", "__version__", "load"]

@@ -25,7 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 EXIT_BAD_INPUT = 2
 
@@ -54,19 +54,14 @@ def _write_output(lines: list[str], path: str | None) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dynaseq.config import load_config
+    from dynaseq.core.config import load_config
     from dynaseq.train.loop import train
 
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     cfg = load_config(args.config, overrides)
-    if getattr(cfg, "task", None) == "lm":  # task: lm -> the language-model loop
-        from dynaseq.train.lm_loop import train as train_lm
-
-        result = train_lm(cfg, progress=not args.quiet)
-    else:
-        result = train(cfg, progress=not args.quiet)
+    result = train(cfg, progress=not args.quiet)  # the config's task (task: lm or seq2seq)
     if result.stopped_by_signal is not None:
         print(f"stopped by signal at step {result.state.step}; checkpoint saved in "
               f"{result.run_dir} (run the same command to resume)", file=sys.stderr)
@@ -76,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _translator(args: argparse.Namespace):
-    from dynaseq.infer.translator import Translator
+    from dynaseq.tasks.translation.predictor import Translator
 
     return Translator.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
 
@@ -110,7 +105,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
               f"PTR {result['ptr']:.2f}  ({result['n_sentences']} sentences)\n"
               f"{result['signature']}")
     if result.get("collapsed"):
-        from dynaseq.branching.usage import COLLAPSE_SHARE
+        from dynaseq.techniques.branching.usage import COLLAPSE_SHARE
 
         n, names = len(result["branch_usage"]), result["collapsed"]
         print(f"dynaseq: warning: routing collapsed in {len(names)} of {n} gating units (one "
@@ -145,8 +140,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from dynaseq.infer.translator import control_for_budget
     from dynaseq.metrics.profile import profile_model
+    from dynaseq.tasks.translation.predictor import control_for_budget
 
     target = Path(args.target)
     if target.is_dir() and _run_kind(str(target)) == "lm":
@@ -157,9 +152,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model = t.model
         budget_ctx = t.at_budget(args.budget)  # with the run's calibration, if any
     elif target.is_file():
-        from dynaseq.branching import merge_shared_
-        from dynaseq.config import load_config
+        from dynaseq.core.config import load_config
         from dynaseq.models import build_seq2seq
+        from dynaseq.techniques.branching import merge_shared_
 
         cfg = load_config(target, args.overrides)
         if getattr(cfg, "task", None) == "lm":  # random weights, vocabulary of data.train
@@ -193,7 +188,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_average(args: argparse.Namespace) -> int:
-    from dynaseq.train.checkpoint import average_checkpoints, list_checkpoints
+    from dynaseq.core.checkpoint import average_checkpoints, list_checkpoints
 
     found = list_checkpoints(args.run_dir)
     if not found:
@@ -205,15 +200,15 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from dynaseq.demo import run_demo
+    from dynaseq.workflows.demo import run_demo
 
     run_demo(args.out, minutes=args.minutes, seed=args.seed, progress=not args.quiet)
     return 0
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from dynaseq.analysis import analyze, write_analysis
     from dynaseq.data import read_lines
+    from dynaseq.workflows.analyze import analyze, write_analysis
 
     if args.max_lines is not None and args.max_lines < 1:
         raise DynaseqError("--max-lines must be >= 1")
@@ -233,7 +228,7 @@ def _run_kind(run_dir: str) -> str:
     """What a run directory holds: ``"seq2seq"`` (a translation run, :class:`RunConfig` in
     config.yaml). Commands that differ by kind (``quantize``) dispatch on it; language-model
     runs get their own kind here."""
-    from dynaseq.config import load_config
+    from dynaseq.core.config import load_config
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -263,7 +258,7 @@ def _quantize_seq2seq(args: argparse.Namespace) -> int:
 def _quantize_lm(args: argparse.Namespace) -> int:
     """``dynaseq quantize LM_RUN --out NEW_DIR --bits 9 --steps 200``: QAT fine-tuning,
     conversion and an exact-representability check."""
-    from dynaseq.compress.lm_runs import qat_lm_run
+    from dynaseq.workflows.lm_runs import qat_lm_run
 
     rep = qat_lm_run(args.run_dir, args.out, args.bits, args.steps, args.lr,
                      checkpoint=args.checkpoint, progress=not args.quiet)
@@ -296,8 +291,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """``dynaseq prune LM_RUN --out NEW_DIR --sparsity 0.4 --steps 200``."""
-    from dynaseq.compress.lm_runs import prune_lm_run
     from dynaseq.compress.prune import _check_sparsity
+    from dynaseq.workflows.lm_runs import prune_lm_run
 
     _check_sparsity(args.sparsity)  # before anything is read or written
     if _run_kind(args.run_dir) != "lm":
@@ -315,7 +310,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_cache_search(args: argparse.Namespace) -> int:
     """``dynaseq cache-search LM_RUN --out NEW_DIR --cache-sizes 3000 --max-evals 40``."""
-    from dynaseq.compress.lm_runs import cache_search_run
+    from dynaseq.workflows.lm_runs import cache_search_run
 
     if _run_kind(args.run_dir) != "lm":
         raise DynaseqError(f"cache-search: {args.run_dir} is not a language-model run")
@@ -349,8 +344,8 @@ def _distill_data_lm(args: argparse.Namespace) -> int:
 
 
 def cmd_distill_data(args: argparse.Namespace) -> int:
-    from dynaseq.compress.seqkd import write_distill_data
     from dynaseq.data import read_lines
+    from dynaseq.workflows.distill_data import write_distill_data
 
     if _run_kind(args.run_dir) == "lm":
         return _distill_data_lm(args)
@@ -366,7 +361,7 @@ def cmd_distill_data(args: argparse.Namespace) -> int:
 
 
 def _language_model(args: argparse.Namespace):
-    from dynaseq.infer.lm import LanguageModel
+    from dynaseq.tasks.lm.predictor import LanguageModel
 
     return LanguageModel.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
 

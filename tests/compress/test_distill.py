@@ -14,7 +14,7 @@ from dynaseq.compress.distill import (
     distill_loss_gathered,
     dump_teacher_topk,
 )
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 
 def _chunks(seed: int = 0, n_chunks: int = 3, b: int = 2, t: int = 5, v: int = 40):

@@ -11,8 +11,6 @@ import torch
 import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
 
-from dynaseq.branching import BranchedLinear
-from dynaseq.branching.routing import BranchGroups, Router
 from dynaseq.cli import main
 from dynaseq.compress import int8
 from dynaseq.compress.int8 import (
@@ -24,12 +22,14 @@ from dynaseq.compress.int8 import (
     quantize_run,
     save_int8,
 )
-from dynaseq.config import DMBConfig, ModelConfig, MoEConfig
+from dynaseq.core.config import DMBConfig, ModelConfig, MoEConfig
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data import read_lines
-from dynaseq.errors import DynaseqError
-from dynaseq.infer.search import beam_search, greedy_search
-from dynaseq.infer.translator import Translator
 from dynaseq.models import build_seq2seq
+from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.tasks.translation.predictor import Translator
+from dynaseq.techniques.branching import BranchedLinear
+from dynaseq.techniques.branching.routing import BranchGroups, Router
 
 VOCAB = 60
 
@@ -126,8 +126,8 @@ def test_dmb_and_moe_quantize_and_translate(kind):
 
 
 def test_cct_model_quantizes_with_float_control_nets():
-    from dynaseq.adaptive.gating import ControlNet
-    from dynaseq.config import CCTConfig
+    from dynaseq.core.config import CCTConfig
+    from dynaseq.techniques.cct.gating import ControlNet
 
     model = micro_model(cct=CCTConfig(ffn_pieces=2, control_hidden=16,
                                       budgets=[(1.0, 1.0), (0.5, 0.5)]))

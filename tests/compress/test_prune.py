@@ -16,7 +16,7 @@ from dynaseq.compress.prune import (
     sparsity_report,
     thresholds_for_target,
 )
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 
 def _model(seed: int = 0) -> nn.Module:

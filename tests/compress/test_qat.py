@@ -16,7 +16,7 @@ from dynaseq.compress.qat import (
     qat_bit_widths,
     weight_scale,
 )
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 
 class TinyLM(nn.Module):

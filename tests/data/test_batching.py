@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.batching import Batch, collate, collate_source, token_batches
 from dynaseq.data.dataset import ParallelCorpus
-from dynaseq.errors import DynaseqError
 
 PAD, BOS, EOS = 0, 2, 3
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.dataset import FilterStats, ParallelCorpus, make_corpus
-from dynaseq.errors import DynaseqError
 
 # max_len=4: a side may have at most 3 tokens
 SRC = [[5, 6], [], [5, 6, 7, 8], [5], [9, 9, 9], [5, 6, 7, 8, 9], [4]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.lm_corpus import EOS, UNK, StreamBatches, Vocab, read_lm_lines
-from dynaseq.errors import DynaseqError
 
 
 def test_vocab_is_frequency_sorted_with_eos_and_unk(tmp_path):

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data import synthetic
 from dynaseq.data.synthetic import (
     ADJECTIVES,
@@ -15,7 +16,6 @@ from dynaseq.data.synthetic import (
     write_task,
 )
 from dynaseq.data.text import read_lines
-from dynaseq.errors import DynaseqError
 
 
 @pytest.fixture(scope="module")

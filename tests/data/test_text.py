@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.text import read_lines, read_parallel, write_lines
-from dynaseq.errors import DynaseqError
 
 CONTENT = "Ein Hund läuft.\r\n  two  spaces inside \n\n\tÇa va ?\nlast line without newline"
 EXPECTED = ["Ein Hund läuft.", "two  spaces inside", "", "Ça va ?", "last line without newline"]

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.synthetic import generate_pairs
 from dynaseq.data.text import read_parallel
 from dynaseq.data.tokenizer import Tokenizer
-from dynaseq.errors import DynaseqError
 
 NATURAL = [
     "A man in a blue shirt is standing on a ladder.",

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dynaseq.cli import main
-from dynaseq.config import LMCacheConfig, LMModelConfig
+from dynaseq.core.config import LMCacheConfig, LMModelConfig
 from dynaseq.metrics.lm_profile import micronet_profile
 from dynaseq.metrics.micronet import parameter_storage
 from dynaseq.models.lm import build_lm
-from dynaseq.train.lm_loop import train
+from dynaseq.train.loop import train
 
 from helpers import lm_config
 

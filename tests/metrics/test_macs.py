@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dynaseq.config import ModelConfig
+from dynaseq.core.config import ModelConfig
 from dynaseq.metrics import count_macs, flop_counter_macs
 from dynaseq.models import build_seq2seq
 
@@ -38,7 +38,7 @@ def test_analytic_count_matches_flop_counter(size, s, t):
                                        {"moe": {}}], ids=["dmb", "dmb_ffn_only", "moe"])
 @pytest.mark.parametrize("s, t", [(30, 30), (12, 21)])
 def test_dmb_and_moe_counts_match_flop_counter(branching, s, t):
-    from dynaseq.config import from_dict
+    from dynaseq.core.config import from_dict
 
     torch.manual_seed(0)
     cfg = from_dict(ModelConfig, {"size": "tiny", "encoder_layers": 2, "decoder_layers": 2,

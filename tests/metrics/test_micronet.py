@@ -10,7 +10,7 @@ from torch import nn
 
 from dynaseq.compress.prune import GradualPruner
 from dynaseq.compress.qat import QATConfig, convert_qat_, prepare_qat_
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 from dynaseq.metrics.micronet import (
     MicroNetOpCounter,
     count_ops,

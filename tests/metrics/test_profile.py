@@ -1,4 +1,4 @@
-from dynaseq.config import ModelConfig
+from dynaseq.core.config import ModelConfig
 from dynaseq.metrics.profile import count_params, profile_model
 from dynaseq.models import build_seq2seq
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dynaseq.cli import main
-from dynaseq.config import LMModelConfig, load_config, save_config
-from dynaseq.errors import ConfigError
+from dynaseq.core.config import LMModelConfig, load_config, save_config
+from dynaseq.core.errors import ConfigError
 from dynaseq.models.lm import LMOutput, build_lm
 
 from helpers import lm_config as _lm_config
@@ -126,7 +126,7 @@ def test_cli_train_evaluate_generate(tmp_path, capsys):
 
 def test_cli_generate_subprocess_smoke(tmp_path):
     """The installed entry point end to end (one subprocess: train is in-process above)."""
-    from dynaseq.train.lm_loop import train
+    from dynaseq.train.loop import train
 
     train(_lm_config(tmp_path, "train.max_steps=2"), progress=False)
     proc = run_cli("generate", str(tmp_path / "run"), "--tokens", "3", "--temperature", "0")
@@ -134,9 +134,10 @@ def test_cli_generate_subprocess_smoke(tmp_path):
 
 
 def test_resume_profile_and_python_api(tmp_path):
-    from dynaseq.infer.lm import LanguageModel
     from dynaseq.metrics.lm_profile import profile_lm
-    from dynaseq.train.lm_loop import LMHooks, train
+    from dynaseq.tasks.lm.predictor import LanguageModel
+    from dynaseq.tasks.lm.task import LMHooks
+    from dynaseq.train.loop import train
 
     cfg = _lm_config(tmp_path)
     calls = []

@@ -1,6 +1,6 @@
 import torch
 
-from dynaseq.config import ModelConfig
+from dynaseq.core.config import ModelConfig
 from dynaseq.models import build_seq2seq
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynaseq.errors import ConfigError
+from dynaseq.core.errors import ConfigError
 from dynaseq.nn.adaptive_io import AdaptiveInput, AdaptiveSoftmax, default_dims
 
 V, D, CUTOFFS = 50, 16, [10, 30]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 from dynaseq.nn.adaptive_io import AdaptiveSoftmax
 from dynaseq.nn.hebbian import HebbianSoftmax, adaptive_hebbian_update_, make_adaptive_hebbian
 

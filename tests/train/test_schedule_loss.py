@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dynaseq.train.loss import label_smoothed_loss
+from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.train.schedule import inverse_sqrt_factor, inverse_sqrt_schedule
 
 

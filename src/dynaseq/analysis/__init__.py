@@ -2,7 +2,7 @@
 
 * :mod:`~dynaseq.analysis.gates` — per-token compute and gate values from gate traces, and
   their reductions for fig. 9-13;
-* :mod:`~dynaseq.analysis.report` — ``dynaseq analyze``: a run at its budgets -> JSON;
+* ``dynaseq analyze`` (:mod:`dynaseq.workflows.analyze`): a run at its budgets -> JSON;
 * :mod:`~dynaseq.analysis.plots` — the fig. 9-13 PNGs from that JSON (matplotlib, Agg).
 """
 
@@ -19,7 +19,6 @@ from dynaseq.analysis.gates import (
     token_compute,
     usage_by_step,
 )
-from dynaseq.analysis.report import analyze, write_analysis
 
 __all__ = [
     "GateStats",
@@ -27,12 +26,10 @@ __all__ = [
     "SubwordCompute",
     "TokenCompute",
     "activation_rates",
-    "analyze",
     "collect_gate_stats",
     "compute_by_rank",
     "compute_by_subword",
     "compute_histogram",
     "token_compute",
     "usage_by_step",
-    "write_analysis",
 ]

@@ -2,7 +2,7 @@
 
 Sentence pairs run one at a time (batch 1, so no padding enters any statistic), teacher
 forced, in eval mode: the hard 0/1 gates of one control symbol (budget). From the
-:class:`~dynaseq.adaptive.gating.GateTrace` entries of each pass this module keeps
+:class:`~dynaseq.techniques.cct.gating.GateTrace` entries of each pass this module keeps
 
 * per token, the MACs its gates let run and the MACs they control
   (:func:`token_compute`): ``Σ_layers Σ_gates g·cost / Σ_layers Σ_gates cost``;
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dynaseq.adaptive.cct import gate_traces
-from dynaseq.adaptive.gating import GateTrace
+from dynaseq.techniques.cct.gating import GateTrace
+from dynaseq.techniques.cct.layers import gate_traces
 
 Part = str
 """``"encoder"`` or ``"decoder"``: the first component of a sub-layer name."""

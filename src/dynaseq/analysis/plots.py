@@ -1,6 +1,6 @@
 """PNG plots of a ``dynaseq analyze`` result (the CCT paper's fig. 9-13).
 
-Every function takes the JSON-ready dict of :func:`dynaseq.analysis.report.analyze` (or
+Every function takes the JSON-ready dict of :func:`dynaseq.workflows.analyze.analyze` (or
 ``analysis.json`` read back), so plots can be redrawn without the model. Figures are drawn
 with matplotlib's object API on the Agg canvas: no pyplot, no global backend change.
 """

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 FORMAT = "dynaseq-teacher-topk"
 VERSION = 1

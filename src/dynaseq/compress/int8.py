@@ -7,7 +7,7 @@ with ``torch.ao.quantization.quantize_dynamic``:
 * every ``nn.Linear`` becomes a ``torch.ao.nn.quantized.dynamic.Linear``: qint8 weights,
   symmetric per output channel (``per_channel_dynamic_qconfig``), activations quantized on
   the fly per call, int8 GEMMs (fbgemm / onednn / qnnpack);
-* every :class:`~dynaseq.branching.BranchedLinear` (DMB branches, MoE experts) becomes an
+* every :class:`~dynaseq.techniques.branching.BranchedLinear` (DMB branches, MoE experts) becomes an
   :class:`Int8BranchedLinear`: after ``merge_shared_`` one dynamic quantized Linear per
   branch, run on the rows routed to it exactly as ``BranchedLinear.grouped`` does (rows
   sorted by branch, one matmul per contiguous group; no row meets another branch's weight);
@@ -29,7 +29,7 @@ Saving (:func:`save_int8`): safetensors with, per quantized matrix, ``<name>.wei
 float parameter under its usual name; ``meta.json`` records ``"quantization": "int8"``.
 :func:`load_int8` rebuilds the quantized modules from a float model of the same config
 (quantized once for its structure) and ``set_weight_bias`` with the stored int8 tensors, so
-a loaded model gives bit-identical outputs. :class:`~dynaseq.infer.Translator` loads such
+a loaded model gives bit-identical outputs. :class:`~dynaseq.tasks.translation.predictor.Translator` loads such
 a run transparently (on the CPU: the kernels are CPU kernels).
 
 Example::
@@ -60,9 +60,9 @@ from torch import Tensor, nn
 from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 from torch.ao.quantization.observer import default_per_channel_weight_observer
 
-from dynaseq.branching.branched_linear import BranchedLinear, merge_shared_
-from dynaseq.branching.routing import BranchGroups, Router, run_used_groups
-from dynaseq.errors import CheckpointError, DynaseqError
+from dynaseq.core.errors import CheckpointError, DynaseqError
+from dynaseq.techniques.branching.branched_linear import BranchedLinear, merge_shared_
+from dynaseq.techniques.branching.routing import BranchGroups, Router, run_used_groups
 
 #: The value of ``meta.json``'s ``"quantization"`` key in an int8 checkpoint.
 INT8 = "int8"
@@ -97,7 +97,7 @@ def _make_qlinear(weight: Tensor, bias: Tensor | None) -> nnqd.Linear:
 
 
 class Int8BranchedLinear(nn.Module):
-    """Int8 :class:`~dynaseq.branching.BranchedLinear`: one dynamic quantized Linear per branch.
+    """Int8 :class:`~dynaseq.techniques.branching.BranchedLinear`: one dynamic quantized Linear per branch.
 
     Same interface as the float layer at inference: ``forward(x, branch)`` (x ``(..., in)``,
     branch ``(...)`` long -> ``(..., out)``), :meth:`grouped` over rows sorted by branch,
@@ -238,8 +238,8 @@ class Int8TokenEmbedding(nn.Module):
 
 #: Module types whose ``nn.Linear`` layers decide what runs: kept in float.
 def _gate_types() -> tuple[type, ...]:
-    from dynaseq.adaptive.gating import ControlNet
-    from dynaseq.branching.moe import NoisyTopKGate
+    from dynaseq.techniques.branching.moe import NoisyTopKGate
+    from dynaseq.techniques.cct.gating import ControlNet
 
     return (Router, NoisyTopKGate, ControlNet)
 
@@ -547,9 +547,9 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
         DynaseqError: missing run directory, an existing non-empty ``out_dir``, an
             already-quantized run.
     """
-    from dynaseq.config import save_config
-    from dynaseq.infer.translator import Translator
-    from dynaseq.train.checkpoint import read_meta
+    from dynaseq.core.checkpoint import read_meta
+    from dynaseq.core.config import save_config
+    from dynaseq.tasks.translation.predictor import Translator
 
     run, out = Path(run_dir), Path(out_dir)
     if not run.is_dir():

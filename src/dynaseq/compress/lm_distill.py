@@ -1,7 +1,7 @@
 """Token-level distillation data for language models: a teacher run's top-k over the
 training stream, laid out exactly as the student's training loop reads it (MicroNet §4.1).
 
-**Order contract.** The student's loop (:mod:`dynaseq.train.lm_loop`) cuts the training ids
+**Order contract.** The student's loop (:class:`dynaseq.tasks.lm.task.LMTask`) cuts the training ids
 into ``batch_size`` parallel streams and reads them in windows of ``extended_context``
 tokens (:class:`~dynaseq.data.lm_corpus.StreamBatches`); window i has targets y_i (B, T_i).
 The dump holds, row after row, the teacher's top-k for ``y_0.flatten()``, then
@@ -33,8 +33,8 @@ import torch
 from tqdm import tqdm
 
 from dynaseq.compress.distill import TeacherTopK, dump_teacher_topk
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.lm_corpus import StreamBatches, Vocab, read_lm_lines
-from dynaseq.errors import DynaseqError
 
 LAYOUT_KEY = "lm_stream"
 _ROWS = 2048  # teacher log-prob rows (x V) per chunk: bounded memory
@@ -48,7 +48,7 @@ def vocab_digest(vocab: Vocab) -> str:
 def dump_lm_teacher(lm, out_dir: str | Path, k: int = 30, batch_size: int | None = None,
                     window: int | None = None, train: str | None = None,
                     progress: bool = False) -> TeacherTopK:
-    """Write the top-k of ``lm`` (a :class:`~dynaseq.infer.lm.LanguageModel`) over the
+    """Write the top-k of ``lm`` (a :class:`~dynaseq.tasks.lm.predictor.LanguageModel`) over the
     training text (default: its config's ``data.train``) in the stream layout of a student
     with ``batch_size`` streams and windows of ``window`` tokens (defaults: the teacher
     config's ``data.batch_size`` and ``model.extended_context``). ``out_dir`` must not

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 __all__ = [
     "GradualPruner", "PruningPlan", "SensitivityResult", "SparsityReport", "WeightMask",

@@ -59,7 +59,7 @@ from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
 from torch.nn.utils import parametrize
 
 from dynaseq.compress.prune import add_mask, get_mask, remove_parametrization
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 __all__ = [
     "FakeQuantWeight", "QATConfig", "QATReport", "RepresentabilityReport", "check_representable", "convert_qat_",

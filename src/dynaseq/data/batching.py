@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.dataset import ParallelCorpus
-from dynaseq.errors import DynaseqError
 
 
 def epoch_rng(seed: int, epoch: int) -> random.Random:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 #: What :func:`make_corpus` does with a side longer than ``max_len - 1`` tokens.
 LONG_LINE_POLICIES = ("skip", "truncate")

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.text import read_lines
-from dynaseq.errors import DynaseqError
 
 EOS = "<eos>"
 UNK = "<unk>"

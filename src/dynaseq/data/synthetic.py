@@ -41,8 +41,8 @@ import random
 from pathlib import Path
 from types import MappingProxyType
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.text import write_lines
-from dynaseq.errors import DynaseqError
 
 SUM_OPEN = "sum"
 SUM_CLOSE = "end"

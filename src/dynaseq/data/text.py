@@ -1,7 +1,7 @@
 """Line-oriented text files: one sentence per line, plain UTF-8 or gzip.
 
 Reading is strict: a file that is missing, unreadable, not valid UTF-8 or a corrupt gzip
-stream raises :class:`~dynaseq.errors.DynaseqError` with a one-line message that names the
+stream raises :class:`~dynaseq.core.errors.DynaseqError` with a one-line message that names the
 file (and the line, for bad UTF-8). ``OSError`` and ``UnicodeDecodeError`` never escape.
 
 Example::
@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 #: The first two bytes of every gzip stream (RFC 1952).
 GZIP_MAGIC = b"\x1f\x8b"

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data.text import os_reason, read_bytes
-from dynaseq.errors import DynaseqError
 
 PAD_ID = 0
 UNK_ID = 1

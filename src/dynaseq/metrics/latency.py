@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from dynaseq.infer.search import beam_search, greedy_search
+from dynaseq.models.search import beam_search, greedy_search
 
 
 @torch.no_grad()

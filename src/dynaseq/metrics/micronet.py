@@ -86,7 +86,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 __all__ = [
     "BASELINE_OPS", "BASELINE_PARAMS", "MicroNetOpCounter", "MicroNetScore", "OpCount",

@@ -8,7 +8,7 @@ a training window holds C_e >= L(C-1)+1 tokens. The layers are pre-norm
 trains without a long warm-up, which matters for the short CPU runs.
 
 The model composes sub-layers it is given; :func:`build_lm` wires them from an
-:class:`~dynaseq.config.LMModelConfig`.
+:class:`~dynaseq.core.config.LMModelConfig`.
 
 Example::
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dynaseq.adaptive.neural_cache import NeuralCache
 from dynaseq.nn.adaptive_io import AdaptiveInput, AdaptiveSoftmax
 from dynaseq.nn.feedforward import FeedForward
+from dynaseq.nn.neural_cache import NeuralCache
 from dynaseq.nn.relative_attention import RelativeCache, relative_attention
 
 
@@ -191,7 +191,7 @@ def build_lm(cfg, vocab_size: int) -> TransformerLM:
 
     Raises ConfigError when an adaptive cutoff is not below ``vocab_size``. ``cfg.cache``
     adds a :class:`NeuralCache`, ``cfg.hebbian`` Hebbian-softmax counts (``cfg.qat_bits``
-    is applied by the loader, :meth:`dynaseq.infer.lm.LanguageModel.load`).
+    is applied by the loader, :meth:`dynaseq.tasks.lm.predictor.LanguageModel.load`).
     """
     from dynaseq.nn.hebbian import make_adaptive_hebbian
 

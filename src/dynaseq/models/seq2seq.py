@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dynaseq.config import ModelConfig
+from dynaseq.core.config import ModelConfig
 from dynaseq.nn import (
     AuxOutputs,
     DecoderLayer,
@@ -246,7 +246,7 @@ def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: in
     if cfg.cct is None:
         return _assemble(cfg, vocab_size, attention, ffn, None, pad_id, bos_id, eos_id)
 
-    from dynaseq.adaptive.cct import (
+    from dynaseq.techniques.cct.layers import (
         NoiseSchedule,
         conditional_attention,
         conditional_feedforward,
@@ -280,7 +280,7 @@ def _build_branching(cfg: ModelConfig, vocab_size: int, dense_attn, pad_id: int,
     """Transformer-DMB (Tan et al. 2021) or the top-k MoE baseline: every FFN, and with
     ``attention`` every self- and cross-attention, of encoder and decoder is branched; the
     sub-layers are named after their paths for the routing losses."""
-    from dynaseq.branching import (
+    from dynaseq.techniques.branching import (
         dmb_attention,
         dmb_feedforward,
         moe_attention,

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.errors import ConfigError
+from dynaseq.core.errors import ConfigError
 
 
 def default_dims(d_model: int, n_clusters: int, factor: int = 4) -> list[int]:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dynaseq.errors import DynaseqError
+from dynaseq.core.errors import DynaseqError
 
 
 class HebbianSoftmax(nn.Module):

@@ -12,6 +12,18 @@ from typing import Any
 
 from torch import Tensor
 
+MACS_TRACE = "macs"
+"""``AuxOutputs.traces`` key of the :class:`MacsRecord` entries (inference only)."""
+
+
+@dataclass
+class MacsRecord:
+    """MACs one call of an adaptive sub-layer actually executed at inference, per matrix
+    (CCT's gated sub-layers, DMB/MoE branches): a compute record."""
+
+    layer: str
+    macs: dict[str, int]
+
 
 @dataclass
 class AuxOutputs:

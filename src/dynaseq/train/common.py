@@ -1,9 +1,8 @@
-"""Pieces shared by the training loops (seq2seq ``loop.py`` and language-model ``lm_loop.py``):
-run log, counters, the signal flag, RNG state capture and the ETA string."""
+"""Pieces of the training loop (:mod:`dynaseq.train.loop`): counters, the signal flag, RNG
+state capture and the ETA string."""
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import time
@@ -32,21 +31,6 @@ class TrainResult:
     run_dir: Path
     stopped_by_signal: int | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
-
-
-class RunLog:
-    """JSON lines in ``run_dir/log.jsonl`` (main rank only) and the in-memory history."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-        self.history: list[dict[str, Any]] = []
-
-    def write(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "time": round(time.time(), 3), **fields}
-        self.history.append(record)
-        if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
 
 
 class StopFlag:

@@ -1,10 +1,19 @@
-"""The training loop: ``setup`` -> ``fit`` (with ``validate``), plain functions.
+"""The one training loop: ``setup`` -> ``fit``, for any :class:`~dynaseq.tasks.protocol.Task`.
 
-One process or many under ``torchrun`` (DDP). Every rank builds the same token-budget batches
-from the same seed and trains on its rows; the loss is normalised by the global number of
-target tokens, so N processes follow the same trajectory as one process with the whole batch.
-Training resumes exactly from the latest checkpoint (weights, optimizer, schedule, RNG, data
-position). SIGINT/SIGTERM finish the current update, write a checkpoint and stop.
+The loop owns what every task shares: the run directory's lock (written once, before
+anything else), the optimizer and learning-rate schedule, exact resume from the latest
+checkpoint (weights, optimizer, schedule, RNG, data position, the task's carried state),
+DDP (one process or many under ``torchrun``), the per-update loss normalisation, logging,
+validation with best-keeping (``best/``), periodic checkpoints, checkpoint averaging and
+SIGINT/SIGTERM handling (finish the current update, write a checkpoint, stop). It knows
+nothing about models, batches or techniques: the task gives the micro-batches of each
+update and the loss of each (``loss = task.loss(out, micro)``, technique losses included).
+
+Example::
+
+    from dynaseq.core.config import load_config
+    from dynaseq.train.loop import train
+    result = train(load_config("configs/tiny.yaml"))   # any task's config
 """
 
 from __future__ import annotations
@@ -15,37 +24,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from dynaseq.adaptive.cct import seq2seq_budget_loss, set_gate_step
-from dynaseq.branching import seq2seq_routing_loss
-from dynaseq.config import RunConfig, save_config, to_dict
-from dynaseq.data import (
-    ParallelCorpus,
-    Tokenizer,
-    collate,
-    make_corpus,
-    read_parallel,
-    token_batches,
-)
-from dynaseq.errors import ConfigError
-from dynaseq.infer.translator import bleu, control_for_budget, decode_corpus, score_corpus
-from dynaseq.models import build_seq2seq
-from dynaseq.train import checkpoint as ckpt
-from dynaseq.train.common import (  # shared with the LM loop (train/lm_loop.py)
-    RunLog,
-    TrainResult,
-    TrainState,
-)
-from dynaseq.train.common import StopFlag as _StopFlag
-from dynaseq.train.common import eta as _eta
-from dynaseq.train.common import rng_state as _rng_state
-from dynaseq.train.common import set_rng_state as _set_rng_state
-from dynaseq.train.distributed import (
+from dynaseq.core import checkpoint as ckpt
+from dynaseq.core.config import to_dict
+from dynaseq.core.distributed import (
     DistEnv,
     all_reduce_sum,
     barrier,
@@ -53,340 +41,250 @@ from dynaseq.train.distributed import (
     init_distributed,
     pick_device,
 )
-from dynaseq.train.loss import label_smoothed_loss
-from dynaseq.train.run_lock import RunDirLock
-from dynaseq.train.schedule import inverse_sqrt_schedule
-from dynaseq.train.self_distill import inplace_distill_term
+from dynaseq.core.run_lock import RunDirLock
+from dynaseq.core.runlog import RunLog
+from dynaseq.tasks.protocol import Task
+from dynaseq.tasks.registry import task_for
+from dynaseq.train.common import (
+    StopFlag,
+    TrainResult,
+    TrainState,
+    eta,
+    rng_state,
+    set_rng_state,
+)
+from dynaseq.train.schedule import make_schedule
 
 
 @dataclass
-class Setup:
-    cfg: RunConfig
+class Run:
+    """A task set up for training: its locked run directory, log, device and process group."""
+
+    task: Task
     run_dir: Path
     env: DistEnv
     device: torch.device
-    tokenizer: Tokenizer
-    train: ParallelCorpus
-    valid: ParallelCorpus | None
-    valid_src_ids: list[list[int]]
-    valid_refs: list[str]
-    model: nn.Module
     log: RunLog
     lock: RunDirLock | None = None  # held by the main rank until fit() ends
 
-
-def _require(cfg: RunConfig, *names: str) -> None:
-    for name in names:
-        if getattr(cfg.data, name) is None:
-            raise ConfigError(f"data.{name} is required for training")
+    @property
+    def model(self) -> nn.Module:
+        return self.task.model
 
 
-def setup(cfg: RunConfig) -> Setup:
-    """Device, process group, run directory, tokenizer, encoded corpora and the model."""
-    _require(cfg, "train_src", "train_tgt")
+def setup(cfg: Any, hooks: Any = None) -> Run:
+    """Check ``cfg`` and build its task (nothing written if that raises), lock the run
+    directory, then let the task write its files and build its data and model.
+
+    ``hooks``: task-specific extension points (e.g. :class:`~dynaseq.tasks.lm.task.LMHooks`)
+    replacing those the config asks for."""
+    task = task_for(cfg, hooks)
     device = pick_device(cfg.train.device)
     env = init_distributed(device)
     run_dir = Path(cfg.run_dir)
     lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
     try:
-        return _load(cfg, env, device, run_dir, lock)
+        log = RunLog(run_dir / "log.jsonl", env.is_main)
+        task.prepare(env, device, log)
     except BaseException:
         if lock is not None:
             lock.release()
+        cleanup(env)
         raise
+    return Run(task, run_dir, env, device, log, lock)
 
 
-def _load(cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path,
-          lock: RunDirLock | None) -> Setup:
-    """The rest of :func:`setup`, with the run directory locked (main rank)."""
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-    log = RunLog(run_dir / "log.jsonl", env.is_main)
-    src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
-    valid_lines = None
-    if cfg.data.valid_src is not None and cfg.data.valid_tgt is not None:
-        valid_lines = read_parallel(cfg.data.valid_src, cfg.data.valid_tgt)
-    spm_path = run_dir / "spm.model"
-    if env.is_main and not spm_path.is_file():
-        Tokenizer.train(src_lines + tgt_lines, spm_path, cfg.data.vocab_size,
-                        cfg.data.spm_model_type, cfg.data.character_coverage)
-    barrier(env)
-    tok = Tokenizer.load(spm_path)
-    train, stats = make_corpus(tok.encode(src_lines), tok.encode(tgt_lines), cfg.data.max_len,
-                               cfg.data.long_lines)
-    if len(train) == 0:
-        raise ConfigError("no training pairs left after dropping empty and over-long lines")
-    log.write("data", split="train", lines=len(src_lines), **stats.as_dict())
-    valid, valid_src_ids, valid_refs = None, [], []
-    if valid_lines is not None:
-        v_src, v_tgt = tok.encode(valid_lines[0]), tok.encode(valid_lines[1])
-        valid, vstats = make_corpus(v_src, v_tgt, cfg.data.max_len, "truncate")
-        log.write("data", split="valid", lines=len(v_src), **vstats.as_dict())
-        n = cfg.train.valid_bleu_lines
-        valid_src_ids, valid_refs = v_src[:n], valid_lines[1][:n]
-    torch.manual_seed(cfg.train.seed)
-    model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
-    return Setup(cfg, run_dir, env, device, tok, train, valid, valid_src_ids, valid_refs,
-                 model.to(device), log, lock)
-
-
-def validate(s: Setup, model: nn.Module) -> dict[str, float]:
-    """Validation loss (teacher forced) and greedy/beam BLEU on the first lines."""
-    result: dict[str, float] = {}
-    if s.valid is None:
-        return result
-    control = control_for_budget(s.cfg.model)  # the largest trained budget
-    scores = score_corpus(model, s.valid.src, s.valid.tgt, s.cfg.data.max_len,
-                          s.cfg.data.max_tokens, s.device, control)
-    result.update(loss=scores["loss"], ppl=scores["ppl"])
-    if s.valid_src_ids:
-        d = s.cfg.decode
-        hyps = decode_corpus(model, s.valid_src_ids, beam=s.cfg.train.valid_beam,
-                             length_penalty=d.length_penalty, max_len_a=d.max_len_a,
-                             max_len_b=d.max_len_b, batch_size=d.batch_size, device=s.device,
-                             control=control)
-        result["bleu"], _ = bleu(s.tokenizer.decode(hyps), s.valid_refs)
-    return result
-
-
-def _score_of(metrics: dict[str, float]) -> float | None:
-    if "bleu" in metrics:
-        return metrics["bleu"]
-    if "loss" in metrics:
-        return -metrics["loss"]
-    return None
-
-
-def _save(s: Setup, model: nn.Module, optimizer, scheduler, state: TrainState,
-          metrics: dict[str, float] | None = None) -> None:
-    if not s.env.is_main:
-        return
-    meta = {"step": state.step, "epoch": state.epoch, "metrics": metrics or {},
-            "config": to_dict(s.cfg)}
-    trainer = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-               "rng": _rng_state(), "state": asdict(state)}
-    path = ckpt.write_checkpoint(ckpt.step_dir(s.run_dir, state.step), model, meta, trainer)
-    ckpt.prune_checkpoints(s.run_dir, s.cfg.train.keep_last)
-    s.log.write("checkpoint", step=state.step, path=str(path))
-
-
-def _resume(s: Setup, optimizer, scheduler) -> TrainState:
-    found = ckpt.list_checkpoints(s.run_dir)
-    if not found:
-        return TrainState()
-    latest = found[-1]
-    ckpt.load_weights(s.model, latest)
-    trainer = ckpt.load_trainer_state(latest)
-    optimizer.load_state_dict(trainer["optimizer"])
-    scheduler.load_state_dict(trainer["scheduler"])
-    _set_rng_state(trainer["rng"])
-    state = TrainState(**trainer["state"])
-    s.log.write("resume", step=state.step, path=str(latest))
-    return state
-
-
-def fit(s: Setup, progress: bool = True) -> TrainResult:
+def fit(run: Run, progress: bool = True) -> TrainResult:
     """Train until max_steps / max_epochs / max_minutes or a signal; return the final state.
 
-    Releases the run directory's lock (``s.lock``) when it returns or raises."""
+    Releases the run directory's lock (``run.lock``) when it returns or raises."""
     try:
-        return _fit(s, progress)
+        return _Trainer(run, progress).fit()
     finally:
-        if s.lock is not None:
-            s.lock.release()
+        if run.lock is not None:
+            run.lock.release()
 
 
-def _fit(s: Setup, progress: bool) -> TrainResult:
-    cfg, tc, env = s.cfg, s.cfg.train, s.env
-    model = s.model
-    optimizer = torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps,
-                                 weight_decay=tc.weight_decay)
-    scheduler = inverse_sqrt_schedule(optimizer, tc.warmup_steps)
-    state = _resume(s, optimizer, scheduler)
-    wrapped: nn.Module = model
-    if env.enabled:
-        wrapped = DistributedDataParallel(
-            model, device_ids=[s.device.index] if s.device.type == "cuda" else None)
-    src_len, tgt_len = s.train.src_lengths(), s.train.tgt_lengths()
-    budgets = sampling_ids = None
-    distill, teacher_control = 0.0, 0
-    if cfg.model.cct is not None:
-        budgets = torch.tensor(cfg.model.cct.controls, dtype=torch.float32, device=s.device)
-        sampling_ids = torch.tensor(cfg.model.cct.sampling_ids, dtype=torch.long)
-        distill = cfg.model.cct.distill_weight
-        teacher_control = control_for_budget(cfg.model)  # the largest trained budget
-    routing = cfg.model.dmb or cfg.model.moe  # DMB / MoE: the gates' auxiliary losses
-    dmb = cfg.model.dmb
-    show_bar = progress and env.is_main and sys.stderr.isatty()
-    bar = tqdm(total=tc.max_steps, initial=state.step, disable=not show_bar, unit="upd",
-               dynamic_ncols=True)
-    t_start = time.monotonic() - state.elapsed
-    window_tokens, window_t0 = 0, time.monotonic()
-    t_first = (time.monotonic(), state.step)
-    stop_reason = None
-    metrics: dict[str, float] = {}
-    model.train()
-    with _StopFlag() as stop:
-        while stop_reason is None:
-            if state.step >= tc.max_steps:
-                stop_reason = "max_steps"
-                break
-            if state.epoch >= tc.max_epochs:
-                stop_reason = "max_epochs"
-                break
-            batches = token_batches(src_len, tgt_len, cfg.data.max_tokens, tc.seed, state.epoch)
-            n_updates = math.ceil(len(batches) / tc.update_freq)
-            while state.epoch_pos < n_updates:
-                group = batches[state.epoch_pos * tc.update_freq:
-                                (state.epoch_pos + 1) * tc.update_freq]
-                full = [collate(s.train, idx, model.pad_id, model.bos_id, model.eos_id)
-                        for idx in group]
-                total_tokens = sum(b.n_tgt_tokens for b in full)
-                sums = [0.0, 0.0, 0.0, 0.0]
-                share = 1.0
-                if budgets is not None:
-                    set_gate_step(model, state.step)
-                    share = cfg.model.cct.sampled_share(state.step)
-                for i, b in enumerate(full):
-                    control = _sample_controls(sampling_ids, len(b), tc.seed, state.step, i,
-                                               share)
-                    if control is not None:
-                        control = control[env.rank::env.world_size].to(s.device)
-                    b = b.shard(env.rank, env.world_size).to(s.device)
-                    sync = i == len(full) - 1 or not env.enabled
-                    ctx = contextlib.nullcontext() if sync else wrapped.no_sync()
-                    with ctx:
-                        out = wrapped(b.src, b.tgt_in, control)
-                        loss, nll, n_tok = label_smoothed_loss(out.logits, b.tgt_out,
-                                                               tc.label_smoothing, model.pad_id)
-                        if distill:  # the teacher pass runs on the bare model, outside DDP
-                            loss = loss + inplace_distill_term(
-                                model, b.src, b.tgt_in, b.tgt_out, control, out.logits,
-                                teacher_control, distill, tc.label_smoothing, model.pad_id)
-                        for aux_loss in out.aux.losses.values():
-                            loss = loss + aux_loss
-                        if budgets is not None:
-                            # a per-batch mean: weighted by tokens so the sum over micro-batches
-                            # and ranks divided by all tokens averages it; logged without λ
-                            blo = seq2seq_budget_loss(out.aux, b.src, b.tgt_in, model.pad_id,
-                                                      control, budgets, 1.0)
-                            loss = loss + cfg.model.cct.budget_weight * blo * n_tok
-                            sums[2] += float(blo.detach()) * n_tok
-                        if routing is not None:
-                            # eq. 31 without α, padding excluded: weighted by tokens like the
-                            # budget loss, so α weighs it against the per-token CE
-                            rlo = seq2seq_routing_loss(
-                                out.aux, b.src, b.tgt_in, model.pad_id,
-                                diversity=(1.0 if dmb is None else
-                                           dmb.diversity_weight if dmb.diversity else 0.0),
-                                entropy=dmb is None or dmb.entropy)
-                            loss = loss + routing.aux_weight * rlo * n_tok
-                            sums[3] += float(rlo.detach()) * n_tok
-                        (loss * env.world_size / total_tokens).backward()
-                    sums[0] += float(loss.detach())
-                    sums[1] += float(nll)
-                if tc.clip_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                state.step += 1
-                state.epoch_pos += 1
-                state.tokens += total_tokens
-                window_tokens += total_tokens
-                state.elapsed = time.monotonic() - t_start
-                over_time = tc.max_minutes is not None and state.elapsed >= tc.max_minutes * 60
-                loss_sum, nll_sum, budget_sum, routing_sum, flag = all_reduce_sum(
-                    [*sums, float(stop.signum is not None or over_time)], env, s.device)
-                lr = scheduler.get_last_lr()[0]
-                bar.update(1)
-                if state.step % tc.log_every == 0 or state.step == 1:
-                    now = time.monotonic()
-                    tps = window_tokens / max(now - window_t0, 1e-9)
-                    window_tokens, window_t0 = 0, now
-                    rec = {"step": state.step, "epoch": state.epoch,
-                           "loss": loss_sum / total_tokens, "nll": nll_sum / total_tokens,
-                           "lr": lr, "tokens_per_s": tps, "elapsed_s": state.elapsed}
-                    if budgets is not None:
-                        rec["budget_loss"] = budget_sum / total_tokens
-                    if routing is not None:
-                        rec["routing_loss"] = routing_sum / total_tokens
-                    s.log.write("train", **rec)
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{lr:.2e}",
-                                    tok_s=f"{tps:.0f}")
-                    if progress and env.is_main and not show_bar:
-                        print(f"step {state.step} epoch {state.epoch} loss {rec['loss']:.3f} "
-                              f"lr {lr:.2e} tok/s {tps:.0f} eta {_eta(state, tc, t_first)}",
-                              file=sys.stderr, flush=True)
-                last = state.step >= tc.max_steps
-                if state.step % tc.valid_every == 0 or last or flag:
-                    metrics = _validate_and_keep_best(s, model, state)
-                if state.step % tc.save_every == 0 or last or flag:
-                    _save(s, model, optimizer, scheduler, state, metrics)
-                    barrier(env)
-                if flag:
-                    stop_reason = "signal" if stop.signum is not None else "max_minutes"
-                    break
-                if last:
+def train(cfg: Any, progress: bool = True, hooks: Any = None) -> TrainResult:
+    """Set up and train one run of any task (resuming if the run directory has checkpoints)."""
+    run = setup(cfg, hooks)
+    try:
+        return fit(run, progress=progress)
+    finally:
+        cleanup(run.env)
+
+
+class _Trainer:
+    """One call of :func:`fit`: the optimizer, schedule and counters of a run."""
+
+    def __init__(self, run: Run, progress: bool) -> None:
+        self.run, self.task, self.tc = run, run.task, run.task.cfg.train
+        model, tc = self.task.model, self.tc
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas,
+                                          eps=tc.adam_eps, weight_decay=tc.weight_decay)
+        self.scheduler = make_schedule(self.optimizer, tc)
+        self.state = self._resume()
+        self.progress = progress
+        self.main = run.env.is_main
+
+    def _resume(self) -> TrainState:
+        found = ckpt.list_checkpoints(self.run.run_dir)
+        if not found:
+            return TrainState()
+        latest = found[-1]
+        ckpt.load_weights(self.task.model, latest)
+        trainer = ckpt.load_trainer_state(latest)
+        self.optimizer.load_state_dict(trainer["optimizer"])
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        set_rng_state(trainer["rng"])
+        self.task.load_trainer_state(trainer)
+        state = TrainState(**trainer["state"])
+        self.run.log.write("resume", step=state.step, path=str(latest))
+        return state
+
+    def _save(self, metrics: dict[str, float]) -> None:
+        if self.main:
+            s, run = self.state, self.run
+            meta = {"step": s.step, "epoch": s.epoch, "metrics": metrics,
+                    "config": to_dict(self.task.cfg)}
+            trainer = {"optimizer": self.optimizer.state_dict(),
+                       "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
+                       "state": asdict(s), **self.task.trainer_state()}
+            path = ckpt.write_checkpoint(ckpt.step_dir(run.run_dir, s.step), self.task.model,
+                                         meta, trainer)
+            ckpt.prune_checkpoints(run.run_dir, self.tc.keep_last)
+            run.log.write("checkpoint", step=s.step, path=str(path))
+        barrier(self.run.env)
+
+    def _validate_and_keep_best(self) -> dict[str, float]:
+        if not self.main:
+            return {}
+        model, s, log = self.task.model, self.state, self.run.log
+        metrics = self.task.validate(model)
+        model.train()
+        if not metrics:
+            return metrics
+        log.write("valid", step=s.step, **metrics)
+        if self.progress and "ppl" in metrics:
+            print(f"step {s.step} valid ppl {metrics['ppl']:.2f}", file=sys.stderr, flush=True)
+        score = self.task.score(metrics)
+        if score is not None and (s.best_score is None or score > s.best_score):
+            s.best_score = score
+            ckpt.write_checkpoint(self.run.run_dir / "best", model,
+                                  {"step": s.step, "metrics": metrics})
+            log.write("best", step=s.step, score=score)
+        return metrics
+
+    def _step(self, wrapped: nn.Module, env: DistEnv) -> tuple[int, dict[str, float]]:
+        """One optimizer update: forward + backward of every micro-batch, the step, and the
+        task's after-update hook. Returns the update's tokens and this rank's log sums."""
+        task, s = self.task, self.state
+        upd = task.update(s.epoch, s.epoch_pos, s.step, env)
+        sums: dict[str, float] = {"loss": 0.0, "nll": 0.0}
+        out = None
+        for i, micro in enumerate(upd.micro):
+            sync = i == len(upd.micro) - 1 or not env.enabled
+            with contextlib.nullcontext() if sync else wrapped.no_sync():
+                out = task.forward(wrapped, micro)
+                terms = task.loss(out, micro, s.step)
+                (terms.loss * env.world_size / upd.n_tokens).backward()
+            sums["loss"] += float(terms.loss.detach())
+            sums["nll"] += terms.nll_sum
+            for k, v in terms.logs.items():
+                sums[k] = sums.get(k, 0.0) + v
+        if self.tc.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(task.model.parameters(), self.tc.clip_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        task.after_update(out, upd.micro[-1])
+        return upd.n_tokens, sums
+
+    def fit(self) -> TrainResult:
+        run, task, tc, s, env = self.run, self.task, self.tc, self.state, self.run.env
+        model = task.model
+        wrapped: nn.Module = model
+        if env.enabled:
+            wrapped = DistributedDataParallel(
+                model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+        show_bar = self.progress and self.main and sys.stderr.isatty()
+        bar = tqdm(total=tc.max_steps, initial=s.step, disable=not show_bar, unit="upd",
+                   dynamic_ncols=True)
+        t_start = time.monotonic() - s.elapsed
+        window: dict[str, float] = {}
+        window_tokens, window_t0 = 0, time.monotonic()
+        t_first = (time.monotonic(), s.step)
+        stop_reason = None
+        metrics: dict[str, float] = {}
+        model.train()
+        with StopFlag() as stop:
+            while stop_reason is None:
+                if s.step >= tc.max_steps:
                     stop_reason = "max_steps"
                     break
-            else:
-                state.epoch += 1
-                state.epoch_pos = 0
-        bar.close()
-        if stop_reason in ("max_epochs",):
-            metrics = _validate_and_keep_best(s, model, state)
-            _save(s, model, optimizer, scheduler, state, metrics)
-        if tc.average_last_k and env.is_main and stop_reason != "signal":
-            recent = ckpt.list_checkpoints(s.run_dir)[-tc.average_last_k:]
-            ckpt.average_checkpoints(recent, s.run_dir / "averaged")
-            s.log.write("average", checkpoints=[p.name for p in recent])
-        s.log.write("stop", reason=stop_reason, step=state.step, elapsed_s=state.elapsed)
-        signum = stop.signum
-    barrier(env)
-    return TrainResult(state, s.run_dir, signum, s.log.history)
+                if s.epoch >= tc.max_epochs:
+                    stop_reason = "max_epochs"
+                    break
+                while s.epoch_pos < task.n_updates(s.epoch):
+                    n_tokens, sums = self._step(wrapped, env)
+                    s.step += 1
+                    s.epoch_pos += 1
+                    s.tokens += n_tokens
+                    window_tokens += n_tokens
+                    s.elapsed = time.monotonic() - t_start
+                    over_time = tc.max_minutes is not None and s.elapsed >= tc.max_minutes * 60
+                    keys = sorted(sums)  # every rank has the same keys
+                    *reduced, flag = all_reduce_sum(
+                        [sums[k] for k in keys] + [float(stop.signum is not None or over_time)],
+                        env, run.device)
+                    for k, v in zip(keys, reduced, strict=True):
+                        window[k] = window.get(k, 0.0) + v
+                    bar.update(1)
+                    if s.step % tc.log_every == 0 or s.step == 1:
+                        self._log(window, window_tokens, window_t0, bar, show_bar, t_first)
+                        window, window_tokens, window_t0 = {}, 0, time.monotonic()
+                    last = s.step >= tc.max_steps
+                    if s.step % tc.valid_every == 0 or last or flag:
+                        metrics = self._validate_and_keep_best()
+                    if s.step % tc.save_every == 0 or last or flag:
+                        self._save(metrics)
+                    if flag:
+                        stop_reason = "signal" if stop.signum is not None else "max_minutes"
+                        break
+                    if last:
+                        stop_reason = "max_steps"
+                        break
+                else:
+                    s.epoch += 1
+                    s.epoch_pos = 0
+            bar.close()
+            if stop_reason == "max_epochs":
+                metrics = self._validate_and_keep_best()
+                self._save(metrics)
+            if tc.average_last_k and self.main and stop_reason != "signal":
+                recent = ckpt.list_checkpoints(run.run_dir)[-tc.average_last_k:]
+                ckpt.average_checkpoints(recent, run.run_dir / "averaged")
+                run.log.write("average", checkpoints=[p.name for p in recent])
+            run.log.write("stop", reason=stop_reason, step=s.step, elapsed_s=s.elapsed)
+            signum = stop.signum
+        barrier(env)
+        return TrainResult(s, run.run_dir, signum, run.log.history)
 
-
-def _sample_controls(sampling_ids: torch.Tensor | None, batch: int, seed: int, step: int,
-                     micro: int, share: float = 1.0) -> torch.Tensor | None:
-    """One control symbol per sequence: a uniformly drawn entry of the configured budget
-    list (CCT sec. 2.2), mapped to its symbol (``sampling_ids``, see ``CCTConfig``); with
-    probability ``1 - share`` the full budget (symbol 0) instead (``budget_ramp_steps``).
-
-    Drawn from (seed, step, micro-batch) alone, so every rank and every resume draws the
-    same ids for the same batch. ``sampling_ids`` None (a dense model) gives None.
-    """
-    if sampling_ids is None:
-        return None
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 131 + micro)
-    ids = sampling_ids[torch.randint(sampling_ids.numel(), (batch,), generator=gen)]
-    if share < 1.0:
-        ids = torch.where(torch.rand(batch, generator=gen) < share, ids, torch.zeros_like(ids))
-    return ids
-
-
-def _validate_and_keep_best(s: Setup, model: nn.Module, state: TrainState) -> dict[str, float]:
-    if not s.env.is_main:
-        return {}
-    metrics = validate(s, model)
-    model.train()
-    if not metrics:
-        return metrics
-    s.log.write("valid", step=state.step, **metrics)
-    score = _score_of(metrics)
-    if score is not None and (state.best_score is None or score > state.best_score):
-        state.best_score = score
-        ckpt.write_checkpoint(s.run_dir / "best", model,
-                              {"step": state.step, "metrics": metrics})
-        s.log.write("best", step=state.step, score=score)
-    return metrics
-
-
-def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
-    """Set up and train one run (resuming if the run directory has checkpoints)."""
-    s = setup(cfg)
-    try:
-        return fit(s, progress=progress)
-    finally:
-        cleanup(s.env)
+    def _log(self, window: dict[str, float], tokens: int, t0: float, bar, show_bar: bool,
+             t_first: tuple[float, int]) -> None:
+        """One ``train`` log record: every sum averaged over the target tokens since the last
+        record (``loss``, ``nll``, ``ppl`` and the task's extra terms), lr and throughput."""
+        s, tc = self.state, self.tc
+        lr = self.scheduler.get_last_lr()[0]
+        tps = tokens / max(time.monotonic() - t0, 1e-9)
+        per_token = {k: v / max(tokens, 1) for k, v in window.items()}
+        nll = per_token.pop("nll")
+        rec = {"step": s.step, "epoch": s.epoch, "loss": per_token.pop("loss"), "nll": nll,
+               "ppl": math.exp(min(nll, 50.0)), "lr": lr, "tokens_per_s": tps,
+               "elapsed_s": s.elapsed, **per_token}
+        self.run.log.write("train", **rec)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+        if self.progress and self.main and not show_bar:
+            print(f"step {s.step} epoch {s.epoch} loss {rec['loss']:.3f} ppl {rec['ppl']:.1f} "
+                  f"lr {lr:.2e} tok/s {tps:.0f} eta {eta(s, tc, t_first)}",
+                  file=sys.stderr, flush=True)

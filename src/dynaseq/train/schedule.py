@@ -40,3 +40,10 @@ def cosine_schedule(optimizer: Optimizer, warmup_steps: int, total_steps: int,
                     min_ratio: float = 0.0) -> LambdaLR:
     return LambdaLR(optimizer, functools.partial(cosine_factor, warmup_steps=warmup_steps,
                                                  total_steps=total_steps, min_ratio=min_ratio))
+
+
+def make_schedule(optimizer: Optimizer, tc) -> LambdaLR:
+    """The schedule ``tc.schedule`` names (a :class:`~dynaseq.core.config.TrainConfig`)."""
+    if tc.schedule == "cosine":
+        return cosine_schedule(optimizer, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
+    return inverse_sqrt_schedule(optimizer, tc.warmup_steps)

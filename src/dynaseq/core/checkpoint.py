@@ -1,0 +1,188 @@
+"""Checkpoints: safetensors weights + trainer state, written atomically.
+
+Layout of a run directory::
+
+    run_dir/config.yaml  spm.model  log.jsonl
+    run_dir/checkpoints/step_00001000/{model.safetensors, trainer.pt, meta.json}
+    run_dir/best/{model.safetensors, meta.json}      best validation score so far
+    run_dir/averaged/{model.safetensors, meta.json}  mean of the last K checkpoints
+
+A checkpoint directory is written under a temporary name and renamed into place, so a kill
+at any moment leaves the previous checkpoints intact. Loading never executes code: weights
+are safetensors and the trainer state is read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+from dynaseq.core.errors import CheckpointError
+
+WEIGHTS = "model.safetensors"
+TRAINER = "trainer.pt"
+META = "meta.json"
+_PREFIX = "step_"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished ``tmp`` directory to ``final``, replacing it, never leaving neither."""
+    old = final.with_name(f".old-{final.name}")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def _atomic_dir(directory: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success fsync it and move it to ``directory``."""
+    final = Path(directory)
+    tmp = final.with_name(f".tmp-{final.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    yield tmp
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _replace_dir(tmp, final)
+
+
+def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, Any],
+                     trainer_state: dict[str, Any] | None = None) -> Path:
+    """Atomically write weights (+ optional trainer state) and ``meta`` to ``directory``."""
+    with _atomic_dir(directory) as tmp:
+        save_model(model, str(tmp / WEIGHTS))
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / TRAINER)
+        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return Path(directory)
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{_PREFIX}{step:08d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete step checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir()
+             if p.is_dir() and p.name.startswith(_PREFIX) and (p / META).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / META
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint in {directory} (missing {META})") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"corrupt checkpoint {directory}: {META}: {e}") from None
+
+
+def load_weights(model: nn.Module, directory: str | Path) -> None:
+    """Load safetensors weights into ``model`` (strict); corrupt files raise CheckpointError."""
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint in {directory} (missing {WEIGHTS})")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"corrupt checkpoint {path}: {msg}") from None
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing "
+                              f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+
+
+def load_trainer_state(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / TRAINER
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory} has no trainer state") from None
+    except Exception as e:  # torch raises several types for truncated pickles/zips
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"corrupt trainer state {path}: {msg}") from None
+
+
+def average_checkpoints(directories: list[Path], out_dir: str | Path) -> Path:
+    """Element-wise mean of the weights in ``directories``, written to ``out_dir``."""
+    if not directories:
+        raise CheckpointError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    for d in directories:
+        try:
+            weights = load_file(str(Path(d) / WEIGHTS))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"corrupt checkpoint {d}: {e}") from None
+        if total and set(weights) != set(total):
+            raise CheckpointError(f"checkpoint {d} has different parameters from the others")
+        for name, t in weights.items():
+            t = t.double()
+            total[name] = total[name] + t if name in total else t
+    mean = {name: (t / len(directories)).float().contiguous() for name, t in total.items()}
+    meta = {"averaged": [Path(d).name for d in directories],
+            "step": read_meta(directories[-1]).get("step")}
+    with _atomic_dir(out_dir) as tmp:
+        save_file(mean, str(tmp / WEIGHTS))
+        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return Path(out_dir)
+
+
+def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
+    """Directory holding the weights to use.
+
+    ``which``: ``auto`` (averaged, else best, else latest), ``best``, ``latest``, ``averaged``
+    or a path to a checkpoint directory.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise CheckpointError(f"run directory not found: {run}")
+    named = {"best": run / "best", "averaged": run / "averaged"}
+    if which == "latest" or which == "auto":
+        ckpts = list_checkpoints(run)
+        latest = ckpts[-1] if ckpts else None
+        if which == "latest":
+            if latest is None:
+                raise CheckpointError(f"no checkpoint in run directory {run}")
+            return latest
+        for cand in (named["averaged"], named["best"], latest):
+            if cand is not None and (cand / WEIGHTS).is_file():
+                return cand
+        raise CheckpointError(f"no checkpoint in run directory {run}")
+    path = named.get(which, Path(which))
+    if not (path / WEIGHTS).is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    return path

@@ -1,0 +1,69 @@
+"""Process-group set-up for ``torchrun`` + DistributedDataParallel (nothing home-made).
+
+Under torchrun, RANK/WORLD_SIZE/LOCAL_RANK are set; we use gloo on CPU and nccl on GPU.
+Every rank builds the same global batches and trains on its shard (rows rank::world).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: torch.device) -> DistEnv:
+    """Join the process group when launched by torchrun; a no-op for one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistEnv()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistEnv(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def pick_device(name: str, env_local_rank: int | None = None) -> torch.device:
+    """``auto`` uses CUDA when present (one GPU per local rank), else CPU."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from dynaseq.core.errors import ConfigError
+
+        raise ConfigError("train.device=cuda but no CUDA device is available")
+    rank = int(os.environ.get("LOCAL_RANK", 0)) if env_local_rank is None else env_local_rank
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def all_reduce_sum(values: list[float], env: DistEnv, device: torch.device) -> list[float]:
+    if not env.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.enabled:
+        dist.barrier()
+
+
+def cleanup(env: DistEnv) -> None:
+    if env.enabled and dist.is_initialized():
+        dist.destroy_process_group()

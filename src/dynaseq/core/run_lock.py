@@ -1,0 +1,81 @@
+"""One training process per run directory.
+
+Two processes training into the same run directory would overwrite each other's config,
+checkpoints and log without either noticing. :class:`RunDirLock` takes an exclusive advisory
+lock (``fcntl.flock``) on ``RUN_DIR/.train.lock`` for as long as a training runs; a second
+``train`` on that directory stops at once with a one-line :class:`RunDirBusy` error, before it
+writes anything. The operating system drops the lock when its process exits, however it
+exits, so a killed run never leaves a stale lock behind.
+
+Example::
+
+    with RunDirLock(Path("runs/my_run")):   # raises RunDirBusy if another process holds it
+        ...                                  # write config, checkpoints, log
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from types import TracebackType
+
+from dynaseq.core.errors import DynaseqError
+
+LOCK_FILE = ".train.lock"
+"""The lock's file inside a run directory; it holds the process id of the trainer."""
+
+
+class RunDirBusy(DynaseqError):
+    """Another process is training into this run directory."""
+
+
+class RunDirLock:
+    """Exclusive lock on a run directory (created if missing) while a training writes to it.
+
+    ``acquire()`` raises :class:`RunDirBusy` naming the holder's process id when another
+    process (or another open lock in this process) holds it; ``release()`` is idempotent.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> RunDirLock:
+        if self._fd is not None:
+            raise RuntimeError(f"the lock on {self.run_dir} is already held by this object")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise RunDirBusy(f"{self.run_dir} is being trained by another process{who}; "
+                             "wait for it to finish or stop it, or train into another "
+                             "run_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the flock
+            self._fd = None
+
+    def __del__(self) -> None:  # e.g. a training Setup dropped without fit(): unlock with it
+        if self._fd is not None and os is not None:  # (at interpreter exit the OS unlocks)
+            self.release()
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()

@@ -1,0 +1,1 @@
+"""Language modelling (decoder-only, MicroNet): data, loss, perplexity and the LanguageModel."""

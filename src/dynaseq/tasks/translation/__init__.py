@@ -1,0 +1,1 @@
+"""Machine translation (encoder-decoder): data, loss, BLEU validation and the Translator."""

@@ -1,0 +1,406 @@
+"""Load a run directory and translate, score or evaluate text with it.
+
+Example::
+
+    import dynaseq
+    t = dynaseq.load("runs/demo/run")
+    t.translate(["kalo mintu sum 3 4 end"], beam=4)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sacrebleu
+import torch
+from torch import nn
+
+from dynaseq.core.checkpoint import load_weights, read_meta, resolve_checkpoint
+from dynaseq.core.config import ModelConfig, RunConfig, load_config
+from dynaseq.core.distributed import pick_device
+from dynaseq.core.errors import CheckpointError, DynaseqError
+from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
+from dynaseq.metrics.macs import pair_macs, ptr
+from dynaseq.models import build_seq2seq
+from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.techniques.branching import merge_shared_
+from dynaseq.techniques.cct.calibration import BudgetCalibration, applied
+
+
+def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
+                  length_penalty: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
+                  batch_size: int = 64, min_len: int = 0,
+                  device: torch.device | None = None,
+                  control: int | None = None) -> list[list[int]]:
+    """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
+
+    ``control``: the control-symbol id (trained budget) used for every sentence.
+    """
+    device = device or next(model.parameters()).device
+    max_pos = model.encoder.positions.max_positions
+    order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
+    out: list[list[int]] = [[] for _ in src_ids]
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start: start + batch_size]
+            src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
+                                 model.pad_id, model.eos_id).to(device)
+            if beam == 1:
+                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos,
+                                     control)
+            else:
+                hyps = beam_search(model, src, beam, length_penalty, max_len_a, max_len_b,
+                                   min_len, max_pos, control)
+            for i, h in zip(idx, hyps, strict=True):
+                out[i] = h
+    finally:
+        model.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[int]],
+                 max_len: int, max_tokens: int = 4096, device: torch.device | None = None,
+                 control: int | None = None) -> dict[str, float]:
+    """Teacher-forced NLL per target token (eos included) and perplexity."""
+    from dynaseq.data import token_batches
+
+    device = device or next(model.parameters()).device
+    corpus, _ = make_corpus(src_ids, tgt_ids, max_len, long_lines="truncate")
+    if len(corpus) == 0:
+        raise DynaseqError("nothing to score: every sentence pair is empty")
+    was_training = model.training
+    model.eval()
+    nll_sum, n_tok = 0.0, 0
+    try:
+        for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
+                                 seed=0, epoch=0, shuffle=False):
+            b = collate(corpus, idx, model.pad_id, model.bos_id, model.eos_id).to(device)
+            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in, control).logits, b.tgt_out, 0.0,
+                                            model.pad_id)
+            nll_sum += float(nll)
+            n_tok += n
+    finally:
+        model.train(was_training)
+    loss = nll_sum / n_tok
+    return {"loss": loss, "ppl": float(torch.tensor(loss).exp()), "n_tokens": n_tok}
+
+
+Budget = float | tuple[float, float] | None
+CALIBRATION_FILE = "calibration.json"
+"""Written into a run directory by ``dynaseq calibrate`` (:meth:`Translator.calibrate`)."""
+
+
+def model_kind(cfg: ModelConfig) -> str:
+    """``"a CCT model"``, ``"a DMB model"``, ``"a MoE model"`` or ``"a dense model"``."""
+    if cfg.cct is not None:
+        return "a CCT model"
+    return ("a DMB model" if cfg.dmb is not None else "a MoE model"
+            if cfg.moe is not None else "a dense model")
+
+
+def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
+    """The control-symbol id of a trained budget.
+
+    ``budget``: one fraction for encoder and decoder alike, an ``(encoder, decoder)`` pair,
+    or None for the largest trained budget. Dense models take no budget (None -> None).
+    """
+    if cfg.cct is None:
+        if budget is not None:
+            raise DynaseqError(f"this is {model_kind(cfg)}, which has no compute-budget knob "
+                               "(train it with a model.cct section to get one)")
+        return None
+    trained = cfg.cct.controls
+    if budget is None:
+        return cfg.cct.largest_control
+    pair = budget_pair(budget)
+    for i, trained_pair in enumerate(trained):
+        if same_budget(trained_pair, pair):
+            return i
+    names = ", ".join(f"({e:g}, {d:g})" for e, d in trained)
+    raise DynaseqError(f"budget ({pair[0]:g}, {pair[1]:g}) was not trained; "
+                       f"trained (encoder, decoder) budgets: {names}")
+
+
+def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
+    """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats."""
+    pair = (float(budget), float(budget)) if isinstance(budget, (int, float)) else tuple(budget)
+    if len(pair) != 2:
+        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got {budget}")
+    return float(pair[0]), float(pair[1])
+
+
+def same_budget(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return all(math.isclose(x, y, abs_tol=1e-6) for x, y in zip(a, b, strict=True))
+
+
+def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
+    """Corpus sacreBLEU on detokenized text: (score, signature)."""
+    metric = sacrebleu.BLEU()
+    result = metric.corpus_score(hyps, [refs])
+    return float(result.score), str(metric.get_signature())
+
+
+@dataclass
+class Translator:
+    """A trained model with its tokenizer and config, ready for inference.
+
+    :meth:`load` folds the shared part of a DMB model's branches into each branch
+    (``merge_shared_``), so the loaded model's state dict has no ``shared_*`` entries.
+    A checkpoint written by ``dynaseq quantize`` (``meta.json`` ``"quantization": "int8"``)
+    loads as the int8 model of :mod:`dynaseq.compress.int8`, on the CPU.
+
+    ``calibrations`` (CCT models): the run's ``calibration.json`` for the loaded checkpoint
+    (:meth:`calibrate`); a calibrated budget runs with its gate offsets, and an untrained
+    budget can be run once it is calibrated.
+    """
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: RunConfig
+    device: torch.device
+    checkpoint: Path
+    calibrations: list[BudgetCalibration] = field(default_factory=list)
+
+    def budget_setting(self, budget: Budget = None) -> tuple[int | None, BudgetCalibration | None]:
+        """The control-symbol id a budget runs with, and its calibration (None if none).
+
+        A calibrated budget (trained or not) takes its calibration's control and offsets;
+        otherwise it must be a trained budget (``None``: the largest), else an error names
+        the trained and the calibrated budgets.
+        """
+        cfg = self.config.model
+        if cfg.cct is None:
+            return control_for_budget(cfg, budget), None
+        pair = (cfg.cct.controls[control_for_budget(cfg)] if budget is None
+                else budget_pair(budget))
+        for cal in self.calibrations:
+            if same_budget(cal.budget, pair):
+                return cal.control, cal
+        try:
+            return control_for_budget(cfg, pair), None
+        except DynaseqError as e:
+            names = ", ".join(f"({c.budget[0]:g}, {c.budget[1]:g})" for c in self.calibrations)
+            raise DynaseqError(f"{e}{'; calibrated: ' + names if names else ''} (dynaseq "
+                               f"calibrate --budgets {pair[0]:g},{pair[1]:g} can fit it)"
+                               ) from None
+
+    @contextlib.contextmanager
+    def at_budget(self, budget: Budget = None) -> Iterator[int | None]:
+        """Inside the block the model runs at ``budget``: yields the control-symbol id to
+        pass to it, with the budget's calibrated gate offsets applied (if any)."""
+        control, cal = self.budget_setting(budget)
+        with applied(self.model, cal):
+            yield control
+
+    @classmethod
+    def load(cls, run_dir: str | Path, checkpoint: str = "auto",
+             device: str = "auto") -> Translator:
+        run = Path(run_dir)
+        if not run.is_dir():
+            raise CheckpointError(f"run directory not found: {run}")
+        if not (run / "config.yaml").is_file():
+            raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
+        cfg = load_config(run / "config.yaml")
+        ckpt = resolve_checkpoint(run, checkpoint)
+        meta = read_meta(ckpt)
+        tok = Tokenizer.load(run / "spm.model")
+        dev = pick_device(device)
+        model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+        if meta.get("quantization") == "int8":  # written by `dynaseq quantize`
+            from dynaseq.compress.int8 import load_int8
+
+            if dev.type != "cpu" and device != "auto":
+                raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
+            return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
+                       read_calibration(run, ckpt, model.n_controls))
+        load_weights(model, ckpt)
+        # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
+        # folds θ_S into every branch (same outputs, no shared parameters left to add)
+        merge_shared_(model)
+        return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
+                   read_calibration(run, ckpt, model.n_controls))
+
+    def translate(self, lines: list[str], beam: int | None = None,
+                  length_penalty: float | None = None, batch_size: int | None = None,
+                  max_len_a: float | None = None, max_len_b: int | None = None,
+                  budget: Budget = None) -> list[str]:
+        """Translate raw sentences; returns detokenized sentences in the same order.
+
+        An empty (or all-whitespace) line translates to an empty line. ``budget`` (CCT
+        models): a trained compute budget, ``0.33`` or ``(1.0, 0.33)``; default the largest.
+        """
+        d = self.config.decode
+        keep = [i for i, line in enumerate(lines) if line.strip()]
+        ids = self.tokenizer.encode([lines[i] for i in keep])
+        with self.at_budget(budget) as control:
+            hyps = decode_corpus(
+                self.model, ids, beam=beam or d.beam,
+                length_penalty=d.length_penalty if length_penalty is None else length_penalty,
+                max_len_a=d.max_len_a if max_len_a is None else max_len_a,
+                max_len_b=d.max_len_b if max_len_b is None else max_len_b,
+                batch_size=batch_size or d.batch_size, device=self.device, control=control)
+        out = [""] * len(lines)
+        for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
+            out[i] = text
+        return out
+
+    def score(self, src: list[str], ref: list[str], budget: Budget = None) -> dict[str, float]:
+        """Teacher-forced loss (NLL per target token) and perplexity of the references."""
+        if len(src) != len(ref):
+            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        with self.at_budget(budget) as control:
+            return score_corpus(self.model, self.tokenizer.encode(src),
+                                self.tokenizer.encode(ref), self.config.data.max_len,
+                                self.config.data.max_tokens, self.device, control)
+
+    def evaluate(self, src: list[str], ref: list[str], beam: int | None = None,
+                 budget: Budget = None, **kwargs) -> dict[str, object]:
+        """sacreBLEU of the translations against ``ref`` plus the teacher-forced loss, and the
+        DMB paper's performance-time ratio ``ptr`` = BLEU / sqrt(``macs_pair``) · 10^4, with
+        ``macs_pair`` the Mult-Adds of a 30 -> 30-token pass, output layer included
+        (:func:`~dynaseq.metrics.macs.pair_macs`; CCT models: every gate on)."""
+        hyps = self.translate(src, beam=beam, budget=budget, **kwargs)
+        score, signature = bleu(hyps, ref)
+        macs = pair_macs(self.model)
+        result = {"bleu": score, "signature": signature, **self.score(src, ref, budget),
+                  "n_sentences": len(src), "checkpoint": str(self.checkpoint),
+                  "macs_pair": macs, "ptr": ptr(score, macs)}
+        control, cal = self.budget_setting(budget)
+        if control is not None:
+            result["budget"] = (list(cal.budget) if cal is not None
+                                else list(self.config.model.cct.controls[control]))
+            result["gate_offsets"] = cal.offsets if cal is not None else None
+            compute = self.realized_compute(src, ref, budget)
+            result["realized_fraction"] = compute["fraction"]
+            result["realized_macs_per_token"] = compute["macs_per_token"]
+        if self.config.model.dmb is not None or self.config.model.moe is not None:
+            from dynaseq.techniques.branching.usage import collapsed
+
+            result["branch_usage"] = self.branch_usage(src, ref)
+            result["collapsed"] = collapsed(result["branch_usage"])
+        return result
+
+    def branch_usage(self, src: list[str], ref: list[str]) -> dict[str, list[float]]:
+        """DMB / MoE models: share of the tokens each branch ran per gating unit, teacher
+        forced on the references (:func:`~dynaseq.techniques.branching.usage.branch_usage`)."""
+        from dynaseq.data import token_batches
+        from dynaseq.techniques.branching.usage import branch_usage
+
+        corpus, _ = make_corpus(self.tokenizer.encode(src), self.tokenizer.encode(ref),
+                                self.config.data.max_len, long_lines="truncate")
+        m = self.model
+        batches = (collate(corpus, idx, m.pad_id, m.bos_id, m.eos_id).to(self.device)
+                   for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(),
+                                            self.config.data.max_tokens, seed=0, epoch=0,
+                                            shuffle=False))
+        return branch_usage(m, ((b.src, b.tgt_in) for b in batches), m.pad_id)
+
+    def realized_compute(self, src: list[str], ref: list[str],
+                         budget: Budget = None) -> dict[str, object]:
+        """CCT models: MACs the gated sub-layers ran on the references (teacher forced),
+        per token and as a fraction of the same passes with every gate on."""
+        from dynaseq.techniques.cct.layers import realized_fraction
+
+        if self.config.model.cct is None:
+            raise DynaseqError("realized compute is reported for CCT models only")
+        with self.at_budget(budget) as control:
+            return realized_fraction(self.model, self._pairs(src, ref), control)
+
+    def _pairs(self, src: list[str], ref: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(src (1, S), tgt_in (1, T))`` tensors of each sentence pair, teacher forced."""
+        corpus, _ = make_corpus(self.tokenizer.encode(src), self.tokenizer.encode(ref),
+                                self.config.data.max_len, long_lines="truncate")
+        m = self.model
+        return [(b.src.to(self.device), b.tgt_in.to(self.device))
+                for b in (collate(corpus, [i], m.pad_id, m.bos_id, m.eos_id)
+                          for i in range(len(corpus)))]
+
+    def calibrate(self, src: list[str], ref: list[str],
+                  budgets: list[Budget] | None = None, tol: float = 0.005
+                  ) -> list[BudgetCalibration]:
+        """Fit gate offsets so each budget's realized compute on these held-out pairs meets
+        it (:func:`~dynaseq.techniques.cct.calibration.calibrate_budget`), keep them on this
+        translator, and return them. ``budgets``: default every trained budget; an
+        untrained one starts from the nearest trained control symbol. Use
+        :meth:`save_calibration` to keep them with the run."""
+        from dynaseq.techniques.cct.calibration import calibrate_budget, nearest_control
+
+        cct = self.config.model.cct
+        if cct is None:
+            raise DynaseqError(f"this is {model_kind(self.config.model)}, which has no "
+                               "compute-budget knob to calibrate")
+        if len(src) != len(ref):
+            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        pairs = self._pairs(src, ref)
+        if not pairs:
+            raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
+        targets = list(cct.controls) if budgets is None else [budget_pair(b) for b in budgets]
+        for pair in targets:
+            if not all(0 < b <= 1 for b in pair):
+                raise DynaseqError(f"a budget is a fraction in (0, 1], got {pair}")
+        # a trained budget is its own nearest (distance 0): it keeps its control symbol
+        fitted = [calibrate_budget(self.model, pairs, nearest_control(cct.controls, pair), pair,
+                                   tol=tol) for pair in targets]
+        kept = [c for c in self.calibrations
+                if not any(same_budget(c.budget, f.budget) for f in fitted)]
+        self.calibrations = kept + fitted
+        return fitted
+
+    def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:
+        """Write :attr:`calibrations` to ``run_dir/calibration.json`` (atomically), tied to
+        the loaded checkpoint; ``data`` describes the calibration data."""
+        path = Path(run_dir) / CALIBRATION_FILE
+        payload = {"checkpoint": _checkpoint_id(Path(run_dir), self.checkpoint),
+                   "data": data or {}, "budgets": [c.to_json() for c in self.calibrations]}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(path)
+        return path
+
+
+def _checkpoint_id(run: Path, ckpt: Path) -> str:
+    """The checkpoint's path relative to the run (absolute if outside it)."""
+    ckpt = ckpt.resolve()
+    try:
+        return str(ckpt.relative_to(run.resolve()))
+    except ValueError:
+        return str(ckpt)
+
+
+def read_calibration(run: Path, ckpt: Path, n_controls: int) -> list[BudgetCalibration]:
+    """The calibrations in ``run/calibration.json`` made for checkpoint ``ckpt`` of a model
+    with ``n_controls`` control symbols.
+
+    No file: none. A file made for another checkpoint: none, with a warning (its offsets
+    were fitted to other weights). An unreadable file: a :class:`DynaseqError`.
+    """
+    path = run / CALIBRATION_FILE
+    if not path.is_file():
+        return []
+    try:
+        payload = json.loads(path.read_text())
+        made_for = payload["checkpoint"]
+        cals = [BudgetCalibration.from_json(d) for d in payload["budgets"]]
+        for c in cals:
+            if not 0 <= c.control < n_controls:
+                raise ValueError(f"control {c.control} of budget {c.budget} is not one of "
+                                 f"the model's {n_controls} control symbols")
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise DynaseqError(f"{path} is not a calibration file ({type(e).__name__}: {e}); "
+                           "delete it or run dynaseq calibrate again") from None
+    if made_for != _checkpoint_id(run, ckpt):
+        warnings.warn(f"{path} was made for checkpoint {made_for}, not "
+                      f"{_checkpoint_id(run, ckpt)}: its gate offsets are not used (run "
+                      "dynaseq calibrate again)", stacklevel=3)
+        return []
+    return cals

@@ -1,0 +1,402 @@
+"""Sparsely-gated mixture of experts (Shazeer et al. 2017), the DMB paper's baseline: an FFN
+and an attention sub-layer whose projections are mixtures of experts.
+
+Noisy top-k gating (Tan et al. 2021, eq. 6-9; Shazeer et al. 2017, eq. 3-5)::
+
+    H(x) = W x + ε ⊙ softplus(W_n x),   ε ~ N(0, I)   (training only)     (eq. 8-9)
+    g(x) = softmax(KeepTopK(H(x), k))                                      (eq. 7)
+    y    = Σ_i g(x, i) · f_i(x)          (only the k kept experts run)      (eq. 6)
+
+Each expert f_i is a dense FFN ``W2_i ReLU(W1_i x)`` of width ``ffn_dim``, so N experts hold
+as many parameters as a DMB FFN with N branches of that width (without its shared part,
+which merges away). Each token runs k experts (the paper: k = 2, N = 4), so the MoE spends
+k times the expert MACs of a DMB FFN. Execution: the ``M·k`` (token, expert) pairs are
+grouped by expert, each expert runs one FFN over its group, and the outputs, scaled by
+their gates, are added back to their tokens (:class:`ExpertPairs`). At inference there is
+no noise: ``H(x) = W x``.
+
+:class:`MoEAttention` applies the same gating to the q/k/v/out projections of an attention
+sub-layer (routed like DMB attention: the query token's decision for q and out, each attended
+token's own decision for its k and v). With experts in attention and FFN alike, a MoE model
+has the parameters of a Transformer-DMB with as many branches, as in the paper's Table I
+(15.8M each at tiny size), and spends k times DMB's projection MACs (313.2M against 229.6M).
+
+Auxiliary losses (Shazeer et al. 2017, section 4 and appendix A), over a batch X:
+
+* importance: ``Importance(X) = Σ_x g(x)``, loss ``CV(Importance(X))²``;
+* load: ``P(x, i) = Φ(((W x)_i − kth_excluding(H(x), k, i)) / softplus(W_n x)_i)``, the
+  probability that expert i is among the top k under a new draw of its own noise (the other
+  experts' noisy values held fixed), ``Load(X) = Σ_x P(x, ·)``, loss ``CV(Load(X))²``;
+
+computed by :mod:`dynaseq.techniques.branching.losses` from the :class:`ExpertTrace` records. Both
+``W`` and ``W_n`` start at zero (as in Shazeer et al.: no signal and some noise). A small
+``noise_epsilon`` is added to the softplus so that ``P(x, i)`` never divides by zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dynaseq.nn.attention import KVCache
+from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
+from dynaseq.techniques.branching.branched_linear import BranchedLinear
+from dynaseq.techniques.branching.dmb_attention import attend
+from dynaseq.techniques.branching.routing import BranchGroups
+from dynaseq.techniques.branching.traces import ROUTE_TRACE, ExpertTrace
+
+
+@dataclass
+class TopKRoute:
+    """A noisy top-k gate's decision for a set of tokens.
+
+    clean_logits: ``(..., N)`` ``W x``.
+    gates: ``(..., k)`` ``g(x)`` of the kept experts (softmax over the kept logits, eq. 7).
+    experts: ``(..., k)`` long, the kept experts, highest noisy logit first (distinct).
+    load: ``(..., N)`` ``P(x, i)`` (training only, None at inference).
+    """
+
+    clean_logits: Tensor
+    gates: Tensor
+    experts: Tensor
+    load: Tensor | None
+
+    def dense_gates(self) -> Tensor:
+        """``(..., N)`` ``g(x)`` with zeros at the experts that were not kept."""
+        return torch.zeros_like(self.clean_logits).scatter(-1, self.experts, self.gates)
+
+
+def load_probability(clean: Tensor, noisy: Tensor, noise_std: Tensor, k: int) -> Tensor:
+    """``P(x, i)`` for every expert: ``Φ((clean_i − kth_excluding(noisy, k, i)) / std_i)``.
+
+    clean, noisy, noise_std: ``(..., N)``, ``noisy = clean + ε·noise_std``; needs ``N > k``.
+    ``kth_excluding(v, k, i)``, the k-th largest of v without component i, is the (k+1)-th
+    largest of v if ``v_i`` is among the top k, else the k-th largest.
+    """
+    n = noisy.size(-1)
+    if not 1 <= k < n:
+        raise ValueError(f"load_probability needs 1 <= k < N, got k={k}, N={n}")
+    top = noisy.topk(k + 1, dim=-1).values  # (..., k+1), descending
+    threshold_if_in = top[..., k:k + 1]  # (k+1)-th largest
+    threshold_if_out = top[..., k - 1:k]  # k-th largest
+    is_in = noisy > threshold_if_in
+    threshold = torch.where(is_in, threshold_if_in, threshold_if_out)
+    z = (clean - threshold) / noise_std
+    return 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
+
+
+@dataclass
+class ExpertPairs:
+    """The ``M·k`` (token, expert) pairs of a :class:`TopKRoute`, grouped by expert.
+
+    groups: the pairs sorted by expert (``groups.sizes[i]`` pairs for expert i).
+    token: ``(M·k,)`` the token of each pair, in that order.
+    weight: ``(M·k,)`` the gate value ``g(x, i)`` of each pair, in that order.
+
+    Each expert runs one matmul over the rows :meth:`gather` lines up for it; :meth:`combine`
+    adds the gate-weighted results back to their tokens (eq. 6).
+    """
+
+    groups: BranchGroups
+    token: Tensor
+    weight: Tensor
+
+    @classmethod
+    def of(cls, route: TopKRoute, n_experts: int) -> ExpertPairs:
+        experts = route.experts.reshape(-1)  # (M·k,) token-major
+        k = route.experts.size(-1)
+        token = torch.arange(experts.numel() // k, device=experts.device).repeat_interleave(k)
+        groups = BranchGroups.of(experts, n_experts, validate=False)
+        return cls(groups, token.index_select(0, groups.order),
+                   route.gates.reshape(-1).index_select(0, groups.order))
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.groups.sizes
+
+    def gather(self, flat: Tensor) -> Tensor:
+        """``(M, d)`` token rows -> ``(M·k, d)``: each pair's token row, grouped by expert."""
+        return flat.index_select(0, self.token)
+
+    def combine(self, ys: Tensor, n_tokens: int) -> Tensor:
+        """``(M·k, d')`` pair outputs -> ``(M, d')``: ``Σ_pairs g(x, i) · y`` per token."""
+        out = ys.new_zeros(n_tokens, ys.size(-1))
+        return out.index_add_(0, self.token, ys * self.weight[:, None])
+
+    def mix(self, proj: BranchedLinear, flat: Tensor) -> Tensor:
+        """``Σ_i g(x, i) · (W_i x + b_i)`` over each token's k experts: ``(M, in) -> (M, out)``."""
+        return self.combine(proj.grouped(self.gather(flat), self.groups), flat.size(0))
+
+
+class NoisyTopKGate(nn.Module):
+    """Noisy top-k gating (eq. 7-9): ``(..., d_model)`` -> :class:`TopKRoute`.
+
+    Args:
+        d_model: input width.
+        n_experts: N (> k).
+        k: experts per token (the paper: 2).
+        noise_epsilon: added to ``softplus(W_n x)``, the noise scale (numerical floor).
+
+    MACs per token: ``d_model·N`` at inference, twice that in training (noise projection).
+    """
+
+    def __init__(self, d_model: int, n_experts: int = 4, k: int = 2,
+                 noise_epsilon: float = 1e-2) -> None:
+        super().__init__()
+        if d_model < 1:
+            raise ValueError(f"NoisyTopKGate d_model must be >= 1, got {d_model}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if n_experts <= k:
+            raise ValueError(f"n_experts must exceed k (noisy top-k gating and its load "
+                             f"estimate need an expert left out), got n_experts={n_experts}, "
+                             f"k={k}")
+        if not noise_epsilon >= 0:
+            raise ValueError(f"noise_epsilon must be >= 0, got {noise_epsilon}")
+        self.k = k
+        self.noise_epsilon = noise_epsilon
+        self.w_gate = nn.Linear(d_model, n_experts, bias=False)
+        self.w_noise = nn.Linear(d_model, n_experts, bias=False)
+        nn.init.zeros_(self.w_gate.weight)
+        nn.init.zeros_(self.w_noise.weight)
+
+    @property
+    def n_experts(self) -> int:
+        return self.w_gate.out_features
+
+    @property
+    def d_model(self) -> int:
+        return self.w_gate.in_features
+
+    def forward(self, x: Tensor) -> TopKRoute:
+        clean = self.w_gate(x)  # (..., N)
+        if self.training:
+            std = F.softplus(self.w_noise(x)) + self.noise_epsilon
+            noisy = clean + torch.randn_like(clean) * std
+        else:
+            noisy, std = clean, None
+        kept, experts = noisy.topk(self.k, dim=-1)  # (..., k)
+        gates = kept.softmax(-1)  # KeepTopK sets the others to -inf: softmax over the kept
+        load = None if std is None else load_probability(clean, noisy, std, self.k)
+        return TopKRoute(clean, gates, experts, load)
+
+    def macs(self, n_tokens: int) -> int:
+        """Multiply-adds of gating ``n_tokens`` tokens at inference (no noise projection)."""
+        return n_tokens * self.d_model * self.n_experts
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k mixture of N feed-forward experts (eq. 6-9); drop-in for ``FeedForward``.
+
+    Args:
+        gate: :class:`NoisyTopKGate` with N experts.
+        fc1: :class:`BranchedLinear` ``d_model -> ffn_dim`` with N branches (one per expert).
+        fc2: :class:`BranchedLinear` ``ffn_dim -> d_model`` with N branches.
+        activation_dropout: dropout after the ReLU (training only).
+        name: sub-layer name carried by its traces.
+
+    ``forward(x, aux=None)``: x ``(..., d_model)`` -> ``(..., d_model)``; records an
+    :class:`~dynaseq.techniques.branching.traces.ExpertTrace` and, at inference, a ``MacsRecord``.
+    Build it with :func:`moe_feedforward`.
+    """
+
+    def __init__(self, gate: NoisyTopKGate, fc1: BranchedLinear, fc2: BranchedLinear,
+                 activation_dropout: float = 0.0, name: str = "ffn") -> None:
+        super().__init__()
+        n = gate.n_experts
+        if fc1.n_branches != n or fc2.n_branches != n:
+            raise ValueError(f"the gate has {n} experts but fc1/fc2 have "
+                             f"{fc1.n_branches}/{fc2.n_branches} branches")
+        if fc1.in_features != gate.d_model or fc2.out_features != gate.d_model:
+            raise ValueError(f"fc1 must read and fc2 must write d_model={gate.d_model}, got "
+                             f"fc1 {fc1.in_features}->{fc1.out_features}, fc2 "
+                             f"{fc2.in_features}->{fc2.out_features}")
+        if fc1.out_features != fc2.in_features:
+            raise ValueError(f"fc1 writes {fc1.out_features} features but fc2 reads "
+                             f"{fc2.in_features}")
+        if not 0.0 <= activation_dropout < 1.0:
+            raise ValueError(f"activation_dropout must lie in [0, 1), got {activation_dropout}")
+        self.gate, self.fc1, self.fc2 = gate, fc1, fc2
+        self.dropout = nn.Dropout(activation_dropout)
+        self.name = name
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.n_experts
+
+    @property
+    def k(self) -> int:
+        return self.gate.k
+
+    def forward(self, x: Tensor, aux: AuxOutputs | None = None) -> Tensor:
+        d = x.size(-1)
+        route = self.gate(x)  # gates/experts (..., k)
+        flat = x.reshape(-1, d)  # (M, d)
+        m = flat.size(0)
+        pairs = ExpertPairs.of(route, self.n_experts)
+        h = self.dropout(self.fc1.grouped(pairs.gather(flat), pairs.groups).relu_())
+        out = pairs.combine(self.fc2.grouped(h, pairs.groups), m)  # (M, d)
+        if aux is not None:
+            aux.add_trace(ROUTE_TRACE, ExpertTrace(self.name, "input", route.dense_gates(),
+                                                   route.experts, route.load, id(self.gate)))
+            if not self.training:
+                aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.macs(m)))
+        return out.view(x.shape)
+
+    def macs(self, n_tokens: int) -> dict[str, int]:
+        """Multiply-adds at inference for ``n_tokens`` tokens: k experts each (keys of
+        ``FeedForward.macs``) plus ``gate_ffn``. Training also runs the noise projection
+        (another ``d_model·N`` per token)."""
+        pairs = n_tokens * self.k
+        return {"ffn_in": self.fc1.macs(pairs), "ffn_out": self.fc2.macs(pairs),
+                "gate_ffn": self.gate.macs(n_tokens)}
+
+
+def moe_feedforward(d_model: int, ffn_dim: int, n_experts: int = 4, k: int = 2,
+                    activation_dropout: float = 0.0, *, noise_epsilon: float = 1e-2,
+                    name: str = "ffn") -> MoEFeedForward:
+    """MoE FFN with ``n_experts`` experts of width ``ffn_dim`` (the parameter count of a DMB
+    FFN with as many branches), top-``k`` noisy gating, no shared part."""
+    return MoEFeedForward(
+        NoisyTopKGate(d_model, n_experts, k, noise_epsilon),
+        BranchedLinear(d_model, ffn_dim, n_experts, shared=False),
+        BranchedLinear(ffn_dim, d_model, n_experts, shared=False),
+        activation_dropout, name=name)
+
+
+class MoEAttention(nn.Module):
+    """Multi-head attention whose q/k/v/out projections are top-k mixtures of N experts.
+
+    The attention counterpart of :class:`MoEFeedForward`, with the routing of
+    :class:`~dynaseq.techniques.branching.BranchedAttention`: one noisy top-k gate per sub-layer; a
+    token's query and output projections mix the k experts its gate picks on x, and the keys
+    and values of an attended token mix the experts picked for *that* token (self-attention:
+    the same decision; cross-attention: the gate applied to each memory token, recorded as
+    stream ``"memory"``). Every projection is ``Σ_i g(x, i) (W_i x + b_i)`` over the k kept
+    experts, so N experts of ``d_model -> d_model`` projections hold the parameters of a DMB
+    attention with N branches and cost k times its projection MACs. Drop-in for
+    ``MultiHeadAttention`` (same ``forward`` and plain :class:`~dynaseq.nn.KVCache`).
+    Build it with :func:`moe_attention`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, gate: NoisyTopKGate, q_proj: BranchedLinear,
+                 k_proj: BranchedLinear, v_proj: BranchedLinear, out_proj: BranchedLinear,
+                 dropout: float = 0.0, name: str = "attention") -> None:
+        super().__init__()
+        if n_heads < 1 or d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        if gate.d_model != d_model:
+            raise ValueError(f"the gate reads width {gate.d_model}, expected {d_model}")
+        for pname, proj in (("q_proj", q_proj), ("k_proj", k_proj), ("v_proj", v_proj),
+                            ("out_proj", out_proj)):
+            if not isinstance(proj, BranchedLinear):
+                raise ValueError(f"{pname} must be a BranchedLinear, got {type(proj).__name__}")
+            if proj.n_branches != gate.n_experts:
+                raise ValueError(f"{pname} has {proj.n_branches} experts, the gate "
+                                 f"{gate.n_experts}")
+            if (proj.in_features, proj.out_features) != (d_model, d_model):
+                raise ValueError(f"{pname} must map {d_model} -> {d_model}, got "
+                                 f"{proj.in_features} -> {proj.out_features}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.gate = gate
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
+        self.dropout = dropout
+        self.name = name
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.n_experts
+
+    @property
+    def k(self) -> int:
+        return self.gate.k
+
+    def new_cache(self, static: bool = False) -> KVCache:
+        """An empty cache for incremental decoding (``static``: cross-attention)."""
+        return KVCache(static=static)
+
+    def _split(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, hd)
+
+    def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
+                is_causal: bool = False, cache: KVCache | None = None,
+                aux: AuxOutputs | None = None) -> Tensor:
+        """Return ``(B, T, d_model)``; arguments as ``BranchedAttention.forward``."""
+        b, t, d = x.shape
+        route_q = self.gate(x)  # experts/gates (B, T, k)
+        pairs_q = ExpertPairs.of(route_q, self.n_experts)
+        flat = x.reshape(-1, d)
+        q = self._split(pairs_q.mix(self.q_proj, flat).view(x.shape))  # (B, H, T, hd)
+        route_kv = None
+        n_kv = 0
+        if cache is not None and cache.static and cache.k is not None:
+            k, v = cache.k, cache.v
+        else:
+            if memory is None:  # self-attention: the query decisions route k and v too
+                src, pairs_kv, src_flat = x, pairs_q, flat
+            else:
+                route_kv = self.gate(memory)
+                src, pairs_kv = memory, ExpertPairs.of(route_kv, self.n_experts)
+                src_flat = memory.reshape(-1, d)
+            k = self._split(pairs_kv.mix(self.k_proj, src_flat).view(src.shape))
+            v = self._split(pairs_kv.mix(self.v_proj, src_flat).view(src.shape))
+            n_kv = src_flat.size(0)
+            if cache is not None:
+                if cache.k is not None:
+                    k = torch.cat([cache.k, k], dim=2)
+                    v = torch.cat([cache.v, v], dim=2)
+                cache.k, cache.v = k, v
+        out = attend(q, k, v, attn_mask, is_causal,
+                     self.dropout if self.training else 0.0)  # (B, H, T, hd)
+        h = out.transpose(1, 2).reshape(b * t, d)
+        y = pairs_q.mix(self.out_proj, h).view(x.shape)
+        if aux is not None:
+            aux.add_trace(ROUTE_TRACE, ExpertTrace(self.name, "input", route_q.dense_gates(),
+                                                   route_q.experts, route_q.load, id(self.gate)))
+            if route_kv is not None:
+                aux.add_trace(ROUTE_TRACE, ExpertTrace(
+                    self.name, "memory", route_kv.dense_gates(), route_kv.experts, route_kv.load,
+                    id(self.gate)))
+            if not self.training:
+                counts = self.macs(b * t, k.size(2), n_kv, cross=route_kv is not None)
+                aux.add_trace(MACS_TRACE, MacsRecord(self.name, counts))
+        return y
+
+    def macs(self, n_queries: int, n_keys: int, n_kv_tokens: int | None = None, *,
+             cross: bool = False) -> dict[str, int]:
+        """Multiply-adds at inference of one call; keys as ``BranchedAttention.macs``, every
+        projection running k experts per token (``gate_q``/``gate_kv``: the clean gate
+        logits; training also runs the noise projection)."""
+        n_kv = n_keys if n_kv_tokens is None else n_kv_tokens
+        products = n_queries * n_keys * self.d_model
+        return {
+            "q_proj": self.q_proj.macs(n_queries * self.k),
+            "k_proj": self.k_proj.macs(n_kv * self.k),
+            "v_proj": self.v_proj.macs(n_kv * self.k),
+            "attn_scores": products,
+            "attn_values": products,
+            "out_proj": self.out_proj.macs(n_queries * self.k),
+            "gate_q": self.gate.macs(n_queries),
+            "gate_kv": self.gate.macs(n_kv) if cross else 0,
+        }
+
+
+def moe_attention(d_model: int, n_heads: int, n_experts: int = 4, k: int = 2,
+                  dropout: float = 0.0, *, noise_epsilon: float = 1e-2,
+                  name: str = "attention") -> MoEAttention:
+    """MoE attention: a noisy top-``k`` gate and four :class:`BranchedLinear`
+    ``d_model -> d_model`` projections with ``n_experts`` experts each (no shared part): the
+    parameters of a merged DMB attention with as many branches."""
+
+    def proj() -> BranchedLinear:
+        return BranchedLinear(d_model, d_model, n_experts, shared=False)
+
+    return MoEAttention(d_model, n_heads, NoisyTopKGate(d_model, n_experts, k, noise_epsilon),
+                        proj(), proj(), proj(), proj(), dropout=dropout, name=name)

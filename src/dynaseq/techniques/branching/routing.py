@@ -1,0 +1,177 @@
+"""Top-1 routing of tokens to branches (Tan et al. 2021, DMB eq. 15-16) and token grouping.
+
+A :class:`Router` is the DMB "gating unit"::
+
+    a(x) = softmax(W_g x + b_g)                      (eq. 15)   W_g (N, d), b_g (N,)
+    g(x, i) = 1 if a_i(x) is the top element else 0   (eq. 16)
+
+so exactly one branch ``argmax_i a_i(x)`` runs for each token, in training and at
+inference alike. The branch output is **not** multiplied by ``a(x)`` (g is binary), so the
+task loss sends no gradient to ``W_g, b_g``: the paper trains the gate only through its
+auxiliary diversity and entropy losses (eq. 17-20, see :mod:`dynaseq.techniques.branching.losses`):
+"binary outputs of the gating units are not differentiable [...] To enable the end-to-end
+training of gating units, we introduce two auxiliary losses [...] the gating units can
+receive gradients directly from the loss functions". The router's *input* does receive the
+auxiliary losses' gradient (the paper does not detach it, neither does this module).
+
+:class:`BranchGroups` turns per-token branch ids into a grouping: tokens are sorted by
+branch (stable), each branch runs one matmul on its contiguous group, and the results are
+put back in token order. Nothing is computed for a (token, branch) pair that was not chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class Route:
+    """A router's decision for a set of tokens.
+
+    logits: ``(..., N)`` ``W_g x + b_g`` (with their graph in training).
+    branch: ``(...)`` long, ``argmax`` over the N branches (ties: the lowest index).
+    """
+
+    logits: Tensor
+    branch: Tensor
+
+    @property
+    def probs(self) -> Tensor:
+        """``(..., N)`` the gate distribution ``a(x)`` of eq. 15."""
+        return self.logits.softmax(-1)
+
+
+class Router(nn.Module):
+    """DMB gating unit: ``(..., d_model)`` -> :class:`Route` over ``n_branches`` (eq. 15-16).
+
+    Args:
+        d_model: input width d.
+        n_branches: N (the paper uses 4).
+
+    ``W_g`` is Xavier-initialised and ``b_g`` zero. (A zero ``W_g`` would be a fixed point:
+    every token ties, goes to branch 0, and both auxiliary losses have zero gradient at the
+    uniform distribution.) MACs per token: ``d_model · n_branches``.
+
+    Example::
+
+        router = Router(16, n_branches=4)
+        route = router(torch.randn(2, 5, 16))   # route.branch (2, 5), route.logits (2, 5, 4)
+    """
+
+    def __init__(self, d_model: int, n_branches: int = 4) -> None:
+        super().__init__()
+        if d_model < 1:
+            raise ValueError(f"Router d_model must be >= 1, got {d_model}")
+        if n_branches < 1:
+            raise ValueError(f"Router n_branches must be >= 1, got {n_branches}")
+        self.proj = nn.Linear(d_model, n_branches)
+        nn.init.xavier_uniform_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    @property
+    def n_branches(self) -> int:
+        return self.proj.out_features
+
+    @property
+    def d_model(self) -> int:
+        return self.proj.in_features
+
+    def forward(self, x: Tensor) -> Route:
+        # F.linear, not self.proj(x): routing runs at every sub-layer of every decoding
+        # step, and a second module call costs as much as the (d x N) matmul itself
+        logits = F.linear(x, self.proj.weight, self.proj.bias)  # (..., N)
+        return Route(logits, logits.argmax(-1))
+
+    def macs(self, n_tokens: int) -> int:
+        """Multiply-adds of routing ``n_tokens`` tokens."""
+        return n_tokens * self.d_model * self.n_branches
+
+
+@dataclass
+class BranchGroups:
+    """Tokens grouped by branch: sort once, run one matmul per group, put back.
+
+    order: ``(M,)`` token indices sorted by branch (stable: token order within a branch).
+    inverse: ``(M,)`` the inverse permutation (row ``j`` of the sorted layout is token
+        ``order[j]``; token ``m`` sits at row ``inverse[m]``).
+    sizes: the N group sizes (a Python list: splitting needs them on the host).
+    in_order: the tokens are already sorted by branch (one branch took them all, e.g. the
+        single token of a greedy decoding step), so :meth:`gather` and :meth:`scatter`
+        return their input as it is.
+    only: the branch that holds every token, if one does (and there are tokens), else None.
+    ends: ``(N,)`` int32 cumulative group sizes (where each group ends in the sorted layout),
+        the ``offs`` of ``torch.nn.functional.grouped_mm``; None when ``in_order``.
+    branch_sorted: ``(M,)`` the branch of each sorted row; None when ``in_order``.
+    """
+
+    order: Tensor
+    inverse: Tensor
+    sizes: list[int]
+    in_order: bool = False
+    only: int | None = None
+    ends: Tensor | None = None
+    branch_sorted: Tensor | None = None
+
+    @classmethod
+    def of(cls, branch: Tensor, n_branches: int, *, validate: bool = True) -> BranchGroups:
+        """Group the tokens of ``branch`` ``(M,)`` long, ids in ``[0, n_branches)``.
+
+        ``validate=False`` skips the range check of the ids (one reduction and one host
+        sync); for ids that hold by construction, such as a router's argmax.
+        """
+        if branch.dim() != 1 or branch.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"branch must be an (M,) integer tensor, got shape "
+                             f"{tuple(branch.shape)} {branch.dtype}")
+        m = branch.numel()
+        if m == 1:  # one token (a decoding step at batch 1): one host sync, nothing to count
+            k = int(branch)
+            if not 0 <= k < n_branches:
+                raise ValueError(f"branch ids must lie in [0, {n_branches}), got id {k}")
+            sizes = [0] * n_branches
+            sizes[k] = 1
+            identity = branch.new_zeros(1)
+            return cls(identity, identity, sizes, in_order=True, only=k)
+        if validate and m and int(branch.min()) < 0:
+            raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
+                             f"{int(branch.min())}")
+        counts = torch.bincount(branch, minlength=n_branches)
+        sizes = counts.tolist()  # one host sync
+        if len(sizes) > n_branches:
+            raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
+                             f"{len(sizes) - 1}")
+        if m == 0 or max(sizes) == m:  # one branch takes every token: nothing to sort
+            identity = torch.arange(m, device=branch.device)
+            return cls(identity, identity, sizes, in_order=True,
+                       only=sizes.index(m) if m else None)
+        branch_sorted, order = torch.sort(branch, stable=True)
+        return cls(order, order.argsort(), sizes, ends=counts.cumsum(0, dtype=torch.int32),
+                   branch_sorted=branch_sorted)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.order.numel()
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``(M, d)`` rows in token order -> ``(M, d)`` rows sorted by branch."""
+        return x if self.in_order else x.index_select(0, self.order)
+
+    def scatter(self, y: Tensor) -> Tensor:
+        """``(M, d)`` rows sorted by branch -> ``(M, d)`` rows in token order."""
+        return y if self.in_order else y.index_select(0, self.inverse)
+
+
+def run_used_groups(xs: Tensor, groups: BranchGroups, apply: Callable[[int, Tensor], Tensor],
+                    out_features: int) -> Tensor:
+    """Inference over rows sorted by branch as ``groups`` lays them out: ``apply(k, rows)`` on
+    each non-empty group only; a single group runs on ``xs`` directly (no split, no
+    concatenation). ``(M, out)``."""
+    if groups.only is not None:
+        return apply(groups.only, xs)
+    parts = xs.split(groups.sizes)
+    outs = [apply(k, parts[k]) for k, n in enumerate(groups.sizes) if n]
+    return torch.cat(outs) if outs else xs.new_zeros(0, out_features)

@@ -1,0 +1,46 @@
+"""How DMB and MoE models train (Tan et al. 2021, eq. 31), as a plug-in of the training loop.
+
+:class:`RoutingTraining` adds the gates' auxiliary routing loss (diversity + entropy for DMB,
+the load-balancing terms for the MoE baseline) to each micro-batch's loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from dynaseq.core.config import ModelConfig, TrainConfig
+from dynaseq.techniques.branching.losses import seq2seq_routing_loss
+
+
+@dataclass
+class RoutingTraining:
+    """The routing loss of a DMB or MoE model, weighted by ``aux_weight`` (α of eq. 31)."""
+
+    aux_weight: float
+    diversity: float
+    entropy: bool
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, train: TrainConfig) -> RoutingTraining:
+        routing = model.dmb or model.moe
+        assert routing is not None
+        dmb = model.dmb
+        return cls(routing.aux_weight,
+                   1.0 if dmb is None else dmb.diversity_weight if dmb.diversity else 0.0,
+                   dmb is None or dmb.entropy)
+
+    def before_update(self, model: nn.Module, step: int) -> None:
+        pass
+
+    def controls(self, n_rows: int, step: int, micro: int) -> None:
+        return None
+
+    def loss(self, model: nn.Module, out, src: Tensor, tgt_in: Tensor, tgt_out: Tensor,
+             control: Tensor | None, n_tokens: int, pad_id: int) -> tuple[Tensor, dict[str, float]]:
+        """Eq. 31 without α, padding excluded, weighted by tokens like the budget loss, so α
+        weighs it against the per-token cross-entropy; logged without α."""
+        rlo = seq2seq_routing_loss(out.aux, src, tgt_in, pad_id, diversity=self.diversity,
+                                   entropy=self.entropy)
+        return self.aux_weight * rlo * n_tokens, {"routing_loss": float(rlo.detach()) * n_tokens}

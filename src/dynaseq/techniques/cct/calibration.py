@@ -1,0 +1,183 @@
+"""Budget calibration: shift a CCT's gate thresholds so a budget's realized compute hits it.
+
+The budget loss (eq. 5-9) steers the compute of training batches: dropout on, noisy gates,
+sequences of one control task trading compute among themselves. At inference the gates are
+hard and noise-free, so the realized fraction of a trained budget p can land off p (on
+Multi30k, 0.42 for a decoder trained at 0.5). Calibration fixes this after training,
+without touching a weight: per control task and sub-network j it finds one offset δ_j for
+the inference threshold of every gate of j (:func:`~dynaseq.techniques.cct.gating.shift_gates`)::
+
+    g = 1[G(x) + δ_j >= 0]        such that   realized_j(δ) ≈ p_j   on held-out pairs
+
+The realized fraction rises with δ (a larger offset opens more gates), so δ is found by
+bracketing and bisection, encoder first (the decoder's cross-attention reads the
+encoder's output), then decoder. The same search fits a budget that was **not trained**:
+it starts from the control symbol of the nearest trained budget and moves its thresholds
+to the new budget (an interpolation; quality between the neighbours is not guaranteed, so
+evaluate it).
+
+Example::
+
+    pairs = [(src (1, S), tgt_in (1, T)), ...]      # held-out sentence pairs, batch 1
+    cal = calibrate_budget(model, pairs, control=2, budget=(0.5, 0.5))
+    with shift_gates(model, cal.offsets):
+        model(src, tgt_in, control=2)               # realized ≈ (0.5, 0.5)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dynaseq.techniques.cct.gating import force_gates, shift_gates
+from dynaseq.techniques.cct.layers import realized_macs_by_layer
+
+SUBNETWORKS = ("encoder", "decoder")
+
+
+@dataclass(frozen=True)
+class BudgetCalibration:
+    """One calibrated budget.
+
+    budget: the (encoder, decoder) target fractions.
+    control: the control-symbol id it runs with (its own if trained, else the nearest).
+    offsets: per sub-network threshold offset δ (see the module docstring).
+    realized: realized fractions with the offsets, on the calibration pairs.
+    uncalibrated: realized fractions of ``control`` with no offset, on the same pairs.
+    """
+
+    budget: tuple[float, float]
+    control: int
+    offsets: dict[str, float]
+    realized: dict[str, float]
+    uncalibrated: dict[str, float]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "budget": list(self.budget)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> BudgetCalibration:
+        return cls(budget=(float(d["budget"][0]), float(d["budget"][1])),
+                   control=int(d["control"]),
+                   offsets={k: float(v) for k, v in d["offsets"].items()},
+                   realized={k: float(v) for k, v in d["realized"].items()},
+                   uncalibrated={k: float(v) for k, v in d["uncalibrated"].items()})
+
+
+class _Meter:
+    """Realized fractions of the gated sub-networks over fixed pairs (batch 1, eval mode)."""
+
+    def __init__(self, model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]],
+                 control: int) -> None:
+        if not pairs:
+            raise ValueError("calibration needs at least one sentence pair")
+        self.model, self.pairs, self.control = model, pairs, control
+        with force_gates(model, 1.0):
+            self.full = self._ran()
+
+    @torch.no_grad()
+    def _ran(self) -> dict[str, int]:
+        totals = dict.fromkeys(SUBNETWORKS, 0)
+        for src, tgt_in in self.pairs:
+            out = self.model(src, tgt_in, self.control)
+            for layer, counts in realized_macs_by_layer(out.aux).items():
+                totals[layer.split(".")[0]] += sum(counts.values())
+        return totals
+
+    def __call__(self, offsets: dict[str, float]) -> dict[str, float]:
+        with shift_gates(self.model, offsets):
+            ran = self._ran()
+        return {k: ran[k] / self.full[k] for k in SUBNETWORKS}
+
+
+def _solve(f, target: float, tol: float, max_calls: int) -> tuple[float, float]:
+    """δ with f(δ) ≈ target for a (roughly) non-decreasing f: returns (δ, f(δ)), the best
+    point seen. Brackets by doubling from 0, then bisects."""
+    seen = {0.0: f(0.0)}
+
+    def best() -> tuple[float, float]:
+        return min(seen.items(), key=lambda kv: (abs(kv[1] - target), abs(kv[0])))
+
+    if abs(seen[0.0] - target) <= tol:
+        return 0.0, seen[0.0]
+    sign = 1.0 if seen[0.0] < target else -1.0  # which way opens / closes gates
+    lo, hi, step = 0.0, None, 1.0
+    while hi is None and len(seen) < max_calls:
+        x = sign * step
+        seen[x] = f(x)
+        if (seen[x] - target) * sign >= 0:  # crossed the target
+            hi = x
+        else:
+            lo, step = x, step * 2
+    if hi is None:
+        return best()
+    while len(seen) < max_calls:
+        mid = (lo + hi) / 2
+        seen[mid] = f(mid)
+        if abs(seen[mid] - target) <= tol:
+            break
+        if (seen[mid] - target) * sign >= 0:
+            hi = mid
+        else:
+            lo = mid
+    return best()
+
+
+def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], control: int,
+                     budget: tuple[float, float], *, tol: float = 0.005,
+                     max_calls: int = 16) -> BudgetCalibration:
+    """Offsets that bring the realized fractions of ``control`` on ``pairs`` to ``budget``.
+
+    pairs: held-out ``(src (1, S), tgt_in (1, T))`` pairs, run teacher forced at batch 1
+        (as :func:`~dynaseq.techniques.cct.layers.realized_fraction` measures).
+    budget: ``(encoder, decoder)`` target fractions in (0, 1].
+    tol: stop a sub-network's search once within this of its target.
+    max_calls: passes over ``pairs`` per sub-network at most.
+    """
+    if len(budget) != 2 or not all(0 < b <= 1 for b in budget):
+        raise ValueError(f"a budget is an (encoder, decoder) pair of fractions in (0, 1], "
+                         f"got {budget}")
+    if not tol > 0:
+        raise ValueError(f"tol must be > 0, got {tol}")
+    was_training = model.training
+    model.eval()
+    try:
+        meter = _Meter(model, pairs, control)
+        offsets = dict.fromkeys(SUBNETWORKS, 0.0)
+        uncalibrated = meter(offsets)
+        for j, target in zip(SUBNETWORKS, budget, strict=True):
+            def f(x: float, j: str = j) -> float:
+                return meter({**offsets, j: x})[j]
+
+            offsets[j], _ = _solve(f, target, tol, max_calls)
+        realized = meter(offsets)
+    finally:
+        model.train(was_training)
+    assert all(math.isfinite(v) for v in offsets.values())
+    return BudgetCalibration(tuple(float(b) for b in budget), control, offsets,
+                             {k: round(v, 4) for k, v in realized.items()},
+                             {k: round(v, 4) for k, v in uncalibrated.items()})
+
+
+def nearest_control(trained: Sequence[tuple[float, float]], budget: tuple[float, float]) -> int:
+    """The trained budget closest to ``budget`` (Euclidean over (encoder, decoder)); ties go
+    to the larger trained budget, then the first listed."""
+    if not trained:
+        raise ValueError("no trained budgets")
+    return min(range(len(trained)),
+               key=lambda i: (math.dist(trained[i], budget), -sum(trained[i]), i))
+
+
+@contextlib.contextmanager
+def applied(model: nn.Module, calibration: BudgetCalibration | None):
+    """Run inside the offsets of ``calibration`` (nothing if None)."""
+    if calibration is None:
+        yield model
+    else:
+        with shift_gates(model, calibration.offsets):
+            yield model

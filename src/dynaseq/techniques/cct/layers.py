@@ -1,0 +1,163 @@
+"""Conditional Computation Transformer (CCT; Bapna, Arivazhagan, Firat 2020): one import.
+
+The pieces live in small modules, re-exported here:
+
+* :mod:`~dynaseq.techniques.cct.gating` — control networks (eq. 4), noisy/hard gates (eq. 2-3),
+  the noise schedule, gate traces;
+* :mod:`~dynaseq.techniques.cct.conditional_attention` — gated attention (eq. 12-13) and its cache;
+* :mod:`~dynaseq.techniques.cct.conditional_ffn` — M gated feed-forward pieces (eq. 15);
+* :mod:`~dynaseq.techniques.cct.budget` — the two-sided multi-task budget loss (eq. 5-9).
+
+Wiring a model (sketch)::
+
+    layer = EncoderLayer(d, conditional_attention(d, heads), conditional_feedforward(d, ffn))
+    name_conditional_sublayers(model)             # trace names "encoder.layers.0.ffn", ...
+    set_gate_step(model, step)                    # each training step: noise scale α(step)
+    out = model(src, tgt_in)                      # out.aux holds the gate traces
+    terms = budget_terms(gate_traces(out.aux), {"encoder": ~src_pad, "decoder": ~tgt_pad,
+                                                "decoder.memory": ~src_pad})
+    loss = ce + budget_loss(terms, group, budgets, weight=lam).loss
+    model.eval(); realized_macs_by_layer(aux)     # MACs that actually ran, per sub-layer
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from dynaseq.nn.outputs import AuxOutputs
+from dynaseq.techniques.cct.budget import BudgetLoss, BudgetTerm, budget_loss, budget_terms
+from dynaseq.techniques.cct.conditional_attention import (
+    ConditionalAttention,
+    GatedKVCache,
+    conditional_attention,
+)
+from dynaseq.techniques.cct.conditional_ffn import (
+    ConditionalFeedForward,
+    FeedForwardPiece,
+    conditional_feedforward,
+)
+from dynaseq.techniques.cct.gating import (
+    GATE_TRACE,
+    MACS_TRACE,
+    ControlNet,
+    Gate,
+    GateTrace,
+    MacsRecord,
+    NoiseSchedule,
+    force_gates,
+    set_gate_step,
+)
+
+__all__ = [
+    "GATE_TRACE",
+    "MACS_TRACE",
+    "BudgetLoss",
+    "BudgetTerm",
+    "ConditionalAttention",
+    "ConditionalFeedForward",
+    "ControlNet",
+    "FeedForwardPiece",
+    "Gate",
+    "GateTrace",
+    "GatedKVCache",
+    "MacsRecord",
+    "NoiseSchedule",
+    "budget_loss",
+    "budget_terms",
+    "conditional_attention",
+    "conditional_feedforward",
+    "force_gates",
+    "gate_traces",
+    "name_conditional_sublayers",
+    "realized_macs_by_layer",
+    "realized_fraction",
+    "seq2seq_budget_loss",
+    "set_gate_step",
+]
+
+
+def name_conditional_sublayers(model: nn.Module) -> int:
+    """Name every CCT sub-layer after its path in ``model`` (``"decoder.layers.1.cross_attn"``).
+
+    Its gate traces carry that name; :func:`budget_terms` reads the sub-network (encoder /
+    decoder) from the first component. Returns how many sub-layers were named.
+    """
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, (ConditionalAttention, ConditionalFeedForward)):
+            m.name = name
+            n += 1
+    return n
+
+
+def gate_traces(aux: AuxOutputs) -> list[GateTrace]:
+    """The gate traces that the CCT sub-layers recorded into ``aux`` during one call."""
+    return list(aux.traces.get(GATE_TRACE, []))
+
+
+def realized_macs_by_layer(aux: AuxOutputs) -> dict[str, dict[str, int]]:
+    """Sum the inference-time :class:`MacsRecord` entries of ``aux`` per sub-layer name.
+
+    Over a whole decode (many calls sharing one ``aux``), this is the compute that ran.
+    """
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for rec in aux.traces.get(MACS_TRACE, []):
+        for k, v in rec.macs.items():
+            out[rec.layer][k] += v
+    return {layer: dict(counts) for layer, counts in out.items()}
+
+
+def seq2seq_budget_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: int,
+                        control: Tensor, budgets: Tensor, weight: float) -> Tensor:
+    """Budget loss (eq. 5-9) of one encoder-decoder forward pass.
+
+    src (B, S), tgt_in (B, T): the batch (padding excluded from the costs); control (B,):
+    each sequence's control symbol; budgets (N, 2): (encoder, decoder) budget per symbol.
+    """
+    src_valid, tgt_valid = src.ne(pad_id), tgt_in.ne(pad_id)
+    valid = {"encoder": src_valid, "decoder": tgt_valid, "decoder.memory": src_valid}
+    return budget_loss(budget_terms(gate_traces(aux), valid), control, budgets, weight).loss
+
+
+@torch.no_grad()
+def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
+                      control: int) -> dict[str, object]:
+    """MACs that ran in the gated sub-layers at a budget, as a fraction of all gates on.
+
+    pairs: ``(src (1, S), tgt_in (1, T))`` sentence pairs, run one at a time and teacher
+    forced (batch 1, so no packing padding is counted). Each pair runs twice in eval mode:
+    with the hard gates of control symbol ``control``, and with every gate forced on. The
+    fractions cover the gated sub-layers (attention, FFN, their control nets), the part the
+    budget governs; embeddings and the output layer always run and are not included.
+    Returns per-token MACs (encoder per source token, decoder per target token) and the
+    ``fraction`` object with ``encoder``, ``decoder`` and ``total``.
+    """
+    was_training = model.training
+    model.eval()
+    ran = {"encoder": 0, "decoder": 0}
+    full = {"encoder": 0, "decoder": 0}
+    n_src = n_tgt = 0
+    try:
+        for src, tgt_in in pairs:
+            for totals, forced in ((ran, None), (full, 1.0)):
+                with force_gates(model, forced) if forced is not None else contextlib.nullcontext():
+                    out = model(src, tgt_in, control)
+                for layer, counts in realized_macs_by_layer(out.aux).items():
+                    totals[layer.split(".")[0]] += sum(counts.values())
+            n_src += src.numel()
+            n_tgt += tgt_in.numel()
+    finally:
+        model.train(was_training)
+    if n_src == 0:
+        raise ValueError("realized_fraction needs at least one sentence pair")
+    per_token = {"encoder": ran["encoder"] / n_src, "decoder": ran["decoder"] / n_tgt}
+    max_per_token = {"encoder": full["encoder"] / n_src, "decoder": full["decoder"] / n_tgt}
+    fraction = {k: per_token[k] / max_per_token[k] for k in per_token}
+    fraction["total"] = sum(per_token.values()) / sum(max_per_token.values())
+    return {"fraction": fraction, "macs_per_token": per_token,
+            "max_macs_per_token": max_per_token}

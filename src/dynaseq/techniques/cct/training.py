@@ -1,0 +1,77 @@
+"""How a CCT trains (Bapna et al. 2020, sec. 2.2-2.4), as a plug-in of the training loop.
+
+:class:`CCTTraining` is what the translation task asks of a model with a ``model.cct``
+section: before each update it sets the gates' step (the noise scale α of eq. 4 ramps with
+it); it draws one control symbol per sequence (multi-budget training, sec. 2.2), with the
+optional full-budget curriculum; and it adds the budget loss (eq. 5-9, weighted by λ) and
+the optional in-place self-distillation term to each micro-batch's loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dynaseq.core.config import CCTConfig, ModelConfig, TrainConfig
+from dynaseq.techniques.cct.gating import set_gate_step
+from dynaseq.techniques.cct.layers import seq2seq_budget_loss
+from dynaseq.techniques.cct.self_distill import inplace_distill_term
+
+
+def sample_controls(sampling_ids: Tensor, batch: int, seed: int, step: int, micro: int,
+                    share: float = 1.0) -> Tensor:
+    """One control symbol per sequence ``(batch,)``: a uniformly drawn entry of the
+    configured budget list (CCT sec. 2.2), mapped to its symbol (``sampling_ids``, see
+    ``CCTConfig``); with probability ``1 - share`` the full budget (symbol 0) instead
+    (``budget_ramp_steps``).
+
+    Drawn from (seed, step, micro-batch) alone, so every rank and every resume draws the
+    same ids for the same batch.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 131 + micro)
+    ids = sampling_ids[torch.randint(sampling_ids.numel(), (batch,), generator=gen)]
+    if share < 1.0:
+        ids = torch.where(torch.rand(batch, generator=gen) < share, ids, torch.zeros_like(ids))
+    return ids
+
+
+@dataclass
+class CCTTraining:
+    """The CCT's training schedule and losses (see the module doc)."""
+
+    cct: CCTConfig
+    seed: int
+    label_smoothing: float
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, train: TrainConfig) -> CCTTraining:
+        assert model.cct is not None
+        return cls(model.cct, train.seed, train.label_smoothing)
+
+    def before_update(self, model: nn.Module, step: int) -> None:
+        set_gate_step(model, step)
+
+    def controls(self, n_rows: int, step: int, micro: int) -> Tensor:
+        """(n_rows,) control ids of micro-batch ``micro`` of update ``step``."""
+        ids = torch.tensor(self.cct.sampling_ids, dtype=torch.long)
+        return sample_controls(ids, n_rows, self.seed, step, micro, self.cct.sampled_share(step))
+
+    def loss(self, model: nn.Module, out, src: Tensor, tgt_in: Tensor, tgt_out: Tensor,
+             control: Tensor | None, n_tokens: int, pad_id: int) -> tuple[Tensor, dict[str, float]]:
+        """What to add to the micro-batch's summed loss, and its per-token-sum logs.
+
+        The budget loss is a per-batch mean, weighted by tokens so that the loop's division by
+        all tokens of the update averages it (logged without λ as ``budget_loss``).
+        """
+        assert control is not None
+        budgets = torch.tensor(self.cct.controls, dtype=torch.float32, device=src.device)
+        extra = out.logits.new_zeros(())
+        if self.cct.distill_weight:  # the teacher pass runs on the bare model, outside DDP
+            extra = extra + inplace_distill_term(
+                model, src, tgt_in, tgt_out, control, out.logits, self.cct.largest_control,
+                self.cct.distill_weight, self.label_smoothing, pad_id)
+        blo = seq2seq_budget_loss(out.aux, src, tgt_in, pad_id, control, budgets, 1.0)
+        extra = extra + self.cct.budget_weight * blo * n_tokens
+        return extra, {"budget_loss": float(blo.detach()) * n_tokens}

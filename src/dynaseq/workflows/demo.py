@@ -1,0 +1,198 @@
+"""``dynaseq demo``: one CCT trained on the built-in synthetic task, shown at several budgets.
+
+"One model, many budgets" on one screen: per budget, the compute that really ran, the
+quality (BLEU, accuracy on hard and easy target words) and the decoding latency.
+
+Leaves under ``out``: ``data/{train,valid,test}.{src,tgt}`` (the generated task),
+``run/`` (a normal run directory) and ``summary.json`` (the printed table).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dynaseq.analysis.gates import sentence_traces, token_compute
+from dynaseq.core.config import (
+    CCTConfig,
+    DataConfig,
+    DecodeConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from dynaseq.data import hard_token_mask, read_lines, write_task
+from dynaseq.metrics.profile import count_params
+from dynaseq.tasks.translation.predictor import Translator, bleu
+from dynaseq.train.loop import train
+
+DEMO_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
+"""The demo's trained (encoder, decoder) budgets, one control symbol each."""
+
+
+def demo_config(out: Path, paths: dict[str, Path], minutes: float, seed: int,
+                cct: CCTConfig | None = None) -> RunConfig:
+    """A tiny (d=128) 2+2-layer model with small batches: many updates in a few CPU minutes.
+
+    ``cct``: make it a Conditional Computation Transformer with these settings.
+    """
+    return RunConfig(
+        run_dir=str(out / "run"),
+        model=ModelConfig(size="tiny", encoder_layers=2, decoder_layers=2, dropout=0.1,
+                          cct=cct),
+        data=DataConfig(train_src=str(paths["train.src"]), train_tgt=str(paths["train.tgt"]),
+                        valid_src=str(paths["valid.src"]), valid_tgt=str(paths["valid.tgt"]),
+                        vocab_size=400, max_tokens=2000, max_len=64),
+        train=TrainConfig(seed=seed, lr=2e-3, warmup_steps=200, max_minutes=minutes,
+                          max_steps=1_000_000, log_every=50, valid_every=200, save_every=200,
+                          keep_last=3, valid_bleu_lines=200, label_smoothing=0.1),
+        decode=DecodeConfig(beam=4, batch_size=128),
+    )
+
+
+def demo_cct(minutes: float, updates_per_minute: float = 360.0) -> CCTConfig:
+    """The demo's CCT: M=4 FFN pieces, the :data:`DEMO_BUDGETS` (full budget drawn twice as
+    often). For a run of about ``minutes · updates_per_minute`` updates (~6/s on 2 cores):
+    noise at its maximum after 30% of them; every sequence at the full budget for the first
+    35%, then budgets drawn from the list, ramping in over 10%; the budget loss counts the
+    gates inference will open (``budget_estimate="hard"``; see ``CCTConfig``)."""
+    steps = max(int(minutes * updates_per_minute), 10)
+    return CCTConfig(ffn_pieces=4, control_hidden=64, noise_ramp_steps=int(0.3 * steps),
+                     budget_start_step=int(0.35 * steps), budget_ramp_steps=int(0.1 * steps),
+                     budget_estimate="hard",
+                     budgets=[DEMO_BUDGETS[0], *DEMO_BUDGETS])
+
+
+def token_accuracy(hyps: list[str], refs: list[str], srcs: list[str]) -> dict[str, float]:
+    """Accuracy on hard (sum-result) and easy target words, position by position.
+
+    A hypothesis of the wrong length counts all its reference words as wrong.
+    """
+    right = {True: 0, False: 0}
+    total = {True: 0, False: 0}
+    exact = 0
+    for hyp, ref, src in zip(hyps, refs, srcs, strict=True):
+        h, r = hyp.split(), ref.split()
+        exact += h == r
+        for pos, hard in enumerate(hard_token_mask(src, ref)):
+            total[hard] += 1
+            right[hard] += len(h) == len(r) and h[pos] == r[pos]
+    return {"exact_match": exact / max(len(refs), 1),
+            "hard_token_acc": right[True] / max(total[True], 1),
+            "easy_token_acc": right[False] / max(total[False], 1)}
+
+
+def run_demo(out: str | Path, minutes: float = 5.0, seed: int = 0, progress: bool = True,
+             eval_lines: int | None = None) -> dict[str, Any]:
+    """Generate the task, train one CCT for ``minutes``, evaluate it at every trained budget
+    on the test split (its first ``eval_lines`` lines if given), print the table and write
+    ``summary.json`` (one row per budget)."""
+    out = Path(out)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    say(f"[demo] writing the synthetic task to {out / 'data'}")
+    paths = write_task(out / "data", seed=seed)
+    cfg = demo_config(out, paths, minutes, seed, demo_cct(minutes))
+    if Path(cfg.run_dir).exists():  # the demo's own scratch run: a fresh model every time
+        say(f"[demo] removing the previous demo run {cfg.run_dir}")
+        shutil.rmtree(cfg.run_dir)
+    say(f"[demo] training one tiny CCT for {len(DEMO_BUDGETS)} budgets, up to {minutes:g} min, "
+        f"in {cfg.run_dir}")
+    result = train(cfg, progress=progress)
+    t = Translator.load(cfg.run_dir)
+    src, ref = read_lines(paths["test.src"]), read_lines(paths["test.tgt"])
+    if eval_lines is not None:
+        src, ref = src[:eval_lines], ref[:eval_lines]
+    n_small = min(len(src), 200)
+    rows = []
+    for budget in DEMO_BUDGETS:
+        say(f"[demo] evaluating budget {budget}")
+        hyps = t.translate(src, beam=1, budget=budget)
+        score, signature = bleu(hyps, ref)
+        compute = t.realized_compute(src[:n_small], ref[:n_small], budget)
+        by_word = hard_easy_compute(t, src[:n_small], ref[:n_small], budget)
+        rows.append({"budget": list(budget), "bleu_greedy": round(score, 2),
+                     **{k: round(v, 4) for k, v in token_accuracy(hyps, ref, src).items()},
+                     "realized_fraction": round(compute["fraction"]["total"], 3),
+                     "realized_macs_per_token": round(sum(compute["macs_per_token"].values())),
+                     **{k: round(v, 3) for k, v in by_word.items()},
+                     "ms_per_sentence": round(_greedy_ms(t, src[:50], budget), 2)})
+    summary = {
+        "task": "synthetic (dynaseq.data.synthetic)", "model": "CCT tiny 2+2 layers, M=4",
+        "test_sentences": len(src), "compute_sentences": n_small,
+        "train_steps": result.state.step, "train_minutes": round(result.state.elapsed / 60, 2),
+        "params": count_params(t.model), "checkpoint": str(t.checkpoint),
+        "signature": signature, "rows": rows,
+        "command": f"dynaseq demo --out {out} --minutes {minutes:g}",
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    print(format_table(summary))
+    return summary
+
+
+def hard_easy_compute(t: Translator, src: list[str], ref: list[str],
+                      budget: tuple[float, float]) -> dict[str, float]:
+    """Mean decoder compute (fraction of gated MACs that ran, as in ``dynaseq analyze``) on
+    the subword positions that predict hard (sum-result) vs easy reference words.
+
+    Each reference is tokenized word by word, so every subword belongs to one word; the
+    teacher-forced pass runs at batch 1 (no padding).
+    """
+    used = {True: 0.0, False: 0.0}
+    count = {True: 0, False: 0}
+    with t.at_budget(budget) as control:
+        for line, target in zip(src, ref, strict=True):
+            _count_sentence(t, line, target, control, used, count)
+    return {"decoder_compute_hard": used[True] / max(count[True], 1),
+            "decoder_compute_easy": used[False] / max(count[False], 1)}
+
+
+def _count_sentence(t: Translator, line: str, target: str, control: int,
+                    used: dict[bool, float], count: dict[bool, int]) -> None:
+    """Add one pair's decoder compute per hard / easy reference subword to the tallies."""
+    m, tok = t.model, t.tokenizer
+    words = target.split()
+    pieces = tok.encode(words) if words else []
+    ids = [i for p in pieces for i in p]
+    hard = [h for h, p in zip(hard_token_mask(line, target), pieces, strict=True)
+            for _ in p]
+    src_t = torch.tensor([tok.encode([line])[0] + [m.eos_id]], device=t.device)
+    tgt_in = torch.tensor([[m.bos_id] + ids], device=t.device)
+    with torch.no_grad():
+        traces = sentence_traces(m, src_t, tgt_in, control)
+    frac = token_compute(traces, "decoder", tgt_in.size(1)).fraction  # predicts ids, eos
+    for h, f in zip(hard, frac[: len(ids)].tolist(), strict=True):
+        used[h] += f
+        count[h] += 1
+
+
+def _greedy_ms(t: Translator, src: list[str], budget: tuple[float, float]) -> float:
+    """Mean wall time of greedy-decoding one sentence at a time (batch 1), in ms."""
+    t.translate(src[:2], beam=1, batch_size=1, budget=budget)  # warm-up
+    t0 = time.perf_counter()
+    t.translate(src, beam=1, batch_size=1, budget=budget)
+    return (time.perf_counter() - t0) * 1000 / max(len(src), 1)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = [f"synthetic task, {summary['test_sentences']} test sentences; one CCT, "
+             f"{summary['params']:,} params, {summary['train_steps']} updates in "
+             f"{summary['train_minutes']} min; greedy decoding",
+             f"{'budget':<12} {'compute':>7} {'MACs/tok':>9} {'BLEU':>6} {'exact':>6} "
+             f"{'hard acc':>8} {'easy acc':>8} {'dec hard':>8} {'dec easy':>8} {'ms/sent':>8}"]
+    for r in summary["rows"]:
+        budget = f"({r['budget'][0]:g}, {r['budget'][1]:g})"
+        lines.append(f"{budget:<12} {r['realized_fraction']:>7.3f} "
+                     f"{r['realized_macs_per_token'] / 1e6:>8.3f}M {r['bleu_greedy']:>6.2f} "
+                     f"{r['exact_match']:>6.3f} {r['hard_token_acc']:>8.3f} "
+                     f"{r['easy_token_acc']:>8.3f} {r['decoder_compute_hard']:>8.3f} "
+                     f"{r['decoder_compute_easy']:>8.3f} {r['ms_per_sentence']:>8.2f}")
+    lines.append("compute: MACs the gated layers ran (teacher forced) over their all-on "
+                 "maximum; dec hard/easy: the decoder's compute fraction on the words that are "
+                 "sum results / all other words; ms/sent: greedy, batch 1")
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+from pathlib import Path
+
+import pytest
+
+from dynaseq.core.config import (
+    MODEL_SIZES,
+    CCTConfig,
+    DMBConfig,
+    ModelConfig,
+    MoEConfig,
+    RunConfig,
+    from_dict,
+    load_config,
+    save_config,
+)
+from dynaseq.core.errors import ConfigError
+from dynaseq.metrics import count_macs
+from dynaseq.models import build_seq2seq
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    assert len(CONFIGS) >= 3
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_parses_and_builds(path):
+    cfg = load_config(path)
+    if getattr(cfg, "task", None) == "lm":  # language models: WikiText-2's 33,278 words
+        from dynaseq.models.lm import build_lm
+
+        assert len(build_lm(cfg.model, 33_278).layers) == cfg.model.n_layers
+        return
+    model = build_seq2seq(cfg.model, cfg.data.vocab_size)
+    assert len(model.encoder.layers) == cfg.model.encoder_layers
+    macs = count_macs(model, 2, 2)  # dense maximum: the FFN width is what the config says
+    n_layers = cfg.model.encoder_layers
+    per_token = 1 if cfg.model.moe is None else cfg.model.moe.k  # MoE: k experts per token
+    assert macs.encoder["ffn.ffn_in"] == (n_layers * 2 * cfg.model.d_model * cfg.model.ffn_dim
+                                          * per_token)
+    assert model.n_controls == (0 if cfg.model.cct is None else len(cfg.model.cct.controls))
+
+
+def test_named_sizes_fill_unset_fields_only():
+    cfg = from_dict(ModelConfig, {"size": "small", "encoder_layers": 2, "n_heads": 8})
+    assert (cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.encoder_layers) == (256, 1024, 8, 2)
+    assert MODEL_SIZES["tiny"]["d_model"] == 128 and MODEL_SIZES["base"]["ffn_dim"] == 2048
+    big = from_dict(ModelConfig, {"size": "big"})
+    assert (big.d_model, big.ffn_dim, big.n_heads) == (1024, 4096, 16)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["model.size=tiny", "train.betas=[0.9, 0.99]", "train.max_minutes=2"])
+    save_config(cfg, tmp_path / "c.yaml")
+    again = load_config(tmp_path / "c.yaml")
+    assert again == cfg and again.train.betas == (0.9, 0.99)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.colour=3", "unknown config key model.colour"),
+    ("nonsense=1", "unknown config key nonsense"),
+    ("train.lr=fast", "train.lr: expected a number"),
+    ("train.max_steps=1.5", "train.max_steps: expected an integer"),
+    ("model.tie_output=3", "model.tie_output: expected true/false"),
+    ("train.betas=[0.9]", "train.betas: expected 2 values"),
+    ("model.size=huge", "unknown model size 'huge'"),
+    ("data.long_lines=maybe", "long_lines must be 'skip' or 'truncate'"),
+    ("model.dropout=1.5", "dropout must be in [0, 1)"),
+    ("train", "is not of the form key=value"),
+])
+def test_bad_overrides_are_refused_with_the_key(override, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping at top level"):
+        load_config(bad)
+
+
+def test_defaults_are_valid():
+    assert isinstance(from_dict(RunConfig, {}), RunConfig)
+
+
+def test_cct_budget_grid_is_the_cross_product_with_one_symbol_per_distinct_pair():
+    cct = CCTConfig(budget_grid=[1.0, 1.0, 0.5])
+    assert cct.budgets == [(1.0, 1.0), (1.0, 1.0), (1.0, 0.5), (1.0, 1.0), (1.0, 1.0),
+                           (1.0, 0.5), (0.5, 1.0), (0.5, 1.0), (0.5, 0.5)]
+    assert cct.controls == [(1.0, 1.0), (1.0, 0.5), (0.5, 1.0), (0.5, 0.5)]
+    assert cct.sampling_ids == [0, 0, 1, 0, 0, 1, 2, 2, 3]
+    again = from_dict(CCTConfig, {"budgets": [list(b) for b in cct.budgets],
+                                  "budget_grid": [1.0, 1.0, 0.5]})  # a saved config
+    assert again.controls == cct.controls
+    with pytest.raises(ConfigError, match="either budgets or budget_grid"):
+        CCTConfig(budgets=[(0.5, 0.5)], budget_grid=[1.0, 0.5])
+    with pytest.raises(ConfigError, match="budgets entries"):
+        CCTConfig(budget_grid=[1.0, 1.5])
+
+
+def test_cct_budget_curriculum_share():
+    cct = CCTConfig(budgets=[(1.0, 1.0), (0.5, 0.5)], budget_start_step=100,
+                    budget_ramp_steps=50)
+    assert [cct.sampled_share(s) for s in (0, 99, 100, 125, 150, 10_000)] == [
+        0.0, 0.0, 0.0, 0.5, 1.0, 1.0]
+    assert CCTConfig(budgets=[(1.0, 1.0), (0.5, 0.5)]).sampled_share(0) == 1.0
+    with pytest.raises(ConfigError, match="full budget"):
+        CCTConfig(budgets=[(0.5, 0.5), (1.0, 1.0)], budget_ramp_steps=10)
+    with pytest.raises(ConfigError, match=">= 0"):
+        CCTConfig(budget_start_step=-1)
+
+
+def test_dmb_and_moe_sections_round_trip_and_default_to_the_paper():
+    cfg = load_config(None, ["model.dmb={}"])
+    assert cfg.model.dmb == DMBConfig(n_branches=4, attention=True, shared_private=True,
+                                      aux_weight=0.1, diversity=True, entropy=True)
+    assert cfg.model.cct is None and cfg.model.moe is None
+    cfg = load_config(None, ["model.moe.k=1", "model.moe.n_experts=8", "model.moe.attention=false"])
+    assert cfg.model.moe == MoEConfig(n_experts=8, k=1, attention=False, aux_weight=0.1)
+    assert ModelConfig().dmb is None and ModelConfig().moe is None
+
+
+def test_dmb_and_moe_yaml_round_trip(tmp_path):
+    for override in ("model.dmb.entropy=false", "model.moe.aux_weight=0.5"):
+        cfg = load_config(None, [override, "model.dmb.n_branches=2"]
+                          if "dmb" in override else [override])
+        save_config(cfg, tmp_path / "c.yaml")
+        assert load_config(tmp_path / "c.yaml") == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.dmb={}", "model.moe={}"], "model.dmb and moe cannot be combined"),
+    (["model.cct={}", "model.dmb={}"], "model.cct and dmb cannot be combined"),
+    (["model.cct={}", "model.moe={}"], "model.cct and moe cannot be combined"),
+    (["model.dmb.n_branches=0"], "model.dmb.n_branches must be > 0"),
+    (["model.dmb.aux_weight=-1"], "model.dmb.aux_weight must be >= 0"),
+    (["model.dmb.diversity_weight=-0.5"], "model.dmb.diversity_weight must be >= 0"),
+    (["model.dmb.attention=maybe"], "model.dmb.attention: expected true/false"),
+    (["model.dmb.experts=4"], "unknown config key model.dmb.experts"),
+    (["model.moe.k=4"], "model.moe.n_experts must exceed k"),
+    (["model.moe.k=0"], "model.moe.k must be > 0"),
+    (["model.moe.aux_weight=-0.1"], "model.moe.aux_weight must be >= 0"),
+])
+def test_bad_dmb_and_moe_configs_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)

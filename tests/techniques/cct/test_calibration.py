@@ -1,0 +1,204 @@
+"""Budget calibration: gate threshold offsets that make a budget's realized compute meet it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import dynaseq
+from dynaseq.core.errors import DynaseqError
+from dynaseq.techniques.cct.calibration import _solve, calibrate_budget, nearest_control
+from dynaseq.techniques.cct.gating import Gate, shift_gates
+from dynaseq.techniques.cct.layers import force_gates, realized_fraction
+
+from helpers import lm_config, run_cli
+
+
+@pytest.fixture
+def run_copy(cct_run, tmp_path):
+    """A private copy of the shared CCT run (calibration writes into the run directory)."""
+    run, _ = cct_run
+    return shutil.copytree(run, tmp_path / "run")
+
+
+def _lines(paths, split: str, n: int) -> tuple[list[str], list[str]]:
+    src = paths[f"{split}.src"].read_text().splitlines()[:n]
+    return src, paths[f"{split}.tgt"].read_text().splitlines()[:n]
+
+
+def test_gate_offset_moves_the_inference_threshold_only():
+    gate = Gate().eval()
+    logits = torch.tensor([-2.0, -0.5, 0.0, 1.0])
+    assert gate(logits).tolist() == [0, 0, 1, 1]
+    gate.offset = 1.0
+    assert gate(logits).tolist() == [0, 1, 1, 1]
+    gate.offset = -1.5
+    assert gate(logits).tolist() == [0, 0, 0, 0]
+    gate.train()  # training: noisy soft gates, no offset (α = 0 at step 0: σ(logits))
+    torch.testing.assert_close(gate(logits), torch.sigmoid(logits))
+
+
+def test_shift_gates_extremes_equal_forced_gates_and_restore(cct_run):
+    run, _ = cct_run
+    model = dynaseq.load(run).model
+    src, tgt = torch.tensor([[5, 6, 7, 8, 3]]), torch.tensor([[2, 9, 10, 11]])
+    with torch.no_grad():
+        for offset, forced in ((1e9, 1.0), (-1e9, 0.0)):
+            with shift_gates(model, {"encoder": offset, "decoder": offset}):
+                shifted = model(src, tgt, 1).logits
+            with force_gates(model, forced):
+                pinned = model(src, tgt, 1).logits
+            torch.testing.assert_close(shifted, pinned, rtol=0, atol=0)
+        with shift_gates(model, {"decoder": 1e9}):  # the encoder keeps its own gates
+            enc_on = [m.offset for n, m in model.named_modules()
+                      if isinstance(m, Gate) and n.startswith("encoder")]
+            assert set(enc_on) == {0.0}
+    assert {m.offset for m in model.modules() if isinstance(m, Gate)} == {0.0}
+    with pytest.raises(ValueError, match=r"no gates in sub-network\(s\) \['middle'\]"):
+        with shift_gates(model, {"middle": 1.0}):
+            pass
+
+
+def test_solve_brackets_and_bisects_a_step_function():
+    calls = []
+
+    def f(x: float) -> float:  # fraction of 100 evenly spread logits opened at offset x
+        calls.append(x)
+        return sum(1 for i in range(100) if (i - 50) / 10 + x >= 0) / 100
+
+    x, fx = _solve(f, 0.3, tol=0.005, max_calls=30)
+    assert fx == 0.3 and f(x) == 0.3
+    calls.clear()
+    x, fx = _solve(f, 0.503, tol=0.005, max_calls=30)
+    assert x == 0.0 and fx == 0.5 and calls == [0.0]  # already within tol: no search
+    calls.clear()
+    x, fx = _solve(f, 0.3, tol=0.005, max_calls=4)
+    assert len(calls) == 4  # stops at max_calls with the best point seen
+    assert abs(fx - 0.3) == min(abs(f(c) - 0.3) for c in calls[:4])
+
+
+def test_calibration_meets_the_budget_on_its_data(cct_run, synthetic_paths):
+    run, _ = cct_run
+    t = dynaseq.load(run)
+    src, ref = _lines(synthetic_paths, "valid", 40)
+    pairs = t._pairs(src, ref)
+    cal = calibrate_budget(t.model, pairs, control=1, budget=(0.5, 0.4), tol=0.01,
+                           max_calls=24)
+    assert abs(cal.realized["encoder"] - 0.5) <= 0.02
+    assert abs(cal.realized["decoder"] - 0.4) <= 0.02
+    # the offsets, applied the way inference applies them, reproduce the reported fractions
+    with shift_gates(t.model, cal.offsets):
+        frac = realized_fraction(t.model, pairs, control=1)["fraction"]
+    assert frac["encoder"] == pytest.approx(cal.realized["encoder"], abs=1e-4)
+    assert frac["decoder"] == pytest.approx(cal.realized["decoder"], abs=1e-4)
+    with pytest.raises(ValueError, match="an \\(encoder, decoder\\) pair of fractions"):
+        calibrate_budget(t.model, pairs, control=1, budget=(0.0, 0.5))
+
+
+def test_nearest_control():
+    trained = [(1.0, 1.0), (0.5, 0.5), (1.0, 0.33)]
+    assert nearest_control(trained, (0.6, 0.6)) == 1
+    assert nearest_control(trained, (1.0, 0.4)) == 2
+    assert nearest_control(trained, (0.75, 0.75)) == 0  # a tie goes to the larger budget
+
+
+def test_calibrated_budgets_are_saved_reloaded_and_used(run_copy, synthetic_paths):
+    t = dynaseq.load(run_copy)
+    src, ref = _lines(synthetic_paths, "valid", 30)
+    lines = synthetic_paths["test.src"].read_text().splitlines()[:3]
+    with pytest.raises(DynaseqError, match=r"was not trained; .* \(dynaseq calibrate --budgets "
+                                           r"0.7,0.7 can fit it\)"):
+        t.translate(lines, budget=0.7)
+    fitted = t.calibrate(src, ref, budgets=[0.7, (1.0, 0.33)], tol=0.02)
+    assert [c.budget for c in fitted] == [(0.7, 0.7), (1.0, 0.33)]
+    assert [c.control for c in fitted] == [1, 2]  # nearest trained (0.5, 0.5); its own
+    t.save_calibration(run_copy, {"lines": 30})
+    again = dynaseq.load(run_copy)
+    assert again.calibrations == t.calibrations
+    control, cal = again.budget_setting(0.7)
+    assert control == 1 and cal.offsets == fitted[0].offsets
+    assert len(again.translate(lines, budget=0.7)) == 3
+    with again.at_budget((1.0, 0.33)) as control:
+        assert control == 2
+        offsets = {m.offset for n, m in again.model.named_modules()
+                   if isinstance(m, Gate) and n.startswith("decoder")}
+        assert offsets == {fitted[1].offsets["decoder"]}
+    assert again.budget_setting(0.5) == (1, None)  # trained, not calibrated: no offsets
+    with pytest.raises(DynaseqError, match=r"was not trained; .*calibrated: \(0.7, 0.7\)"):
+        again.translate(lines, budget=0.9)
+    # the evaluation reports what it ran with
+    res = again.evaluate(src[:5], ref[:5], beam=1, budget=0.7)
+    assert res["budget"] == [0.7, 0.7] and res["gate_offsets"] == fitted[0].offsets
+
+
+def test_a_calibration_of_another_checkpoint_is_not_used(run_copy, synthetic_paths):
+    t = dynaseq.load(run_copy)
+    src, ref = _lines(synthetic_paths, "valid", 10)
+    t.calibrate(src, ref, budgets=[0.7], tol=0.05)
+    path = t.save_calibration(run_copy)
+    payload = json.loads(path.read_text())
+    payload["checkpoint"] = "checkpoints/step_00000004"
+    path.write_text(json.dumps(payload))
+    with pytest.warns(UserWarning, match="was made for checkpoint checkpoints/step_00000004"):
+        again = dynaseq.load(run_copy)
+    assert again.calibrations == []
+    path.write_text("{not json")
+    with pytest.raises(DynaseqError, match="is not a calibration file"):
+        dynaseq.load(run_copy)
+
+
+def test_calibrate_refuses_a_language_model_run(tmp_path, synthetic_paths):
+    from dynaseq.core.config import save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(lm_config(tmp_path), run / "config.yaml")
+    proc = run_cli("calibrate", str(run), "--src", str(synthetic_paths["valid.src"]), "--ref",
+                   str(synthetic_paths["valid.tgt"]))
+    assert proc.returncode == 2 and proc.stderr.count(b"\n") == 1, proc.stderr
+    assert b"is a language-model run; budgets are calibrated for CCT" in proc.stderr
+
+
+def test_calibrate_command(run_copy, synthetic_paths, trained_run):
+    src, ref = str(synthetic_paths["valid.src"]), str(synthetic_paths["valid.tgt"])
+    proc = run_cli("calibrate", str(run_copy), "--src", src, "--ref", ref, "--lines", "20",
+                   "--tol", "0.02")
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode().splitlines()
+    assert out[0].startswith("budget (enc, dec)") and len(out) == 4  # the 3 trained budgets
+    payload = json.loads((run_copy / "calibration.json").read_text())
+    assert [b["budget"] for b in payload["budgets"]] == [[1.0, 1.0], [0.5, 0.5], [1.0, 0.33]]
+    assert payload["data"]["lines"] == 20
+    proc = run_cli("evaluate", str(run_copy), "--src", src, "--ref", ref, "--json",
+                   "--beam", "1", "--budget", "0.5")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["gate_offsets"] == payload["budgets"][1]["offsets"]
+    for args, message in (
+            ([str(trained_run)], b"this is a dense model, which has no compute-budget knob"),
+            ([str(run_copy), "--budgets", "1.5"], b"a budget is a fraction in (0, 1]"),
+            ([str(run_copy), "--ref", src + ".missing"], b"dynaseq: error:")):
+        cmd = ["calibrate", *args[:1], "--src", src, "--ref", ref, *args[1:]]
+        proc = run_cli(*cmd)
+        assert proc.returncode == 2 and proc.stderr.count(b"\n") == 1, proc.stderr
+        assert message in proc.stderr and b"Traceback" not in proc.stderr
+
+
+def test_analyze_runs_a_calibrated_budget_with_its_offsets(run_copy, synthetic_paths):
+    from dynaseq.workflows.analyze import analyze
+
+    t = dynaseq.load(run_copy)
+    src, ref = _lines(synthetic_paths, "valid", 12)
+    with pytest.raises(DynaseqError, match="was not trained"):
+        analyze(t, src, ref, budgets=[0.7])
+    (fitted,) = t.calibrate(src, ref, budgets=[0.7], tol=0.02)
+    result = analyze(t, src, ref, budgets=[0.7, 0.5])
+    calibrated, trained = result["budgets"]
+    assert calibrated["budget"] == [0.7, 0.7] and calibrated["control"] == 1
+    assert calibrated["gate_offsets"] == fitted.offsets
+    assert trained["budget"] == [0.5, 0.5] and trained["gate_offsets"] is None
+    # same control symbol, other thresholds: the gates the analysis saw differ
+    assert fitted.offsets != {"encoder": 0.0, "decoder": 0.0}
+    assert calibrated["gated_fraction"] != trained["gated_fraction"]
