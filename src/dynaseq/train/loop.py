@@ -76,9 +76,12 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     """Check ``cfg`` and build its task (nothing written if that raises), lock the run
     directory, then let the task write its files and build its data and model.
 
-    ``hooks``: task-specific extension points (e.g. :class:`~dynaseq.tasks.lm.task.LMHooks`)
-    replacing those the config asks for."""
-    task = task_for(cfg, hooks)
+    ``cfg``: a run config (its task from :data:`dynaseq.tasks.registry.TASKS`) or a
+    :class:`~dynaseq.tasks.protocol.Task` built by the caller. ``hooks``: task-specific
+    extension points (e.g. :class:`~dynaseq.tasks.lm.task.LMHooks`) replacing those the config
+    asks for."""
+    task = cfg if isinstance(cfg, Task) else task_for(cfg, hooks)
+    cfg = task.cfg
     device = pick_device(cfg.train.device)
     env = init_distributed(device)
     run_dir = Path(cfg.run_dir)
@@ -106,7 +109,8 @@ def fit(run: Run, progress: bool = True) -> TrainResult:
 
 
 def train(cfg: Any, progress: bool = True, hooks: Any = None) -> TrainResult:
-    """Set up and train one run of any task (resuming if the run directory has checkpoints)."""
+    """Set up and train one run of any task (resuming if the run directory has checkpoints);
+    ``cfg`` and ``hooks`` as in :func:`setup`."""
     run = setup(cfg, hooks)
     try:
         return fit(run, progress=progress)
