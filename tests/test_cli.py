@@ -145,3 +145,19 @@ def test_corrupt_checkpoint(trained_run, tmp_path):
 def test_bad_numeric_flags(trained_run):
     proc = run_cli("translate", str(trained_run), "--beam", "0", stdin=b"x\n")
     assert proc.returncode == 2 and b"Traceback" not in proc.stderr
+
+
+def test_every_subcommand_is_in_the_table_and_refuses_the_wrong_run_kind(trained_run, capsys,
+                                                                         tmp_path):
+    from dynaseq.cli import COMMANDS, build_parser, main
+
+    parser = build_parser()
+    assert set(parser._subparsers._group_actions[0].choices) == set(COMMANDS)
+    for argv in (["generate", str(trained_run)], ["prune", str(trained_run), "--out",
+                                                  str(tmp_path / "p"), "--sparsity", "0.2"],
+                 ["cache-search", str(trained_run), "--out", str(tmp_path / "c")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"dynaseq: error: {argv[0]}: {trained_run} is a translation run; "
+                       f"{argv[0]} takes language-model runs"), err
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -23,6 +23,8 @@ import contextlib
 import json
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
@@ -85,11 +87,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_evaluate(args: argparse.Namespace) -> int:
+def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
-    if _run_kind(args.run_dir) == "lm":
-        return _evaluate_lm(args)
     if args.src is None or args.ref is None:
         raise DynaseqError("evaluate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -117,9 +117,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
-    if _run_kind(args.run_dir) == "lm":
-        raise DynaseqError(f"calibrate: {args.run_dir} is a language-model run; budgets are "
-                           "calibrated for CCT translation models")
     src, ref = read_lines(args.src), read_lines(args.ref)
     if len(src) != len(ref):
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
@@ -144,7 +141,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dynaseq.tasks.translation.predictor import control_for_budget
 
     target = Path(args.target)
-    if target.is_dir() and _run_kind(str(target)) == "lm":
+    if target.is_dir() and _run_dir_kind(str(target)) == "lm":
         return _profile_lm(args)
     if target.is_dir():
         args.run_dir = str(target)
@@ -224,23 +221,25 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_kind(run_dir: str) -> str:
-    """What a run directory holds: ``"seq2seq"`` (a translation run, :class:`RunConfig` in
-    config.yaml). Commands that differ by kind (``quantize``) dispatch on it; language-model
-    runs get their own kind here."""
-    from dynaseq.core.config import load_config
-
+def _run_dir_kind(run_dir: str) -> str:
+    """``"seq2seq"`` or ``"lm"``: the task of a run directory (a clear error if it is none)."""
     run = Path(run_dir)
     if not run.is_dir():
         raise DynaseqError(f"run directory not found: {run}")
     if not (run / "config.yaml").is_file():
         raise DynaseqError(f"{run} is not a run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml")  # a bad config fails here, with its own message
-    return "lm" if getattr(cfg, "task", None) == "lm" else "seq2seq"
+    from dynaseq.tasks.registry import run_kind
+
+    return run_kind(run)  # a bad config fails here, with its own message
 
 
 def _quantize_seq2seq(args: argparse.Namespace) -> int:
+    """``dynaseq quantize RUN_DIR --out NEW_DIR``: int8 weights (translation runs)."""
     from dynaseq.compress.int8 import quantize_run
+
+    if args.bits is not None or args.steps:
+        raise DynaseqError("quantize: --bits and --steps are for language-model runs "
+                           "(translation runs are quantized to int8)")
 
     rep = quantize_run(args.run_dir, args.out, checkpoint=args.checkpoint)
 
@@ -260,6 +259,8 @@ def _quantize_lm(args: argparse.Namespace) -> int:
     conversion and an exact-representability check."""
     from dynaseq.workflows.lm_runs import qat_lm_run
 
+    if args.bits is None:
+        args.bits = 9
     rep = qat_lm_run(args.run_dir, args.out, args.bits, args.steps, args.lr,
                      checkpoint=args.checkpoint, progress=not args.quiet)
     kept = (f", kept step {rep['kept_step']}" if rep.get("kept_step") else
@@ -271,32 +272,23 @@ def _quantize_lm(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
-    """``dynaseq quantize RUN_DIR --out NEW_DIR``: dispatch on the kind of run (translation:
-    int8; language model: QAT at ``--bits``)."""
+def _check_quantize(args: argparse.Namespace) -> None:
     if args.bits is not None:  # checked before anything is read or written
         from dynaseq.compress.qat import check_bits
 
         check_bits(args.bits)
-    kind = _run_kind(args.run_dir)
-    if kind == "seq2seq":
-        if args.bits is not None or args.steps:
-            raise DynaseqError("quantize: --bits and --steps are for language-model runs "
-                               "(translation runs are quantized to int8)")
-        return _quantize_seq2seq(args)
-    if args.bits is None:
-        args.bits = 9
-    return _quantize_lm(args)
+
+
+def _check_prune(args: argparse.Namespace) -> None:
+    from dynaseq.compress.prune import _check_sparsity
+
+    _check_sparsity(args.sparsity)  # before anything is read or written
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """``dynaseq prune LM_RUN --out NEW_DIR --sparsity 0.4 --steps 200``."""
-    from dynaseq.compress.prune import _check_sparsity
     from dynaseq.workflows.lm_runs import prune_lm_run
 
-    _check_sparsity(args.sparsity)  # before anything is read or written
-    if _run_kind(args.run_dir) != "lm":
-        raise DynaseqError(f"prune: {args.run_dir} is not a language-model run")
     rep = prune_lm_run(args.run_dir, args.out, args.sparsity, args.steps, args.grid,
                        args.valid_tokens, args.lr, checkpoint=args.checkpoint,
                        progress=not args.quiet, sensitivity=args.sensitivity,
@@ -312,8 +304,6 @@ def cmd_cache_search(args: argparse.Namespace) -> int:
     """``dynaseq cache-search LM_RUN --out NEW_DIR --cache-sizes 3000 --max-evals 40``."""
     from dynaseq.workflows.lm_runs import cache_search_run
 
-    if _run_kind(args.run_dir) != "lm":
-        raise DynaseqError(f"cache-search: {args.run_dir} is not a language-model run")
     rep = cache_search_run(args.run_dir, args.out, args.cache_sizes, args.max_evals,
                            args.valid_tokens, checkpoint=args.checkpoint, n_cache=args.n_cache)
     b, a = rep["before"], rep["after"]
@@ -343,12 +333,10 @@ def _distill_data_lm(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_distill_data(args: argparse.Namespace) -> int:
+def _distill_data_seq2seq(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
     from dynaseq.workflows.distill_data import write_distill_data
 
-    if _run_kind(args.run_dir) == "lm":
-        return _distill_data_lm(args)
     if args.src is None:
         raise DynaseqError("distill-data: --src is required for translation runs")
     read_lines(args.src)  # a missing source fails before the model loads
@@ -385,12 +373,13 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    """``dynaseq generate LM_RUN``: sample text one token at a time."""
+def _check_generate(args: argparse.Namespace) -> None:
     if args.tokens < 0 or args.temperature < 0:
         raise DynaseqError("--tokens and --temperature must be >= 0")
-    if _run_kind(args.run_dir) != "lm":
-        raise DynaseqError(f"generate: {args.run_dir} is not a language-model run")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``dynaseq generate LM_RUN``: sample text one token at a time."""
     lm = _language_model(args)
     print(lm.generate(args.prompt, args.tokens, args.temperature, args.seed, args.top_k))
     return 0
@@ -488,7 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.add_argument("--run-dir", default=None, help="same as run_dir=...")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("translate", help="translate a file or stdin, one sentence per line")
     p.add_argument("run_dir")
@@ -496,7 +484,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default=None, help="output file (default stdout)")
     _add_decode_args(p)
     _add_run_args(p)
-    p.set_defaults(func=cmd_translate)
 
     p = sub.add_parser("evaluate", help="sacreBLEU and loss against references; "
                        "perplexity for language models")
@@ -508,7 +495,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_decode_args(p)
     _add_run_args(p)
-    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser(
         "calibrate", help="CCT: fit gate thresholds so each budget's realized compute meets it",
@@ -528,7 +514,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tol", type=float, default=0.005,
                    help="stop once the realized fraction is this close (default 0.005)")
     _add_run_args(p)
-    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("profile", help="parameters, MACs per token and decoding latency")
     p.add_argument("target", help="a run directory or a YAML config (random weights)")
@@ -540,7 +525,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     _add_budget_arg(p)
     _add_run_args(p)
-    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("generate", help="sample text from a language model")
     p.add_argument("run_dir")
@@ -550,19 +534,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     _add_run_args(p)
-    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("average", help="average the last K checkpoints into run_dir/averaged")
     p.add_argument("run_dir")
     p.add_argument("-k", type=int, default=5)
-    p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")
     p.add_argument("--minutes", type=float, default=5.0, help="training time budget")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("analyze", help="CCT gate statistics and plots (paper fig. 9-13)")
     p.add_argument("run_dir")
@@ -575,7 +556,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lines", type=int, default=None, help="analyze the first N lines")
     p.add_argument("--beam", type=int, default=1, help="beam size without --ref (1 = greedy)")
     _add_run_args(p)
-    p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser(
         "quantize", help="write an int8 copy of a translation run, or a QAT-quantized "
@@ -597,7 +577,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None,
                    help="language models: fine-tuning lr (default 0.1 x the run's train.lr)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser(
         "prune", help="sensitivity-guided gradual pruning of a language model into a new run",
@@ -625,7 +604,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "own: dynaseq distill-data RUN_DIR --out TOPK_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     _add_run_args(p)
-    p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser(
         "cache-search", help="tune a language model's neural cache (theta, lambda, size) on "
@@ -646,7 +624,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-tokens", type=int, default=None,
                    help="search on the first N validation tokens (default: all)")
     _add_run_args(p)
-    p.set_defaults(func=cmd_cache_search)
 
     p = sub.add_parser(
         "distill-data", help="knowledge distillation data: teacher beam outputs "
@@ -675,8 +652,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_budget_arg(p)
     _add_run_args(p)
-    p.set_defaults(func=cmd_distill_data)
     return parser
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: the function per kind of run it takes (``"seq2seq"``/``"lm"``; the
+    key ``None`` for commands that take no run directory), and an optional ``check`` of its
+    arguments that runs before anything is read."""
+
+    by_kind: dict[str | None, Callable[[argparse.Namespace], int]]
+    check: Callable[[argparse.Namespace], None] | None = None
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        if self.check is not None:
+            self.check(args)
+        if None in self.by_kind:
+            return self.by_kind[None](args)
+        kind = _run_dir_kind(args.run_dir)
+        if kind not in self.by_kind:
+            takes = " or ".join(KIND_NAMES[k] for k in self.by_kind)
+            raise DynaseqError(f"{args.command}: {args.run_dir} is a {KIND_NAMES[kind]} run; "
+                               f"{args.command} takes {takes} runs")
+        return self.by_kind[kind](args)
+
+
+KIND_NAMES = {"seq2seq": "translation", "lm": "language-model"}
+
+#: subcommand -> what runs it (the parser is :func:`build_parser`).
+COMMANDS: dict[str, Command] = {
+    "train": Command({None: cmd_train}),
+    "translate": Command({"seq2seq": cmd_translate}),
+    "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm}),
+    "calibrate": Command({"seq2seq": cmd_calibrate}),
+    "profile": Command({None: cmd_profile}),  # a run directory or a config file
+    "generate": Command({"lm": cmd_generate}, check=_check_generate),
+    "average": Command({None: cmd_average}),
+    "demo": Command({None: cmd_demo}),
+    "analyze": Command({"seq2seq": cmd_analyze}),
+    "quantize": Command({"seq2seq": _quantize_seq2seq, "lm": _quantize_lm},
+                        check=_check_quantize),
+    "prune": Command({"lm": cmd_prune}, check=_check_prune),
+    "cache-search": Command({"lm": cmd_cache_search}),
+    "distill-data": Command({"seq2seq": _distill_data_seq2seq, "lm": _distill_data_lm}),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -692,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "tol", 1) <= 0:
         parser.error("--tol must be > 0")
     try:
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except DynaseqError as e:
         print(f"dynaseq: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
