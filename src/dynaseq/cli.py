@@ -223,14 +223,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def _run_dir_kind(run_dir: str) -> str:
     """``"seq2seq"`` or ``"lm"``: the task of a run directory (a clear error if it is none)."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise DynaseqError(f"run directory not found: {run}")
-    if not (run / "config.yaml").is_file():
-        raise DynaseqError(f"{run} is not a run directory (no config.yaml)")
     from dynaseq.tasks.registry import run_kind
 
-    return run_kind(run)  # a bad config fails here, with its own message
+    return run_kind(run_dir)  # a bad config fails here, with its own message
 
 
 def _quantize_seq2seq(args: argparse.Namespace) -> int:

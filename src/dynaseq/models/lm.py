@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from dynaseq.nn.adaptive_io import AdaptiveInput, AdaptiveSoftmax
 from dynaseq.nn.feedforward import FeedForward
+from dynaseq.nn.layers import EncoderLayer
 from dynaseq.nn.neural_cache import NeuralCache
 from dynaseq.nn.relative_attention import RelativeCache, relative_attention
 
@@ -66,17 +67,11 @@ class LMStepOutput:
     state: LMState
 
 
-class LMLayer(nn.Module):
-    """Pre-LN layer: ``x + drop(attn(LN x))`` then ``x + drop(ffn(LN x))``. (B, T, d)."""
+class LMLayer(EncoderLayer):
+    """Pre-LN layer: ``x + drop(attn(LN x))`` then ``x + drop(ffn(LN x))``. (B, T, d).
 
-    def __init__(self, d_model: int, self_attn: nn.Module, ffn: nn.Module,
-                 dropout: float = 0.0) -> None:
-        super().__init__()
-        self.self_attn_norm = nn.LayerNorm(d_model)
-        self.self_attn = self_attn
-        self.ffn_norm = nn.LayerNorm(d_model)
-        self.ffn = ffn
-        self.dropout = nn.Dropout(dropout)
+    The encoder layer's sub-layers and parameter names; the self-attention is relative and
+    banded, and carries its cache (the last C-1 keys/values) from call to call."""
 
     def forward(self, x: Tensor, cache: RelativeCache | None = None
                 ) -> tuple[Tensor, RelativeCache]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dynaseq.core.config import LMRunConfig, RunConfig, load_config
-from dynaseq.core.errors import CheckpointError, ConfigError
+from dynaseq.core.config import LMRunConfig, RunConfig
+from dynaseq.core.errors import ConfigError
+from dynaseq.core.rundir import open_run
 from dynaseq.tasks.lm.predictor import LanguageModel
 from dynaseq.tasks.lm.task import LMTask
 from dynaseq.tasks.protocol import Predictor, Task
@@ -35,15 +36,11 @@ def task_for(cfg: Any, hooks: Any = None) -> Task:
 
 def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto") -> Predictor:
     """The task's predictor for a trained run directory of any kind (see ``dynaseq.load``)."""
-    run = Path(run_dir)
-    if not (run / "config.yaml").is_file():
-        raise CheckpointError(f"{run} is not a run directory (no config.yaml)" if run.is_dir()
-                              else f"run directory not found: {run}")
-    cfg = load_config(run / "config.yaml")
+    run, cfg = open_run(run_dir)
     return PREDICTORS[type(cfg)].load(run, checkpoint=checkpoint, device=device)
 
 
 def run_kind(run_dir: str | Path) -> str:
     """``"lm"`` or ``"seq2seq"``: the task of a run directory's config."""
-    cfg = load_config(Path(run_dir) / "config.yaml")
+    _, cfg = open_run(run_dir)
     return "lm" if isinstance(cfg, LMRunConfig) else "seq2seq"

@@ -167,6 +167,17 @@ def finetune(lm: LanguageModel, tmp: Path, steps: int, lr: float | None = None,
     return out
 
 
+def _open_source(run_dir: str | Path, out_dir: str | Path, steps: int, checkpoint: str,
+                 device: str) -> tuple[Path, Path, LanguageModel]:
+    """Check ``steps`` and the new run directory ``out_dir`` (nothing written), then load
+    the source run."""
+    if steps < 0:
+        raise DynaseqError(f"--steps must be >= 0, got {steps}")
+    run, out = Path(run_dir), Path(out_dir)
+    check_new_run_dir(run, out)
+    return run, out, LanguageModel.load(run, checkpoint=checkpoint, device=device)
+
+
 # --------------------------------------------------------------------------- prune
 
 def load_sensitivity(path: str | Path, model: TransformerLM) -> SensitivityResult:
@@ -213,11 +224,7 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
     report written to ``out_dir/prune_report.json``."""
     target = _check_sparsity(sparsity)
     grid = sorted({_check_sparsity(g, "grid sparsity") for g in (grid or DEFAULT_GRID)})
-    if steps < 0:
-        raise DynaseqError(f"--steps must be >= 0, got {steps}")
-    run, out = Path(run_dir), Path(out_dir)
-    check_new_run_dir(run, out)
-    lm = LanguageModel.load(run, checkpoint=checkpoint, device=device)
+    run, out, lm = _open_source(run_dir, out_dir, steps, checkpoint, device)
     if lm.config.model.qat_bits is not None:
         raise DynaseqError(f"{run} is quantized; prune before quantizing")
     if distill is not None and not (Path(distill) / "meta.json").is_file():
@@ -306,11 +313,7 @@ def qat_lm_run(run_dir: str | Path, out_dir: str | Path, bits: int, steps: int =
     (DynaseqError if any weight is not exactly representable). The new run's config records
     ``model.qat_bits``. Returns ``quantize_report.json``."""
     check_bits(bits)
-    if steps < 0:
-        raise DynaseqError(f"--steps must be >= 0, got {steps}")
-    run, out = Path(run_dir), Path(out_dir)
-    check_new_run_dir(run, out)
-    lm = LanguageModel.load(run, checkpoint=checkpoint, device=device)
+    run, out, lm = _open_source(run_dir, out_dir, steps, checkpoint, device)
     if lm.config.model.qat_bits is not None:
         raise DynaseqError(f"{run} is already quantized ({lm.config.model.qat_bits} bits)")
     model = lm.model

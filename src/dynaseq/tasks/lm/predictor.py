@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import LMCacheConfig, LMRunConfig, load_config, read_yaml
+from dynaseq.core.config import LMCacheConfig, LMRunConfig, read_yaml
 from dynaseq.core.distributed import pick_device
-from dynaseq.core.errors import CheckpointError, DynaseqError
+from dynaseq.core.errors import DynaseqError
+from dynaseq.core.rundir import open_run
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
 from dynaseq.models.lm import LMState, TransformerLM, build_lm
 from dynaseq.nn.neural_cache import NeuralCache
@@ -139,10 +140,7 @@ class LanguageModel:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> LanguageModel:
-        run = Path(run_dir)
-        if not run.is_dir():
-            raise CheckpointError(f"run directory not found: {run}")
-        cfg = load_config(run / "config.yaml")
+        run, cfg = open_run(run_dir)
         if not isinstance(cfg, LMRunConfig):
             raise DynaseqError(f"{run} is not a language-model run (no 'task: lm')")
         vocab = Vocab.load(run / VOCAB_FILE)

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from dynaseq.core.checkpoint import load_weights, read_meta, resolve_checkpoint
-from dynaseq.core.config import ModelConfig, RunConfig, load_config
+from dynaseq.core.config import ModelConfig, RunConfig
 from dynaseq.core.distributed import pick_device
-from dynaseq.core.errors import CheckpointError, DynaseqError
+from dynaseq.core.errors import DynaseqError
+from dynaseq.core.rundir import open_run
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models import build_seq2seq
@@ -205,12 +206,9 @@ class Translator:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> Translator:
-        run = Path(run_dir)
-        if not run.is_dir():
-            raise CheckpointError(f"run directory not found: {run}")
-        if not (run / "config.yaml").is_file():
-            raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
-        cfg = load_config(run / "config.yaml")
+        run, cfg = open_run(run_dir)
+        if not isinstance(cfg, RunConfig):
+            raise DynaseqError(f"{run} is not a translation run (its config has 'task: lm')")
         ckpt = resolve_checkpoint(run, checkpoint)
         meta = read_meta(ckpt)
         tok = Tokenizer.load(run / "spm.model")
