@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from cct_quality import run_dir
-from mt_baseline import learning_curve
+
+from _lib import learning_curve
 
 RESULTS = Path("benchmarks/results")
 

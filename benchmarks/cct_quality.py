@@ -39,7 +39,7 @@ from dynaseq.infer.translator import Translator
 from dynaseq.metrics import count_macs
 from dynaseq.train.loop import train
 
-from mt_baseline import throughput
+from _lib import throughput
 
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")

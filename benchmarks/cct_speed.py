@@ -55,14 +55,13 @@ from math import nan
 from pathlib import Path
 
 import torch
+from cct_quality import CCT_RUN, run_dir
 
 from dynaseq.adaptive.cct import force_gates
 from dynaseq.data import collate, make_corpus, read_lines, token_batches
 from dynaseq.infer.translator import Translator, decode_corpus
 from dynaseq.train.checkpoint import read_meta
 from dynaseq.train.loss import label_smoothed_loss
-
-from cct_quality import CCT_RUN, run_dir
 
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")

@@ -31,14 +31,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from cct_quality import CCT_RUN
 
 from dynaseq.config import load_config, save_config
 from dynaseq.data import Tokenizer, read_lines
 from dynaseq.infer.translator import Translator
 from dynaseq.models import build_seq2seq
 from dynaseq.train import checkpoint as ckpt
-
-from cct_quality import CCT_RUN
 
 DATA = Path("../shared/data/multi30k")
 SIZES = ("base", "big")

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from plotting import labelled_scatter
 
 from dynaseq.config import load_config
 from dynaseq.data import read_lines
@@ -48,8 +49,7 @@ from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.metrics.profile import count_params
 from dynaseq.train.loop import train
 
-from mt_baseline import throughput
-from plotting import labelled_scatter
+from _lib import throughput
 
 DATA = Path("../shared/data/multi30k")
 RESULTS = Path("benchmarks/results")

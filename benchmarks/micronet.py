@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from plotting import labelled_scatter
 
 RESULTS = Path("benchmarks/results")
