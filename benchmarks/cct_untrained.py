@@ -31,7 +31,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from cct_quality import CCT_RUN
 
 from dynaseq.config import load_config, save_config
 from dynaseq.data import Tokenizer, read_lines
@@ -39,7 +38,10 @@ from dynaseq.infer.translator import Translator
 from dynaseq.models import build_seq2seq
 from dynaseq.train import checkpoint as ckpt
 
-DATA = Path("../shared/data/multi30k")
+import _lib
+
+DATA = _lib.MULTI30K
+CCT_RUN = _lib.cct_quality_run("cct")  # its tokenizer serves the untrained models
 SIZES = ("base", "big")
 BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 
@@ -47,9 +49,9 @@ BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 def runs(size: str) -> dict[str, tuple[str, list[str]]]:
     """Run dir -> (config, overrides) of the CCT (first) and the dense model of ``size``."""
     shape = [f"model.size={size}", "model.encoder_layers=6", "model.decoder_layers=6"]
-    return {f"runs/bench/cct_{size}_untrained": ("configs/multi30k_cct_small.yaml",
-                                                 [*shape, "model.cct.control_hidden=128"]),
-            f"runs/bench/dense_{size}_untrained": ("configs/multi30k_small.yaml", shape)}
+    return {f"{_lib.RUNS}/cct_{size}_untrained": ("configs/multi30k_cct_small.yaml",
+                                                  [*shape, "model.cct.control_hidden=128"]),
+            f"{_lib.RUNS}/dense_{size}_untrained": ("configs/multi30k_small.yaml", shape)}
 
 
 def build(run: str, config: str, overrides: list[str], tok: Tokenizer) -> None:
