@@ -50,7 +50,8 @@ def command(argv: list[str] | None = None) -> str:
                      *map(shlex.quote, argv[1:])])
 
 
-def machine(*, processor: bool = False, threads: bool = True, **extra: Any) -> dict[str, Any]:
+def machine(*, processor: bool = False, torch_threads: bool = True,
+            **extra: Any) -> dict[str, Any]:
     """What a result records of the machine: platform, (processor,) torch version, (torch's
     thread count,) then ``extra`` in the order given."""
     import torch
@@ -59,7 +60,7 @@ def machine(*, processor: bool = False, threads: bool = True, **extra: Any) -> d
     if processor:
         out["processor"] = platform.processor()
     out["torch"] = torch.__version__
-    if threads:
+    if torch_threads:
         out["threads"] = torch.get_num_threads()
     return {**out, **extra}
 

@@ -80,7 +80,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     out = {"benchmark": "cct_ablation",
            "command": f"python benchmarks/cct_ablation.py train --steps {args.steps} && "
                       "python benchmarks/cct_ablation.py report",
-           "machine": _lib.machine(threads=False, threads_train=1,
+           "machine": _lib.machine(torch_threads=False, threads_train=1,
                                    threads_eval=torch.get_num_threads()),
            "updates_per_variant": args.steps, "rows": rows}
     lines = markdown(out)

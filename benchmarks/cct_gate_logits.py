@@ -87,7 +87,7 @@ def main() -> None:
             rows.append({"run": str(run), "budget": list(pair), "alpha": alpha,
                          **summarize(logits, alpha)})
     out = {"benchmark": "cct_gate_logits", "command": _lib.command(),
-           "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(threads=False),
+           "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(torch_threads=False),
            "data": f"first {args.lines} pairs of multi30k val en->fr, teacher forced",
            "rows": rows}
     lines = markdown(out)

@@ -332,9 +332,11 @@ def cmd_report_long(args: argparse.Namespace) -> None:
                          **evaluate(Translator.load(path), src, ref)})
     # validation events at every 200th update (the configs' valid_every); a run stopped by a
     # signal also logs one at the step it stopped at: those are left out
-    curves = {name: _lib.valid_curve(run_dir(name), every=200, missing_ok=True) for name in LONG}
+    curves = {name: _lib.valid_curve(run_dir(name), every=200, missing_ok=True)
+              for name in LONG}
     out = {"benchmark": "dmb_long", "command": "python benchmarks/dmb.py train long; "
-           "python benchmarks/dmb.py report-long", "machine": _lib.machine(threads=False),
+           "python benchmarks/dmb.py report-long",
+           "machine": _lib.machine(torch_threads=False),
            "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4", "rows": rows,
            "valid_curves": curves}
     lines = long_markdown(out)

@@ -128,7 +128,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = [probe(run, b) for run in args.runs for b in args.bits]
-    out = {"command": _lib.command(), "machine": _lib.machine(threads=False),
+    out = {"command": _lib.command(), "machine": _lib.machine(torch_threads=False),
            "measured": time.strftime("%Y-%m-%d"), "valid_tokens": VALID_TOKENS, "rows": rows}
     lines = markdown(out)
     _lib.write_results(args.results, "qat_probe", out, lines, json_newline=True)
