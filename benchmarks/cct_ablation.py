@@ -23,41 +23,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
 from dynaseq.data import read_lines, write_task
-from dynaseq.demo import DEMO_BUDGETS, demo_cct, demo_config, token_accuracy
-from dynaseq.infer.translator import Translator, bleu
-from dynaseq.train.loop import train
+from dynaseq.tasks.translation.predictor import Translator, bleu
+from dynaseq.workflows.demo import DEMO_BUDGETS, demo_cct, demo_config, token_accuracy
 
-RESULTS = Path("benchmarks/results")
-RUNS = Path("runs/bench/cct_ablation")
+import _lib
+import _plot
+
+RUNS = _lib.RUNS / "cct_ablation"
 DATA = RUNS / "data"
-# name -> (noise ramp as a fraction of the updates, FFN pieces M)
-VARIANTS = {"linear, M=4": (0.3, 4), "constant, M=4": (0.0, 4), "linear, M=2": (0.3, 2),
-            "linear, M=1": (0.3, 1)}
+# name -> {"noise_ramp": a fraction of the updates, "ffn_pieces": M}
+VARIANTS = _lib.registry("cct_ablation", "variants", ("noise_ramp", "ffn_pieces"))
 
 
 def run_dir(name: str) -> Path:
+    """Where variant ``name`` trains."""
     return RUNS / name.replace(", ", "_").replace("=", "")
+
+
+def config(name: str, paths, steps: int):
+    """The demo's tiny CCT config for variant ``name``, ``steps`` updates."""
+    v = VARIANTS[name]
+    cct = demo_cct(steps, updates_per_minute=1.0)
+    cct.ffn_pieces, cct.noise_ramp_steps = v["ffn_pieces"], int(v["noise_ramp"] * steps)
+    cfg = demo_config(run_dir(name), paths, minutes=60.0, seed=0, cct=cct)
+    cfg.run_dir = str(run_dir(name))
+    cfg.train.max_steps = steps
+    return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     paths = write_task(DATA, seed=0)
-    for name, (ramp, pieces) in VARIANTS.items():
-        cct = demo_cct(args.steps, updates_per_minute=1.0)
-        cct.ffn_pieces, cct.noise_ramp_steps = pieces, int(ramp * args.steps)
-        cfg = demo_config(run_dir(name), paths, minutes=60.0, seed=0, cct=cct)
-        cfg.run_dir = str(run_dir(name))
-        cfg.train.max_steps = args.steps
-        print(f"== training {name}", file=sys.stderr, flush=True)
-        if train(cfg, progress=True).stopped_by_signal is not None:
-            break
+    _lib.train_each(config(name, paths, args.steps) for name in VARIANTS)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -77,30 +80,30 @@ def cmd_report(args: argparse.Namespace) -> None:
     out = {"benchmark": "cct_ablation",
            "command": f"python benchmarks/cct_ablation.py train --steps {args.steps} && "
                       "python benchmarks/cct_ablation.py report",
-           "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                       "threads_train": 1, "threads_eval": torch.get_num_threads()},
+           "machine": _lib.machine(torch_threads=False, threads_train=1,
+                                   threads_eval=torch.get_num_threads()),
            "updates_per_variant": args.steps, "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cct_ablation.json").write_text(json.dumps(out, indent=1))
-    lines = ["# cct_ablation: noise schedule (fig. 7) and FFN pieces M (fig. 8), synthetic task",
-             "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Each variant: the demo's tiny CCT, {args.steps} updates.", "",
-             "| variant | budget | BLEU greedy | hard-word acc | realized fraction |",
-             "|---|---|---:|---:|---:|"]
-    lines += [f"| {r['variant']} | {tuple(r['budget'])} | {r['bleu_greedy']} | "
-              f"{r['hard_token_acc']} | {r['realized_fraction']} |" for r in rows]
-    (RESULTS / "cct_ablation.md").write_text("\n".join(lines) + "\n")
+    lines = markdown(out)
+    _lib.write_results(args.results, "cct_ablation", out, lines)
     print("\n".join(lines))
-    plot(rows)
+    plot(rows, args.results / "cct_ablation.png")
 
 
-def plot(rows: list[dict]) -> None:
-    import matplotlib
+def markdown(out: dict) -> list[str]:
+    """The lines of cct_ablation.md for the results ``out``."""
+    lines = _lib.md_head(
+        "cct_ablation: noise schedule (fig. 7) and FFN pieces M (fig. 8), synthetic task",
+        out["command"], f"Machine: {out['machine']}",
+        f"Each variant: the demo's tiny CCT, {out['updates_per_variant']} updates.")
+    return lines + _lib.md_table(
+        ["variant", "budget", "BLEU greedy", "hard-word acc", "realized fraction"], "llrrr",
+        ([r["variant"], tuple(r["budget"]), r["bleu_greedy"], r["hard_token_acc"],
+          r["realized_fraction"]] for r in out["rows"]))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+def plot(rows: list[dict], path: Path) -> None:
+    """BLEU against the realized fraction: the noise schedules, and the FFN pieces."""
+    fig, axes = _plot.pyplot().subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, names, title in ((axes[0], ["linear, M=4", "constant, M=4"], "noise (fig. 7)"),
                              (axes[1], ["linear, M=4", "linear, M=2", "linear, M=1"],
                               "FFN pieces M (fig. 8)")):
@@ -113,14 +116,14 @@ def plot(rows: list[dict]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     axes[0].set_ylabel("BLEU (greedy), synthetic test")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "cct_ablation.png", dpi=120)
+    _plot.save(fig, path)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("cmd", choices=["train", "report"])
     p.add_argument("--steps", type=int, default=1200)
+    _lib.add_results_arg(p)
     args = p.parse_args()
     {"train": cmd_train, "report": cmd_report}[args.cmd](args)
 

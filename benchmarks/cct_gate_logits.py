@@ -16,20 +16,19 @@ Writes benchmarks/results/cct_gate_logits.{json,md}. Run from the repository roo
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from dynaseq.adaptive.gating import Gate
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate, make_corpus, read_lines
-from dynaseq.errors import DynaseqError
-from dynaseq.infer.translator import Translator
+from dynaseq.tasks.translation.predictor import Translator
+from dynaseq.techniques.cct.gating import Gate
 
-DATA = Path("../shared/data/multi30k")
-RESULTS = Path("benchmarks/results")
+import _lib
+
+DATA = _lib.MULTI30K
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 
@@ -72,6 +71,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="trained CCT run directories")
     p.add_argument("--lines", type=int, default=200, help="validation pairs (default 200)")
+    _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(2)
     rows = []
@@ -86,27 +86,29 @@ def main() -> None:
         for pair, logits in gate_logits(t, args.lines).items():
             rows.append({"run": str(run), "budget": list(pair), "alpha": alpha,
                          **summarize(logits, alpha)})
-    cmd = "python benchmarks/cct_gate_logits.py " + " ".join(map(str, args.runs))
-    out = {"benchmark": "cct_gate_logits", "command": cmd, "date": time.strftime("%Y-%m-%d"),
-           "machine": {"platform": platform.platform(), "torch": torch.__version__},
+    out = {"benchmark": "cct_gate_logits", "command": _lib.command(),
+           "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(torch_threads=False),
            "data": f"first {args.lines} pairs of multi30k val en->fr, teacher forced",
            "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cct_gate_logits.json").write_text(json.dumps(out, indent=1))
-    cols = " / ".join(f"{q:g}" for q in QUANTILES)
-    lines = ["# cct_gate_logits: trained gate logits against the training noise", "",
-             f"Command: `{cmd}`  ", f"Machine: {out['machine']}  ", f"Data: {out['data']}", "",
-             "open: share of gates inference opens (logit >= 0). Quantiles of the open gates' "
-             "logits. noise drops: mean Φ(−logit/α) over the open gates, the share of their "
-             "work the training noise α·N(0, 1) switched off.", "",
-             f"| run | budget (enc, dec) | open | open-gate logit quantiles ({cols}) | "
-             "noise drops |", "|---|---|---:|---|---:|"]
-    for r in rows:
-        q = " / ".join(str(v) for v in r["open_logit_quantiles"].values())
-        lines.append(f"| {Path(r['run']).name} | {tuple(r['budget'])} | {r['open']} | {q} | "
-                     f"{r['noise_drops_open']} |")
-    (RESULTS / "cct_gate_logits.md").write_text("\n".join(lines) + "\n")
+    lines = markdown(out)
+    _lib.write_results(args.results, "cct_gate_logits", out, lines)
     print("\n".join(lines))
+
+
+def markdown(out: dict) -> list[str]:
+    """The lines of cct_gate_logits.md for the results ``out``."""
+    cols = " / ".join(f"{q:g}" for q in QUANTILES)
+    lines = _lib.md_head("cct_gate_logits: trained gate logits against the training noise",
+                         out["command"], f"Machine: {out['machine']}", f"Data: {out['data']}")
+    lines += ["open: share of gates inference opens (logit >= 0). Quantiles of the open gates' "
+              "logits. noise drops: mean Φ(−logit/α) over the open gates, the share of their "
+              "work the training noise α·N(0, 1) switched off.", ""]
+    return lines + _lib.md_table(
+        ["run", "budget (enc, dec)", "open", f"open-gate logit quantiles ({cols})",
+         "noise drops"], "llrlr",
+        ([Path(r["run"]).name, tuple(r["budget"]), r["open"],
+          " / ".join(str(v) for v in r["open_logit_quantiles"].values()),
+          r["noise_drops_open"]] for r in out["rows"]))
 
 
 if __name__ == "__main__":

@@ -19,24 +19,12 @@ Run from the repository root.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from cct_quality import run_dir
-from mt_baseline import learning_curve
-
-RESULTS = Path("benchmarks/results")
-
-
-def valid_curve(run: Path) -> dict[int, dict[str, float]]:
-    """step -> {"loss", "bleu"} of every validation in ``run``'s log (a step validated twice,
-    after a stop and resume, keeps its last entry)."""
-    if not (run / "log.jsonl").exists():
-        raise FileNotFoundError(f"{run / 'log.jsonl'} does not exist: train the system first")
-    return {int(v["step"]): {"loss": v["valid_loss"], "bleu": v["valid_bleu"]}
-            for v in learning_curve(run)}
+import _lib
+import _plot
 
 
 def main() -> None:
@@ -44,10 +32,11 @@ def main() -> None:
     p.add_argument("--cct", default="cct_x5", help="the CCT system (default cct_x5)")
     p.add_argument("--dense", nargs="+", default=["small_x5", "width_f128_x5", "depth_1_1_x5"],
                    help="dense systems; the first is the dense model of the CCT's size")
+    _lib.add_results_arg(p)
     args = p.parse_args()
     names = [args.cct, *args.dense]
     try:
-        curves = {n: valid_curve(run_dir(n)) for n in names}
+        curves = {n: _lib.valid_curve(_lib.cct_quality_run(n)) for n in names}
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
     ref = args.dense[0]
@@ -60,42 +49,35 @@ def main() -> None:
              "loss_gap_to_" + ref: round(curves[args.cct][s]["loss"] - curves[ref][s]["loss"], 4)}
             for s in steps]
     out = {"benchmark": "cct_learning_curve",
-           "command": f"python benchmarks/cct_learning_curve.py --cct {args.cct} "
-                      f"--dense {' '.join(args.dense)}",
+           "command": _lib.command(),
            "date": time.strftime("%Y-%m-%d"),
            "validation": "multi30k val en->fr: loss over all 1014 pairs (teacher forced); "
                          "greedy BLEU on the first 300; the CCT at budget (1, 1), raw gates",
            "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cct_learning_curve.json").write_text(json.dumps(out, indent=1))
-    write_md(out, names, ref)
-    plot(out, names, ref)
-
-
-def write_md(out: dict, names: list[str], ref: str) -> None:
-    gap = "loss_gap_to_" + ref
-    lines = ["# cct_learning_curve: validation loss and BLEU by update, CCT vs dense", "",
-             f"Command: `{out['command']}`  ", f"Validation: {out['validation']}  ",
-             f"Read from the training logs on {out['date']}.", "",
-             "| step | " + " | ".join(f"{n} loss" for n in names) + f" | CCT − {ref} loss | "
-             + " | ".join(f"{n} BLEU" for n in names) + " |",
-             "|---:|" + "---:|" * (2 * len(names) + 1)]
-    for r in out["rows"]:
-        loss = [f"{r[n]['loss']:.3f}" if n in r else "" for n in names]
-        bleu = [f"{r[n]['bleu']:.2f}" if n in r else "" for n in names]
-        lines.append(f"| {r['step']} | " + " | ".join(loss) + f" | {r[gap]:+.3f} | "
-                     + " | ".join(bleu) + " |")
-    (RESULTS / "cct_learning_curve.md").write_text("\n".join(lines) + "\n")
+    lines = markdown(out, names, ref)
+    _lib.write_results(args.results, "cct_learning_curve", out, lines)
     print("\n".join(lines))
+    plot(out, names, ref, args.results / "cct_learning_curve.png")
 
 
-def plot(out: dict, names: list[str], ref: str) -> None:
-    import matplotlib
+def markdown(out: dict, names: list[str], ref: str) -> list[str]:
+    """The lines of cct_learning_curve.md for the results ``out`` of systems ``names`` (the
+    CCT first), against dense system ``ref``."""
+    gap = "loss_gap_to_" + ref
+    lines = _lib.md_head("cct_learning_curve: validation loss and BLEU by update, CCT vs dense",
+                         out["command"], f"Validation: {out['validation']}",
+                         f"Read from the training logs on {out['date']}.")
+    return lines + _lib.md_table(
+        ["step", *(f"{n} loss" for n in names), f"CCT − {ref} loss",
+         *(f"{n} BLEU" for n in names)], "r" * (2 * len(names) + 2),
+        ([r["step"], *(f"{r[n]['loss']:.3f}" if n in r else "" for n in names),
+          f"{r[gap]:+.3f}", *(f"{r[n]['bleu']:.2f}" if n in r else "" for n in names)]
+         for r in out["rows"]))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(10, 4))
+def plot(out: dict, names: list[str], ref: str, path: Path) -> None:
+    """Validation loss by update of every system, and the CCT's gap to ``ref``."""
+    fig, (ax_loss, ax_gap) = _plot.pyplot().subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in out["rows"]]
     for n in names:
         ax_loss.plot([r["step"] for r in out["rows"] if n in r],
@@ -111,9 +93,7 @@ def plot(out: dict, names: list[str], ref: str) -> None:
     for ax in (ax_loss, ax_gap):
         ax.grid(alpha=0.3)
     fig.suptitle("Multi30k en→fr: the CCT's full budget against dense, by update")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "cct_learning_curve.png", dpi=120)
-    plt.close(fig)
+    _plot.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -26,97 +26,47 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dynaseq.config import load_config
+from dynaseq.core.config import load_config
 from dynaseq.data import read_lines
-from dynaseq.infer.translator import Translator
 from dynaseq.metrics import count_macs
-from dynaseq.train.loop import train
+from dynaseq.tasks.translation.predictor import Translator
 
-from mt_baseline import throughput
+import _lib
+import _plot
 
-DATA = Path("../shared/data/multi30k")
-RESULTS = Path("benchmarks/results")
-RUNS = Path("runs/bench")
-
-
-def run_dir(name: str) -> Path:
-    """Where system ``name`` (``cct``, a variant, a baseline) is trained."""
-    return RUNS / f"cct_quality_{name}"
-
-
+DATA = _lib.MULTI30K
+run_dir = _lib.cct_quality_run
 CCT_RUN = run_dir("cct")
-# CCT variants trained like the CCT with these overrides of its config (`train cct --variants`),
-# reported at the calibrated (b, b) budgets: how the model's settings move quality.
-# QUARTER: the budgets the CCT had until cct_full50 (the full budget half the draws, now the
-# configured list) beat it at every budget; cct_ctl / cct_nonorm were trained on it, from a
-# quieter control symbol and without the paper's output LayerNorms (a 200-update probe with
-# every gate on had each change closing part of the gap to dense).
-LOWER = "[0.5, 0.5], [0.33, 0.33], [0.2, 0.2], [1, 0.5], [1, 0.33], [1, 0.2]"
-
-
-def full_share(n_full: int) -> str:
-    """The budgets override drawing (1, 1) ``n_full`` times and each :data:`LOWER` once."""
-    return "model.cct.budgets=[" + ", ".join(["[1, 1]"] * n_full + [LOWER]) + "]"
-
-
-QUARTER = full_share(2)
-# the longer runs, name suffix -> updates: cct_long / _x3 … _x6 and LONG_BASELINES,
-# each continued from a copy of the next shorter run's directory (resume is exact)
-LONG_STEPS = {"long": 2800, "x3": 4200, "x4": 5600, "x5": 7000, "x6": 8400, "x7": 9800}
-VARIANTS = {
-    "cct_quarter": ("CCT, full budget a quarter of the draws", [QUARTER]),
-    "cct_ctl": ("CCT, control init std 0.25", [QUARTER, "model.cct.control_init_std=0.25"]),
-    "cct_nonorm": ("CCT, control init std 0.25, no output LayerNorms",
-                   [QUARTER, "model.cct.control_init_std=0.25", "model.cct.output_norms=false"]),
-    # the paper's 36-entry cross product: half of each side's draws at 1, (1, 1) a quarter
-    "cct_grid": ("CCT, the paper's budget grid", [
-        "model.cct.budgets=[[1.0, 1.0]]", "model.cct.budget_grid=[1, 1, 1, 0.5, 0.33, 0.2]"]),
-    "cct_full67": ("CCT, full budget two thirds of the draws", [full_share(12)]),
-    "cct_nolnout": ("CCT, no output LayerNorms", ["model.cct.output_norms=false"]),
-    # in-place self-distillation (dynaseq.train.self_distill): budgets below (1, 1) also
-    # learn the full budget's output distribution on the same batch
-    "cct_distill": ("CCT, in-place self-distillation 0.5", ["model.cct.distill_weight=0.5"]),
-    # the configured CCT trained two, three and four times as long (compare with dense
-    # small_long, small_x3, small_x4): does the gap at full budget close with training?
-    # Resume is exact, so a copy of the 1400-update run continued to 2800 equals a
-    # 2800-update run from scratch.
-    **{f"cct_{tag}": (f"CCT, {steps} updates",
-                      [f"train.max_steps={steps}", f"train.max_minutes={steps // 10}"])
-       for tag, steps in LONG_STEPS.items()},
-}
+# the longer runs, name suffix -> updates (variants/cct_quality.yaml)
+LONG_STEPS: dict[str, int] = _lib.variants_file("cct_quality")["long_steps"]
+# name -> {"label", "overrides" of the CCT's config}: the YAML's variants, then cct_long,
+# cct_x3 ... (the configured CCT trained LONG_STEPS updates)
+VARIANTS: dict[str, dict] = {
+    **_lib.registry("cct_quality", "variants", ("label", "overrides")),
+    **{f"cct_{tag}": {"label": f"CCT, {steps} updates",
+                      "overrides": [f"train.max_steps={steps}", f"train.max_minutes={steps // 10}"]}
+       for tag, steps in LONG_STEPS.items()}}
 VARIANT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 CCT_MINUTES = 90.0  # a time cap only: max_steps (1400) ends the run first
 # Every dense model gets the CCT's updates (configs/multi30k_cct_small.yaml train.max_steps),
 # with the same data, batch size, schedule and seed: equal training, not equal minutes.
 DENSE_STEPS = 1400
-# name -> (description, overrides of configs/multi30k_small.yaml); listed in training order
-BASELINES = {
-    "small": ("small (3+3, FFN 1024)", []),
-    "depth_1_1": ("depth: 1+1 layers", ["model.encoder_layers=1", "model.decoder_layers=1"]),
-    "width_f128": ("FFN width 128", ["model.ffn_dim=128"]),
-    "depth_2_1": ("depth: 2+1 layers", ["model.encoder_layers=2", "model.decoder_layers=1"]),
-    "decoder_3_1": ("full encoder, 1 decoder layer",
-                    ["model.encoder_layers=3", "model.decoder_layers=1"]),
-}
-# the dense models of the long CCTs' size and of their (.5, .5) and (.33, .33) MACs, trained
-# as long; `train baselines` trains them only when named (each doubles the lane's time or more)
-LONG_DENSE = ("small", "width_f128", "depth_1_1")
-# The dense models stopped improving by 5600 updates (`small`'s validation loss rises after
-# 5000, cct_learning_curve.md), so they were not continued past 7000: CCTs trained longer
-# are compared with their best score.
-DENSE_LONG_TAGS = ("long", "x3", "x4", "x5")
-LONG_BASELINES = {f"{n}_{tag}": (f"{BASELINES[n][0]}, {LONG_STEPS[tag]} updates",
-                                  [*BASELINES[n][1], f"train.max_steps={LONG_STEPS[tag]}"])
-                  for tag in DENSE_LONG_TAGS
-                  for n in LONG_DENSE}
-BASELINES.update(LONG_BASELINES)
+LONG_DENSE: list[str] = _lib.variants_file("cct_quality")["long_dense"]
+# name -> {"label", "overrides" of configs/multi30k_small.yaml}, in training order
+SHORT_BASELINES: dict[str, dict] = _lib.registry("cct_quality", "baselines",
+                                                 ("label", "overrides"))
+LONG_BASELINES: dict[str, dict] = {
+    f"{n}_{tag}": {"label": f"{SHORT_BASELINES[n]['label']}, {LONG_STEPS[tag]} updates",
+                   "overrides": [*SHORT_BASELINES[n]["overrides"],
+                                 f"train.max_steps={LONG_STEPS[tag]}"]}
+    for tag in _lib.variants_file("cct_quality")["dense_long_tags"] for n in LONG_DENSE}
+BASELINES = {**SHORT_BASELINES, **LONG_BASELINES}
 CCT_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2), (1.0, 0.5), (1.0, 0.33),
                (1.0, 0.2)]
 UNTRAINED = [(0.4, 0.4)]  # run by calibrating the nearest trained budget's gates
@@ -125,16 +75,18 @@ UNTRAINED = [(0.4, 0.4)]  # run by calibrating the nearest trained budget's gate
 def cct_config(variant: str | None = None):
     """The CCT's config, or that of one of :data:`VARIANTS`."""
     run, overrides = (CCT_RUN, []) if variant is None else (run_dir(variant),
-                                                             VARIANTS[variant][1])
+                                                             VARIANTS[variant]["overrides"])
     return load_config("configs/multi30k_cct_small.yaml",
                        [f"run_dir={run}", f"train.max_minutes={CCT_MINUTES}", *overrides])
 
 
 def baseline_config(name: str):
+    """The config of dense baseline ``name`` (one of :data:`BASELINES`)."""
     return load_config("configs/multi30k_small.yaml", [
         f"run_dir={run_dir(name)}",
         f"data.train_tgt={DATA}/train.fr.gz", f"data.valid_tgt={DATA}/val.fr.gz",
-        f"train.max_steps={DENSE_STEPS}", "train.valid_bleu_lines=300", *BASELINES[name][1]])
+        f"train.max_steps={DENSE_STEPS}", "train.valid_bleu_lines=300",
+        *BASELINES[name]["overrides"]])
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -144,11 +96,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         configs = [baseline_config(n) for n in BASELINES
                    if (n in args.only if args.only else n not in LONG_BASELINES)]
-    for cfg in configs:
-        print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
-        result = train(cfg, progress=True)
-        if result.stopped_by_signal is not None:  # checkpoint written; rerun to resume
-            break
+    _lib.train_each(configs)
 
 
 def layer_macs_per_token(t: Translator, src: list[str], ref: list[str]) -> dict[str, float]:
@@ -168,7 +116,7 @@ def evaluate(t: Translator, src: list[str], ref: list[str], budget=None) -> dict
     r = t.evaluate(src, ref, beam=4, budget=budget)
     row = {"bleu_beam4": round(r["bleu"], 2), "loss": round(r["loss"], 4),
            "params": sum(p.numel() for p in t.model.parameters()),
-           **throughput(Path(t.config.run_dir))}
+           **_lib.throughput(Path(t.config.run_dir))}
     if budget is None:
         row["layer_macs_per_token"] = {k: round(v) for k, v in
                                        layer_macs_per_token(t, src, ref).items()}
@@ -196,20 +144,13 @@ def calibrated_cct(run: Path, lines: int, budgets=None) -> Translator:
     return t
 
 
-def committed_rows() -> dict[str, dict]:
-    path = RESULTS / "cct_quality.json"
-    if not path.exists():
-        return {}
-    out = json.loads(path.read_text())
-    return {r["system"]: {**r, "measured": r.get("measured", out.get("date", "2026-11-22"))}
-            for r in out["rows"]}
-
-
 def cmd_report(args: argparse.Namespace) -> None:
     src = read_lines(DATA / "test_2016_flickr.en.gz")
     ref = read_lines(DATA / "test_2016_flickr.fr.gz")
     today = time.strftime("%Y-%m-%d")
-    carried = committed_rows()
+    # rows of the committed results by system, with the date each was measured
+    carried = _lib.committed_rows(args.results / "cct_quality.json", "system", "date",
+                                  "2026-11-22")
 
     def wanted(name: str) -> bool:
         return not args.only or name in args.only
@@ -225,8 +166,8 @@ def cmd_report(args: argparse.Namespace) -> None:
                  for e, d in [*CCT_BUDGETS, *UNTRAINED]]
     else:
         rows += [r for name, r in carried.items() if name.startswith("CCT (")]
-    for variant, (label, _) in VARIANTS.items():
-        run = run_dir(variant)
+    for variant, spec in VARIANTS.items():
+        label, run = spec["label"], run_dir(variant)
         if wanted(variant) and (run / "config.yaml").exists():
             cal = calibrated_cct(run, args.calibration_lines, VARIANT_BUDGETS)
             rows += [{"system": f"{label} ({e:g}, {d:g}) calibrated",
@@ -234,16 +175,15 @@ def cmd_report(args: argparse.Namespace) -> None:
                      for e, d in VARIANT_BUDGETS]
         else:
             rows += [r for name, r in carried.items() if name.startswith(label + " (")]
-    for name, (desc, _) in BASELINES.items():
-        run, system = Path(baseline_config(name).run_dir), f"dense {desc}"
+    for name, spec in BASELINES.items():
+        run, system = Path(baseline_config(name).run_dir), f"dense {spec['label']}"
         if wanted(name) and (run / "config.yaml").exists():
             rows.append({"system": system, **evaluate(Translator.load(run), src, ref)})
         elif system in carried:  # not re-measured: keep the committed row and its date
             rows.append(carried[system])
     for r in rows:
         r.setdefault("measured", today)
-    machine = {"platform": platform.platform(), "torch": torch.__version__,
-               "threads": torch.get_num_threads()}
+    machine = _lib.machine()
     command = ("python benchmarks/cct_quality.py train cct & python benchmarks/cct_quality.py "
                "train baselines; python benchmarks/cct_quality.py train cct --variants "
                f"{' '.join(VARIANTS)}; python benchmarks/cct_quality.py train baselines --only "
@@ -253,65 +193,69 @@ def cmd_report(args: argparse.Namespace) -> None:
            "test_set": "multi30k test_2016_flickr en->fr (1000 sentences), beam 4",
            "calibration": f"first {args.calibration_lines} pairs of multi30k val en->fr",
            "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cct_quality.json").write_text(json.dumps(out, indent=1))
-    write_quality_md(out)
-    write_adherence(out)
-    plot(rows)
+    lines = quality_md(out)
+    _lib.write_results(args.results, "cct_quality", out, lines)
+    print("\n".join(lines))
+    adherence = adherence_results(out)
+    adherence_lines = adherence_md(adherence, out["calibration"])
+    _lib.write_results(args.results, "cct_adherence", adherence, adherence_lines)
+    print("\n".join(adherence_lines))
+    plot(rows, args.results / "cct_quality.png")
 
 
-def write_quality_md(out: dict) -> None:
+def quality_md(out: dict) -> list[str]:
+    """The lines of cct_quality.md for the results ``out``."""
     full = next(r for r in out["rows"] if r["system"].startswith("dense small"))
-    lines = ["# cct_quality: one CCT at several budgets vs MAC-matched dense models", "",
-             f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Test set: {out['test_set']}", "",
-             "Layer MACs/token: attention + FFN (+ control nets for the CCT) per source token "
-             "plus per target token, teacher forced over the test pairs, batch 1; embeddings "
-             "and the output layer (the same for every model) excluded. For the CCT, the "
-             "MACs that actually ran at that budget. \"calibrated\": the gate thresholds "
-             f"shifted per budget and sub-network on {out.get('calibration', 'validation')} "
-             "(`dynaseq calibrate`) so the realized compute meets the budget; (0.4, 0.4) was "
-             "not trained and runs the (0.5, 0.5) control symbol calibrated to 0.4.", "",
-             "| system | BLEU beam4 | layer MACs/token | ÷ dense small | realized fraction "
-             "(enc, dec) | params | steps | train min | measured |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in out["rows"]:
-        if r.get("variant"):
-            continue  # in the variants table
+    lines = _lib.md_head(
+        "cct_quality: one CCT at several budgets vs MAC-matched dense models", out["command"],
+        f"Machine: {out['machine']}", f"Test set: {out['test_set']}")
+    lines += ["Layer MACs/token: attention + FFN (+ control nets for the CCT) per source token "
+              "plus per target token, teacher forced over the test pairs, batch 1; embeddings "
+              "and the output layer (the same for every model) excluded. For the CCT, the "
+              "MACs that actually ran at that budget. \"calibrated\": the gate thresholds "
+              f"shifted per budget and sub-network on {out.get('calibration', 'validation')} "
+              "(`dynaseq calibrate`) so the realized compute meets the budget; (0.4, 0.4) was "
+              "not trained and runs the (0.5, 0.5) control symbol calibrated to 0.4.", ""]
+
+    def cells(r: dict) -> list:
         macs = r["layer_macs_per_token"]["total"]
         frac = r.get("realized_fraction")
-        frac_s = f"{frac['encoder']}, {frac['decoder']}" if frac else ""
-        lines.append(f"| {r['system']} | {r['bleu_beam4']} | {macs / 1e6:.3f}M | "
-                     f"{macs / full['layer_macs_per_token']['total']:.3f} | {frac_s} | "
-                     f"{r['params']:,} | {r['steps']} | {r['train_minutes']} | "
-                     f"{r.get('measured', '')} |")
-    lines += variants_table(out["rows"])
-    (RESULTS / "cct_quality.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        return [r["system"], r["bleu_beam4"], f"{macs / 1e6:.3f}M",
+                f"{macs / full['layer_macs_per_token']['total']:.3f}",
+                f"{frac['encoder']}, {frac['decoder']}" if frac else "", f"{r['params']:,}",
+                r["steps"], r["train_minutes"], r.get("measured", "")]
+
+    lines += _lib.md_table(
+        ["system", "BLEU beam4", "layer MACs/token", "÷ dense small",
+         "realized fraction (enc, dec)", "params", "steps", "train min", "measured"],
+        "lrrrrrrrl", (cells(r) for r in out["rows"] if not r.get("variant")))
+    return lines + variants_table(out["rows"])
 
 
 def variants_table(rows: list[dict]) -> list[str]:
     """BLEU of the CCT and each of :data:`VARIANTS` at the calibrated (b, b) budgets."""
     by_system = {r["system"]: r for r in rows}
     cols = [f"({b:g}, {b:g})" for b, _ in VARIANT_BUDGETS]
-    lines = ["", "## CCT variants (same data and seed, 1400 updates unless named; calibrated "
-             "budgets)", "",
-             "| model | config overrides | " + " | ".join(f"BLEU {c}" for c in cols)
-             + " | measured |", "|---|---|" + "---:|" * len(cols) + "---|"]
-    notes = ["", "One training run (seed 1) each: a BLEU or two between variants is within what "
-             "another seed could move."]
-    for label, overrides in [("CCT", []), *VARIANTS.values()]:
+    table = []
+    for label, overrides in [("CCT", []), *((v["label"], v["overrides"])
+                                            for v in VARIANTS.values())]:
         found = [by_system.get(f"{label} {c} calibrated") for c in cols]
         if not any(found):
             continue
-        cells = [str(r["bleu_beam4"]) if r else "" for r in found]
-        date = next(r for r in found if r).get("measured", "")
-        lines.append(f"| {label} | {' '.join(overrides) or '(as configured)'} | "
-                     + " | ".join(cells) + f" | {date} |")
-    return lines + notes
+        table.append([label, " ".join(overrides) or "(as configured)",
+                      *(r["bleu_beam4"] if r else "" for r in found),
+                      next(r for r in found if r).get("measured", "")])
+    return ["", "## CCT variants (same data and seed, 1400 updates unless named; calibrated "
+            "budgets)", "",
+            *_lib.md_table(["model", "config overrides", *(f"BLEU {c}" for c in cols),
+                            "measured"], "ll" + "r" * len(cols) + "l", table),
+            "", "One training run (seed 1) each: a BLEU or two between variants is within what "
+            "another seed could move."]
 
 
-def write_adherence(out: dict) -> None:
+def adherence_results(out: dict) -> dict:
+    """cct_adherence.json: the realized fraction of each CCT budget row of ``out`` against its
+    budget."""
     rows = []
     for r in out["rows"]:
         if "budget" not in r or r.get("variant"):
@@ -322,38 +266,39 @@ def write_adherence(out: dict) -> None:
         rows.append({"budget": r["budget"], "calibrated": bool(r.get("gate_offsets")),
                      "gate_offsets": r.get("gate_offsets"), "realized_fraction": f,
                      "error": err, "within_0.05": all(abs(v) <= 0.05 for v in err.values())})
-    res = {"benchmark": "cct_adherence", "command": out["command"], "machine": out["machine"],
-           "test_set": out["test_set"], "rows": rows}
-    (RESULTS / "cct_adherence.json").write_text(json.dumps(res, indent=1))
-    lines = ["# cct_adherence: realized compute fraction vs the trained budget", "",
-             f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             "Realized fraction: MACs the gated sub-layers (attention, FFN pieces, control "
-             "nets) ran on test_2016_flickr (teacher forced, batch 1) over the same passes "
-             "with every gate on. Target: within ±0.05 of the budget. Calibrated: gate "
-             f"offsets fitted on {out.get('calibration', 'validation')} (`dynaseq calibrate`), "
-             "measured here on the test set.", "",
-             "| budget (enc, dec) | calibrated | offsets (enc, dec) | realized enc | "
-             "realized dec | error enc | error dec | within ±0.05 |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
+    return {"benchmark": "cct_adherence", "command": out["command"], "machine": out["machine"],
+            "test_set": out["test_set"], "rows": rows}
+
+
+def adherence_md(res: dict, calibration: str = "validation") -> list[str]:
+    """The lines of cct_adherence.md for the results ``res``, whose gate offsets were fitted
+    on ``calibration`` (the quality results' ``calibration``)."""
+    lines = _lib.md_head(
+        "cct_adherence: realized compute fraction vs the trained budget", res["command"],
+        f"Machine: {res['machine']}",
+        "Realized fraction: MACs the gated sub-layers (attention, FFN pieces, control "
+        "nets) ran on test_2016_flickr (teacher forced, batch 1) over the same passes "
+        "with every gate on. Target: within ±0.05 of the budget. Calibrated: gate "
+        f"offsets fitted on {calibration} (`dynaseq calibrate`), "
+        "measured here on the test set.")
+
+    def cells(r: dict) -> list:
         f, e, o = r["realized_fraction"], r["error"], r["gate_offsets"]
-        offsets = f"{o['encoder']:+.3f}, {o['decoder']:+.3f}" if o else ""
-        lines.append(f"| {tuple(r['budget'])} | {'yes' if r['calibrated'] else 'no'} | "
-                     f"{offsets} | {f['encoder']} | {f['decoder']} | {e['encoder']:+} | "
-                     f"{e['decoder']:+} | {'yes' if r['within_0.05'] else 'NO'} |")
-    (RESULTS / "cct_adherence.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        return [tuple(r["budget"]), "yes" if r["calibrated"] else "no",
+                f"{o['encoder']:+.3f}, {o['decoder']:+.3f}" if o else "", f["encoder"],
+                f["decoder"], f"{e['encoder']:+}", f"{e['decoder']:+}",
+                "yes" if r["within_0.05"] else "NO"]
+
+    return lines + _lib.md_table(
+        ["budget (enc, dec)", "calibrated", "offsets (enc, dec)", "realized enc",
+         "realized dec", "error enc", "error dec", "within ±0.05"], "llrrrrrl",
+        (cells(r) for r in res["rows"]))
 
 
-def plot(rows: list[dict]) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     """Left: every system at 1400 updates (the CCT's variants in grey). Right: the CCT at its
     calibrated (b, b) budgets and the dense models of equal MACs, one colour per length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax_len) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax, ax_len) = _plot.pyplot().subplots(1, 2, figsize=(13, 5))
 
     def cct(r: dict, calibrated: bool) -> bool:
         return ("budget" in r and not r.get("variant")
@@ -396,22 +341,20 @@ def plot(rows: list[dict]) -> None:
             ax_len.plot(*zip(*pts, strict=True), "o-", color=f"C{i}",
                         label=f"CCT (b, b) calibrated, {steps} updates")
         for n in LONG_DENSE:
-            dense_run = BASELINES.get(n + suffix)  # none past DENSE_LONG_TAGS
-            r = None if dense_run is None else by_system.get(f"dense {dense_run[0]}")
+            dense_run = BASELINES.get(n + suffix)  # none past dense_long_tags
+            r = None if dense_run is None else by_system.get(f"dense {dense_run['label']}")
             if r is not None:
                 ax_len.plot(mmacs(r), r["bleu_beam4"], "^", color=f"C{i}", ms=8)
                 if not suffix:
-                    ax_len.annotate(BASELINES[n][0], (mmacs(r), r["bleu_beam4"]), fontsize=7,
-                                    xytext=(6, -12), textcoords="offset points")
+                    ax_len.annotate(BASELINES[n]["label"], (mmacs(r), r["bleu_beam4"]),
+                                    fontsize=7, xytext=(6, -12), textcoords="offset points")
     ax_len.set_title("Training length: CCT (●) and dense models of equal MACs (▲)")
     ax_len.legend(fontsize=8, loc="lower right")
     for a in (ax, ax_len):
         a.set_xlabel("layer MACs per token (millions; CCT: realized)")
         a.set_ylabel("BLEU, test_2016_flickr en→fr, beam 4")
         a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "cct_quality.png", dpi=120)
-    plt.close(fig)
+    _plot.save(fig, path)
 
 
 def main() -> None:
@@ -429,6 +372,7 @@ def main() -> None:
                         "are kept from the committed results with their dates")
     r.add_argument("--calibration-lines", type=int, default=300,
                    help="validation pairs the budget calibration runs on")
+    _lib.add_results_arg(r)
     r.set_defaults(func=cmd_report)
     args = p.parse_args()
     args.func(args)

@@ -45,35 +45,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import platform
-import shlex
 import statistics
 import sys
-import time
 from math import nan
-from pathlib import Path
 
 import torch
 
-from dynaseq.adaptive.cct import force_gates
+from dynaseq.core.checkpoint import read_meta
 from dynaseq.data import collate, make_corpus, read_lines, token_batches
-from dynaseq.infer.translator import Translator, decode_corpus
-from dynaseq.train.checkpoint import read_meta
-from dynaseq.train.loss import label_smoothed_loss
+from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.tasks.translation.predictor import Translator, decode_corpus
+from dynaseq.techniques.cct.layers import force_gates
 
-from cct_quality import CCT_RUN, run_dir
+import _lib
+from _lib import timed
 
-DATA = Path("../shared/data/multi30k")
-RESULTS = Path("benchmarks/results")
-DENSE_RUN = run_dir("small")
+DATA = _lib.MULTI30K
+CCT_RUN = _lib.cct_quality_run("cct")
+DENSE_RUN = _lib.cct_quality_run("small")
 BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def fixed_length_beam4(t: Translator, lines: list[str], budget, length: int) -> None:
@@ -132,6 +122,7 @@ def main() -> None:
     p.add_argument("--no-free-beam", action="store_true",
                    help="skip free beam decoding (fixed-length only), e.g. untrained models")
     p.add_argument("--name", default="cct_speed", help="result file name (no suffix)")
+    _lib.add_results_arg(p)
     args = p.parse_args()
     src = read_lines(DATA / "test_2016_flickr.en.gz")[: args.score_lines]
     ref = read_lines(DATA / "test_2016_flickr.fr.gz")[: args.score_lines]
@@ -145,7 +136,7 @@ def main() -> None:
     systems[OUTPUT_ONLY] = (cct, None, None)
     variant_of: dict[str, str] = {}  # system name -> the variant it times
     for v in args.variants:
-        tv = Translator.load(run_dir(v))
+        tv = Translator.load(_lib.cct_quality_run(v))
         for b in BUDGETS:
             systems[f"{v} {b[0]:g},{b[1]:g}"] = (tv, b, None)
             variant_of[f"{v} {b[0]:g},{b[1]:g}"] = v
@@ -185,14 +176,12 @@ def main() -> None:
     variants_vs_dense = {v: {k: round(med[f"{v} 1,1"][k] / med[dense_name][k], 3)
                              for k in base} for v in args.variants}
     out = {"benchmark": args.name,
-           "command": " ".join(["python benchmarks/cct_speed.py",
-                                *map(shlex.quote, sys.argv[1:])]),
+           "command": _lib.command(),
            "runs": {"cct": str(args.cct), "dense": str(args.dense)},
            # weights never trained (cct_untrained.py): timings only, no quality
            "untrained": [str(r) for r, t in ((args.cct, cct), (args.dense, dense))
                          if read_meta(t.checkpoint).get("untrained", False)],
-           "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads()},
+           "machine": _lib.machine(),
            "test_set": f"multi30k test_2016_flickr en->fr: {len(src)} sentences scored, "
                        f"{len(dec_src)} decoded (beam 4, batches of 64), also to exactly "
                        f"{args.fixed_len} tokens each",
@@ -201,33 +190,35 @@ def main() -> None:
            "variant_budget_1_time_over_dense": variants_vs_dense,
            "floor_all_gates_off": {k: round(v, 3) for k, v in floor.items()},
            "floor_output_layer_scoring": round(med[OUTPUT_ONLY]["score"] / base["score"], 3)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1))
-    write_md(out)
+    lines = markdown(out)
+    _lib.write_results(args.results, args.name, out, lines)
+    print("\n".join(lines))
 
 
-def write_md(out: dict) -> None:
-    lines = [f"# {out['benchmark']}: wall time at each budget, ratio to budget 1 (same run, "
-             "interleaved)", "", f"Command: `{out['command']}`  ",
-             f"Runs: CCT `{out['runs']['cct']}`, dense `{out['runs']['dense']}`"
-             + (f" ({', '.join(out['untrained'])}: untrained weights, built by "
-                "`benchmarks/cct_untrained.py`, the CCT's gate offsets calibrated so each "
-                "budget's realized compute meets it; these timings say nothing of quality)"
-                if out.get("untrained") else "") + "  ",
-             f"Machine: {out['machine']}  ",
-             f"Test set: {out['test_set']}  ",
-             f"Budgets run with calibrated gate offsets: {out['calibrated_budgets']}", "",
-             "| system | scoring ratio | target | Amdahl limit | beam-4 ratio | target | "
-             "fixed-length beam-4 ratio | Amdahl limit | scoring s | beam-4 s | fixed s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in out["rows"]:
+def markdown(out: dict) -> list[str]:
+    """The lines of the result's Markdown for the results ``out``."""
+    lines = _lib.md_head(
+        f"{out['benchmark']}: wall time at each budget, ratio to budget 1 (same run, "
+        "interleaved)", out["command"],
+        f"Runs: CCT `{out['runs']['cct']}`, dense `{out['runs']['dense']}`"
+        + (f" ({', '.join(out['untrained'])}: untrained weights, built by "
+           "`benchmarks/cct_untrained.py`, the CCT's gate offsets calibrated so each "
+           "budget's realized compute meets it; these timings say nothing of quality)"
+           if out.get("untrained") else ""),
+        f"Machine: {out['machine']}", f"Test set: {out['test_set']}",
+        f"Budgets run with calibrated gate offsets: {out['calibrated_budgets']}")
+
+    def cells(r: dict) -> list:
         tg, lim, sec = r.get("target", {}), r.get("amdahl_limit", {}), r["seconds"]
         ratio = r.get("ratio_to_own_budget_1", r["ratio_to_cct_budget_1"])
-        lines.append(
-            f"| {r['system']} | {ratio['score']} | {tg.get('score', '')} | "
-            f"{lim.get('score', '')} | {ratio['beam4']} | {tg.get('beam4', '')} | "
-            f"{ratio['beam4_fixed']} | {lim.get('beam4_fixed', '')} | {sec['score']} | "
-            f"{sec['beam4']} | {sec['beam4_fixed']} |")
+        return [r["system"], ratio["score"], tg.get("score", ""), lim.get("score", ""),
+                ratio["beam4"], tg.get("beam4", ""), ratio["beam4_fixed"],
+                lim.get("beam4_fixed", ""), sec["score"], sec["beam4"], sec["beam4_fixed"]]
+
+    lines += _lib.md_table(
+        ["system", "scoring ratio", "target", "Amdahl limit", "beam-4 ratio", "target",
+         "fixed-length beam-4 ratio", "Amdahl limit", "scoring s", "beam-4 s", "fixed s"],
+        "l" + "r" * 10, (cells(r) for r in out["rows"]))
     dense, floor = out["cct_budget_1_time_over_dense"], out["floor_all_gates_off"]
     lines += ["", f"CCT at budget 1 takes {dense['score']}× the dense model's time to score, "
               f"{dense['beam4']}× to beam-decode and {dense['beam4_fixed']}× to beam-decode at "
@@ -249,8 +240,7 @@ def write_md(out: dict) -> None:
               "sub-layer scaled exactly with the budget, scoring at budget b could not take "
               f"less than {out['floor_output_layer_scoring']} + "
               f"b·(1 − {out['floor_output_layer_scoring']}) of budget 1's time."]
-    (RESULTS / f"{out['benchmark']}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

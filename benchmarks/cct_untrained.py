@@ -8,7 +8,7 @@ and gating bookkeeping only with d. ``--size base`` (d=512, FFN 2048, 8 heads) a
 big`` (d=1024, FFN 4096, 16 heads; the CCT paper's model is Transformer Big), both 6+6
 layers. Training either to budget adherence is out of reach on 2 CPU cores, so this script
 builds both models with random weights (seed 0) and **calibrates** the CCT's gate offsets
-(:mod:`dynaseq.adaptive.calibration`) so that each budget's realized compute on held-out
+(:mod:`dynaseq.techniques.cct.calibration`) so that each budget's realized compute on held-out
 pairs meets it. The gates then skip the work of a real budget's share of tokens, and the
 timings of ``cct_speed.py --no-free-beam`` (teacher-forced scoring and fixed-length beam
 decoding) are real wall-clock measurements of the implementation at that size. What they do
@@ -32,15 +32,16 @@ from pathlib import Path
 
 import torch
 
-from dynaseq.config import load_config, save_config
+from dynaseq.core import checkpoint as ckpt
+from dynaseq.core.config import load_config, save_config
 from dynaseq.data import Tokenizer, read_lines
-from dynaseq.infer.translator import Translator
 from dynaseq.models import build_seq2seq
-from dynaseq.train import checkpoint as ckpt
+from dynaseq.tasks.translation.predictor import Translator
 
-from cct_quality import CCT_RUN
+import _lib
 
-DATA = Path("../shared/data/multi30k")
+DATA = _lib.MULTI30K
+CCT_RUN = _lib.cct_quality_run("cct")  # its tokenizer serves the untrained models
 SIZES = ("base", "big")
 BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 
@@ -48,9 +49,9 @@ BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 def runs(size: str) -> dict[str, tuple[str, list[str]]]:
     """Run dir -> (config, overrides) of the CCT (first) and the dense model of ``size``."""
     shape = [f"model.size={size}", "model.encoder_layers=6", "model.decoder_layers=6"]
-    return {f"runs/bench/cct_{size}_untrained": ("configs/multi30k_cct_small.yaml",
-                                                 [*shape, "model.cct.control_hidden=128"]),
-            f"runs/bench/dense_{size}_untrained": ("configs/multi30k_small.yaml", shape)}
+    return {f"{_lib.RUNS}/cct_{size}_untrained": ("configs/multi30k_cct_small.yaml",
+                                                  [*shape, "model.cct.control_hidden=128"]),
+            f"{_lib.RUNS}/dense_{size}_untrained": ("configs/multi30k_small.yaml", shape)}
 
 
 def build(run: str, config: str, overrides: list[str], tok: Tokenizer) -> None:

@@ -32,75 +32,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from dynaseq.config import load_config
+from dynaseq.core.config import load_config
 from dynaseq.data import read_lines
-from dynaseq.infer.translator import Translator
 from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.metrics.profile import count_params
-from dynaseq.train.loop import train
+from dynaseq.tasks.translation.predictor import Translator
 
-from mt_baseline import throughput
-from plotting import labelled_scatter
+import _lib
+import _plot
 
-DATA = Path("../shared/data/multi30k")
-RESULTS = Path("benchmarks/results")
-RUNS = Path("runs/bench")
+DATA = _lib.MULTI30K
+RUNS = _lib.RUNS
 STEPS = 1000
 # the distillation teacher: the dense tiny Transformer trained 3000 updates (test BLEU 36.08,
 # against 29.66 after the students' 1000); the paper distils from a larger Transformer
 TEACHER = RUNS / "dmb_dense_3k"
-KD_DATA = RUNS / "dmb_kd" / "train.distilled.de"
-DMB_CFG, MOE_CFG = "configs/multi30k_dmb_tiny.yaml", "configs/multi30k_moe_tiny.yaml"
-DENSE_CFG = "configs/multi30k_tiny.yaml"
-# name -> (lane, table, description, config, overrides)
-VARIANTS: dict[str, tuple[str, str, str, str, list[str]]] = {
-    "dense": ("a", "I", "Transformer", DENSE_CFG, []),
-    "dmb": ("a", "I", "Transformer-DMB (N=4)", DMB_CFG, []),
-    "moe": ("a", "I", "Transformer-MoE (top-2 of 4)", MOE_CFG, []),
-    "dmb_no_shared_private": ("a", "III", "DMB w/o shared-private", DMB_CFG,
-                              ["model.dmb.shared_private=false"]),
-    "dmb_no_diversity": ("a", "III", "DMB w/o diversity loss", DMB_CFG,
-                         ["model.dmb.diversity=false"]),
-    "dmb_no_entropy": ("b", "III", "DMB w/o entropy loss", DMB_CFG, ["model.dmb.entropy=false"]),
-    "dmb_no_attention": ("b", "III", "DMB w/o DMB attention (FFN only)", DMB_CFG,
-                         ["model.dmb.attention=false"]),
-    "dmb_n2": ("b", "fig5", "DMB N=2", DMB_CFG, ["model.dmb.n_branches=2"]),
-    "dmb_n8": ("b", "fig5", "DMB N=8", DMB_CFG, ["model.dmb.n_branches=8"]),
-    # not in the paper: at α = 0.1 the diversity loss makes routing uniform, without it routing
-    # collapses onto one branch per sub-layer; a tenth of it lies between
-    "dmb_div01": ("b", "III", "DMB, diversity loss × 0.1", DMB_CFG,
-                  ["model.dmb.diversity_weight=0.1"]),
-    "kd_dense": ("kd", "IV", "Transformer + seq-KD", DENSE_CFG,
-                 [f"data.train_tgt={KD_DATA}"]),
-    "kd_dmb": ("kd", "IV", "Transformer-DMB (N=4) + seq-KD", DMB_CFG,
-               [f"data.train_tgt={KD_DATA}"]),
-}
-
+KD_DATA = RUNS / "dmb_kd" / "train.distilled.de"  # spelled out in variants/dmb.yaml too
+CONFIGS: dict[str, str] = _lib.registry("dmb", "configs")  # dense, dmb, moe -> tiny config
+# name -> {"lane", "table", "system", "config", "overrides"}
+VARIANTS: dict[str, dict] = _lib.registry("dmb", "variants",
+                                          ("lane", "table", "system", "config", "overrides"))
 LONG_STEPS = 3000
-# name -> (description, the 1000-update run it continues, config)
-LONG: dict[str, tuple[str, Path, str]] = {
-    "dense_3k": ("Transformer", RUNS / "dmb_dense", DENSE_CFG),
-    "dmb_3k": ("Transformer-DMB (N=4)", RUNS / "dmb_dmb", DMB_CFG),
-}
+# name -> {"system", "source": the 1000-update run it continues, "config"}
+LONG: dict[str, dict] = _lib.registry("dmb", "long", ("system", "source", "config"))
 
 
 def run_dir(name: str) -> Path:
+    """Where system ``name`` trains."""
     return RUNS / f"dmb_{name}"
 
 
 def variant_config(name: str):
-    _, _, _, path, overrides = VARIANTS[name]
-    return load_config(path, [f"run_dir={run_dir(name)}", f"train.max_steps={STEPS}",
-                              "train.valid_bleu_lines=300", *overrides])
+    """The config of variant ``name``: STEPS updates."""
+    v = VARIANTS[name]
+    return load_config(v["config"], [f"run_dir={run_dir(name)}", f"train.max_steps={STEPS}",
+                                     "train.valid_bleu_lines=300", *v["overrides"]])
 
 
 def distill_data(threads: int) -> None:
@@ -117,44 +92,38 @@ def distill_data(threads: int) -> None:
     (KD_DATA.parent / "distill_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
 
 
-def train_long(names: list[str]) -> None:
-    """Continue a finished run to LONG_STEPS updates in a copy of its directory (resuming is
-    exact, so this equals training LONG_STEPS updates straight through)."""
+def long_configs(names: list[str]) -> Iterator:
+    """The config continuing each finished run of ``names`` to LONG_STEPS updates, in a copy
+    of its directory made as it comes up (resuming is exact, so this equals training
+    LONG_STEPS updates straight through)."""
     for name in names:
-        desc, source, config = LONG[name]
         dst = run_dir(name)
         if not dst.exists():
-            shutil.copytree(source, dst)
-        cfg = load_config(config, [f"run_dir={dst}", f"train.max_steps={LONG_STEPS}",
-                                   "train.max_minutes=1000", "train.valid_bleu_lines=300"])
-        print(f"== training {cfg.run_dir} to {LONG_STEPS} updates", file=sys.stderr, flush=True)
-        if train(cfg, progress=True).stopped_by_signal is not None:
-            break
+            shutil.copytree(LONG[name]["source"], dst)
+        yield load_config(LONG[name]["config"], [
+            f"run_dir={dst}", f"train.max_steps={LONG_STEPS}", "train.max_minutes=1000",
+            "train.valid_bleu_lines=300"])
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     if args.lane == "long":
-        train_long([n for n in LONG if not args.only or n in args.only])
+        _lib.train_each(long_configs([n for n in LONG if not args.only or n in args.only]))
         return
     if args.lane == "kd":
         distill_data(args.threads)
-    names = [n for n, v in VARIANTS.items() if v[0] == args.lane
-             and (not args.only or n in args.only)]
-    for name in names:
-        cfg = variant_config(name)
-        print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
-        result = train(cfg, progress=True)
-        if result.stopped_by_signal is not None:  # checkpoint written; rerun to resume
-            break
+    _lib.train_each(variant_config(n) for n, v in VARIANTS.items()
+                    if v["lane"] == args.lane and (not args.only or n in args.only))
 
 
 def evaluate(t: Translator, src: list[str], ref: list[str]) -> dict:
+    """One result row: BLEU (beam 4), MACs of a 30 -> 30 pass, PTR, test loss, params and
+    the run's training throughput."""
     r = t.evaluate(src, ref, beam=4)
     row = {"bleu_beam4": round(r["bleu"], 2), "macs_pair": r["macs_pair"],
            "ptr": round(r["ptr"], 2), "loss": round(r["loss"], 4),
            "params": count_params(t.model),
-           **throughput(Path(t.config.run_dir))}
+           **_lib.throughput(Path(t.config.run_dir))}
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
 
@@ -185,13 +154,13 @@ def scaled_models(size: str, int8: bool = False) -> dict[str, torch.nn.Module]:
     DMB shared parts folded as for inference: latency does not depend on training, except
     through how tokens spread over branches (random-init routers spread them too).
     ``int8``: their int8 copies too (``{name}_{size}_int8``)."""
-    from dynaseq.branching import merge_shared_
     from dynaseq.compress.int8 import quantize_int8
     from dynaseq.models import build_seq2seq
+    from dynaseq.techniques.branching import merge_shared_
 
     torch.manual_seed(0)
     out = {}
-    for name, path in (("dense", DENSE_CFG), ("dmb", DMB_CFG), ("moe", MOE_CFG)):
+    for name, path in CONFIGS.items():
         model = build_seq2seq(load_config(path, [f"model.size={size}"]).model, 8000)
         merge_shared_(model)
         out[f"{name}_{size}"] = model.eval()
@@ -219,11 +188,7 @@ def target_ratios(lat: dict[str, dict[str, float]]) -> dict[str, dict[str, float
 
 def finished(run: Path, steps: int = STEPS) -> bool:
     """The run trained to ``steps`` updates (a stopped or half-started one does not count)."""
-    log = run / "log.jsonl"
-    if not log.exists():
-        return False
-    stops = [json.loads(line) for line in log.read_text().splitlines() if '"stop"' in line]
-    return any(e.get("reason") == "max_steps" and e.get("step", 0) >= steps for e in stops)
+    return _lib.finished(run, steps)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -232,7 +197,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     src = read_lines(DATA / "test_2016_flickr.en.gz")
     ref = read_lines(DATA / "test_2016_flickr.de.gz")
     rows, translators = [], {}
-    systems = [(n, v[1], v[2], run_dir(n)) for n, v in VARIANTS.items()
+    systems = [(n, v["table"], v["system"], run_dir(n)) for n, v in VARIANTS.items()
                if not args.only or n in args.only]
     for name, table, desc, path in systems:
         if not finished(path):
@@ -261,37 +226,36 @@ def cmd_report(args: argparse.Namespace) -> None:
     for r in rows:
         if r["name"] in lat:
             r["latency_ms"] = lat[r["name"]]
-    machine = {"platform": platform.platform(), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "cpus": torch.get_num_threads()}
+    machine = _lib.machine(cpus=torch.get_num_threads())
     command = ("python benchmarks/dmb.py train a & python benchmarks/dmb.py train b; "
                "python benchmarks/dmb.py train kd; python benchmarks/dmb.py report"
                f"{'' if args.latency else ' --no-latency'}")
     disk = disk_sizes(translators)
     if args.only:
-        rows, disk = merge_committed(rows, disk)
+        rows, disk = merge_committed(rows, disk, args.results / "dmb.json")
         command += " --only NAME…"
     out = {"benchmark": "dmb", "command": command, "machine": machine,
            "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4",
            "updates": STEPS, "rows": rows, "disk_bytes": disk,
            "latency_untrained_ms": scaled}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "dmb.json").write_text(json.dumps(out, indent=1))
-    write_md(out)
-    plot(rows)
+    lines = markdown(out)
+    _lib.write_results(args.results, "dmb", out, lines)
+    print("\n".join(lines))
+    plot(rows, args.results / "dmb.png")
 
 
-def merge_committed(rows: list[dict], disk: dict) -> tuple[list[dict], dict]:
-    """``rows`` re-measured by ``report --only`` merged into the committed ``dmb.json``: the
-    other systems keep their committed BLEU/MACs rows (without their latency, which belongs to
-    the run that measured it), in the order of VARIANTS followed by the int8 rows."""
-    path = RESULTS / "dmb.json"
-    old = json.loads(path.read_text()) if path.exists() else {"rows": [], "disk_bytes": {}}
+def merge_committed(rows: list[dict], disk: dict, path: Path) -> tuple[list[dict], dict]:
+    """``rows`` re-measured by ``report --only`` merged into the committed results ``path``
+    (dmb.json): the other systems keep their committed BLEU/MACs rows (without their latency,
+    which belongs to the run that measured it), in the order of VARIANTS followed by the int8
+    rows."""
     new = {r["name"] for r in rows}
-    kept = [{k: v for k, v in r.items() if k != "latency_ms"} for r in old["rows"]
-            if r["name"] not in new]
+    kept = [{k: v for k, v in r.items() if k != "latency_ms"}
+            for name, r in _lib.committed_rows(path, "name").items() if name not in new]
     order = [*VARIANTS, *(f"{n}_int8" for n in VARIANTS)]
     merged = sorted(kept + rows, key=lambda r: order.index(r["name"]))
-    return merged, {**old.get("disk_bytes", {}), **disk}
+    old_disk = json.loads(path.read_text()).get("disk_bytes", {}) if path.exists() else {}
+    return merged, {**old_disk, **disk}
 
 
 def cmd_report_latency(args: argparse.Namespace) -> None:
@@ -320,40 +284,39 @@ def cmd_report_latency(args: argparse.Namespace) -> None:
     dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."],
                            capture_output=True, text=True).stdout.strip()
     commit += " (with uncommitted changes)" if dirty else ""
-    tag = f"_{args.tag}" if args.tag else ""
-    command = (f"python benchmarks/dmb.py report-latency{f' --tag {args.tag}' if tag else ''}"
-               f" --rounds {args.rounds} --scale-sizes {' '.join(args.scale_sizes)}"
-               f"{'' if args.int8 else ' --no-int8'}")
-    out = {"benchmark": "dmb_latency", "command": command, "commit": commit,
-           "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads()},
+    out = {"benchmark": "dmb_latency", "command": _lib.command(), "commit": commit,
+           "machine": _lib.machine(),
            "measured": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
            "repeats": args.repeats, "groups": groups,
            "target_ratios": {g: target_ratios(lat) for g, lat in groups.items()}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"dmb_latency{tag}.json").write_text(json.dumps(out, indent=1))
-    lines = ["# dmb_latency: CPU latency of a 30 → 30-token translation (ms; ratio to the "
-             "dense model of the same group)", "", f"Command: `{command}`  ",
-             f"Code: {commit} ({out['measured']})  ", f"Machine: {out['machine']}  ",
-             f"Each group's models take turns {args.rounds} times ({args.repeats} timed "
-             "decodes each after a warm-up); the median of the per-round medians. The trained "
-             "models are the `report` runs (1000 updates); untrained ones have 3+3 layers, "
-             "vocabulary 8000, and DMB shared parts merged."]
-    for group, lat in groups.items():
+    lines = latency_markdown(out)
+    _lib.write_results(args.results, f"dmb_latency{f'_{args.tag}' if args.tag else ''}", out,
+                       lines)
+    print("\n".join(lines))
+
+
+def latency_markdown(out: dict) -> list[str]:
+    """The lines of dmb_latency{_TAG}.md for the results ``out``."""
+    lines = _lib.md_head(
+        "dmb_latency: CPU latency of a 30 → 30-token translation (ms; ratio to the dense model "
+        "of the same group)", out["command"], f"Code: {out['commit']} ({out['measured']})",
+        f"Machine: {out['machine']}",
+        f"Each group's models take turns {out['rounds']} times ({out['repeats']} timed "
+        "decodes each after a warm-up); the median of the per-round medians. The trained "
+        "models are the `report` runs (1000 updates); untrained ones have 3+3 layers, "
+        "vocabulary 8000, and DMB shared parts merged.")[:-1]  # each group opens with a blank
+    for group, lat in out["groups"].items():
         base = next(ms for name, ms in lat.items() if name.split("_")[0] == "dense"
                     and not name.endswith("int8"))
         keys = list(base)
-        lines += ["", f"## {group}", "", "| model | " + " | ".join(keys) + " |",
-                  "|---|" + "---:|" * len(keys)]
-        for name, ms in lat.items():
-            lines.append(f"| {name} | " + " | ".join(
-                f"{ms[k]} ({ms[k] / base[k]:.2f}×)" for k in keys) + " |")
-        lines += ["", "| target ratio | " + " | ".join(keys) + " |",
-                  "|---|" + "---:|" * len(keys)]
-        for label, ratios in target_ratios(lat).items():
-            lines.append(f"| {label} | " + " | ".join(f"{ratios[k]:.2f}" for k in keys) + " |")
-    (RESULTS / f"dmb_latency{tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        lines += ["", f"## {group}", ""]
+        lines += _lib.md_table(["model", *keys], "l" + "r" * len(keys), (
+            [name, *(f"{ms[k]} ({ms[k] / base[k]:.2f}×)" for k in keys)]
+            for name, ms in lat.items()))
+        lines += [""] + _lib.md_table(["target ratio", *keys], "l" + "r" * len(keys), (
+            [label, *(f"{ratios[k]:.2f}" for k in keys)]
+            for label, ratios in target_ratios(lat).items()))
+    return lines
 
 
 def cmd_report_long(args: argparse.Namespace) -> None:
@@ -367,43 +330,38 @@ def cmd_report_long(args: argparse.Namespace) -> None:
                 continue
             rows.append({"name": name, "system": desc, "updates": label,
                          **evaluate(Translator.load(path), src, ref)})
-    curves = {name: valid_curve(run_dir(name)) for name in LONG}
+    # validation events at every 200th update (the configs' valid_every); a run stopped by a
+    # signal also logs one at the step it stopped at: those are left out
+    curves = {name: _lib.valid_curve(run_dir(name), every=200, missing_ok=True)
+              for name in LONG}
     out = {"benchmark": "dmb_long", "command": "python benchmarks/dmb.py train long; "
            "python benchmarks/dmb.py report-long",
-           "machine": {"platform": platform.platform(), "torch": torch.__version__},
+           "machine": _lib.machine(torch_threads=False),
            "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4", "rows": rows,
            "valid_curves": curves}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "dmb_long.json").write_text(json.dumps(out, indent=1))
-    lines = ["# dmb_long: Transformer vs Transformer-DMB (tiny, Multi30k en→de) by training "
-             "length", "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Test set: {out['test_set']}", "",
-             "| system | updates | params | #MACs | BLEU | PTR | test loss |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['system']} | {r['updates']} | {r['params'] / 1e6:.2f}M | "
-                     f"{r['macs_pair'] / 1e6:.1f}M | {r['bleu_beam4']} | {r['ptr']} | "
-                     f"{r['loss']} |")
-    steps = sorted({step for c in curves.values() for step in c})
-    lines += ["", "## Validation by update (valid loss / greedy BLEU on 300 valid lines; from "
-              "each run's log.jsonl, so a run still training shows the updates it reached)", "",
-              "| update | " + " | ".join(LONG) + " |", "|---:|" + "---:|" * len(LONG)]
-    for step in steps:
-        cells = [f"{curves[n][step]['loss']:.3f} / {curves[n][step]['bleu']:.1f}"
-                 if step in curves[n] else "" for n in LONG]
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    (RESULTS / "dmb_long.md").write_text("\n".join(lines) + "\n")
+    lines = long_markdown(out)
+    _lib.write_results(args.results, "dmb_long", out, lines)
     print("\n".join(lines))
 
 
-def valid_curve(run: Path) -> dict[int, dict[str, float]]:
-    """Validation events of a run's log at every 200th update (the configs' valid_every):
-    ``{step: {"loss", "bleu"}}``. A run stopped by a signal also logs one at the step it
-    stopped at; those are left out."""
-    log = run / "log.jsonl"
-    events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return {e["step"]: {"loss": round(e["loss"], 4), "bleu": round(e.get("bleu", float("nan")), 2)}
-            for e in events if e.get("event") == "valid" and e["step"] % 200 == 0}
+def long_markdown(out: dict) -> list[str]:
+    """The lines of dmb_long.md for the results ``out``."""
+    lines = _lib.md_head(
+        "dmb_long: Transformer vs Transformer-DMB (tiny, Multi30k en→de) by training length",
+        out["command"], f"Machine: {out['machine']}", f"Test set: {out['test_set']}")
+    lines += _lib.md_table(
+        ["system", "updates", "params", "#MACs", "BLEU", "PTR", "test loss"], "llrrrrr",
+        ([r["system"], r["updates"], f"{r['params'] / 1e6:.2f}M", f"{r['macs_pair'] / 1e6:.1f}M",
+          r["bleu_beam4"], r["ptr"], r["loss"]] for r in out["rows"]))
+    # step keys are strings once the results went through JSON
+    curves = {n: {int(step): v for step, v in c.items()} for n, c in out["valid_curves"].items()}
+    steps = sorted({step for c in curves.values() for step in c})
+    lines += ["", "## Validation by update (valid loss / greedy BLEU on 300 valid lines; from "
+              "each run's log.jsonl, so a run still training shows the updates it reached)", ""]
+    return lines + _lib.md_table(
+        ["update", *curves], "r" * (len(curves) + 1),
+        ([step, *(f"{c[step]['loss']:.3f} / {c[step]['bleu']:.1f}" if step in c else ""
+                  for c in curves.values())] for step in steps))
 
 
 def disk_sizes(translators: dict[str, Translator]) -> dict[str, dict[str, int]]:
@@ -424,23 +382,25 @@ def disk_sizes(translators: dict[str, Translator]) -> dict[str, dict[str, int]]:
     return out
 
 
-def write_md(out: dict) -> None:
+def markdown(out: dict) -> list[str]:
+    """The lines of dmb.md for the results ``out``."""
     rows = {r["name"]: r for r in out["rows"]}
     dense = rows.get("dense")
-    lines = ["# dmb: Transformer vs Transformer-MoE vs Transformer-DMB (tiny, Multi30k en→de)",
-             "", f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Test set: {out['test_set']}; every model {out['updates']} updates with the same "
-             "data, batch size, schedule and seed.", "",
-             "#MACs: the DMB paper's convention, one 30 → 30-token pass with the output layer "
-             "(Mult-Adds). PTR = BLEU / sqrt(#MACs) · 10⁴. Params: the inference model (shared "
-             "part merged).", "",
-             "| table | system | params | #MACs | ÷ Transformer | BLEU | PTR | steps | train min "
-             "| measured |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in out["rows"]:
-        ratio = f"{r['macs_pair'] / dense['macs_pair']:.4f}" if dense else ""
-        lines.append(f"| {r['table']} | {r['system']} | {r['params'] / 1e6:.2f}M | "
-                     f"{r['macs_pair'] / 1e6:.1f}M | {ratio} | {r['bleu_beam4']} | {r['ptr']} | "
-                     f"{r['steps']} | {r['train_minutes']} | {r.get('measured', 'earlier')} |")
+    lines = _lib.md_head(
+        "dmb: Transformer vs Transformer-MoE vs Transformer-DMB (tiny, Multi30k en→de)",
+        out["command"], f"Machine: {out['machine']}",
+        f"Test set: {out['test_set']}; every model {out['updates']} updates with the same "
+        "data, batch size, schedule and seed.")
+    lines += ["#MACs: the DMB paper's convention, one 30 → 30-token pass with the output layer "
+              "(Mult-Adds). PTR = BLEU / sqrt(#MACs) · 10⁴. Params: the inference model (shared "
+              "part merged).", ""]
+    lines += _lib.md_table(
+        ["table", "system", "params", "#MACs", "÷ Transformer", "BLEU", "PTR", "steps",
+         "train min", "measured"], "llrrrrrrrl",
+        ([r["table"], r["system"], f"{r['params'] / 1e6:.2f}M", f"{r['macs_pair'] / 1e6:.1f}M",
+          f"{r['macs_pair'] / dense['macs_pair']:.4f}" if dense else "", r["bleu_beam4"],
+          r["ptr"], r["steps"], r["train_minutes"], r.get("measured", "earlier")]
+         for r in out["rows"]))
     if any(r["table"] == "IV" for r in out["rows"]):
         lines += ["", f"Table IV: the students train on the beam-4 translations of the training "
                   f"sources by `{TEACHER}` (the dense tiny Transformer after {LONG_STEPS} "
@@ -452,36 +412,33 @@ def write_md(out: dict) -> None:
     if lat_rows:
         keys = list(lat_rows[0]["latency_ms"])
         base = rows["dense"]["latency_ms"] if "dense" in rows else None
-        lines += ["", "## CPU latency, 30 → 30 tokens (ms; ratio to the fp32 Transformer)", "",
-                  "| system | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
-        for r in lat_rows:
-            cells = [f"{r['latency_ms'][k]} ({r['latency_ms'][k] / base[k]:.2f}×)" if base
-                     else str(r['latency_ms'][k]) for k in keys]
-            lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+        lines += ["", "## CPU latency, 30 → 30 tokens (ms; ratio to the fp32 Transformer)", ""]
+        lines += _lib.md_table(["system", *keys], "l" + "r" * len(keys), (
+            [r["system"], *(f"{r['latency_ms'][k]} ({r['latency_ms'][k] / base[k]:.2f}×)"
+                            if base else r["latency_ms"][k] for k in keys)]
+            for r in lat_rows))
     for size, lat in out.get("latency_untrained_ms", {}).items():
         keys = list(next(iter(lat.values())))
         base = lat[f"dense_{size}"]
         lines += ["", f"## CPU latency at the `{size}` size, untrained, 3+3 layers (ms; ratio to "
-                  "dense)", "", "| model | " + " | ".join(keys) + " |",
-                  "|---|" + "---:|" * len(keys)]
-        for name, ms in lat.items():
-            lines.append(f"| {name} | " + " | ".join(
-                f"{ms[k]} ({ms[k] / base[k]:.2f}×)" for k in keys) + " |")
+                  "dense)", ""]
+        lines += _lib.md_table(["model", *keys], "l" + "r" * len(keys), (
+            [name, *(f"{ms[k]} ({ms[k] / base[k]:.2f}×)" for k in keys)]
+            for name, ms in lat.items()))
     if out.get("disk_bytes"):
-        lines += ["", "## Disk size of the weights (bytes)", "", "| model | fp32 | int8 | ratio |",
-                  "|---|---:|---:|---:|"]
-        for name, d in out["disk_bytes"].items():
-            lines.append(f"| {name} | {d['fp32']:,} | {d['int8']:,} | "
-                         f"{d['int8'] / d['fp32']:.3f} |")
-    (RESULTS / "dmb.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        lines += ["", "## Disk size of the weights (bytes)", ""]
+        lines += _lib.md_table(["model", "fp32", "int8", "ratio"], "lrrr", (
+            [name, f"{d['fp32']:,}", f"{d['int8']:,}", f"{d['int8'] / d['fp32']:.3f}"]
+            for name, d in out["disk_bytes"].items()))
+    return lines
 
 
-def plot(rows: list[dict]) -> None:
-    labelled_scatter([(r["name"], r["macs_pair"] / 1e6, r["bleu_beam4"]) for r in rows],
-                     "#MACs of a 30 → 30-token pass (millions)",
-                     "BLEU, test_2016_flickr en→de, beam 4", "dmb: BLEU vs Mult-Adds (tiny)",
-                     RESULTS / "dmb.png")
+def plot(rows: list[dict], path: Path) -> None:
+    """BLEU against #MACs, one labelled point per system."""
+    _plot.labelled_scatter([(r["name"], r["macs_pair"] / 1e6, r["bleu_beam4"]) for r in rows],
+                           "#MACs of a 30 → 30-token pass (millions)",
+                           "BLEU, test_2016_flickr en→de, beam 4",
+                           "dmb: BLEU vs Mult-Adds (tiny)", path)
 
 
 def main() -> None:
@@ -501,8 +458,11 @@ def main() -> None:
                    help="re-measure these systems; the others keep their committed rows")
     r.add_argument("--no-latency", dest="latency", action="store_false",
                    help="BLEU, MACs, params and disk size only (time with report-latency)")
+    _lib.add_results_arg(r)
     r.set_defaults(func=cmd_report)
-    sub.add_parser("report-long").set_defaults(func=cmd_report_long)
+    long = sub.add_parser("report-long")
+    _lib.add_results_arg(long)
+    long.set_defaults(func=cmd_report_long)
     lat = sub.add_parser("report-latency")
     lat.add_argument("--rounds", type=int, default=5)
     lat.add_argument("--repeats", type=int, default=3)
@@ -510,6 +470,7 @@ def main() -> None:
     lat.add_argument("--tag", default="", help="suffix of the result files, e.g. `before`")
     lat.add_argument("--no-int8", dest="int8", action="store_false",
                      help="time the untrained sizes in fp32 only")
+    _lib.add_results_arg(lat)
     lat.set_defaults(func=cmd_report_latency)
     args = p.parse_args()
     args.func(args)

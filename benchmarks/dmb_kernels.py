@@ -21,23 +21,21 @@ Writes benchmarks/results/dmb_kernels.{json,md}. Run from the repository root, a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from dynaseq.branching import dmb_attention, dmb_feedforward, merge_shared_
-from dynaseq.config import MODEL_SIZES
+from dynaseq.core.config import MODEL_SIZES
 from dynaseq.nn import FeedForward
 from dynaseq.nn.attention import dense_attention
+from dynaseq.techniques.branching import dmb_attention, dmb_feedforward, merge_shared_
 
-RESULTS = Path("benchmarks/results")
+import _lib
+
 ROWS = (1, 32, 128, 960)
 N_BRANCHES = 4
 
@@ -103,6 +101,7 @@ def cases(size: str, m: int) -> dict[str, Callable[[], object]]:
 
 @torch.no_grad()
 def measure(sizes: list[str], rounds: int) -> dict[str, dict[str, dict[str, float]]]:
+    """size -> rows M -> case -> median µs per call over ``rounds`` interleaved rounds."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for size in sizes:
         for m in ROWS:
@@ -117,28 +116,26 @@ def measure(sizes: list[str], rounds: int) -> dict[str, dict[str, dict[str, floa
     return out
 
 
-def write(result: dict, command: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "dmb_kernels.json").write_text(json.dumps(result, indent=1))
-    lines = ["# dmb_kernels: DMB vs dense, sub-layers and matmul kernels (µs per call; ratio)",
-             "", f"Command: `{command}`  ",
-             f"Measured: {result['measured']} on {result['machine']}  ",
-             "Rows M: 1 = greedy step at batch 1, 32 = greedy at batch 32, 128 = beam 4 at "
-             "batch 32, 960 = encoding 32 × 30 tokens. Interleaved rounds, median. Kernels: "
-             "one `d → ffn` projection of rows already sorted into 4 equal groups.", ""]
+def markdown(result: dict) -> list[str]:
+    """The lines of dmb_kernels.md for the results ``result``."""
+    lines = _lib.md_head(
+        "dmb_kernels: DMB vs dense, sub-layers and matmul kernels (µs per call; ratio)",
+        result["command"], f"Measured: {result['measured']} on {result['machine']}",
+        "Rows M: 1 = greedy step at batch 1, 32 = greedy at batch 32, 128 = beam 4 at "
+        "batch 32, 960 = encoding 32 × 30 tokens. Interleaved rounds, median. Kernels: "
+        "one `d → ffn` projection of rows already sorted into 4 equal groups.")
     pairs = [("ffn dmb", "ffn dense"), ("self-attn dmb", "self-attn dense"),
              ("F.grouped_mm, 4 groups", "F.linear, all rows"),
              ("F.linear per group + cat", "F.linear, all rows")]
-    for size, by_m in result["timings_us"].items():
+    for i, (size, by_m) in enumerate(result["timings_us"].items()):
         dims = MODEL_SIZES[size]
-        lines += [f"## {size} (d={dims['d_model']}, ffn={dims['ffn_dim']})", "",
-                  "| M | " + " | ".join(f"{a} ÷ {b}" for a, b in pairs) + " |",
-                  "|---:|" + "---:|" * len(pairs)]
-        for m, t in by_m.items():
-            cells = [f"{t[a]} / {t[b]} = **{t[a] / t[b]:.2f}×**" for a, b in pairs]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        lines.append("")
-    (RESULTS / "dmb_kernels.md").write_text("\n".join(lines))
+        lines += [*([""] if i else []), f"## {size} (d={dims['d_model']}, ffn={dims['ffn_dim']})",
+                  ""]
+        lines += _lib.md_table(
+            ["M", *(f"{a} ÷ {b}" for a, b in pairs)], "r" * (len(pairs) + 1),
+            ([m, *(f"{t[a]} / {t[b]} = **{t[a] / t[b]:.2f}×**" for a, b in pairs)]
+             for m, t in by_m.items()))
+    return lines
 
 
 def main() -> None:
@@ -146,15 +143,13 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["tiny", "small", "base"],
                     choices=sorted(MODEL_SIZES))
     ap.add_argument("--rounds", type=int, default=5)
+    _lib.add_results_arg(ap)
     args = ap.parse_args()
     timings = measure(args.sizes, args.rounds)
-    command = (f"python benchmarks/dmb_kernels.py --sizes {' '.join(args.sizes)} "
-               f"--rounds {args.rounds}")
-    write({"benchmark": "dmb_kernels", "command": command,
-           "measured": time.strftime("%Y-%m-%d %H:%M"),
-           "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
-           "timings_us": timings}, command)
+    result = {"benchmark": "dmb_kernels", "command": _lib.command(),
+              "measured": time.strftime("%Y-%m-%d %H:%M"),
+              "machine": _lib.machine(cpus=os.cpu_count()), "timings_us": timings}
+    _lib.write_results(args.results, "dmb_kernels", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -28,110 +28,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+import _lib
+import _plot
 
-from plotting import labelled_scatter
-
-RESULTS = Path("benchmarks/results")
-RUNS = Path("runs/bench/micronet")
+RUNS = _lib.RUNS / "micronet"
 CONFIG = "configs/wikitext2_tiny.yaml"
 STEPS = ["train.max_minutes=1000"]  # stop on the config's max_steps, whatever the load
-TEACHER = ["model.d_model=256", "model.ffn_dim=1024", "model.n_layers=4",
-           "model.adaptive_dims=[256,64,4]"]
-TOPK = RUNS / "teacher_top30"
-TOPK5 = RUNS / "core5_top30"  # core5's own top-30: the pruned model learns from its parent
-TOPK_TEACHERS = {TOPK: "teacher", TOPK5: "core5"}  # top-k directory -> the run that writes it
-SPARSITY, BITS = 0.4, 9
-# name -> (table, description, overrides of CONFIG)
-TRAINED: dict[str, tuple[str, str, list[str]]] = {
-    "teacher": ("2", "teacher (d=256, 4 layers)", TEACHER),
-    "core": ("2", "core LM (d=128, 3 layers, C=32)", []),
-    "distill": ("2", "+ distillation", [f"train.distill.topk_dir={TOPK}"]),
-    "ctx8": ("4", "C=8", ["model.context=8"]),
-    "ctx16": ("4", "C=16", ["model.context=16"]),
-    "ctx64": ("4", "C=64 (C_e=192)", ["model.context=64", "model.extended_context=192"]),
-    "cache_train500": ("5", "cache of 500 trained with the model",
-                       ["model.cache={}", "model.cache.n_cache=500"]),
-    "cache_train2000": ("5", "cache of 2000 trained with the model",
-                        ["model.cache={}", "model.cache.n_cache=2000"]),
-    "hebbian": ("6", "+ Hebbian softmax", ["model.hebbian={}"]),
-    # the core trained ~5 epochs: pruning a model still far from converged mostly measures how
-    # much a smaller model learns less in the fine-tuning updates (see `control`)
-    "core5": ("2", "core LM, 5 epochs (6800 updates)", ["train.max_steps=6800"]),
-}
-# name -> (table, description, source run (None: the one `train --prune-from` names), command
-# and arguments)
-DERIVED: dict[str, tuple[str, str, str | None, list[str]]] = {
-    "core_cache": ("2", "core + cache search", "core",
-                   ["cache-search", "--cache-sizes", "2000,3000", "--valid-tokens", "60000"]),
-    "core_cache400": ("2", "core + cache search, n_cache 400 (within 5% more ops)", "core",
-                      ["cache-search", "--n-cache", "400", "--valid-tokens", "60000"]),
-    "prune": ("2", f"+ pruning to {SPARSITY:.0%}", None,
-              ["prune", "--sparsity", str(SPARSITY), "--steps", "1000",
-               "--valid-tokens", "20000"]),
-    "cache": ("2", "+ cache search", "prune",
-              ["cache-search", "--cache-sizes", "2000,3000", "--valid-tokens", "60000"]),
-    "quant": ("2", f"+ {BITS}-bit QAT", "cache", ["quantize", "--bits", str(BITS),
-                                                   "--steps", "600"]),
-    # pruning + QAT fine-tune 1600 updates: the same updates without pruning or quantization
-    "control": ("2", "control: 1600 fine-tuning updates at sparsity 0, no QAT", None,
-                ["prune", "--sparsity", "0", "--steps", "1600", "--valid-tokens", "20000"]),
-    # the issue's minimum sparsity, same updates (1000 pruning + 600 QAT), no cache search
-    "prune35": ("2", "+ pruning to 35%", None,
-                ["prune", "--sparsity", "0.35", "--steps", "1000", "--valid-tokens", "20000"]),
-    "quant35": ("2", f"+ {BITS}-bit QAT (35% sparse)", "prune35",
-                ["quantize", "--bits", str(BITS), "--steps", "600"]),
-    # the same three from the 5-epoch core
-    "control5": ("2", "core5 control: 1600 fine-tuning updates at sparsity 0, no QAT", "core5",
-                 ["prune", "--sparsity", "0", "--steps", "1600", "--valid-tokens", "20000"]),
-    "prune35_5": ("2", "core5 + pruning to 35%", "core5",
-                  ["prune", "--sparsity", "0.35", "--steps", "1000", "--valid-tokens", "20000"]),
-    "quant35_5": ("2", f"core5 + pruning to 35% + {BITS}-bit QAT", "prune35_5",
-                  ["quantize", "--bits", str(BITS), "--steps", "600"]),
-    # longer recovery: 3000 pruning updates (the targets reached at 2250) + 600 QAT, against
-    # the same 3600 updates dense
-    "control5_long": ("2", "core5 control: 3600 fine-tuning updates at sparsity 0", "core5",
-                      ["prune", "--sparsity", "0", "--steps", "3600", "--valid-tokens",
-                       "20000"]),
-    "prune35_5_long": ("2", "core5 + pruning to 35% over 3000 updates", "core5",
-                       ["prune", "--sparsity", "0.35", "--steps", "3000", "--valid-tokens",
-                        "20000"]),
-    "quant35_5_long": ("2", f"core5 + pruning to 35% (3000) + {BITS}-bit QAT", "prune35_5_long",
-                       ["quantize", "--bits", str(BITS), "--steps", "600"]),
-    # longer still: 6000 pruning updates (targets at 4500), reusing prune35_5_long's
-    # sensitivity curves (the same sweep of the same core5: a fresh one gives the same)
-    "control5_xl": ("2", "core5 control: 6600 fine-tuning updates at sparsity 0", "core5",
-                    ["prune", "--sparsity", "0", "--steps", "6600", "--valid-tokens", "20000"]),
-    "prune35_5_xl": ("2", "core5 + pruning to 35% over 6000 updates", "core5",
-                     ["prune", "--sparsity", "0.35", "--steps", "6000", "--sensitivity",
-                      str(RUNS / "prune35_5_long" / "prune_report.json")]),
-    "quant35_5_xl": ("2", f"core5 + pruning to 35% (6000) + {BITS}-bit QAT", "prune35_5_xl",
-                     ["quantize", "--bits", str(BITS), "--steps", "600"]),
-    # the same 6000 pruning updates distilled from core5 (its top-30), and the dense control
-    # distilled the same way (self-distillation), so that the gain is not distillation's alone
-    "control5_kd": ("2", "core5 control: 6600 updates at sparsity 0, distilled from core5",
-                    "core5", ["prune", "--sparsity", "0", "--steps", "6600", "--distill",
-                              str(TOPK5)]),
-    "prune35_5_kd": ("2", "core5 + pruning to 35% over 6000 updates, distilled from core5",
-                     "core5", ["prune", "--sparsity", "0.35", "--steps", "6000", "--sensitivity",
-                               str(RUNS / "prune35_5_long" / "prune_report.json"), "--distill",
-                               str(TOPK5)]),
-    "quant35_5_kd": ("2", f"core5 + pruning to 35% (6000, distilled) + {BITS}-bit QAT",
-                     "prune35_5_kd", ["quantize", "--bits", str(BITS), "--steps", "600"]),
-}
-LANES = {"pipeline": ["teacher", "core", "core_cache", "core_cache400", "distill", "prune",
-                      "cache", "quant", "control", "prune35", "quant35"],
-         "ablations": ["ctx8", "ctx16", "ctx64", "cache_train500", "cache_train2000",
-                       "hebbian"],
-         "converged": ["core5", "control5", "prune35_5", "quant35_5", "prune35_5_long",
-                       "quant35_5_long", "control5_long", "prune35_5_xl", "quant35_5_xl",
-                       "control5_xl", "prune35_5_kd", "quant35_5_kd", "control5_kd"]}
+BITS = 9  # the QAT runs' bit width (their commands in variants/micronet.yaml say --bits 9)
+# top-k directory -> the run that writes it
+TOPK_TEACHERS = {Path(d): run for d, run in _lib.registry("micronet", "topk").items()}
+# name -> {"table", "system", "overrides" of CONFIG}
+TRAINED: dict[str, dict] = _lib.registry("micronet", "trained", ("table", "system", "overrides"))
+# name -> {"table", "system", "source" (None: the one `train --prune-from` names), "command"
+# and its arguments}
+DERIVED: dict[str, dict] = _lib.registry("micronet", "derived",
+                                         ("table", "system", "source", "command"))
+LANES: dict[str, list[str]] = _lib.variants_file("micronet")["lanes"]
 
 
 def dynaseq(*args: str, capture: bool = False) -> str:
@@ -149,8 +66,7 @@ def done(name: str) -> bool:
     temporary directory and rename it at the end)."""
     run = RUNS / name
     if name in TRAINED:
-        log = run / "log.jsonl"
-        return log.exists() and '"reason": "max_steps"' in log.read_text()
+        return _lib.finished(run)
     return (run / "config.yaml").exists()
 
 
@@ -162,15 +78,16 @@ def ensure_topk(args: list[str]) -> None:
 
 
 def build(name: str, prune_from: str = "distill") -> None:
+    """Train or derive run ``name`` unless it is done; its wall time goes to NAME.seconds."""
     run = RUNS / name
     t0 = time.perf_counter()
     if done(name):
         return
     if name in TRAINED:
-        ensure_topk(TRAINED[name][2])
-        dynaseq("train", CONFIG, f"run_dir={run}", *STEPS, *TRAINED[name][2])
+        ensure_topk(TRAINED[name]["overrides"])
+        dynaseq("train", CONFIG, f"run_dir={run}", *STEPS, *TRAINED[name]["overrides"])
     else:
-        _, _, source, cmd = DERIVED[name]
+        source, cmd = DERIVED[name]["source"], DERIVED[name]["command"]
         ensure_topk(cmd)
         dynaseq(cmd[0], str(RUNS / (source or prune_from)), "--out", str(run), *cmd[1:])
     (RUNS / f"{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}\n")
@@ -190,6 +107,8 @@ def pruned_from(name: str) -> str | None:
 
 
 def measure(name: str) -> dict:
+    """One result row: run ``name``'s perplexities (valid, test; with and without the cache)
+    and its profile (params, storage, ops/token, score, generation speed)."""
     run = RUNS / name
     row: dict = {"name": name}
     for split in ("valid", "test"):
@@ -208,23 +127,16 @@ def measure(name: str) -> dict:
     return row
 
 
-def earlier_rows() -> dict[str, dict]:
-    """Rows of the committed results, by name, to carry over for runs not rebuilt here."""
-    path = RESULTS / "micronet.json"
-    if not path.exists():
-        return {}
-    earlier = json.loads(path.read_text())
-    return {r["name"]: {**r, "measured": r.get("measured", earlier.get("measured_on"))}
-            for r in earlier["rows"]}
-
-
 def cmd_report(args: argparse.Namespace) -> None:
-    rows, earlier = [], earlier_rows()
+    # rows of the committed results, by name, to carry over for runs not rebuilt here
+    rows, earlier = [], _lib.committed_rows(args.results / "micronet.json", "name",
+                                            "measured_on")
     today = time.strftime("%Y-%m-%d")
     for name in [*TRAINED, *DERIVED]:
         if done(name) and (not args.only or name in args.only):
-            table, desc = (TRAINED.get(name) or DERIVED[name])[:2]
-            row = {"table": table, "system": desc, "measured": today, **measure(name)}
+            spec = TRAINED.get(name) or DERIVED[name]
+            row = {"table": spec["table"], "system": spec["system"], "measured": today,
+                   **measure(name)}
             if name in ("prune", "prune35") or name.startswith("prune35_"):
                 row["pruned_from"] = pruned_from(name)
                 row["system"] += f" (from {row['pruned_from']})"
@@ -235,17 +147,17 @@ def cmd_report(args: argparse.Namespace) -> None:
             rows.append(earlier[name])
         else:
             print(f"-- {name}: not built, skipped", file=sys.stderr)
-    machine = {"platform": platform.platform(), "torch": torch.__version__,
-               "cpus": os.cpu_count(), "threads": os.environ.get("OMP_NUM_THREADS", "1")}
+    machine = _lib.machine(torch_threads=False, cpus=os.cpu_count(),
+                           threads=os.environ.get("OMP_NUM_THREADS", "1"))
     command = ("python benchmarks/micronet.py train pipeline & python benchmarks/micronet.py "
                "train ablations; python benchmarks/micronet.py report")
     out = {"benchmark": "micronet", "command": command, "machine": machine, "measured_on": today,
            "data": "WikiText-2 word level (33,278 types); valid 217,646 / test 245,569 tokens",
            "rows": rows, "targets": targets(rows)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "micronet.json").write_text(json.dumps(out, indent=1))
-    write_md(out)
-    plot(rows)
+    lines = markdown(out)
+    _lib.write_results(args.results, "micronet", out, lines)
+    print("\n".join(lines))
+    plot(rows, args.results / "micronet.png")
 
 
 def targets(rows: list[dict]) -> dict:
@@ -304,32 +216,30 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
-def write_md(out: dict) -> None:
-    lines = ["# micronet: the MicroNet pipeline on WikiText-2 (word level)", "",
-             f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Data: {out['data']}", "",
-             "Storage: parameters weighted by bit width / 32, sparse matrices by the challenge "
-             "rules. Ops/token: multiplies + adds with tokens fed one at a time (full softmax, "
-             "cache included when the run has one). Score = storage / 159M + ops / 318M.", "",
-             "| table | system | params | storage | ops/token | valid ppl | valid ppl cache | "
-             "test ppl | test ppl cache | score | minutes | measured |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in out["rows"]:
-        lines.append(
-            f"| {r['table']} | {r['system']} | {r['params']:,} | {r['storage']:,} | "
-            f"{r['ops_per_token']['total'] / 1e6:.3f}M | {r['valid_ppl']} | "
-            f"{r['valid_ppl_cache']} | {r['test_ppl']} | {r['test_ppl_cache']} | "
-            f"{r['score']} | {r['build_minutes']} | {r.get('measured') or 'earlier'} |")
-    lines += ["", "## Targets", "", "```json", json.dumps(out["targets"], indent=1), "```"]
-    (RESULTS / "micronet.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def markdown(out: dict) -> list[str]:
+    """The lines of micronet.md for the results ``out``."""
+    lines = _lib.md_head("micronet: the MicroNet pipeline on WikiText-2 (word level)",
+                         out["command"], f"Machine: {out['machine']}", f"Data: {out['data']}")
+    lines += ["Storage: parameters weighted by bit width / 32, sparse matrices by the challenge "
+              "rules. Ops/token: multiplies + adds with tokens fed one at a time (full softmax, "
+              "cache included when the run has one). Score = storage / 159M + ops / 318M.", ""]
+    lines += _lib.md_table(
+        ["table", "system", "params", "storage", "ops/token", "valid ppl", "valid ppl cache",
+         "test ppl", "test ppl cache", "score", "minutes", "measured"], "llrrrrrrrrrl",
+        ([r["table"], r["system"], f"{r['params']:,}", f"{r['storage']:,}",
+          f"{r['ops_per_token']['total'] / 1e6:.3f}M", r["valid_ppl"], r["valid_ppl_cache"],
+          r["test_ppl"], r["test_ppl_cache"], r["score"], r["build_minutes"],
+          r.get("measured") or "earlier"] for r in out["rows"]))
+    return lines + ["", "## Targets", "", "```json", json.dumps(out["targets"], indent=1),
+                    "```"]
 
 
-def plot(rows: list[dict]) -> None:
-    labelled_scatter([(r["name"], r["score"], r["test_ppl_cache"]) for r in rows
-                      if r["name"] != "teacher"],
-                     "MicroNet score (lower is better)", "test perplexity with the cache",
-                     "micronet: WikiText-2", RESULTS / "micronet.png")
+def plot(rows: list[dict], path: Path) -> None:
+    """Test perplexity (with the cache) against the MicroNet score, one point per run."""
+    _plot.labelled_scatter([(r["name"], r["score"], r["test_ppl_cache"]) for r in rows
+                            if r["name"] != "teacher"],
+                           "MicroNet score (lower is better)", "test perplexity with the cache",
+                           "micronet: WikiText-2", path)
 
 
 def main() -> None:
@@ -346,6 +256,7 @@ def main() -> None:
                    help="leave out runs not built here instead of carrying their committed rows")
     r.add_argument("--only", nargs="*", choices=[*TRAINED, *DERIVED],
                    help="measure only these runs; the others' committed rows are carried")
+    _lib.add_results_arg(r)
     r.set_defaults(func=cmd_report)
     args = p.parse_args()
     args.func(args)

@@ -17,27 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dynaseq.compress.lm_runs import calibrate_activations, keep_pruned_zeros
 from dynaseq.compress.qat import QATConfig
-from dynaseq.infer.lm import LanguageModel, apply_qat_structure, evaluate_stream
+from dynaseq.tasks.lm.predictor import LanguageModel, apply_qat_structure, evaluate_stream
+from dynaseq.workflows.lm_runs import calibrate_activations, keep_pruned_zeros
 
-RESULTS = Path("benchmarks/results")
+import _lib
+
 VALID_TOKENS = 40_000
-SETTINGS = {  # name -> QATConfig overrides
-    "weights per channel": {"quantize_activations": False},
-    "weights per tensor": {"quantize_activations": False, "per_channel": False},
-    "weights + activations": {},
-}
+SETTINGS: dict[str, dict] = _lib.registry("qat_probe", "settings")  # name -> QATConfig overrides
 
 
 def valid_ppl(lm: LanguageModel) -> float:
+    """Perplexity of ``lm`` on the first VALID_TOKENS validation tokens."""
     c = lm.config
     return evaluate_stream(lm.model, lm.ids("valid"), c.data.eval_batch_size,
                            c.model.extended_context, lm.device, VALID_TOKENS)["ppl"]
@@ -76,6 +73,8 @@ def input_ranges(run: str) -> dict[str, dict[str, float]]:
 
 
 def probe(run: str, bits: int) -> dict:
+    """One result row: ``run``'s perplexity in float and under each of SETTINGS at ``bits``,
+    its QAT fine-tuning's valid curve where one exists, its Linear input ranges."""
     row = {"run": run, "bits": bits,
            "float": round(valid_ppl(LanguageModel.load(run, device="cpu")), 2)}
     for name, overrides in SETTINGS.items():
@@ -95,43 +94,45 @@ def probe(run: str, bits: int) -> dict:
     return row
 
 
-def write(rows: list[dict], command: str) -> None:
-    out = {"command": command, "machine": {"platform": platform.platform(),
-                                           "torch": torch.__version__},
-           "measured": time.strftime("%Y-%m-%d"), "valid_tokens": VALID_TOKENS, "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "qat_probe.json").write_text(json.dumps(out, indent=1) + "\n")
-    lines = ["# qat_probe: quantization without fine-tuning (post-training) vs QAT fine-tuning",
-             "", f"Command: `{command}`  ", f"Machine: {out['machine']}  ",
-             f"Measured: {out['measured']}; valid perplexity on the first {VALID_TOKENS} "
-             "validation tokens; activation ranges calibrated on 8 training windows, no "
-             "update.", "",
-             "| run | bits | float | " + " | ".join(SETTINGS) + " | QAT fine-tuning valid "
-             "curve (step, ppl) | kept step |",
-             "|---|---:|---:|" + "---:|" * len(SETTINGS) + "---|---:|"]
-    for r in rows:
+def markdown(out: dict) -> list[str]:
+    """The lines of qat_probe.md for the results ``out``."""
+    lines = _lib.md_head(
+        "qat_probe: quantization without fine-tuning (post-training) vs QAT fine-tuning",
+        out["command"], f"Machine: {out['machine']}",
+        f"Measured: {out['measured']}; valid perplexity on the first {out['valid_tokens']} "
+        "validation tokens; activation ranges calibrated on 8 training windows, no update.")
+
+    def cells(r: dict) -> list:
         curve = ", ".join(f"{s}: {p:.2f}" for s, p in r.get("qat_valid_curve") or [])
-        lines.append(f"| {r['run']} | {r['bits']} | {r['float']} | "
-                     + " | ".join(str(r[s]) for s in SETTINGS)
-                     + f" | {curve or '–'} | {r.get('qat_kept_step', '–')} |")
+        return [r["run"], r["bits"], r["float"], *(r[s] for s in SETTINGS), curve or "–",
+                r.get("qat_kept_step", "–")]
+
+    lines += _lib.md_table(
+        ["run", "bits", "float", *SETTINGS, "QAT fine-tuning valid curve (step, ppl)",
+         "kept step"], "lrr" + "r" * len(SETTINGS) + "lr", (cells(r) for r in out["rows"]))
     lines += ["", "Inputs of the quantized Linear layers (2 training windows): max |x| and "
-              "99.9th percentile of |x|.", "", "| run | layer | max | p99.9 |",
-              "|---|---|---:|---:|"]
-    for r in {r["run"]: r for r in rows}.values():  # the ranges do not depend on the bits
-        for name, v in r["input_ranges"].items():
-            lines.append(f"| {r['run']} | {name} | {v['max']} | {v['p99.9']} |")
-    (RESULTS / "qat_probe.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:12 + len(rows)]))
+              "99.9th percentile of |x|.", ""]
+    # the ranges do not depend on the bits: one table row per run and layer
+    return lines + _lib.md_table(
+        ["run", "layer", "max", "p99.9"], "llrr",
+        ([r["run"], name, v["max"], v["p99.9"]]
+         for r in {r["run"]: r for r in out["rows"]}.values()
+         for name, v in r["input_ranges"].items()))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="language-model run directories (float, maybe pruned)")
     p.add_argument("--bits", type=int, nargs="+", default=[9], help="bit widths, e.g. 9 6 4")
+    _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = [probe(run, b) for run in args.runs for b in args.bits]
-    write(rows, "python benchmarks/qat_probe.py " + " ".join(sys.argv[1:]))
+    out = {"command": _lib.command(), "machine": _lib.machine(torch_threads=False),
+           "measured": time.strftime("%Y-%m-%d"), "valid_tokens": VALID_TOKENS, "rows": rows}
+    lines = markdown(out)
+    _lib.write_results(args.results, "qat_probe", out, lines, json_newline=True)
+    print("\n".join(lines[:12 + len(rows)]))
 
 
 if __name__ == "__main__":

@@ -18,24 +18,21 @@ Writes benchmarks/results/speed_vs_torch.{json,md}. Run from the repository root
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import statistics
-import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from dynaseq.config import ModelConfig, from_dict
+from dynaseq.core.config import ModelConfig, from_dict
 from dynaseq.data import Tokenizer, collate, make_corpus, read_parallel, token_batches
-from dynaseq.infer.search import greedy_search
 from dynaseq.models import TokenEmbedding, build_seq2seq
+from dynaseq.models.search import greedy_search
 from dynaseq.nn import SinusoidalPositions
 
-DATA = Path("../shared/data/multi30k")
-RESULTS = Path("benchmarks/results")
+import _lib
+
+DATA = _lib.MULTI30K
 
 
 class TorchTransformer(nn.Module):
@@ -82,6 +79,7 @@ class TorchTransformer(nn.Module):
 
 
 def logits_of(model, src, tgt_in):
+    """The logits of either model (dynaseq's returns an output with ``.logits``)."""
     out = model(src, tgt_in)
     return out.logits if hasattr(out, "logits") else out
 
@@ -93,9 +91,7 @@ def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(_lib.timed(fn))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -108,11 +104,12 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=4, help="training batches per timing")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--decode-batch", type=int, default=32)
+    _lib.add_results_arg(p)
     args = p.parse_args()
     torch.manual_seed(0)
 
     src_lines, tgt_lines = read_parallel(DATA / "train.en.gz", DATA / "train.de.gz")
-    tok_path = Path("runs/bench/speed_spm.model")
+    tok_path = _lib.RUNS / "speed_spm.model"
     tok = (Tokenizer.load(tok_path) if tok_path.exists() else
            Tokenizer.train(src_lines + tgt_lines, tok_path, args.vocab))
     corpus, _ = make_corpus(tok.encode(src_lines), tok.encode(tgt_lines), 128)
@@ -175,10 +172,8 @@ def main() -> None:
         print(label, results[label], flush=True)
     out = {
         "benchmark": "speed_vs_torch",
-        "command": "python benchmarks/speed_vs_torch.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
+        "command": _lib.command(),
+        "machine": _lib.machine(),
         "model": {"size": args.size, "layers": args.layers, "vocab": tok.vocab_size,
                   "params": params},
         "train_batches": {"n": len(batches), "tgt_tokens": n_tok,
@@ -186,21 +181,23 @@ def main() -> None:
         "decode_batch": args.decode_batch, "results": results,
         "target": "dynaseq_speed_vs_torch >= 0.9 for training steps and batched inference",
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "speed_vs_torch.json").write_text(json.dumps(out, indent=1))
-    lines = ["# dynaseq vs torch.nn.Transformer (same dimensions, same run)", "",
-             f"Command: `{out['command']}`  ", f"Machine: {out['machine']}  ",
-             f"Model: {out['model']}", "",
-             "| measurement | dynaseq (s) | nn.Transformer (s) | dynaseq speed ÷ torch |",
-             "|---|---:|---:|---:|"]
-    for k, r in results.items():
-        lines.append(f"| {k} | {r['dynaseq_s']} | {r['torch_s']} | "
-                     f"{r['dynaseq_speed_vs_torch']}× |")
-    lines += ["", f"Target: {out['target']}. Medians of {args.repeats} interleaved runs.",
-              "nn.Transformer has no key/value cache: its greedy decoding reruns the decoder "
-              "over the whole prefix at every step, which is how it is used without one."]
-    (RESULTS / "speed_vs_torch.md").write_text("\n".join(lines) + "\n")
-    assert math.isfinite(results["train_step"]["dynaseq_speed_vs_torch"])
+    _lib.write_results(args.results, "speed_vs_torch", out, markdown(out, args.repeats))
+    if not math.isfinite(results["train_step"]["dynaseq_speed_vs_torch"]):
+        raise RuntimeError("the training-step speed ratio is not finite")
+
+
+def markdown(out: dict, repeats: int) -> list[str]:
+    """The lines of speed_vs_torch.md for the results ``out``, medians of ``repeats`` runs."""
+    lines = _lib.md_head("dynaseq vs torch.nn.Transformer (same dimensions, same run)",
+                         out["command"], f"Machine: {out['machine']}", f"Model: {out['model']}")
+    lines += _lib.md_table(
+        ["measurement", "dynaseq (s)", "nn.Transformer (s)", "dynaseq speed ÷ torch"], "lrrr",
+        ([k, r["dynaseq_s"], r["torch_s"], f"{r['dynaseq_speed_vs_torch']}×"]
+         for k, r in out["results"].items()))
+    return lines + [
+        "", f"Target: {out['target']}. Medians of {repeats} interleaved runs.",
+        "nn.Transformer has no key/value cache: its greedy decoding reruns the decoder over "
+        "the whole prefix at every step, which is how it is used without one."]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,250 @@
+"""Helpers shared by the benchmark scripts; the scripts import this module, never each other.
+
+What lives here is what two or more scripts need: the paths they agree on, the machine and
+command a result records, reading a run's ``log.jsonl``, carrying committed result rows into
+a new report, Markdown tables, writing the ``.json`` + ``.md`` pair of a result atomically,
+the variant registries (YAML under ``benchmarks/variants/``) and a training loop over configs.
+Plot helpers are in :mod:`_plot`.
+
+Scripts run as ``python benchmarks/NAME.py`` from the repository root, so the relative paths
+below are relative to it, and ``benchmarks/`` is on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path("benchmarks/results")
+RUNS = Path("runs/bench")
+MULTI30K = Path("../shared/data/multi30k")
+VARIANTS_DIR = Path(__file__).resolve().parent / "variants"
+
+
+# ---------------------------------------------------------------- command line and machine
+
+
+def add_results_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--results DIR``: where the result files are written (and committed rows read)."""
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help=f"folder of the result files (default {RESULTS}); committed rows "
+                             "a report carries over are read from there too")
+
+
+def command(argv: list[str] | None = None) -> str:
+    """The command as run, ``python benchmarks/SCRIPT.py ARGS`` (``argv``: default
+    ``sys.argv``), each argument shell-quoted where it needs to be."""
+    argv = sys.argv if argv is None else argv
+    if not argv:
+        raise ValueError("argv is empty: no script name")
+    return " ".join(["python", f"benchmarks/{Path(argv[0]).name}",
+                     *map(shlex.quote, argv[1:])])
+
+
+def machine(*, processor: bool = False, torch_threads: bool = True,
+            **extra: Any) -> dict[str, Any]:
+    """What a result records of the machine: platform, (processor,) torch version, (torch's
+    thread count,) then ``extra`` in the order given."""
+    import torch
+
+    out: dict[str, Any] = {"platform": platform.platform()}
+    if processor:
+        out["processor"] = platform.processor()
+    out["torch"] = torch.__version__
+    if torch_threads:
+        out["threads"] = torch.get_num_threads()
+    return {**out, **extra}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes (wall clock)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------- run logs
+
+
+def cct_quality_run(name: str) -> Path:
+    """Run directory of system ``name`` (``cct``, a CCT variant or a dense baseline) of
+    ``benchmarks/cct_quality.py``; other scripts time or read those runs."""
+    return RUNS / f"cct_quality_{name}"
+
+
+def read_log(run: Path, missing_ok: bool = False) -> list[dict]:
+    """The events of ``run``'s ``log.jsonl``, in order. A missing log raises
+    :class:`FileNotFoundError`, or gives ``[]`` with ``missing_ok``."""
+    log = Path(run) / "log.jsonl"
+    if not log.exists():
+        if missing_ok:
+            return []
+        raise FileNotFoundError(f"{log} does not exist: train the system first")
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def learning_curve(run: Path) -> list[dict[str, float]]:
+    """One entry per validation event of ``run``: step, training minutes so far (from the last
+    training event before it), validation BLEU (nan when not measured) and loss."""
+    curve, elapsed = [], 0.0
+    for rec in read_log(run):
+        if rec["event"] == "train":
+            elapsed = rec["elapsed_s"]
+        if rec["event"] == "valid":
+            curve.append({"step": rec["step"], "minutes": round(elapsed / 60, 2),
+                          "valid_bleu": round(rec.get("bleu", float("nan")), 2),
+                          "valid_loss": round(rec["loss"], 4)})
+    return curve
+
+
+def valid_curve(run: Path, every: int = 1, missing_ok: bool = False
+                ) -> dict[int, dict[str, float]]:
+    """step -> {"loss", "bleu"} of the validation events of ``run`` at steps divisible by
+    ``every`` (a step validated twice, after a stop and resume, keeps its last entry)."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, not {every}")
+    if missing_ok and not (Path(run) / "log.jsonl").exists():
+        return {}
+    return {int(v["step"]): {"loss": v["valid_loss"], "bleu": v["valid_bleu"]}
+            for v in learning_curve(run) if v["step"] % every == 0}
+
+
+def throughput(run: Path) -> dict[str, float | None]:
+    """Training minutes and updates at the last stop, and the median target tokens/s of the
+    training events after the first update (None where the log has none)."""
+    recs = read_log(run)
+    stop = [r for r in recs if r["event"] == "stop"]
+    tps = [r["tokens_per_s"] for r in recs if r["event"] == "train" and r["step"] > 1]
+    return {"train_minutes": round(stop[-1]["elapsed_s"] / 60, 2) if stop else None,
+            "steps": stop[-1]["step"] if stop else None,
+            "tgt_tokens_per_s": round(sorted(tps)[len(tps) // 2], 1) if tps else None}
+
+
+def finished(run: Path, steps: int = 0) -> bool:
+    """``run`` stopped on its update limit at ``steps`` updates or more (a run stopped by a
+    signal, or one without a log, does not count)."""
+    return any(e.get("event") == "stop" and e.get("reason") == "max_steps"
+               and e.get("step", 0) >= steps for e in read_log(run, missing_ok=True))
+
+
+def train_each(configs: Iterable[Any]) -> None:
+    """Train each config in turn (``dynaseq.train.loop.train``, progress on stderr); stop after
+    a run a signal stopped (its checkpoint is written: run the command again to resume)."""
+    from dynaseq.train.loop import train
+
+    for cfg in configs:
+        print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
+        if train(cfg, progress=True).stopped_by_signal is not None:
+            break
+
+
+# -------------------------------------------------------------------------------- results
+
+
+def committed_rows(path: Path, key: str, date_field: str | None = None,
+                   default_date: str | None = None) -> dict[str, dict]:
+    """Rows of the committed result file ``path`` by ``row[key]`` ({} when there is none), to
+    carry into a report that does not re-measure them. With ``date_field``, each row gets a
+    ``measured`` date: its own, else the file's ``date_field``, else ``default_date``."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    rows = {}
+    for r in data["rows"]:
+        if key not in r:
+            raise ValueError(f"{path}: a row has no {key!r}: {r}")
+        if date_field is not None:
+            r = {**r, "measured": r.get("measured", data.get(date_field, default_date))}
+        rows[r[key]] = r
+    return rows
+
+
+def md_head(title: str, command: str, *lines: str) -> list[str]:
+    """The head of a result's Markdown: ``# title``, the command, then ``lines`` (one per line,
+    Markdown line breaks between them), then a blank line."""
+    body = [f"Command: `{command}`", *lines]
+    return [f"# {title}", "", *(f"{x}  " for x in body[:-1]), body[-1], ""]
+
+
+def md_table(header: Iterable[str], aligns: str, rows: Iterable[Iterable[object]]) -> list[str]:
+    """Lines of a Markdown table: ``header``, the separator (one letter of ``aligns`` per
+    column: ``l`` left, ``r`` right aligned) and one line per row of cells (``str()``-ed)."""
+    header = list(header)
+    if len(aligns) != len(header) or set(aligns) - {"l", "r"}:
+        raise ValueError(f"aligns {aligns!r}: one of l/r per column of {header}")
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "".join("---:|" if a == "r" else "---|" for a in aligns)]
+    for row in rows:
+        cells = [str(c) for c in row]
+        if len(cells) != len(header):
+            raise ValueError(f"row {cells} has {len(cells)} cells, the header {len(header)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename, so
+    a reader (or an interrupted run) never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_results(results: Path, stem: str, data: dict, md_lines: list[str] | None = None,
+                  json_newline: bool = False) -> None:
+    """Write ``results/stem.json`` (``data``, indent 1; a final newline with ``json_newline``)
+    and, given ``md_lines``, ``results/stem.md`` (the lines, each ending in a newline)."""
+    if not stem or "/" in stem:
+        raise ValueError(f"stem must be a file name without suffix, not {stem!r}")
+    write_atomic(Path(results) / f"{stem}.json",
+                 json.dumps(data, indent=1) + ("\n" if json_newline else ""))
+    if md_lines is not None:
+        write_atomic(Path(results) / f"{stem}.md", "\n".join(md_lines) + "\n")
+
+
+# ------------------------------------------------------------------------------- registries
+
+
+def registry(name: str, section: str, fields: Iterable[str] = ()) -> dict[str, Any]:
+    """Section ``section`` of ``benchmarks/variants/NAME.yaml``: a mapping of entry name ->
+    entry, in file order, each entry a mapping holding at least ``fields``. Raises
+    ``ValueError`` for a missing section or a malformed entry."""
+    data = variants_file(name)
+    if section not in data:
+        raise ValueError(f"{VARIANTS_DIR / name}.yaml has no section {section!r}")
+    entries = data[section]
+    if not isinstance(entries, dict):
+        raise ValueError(f"{name}.yaml: {section} must map names to entries")
+    for entry, value in entries.items():
+        missing = [f for f in fields if not isinstance(value, dict) or f not in value]
+        if missing:
+            raise ValueError(f"{name}.yaml: {section}.{entry} lacks {', '.join(missing)}")
+    return entries
+
+
+def variants_file(name: str) -> dict[str, Any]:
+    """The whole of ``benchmarks/variants/NAME.yaml`` (a mapping)."""
+    import yaml
+
+    path = VARIANTS_DIR / f"{name}.yaml"
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping")
+    return data

@@ -1,0 +1,119 @@
+"""The shared benchmark helpers (benchmarks/_lib.py) and the rule that scripts share code
+only through the underscore modules."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load_lib():
+    spec = importlib.util.spec_from_file_location("_lib", BENCHMARKS / "_lib.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lib = _load_lib()
+
+
+def write_log(run: Path, events: list[dict]) -> None:
+    run.mkdir(parents=True)
+    (run / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+EVENTS = [
+    {"event": "train", "step": 1, "elapsed_s": 6.0, "tokens_per_s": 10.0},
+    {"event": "train", "step": 200, "elapsed_s": 60.0, "tokens_per_s": 30.0},
+    {"event": "valid", "step": 200, "loss": 2.123456, "bleu": 12.345},
+    {"event": "train", "step": 300, "elapsed_s": 120.0, "tokens_per_s": 20.0},
+    {"event": "valid", "step": 300, "loss": 2.0},
+    {"event": "stop", "step": 300, "elapsed_s": 126.0, "reason": "max_steps"},
+]
+
+
+def test_log_readers(tmp_path):
+    run = tmp_path / "run"
+    write_log(run, EVENTS)
+    curve = lib.learning_curve(run)
+    assert curve[0] == {"step": 200, "minutes": 1.0, "valid_bleu": 12.35, "valid_loss": 2.1235}
+    assert curve[1]["minutes"] == 2.0 and curve[1]["valid_bleu"] != curve[1]["valid_bleu"]  # nan
+    assert list(lib.valid_curve(run)) == [200, 300]
+    assert list(lib.valid_curve(run, every=200)) == [200]
+    assert lib.throughput(run) == {"train_minutes": 2.1, "steps": 300, "tgt_tokens_per_s": 30.0}
+    assert lib.finished(run, 300) and not lib.finished(run, 301)
+
+
+def test_missing_log(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        lib.read_log(tmp_path)
+    assert lib.read_log(tmp_path, missing_ok=True) == []
+    assert lib.valid_curve(tmp_path, missing_ok=True) == {}
+    assert not lib.finished(tmp_path)
+    with pytest.raises(ValueError):
+        lib.valid_curve(tmp_path, every=0)
+
+
+def test_markdown_helpers():
+    assert lib.md_table(["a", "b"], "lr", [[1, ""], ["x", 2.5]]) == [
+        "| a | b |", "|---|---:|", "| 1 |  |", "| x | 2.5 |"]
+    with pytest.raises(ValueError):
+        lib.md_table(["a", "b"], "l", [])
+    with pytest.raises(ValueError):
+        lib.md_table(["a"], "l", [[1, 2]])
+    assert lib.md_head("t", "cmd", "Machine: m", "last") == [
+        "# t", "", "Command: `cmd`  ", "Machine: m  ", "last", ""]
+
+
+def test_command_quotes_arguments():
+    assert lib.command(["benchmarks/x.py", "--a", "b c"]) == "python benchmarks/x.py --a 'b c'"
+    with pytest.raises(ValueError):
+        lib.command([])
+
+
+def test_write_results_and_committed_rows(tmp_path):
+    data = {"date": "2026-01-02", "rows": [{"name": "a"}, {"name": "b", "measured": "x"}]}
+    lib.write_results(tmp_path, "r", data, ["# r", "", "text"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]  # no temp files
+    assert (tmp_path / "r.json").read_text() == json.dumps(data, indent=1)
+    assert (tmp_path / "r.md").read_text() == "# r\n\ntext\n"
+    rows = lib.committed_rows(tmp_path / "r.json", "name", "date")
+    assert rows["a"]["measured"] == "2026-01-02" and rows["b"]["measured"] == "x"
+    assert "measured" not in lib.committed_rows(tmp_path / "r.json", "name")["a"]
+    assert lib.committed_rows(tmp_path / "none.json", "name") == {}
+    with pytest.raises(ValueError):
+        lib.write_results(tmp_path, "a/b", data)
+
+
+@pytest.mark.parametrize("path", sorted((BENCHMARKS / "variants").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_registries_load(path):
+    data = lib.variants_file(path.stem)
+    assert data and all(isinstance(k, str) for k in data)
+
+
+def test_registry_rejects_missing_fields():
+    with pytest.raises(ValueError, match="lacks"):
+        lib.registry("dmb", "variants", ("lane", "no_such_field"))
+    with pytest.raises(ValueError, match="no section"):
+        lib.registry("dmb", "no_such_section")
+
+
+def test_scripts_import_only_shared_modules():
+    """No benchmark script imports another; shared code lives in _lib / _plot."""
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
+    for path in BENCHMARKS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in scripts or top.startswith("_"), f"{path.name} imports {name}"
+
