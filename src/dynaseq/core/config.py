@@ -21,6 +21,7 @@ from typing import Any, Union
 import yaml
 
 from dynaseq.core.errors import ConfigError
+from dynaseq.core.files import read_text
 
 #: Named model sizes. ``tiny`` and ``small`` are the DMB paper's on-device settings.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -672,12 +673,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {p}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config {p}: {e}") from None
+    text = read_text(p, "config file", ConfigError)
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -7,19 +7,25 @@ from pathlib import Path
 from typing import Any
 
 from dynaseq.core.config import load_config
-from dynaseq.core.errors import CheckpointError
+from dynaseq.core.errors import CheckpointError, DynaseqError
 
 
-def open_run(run_dir: str | Path) -> tuple[Path, Any]:
+def open_run(run_dir: str | Path, expect: tuple[type, str] | None = None) -> tuple[Path, Any]:
     """The run directory's path and its parsed config (the type its ``task:`` names).
+
+    ``expect``: (config type, what to call such a run) when only that kind will do.
 
     Raises:
         CheckpointError: no such directory, or no ``config.yaml`` in it.
         ConfigError: a config that does not parse.
+        DynaseqError: a run of another kind than ``expect``.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
     if not (run / "config.yaml").is_file():
         raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
-    return run, load_config(run / "config.yaml")
+    cfg = load_config(run / "config.yaml")
+    if expect is not None and not isinstance(cfg, expect[0]):
+        raise DynaseqError(f"{run} is not a {expect[1]} run")
+    return run, cfg

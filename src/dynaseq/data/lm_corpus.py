@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import read_text
 from dynaseq.data.text import read_lines
 
 EOS = "<eos>"
@@ -102,12 +103,7 @@ class Vocab:
     @classmethod
     def load(cls, path: str | Path) -> Vocab:
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise DynaseqError(f"vocabulary not found: {p}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise DynaseqError(f"cannot read vocabulary {p}: {e}") from None
+        text = read_text(p, "vocabulary")
         itos, counts = [], []
         for n, line in enumerate(text.splitlines(), 1):
             word, sep, count = line.rpartition("\t")

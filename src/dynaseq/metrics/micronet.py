@@ -280,6 +280,14 @@ class MicroNetOpCounter(TorchDispatchMode):
             hit = self._nnz_cache[key] = (t != 0).sum(dim=dim)
         return hit
 
+    def _sparse_ops(self, w: torch.Tensor, dim: int, size: int, outputs: int) -> tuple[int, int]:
+        """(mults, adds) of a matmul with the sparse weight ``w`` summed along ``dim``: each
+        of the ``outputs`` dot products costs nnz mults and nnz - 1 adds, its nonzeros read
+        from ``w``'s (batch', size) counts (repeated over the batch rows they serve)."""
+        nnz = self._nnz(w, dim).reshape(-1, size)
+        reps = outputs // nnz.shape[0]
+        return reps * int(nnz.sum()), reps * int((nnz - 1).clamp_min(0).sum())
+
     def _mm(self, name: str, a: torch.Tensor, b: torch.Tensor, batch: int, bias: bool) -> None:
         """a (…, M, K) @ b (…, K, N)."""
         m_, k_ = a.shape[-2], a.shape[-1]
@@ -289,18 +297,12 @@ class MicroNetOpCounter(TorchDispatchMode):
         wa, wb = self._weight_info(a), self._weight_info(b)
         if wb is not None:
             bits = wb[1]
-            if self.sparse:
-                nnz_j = self._nnz(b, b.dim() - 2).reshape(-1, n_)  # (batch', N)
-                reps = batch * m_ // nnz_j.shape[0]
-                mults = reps * int(nnz_j.sum())
-                adds = reps * int((nnz_j - 1).clamp_min(0).sum())
+            if self.sparse:  # nonzeros per output column j: (batch', N)
+                mults, adds = self._sparse_ops(b, b.dim() - 2, n_, batch * m_)
         elif wa is not None:
             bits = wa[1]
-            if self.sparse:
-                nnz_i = self._nnz(a, a.dim() - 1).reshape(-1, m_)  # (batch', M)
-                reps = batch * n_ // nnz_i.shape[0]
-                mults = reps * int(nnz_i.sum())
-                adds = reps * int((nnz_i - 1).clamp_min(0).sum())
+            if self.sparse:  # nonzeros per output row i: (batch', M)
+                mults, adds = self._sparse_ops(a, a.dim() - 1, m_, batch * n_)
         if bias:
             adds += batch * m_ * n_
         self.counts.add(name, mults, adds, bits)

@@ -140,9 +140,7 @@ class LanguageModel:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> LanguageModel:
-        run, cfg = open_run(run_dir)
-        if not isinstance(cfg, LMRunConfig):
-            raise DynaseqError(f"{run} is not a language-model run (no 'task: lm')")
+        run, cfg = open_run(run_dir, (LMRunConfig, "language-model"))
         vocab = Vocab.load(run / VOCAB_FILE)
         path = ckpt.resolve_checkpoint(run, checkpoint)
         dev = pick_device(device)

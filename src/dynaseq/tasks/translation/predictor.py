@@ -206,9 +206,7 @@ class Translator:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> Translator:
-        run, cfg = open_run(run_dir)
-        if not isinstance(cfg, RunConfig):
-            raise DynaseqError(f"{run} is not a translation run (its config has 'task: lm')")
+        run, cfg = open_run(run_dir, (RunConfig, "translation"))
         ckpt = resolve_checkpoint(run, checkpoint)
         meta = read_meta(ckpt)
         tok = Tokenizer.load(run / "spm.model")
