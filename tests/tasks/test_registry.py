@@ -18,6 +18,10 @@ from helpers import lm_config
 
 
 def test_load_returns_each_tasks_predictor(tmp_path, trained_run):
+    from dynaseq.core.errors import DynaseqError
+
+    with pytest.raises(DynaseqError, match="is not a language-model run"):
+        LanguageModel.load(trained_run)
     t = dynaseq.load(trained_run)
     assert type(t) is Translator and isinstance(t, Predictor)
     assert t.translate(["kalo mintu"], beam=1)  # the task's own method
@@ -42,3 +46,16 @@ def test_load_and_task_for_refuse_bad_input(tmp_path):
     with pytest.raises(ConfigError, match="data.train_src is required"):
         task_for(RunConfig())
     assert not any(tmp_path.iterdir())  # refusals write nothing
+
+
+def test_a_language_model_refuses_a_budget(tmp_path):
+    from dynaseq.core.errors import DynaseqError
+
+    train(lm_config(tmp_path, "train.max_steps=1"), progress=False)
+    lm = dynaseq.load(tmp_path / "run")
+    for call in (lambda: lm.generate(n_tokens=2, budget=0.5),
+                 lambda: lm.evaluate("valid", budget=0.5)):
+        with pytest.raises(DynaseqError, match="no compute-budget knob"):
+            call()
+    with pytest.raises(DynaseqError, match="is not a translation run"):
+        Translator.load(tmp_path / "run")

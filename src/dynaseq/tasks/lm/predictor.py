@@ -127,6 +127,11 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
     return result
 
 
+def _no_budget(budget: object) -> None:
+    if budget is not None:
+        raise DynaseqError("a language model has no compute-budget knob (budget must be None)")
+
+
 @dataclass
 class LanguageModel:
     """A trained LM: model (eval mode), vocabulary, run config and checkpoint used."""
@@ -165,13 +170,17 @@ class LanguageModel:
 
     def evaluate(self, split_or_path: str, batch_size: int | None = None,
                  max_tokens: int | None = None, adjust: Adjust | None = None,
-                 with_cache: bool = False) -> dict:
+                 with_cache: bool = False, budget: None = None) -> dict:
         """Perplexity of a split of the run's config (``valid``/``test``) or a text file.
+
+        ``budget``: the Predictor protocol's compute knob; a language model has none, so
+        anything but None is refused (DynaseqError).
 
         ``with_cache`` adds ``ppl_cache``/``loss_cache`` (the run's cache, else
         :data:`DEFAULT_CACHE`) and ``cache`` (its n_cache, θ, λ and where they came from);
         it replaces ``adjust``.
         """
+        _no_budget(budget)
         path = (self.split_path(split_or_path)
                 if split_or_path in ("train", "valid", "test") else split_or_path)
         cache = eval_cache(self.model) if with_cache else None
@@ -197,8 +206,11 @@ class LanguageModel:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
     def generate(self, prompt: str | None = None, n_tokens: int = 50,
-                 temperature: float = 1.0, seed: int = 0, top_k: int | None = None) -> str:
-        """Sample ``n_tokens`` words after ``prompt``; ``<eos>`` is shown as a newline."""
+                 temperature: float = 1.0, seed: int = 0, top_k: int | None = None,
+                 budget: None = None) -> str:
+        """Sample ``n_tokens`` words after ``prompt``; ``<eos>`` is shown as a newline.
+        ``budget``: as in :meth:`evaluate` (None only)."""
+        _no_budget(budget)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out = self.model.generate(self.encode_prompt(prompt), n_tokens, temperature, top_k,
                                   gen)
