@@ -1,6 +1,6 @@
-"""Training: the loop (``dynaseq.train.loop``), checkpoints, schedule, losses (with CCT
-in-place self-distillation, ``dynaseq.techniques.cct.self_distill``) and DDP set-up.
+"""Training: the one loop over any :class:`~dynaseq.tasks.protocol.Task`
+(:mod:`dynaseq.train.loop`), learning-rate schedules and the loop's counters.
 
-Import from the submodules (``from dynaseq.train.loop import train``); this package
-imports nothing eagerly so inference code can use checkpoints without the loop.
+Import from the submodules (``from dynaseq.train.loop import train``); this package imports
+nothing eagerly.
 """
