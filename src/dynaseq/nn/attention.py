@@ -46,7 +46,38 @@ def padding_to_attn_mask(pad_mask: Tensor) -> Tensor:
     return (~pad_mask)[:, None, None, :]
 
 
-class MultiHeadAttention(nn.Module):
+class AttentionHeads(nn.Module):
+    """What every multi-head attention with a :class:`KVCache` shares: ``n_heads`` heads of
+    ``d_head = d_model // n_heads``, the attention-probability dropout, the cache and the
+    head split. Subclasses register their projections (and any gate) themselves, in the
+    order their state dict and parameter list keep.
+
+    Args:
+        d_model: model width (a multiple of ``n_heads``).
+        n_heads: number of heads (>= 1).
+        dropout: dropout on attention probabilities (training only).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if n_heads < 1 or d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_head = d_model // n_heads
+        self.dropout = dropout
+
+    def new_cache(self, static: bool = False) -> KVCache:
+        """An empty cache for incremental decoding (``static``: cross-attention)."""
+        return KVCache(static=static)
+
+    def _split(self, x: Tensor) -> Tensor:
+        """``(B, T, d_model)`` -> ``(B, H, T, d_head)``."""
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, hd)
+
+
+class MultiHeadAttention(AttentionHeads):
     """Multi-head attention over ``n_heads`` heads of size ``d_model // n_heads``.
 
     Args:
@@ -61,22 +92,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, q_proj: nn.Module, k_proj: nn.Module,
                  v_proj: nn.Module, out_proj: nn.Module, dropout: float = 0.0) -> None:
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_head = d_model // n_heads
+        super().__init__(d_model, n_heads, dropout)
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
-        self.dropout = dropout
-
-    def new_cache(self, static: bool = False) -> KVCache:
-        """An empty cache for incremental decoding (``static``: cross-attention)."""
-        return KVCache(static=static)
-
-    def _split(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, hd)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
                 is_causal: bool = False, cache: KVCache | None = None,

@@ -8,6 +8,9 @@ while holding N times the parameters. The pieces, one concept per module:
   decision (eq. 15-16), and token grouping by branch;
 * :mod:`~dynaseq.techniques.branching.branched_linear` — N linear maps routed per row (eq. 25) with
   shared-private reparameterization ``θ_k = θ_S + θ_Pk`` (eq. 21-23) and its merge;
+* :mod:`~dynaseq.techniques.branching.routed` — the branched FFN and attention whatever the
+  gate (one forward pass, trace and MAC count for DMB and MoE alike), each gate handing its
+  decision over as a :class:`~dynaseq.techniques.branching.routing.Dispatch`;
 * :mod:`~dynaseq.techniques.branching.dmb_ffn` — DMB feed-forward (eq. 24);
 * :mod:`~dynaseq.techniques.branching.dmb_attention` — DMB attention with branched q/k/v/out
   projections (eq. 25-30), with the plain key/value cache;
@@ -57,7 +60,8 @@ from dynaseq.techniques.branching.moe import (
     moe_attention,
     moe_feedforward,
 )
-from dynaseq.techniques.branching.routing import BranchGroups, Route, Router
+from dynaseq.techniques.branching.routed import RoutedAttention, RoutedFeedForward
+from dynaseq.techniques.branching.routing import BranchGroups, Dispatch, GatingUnit, Route, Router
 from dynaseq.techniques.branching.traces import ROUTE_TRACE, ExpertTrace, RouteTrace, route_traces
 
 __all__ = [
@@ -66,14 +70,18 @@ __all__ = [
     "BranchedAttention",
     "BranchedFeedForward",
     "BranchedLinear",
+    "Dispatch",
     "ExpertPairs",
     "ExpertTrace",
     "GateLosses",
+    "GatingUnit",
     "MoEAttention",
     "MoEFeedForward",
     "NoisyTopKGate",
     "Route",
     "RouteTrace",
+    "RoutedAttention",
+    "RoutedFeedForward",
     "Router",
     "RoutingLosses",
     "TopKRoute",
@@ -104,7 +112,7 @@ def name_branching_sublayers(model: nn.Module) -> int:
     """
     n = 0
     for name, m in model.named_modules():
-        if isinstance(m, (BranchedAttention, BranchedFeedForward, MoEAttention, MoEFeedForward)):
+        if isinstance(m, (RoutedAttention, RoutedFeedForward)):  # DMB and MoE
             m.name = name
             n += 1
     return n

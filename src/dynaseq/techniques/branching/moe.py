@@ -42,12 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.nn.attention import KVCache
-from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
 from dynaseq.techniques.branching.branched_linear import BranchedLinear
-from dynaseq.techniques.branching.dmb_attention import attend
-from dynaseq.techniques.branching.routing import BranchGroups
-from dynaseq.techniques.branching.traces import ROUTE_TRACE, ExpertTrace
+from dynaseq.techniques.branching.routed import RoutedAttention, RoutedFeedForward, _Gated
+from dynaseq.techniques.branching.routing import (
+    BranchGroups,
+    Dispatch,
+    GatingUnit,
+    Projection,
+)
+from dynaseq.techniques.branching.traces import ExpertTrace
 
 
 @dataclass
@@ -132,7 +135,7 @@ class ExpertPairs:
         return self.combine(proj.grouped(self.gather(flat), self.groups), flat.size(0))
 
 
-class NoisyTopKGate(nn.Module):
+class NoisyTopKGate(GatingUnit):
     """Noisy top-k gating (eq. 7-9): ``(..., d_model)`` -> :class:`TopKRoute`.
 
     Args:
@@ -165,12 +168,14 @@ class NoisyTopKGate(nn.Module):
         nn.init.zeros_(self.w_noise.weight)
 
     @property
-    def n_experts(self) -> int:
-        return self.w_gate.out_features
+    def scorer(self) -> nn.Linear:
+        return self.w_gate
+
+    n_experts = GatingUnit.n_branches
 
     @property
-    def d_model(self) -> int:
-        return self.w_gate.in_features
+    def runs_per_token(self) -> int:
+        return self.k
 
     def forward(self, x: Tensor) -> TopKRoute:
         clean = self.w_gate(x)  # (..., N)
@@ -184,12 +189,67 @@ class NoisyTopKGate(nn.Module):
         load = None if std is None else load_probability(clean, noisy, std, self.k)
         return TopKRoute(clean, gates, experts, load)
 
-    def macs(self, n_tokens: int) -> int:
-        """Multiply-adds of gating ``n_tokens`` tokens at inference (no noise projection)."""
-        return n_tokens * self.d_model * self.n_experts
+    def dispatch(self, x: Tensor) -> ExpertDispatch:
+        return ExpertDispatch.of(self(x), x, self.n_experts)
 
 
-class MoEFeedForward(nn.Module):
+@dataclass
+class ExpertDispatch(Dispatch):
+    """A :class:`NoisyTopKGate`'s decision laid out for grouped matmuls: one row per (token,
+    expert) pair, grouped by expert (R = M·k); :meth:`combine` sums each token's k rows
+    weighted by their gate values (eq. 6).
+
+    route: the decision; pairs: its pairs grouped by expert; flat: ``(M, d)`` the gate's
+    input rows in token order. :meth:`input_rows` gathers them anew at each call.
+    """
+
+    route: TopKRoute
+    pairs: ExpertPairs
+    flat: Tensor
+
+    @classmethod
+    def of(cls, route: TopKRoute, x: Tensor, n_experts: int) -> ExpertDispatch:
+        """Pair the rows of ``x`` ``(..., d)`` with their ``route.experts`` ``(..., k)``."""
+        pairs = ExpertPairs.of(route, n_experts)
+        return cls(route, pairs, x.reshape(-1, x.size(-1)))
+
+    @property
+    def n_tokens(self) -> int:
+        return self.flat.size(0)
+
+    def input_rows(self) -> Tensor:
+        return self.pairs.gather(self.flat)
+
+    def gather(self, flat: Tensor) -> Tensor:
+        return self.pairs.gather(flat)
+
+    def run(self, proj: Projection, rows: Tensor) -> Tensor:
+        return proj.grouped(rows, self.pairs.groups)
+
+    def combine(self, ys: Tensor) -> Tensor:
+        return self.pairs.combine(ys, self.n_tokens)
+
+    def trace(self, layer: str, gate: str, stream: str, gate_id: int) -> ExpertTrace:
+        """The :class:`ExpertTrace` (it has no ``gate`` field: every MoE gate is top-k)."""
+        r = self.route
+        return ExpertTrace(layer, stream, r.dense_gates(), r.experts, r.load, gate_id)
+
+
+class _Experts(_Gated):
+    """``n_experts`` and ``k`` of a MoE sub-layer: its gate's."""
+
+    unit_attr = "gate"
+    unit_word = "experts"
+    gate: NoisyTopKGate
+    n_experts = _Gated.n_branches
+
+    @property
+    def k(self) -> int:
+        """Experts per token."""
+        return self.gate.k
+
+
+class MoEFeedForward(_Experts, RoutedFeedForward):
     """Top-k mixture of N feed-forward experts (eq. 6-9); drop-in for ``FeedForward``.
 
     Args:
@@ -201,59 +261,15 @@ class MoEFeedForward(nn.Module):
 
     ``forward(x, aux=None)``: x ``(..., d_model)`` -> ``(..., d_model)``; records an
     :class:`~dynaseq.techniques.branching.traces.ExpertTrace` and, at inference, a ``MacsRecord``.
+    ``macs(n_tokens)``: k experts per token (keys of ``FeedForward.macs``) plus ``gate_ffn``;
+    training also runs the noise projection (another ``d_model·N`` per token). The forward
+    pass and the MAC count are :class:`~dynaseq.techniques.branching.routed.RoutedFeedForward`'s.
     Build it with :func:`moe_feedforward`.
     """
 
     def __init__(self, gate: NoisyTopKGate, fc1: BranchedLinear, fc2: BranchedLinear,
                  activation_dropout: float = 0.0, name: str = "ffn") -> None:
-        super().__init__()
-        n = gate.n_experts
-        if fc1.n_branches != n or fc2.n_branches != n:
-            raise ValueError(f"the gate has {n} experts but fc1/fc2 have "
-                             f"{fc1.n_branches}/{fc2.n_branches} branches")
-        if fc1.in_features != gate.d_model or fc2.out_features != gate.d_model:
-            raise ValueError(f"fc1 must read and fc2 must write d_model={gate.d_model}, got "
-                             f"fc1 {fc1.in_features}->{fc1.out_features}, fc2 "
-                             f"{fc2.in_features}->{fc2.out_features}")
-        if fc1.out_features != fc2.in_features:
-            raise ValueError(f"fc1 writes {fc1.out_features} features but fc2 reads "
-                             f"{fc2.in_features}")
-        if not 0.0 <= activation_dropout < 1.0:
-            raise ValueError(f"activation_dropout must lie in [0, 1), got {activation_dropout}")
-        self.gate, self.fc1, self.fc2 = gate, fc1, fc2
-        self.dropout = nn.Dropout(activation_dropout)
-        self.name = name
-
-    @property
-    def n_experts(self) -> int:
-        return self.gate.n_experts
-
-    @property
-    def k(self) -> int:
-        return self.gate.k
-
-    def forward(self, x: Tensor, aux: AuxOutputs | None = None) -> Tensor:
-        d = x.size(-1)
-        route = self.gate(x)  # gates/experts (..., k)
-        flat = x.reshape(-1, d)  # (M, d)
-        m = flat.size(0)
-        pairs = ExpertPairs.of(route, self.n_experts)
-        h = self.dropout(self.fc1.grouped(pairs.gather(flat), pairs.groups).relu_())
-        out = pairs.combine(self.fc2.grouped(h, pairs.groups), m)  # (M, d)
-        if aux is not None:
-            aux.add_trace(ROUTE_TRACE, ExpertTrace(self.name, "input", route.dense_gates(),
-                                                   route.experts, route.load, id(self.gate)))
-            if not self.training:
-                aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.macs(m)))
-        return out.view(x.shape)
-
-    def macs(self, n_tokens: int) -> dict[str, int]:
-        """Multiply-adds at inference for ``n_tokens`` tokens: k experts each (keys of
-        ``FeedForward.macs``) plus ``gate_ffn``. Training also runs the noise projection
-        (another ``d_model·N`` per token)."""
-        pairs = n_tokens * self.k
-        return {"ffn_in": self.fc1.macs(pairs), "ffn_out": self.fc2.macs(pairs),
-                "gate_ffn": self.gate.macs(n_tokens)}
+        super().__init__(gate, fc1, fc2, activation_dropout, name)
 
 
 def moe_feedforward(d_model: int, ffn_dim: int, n_experts: int = 4, k: int = 2,
@@ -268,7 +284,7 @@ def moe_feedforward(d_model: int, ffn_dim: int, n_experts: int = 4, k: int = 2,
         activation_dropout, name=name)
 
 
-class MoEAttention(nn.Module):
+class MoEAttention(_Experts, RoutedAttention):
     """Multi-head attention whose q/k/v/out projections are top-k mixtures of N experts.
 
     The attention counterpart of :class:`MoEFeedForward`, with the routing of
@@ -279,113 +295,19 @@ class MoEAttention(nn.Module):
     stream ``"memory"``). Every projection is ``Σ_i g(x, i) (W_i x + b_i)`` over the k kept
     experts, so N experts of ``d_model -> d_model`` projections hold the parameters of a DMB
     attention with N branches and cost k times its projection MACs. Drop-in for
-    ``MultiHeadAttention`` (same ``forward`` and plain :class:`~dynaseq.nn.KVCache`).
-    Build it with :func:`moe_attention`.
+    ``MultiHeadAttention`` (same ``forward`` and plain :class:`~dynaseq.nn.KVCache`);
+    ``macs`` keys as ``BranchedAttention.macs``, every projection running k experts per token
+    (``gate_q``/``gate_kv``: the clean gate logits; training also runs the noise projection).
+    The forward pass and the MAC count are
+    :class:`~dynaseq.techniques.branching.routed.RoutedAttention`'s. Build it with
+    :func:`moe_attention`.
     """
 
     def __init__(self, d_model: int, n_heads: int, gate: NoisyTopKGate, q_proj: BranchedLinear,
                  k_proj: BranchedLinear, v_proj: BranchedLinear, out_proj: BranchedLinear,
                  dropout: float = 0.0, name: str = "attention") -> None:
-        super().__init__()
-        if n_heads < 1 or d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        if gate.d_model != d_model:
-            raise ValueError(f"the gate reads width {gate.d_model}, expected {d_model}")
-        for pname, proj in (("q_proj", q_proj), ("k_proj", k_proj), ("v_proj", v_proj),
-                            ("out_proj", out_proj)):
-            if not isinstance(proj, BranchedLinear):
-                raise ValueError(f"{pname} must be a BranchedLinear, got {type(proj).__name__}")
-            if proj.n_branches != gate.n_experts:
-                raise ValueError(f"{pname} has {proj.n_branches} experts, the gate "
-                                 f"{gate.n_experts}")
-            if (proj.in_features, proj.out_features) != (d_model, d_model):
-                raise ValueError(f"{pname} must map {d_model} -> {d_model}, got "
-                                 f"{proj.in_features} -> {proj.out_features}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
-        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
-        self.gate = gate
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
-        self.dropout = dropout
-        self.name = name
-
-    @property
-    def n_experts(self) -> int:
-        return self.gate.n_experts
-
-    @property
-    def k(self) -> int:
-        return self.gate.k
-
-    def new_cache(self, static: bool = False) -> KVCache:
-        """An empty cache for incremental decoding (``static``: cross-attention)."""
-        return KVCache(static=static)
-
-    def _split(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, hd)
-
-    def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
-                is_causal: bool = False, cache: KVCache | None = None,
-                aux: AuxOutputs | None = None) -> Tensor:
-        """Return ``(B, T, d_model)``; arguments as ``BranchedAttention.forward``."""
-        b, t, d = x.shape
-        route_q = self.gate(x)  # experts/gates (B, T, k)
-        pairs_q = ExpertPairs.of(route_q, self.n_experts)
-        flat = x.reshape(-1, d)
-        q = self._split(pairs_q.mix(self.q_proj, flat).view(x.shape))  # (B, H, T, hd)
-        route_kv = None
-        n_kv = 0
-        if cache is not None and cache.static and cache.k is not None:
-            k, v = cache.k, cache.v
-        else:
-            if memory is None:  # self-attention: the query decisions route k and v too
-                src, pairs_kv, src_flat = x, pairs_q, flat
-            else:
-                route_kv = self.gate(memory)
-                src, pairs_kv = memory, ExpertPairs.of(route_kv, self.n_experts)
-                src_flat = memory.reshape(-1, d)
-            k = self._split(pairs_kv.mix(self.k_proj, src_flat).view(src.shape))
-            v = self._split(pairs_kv.mix(self.v_proj, src_flat).view(src.shape))
-            n_kv = src_flat.size(0)
-            if cache is not None:
-                if cache.k is not None:
-                    k = torch.cat([cache.k, k], dim=2)
-                    v = torch.cat([cache.v, v], dim=2)
-                cache.k, cache.v = k, v
-        out = attend(q, k, v, attn_mask, is_causal,
-                     self.dropout if self.training else 0.0)  # (B, H, T, hd)
-        h = out.transpose(1, 2).reshape(b * t, d)
-        y = pairs_q.mix(self.out_proj, h).view(x.shape)
-        if aux is not None:
-            aux.add_trace(ROUTE_TRACE, ExpertTrace(self.name, "input", route_q.dense_gates(),
-                                                   route_q.experts, route_q.load, id(self.gate)))
-            if route_kv is not None:
-                aux.add_trace(ROUTE_TRACE, ExpertTrace(
-                    self.name, "memory", route_kv.dense_gates(), route_kv.experts, route_kv.load,
-                    id(self.gate)))
-            if not self.training:
-                counts = self.macs(b * t, k.size(2), n_kv, cross=route_kv is not None)
-                aux.add_trace(MACS_TRACE, MacsRecord(self.name, counts))
-        return y
-
-    def macs(self, n_queries: int, n_keys: int, n_kv_tokens: int | None = None, *,
-             cross: bool = False) -> dict[str, int]:
-        """Multiply-adds at inference of one call; keys as ``BranchedAttention.macs``, every
-        projection running k experts per token (``gate_q``/``gate_kv``: the clean gate
-        logits; training also runs the noise projection)."""
-        n_kv = n_keys if n_kv_tokens is None else n_kv_tokens
-        products = n_queries * n_keys * self.d_model
-        return {
-            "q_proj": self.q_proj.macs(n_queries * self.k),
-            "k_proj": self.k_proj.macs(n_kv * self.k),
-            "v_proj": self.v_proj.macs(n_kv * self.k),
-            "attn_scores": products,
-            "attn_values": products,
-            "out_proj": self.out_proj.macs(n_queries * self.k),
-            "gate_q": self.gate.macs(n_queries),
-            "gate_kv": self.gate.macs(n_kv) if cross else 0,
-        }
+        super().__init__(d_model, n_heads, gate, q_proj, k_proj, v_proj, out_proj,
+                         dropout=dropout, name=name)
 
 
 def moe_attention(d_model: int, n_heads: int, n_experts: int = 4, k: int = 2,

@@ -17,16 +17,25 @@ auxiliary losses' gradient (the paper does not detach it, neither does this modu
 :class:`BranchGroups` turns per-token branch ids into a grouping: tokens are sorted by
 branch (stable), each branch runs one matmul on its contiguous group, and the results are
 put back in token order. Nothing is computed for a (token, branch) pair that was not chosen.
+
+:class:`GatingUnit` and :class:`Dispatch` are what the branched sub-layers
+(:mod:`~dynaseq.techniques.branching.routed`) see of a gate, whatever its kind: the DMB
+:class:`Router` dispatches each token to one branch (:class:`Top1Dispatch`), the MoE
+``NoisyTopKGate`` to k experts (``ExpertDispatch``).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from dynaseq.techniques.branching.traces import ExpertTrace, RouteTrace
 
 
 @dataclass
@@ -46,7 +55,92 @@ class Route:
         return self.logits.softmax(-1)
 
 
-class Router(nn.Module):
+class Projection(Protocol):
+    """What a :class:`Dispatch` runs: a branched linear map over rows grouped by branch
+    (``BranchedLinear`` or its int8 version)."""
+
+    def grouped(self, xs: Tensor, groups: BranchGroups) -> Tensor: ...
+
+
+class Dispatch(ABC):
+    """One gate's decision for M tokens, laid out for grouped matmuls.
+
+    The branched sub-layers run every projection through it, whatever the gate: token rows
+    go into the grouped layout (:meth:`input_rows`, :meth:`gather`: R rows, M for top-1, M·k
+    for top-k), each projection runs once per group over them (:meth:`run`, rows stay in
+    that layout), and :meth:`combine` brings R output rows back to the M tokens.
+    """
+
+    @property
+    @abstractmethod
+    def n_tokens(self) -> int:
+        """M, the tokens routed."""
+
+    @abstractmethod
+    def input_rows(self) -> Tensor:
+        """``(R, d)`` the routed tokens' own rows (the gate's input) in the grouped layout."""
+
+    @abstractmethod
+    def gather(self, flat: Tensor) -> Tensor:
+        """``(M, d)`` rows in token order -> ``(R, d)`` in the grouped layout."""
+
+    @abstractmethod
+    def run(self, proj: Projection, rows: Tensor) -> Tensor:
+        """``(R, in)`` rows in the grouped layout -> ``(R, out)``, each group through its
+        own branch of ``proj``."""
+
+    @abstractmethod
+    def combine(self, ys: Tensor) -> Tensor:
+        """``(R, out)`` rows in the grouped layout -> ``(M, out)`` in token order."""
+
+    @abstractmethod
+    def trace(self, layer: str, gate: str, stream: str,
+              gate_id: int) -> RouteTrace | ExpertTrace:
+        """The route record of this decision (``gate``: ``"ffn"`` or ``"attn"``)."""
+
+    def project(self, proj: Projection, rows: Tensor) -> Tensor:
+        """``(R, in)`` grouped rows -> ``(M, out)`` in token order: :meth:`run`, then
+        :meth:`combine`."""
+        return self.combine(self.run(proj, rows))
+
+
+class GatingUnit(nn.Module, ABC):
+    """A gate scoring N branches per token with one ``d_model -> N`` linear map
+    (:attr:`scorer`) and dispatching tokens to them (:meth:`dispatch`).
+
+    MACs per token: ``d_model · N`` (the scores).
+    """
+
+    @property
+    @abstractmethod
+    def scorer(self) -> nn.Linear:
+        """The ``d_model -> N`` map whose outputs decide the branches."""
+
+    @property
+    def n_branches(self) -> int:
+        """N, the branches the gate scores."""
+        return self.scorer.out_features
+
+    @property
+    def d_model(self) -> int:
+        """Width of the tokens the gate reads."""
+        return self.scorer.in_features
+
+    @property
+    def runs_per_token(self) -> int:
+        """How many branches each token runs (1 for top-1 routing)."""
+        return 1
+
+    @abstractmethod
+    def dispatch(self, x: Tensor) -> Dispatch:
+        """Route ``x`` ``(..., d_model)`` and lay its rows out for the branched projections."""
+
+    def macs(self, n_tokens: int) -> int:
+        """Multiply-adds of gating ``n_tokens`` tokens (the scores, at inference)."""
+        return n_tokens * self.d_model * self.n_branches
+
+
+class Router(GatingUnit):
     """DMB gating unit: ``(..., d_model)`` -> :class:`Route` over ``n_branches`` (eq. 15-16).
 
     Args:
@@ -74,12 +168,8 @@ class Router(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     @property
-    def n_branches(self) -> int:
-        return self.proj.out_features
-
-    @property
-    def d_model(self) -> int:
-        return self.proj.in_features
+    def scorer(self) -> nn.Linear:
+        return self.proj
 
     def forward(self, x: Tensor) -> Route:
         # F.linear, not self.proj(x): routing runs at every sub-layer of every decoding
@@ -87,9 +177,8 @@ class Router(nn.Module):
         logits = F.linear(x, self.proj.weight, self.proj.bias)  # (..., N)
         return Route(logits, logits.argmax(-1))
 
-    def macs(self, n_tokens: int) -> int:
-        """Multiply-adds of routing ``n_tokens`` tokens."""
-        return n_tokens * self.d_model * self.n_branches
+    def dispatch(self, x: Tensor) -> Top1Dispatch:
+        return Top1Dispatch.of(self(x), x, self.n_branches)
 
 
 @dataclass
@@ -175,3 +264,42 @@ def run_used_groups(xs: Tensor, groups: BranchGroups, apply: Callable[[int, Tens
     parts = xs.split(groups.sizes)
     outs = [apply(k, parts[k]) for k, n in enumerate(groups.sizes) if n]
     return torch.cat(outs) if outs else xs.new_zeros(0, out_features)
+
+
+@dataclass
+class Top1Dispatch(Dispatch):
+    """A :class:`Router`'s decision laid out for grouped matmuls: each token is one row,
+    rows sorted by branch (R = M).
+
+    route: the decision; groups: the tokens grouped by branch; sorted_rows: ``(M, d)`` the
+    input rows in that order, gathered once and shared by every projection that reads them.
+    """
+
+    route: Route
+    groups: BranchGroups
+    sorted_rows: Tensor
+
+    @classmethod
+    def of(cls, route: Route, x: Tensor, n_branches: int) -> Top1Dispatch:
+        """Group the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)``."""
+        groups = BranchGroups.of(route.branch.reshape(-1), n_branches, validate=False)
+        return cls(route, groups, groups.gather(x.reshape(-1, x.size(-1))))
+
+    @property
+    def n_tokens(self) -> int:
+        return self.groups.n_tokens
+
+    def input_rows(self) -> Tensor:
+        return self.sorted_rows
+
+    def gather(self, flat: Tensor) -> Tensor:
+        return self.groups.gather(flat)
+
+    def run(self, proj: Projection, rows: Tensor) -> Tensor:
+        return proj.grouped(rows, self.groups)
+
+    def combine(self, ys: Tensor) -> Tensor:
+        return self.groups.scatter(ys)
+
+    def trace(self, layer: str, gate: str, stream: str, gate_id: int) -> RouteTrace:
+        return RouteTrace(layer, gate, stream, self.route.logits, self.route.branch, gate_id)
