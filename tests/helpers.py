@@ -37,6 +37,16 @@ def micro_config(run_dir: Path, paths: dict[str, Path], **train_kw) -> RunConfig
     )
 
 
+def free_port() -> str:
+    """A TCP port free on 127.0.0.1 now (for torchrun's rendezvous: a fixed port hangs when
+    two test runs share the machine)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def run_cli(*args: str, stdin: bytes | None = None, cwd: Path | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m dynaseq ARGS`` and capture text output."""

@@ -18,7 +18,7 @@ from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.config import save_config
 from dynaseq.train.loop import train
 
-from helpers import REPO, micro_config
+from helpers import REPO, free_port, micro_config
 
 
 def events(run: Path, kind: str) -> list[dict]:
@@ -136,7 +136,7 @@ def test_two_process_ddp_matches_one_process(tmp_path, synthetic_paths):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "29517", "-m", "dynaseq", "train", str(_write_cfg(tmp_path, double)),
+         "--master_port", free_port(), "-m", "dynaseq", "train", str(_write_cfg(tmp_path, double)),
          "--quiet"], cwd=REPO, capture_output=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     one, two = _losses(tmp_path / "single"), _losses(tmp_path / "ddp")

@@ -66,19 +66,21 @@ class Tokenizer:
 
     Attributes:
         path: the model file this tokenizer was trained into or loaded from.
+        pad_id, unk_id, bos_id, eos_id: the special ids (distinct, all defined).
     """
 
     def __init__(self, processor: spm.SentencePieceProcessor, path: Path) -> None:
         self._sp = processor
         self.path = path
-        for name, value in (("pad", processor.pad_id()), ("unk", processor.unk_id()),
-                            ("bos", processor.bos_id()), ("eos", processor.eos_id())):
-            if value < 0:
+        self.pad_id, self.unk_id, self.bos_id, self.eos_id = (
+            int(processor.pad_id()), int(processor.unk_id()), int(processor.bos_id()),
+            int(processor.eos_id()))
+        for name in ("pad", "unk", "bos", "eos"):
+            if getattr(self, f"{name}_id") < 0:
                 raise DynaseqError(f"{path}: SentencePiece model has no {name} id")
-        ids = {processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id()}
-        if len(ids) != 4:
+        if len({self.pad_id, self.unk_id, self.bos_id, self.eos_id}) != 4:
             raise DynaseqError(f"{path}: SentencePiece model reuses a special id")
-        self._special = frozenset((processor.pad_id(), processor.bos_id(), processor.eos_id()))
+        self._special = frozenset((self.pad_id, self.bos_id, self.eos_id))
 
     # ------------------------------------------------------------------ construction
 
@@ -177,22 +179,6 @@ class Tokenizer:
         return cls(processor, p)
 
     # ------------------------------------------------------------------ ids
-
-    @property
-    def pad_id(self) -> int:
-        return int(self._sp.pad_id())
-
-    @property
-    def unk_id(self) -> int:
-        return int(self._sp.unk_id())
-
-    @property
-    def bos_id(self) -> int:
-        return int(self._sp.bos_id())
-
-    @property
-    def eos_id(self) -> int:
-        return int(self._sp.eos_id())
 
     @property
     def vocab_size(self) -> int:

@@ -108,14 +108,7 @@ class TransformerLM(nn.Module):
         self.softmax = softmax
         self.context = context
         self.dropout = nn.Dropout(dropout)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.softmax.vocab_size
-
-    @property
-    def d_model(self) -> int:
-        return self.embed.d_model
+        self.vocab_size, self.d_model = softmax.vocab_size, embed.d_model
 
     def forward(self, tokens: Tensor, state: LMState | None = None) -> LMOutput:
         """tokens (B, T) long, continuing ``state`` if given -> :class:`LMOutput`."""

@@ -13,17 +13,23 @@ from dynaseq.nn.attention import KVCache
 from dynaseq.nn.outputs import AuxOutputs
 
 
+def attach_sublayers(layer: nn.Module, d_model: int, dropout: float,
+                     **sublayers: nn.Module) -> None:
+    """Register each sub-layer ``NAME`` after its input LayerNorm ``NAME_norm`` (in the given
+    order, which fixes the parameter order), and the residual ``dropout``."""
+    for name, sub in sublayers.items():
+        setattr(layer, f"{name}_norm", nn.LayerNorm(d_model))
+        setattr(layer, name, sub)
+    layer.dropout = nn.Dropout(dropout)
+
+
 class EncoderLayer(nn.Module):
     """x: (B, S, d) -> (B, S, d). ``attn_mask``: (B, 1, 1, S) bool, True = attend."""
 
     def __init__(self, d_model: int, self_attn: nn.Module, ffn: nn.Module,
                  dropout: float = 0.0) -> None:
         super().__init__()
-        self.self_attn_norm = nn.LayerNorm(d_model)
-        self.self_attn = self_attn
-        self.ffn_norm = nn.LayerNorm(d_model)
-        self.ffn = ffn
-        self.dropout = nn.Dropout(dropout)
+        attach_sublayers(self, d_model, dropout, self_attn=self_attn, ffn=ffn)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None, aux: AuxOutputs | None = None) -> Tensor:
         x = x + self.dropout(self.self_attn(self.self_attn_norm(x), attn_mask=attn_mask, aux=aux))
@@ -40,13 +46,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, d_model: int, self_attn: nn.Module, cross_attn: nn.Module, ffn: nn.Module,
                  dropout: float = 0.0) -> None:
         super().__init__()
-        self.self_attn_norm = nn.LayerNorm(d_model)
-        self.self_attn = self_attn
-        self.cross_attn_norm = nn.LayerNorm(d_model)
-        self.cross_attn = cross_attn
-        self.ffn_norm = nn.LayerNorm(d_model)
-        self.ffn = ffn
-        self.dropout = nn.Dropout(dropout)
+        attach_sublayers(self, d_model, dropout, self_attn=self_attn, cross_attn=cross_attn,
+                         ffn=ffn)
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, *,
                 self_cache: KVCache | None = None, cross_cache: KVCache | None = None,

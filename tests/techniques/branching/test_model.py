@@ -30,7 +30,7 @@ from dynaseq.techniques.branching import (
 )
 from dynaseq.train.loop import train
 
-from helpers import micro_config, run_cli
+from helpers import free_port, micro_config, run_cli
 
 V = 60
 
@@ -346,7 +346,7 @@ def test_two_process_ddp_trains_a_dmb_model(tmp_path, synthetic_paths):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "29533", "-m", "dynaseq", "train", str(path), "--quiet"],
+         "--master_port", free_port(), "-m", "dynaseq", "train", str(path), "--quiet"],
         cwd=REPO, capture_output=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     one, two = _events(tmp_path / "single", "train"), _events(tmp_path / "ddp", "train")
