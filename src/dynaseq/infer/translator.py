@@ -331,7 +331,7 @@ class Translator:
         d = self.config.decode
         control = self.control_for(budget, len(lines))
         keep = [i for i, line in enumerate(lines) if line.strip()]
-        if isinstance(budget, list):
+        if isinstance(control, BudgetControl) and isinstance(budget, list):  # per line
             control = control.select(torch.tensor(keep, dtype=torch.long, device=self.device))
         ids = self.tokenizer.encode([lines[i] for i in keep])
         hyps = decode_corpus(
