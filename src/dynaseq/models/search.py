@@ -37,8 +37,10 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
     """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos).
 
     ``min_len`` forbids eos before that many tokens (used to time fixed-length outputs).
-    ``control``: (B,) control-symbol ids or one id (the compute budget) for models that
-    have them.
+    ``control``: the compute budget, for models that have one: (B,) control-symbol ids, one
+    id, or a :class:`~dynaseq.techniques.cct.gating.BudgetControl` (ids plus per-row calibrated
+    gate offsets); rows may differ. It enters at ``encode``; the encoder output carries it
+    to every step, and rows dropped or expanded keep theirs.
     """
     enc = model.encode(src, control=control)
     n = src.size(0)
@@ -82,7 +84,8 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     ``beam`` finished hypotheses; at its length limit every live beam is closed with eos.
     The beams of a sentence are identical until the first token, so the first step runs
     one row per sentence (projecting its cross-attention keys/values once, not ``beam``
-    times) and then copies its rows and caches to the ``beam`` beams.
+    times) and then copies its rows and caches to the ``beam`` beams. ``control`` as in
+    :func:`greedy_search` (each sentence's beams run at its budget).
     """
     if beam < 1:
         raise ValueError("beam must be >= 1")

@@ -9,6 +9,10 @@ Example::
 
     model = build_seq2seq(ModelConfig(size="tiny"), vocab_size=8000, pad_id=0)
     out = model(src, tgt_in)          # src (B, S), tgt_in (B, T) -> out.logits (B, T, V)
+
+A CCT model takes each row's budget as the call's ``control``: control-symbol ids, or a
+:class:`~dynaseq.techniques.cct.gating.BudgetControl` that adds per-row calibrated gate offsets
+(nothing about a budget is stored in the model, so rows of one batch may differ).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dynaseq.nn import (
     dense_attention,
     padding_to_attn_mask,
 )
+from dynaseq.techniques.cct.gating import GATE_SUBNETWORKS, BudgetControl
 
 
 class TokenEmbedding(nn.Module):
@@ -52,14 +57,22 @@ class TokenEmbedding(nn.Module):
         return nn.functional.embedding(tokens, self.weight, self.pad_id) * self.scale
 
 
+Control = Tensor | int | BudgetControl | None
+"""A call's control argument: (B,) control-symbol ids, one id, ids with per-row gate offsets
+(:class:`BudgetControl`), or None (models without control symbols)."""
+
+
 @dataclass
 class EncoderOutput:
     """out: (B, S, d) encoder states; pad_mask: (B, S) bool, True at padding;
-    control: (B, 1, d) control-symbol embedding the decoder adds to its inputs, or None."""
+    control: (B, 1, d) control-symbol embedding the decoder adds to its inputs, or None;
+    gate_offset: (B,) per-row offsets of the decoder's gates (its rows' calibrated budgets),
+    or None. Row-aligned, so search keeps them with their rows (:meth:`index_select`)."""
 
     out: Tensor
     pad_mask: Tensor
     control: Tensor | None = None
+    gate_offset: Tensor | None = None
 
     @property
     def attn_mask(self) -> Tensor:
@@ -67,8 +80,9 @@ class EncoderOutput:
 
     def index_select(self, index: Tensor) -> EncoderOutput:
         control = None if self.control is None else self.control.index_select(0, index)
+        offset = None if self.gate_offset is None else self.gate_offset.index_select(0, index)
         return EncoderOutput(self.out.index_select(0, index),
-                             self.pad_mask.index_select(0, index), control)
+                             self.pad_mask.index_select(0, index), control, offset)
 
 
 @dataclass
@@ -125,8 +139,10 @@ class Encoder(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, src: Tensor, aux: AuxOutputs | None = None,
-                control: Tensor | None = None) -> EncoderOutput:
-        """control: (B, 1, d) added to every token's input embedding (CCT control symbol)."""
+                control: Tensor | None = None,
+                gate_offset: Tensor | None = None) -> EncoderOutput:
+        """control: (B, 1, d) added to every token's input embedding (CCT control symbol);
+        gate_offset: (B,) per-row offsets of the layers' gates (CCT calibrated budget)."""
         pad_mask = src.eq(self.embed.pad_id)  # (B, S)
         x = self.embed(src) + self.positions(src.size(1))
         if control is not None:
@@ -134,7 +150,7 @@ class Encoder(nn.Module):
         x = self.dropout(x)
         mask = padding_to_attn_mask(pad_mask)
         for layer in self.layers:
-            x = layer(x, mask, aux=aux)
+            x = layer(x, mask, aux=aux, gate_offset=gate_offset)
         return EncoderOutput(self.norm(x), pad_mask, control)
 
 
@@ -163,7 +179,8 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, enc.out, mask,
                       self_cache=None if state is None else state.self_caches[i],
-                      cross_cache=None if state is None else state.cross_caches[i], aux=aux)
+                      cross_cache=None if state is None else state.cross_caches[i], aux=aux,
+                      gate_offset=enc.gate_offset)
         if state is not None:
             state.step += tgt_in.size(1)
         return self.output_proj(self.norm(x))
@@ -190,32 +207,52 @@ class Seq2SeqTransformer(nn.Module):
         """Number of control symbols (trained budgets); 0 for a model without them."""
         return 0 if self.control_embed is None else self.control_embed.num_embeddings
 
-    def _control(self, control: Tensor | int | None, batch: int) -> Tensor | None:
-        """Control-symbol embeddings (B, 1, d); an int gives every sequence that symbol."""
+    def _control(self, control: Control, batch: int,
+                 device: torch.device) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Control-symbol embeddings (B, 1, d) and per-row gate offsets {sub-network: (B,)}.
+
+        ``control``: an int gives every sequence that symbol; a (B,) tensor one per
+        sequence; a :class:`BudgetControl` adds the gate offsets of each row.
+        """
+        offsets: dict[str, Tensor] = {}
+        if isinstance(control, BudgetControl):
+            offsets = control.row_offsets(batch, device, GATE_SUBNETWORKS)
+            control = control.ids
         if self.control_embed is None:
             if control is not None:
                 raise ValueError("this model has no control symbols")
-            return None
+            if offsets:
+                raise ValueError("this model has no gates to offset")
+            return None, offsets
         if control is None:
             raise ValueError(f"this model needs a control symbol id in [0, {self.n_controls}) "
                              "per sequence")
         weight = self.control_embed.weight
         if isinstance(control, int):
-            return weight[control].expand(batch, 1, -1)  # (B, 1, d)
-        assert control.shape == (batch,), "control: one id per sequence"
-        return self.control_embed(control).unsqueeze(1)  # (B, 1, d)
+            if not 0 <= control < self.n_controls:
+                raise ValueError(f"control symbol {control} is not in [0, {self.n_controls})")
+            return weight[control].expand(batch, 1, -1), offsets  # (B, 1, d)
+        if control.shape != (batch,):
+            raise ValueError(f"control ids must be one per sequence, shape ({batch},), got "
+                             f"{tuple(control.shape)}")
+        return self.control_embed(control.to(device)).unsqueeze(1), offsets  # (B, 1, d)
 
-    def forward(self, src: Tensor, tgt_in: Tensor,
-                control: Tensor | int | None = None) -> Seq2SeqOutput:
-        """control: (B,) control-symbol ids, or one id for the whole batch, for models built
-        with control symbols."""
+    def forward(self, src: Tensor, tgt_in: Tensor, control: Control = None) -> Seq2SeqOutput:
+        """control: for models built with control symbols, (B,) control-symbol ids, one id
+        for the whole batch, or a :class:`BudgetControl` (ids plus per-row gate offsets)."""
         aux = AuxOutputs()
-        enc = self.encoder(src, aux=aux, control=self._control(control, src.size(0)))
+        enc = self.encode(src, control, aux)
         return Seq2SeqOutput(self.decoder(tgt_in, enc, aux=aux), aux)
 
-    def encode(self, src: Tensor, control: Tensor | int | None = None,
+    def encode(self, src: Tensor, control: Control = None,
                aux: AuxOutputs | None = None) -> EncoderOutput:
-        return self.encoder(src, aux=aux, control=self._control(control, src.size(0)))
+        """src (B, S) -> EncoderOutput, which carries the rows' control embeddings and
+        decoder gate offsets to every later decoder call (``control`` as in :meth:`forward`).
+        """
+        embedding, offsets = self._control(control, src.size(0), src.device)
+        enc = self.encoder(src, aux=aux, control=embedding, gate_offset=offsets.get("encoder"))
+        enc.gate_offset = offsets.get("decoder")
+        return enc
 
     def init_state(self) -> DecoderState:
         return DecoderState.for_layers(self.decoder.layers)

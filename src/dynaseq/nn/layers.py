@@ -3,9 +3,16 @@
 Each sub-layer f runs as ``x + dropout(f(LN(x)))`` (the pre-LN "nda" layout the CCT paper
 uses). Sub-layers are passed in, so gated (CCT) or branched (DMB) versions swap in: a
 sub-layer that skips a token must return exactly 0 there, leaving the residual untouched.
+
+``gate_offset`` (B,): per-row inference offsets of gated sub-layers' gates (a CCT call's
+calibrated budget, see :class:`~dynaseq.techniques.cct.gating.BudgetControl`), handed to every
+sub-layer of the layer; None (the default, and the only value for other sub-layers) hands
+nothing.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -31,9 +38,11 @@ class EncoderLayer(nn.Module):
         super().__init__()
         attach_sublayers(self, d_model, dropout, self_attn=self_attn, ffn=ffn)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None, aux: AuxOutputs | None = None) -> Tensor:
-        x = x + self.dropout(self.self_attn(self.self_attn_norm(x), attn_mask=attn_mask, aux=aux))
-        return x + self.dropout(self.ffn(self.ffn_norm(x), aux=aux))
+    def forward(self, x: Tensor, attn_mask: Tensor | None, aux: AuxOutputs | None = None,
+                gate_offset: Tensor | None = None) -> Tensor:
+        kw = _per_call(aux, gate_offset)
+        x = x + self.dropout(self.self_attn(self.self_attn_norm(x), attn_mask=attn_mask, **kw))
+        return x + self.dropout(self.ffn(self.ffn_norm(x), **kw))
 
 
 class DecoderLayer(nn.Module):
@@ -51,10 +60,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, *,
                 self_cache: KVCache | None = None, cross_cache: KVCache | None = None,
-                aux: AuxOutputs | None = None) -> Tensor:
-        h = self.self_attn(self.self_attn_norm(x), is_causal=True, cache=self_cache, aux=aux)
+                aux: AuxOutputs | None = None, gate_offset: Tensor | None = None) -> Tensor:
+        kw = _per_call(aux, gate_offset)
+        h = self.self_attn(self.self_attn_norm(x), is_causal=True, cache=self_cache, **kw)
         x = x + self.dropout(h)
         h = self.cross_attn(self.cross_attn_norm(x), memory, attn_mask=memory_mask,
-                            cache=cross_cache, aux=aux)
+                            cache=cross_cache, **kw)
         x = x + self.dropout(h)
-        return x + self.dropout(self.ffn(self.ffn_norm(x), aux=aux))
+        return x + self.dropout(self.ffn(self.ffn_norm(x), **kw))
+
+
+def _per_call(aux: AuxOutputs | None, gate_offset: Tensor | None) -> dict[str, Any]:
+    """The per-call keyword arguments of a sub-layer: ``aux`` always, ``gate_offset`` only
+    when given (sub-layers without gates do not take one)."""
+    return {"aux": aux} if gate_offset is None else {"aux": aux, "gate_offset": gate_offset}

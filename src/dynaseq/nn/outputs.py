@@ -18,11 +18,19 @@ MACS_TRACE = "macs"
 
 @dataclass
 class MacsRecord:
-    """MACs one call of an adaptive sub-layer actually executed at inference, per matrix
-    (CCT's gated sub-layers, DMB/MoE branches): a compute record."""
+    """MACs one call of an adaptive sub-layer (CCT's gated sub-layers, DMB/MoE branches)
+    actually executed at inference: a compute record.
+
+    macs: per matrix, over the whole batch (the packed attention layout's padding slots
+        included: they run).
+    per_row: ``(B,)`` long, the MACs each row's own tokens ran (all matrices): what the row
+        costs run alone (batch 1) with the same padded input, whatever else shares its
+        batch. ``None`` where a sub-layer does not count per row.
+    """
 
     layer: str
     macs: dict[str, int]
+    per_row: Tensor | None = None
 
 
 @dataclass

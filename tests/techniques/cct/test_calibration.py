@@ -11,7 +11,7 @@ import torch
 import dynaseq
 from dynaseq.core.errors import DynaseqError
 from dynaseq.techniques.cct.calibration import _solve, calibrate_budget, nearest_control
-from dynaseq.techniques.cct.gating import Gate, shift_gates
+from dynaseq.techniques.cct.gating import BudgetControl, Gate
 from dynaseq.techniques.cct.layers import force_gates, realized_fraction
 
 from helpers import lm_config, run_cli
@@ -33,33 +33,37 @@ def test_gate_offset_moves_the_inference_threshold_only():
     gate = Gate().eval()
     logits = torch.tensor([-2.0, -0.5, 0.0, 1.0])
     assert gate(logits).tolist() == [0, 0, 1, 1]
-    gate.offset = 1.0
-    assert gate(logits).tolist() == [0, 1, 1, 1]
-    gate.offset = -1.5
-    assert gate(logits).tolist() == [0, 0, 0, 0]
+    assert gate(logits, 1.0).tolist() == [0, 1, 1, 1]
+    assert gate(logits, -1.5).tolist() == [0, 0, 0, 0]
+    # one offset per row (B,), broadcast over the row's tokens and gates
+    rows = torch.stack([logits, logits, logits])[:, :, None]  # (B=3, T=4, 1)
+    per_row = gate(rows, torch.tensor([0.0, 1.0, -1.5]))[..., 0].tolist()
+    assert per_row == [[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0]]
     gate.train()  # training: noisy soft gates, no offset (α = 0 at step 0: σ(logits))
-    torch.testing.assert_close(gate(logits), torch.sigmoid(logits))
+    torch.testing.assert_close(gate(logits, 1.0), torch.sigmoid(logits))
 
 
-def test_shift_gates_extremes_equal_forced_gates_and_restore(cct_run):
+def test_offset_extremes_equal_forced_gates_and_leave_the_model_alone(cct_run):
     run, _ = cct_run
     model = dynaseq.load(run).model
     src, tgt = torch.tensor([[5, 6, 7, 8, 3]]), torch.tensor([[2, 9, 10, 11]])
     with torch.no_grad():
-        for offset, forced in ((1e9, 1.0), (-1e9, 0.0)):
-            with shift_gates(model, {"encoder": offset, "decoder": offset}):
-                shifted = model(src, tgt, 1).logits
+        for offset, forced in ((1e9, 1.0), (-1e9, 0.0), (float("inf"), 1.0)):
+            shifted = model(src, tgt, BudgetControl(1, {"encoder": offset,
+                                                        "decoder": offset})).logits
             with force_gates(model, forced):
                 pinned = model(src, tgt, 1).logits
             torch.testing.assert_close(shifted, pinned, rtol=0, atol=0)
-        with shift_gates(model, {"decoder": 1e9}):  # the encoder keeps its own gates
-            enc_on = [m.offset for n, m in model.named_modules()
-                      if isinstance(m, Gate) and n.startswith("encoder")]
-            assert set(enc_on) == {0.0}
-    assert {m.offset for m in model.modules() if isinstance(m, Gate)} == {0.0}
+        # a decoder offset leaves the encoder's gates as they are
+        plain = model.encode(src, 1)
+        shifted = model.encode(src, BudgetControl(1, {"decoder": 1e9}))
+        torch.testing.assert_close(shifted.out, plain.out, rtol=0, atol=0)
+        assert shifted.gate_offset.tolist() == [1e9] and plain.gate_offset is None
+    assert not any(hasattr(m, "offset") for m in model.modules() if isinstance(m, Gate))
     with pytest.raises(ValueError, match=r"no gates in sub-network\(s\) \['middle'\]"):
-        with shift_gates(model, {"middle": 1.0}):
-            pass
+        model(src, tgt, BudgetControl(1, {"middle": 1.0}))
+    with pytest.raises(ValueError, match=r"one per row, shape \(1,\), got \(2,\)"):
+        model(src, tgt, BudgetControl(1, {"encoder": torch.zeros(2)}))
 
 
 def test_solve_brackets_and_bisects_a_step_function():
@@ -89,9 +93,8 @@ def test_calibration_meets_the_budget_on_its_data(cct_run, synthetic_paths):
                            max_calls=24)
     assert abs(cal.realized["encoder"] - 0.5) <= 0.02
     assert abs(cal.realized["decoder"] - 0.4) <= 0.02
-    # the offsets, applied the way inference applies them, reproduce the reported fractions
-    with shift_gates(t.model, cal.offsets):
-        frac = realized_fraction(t.model, pairs, control=1)["fraction"]
+    # the offsets, passed the way inference passes them, reproduce the reported fractions
+    frac = realized_fraction(t.model, pairs, control=cal.control_for())["fraction"]
     assert frac["encoder"] == pytest.approx(cal.realized["encoder"], abs=1e-4)
     assert frac["decoder"] == pytest.approx(cal.realized["decoder"], abs=1e-4)
     with pytest.raises(ValueError, match="an \\(encoder, decoder\\) pair of fractions"):
@@ -121,11 +124,10 @@ def test_calibrated_budgets_are_saved_reloaded_and_used(run_copy, synthetic_path
     control, cal = again.budget_setting(0.7)
     assert control == 1 and cal.offsets == fitted[0].offsets
     assert len(again.translate(lines, budget=0.7)) == 3
-    with again.at_budget((1.0, 0.33)) as control:
-        assert control == 2
-        offsets = {m.offset for n, m in again.model.named_modules()
-                   if isinstance(m, Gate) and n.startswith("decoder")}
-        assert offsets == {fitted[1].offsets["decoder"]}
+    with again.at_budget((1.0, 0.33)) as control:  # the offsets travel with the call
+        assert control.ids == 2
+        assert control.offsets["decoder"] == fitted[1].offsets["decoder"]
+    assert again.control_for((1.0, 0.33)) == BudgetControl(2, fitted[1].offsets)
     assert again.budget_setting(0.5) == (1, None)  # trained, not calibrated: no offsets
     with pytest.raises(DynaseqError, match=r"was not trained; .*calibrated: \(0.7, 0.7\)"):
         again.translate(lines, budget=0.9)

@@ -82,7 +82,7 @@ def test_evaluate_reports_realized_fraction(cct_run, synthetic_paths):
 
 def test_realized_fraction_is_one_with_every_gate_on_and_small_with_all_off(cct_run,
                                                                             synthetic_paths):
-    from dynaseq.techniques.cct.layers import force_gates, realized_fraction
+    from dynaseq.techniques.cct.layers import BudgetControl, force_gates, realized_fraction
 
     run, _ = cct_run
     model = dynaseq.load(run).model
@@ -90,8 +90,13 @@ def test_realized_fraction_is_one_with_every_gate_on_and_small_with_all_off(cct_
     with force_gates(model, 1.0):
         on = realized_fraction(model, pairs, control=0)
     assert on["fraction"] == {"encoder": 1.0, "decoder": 1.0, "total": 1.0}
-    with force_gates(model, 0.0):
-        off = realized_fraction(model, pairs, control=0)
+    on = realized_fraction(model, pairs, BudgetControl(0, {"encoder": float("inf"),
+                                                           "decoder": float("inf")}))
+    assert on["fraction"] == {"encoder": 1.0, "decoder": 1.0, "total": 1.0}
+    # every gate closed by the call (the full-network pass opens them per call too, so a
+    # module-wide force_gates(model, 0.0) would pin both passes)
+    off = realized_fraction(model, pairs, BudgetControl(0, {"encoder": -float("inf"),
+                                                            "decoder": -float("inf")}))
     # only the control networks still run
     assert 0.0 < off["fraction"]["total"] < 0.2
 

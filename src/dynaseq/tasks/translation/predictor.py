@@ -5,6 +5,11 @@ Example::
     import dynaseq
     t = dynaseq.load("runs/demo/run")
     t.translate(["kalo mintu sum 3 4 end"], beam=4)
+    t.translate(["kalo mintu sum 3 4 end", "sum 1 2 end"], budget=[1.0, 0.5])  # CCT: per row
+
+A budget is an argument of each call, looked up per row (control symbol and calibrated gate
+offsets, :class:`~dynaseq.techniques.cct.gating.BudgetControl`) and never written into the model:
+one batch may hold rows at different budgets, and threads may share one Translator.
 """
 
 from __future__ import annotations
@@ -32,17 +37,44 @@ from dynaseq.models import build_seq2seq
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.techniques.branching import merge_shared_
-from dynaseq.techniques.cct.calibration import BudgetCalibration, applied
+from dynaseq.techniques.cct.calibration import BudgetCalibration
+from dynaseq.techniques.cct.gating import BudgetControl
+
+Control = int | torch.Tensor | BudgetControl | None
+"""A corpus call's control: one for every sentence (an id, or a :class:`BudgetControl` with
+one id and float offsets), or one per sentence (``(N,)`` ids, or a :class:`BudgetControl`
+with ``(N,)`` ids and offsets)."""
+
+
+def _batch_control(control: Control, n: int, idx: list[int],
+                   device: torch.device) -> Control:
+    """The control of the sentences ``idx`` of a corpus of ``n`` (see :data:`Control`)."""
+    if isinstance(control, BudgetControl):
+        per_row = [v for v in (control.ids, *control.offsets.values())
+                   if isinstance(v, torch.Tensor)]
+    else:
+        per_row = [control] if isinstance(control, torch.Tensor) else []
+    if not per_row:
+        return control  # one for every sentence
+    for v in per_row:
+        if v.shape != (n,):
+            raise ValueError(f"a per-sentence control needs one entry per sentence, shape "
+                             f"({n},), got {tuple(v.shape)}")
+    index = torch.tensor(idx, dtype=torch.long, device=per_row[0].device)
+    if isinstance(control, BudgetControl):
+        return control.select(index)
+    return control.index_select(0, index).to(device)
 
 
 def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   length_penalty: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
                   batch_size: int = 64, min_len: int = 0,
                   device: torch.device | None = None,
-                  control: int | None = None) -> list[list[int]]:
+                  control: Control = None) -> list[list[int]]:
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
 
-    ``control``: the control-symbol id (trained budget) used for every sentence.
+    ``control``: the budget, for every sentence or per sentence (:data:`Control`); a batch
+    may mix sentences at different budgets.
     """
     device = device or next(model.parameters()).device
     max_pos = model.encoder.positions.max_positions
@@ -55,12 +87,12 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
             idx = order[start: start + batch_size]
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
                                  model.pad_id, model.eos_id).to(device)
+            rows = _batch_control(control, len(src_ids), idx, device)
             if beam == 1:
-                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos,
-                                     control)
+                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos, rows)
             else:
                 hyps = beam_search(model, src, beam, length_penalty, max_len_a, max_len_b,
-                                   min_len, max_pos, control)
+                                   min_len, max_pos, rows)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
     finally:
@@ -71,12 +103,21 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
 @torch.no_grad()
 def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[int]],
                  max_len: int, max_tokens: int = 4096, device: torch.device | None = None,
-                 control: int | None = None) -> dict[str, float]:
-    """Teacher-forced NLL per target token (eos included) and perplexity."""
+                 control: Control = None) -> dict[str, float]:
+    """Teacher-forced NLL per target token (eos included) and perplexity.
+
+    ``control``: the budget, for every pair or per pair (:data:`Control`). Pairs with an
+    empty side are not scored.
+    """
     from dynaseq.data import token_batches
 
     device = device or next(model.parameters()).device
-    corpus, _ = make_corpus(src_ids, tgt_ids, max_len, long_lines="truncate")
+    if len(src_ids) != len(tgt_ids):
+        raise DynaseqError(f"{len(src_ids)} source sentences but {len(tgt_ids)} targets")
+    kept = [i for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True)) if s and t]
+    corpus, _ = make_corpus([src_ids[i] for i in kept], [tgt_ids[i] for i in kept], max_len,
+                            long_lines="truncate")
+    assert len(corpus) == len(kept), "truncation keeps every non-empty pair"
     if len(corpus) == 0:
         raise DynaseqError("nothing to score: every sentence pair is empty")
     was_training = model.training
@@ -86,7 +127,8 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
         for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
                                  seed=0, epoch=0, shuffle=False):
             b = collate(corpus, idx, model.pad_id, model.bos_id, model.eos_id).to(device)
-            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in, control).logits, b.tgt_out, 0.0,
+            rows = _batch_control(control, len(src_ids), [kept[i] for i in idx], device)
+            _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in, rows).logits, b.tgt_out, 0.0,
                                             model.pad_id)
             nll_sum += float(nll)
             n_tok += n
@@ -97,6 +139,10 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
 
 
 Budget = float | tuple[float, float] | None
+"""One budget: a fraction for encoder and decoder alike, an ``(encoder, decoder)`` pair, or
+None (the largest trained budget)."""
+Budgets = Budget | list[Budget]
+"""A call's budget: one :data:`Budget` for every line, or a list with one per line."""
 CALIBRATION_FILE = "calibration.json"
 """Written into a run directory by ``dynaseq calibrate`` (:meth:`Translator.calibrate`)."""
 
@@ -133,11 +179,18 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
 
 
 def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
-    """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats."""
-    pair = (float(budget), float(budget)) if isinstance(budget, (int, float)) else tuple(budget)
+    """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats, each in (0, 1]."""
+    try:
+        pair = ((float(budget), float(budget)) if isinstance(budget, (int, float))
+                else tuple(float(b) for b in budget))
+    except (TypeError, ValueError):
+        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got "
+                           f"{budget!r}") from None
     if len(pair) != 2:
         raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got {budget}")
-    return float(pair[0]), float(pair[1])
+    if not all(0 < b <= 1 for b in pair):
+        raise DynaseqError(f"a budget is a fraction in (0, 1], got {budget}")
+    return pair
 
 
 def same_budget(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -163,6 +216,10 @@ class Translator:
     ``calibrations`` (CCT models): the run's ``calibration.json`` for the loaded checkpoint
     (:meth:`calibrate`); a calibrated budget runs with its gate offsets, and an untrained
     budget can be run once it is calibrated.
+
+    Budgets are arguments of each call (``budget=0.5``, or a list with one per line), looked
+    up per row and passed to the model with the call (:meth:`control_for`); the model is
+    never modified, so threads may translate at different budgets on one Translator.
     """
 
     model: nn.Module
@@ -195,13 +252,43 @@ class Translator:
                                f"calibrate --budgets {pair[0]:g},{pair[1]:g} can fit it)"
                                ) from None
 
+    def control_for(self, budget: Budgets = None, n_rows: int | None = None) -> Control:
+        """The ``control`` argument that runs a call at ``budget``.
+
+        One budget: its control-symbol id, or, when calibrated, a :class:`BudgetControl`
+        with that id and the calibration's offsets (every row alike). A list: one budget per
+        row (``n_rows`` of them, if given), as a :class:`BudgetControl` with ``(N,)`` ids and
+        offsets, each budget looked up once. Dense models: None. Raises
+        :class:`DynaseqError` for a budget neither trained nor calibrated, out of (0, 1], or
+        a list of the wrong length.
+        """
+        if not isinstance(budget, list):
+            control, cal = self.budget_setting(budget)
+            return control if cal is None else cal.control_for()
+        if n_rows is not None and len(budget) != n_rows:
+            raise DynaseqError(f"{len(budget)} budgets for {n_rows} lines: give one budget, "
+                               "or a list with one per line")
+        if self.config.model.cct is None:
+            for b in budget:
+                control_for_budget(self.config.model, b)  # a dense model takes no budget
+            return None
+        settings: dict[object, tuple[int, BudgetCalibration | None]] = {}
+        rows = []
+        for b in budget:
+            key = None if b is None else budget_pair(b)
+            if key not in settings:
+                settings[key] = self.budget_setting(b)
+            rows.append(settings[key])
+        return BudgetControl.per_row([c for c, _ in rows],
+                                     [None if cal is None else cal.offsets for _, cal in rows],
+                                     device=self.device)
+
     @contextlib.contextmanager
-    def at_budget(self, budget: Budget = None) -> Iterator[int | None]:
-        """Inside the block the model runs at ``budget``: yields the control-symbol id to
-        pass to it, with the budget's calibrated gate offsets applied (if any)."""
-        control, cal = self.budget_setting(budget)
-        with applied(self.model, cal):
-            yield control
+    def at_budget(self, budget: Budgets = None) -> Iterator[Control]:
+        """Yields :meth:`control_for` ``(budget)``, the ``control`` argument to pass to the
+        model or to the search (kept for ``with t.at_budget(b) as control:`` callers;
+        nothing is applied to the model, the offsets travel in the yielded value)."""
+        yield self.control_for(budget)
 
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
@@ -229,53 +316,65 @@ class Translator:
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,
                   max_len_a: float | None = None, max_len_b: int | None = None,
-                  budget: Budget = None) -> list[str]:
+                  budget: Budgets = None) -> list[str]:
         """Translate raw sentences; returns detokenized sentences in the same order.
 
         An empty (or all-whitespace) line translates to an empty line. ``budget`` (CCT
-        models): a trained compute budget, ``0.33`` or ``(1.0, 0.33)``; default the largest.
+        models): a trained or calibrated compute budget, ``0.33`` or ``(1.0, 0.33)``,
+        default the largest; or a list with one budget per line (``[1.0, 0.5, (1.0, 0.33)]``),
+        the lines batched together whatever their budgets.
         """
         d = self.config.decode
+        control = self.control_for(budget, len(lines))
         keep = [i for i, line in enumerate(lines) if line.strip()]
+        if isinstance(control, BudgetControl) and isinstance(budget, list):  # per line
+            control = control.select(torch.tensor(keep, dtype=torch.long, device=self.device))
         ids = self.tokenizer.encode([lines[i] for i in keep])
-        with self.at_budget(budget) as control:
-            hyps = decode_corpus(
-                self.model, ids, beam=beam or d.beam,
-                length_penalty=d.length_penalty if length_penalty is None else length_penalty,
-                max_len_a=d.max_len_a if max_len_a is None else max_len_a,
-                max_len_b=d.max_len_b if max_len_b is None else max_len_b,
-                batch_size=batch_size or d.batch_size, device=self.device, control=control)
+        hyps = decode_corpus(
+            self.model, ids, beam=beam or d.beam,
+            length_penalty=d.length_penalty if length_penalty is None else length_penalty,
+            max_len_a=d.max_len_a if max_len_a is None else max_len_a,
+            max_len_b=d.max_len_b if max_len_b is None else max_len_b,
+            batch_size=batch_size or d.batch_size, device=self.device, control=control)
         out = [""] * len(lines)
         for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
             out[i] = text
         return out
 
-    def score(self, src: list[str], ref: list[str], budget: Budget = None) -> dict[str, float]:
-        """Teacher-forced loss (NLL per target token) and perplexity of the references."""
+    def score(self, src: list[str], ref: list[str], budget: Budgets = None) -> dict[str, float]:
+        """Teacher-forced loss (NLL per target token) and perplexity of the references;
+        ``budget`` as in :meth:`translate` (a list: one per sentence pair)."""
         if len(src) != len(ref):
             raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
-        with self.at_budget(budget) as control:
-            return score_corpus(self.model, self.tokenizer.encode(src),
-                                self.tokenizer.encode(ref), self.config.data.max_len,
-                                self.config.data.max_tokens, self.device, control)
+        return score_corpus(self.model, self.tokenizer.encode(src), self.tokenizer.encode(ref),
+                            self.config.data.max_len, self.config.data.max_tokens, self.device,
+                            self.control_for(budget, len(src)))
 
     def evaluate(self, src: list[str], ref: list[str], beam: int | None = None,
-                 budget: Budget = None, **kwargs) -> dict[str, object]:
+                 budget: Budgets = None, **kwargs) -> dict[str, object]:
         """sacreBLEU of the translations against ``ref`` plus the teacher-forced loss, and the
         DMB paper's performance-time ratio ``ptr`` = BLEU / sqrt(``macs_pair``) · 10^4, with
         ``macs_pair`` the Mult-Adds of a 30 -> 30-token pass, output layer included
-        (:func:`~dynaseq.metrics.macs.pair_macs`; CCT models: every gate on)."""
+        (:func:`~dynaseq.metrics.macs.pair_macs`; CCT models: every gate on).
+
+        ``budget`` as in :meth:`translate`; with a list (one per line) ``budget`` and
+        ``gate_offsets`` are reported per line, and the realized compute is over the lines,
+        each at its own budget."""
+        if len(src) != len(ref):
+            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
         hyps = self.translate(src, beam=beam, budget=budget, **kwargs)
         score, signature = bleu(hyps, ref)
         macs = pair_macs(self.model)
         result = {"bleu": score, "signature": signature, **self.score(src, ref, budget),
                   "n_sentences": len(src), "checkpoint": str(self.checkpoint),
                   "macs_pair": macs, "ptr": ptr(score, macs)}
-        control, cal = self.budget_setting(budget)
-        if control is not None:
-            result["budget"] = (list(cal.budget) if cal is not None
-                                else list(self.config.model.cct.controls[control]))
-            result["gate_offsets"] = cal.offsets if cal is not None else None
+        if self.config.model.cct is not None:
+            if isinstance(budget, list):
+                reports = [self._budget_report(b) for b in budget]
+                result["budget"] = [r[0] for r in reports]
+                result["gate_offsets"] = [r[1] for r in reports]
+            else:
+                result["budget"], result["gate_offsets"] = self._budget_report(budget)
             compute = self.realized_compute(src, ref, budget)
             result["realized_fraction"] = compute["fraction"]
             result["realized_macs_per_token"] = compute["macs_per_token"]
@@ -285,6 +384,13 @@ class Translator:
             result["branch_usage"] = self.branch_usage(src, ref)
             result["collapsed"] = collapsed(result["branch_usage"])
         return result
+
+    def _budget_report(self, budget: Budget) -> tuple[list[float], dict[str, float] | None]:
+        """``([enc, dec], offsets or None)`` that a budget of a CCT model runs at."""
+        control, cal = self.budget_setting(budget)
+        if cal is not None:
+            return list(cal.budget), cal.offsets
+        return list(self.config.model.cct.controls[control]), None
 
     def branch_usage(self, src: list[str], ref: list[str]) -> dict[str, list[float]]:
         """DMB / MoE models: share of the tokens each branch ran per gating unit, teacher
@@ -302,19 +408,34 @@ class Translator:
         return branch_usage(m, ((b.src, b.tgt_in) for b in batches), m.pad_id)
 
     def realized_compute(self, src: list[str], ref: list[str],
-                         budget: Budget = None) -> dict[str, object]:
+                         budget: Budgets = None) -> dict[str, object]:
         """CCT models: MACs the gated sub-layers ran on the references (teacher forced),
-        per token and as a fraction of the same passes with every gate on."""
+        per token and as a fraction of the same passes with every gate on; ``budget`` as
+        in :meth:`translate` (a list: each pair at its own budget)."""
         from dynaseq.techniques.cct.layers import realized_fraction
 
         if self.config.model.cct is None:
             raise DynaseqError("realized compute is reported for CCT models only")
-        with self.at_budget(budget) as control:
-            return realized_fraction(self.model, self._pairs(src, ref), control)
+        if len(src) != len(ref):
+            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        if not isinstance(budget, list):
+            return realized_fraction(self.model, self._pairs(src, ref), self.control_for(budget))
+        control = self.control_for(budget, len(src))
+        kept: list[int] = []
+        pairs = self._pairs(src, ref, kept)
+        return realized_fraction(self.model, pairs, [
+            control.select(torch.tensor([i], device=self.device)) for i in kept])
 
-    def _pairs(self, src: list[str], ref: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(src (1, S), tgt_in (1, T))`` tensors of each sentence pair, teacher forced."""
-        corpus, _ = make_corpus(self.tokenizer.encode(src), self.tokenizer.encode(ref),
+    def _pairs(self, src: list[str], ref: list[str], kept: list[int] | None = None
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(src (1, S), tgt_in (1, T))`` tensors of each sentence pair, teacher forced;
+        pairs with an empty side are left out (``kept``, if given, receives the indices of
+        the pairs returned)."""
+        src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
+        keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
+        if kept is not None:
+            kept.extend(keep)
+        corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],
                                 self.config.data.max_len, long_lines="truncate")
         m = self.model
         return [(b.src.to(self.device), b.tgt_in.to(self.device))

@@ -5,7 +5,8 @@ sequences of one control task trading compute among themselves. At inference the
 hard and noise-free, so the realized fraction of a trained budget p can land off p (on
 Multi30k, 0.42 for a decoder trained at 0.5). Calibration fixes this after training,
 without touching a weight: per control task and sub-network j it finds one offset δ_j for
-the inference threshold of every gate of j (:func:`~dynaseq.techniques.cct.gating.shift_gates`)::
+the inference threshold of every gate of j, passed with each call
+(:class:`~dynaseq.techniques.cct.gating.BudgetControl`, never written into the model)::
 
     g = 1[G(x) + δ_j >= 0]        such that   realized_j(δ) ≈ p_j   on held-out pairs
 
@@ -20,13 +21,13 @@ Example::
 
     pairs = [(src (1, S), tgt_in (1, T)), ...]      # held-out sentence pairs, batch 1
     cal = calibrate_budget(model, pairs, control=2, budget=(0.5, 0.5))
-    with shift_gates(model, cal.offsets):
-        model(src, tgt_in, control=2)               # realized ≈ (0.5, 0.5)
+    model(src, tgt_in, cal.control_for())           # every row: realized ≈ (0.5, 0.5)
+    rows = BudgetControl.per_row([cal.control, 0], [cal.offsets, None])  # B = 2, two budgets
+    model(src2, tgt2, rows)
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,10 +35,14 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from dynaseq.techniques.cct.gating import force_gates, shift_gates
+from dynaseq.techniques.cct.gating import (
+    ALL_GATES_ON,
+    GATE_SUBNETWORKS,
+    BudgetControl,
+)
 from dynaseq.techniques.cct.layers import realized_macs_by_layer
 
-SUBNETWORKS = ("encoder", "decoder")
+SUBNETWORKS = GATE_SUBNETWORKS
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,10 @@ class BudgetCalibration:
     realized: dict[str, float]
     uncalibrated: dict[str, float]
 
+    def control_for(self) -> BudgetControl:
+        """The call argument that runs every row of a batch at this budget."""
+        return BudgetControl(self.control, dict(self.offsets))
+
     def to_json(self) -> dict:
         return {**asdict(self), "budget": list(self.budget)}
 
@@ -70,28 +79,31 @@ class BudgetCalibration:
 
 
 class _Meter:
-    """Realized fractions of the gated sub-networks over fixed pairs (batch 1, eval mode)."""
+    """Realized fractions of the gated sub-networks over fixed pairs (batch 1, eval mode).
+
+    Each pass hands its offsets to the model with the call (the model is not modified), so
+    the full network is the pass with every gate opened (offsets :data:`ALL_GATES_ON`).
+    """
 
     def __init__(self, model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]],
                  control: int) -> None:
         if not pairs:
             raise ValueError("calibration needs at least one sentence pair")
         self.model, self.pairs, self.control = model, pairs, control
-        with force_gates(model, 1.0):
-            self.full = self._ran()
+        self.full = self._ran(dict.fromkeys(SUBNETWORKS, ALL_GATES_ON))
 
     @torch.no_grad()
-    def _ran(self) -> dict[str, int]:
+    def _ran(self, offsets: dict[str, float]) -> dict[str, int]:
         totals = dict.fromkeys(SUBNETWORKS, 0)
+        control = BudgetControl(self.control, offsets)
         for src, tgt_in in self.pairs:
-            out = self.model(src, tgt_in, self.control)
+            out = self.model(src, tgt_in, control)
             for layer, counts in realized_macs_by_layer(out.aux).items():
                 totals[layer.split(".")[0]] += sum(counts.values())
         return totals
 
     def __call__(self, offsets: dict[str, float]) -> dict[str, float]:
-        with shift_gates(self.model, offsets):
-            ran = self._ran()
+        ran = self._ran(offsets)
         return {k: ran[k] / self.full[k] for k in SUBNETWORKS}
 
 
@@ -171,13 +183,3 @@ def nearest_control(trained: Sequence[tuple[float, float]], budget: tuple[float,
         raise ValueError("no trained budgets")
     return min(range(len(trained)),
                key=lambda i: (math.dist(trained[i], budget), -sum(trained[i]), i))
-
-
-@contextlib.contextmanager
-def applied(model: nn.Module, calibration: BudgetCalibration | None):
-    """Run inside the offsets of ``calibration`` (nothing if None)."""
-    if calibration is None:
-        yield model
-    else:
-        with shift_gates(model, calibration.offsets):
-            yield model

@@ -31,7 +31,9 @@ enters only as the count ``n_off``, so the score/value products run over the "on
 **Training** (``self.training``): the dense computation of eq. 12-13 with soft noisy gates
 (:class:`~dynaseq.techniques.cct.gating.Gate`), scaled dot-product attention as in the dense layer.
 
-**Inference**: hard 0/1 gates, and work for gated-off tokens is not executed:
+**Inference**: hard 0/1 gates ``g = 1[G(x) + δ_b >= 0]`` (eq. 2; δ_b: the call's gate offset
+of row b, the same for its queries and the keys/values it attends, 0 if none), and work for
+gated-off tokens is not executed:
 
 1. K/V projections and their LayerNorms run only on tokens whose ``g_KV`` is on (and that a
    query can use: keys every query is masked from, i.e. padding, and, without a cache, keys
@@ -233,12 +235,14 @@ class ConditionalAttention(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
                 is_causal: bool = False, cache: KVCache | None = None,
-                aux: AuxOutputs | None = None) -> Tensor:
+                aux: AuxOutputs | None = None, gate_offset: Tensor | None = None) -> Tensor:
         """x ``(B, T, d)`` queries; keys/values from ``memory`` ``(B, S, d)`` or ``x``.
 
         attn_mask: bool, broadcastable to ``(B, H, T, S)``, True where attention is allowed.
         is_causal: query t attends keys at positions ``<= t`` (after any cached ones).
         cache: a :class:`GatedKVCache`, updated in place (``static=True``: filled once).
+        gate_offset: ``(B,)`` per-row inference offsets of both gates (see
+            :class:`~dynaseq.techniques.cct.gating.Gate`); None: no offset.
         Returns ``(B, T, d)``, exactly 0 at gated-off query tokens (at inference; in
         training, where the gate is exactly 0).
         """
@@ -247,7 +251,7 @@ class ConditionalAttention(nn.Module):
                             f"(it records which keys are on), got {type(cache).__name__}")
         if self.training:
             return self._forward_soft(x, memory, attn_mask, is_causal, cache, aux)
-        return self._forward_hard(x, memory, attn_mask, is_causal, cache, aux)
+        return self._forward_hard(x, memory, attn_mask, is_causal, cache, aux, gate_offset)
 
     # -- training: dense, soft gates ------------------------------------------------------------
 
@@ -280,9 +284,9 @@ class ConditionalAttention(nn.Module):
 
     def _forward_hard(self, x: Tensor, memory: Tensor | None, attn_mask: Tensor | None,
                       is_causal: bool, cache: GatedKVCache | None,
-                      aux: AuxOutputs | None) -> Tensor:
+                      aux: AuxOutputs | None, gate_offset: Tensor | None) -> Tensor:
         b, t, d = x.shape
-        q_on = self.gate(self.q_control(x))[..., 0].bool()  # (B, T)
+        q_on = self.gate(self.q_control(x), gate_offset)[..., 0].bool()  # (B, T)
         past = cache.length if cache is not None and not cache.static else 0
         kv_ran = None
         if cache is not None and cache.static and cache.k is not None:
@@ -291,7 +295,7 @@ class ConditionalAttention(nn.Module):
             k, v, key_on = cache.k, cache.v, cache.on
         else:
             src = x if memory is None else memory
-            kv_ran = self.gate(self.kv_control(src))[..., 0].bool()  # (B, S)
+            kv_ran = self.gate(self.kv_control(src), gate_offset)[..., 0].bool()  # (B, S)
             if attn_mask is not None and (cache is None or cache.static):
                 kv_ran = kv_ran & _attendable(attn_mask, b, src.size(1))
             if cache is None:  # nobody else will read these keys
@@ -328,8 +332,9 @@ class ConditionalAttention(nn.Module):
             self._trace(aux, q_on[..., None].to(dtype),
                         None if kv_ran is None else kv_ran[..., None].to(dtype),
                         allowed, s, memory is not None)
-            aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(
-                q_on, kv_ran, key_on, key_width=key_width)))
+            aux.add_trace(MACS_TRACE, MacsRecord(
+                self.name, self.realized_macs(q_on, kv_ran, key_on, key_width=key_width),
+                self.realized_macs_per_row(q_on, kv_ran, key_on)))
         return out.view(b, t, d)
 
     def _attend_packed_queries(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
@@ -484,6 +489,30 @@ class ConditionalAttention(nn.Module):
             "control_q": self.q_control.macs(q_on.numel()),
             "control_kv": self.kv_control.macs(0 if kv_on is None else kv_on.numel()),
         }
+
+    def realized_macs_per_row(self, q_on: Tensor, kv_on: Tensor | None,
+                              key_on: Tensor | None = None) -> Tensor:
+        """``(B,)`` long: the MACs each row's own tokens ran (arguments as
+        :meth:`realized_macs`).
+
+        Row b's attention products are its open queries times its on keys,
+        ``Q_b·K_b·d_model`` each, which is what :meth:`realized_macs` counts for the row run
+        alone (batch 1); the packed layout's padding slots, where a row is padded to the
+        widest row of its batch, are attributed to no row. So a row costs the same whatever
+        budgets the other rows of its batch run at.
+        """
+        if key_on is None:
+            if kv_on is None:
+                raise ValueError("give key_on when kv_on is None (keys from a static cache)")
+            key_on = kv_on
+        n_q = q_on.sum(1)  # (B,)
+        per_query = _linear_macs(self.q_proj, 1) + _linear_macs(self.out_proj, 1)
+        ran = n_q * (per_query + 2 * self.d_model * key_on.sum(1))
+        ran = ran + q_on.size(1) * self.q_control.macs(1)
+        if kv_on is not None:
+            per_kv = _linear_macs(self.k_proj, 1) + _linear_macs(self.v_proj, 1)
+            ran = ran + kv_on.sum(1) * per_kv + kv_on.size(1) * self.kv_control.macs(1)
+        return ran
 
 
 def _attendable(attn_mask: Tensor, batch: int, n_keys: int) -> Tensor:

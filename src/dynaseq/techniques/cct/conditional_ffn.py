@@ -10,7 +10,8 @@ width ``ffn_dim / M``, each with its own input and output LayerNorm::
 of every independently gated feed-forward sub-network"); the layer adds the residual.
 
 Training: every piece runs on every token, scaled by its soft noisy gate. Inference: hard
-0/1 gates; piece i runs only on the tokens whose gate i is on (``index_select`` → piece →
+0/1 gates ``g_Fi = 1[G(x)_i + δ_b >= 0]`` (δ_b: the call's gate offset of row b, 0 if none);
+piece i runs only on the tokens whose gate i is on (``index_select`` → piece →
 ``index_add``); a token with every gate off gets exactly 0.
 """
 
@@ -53,8 +54,9 @@ class ConditionalFeedForward(nn.Module):
         gate: logits -> gates (noise schedule, hard threshold, override).
         name: sub-layer name carried by its traces.
 
-    ``forward(x, aux=None)``: x ``(B, T, d)`` -> ``(B, T, d)``. Build it with
-    :func:`conditional_feedforward`.
+    ``forward(x, aux=None, gate_offset=None)``: x ``(B, T, d)`` -> ``(B, T, d)``;
+    ``gate_offset``: ``(B,)`` per-row inference offsets of the gates (see
+    :class:`~dynaseq.techniques.cct.gating.Gate`). Build it with :func:`conditional_feedforward`.
     """
 
     def __init__(self, pieces: list[FeedForwardPiece], control: ControlNet, gate: Gate,
@@ -73,9 +75,10 @@ class ConditionalFeedForward(nn.Module):
     def n_pieces(self) -> int:
         return len(self.pieces)
 
-    def forward(self, x: Tensor, aux: AuxOutputs | None = None) -> Tensor:
+    def forward(self, x: Tensor, aux: AuxOutputs | None = None,
+                gate_offset: Tensor | None = None) -> Tensor:
         logits = self.control(x)
-        g = self.gate(logits)  # (B, T, M)
+        g = self.gate(logits, gate_offset)  # (B, T, M)
         if self.training:
             out = sum(g[..., i, None] * piece(x) for i, piece in enumerate(self.pieces))
         else:
@@ -85,7 +88,9 @@ class ConditionalFeedForward(nn.Module):
                                                 self._piece_costs(g), "input"))
             aux.add_trace(GATE_TRACE, control_trace(self.name, self.control, g, "input"))
             if not self.training:
-                aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(g.bool())))
+                on = g.bool()
+                aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(on),
+                                                     self.realized_macs_per_row(on)))
         return out
 
     def _forward_hard(self, x: Tensor, on: Tensor) -> Tensor:
@@ -129,6 +134,16 @@ class ConditionalFeedForward(nn.Module):
                 out[k] += v
         out["control_ffn"] = self.control.macs(on.numel() // self.n_pieces)
         return out
+
+    def realized_macs_per_row(self, on: Tensor) -> Tensor:
+        """``(B,)`` long: the MACs of :meth:`realized_macs` that each row's tokens ran, for a
+        hard gate pattern ``on`` ``(B, T, M)`` bool (they sum to its total)."""
+        if on.size(-1) != self.n_pieces:
+            raise ValueError(f"gate pattern has {on.size(-1)} gates, layer has {self.n_pieces}")
+        costs = torch.tensor([sum(p.ffn.macs(1).values()) for p in self.pieces],
+                             device=on.device)  # (M,) MACs of piece i on one token
+        ran = (on.sum(1) * costs).sum(1)  # (B,)
+        return ran + on.size(1) * self.control.macs(1)
 
 
 def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,

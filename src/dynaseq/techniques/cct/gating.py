@@ -12,9 +12,18 @@ and a :class:`Gate` turns logits into gates:
 * inference: hard gates ``g = 1[σ(G(x)) >= 0.5] = 1[G(x) >= 0]`` (eq. 2), no noise.
 
 ``Gate.gate_override`` (or :func:`force_gates` over a whole model) pins every gate to a
-constant, e.g. 1.0 to run the full network. ``Gate.offset`` (or :func:`shift_gates` per
-sub-network) moves the inference threshold, ``g = 1[G(x) + offset >= 0]``: the knob that
-:mod:`~dynaseq.techniques.cct.calibration` turns to make a budget's realized compute hit it.
+constant, e.g. 1.0 to run the full network (an experiment's switch, written into the
+modules; inference calls never use it).
+
+A per-call, per-row **offset** δ moves the inference threshold, ``g = 1[G(x) + δ_b >= 0]``
+for the tokens of row b: the knob that :mod:`~dynaseq.techniques.cct.calibration` turns to make a
+budget's realized compute hit it. It is an argument of the call, never module state: a
+:class:`BudgetControl` carries each row's control-symbol id and its offsets per gated
+sub-network (``"encoder"``, ``"decoder"``); the model hands each gate the ``(B,)`` offsets of
+its sub-network. So one batch may hold rows at different calibrated budgets, and concurrent
+callers share one loaded model. δ = +inf opens every gate (the full network), -inf closes
+every gate.
+
 Gated sub-layers report what their gates did through :class:`GateTrace` and
 :class:`MacsRecord` entries in the per-call ``AuxOutputs``.
 
@@ -22,14 +31,17 @@ Example::
 
     control, gate = ControlNet(32, n_gates=1), Gate(NoiseSchedule(ramp_steps=1000))
     g = gate(control(x))      # x (B, T, 32) -> g (B, T, 1)
+    g = gate.eval()(control(x), offset=torch.tensor([0.0, 0.7]))  # B = 2, row 1 opens more
     set_gate_step(model, step)  # once per training step, from the training loop
+    model(src, tgt_in, BudgetControl(torch.tensor([1, 2]), {"decoder": torch.tensor([0.3, -0.1])}))
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -111,11 +123,14 @@ class Gate(nn.Module):
     that sets the noise scale α; the training loop sets it (:func:`set_gate_step`).
     ``gate_override`` pins every gate: in training the gates equal it; at inference they are
     ``1`` if it is >= 0.5, else ``0``. ``None`` (default) lets the control network decide.
-    ``offset`` (inference only, default 0) is added to the logits before the threshold:
-    ``1[logits + offset >= 0]``; a positive offset opens more gates.
 
-    forward: logits ``(...)`` -> gates ``(...)``, same shape and dtype; at inference
-    exactly 0.0 or 1.0.
+    forward(logits, offset=None): logits ``(B, ...)`` -> gates ``(B, ...)``, same shape and
+    dtype; at inference exactly 0.0 or 1.0. ``offset`` (inference only; ignored in training,
+    where the gates are eq. 3's soft ones, and under ``gate_override``): a float for every
+    row or a ``(B,)`` tensor, one per row, broadcast over the row's tokens and gates, added
+    to the logits before the threshold: ``1[logits + offset_b >= 0]``; a positive offset
+    opens more gates, +inf all of them. The gate holds no offset of its own: a call's
+    offsets never outlive it.
     """
 
     def __init__(self, schedule: NoiseSchedule | None = None, hard_budget: bool = False) -> None:
@@ -124,19 +139,23 @@ class Gate(nn.Module):
         self.hard_budget = hard_budget
         self.register_buffer("step", torch.zeros((), dtype=torch.long), persistent=False)
         self.gate_override: float | None = None
-        self.offset = 0.0
 
     def alpha(self) -> Tensor:
         return self.schedule.alpha(self.step)
 
-    def forward(self, logits: Tensor) -> Tensor:
+    def forward(self, logits: Tensor, offset: Tensor | float | None = None) -> Tensor:
         if self.gate_override is not None:
             value = self.gate_override if self.training else float(self.gate_override >= 0.5)
             return torch.full_like(logits, value)
         if self.training:
             alpha = self.alpha().to(logits.device, logits.dtype)
             return torch.sigmoid(logits + alpha * torch.randn_like(logits))
-        return (logits >= -self.offset).to(logits.dtype)
+        if offset is None:
+            return (logits >= 0).to(logits.dtype)
+        if isinstance(offset, Tensor):
+            assert offset.shape == logits.shape[:1], "offset: one per row (B,)"
+            offset = offset.view(-1, *(1,) * (logits.dim() - 1))  # (B, 1, ..., 1)
+        return (logits >= -offset).to(logits.dtype)  # g = 1[G(x) + δ_b >= 0] (eq. 2)
 
     def for_budget(self, logits: Tensor, gates: Tensor) -> Tensor:
         """The gate values the budget loss counts, for ``gates = self(logits)``.
@@ -154,8 +173,7 @@ class Gate(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"alpha_max={self.schedule.alpha_max}, ramp_steps={self.schedule.ramp_steps}, "
-                f"hard_budget={self.hard_budget}, "
-                f"gate_override={self.gate_override}, offset={self.offset}")
+                f"hard_budget={self.hard_budget}, gate_override={self.gate_override}")
 
 
 def set_gate_step(model: nn.Module, step: int) -> None:
@@ -182,25 +200,80 @@ def force_gates(model: nn.Module, value: float | None = 1.0) -> Iterator[nn.Modu
             g.gate_override = old
 
 
-@contextmanager
-def shift_gates(model: nn.Module, offsets: Mapping[str, float]) -> Iterator[nn.Module]:
-    """Inside the block, add ``offsets[j]`` to the inference logits of every :class:`Gate` of
-    sub-network ``j`` (the first component of its module path, ``"encoder"`` / ``"decoder"``),
-    then restore. Sub-networks not named keep their offsets.
+GATE_SUBNETWORKS = ("encoder", "decoder")
+"""The gated sub-networks of an encoder-decoder CCT: the first component of a gate's module
+path, and the keys of :attr:`BudgetControl.offsets` and of a calibration's offsets."""
+
+ALL_GATES_ON = math.inf
+"""The offset that opens every gate: ``1[G(x) + inf >= 0]`` is 1 (the full network)."""
+
+
+@dataclass(frozen=True)
+class BudgetControl:
+    """The budget of every row of one call: its control symbol and its gate offsets.
+
+    Passed as a model call's ``control`` argument (where a plain id or ``(B,)`` ids also
+    work) and never stored: rows of one batch may run at different (calibrated) budgets.
+
+    ids: ``(B,)`` long control-symbol ids, or one int for every row.
+    offsets: sub-network (``"encoder"`` / ``"decoder"``, :data:`GATE_SUBNETWORKS`) -> its
+        gates' inference offsets δ (``g = 1[G(x) + δ_b >= 0]``): a ``(B,)`` float tensor, one
+        per row, or one float for every row. A sub-network not named gets no offset
+        (δ = 0). :data:`ALL_GATES_ON` (+inf) runs the full network.
+
+    Example::
+
+        BudgetControl(1, {"encoder": 0.875, "decoder": 0.875})    # every row, budget 0.5
+        BudgetControl(torch.tensor([0, 1]),                        # B = 2: two budgets
+                      {"decoder": torch.tensor([0.0, 0.875])})
     """
-    named = [(name.split(".")[0], m) for name, m in model.named_modules() if isinstance(m, Gate)]
-    unknown = set(offsets) - {sub for sub, _ in named}
-    if unknown:
-        raise ValueError(f"no gates in sub-network(s) {sorted(unknown)} of this model")
-    saved = [m.offset for _, m in named]
-    for sub, m in named:
-        if sub in offsets:
-            m.offset = float(offsets[sub])
-    try:
-        yield model
-    finally:
-        for (_, m), old in zip(named, saved, strict=True):
-            m.offset = old
+
+    ids: Tensor | int
+    offsets: Mapping[str, Tensor | float] = field(default_factory=dict)
+
+    @classmethod
+    def per_row(cls, ids: Sequence[int], offsets: Sequence[Mapping[str, float] | None],
+                device: torch.device | str | None = None) -> BudgetControl:
+        """One row per entry: ``ids[b]`` with the offsets ``offsets[b]`` (None or a missing
+        sub-network: 0), e.g. each row's budget looked up in a table of calibrations."""
+        if len(ids) != len(offsets):
+            raise ValueError(f"{len(ids)} control ids but {len(offsets)} rows of offsets")
+        subs = list(dict.fromkeys(k for row in offsets if row for k in row))
+        table = {k: torch.tensor([float((row or {}).get(k, 0.0)) for row in offsets],
+                                 device=device) for k in subs}
+        return cls(torch.tensor([int(i) for i in ids], dtype=torch.long, device=device), table)
+
+    def select(self, index: Tensor) -> BudgetControl:
+        """The rows ``index`` ``(B',)`` of a per-row control (one for every row: itself)."""
+        ids = self.ids if isinstance(self.ids, int) else self.ids.index_select(0, index)
+        offsets = {k: v.index_select(0, index) if isinstance(v, Tensor) else v
+                   for k, v in self.offsets.items()}
+        return BudgetControl(ids, offsets)
+
+    def row_offsets(self, batch: int, device: torch.device,
+                    subnetworks: tuple[str, ...] = GATE_SUBNETWORKS) -> dict[str, Tensor]:
+        """``{sub-network: (B,) float32 offsets}`` for the sub-networks with an offset.
+
+        Raises ValueError for an unknown sub-network, a tensor that is not ``(B,)``, or a
+        NaN offset.
+        """
+        unknown = set(self.offsets) - set(subnetworks)
+        if unknown:
+            raise ValueError(f"no gates in sub-network(s) {sorted(unknown)} of this model "
+                             f"(it has {list(subnetworks)})")
+        out = {}
+        for sub, value in self.offsets.items():
+            if isinstance(value, Tensor):
+                if value.shape != (batch,):
+                    raise ValueError(f"the {sub} gate offsets must be one per row, shape "
+                                     f"({batch},), got {tuple(value.shape)}")
+                value = value.to(device=device, dtype=torch.float32)
+            else:
+                value = torch.full((batch,), float(value), device=device)
+            if bool(value.isnan().any()):
+                raise ValueError(f"the {sub} gate offsets hold NaN")
+            out[sub] = value
+        return out
 
 
 @dataclass

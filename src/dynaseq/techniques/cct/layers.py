@@ -18,13 +18,14 @@ Wiring a model (sketch)::
                                                 "decoder.memory": ~src_pad})
     loss = ce + budget_loss(terms, group, budgets, weight=lam).loss
     model.eval(); realized_macs_by_layer(aux)     # MACs that actually ran, per sub-layer
+    model(src, tgt_in, BudgetControl(ids, {"decoder": offsets}))  # per-row budgets (B,)
+    realized_macs_by_row(aux)                     # what each row's tokens ran, per sub-layer
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -42,8 +43,11 @@ from dynaseq.techniques.cct.conditional_ffn import (
     conditional_feedforward,
 )
 from dynaseq.techniques.cct.gating import (
+    ALL_GATES_ON,
+    GATE_SUBNETWORKS,
     GATE_TRACE,
     MACS_TRACE,
+    BudgetControl,
     ControlNet,
     Gate,
     GateTrace,
@@ -54,8 +58,11 @@ from dynaseq.techniques.cct.gating import (
 )
 
 __all__ = [
+    "ALL_GATES_ON",
+    "GATE_SUBNETWORKS",
     "GATE_TRACE",
     "MACS_TRACE",
+    "BudgetControl",
     "BudgetLoss",
     "BudgetTerm",
     "ConditionalAttention",
@@ -75,6 +82,7 @@ __all__ = [
     "gate_traces",
     "name_conditional_sublayers",
     "realized_macs_by_layer",
+    "realized_macs_by_row",
     "realized_fraction",
     "seq2seq_budget_loss",
     "set_gate_step",
@@ -112,6 +120,21 @@ def realized_macs_by_layer(aux: AuxOutputs) -> dict[str, dict[str, int]]:
     return {layer: dict(counts) for layer, counts in out.items()}
 
 
+def realized_macs_by_row(aux: AuxOutputs) -> dict[str, Tensor]:
+    """Sum the per-row counts of the :class:`MacsRecord` entries of ``aux`` per sub-layer
+    name: ``{layer: (B,) long}``, the MACs each row's own tokens ran in that sub-layer (a
+    row costs this run alone at batch 1, whatever budgets the other rows ran at).
+
+    For one teacher-forced call (a decode reorders and drops rows between calls).
+    """
+    out: dict[str, Tensor] = {}
+    for rec in aux.traces.get(MACS_TRACE, []):
+        if rec.per_row is None:
+            raise ValueError(f"sub-layer {rec.layer!r} does not count its MACs per row")
+        out[rec.layer] = out[rec.layer] + rec.per_row if rec.layer in out else rec.per_row
+    return out
+
+
 def seq2seq_budget_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: int,
                         control: Tensor, budgets: Tensor, weight: float) -> Tensor:
     """Budget loss (eq. 5-9) of one encoder-decoder forward pass.
@@ -126,12 +149,16 @@ def seq2seq_budget_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: in
 
 @torch.no_grad()
 def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
-                      control: int) -> dict[str, object]:
+                      control: int | BudgetControl | Sequence[int | BudgetControl]
+                      ) -> dict[str, object]:
     """MACs that ran in the gated sub-layers at a budget, as a fraction of all gates on.
 
     pairs: ``(src (1, S), tgt_in (1, T))`` sentence pairs, run one at a time and teacher
     forced (batch 1, so no packing padding is counted). Each pair runs twice in eval mode:
-    with the hard gates of control symbol ``control``, and with every gate forced on. The
+    with the hard gates of ``control`` (a control-symbol id, or a :class:`BudgetControl`
+    with calibrated gate offsets; a list: one per pair, each pair at its own budget), and
+    with every gate opened (offsets :data:`ALL_GATES_ON`; the model is not modified, and a
+    model pinned by :func:`force_gates` stays pinned in both passes). The
     fractions cover the gated sub-layers (attention, FFN, their control nets), the part the
     budget governs; embeddings and the output layer always run and are not included.
     Returns per-token MACs (encoder per source token, decoder per target token) and the
@@ -142,11 +169,18 @@ def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
     ran = {"encoder": 0, "decoder": 0}
     full = {"encoder": 0, "decoder": 0}
     n_src = n_tgt = 0
+    per_pair = isinstance(control, Sequence)
+    if per_pair:
+        pairs = list(pairs)
+        if len(pairs) != len(control):
+            raise ValueError(f"{len(pairs)} sentence pairs but {len(control)} controls")
     try:
-        for src, tgt_in in pairs:
-            for totals, forced in ((ran, None), (full, 1.0)):
-                with force_gates(model, forced) if forced is not None else contextlib.nullcontext():
-                    out = model(src, tgt_in, control)
+        for i, (src, tgt_in) in enumerate(pairs):
+            own = control[i] if per_pair else control
+            ids = own.ids if isinstance(own, BudgetControl) else own
+            opened = BudgetControl(ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
+            for totals, setting in ((ran, own), (full, opened)):
+                out = model(src, tgt_in, setting)
                 for layer, counts in realized_macs_by_layer(out.aux).items():
                     totals[layer.split(".")[0]] += sum(counts.values())
             n_src += src.numel()

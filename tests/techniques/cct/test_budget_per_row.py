@@ -1,0 +1,204 @@
+"""One request, one budget: a CCT's budget (control symbol + calibrated gate offsets) is an
+argument of each call, per row, and nothing about it is written into the model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import dynaseq
+from dynaseq.core.errors import DynaseqError
+from dynaseq.data import collate, make_corpus
+from dynaseq.techniques.cct.layers import (
+    BudgetControl,
+    Gate,
+    realized_macs_by_layer,
+    realized_macs_by_row,
+)
+
+BUDGETS = [1.0, 0.5, 0.33]  # 1.0 trained as is; 0.5 trained, calibrated; 0.33 calibrated only
+
+
+@pytest.fixture(scope="module")
+def calibrated(cct_run, synthetic_paths):
+    """The shared CCT run, loaded once, with budgets 0.5 and 0.33 calibrated in memory (the
+    run directory is not written), and the first test lines with their references."""
+    run, _ = cct_run
+    t = dynaseq.load(run)
+    src = synthetic_paths["valid.src"].read_text().splitlines()[:30]
+    ref = synthetic_paths["valid.tgt"].read_text().splitlines()[:30]
+    fitted = t.calibrate(src, ref, budgets=[0.5, 0.33], tol=0.02)
+    # non-zero offsets, so the per-row offsets path is what these tests exercise
+    assert all(any(v != 0.0 for v in c.offsets.values()) for c in fitted), fitted
+    lines = synthetic_paths["test.src"].read_text().splitlines()[:6]
+    refs = synthetic_paths["test.tgt"].read_text().splitlines()[:6]
+    return t, lines, refs
+
+
+def _interleaved(items: list, k: int) -> list:
+    """Each item k times in a row: [a, a, a, b, b, b, ...]."""
+    return [x for x in items for _ in range(k)]
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, object]:
+    """Every tensor (parameters, persistent and non-persistent buffers) and every plain
+    attribute of every module."""
+    state: dict[str, object] = {f"tensor {k}": v.detach().clone()
+                                for k, v in model.state_dict(keep_vars=True).items()}
+    state.update({f"buffer {k}": v.clone() for k, v in model.named_buffers()})
+    for name, m in model.named_modules():
+        for k, v in vars(m).items():
+            if not k.startswith("_") and not isinstance(v, torch.Tensor):
+                state[f"attr {name}.{k}"] = repr(v)
+    return state
+
+
+def _assert_same_state(before: dict[str, object], after: dict[str, object]) -> None:
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, after[k]), k
+        else:
+            assert v == after[k], k
+
+
+def test_rows_at_different_budgets_share_a_batch_and_translate_as_alone(calibrated):
+    t, lines, refs = calibrated
+    n, k = len(lines), len(BUDGETS)
+    mixed_lines = _interleaved(lines, k)  # line i at budget j is row i·k + j
+    mixed_budgets = BUDGETS * n
+    assert len(mixed_lines) <= t.config.decode.batch_size  # one batch holds every budget
+    for beam in (1, 2):
+        alone = {b: t.translate(lines, beam=beam, budget=b) for b in BUDGETS}
+        mixed = t.translate(mixed_lines, beam=beam, budget=mixed_budgets)
+        for i in range(n):
+            for j, b in enumerate(BUDGETS):
+                assert mixed[i * k + j] == alone[b][i], (beam, i, b)
+    # scores: each pair's tokens once per budget, so the mixed loss is the mean of the three
+    alone_scores = [t.score(lines, refs, budget=b) for b in BUDGETS]
+    assert len({s["loss"] for s in alone_scores}) == k  # the budgets do differ
+    mixed_score = t.score(mixed_lines, _interleaved(refs, k), budget=mixed_budgets)
+    assert mixed_score["n_tokens"] == sum(s["n_tokens"] for s in alone_scores)
+    assert mixed_score["loss"] == pytest.approx(sum(s["loss"] for s in alone_scores) / k,
+                                                rel=1e-5)
+
+
+def test_rows_at_different_budgets_score_and_count_macs_per_row_as_alone(calibrated):
+    t, lines, refs = calibrated
+    m = t.model
+    corpus, _ = make_corpus(t.tokenizer.encode(lines), t.tokenizer.encode(refs),
+                            t.config.data.max_len, long_lines="truncate")
+    b = collate(corpus, list(range(len(corpus))), m.pad_id, m.bos_id, m.eos_id)
+    n, k = b.src.size(0), len(BUDGETS)
+    logits, macs = {}, {}
+    with torch.no_grad():
+        for budget in BUDGETS:
+            out = m(b.src, b.tgt_in, t.control_for(budget))
+            logits[budget] = out.logits
+            macs[budget] = realized_macs_by_row(out.aux)
+        rows = torch.arange(n).repeat_interleave(k)  # row i·k + j: pair i at budget j
+        out = m(b.src[rows], b.tgt_in[rows], t.control_for(BUDGETS * n, n * k))
+    mixed_macs = realized_macs_by_row(out.aux)
+    assert mixed_macs.keys() == macs[1.0].keys()
+    totals = {int(sum(v.sum() for v in macs[budget].values())) for budget in BUDGETS}
+    assert len(totals) == k  # the budgets run different gates (1.0 is uncalibrated)
+    for j, budget in enumerate(BUDGETS):
+        torch.testing.assert_close(out.logits[j::k], logits[budget], rtol=1e-5, atol=1e-5)
+        for layer, per_row in mixed_macs.items():
+            assert per_row[j::k].tolist() == macs[budget][layer].tolist(), (budget, layer)
+    # the realized compute the translator reports, each line at its own budget
+    alone = [t.realized_compute(lines, refs, budget)["macs_per_token"] for budget in BUDGETS]
+    mixed = t.realized_compute(_interleaved(lines, k), _interleaved(refs, k),
+                               BUDGETS * len(lines))["macs_per_token"]
+    for part in ("encoder", "decoder"):
+        assert mixed[part] == pytest.approx(sum(a[part] for a in alone) / k, rel=1e-9)
+
+
+def test_per_row_macs_are_what_the_row_costs_alone(calibrated):
+    t, lines, refs = calibrated
+    m = t.model
+    corpus, _ = make_corpus(t.tokenizer.encode(lines), t.tokenizer.encode(refs),
+                            t.config.data.max_len, long_lines="truncate")
+    b = collate(corpus, list(range(len(corpus))), m.pad_id, m.bos_id, m.eos_id)
+    control = t.control_for(_interleaved(BUDGETS, 2), len(corpus))
+    with torch.no_grad():
+        per_row = realized_macs_by_row(m(b.src, b.tgt_in, control).aux)
+        for i in range(b.src.size(0)):  # the same padded row, alone in its batch
+            rec = realized_macs_by_layer(m(b.src[i:i + 1], b.tgt_in[i:i + 1],
+                                           control.select(torch.tensor([i]))).aux)
+            for layer, counts in rec.items():
+                assert per_row[layer][i] == sum(counts.values()), (i, layer)
+
+
+def test_threads_at_different_budgets_on_one_model_match_running_one_after_the_other(
+        calibrated):
+    t, lines, refs = calibrated
+    budgets = [0.5, 0.33, 1.0]  # two calibrated budgets (offsets) and an uncalibrated one
+
+    def job(budget) -> tuple[list[str], dict[str, float]]:
+        return t.translate(lines, beam=1, budget=budget), t.score(lines, refs, budget=budget)
+
+    expected = {b: job(b) for b in budgets}
+    assert len({e[1]["loss"] for e in expected.values()}) == len(budgets)
+    for _ in range(4):
+        barrier = threading.Barrier(len(budgets))
+        results: dict[float, object] = {}
+
+        def run(budget, barrier=barrier, results=results) -> None:
+            barrier.wait()
+            try:
+                results[budget] = [job(budget) for _ in range(3)]
+            except Exception as e:  # reported by the main thread
+                results[budget] = e
+
+        threads = [threading.Thread(target=run, args=(b,)) for b in budgets]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=300)
+        for b in budgets:
+            assert not isinstance(results[b], Exception), results[b]
+            for hyps, score in results[b]:
+                assert hyps == expected[b][0], b
+                assert score == expected[b][1], b
+
+
+def test_a_calibrated_call_changes_no_module_state(calibrated):
+    t, lines, refs = calibrated
+    assert not any(hasattr(g, "offset") for g in t.model.modules() if isinstance(g, Gate))
+    before = _model_state(t.model)
+    t.translate(lines, beam=2, budget=0.33)
+    t.translate(lines, beam=1, budget=[0.5, 0.33, 1.0, 0.5, 0.33, 1.0])
+    t.score(lines, refs, budget=0.5)
+    t.evaluate(lines, refs, beam=1, budget=[0.33] * len(lines))
+    with t.at_budget(0.33) as control:
+        assert isinstance(control, BudgetControl) and control.offsets
+        _assert_same_state(before, _model_state(t.model))  # nothing applied inside either
+    _assert_same_state(before, _model_state(t.model))
+
+
+def test_bad_per_row_budgets_are_refused_with_a_clear_message(calibrated):
+    t, lines, refs = calibrated
+    with pytest.raises(DynaseqError, match=r"2 budgets for 6 lines: give one budget, or a "
+                                           r"list with one per line"):
+        t.translate(lines, budget=[0.5, 0.33])
+    with pytest.raises(DynaseqError, match=r"2 budgets for 6 lines"):
+        t.score(lines, refs, budget=[0.5, 0.33])
+    with pytest.raises(DynaseqError, match=r"a budget is a fraction in \(0, 1\], got 1.5"):
+        t.translate(lines, budget=[0.5, 1.5, 1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(DynaseqError, match=r"a budget is a fraction in \(0, 1\], got 0"):
+        t.translate(lines, budget=0)
+    with pytest.raises(DynaseqError, match=r"budget \(0.9, 0.9\) was not trained"):
+        t.translate(lines, budget=[0.5, 0.9, 1.0, 1.0, 1.0, 1.0])
+    src = torch.tensor([[5, 6, 3], [7, 3, 0]])
+    with pytest.raises(ValueError, match=r"control ids must be one per sequence, shape \(2,\)"):
+        t.model.encode(src, torch.tensor([0, 1, 2]))
+
+
+def test_dense_models_refuse_per_row_budgets(trained_run):
+    t = dynaseq.load(trained_run)
+    with pytest.raises(DynaseqError, match="no compute-budget knob"):
+        t.translate(["a b"], budget=[0.5])
+    assert t.translate(["a b"], budget=[None]) == t.translate(["a b"])
