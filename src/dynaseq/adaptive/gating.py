@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dynaseq.nn.int8 import KEEP_FLOAT, register_int8
+
 GATE_TRACE = "cct.gates"
 """``AuxOutputs.traces`` key of the :class:`GateTrace` entries."""
 MACS_TRACE = "cct.macs"
@@ -247,3 +249,7 @@ def control_trace(layer: str, control: ControlNet, gates: Tensor, stream: str) -
     ones = gates.new_ones(gates.shape[:-1] + (1,)).detach()
     cost = torch.tensor(float(control.macs(1)), dtype=gates.dtype, device=gates.device)
     return GateTrace(layer, "control", ones, cost, stream)
+
+
+# a control net decides which gates are on: int8 rounding could flip a decision
+register_int8(ControlNet, KEEP_FLOAT)

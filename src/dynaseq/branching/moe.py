@@ -48,6 +48,7 @@ from dynaseq.branching.dmb_attention import attend
 from dynaseq.branching.routing import BranchGroups
 from dynaseq.branching.traces import ROUTE_TRACE, ExpertTrace
 from dynaseq.nn.attention import KVCache
+from dynaseq.nn.int8 import KEEP_FLOAT, register_int8
 from dynaseq.nn.outputs import AuxOutputs
 
 
@@ -401,3 +402,7 @@ def moe_attention(d_model: int, n_heads: int, n_experts: int = 4, k: int = 2,
 
     return MoEAttention(d_model, n_heads, NoisyTopKGate(d_model, n_experts, k, noise_epsilon),
                         proj(), proj(), proj(), proj(), dropout=dropout, name=name)
+
+
+# the gate's top-k decides which experts run: int8 rounding could flip it
+register_int8(NoisyTopKGate, KEEP_FLOAT)

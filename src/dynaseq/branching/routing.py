@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynaseq.nn.int8 import KEEP_FLOAT, register_int8
+
 
 @dataclass
 class Route:
@@ -175,3 +177,7 @@ def run_used_groups(xs: Tensor, groups: BranchGroups, apply: Callable[[int, Tens
     parts = xs.split(groups.sizes)
     outs = [apply(k, parts[k]) for k, n in enumerate(groups.sizes) if n]
     return torch.cat(outs) if outs else xs.new_zeros(0, out_features)
+
+
+# the router's argmax decides which branch runs: int8 rounding could flip it
+register_int8(Router, KEEP_FLOAT)
