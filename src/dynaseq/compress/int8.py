@@ -38,7 +38,6 @@ import copy
 import json
 import os
 import shutil
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
 from dynaseq.nn.int8 import Int8Linear
 from dynaseq.nn.outputs import AuxOutputs
 
