@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.branching.routing import BranchGroups, run_used_groups
-from dynaseq.nn.int8 import Int8Linear, quantize_rows, register_int8
+from dynaseq.nn.int8 import Int8Linear, int8_linear, quantize_rows, register_int8
 
 #: dtypes ``F.grouped_mm`` takes for inference (float32 on CPU, bf16/fp16 on either)
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -240,8 +240,13 @@ class Int8BranchedLinear(nn.Module):
         if len(groups.sizes) != self.n_branches:
             raise ValueError(f"got {len(groups.sizes)} group sizes for {self.n_branches} "
                              f"branches")
-        return run_used_groups(xs, groups, lambda k, rows: self.branches[k](rows),
-                               self.out_features)
+        branches = self.branches
+
+        def apply(k: int, rows: Tensor) -> Tensor:  # the kernel itself: no module call
+            b = branches[k]
+            return int8_linear(rows, b.weight_int8, b.weight_scale, b.bias)
+
+        return run_used_groups(xs, groups, apply, self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
         if branch.shape != x.shape[:-1]:
