@@ -373,3 +373,31 @@ def test_loads_a_checkpoint_of_the_earlier_torch_ao_format(kind, tmp_path):
     save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"), metadata=meta)
     with pytest.raises(DynaseqError, match="zero point"):
         load_int8(build_seq2seq(cfg, VOCAB).eval(), tmp_path / "ckpt")
+
+
+def test_quantization_is_looked_up_by_exact_module_type():
+    from dynaseq.nn.int8 import INT8_HANDLERS, KEEP_FLOAT, register_int8
+
+    class Scaled(nn.Linear):  # a subclass may compute something else: not converted
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), Scaled(4, 4)
+
+    class Kept(Block):
+        pass
+
+    register_int8(Kept, KEEP_FLOAT)
+    try:
+        q = quantize_int8(nn.Sequential(Block(), Kept()))
+        assert type(q[0].a) is Int8Linear and type(q[0].b) is Scaled
+        assert type(q[1].a) is nn.Linear  # the whole subtree of a KEEP_FLOAT type stays float
+    finally:
+        del INT8_HANDLERS[Kept]
+    with pytest.raises(TypeError):
+        register_int8(nn.Linear(2, 2), KEEP_FLOAT)
+    with pytest.raises(TypeError):
+        register_int8(Block, "float")
