@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
 
 from dynaseq.cli import main
 from dynaseq.compress import int8
 from dynaseq.compress.int8 import (
-    Int8BranchedLinear,
     Int8TokenEmbedding,
     is_int8,
     load_int8,
@@ -27,8 +25,10 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.data import read_lines
 from dynaseq.models import build_seq2seq
 from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.nn.int8 import Int8Linear, quantize_rows
 from dynaseq.tasks.translation.predictor import Translator
 from dynaseq.techniques.branching import BranchedLinear
+from dynaseq.techniques.branching.branched_linear import Int8BranchedLinear
 from dynaseq.techniques.branching.routing import BranchGroups, Router
 
 VOCAB = 60
@@ -50,16 +50,20 @@ KINDS = {"dense": {}, "dmb": {"dmb": DMBConfig(n_branches=3)},
          "moe": {"moe": MoEConfig(n_experts=3, k=2)}}
 
 
-def test_dense_layers_become_torch_ao_dynamic_int8_and_input_is_untouched():
+def test_dense_layers_become_int8_and_input_is_untouched():
     model = micro_model()
     q = quantize_int8(model)
     assert is_int8(q) and not is_int8(model)
     assert not any(type(m) is nn.Linear for m in q.modules())
-    qlin = [m for m in q.modules() if isinstance(m, nnqd.Linear)]
+    qlin = [m for m in q.modules() if isinstance(m, Int8Linear)]
     assert len(qlin) == 2 * 6 + 2 * 10 + 1  # enc: 4 proj + 2 ffn; dec: 8 proj + 2 ffn; output
-    assert all(m.weight().dtype == torch.qint8 for m in qlin)
-    assert q.decoder.output_proj.weight().qscheme() in (torch.per_channel_affine,
-                                                        torch.per_channel_symmetric)
+    assert all(m.weight_int8.dtype == torch.int8 and m.weight_scale.dtype == torch.float32
+               for m in qlin)
+    # symmetric per output channel: each row's largest |value| is 127 (row 0, the padding
+    # embedding, is all zeros)
+    out = q.decoder.output_proj
+    assert out.weight_scale.shape == (VOCAB,)
+    assert out.weight_int8.abs().amax(1)[1:].eq(127).all() and not out.weight_int8[0].any()
     assert isinstance(q.encoder.embed, Int8TokenEmbedding)
     assert q.encoder.embed is q.decoder.embed  # shared embeddings stay shared
     assert type(model.decoder.output_proj) is nn.Linear  # the input model is not modified
@@ -76,11 +80,40 @@ def test_dense_logits_close_to_fp32():
 
 def test_tied_output_layer_is_the_int8_embedding():
     q = quantize_int8(micro_model())
-    w = q.decoder.output_proj.weight()
-    assert q.decoder.embed.matches(w)
+    out = q.decoder.output_proj
+    assert q.decoder.embed.is_tied_to(out)  # the same tensors, not a copy
+    assert out.weight_int8.data_ptr() == q.decoder.embed.weight_int8.data_ptr()
     tokens = torch.tensor([[5, 7]])
-    expected = w.dequantize()[tokens] * q.decoder.embed.scale
+    expected = out.dequantized_weight()[tokens] * q.decoder.embed.scale
     assert torch.allclose(q.decoder.embed(tokens), expected)
+
+
+def test_int8_linear_kernel_matches_a_float_reference_and_is_batch_independent():
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40)
+    q = Int8Linear.from_float(lin)
+    # rounding error at most half a step of each row's scale
+    err = (q.dequantized_weight() - lin.weight).abs().amax(1)
+    assert (err <= q.weight_scale / 2 + 1e-7).all()
+    x = torch.randn(2, 7, 48)
+    with torch.no_grad():
+        ref, out = lin(x), q(x)
+        # the int8 matmul equals float math on the same quantized values (exact int32 sums)
+        flat = x.reshape(-1, 48)
+        xq, xs = quantize_rows(flat)
+        exact = (xq.float() @ q.weight_int8.float().t()) * xs[:, None] * q.weight_scale + lin.bias
+    assert out.shape == (2, 7, 40)
+    # per-token activations: error ~ 1/127 of each factor
+    assert (out - ref).abs().max() < 0.02 * ref.abs().max()
+    assert torch.allclose(out.reshape(-1, 40), exact, rtol=1e-5, atol=1e-5)
+    # a row's output does not depend on the other rows of its batch
+    assert torch.equal(q(x[:1, 3:4]), out[:1, 3:4])
+    zero = q(torch.zeros(1, 48))  # an all-zero row: just the bias
+    assert torch.equal(zero[0], lin.bias.detach())
+    with pytest.raises(ValueError, match="width"):
+        q(torch.randn(3, 47))
+    with pytest.raises(TypeError):
+        Int8Linear.from_float(nn.Conv1d(2, 2, 1))
 
 
 def test_branched_linear_int8_runs_each_row_on_its_own_branch_only():
@@ -89,7 +122,7 @@ def test_branched_linear_int8_runs_each_row_on_its_own_branch_only():
     with torch.no_grad():
         lin.shared_weight.normal_()
     q = Int8BranchedLinear.from_float(lin)
-    assert all(type(b) is nnqd.Linear for b in q.branches)
+    assert all(type(b) is Int8Linear and b.weight_int8.dtype == torch.int8 for b in q.branches)
     x = torch.randn(4, 5, 8)
     branch = torch.randint(0, 3, (4, 5))
     branch[0, 0] = 0
@@ -134,7 +167,7 @@ def test_cct_model_quantizes_with_float_control_nets():
     q = quantize_int8(model)
     nets = [m for m in q.modules() if isinstance(m, ControlNet)]
     assert nets and all(type(m.w1) is nn.Linear for m in nets)
-    assert any(isinstance(m, nnqd.Linear) for m in q.modules())
+    assert any(isinstance(m, Int8Linear) for m in q.modules())
     src, _ = batch()
     for control in (0, 1):
         hyps = greedy_search(q, src, max_len_b=5, control=control)
@@ -275,3 +308,96 @@ def test_cli_quantize_picks_checkpoint_and_refuses_out_inside_run(trained_run, t
     assert main(["quantize", str(trained_run), "--out", str(trained_run / "int8")]) == 2
     assert "outside" in capsys.readouterr().err
     assert not (trained_run / "int8").exists()
+
+
+def test_quantize_and_run_emit_no_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.ao's deprecation notices are gone, not silenced
+        q = quantize_int8(micro_model(**KINDS["dmb"]))
+        src, tgt = batch()
+        q(src, tgt)
+
+
+def _as_v1(q: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The checkpoint the torch.ao version wrote (``dynaseq-int8-v1``) for the int8 model q."""
+    tensors, meta = int8.int8_state(q)
+    aliases = json.loads(meta["aliases"])
+    full = {**tensors, **{k: tensors[v] for k, v in aliases.items()}}
+    out, ties = {}, {}
+    for name, m in q.named_modules():
+        if isinstance(m, Int8Linear):
+            emb = next((n for n, e in q.named_modules() if isinstance(e, Int8TokenEmbedding)
+                        and e.is_tied_to(m)), None)
+            if emb is not None:
+                ties[name] = emb
+            else:
+                out[f"{name}.weight.int8"] = full[f"{name}.weight_int8"]
+                out[f"{name}.weight.scale"] = full[f"{name}.weight_scale"].double()
+                out[f"{name}.weight.zero_point"] = torch.zeros(m.out_features, dtype=torch.int32)
+            if m.bias is not None:
+                out[f"{name}.bias"] = full[f"{name}.bias"]
+    lin_keys = {f"{n}.{b}" for n, m in q.named_modules() if isinstance(m, Int8Linear)
+                for b in ("weight_int8", "weight_scale", "bias")}
+    v1_aliases = {}
+    for k, v in full.items():
+        if k in lin_keys:
+            continue
+        if k in aliases and aliases[k] not in lin_keys:
+            v1_aliases[k] = aliases[k]
+        else:
+            out[k] = v
+    return out, {"format": "dynaseq-int8-v1", "quantization": "int8", "ties": json.dumps(ties),
+                 "aliases": json.dumps(v1_aliases)}
+
+
+@pytest.mark.parametrize("kind", ["dense", "dmb"])
+def test_loads_a_checkpoint_of_the_earlier_torch_ao_format(kind, tmp_path):
+    from safetensors.torch import save_file
+
+    q = quantize_int8(micro_model(**KINDS[kind]))
+    tensors, meta = _as_v1(q)
+    (tmp_path / "ckpt").mkdir()
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"), metadata=meta)
+    torch.manual_seed(5)
+    cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=2, encoder_layers=2, decoder_layers=2,
+                      **KINDS[kind])
+    loaded = load_int8(build_seq2seq(cfg, VOCAB).eval(), tmp_path / "ckpt")
+    src, tgt = batch()
+    assert torch.equal(loaded(src, tgt).logits, q(src, tgt).logits)
+    assert loaded.decoder.embed.is_tied_to(loaded.decoder.output_proj)
+    # a zero point that is not 0 (not written by dynaseq) is refused
+    key = next(k for k in tensors if k.endswith(".weight.zero_point"))
+    tensors[key] = tensors[key] + 1
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"), metadata=meta)
+    with pytest.raises(DynaseqError, match="zero point"):
+        load_int8(build_seq2seq(cfg, VOCAB).eval(), tmp_path / "ckpt")
+
+
+def test_quantization_is_looked_up_by_exact_module_type():
+    from dynaseq.nn.int8 import INT8_HANDLERS, KEEP_FLOAT, register_int8
+
+    class Scaled(nn.Linear):  # a subclass may compute something else: not converted
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), Scaled(4, 4)
+
+    class Kept(Block):
+        pass
+
+    register_int8(Kept, KEEP_FLOAT)
+    try:
+        q = quantize_int8(nn.Sequential(Block(), Kept()))
+        assert type(q[0].a) is Int8Linear and type(q[0].b) is Scaled
+        assert type(q[1].a) is nn.Linear  # the whole subtree of a KEEP_FLOAT type stays float
+    finally:
+        del INT8_HANDLERS[Kept]
+    with pytest.raises(TypeError):
+        register_int8(nn.Linear(2, 2), KEEP_FLOAT)
+    with pytest.raises(TypeError):
+        register_int8(Block, "float")

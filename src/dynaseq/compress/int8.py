@@ -1,36 +1,29 @@
-"""8-bit weight quantization for CPU inference, with real int8 kernels (torch.ao).
+"""8-bit weight quantization for CPU inference: a model -> model transform (no ``torch.ao``).
 
 The DMB paper (Tan et al. 2021, section IV-E, Figure 6) stores a Transformer-DMB with 8-bit
 weights: about a quarter of the disk space, the same BLEU. :func:`quantize_int8` does this
-with ``torch.ao.quantization.quantize_dynamic``:
+with the int8 kernel of :mod:`dynaseq.nn.int8` (``torch._int_mm``): weights int8, symmetric
+per output channel; activations quantized on the fly per token (per row), so a sentence gets
+the same numbers whatever else is in its batch.
 
-* every ``nn.Linear`` becomes a ``torch.ao.nn.quantized.dynamic.Linear``: qint8 weights,
-  symmetric per output channel (``per_channel_dynamic_qconfig``), activations quantized on
-  the fly per call, int8 GEMMs (fbgemm / onednn / qnnpack);
-* every :class:`~dynaseq.techniques.branching.BranchedLinear` (DMB branches, MoE experts) becomes an
-  :class:`Int8BranchedLinear`: after ``merge_shared_`` one dynamic quantized Linear per
-  branch, run on the rows routed to it exactly as ``BranchedLinear.grouped`` does (rows
-  sorted by branch, one matmul per contiguous group; no row meets another branch's weight);
-* token embeddings (:class:`~dynaseq.models.seq2seq.TokenEmbedding`) become
-  :class:`Int8TokenEmbedding`: the same int8 rows and per-row scales, dequantized on lookup.
-  With a tied output layer the embedding *is* the int8 output matrix, stored once.
+How each module quantizes is looked up by its exact type in
+:data:`~dynaseq.nn.int8.INT8_HANDLERS`, where every module type registers itself beside its
+definition: ``nn.Linear`` -> :class:`~dynaseq.nn.int8.Int8Linear`; DMB branches and MoE
+experts (``BranchedLinear``) -> ``Int8BranchedLinear`` (one int8 matmul per used branch; the
+shared part is folded into every branch); gates, routers and control nets are registered as
+:data:`~dynaseq.nn.int8.KEEP_FLOAT` (tiny, and their argmax / threshold decides which
+computation runs: int8 rounding could flip a decision). Modules of other types are walked
+into. LayerNorms, control-symbol embeddings and biases stay float. Token embeddings
+(:class:`~dynaseq.models.seq2seq.TokenEmbedding`) become :class:`Int8TokenEmbedding`; with a
+tied output layer the embedding *is* the int8 output matrix (the same tensors, stored once).
 
-Kept in float: gates, routers and control nets (tiny, and their argmax / threshold decides
-which computation runs: int8 rounding could flip a decision), LayerNorms, control-symbol
-embeddings, biases. CCT pieces (``FeedForward`` inside ``FeedForwardPiece``) and CCT
-attention projections are plain ``nn.Linear`` and are quantized like any other.
-
-Activations are quantized per call with one scale for the whole input tensor, so a row's
-output depends slightly on the other rows of its batch (greedy and beam outputs of a batch
-can differ from one sentence at a time in rare near-ties).
-
-Saving (:func:`save_int8`): safetensors with, per quantized matrix, ``<name>.weight.int8``
-(int8), ``.scale`` (per output channel) and ``.zero_point``, the bias in float, and every
-float parameter under its usual name; ``meta.json`` records ``"quantization": "int8"``.
-:func:`load_int8` rebuilds the quantized modules from a float model of the same config
-(quantized once for its structure) and ``set_weight_bias`` with the stored int8 tensors, so
-a loaded model gives bit-identical outputs. :class:`~dynaseq.tasks.translation.predictor.Translator` loads such
-a run transparently (on the CPU: the kernels are CPU kernels).
+Saving (:func:`save_int8`): safetensors holding the int8 model's state dict (int8 weights,
+float32 per-channel scales, float biases and every float parameter), tensors shared by two
+modules once (metadata ``aliases``); ``meta.json`` records ``"quantization": "int8"``.
+:func:`load_int8` rebuilds the int8 modules from a float model of the same config and copies
+the stored tensors in, so a loaded model gives bit-identical outputs. Checkpoints of the
+earlier ``torch.ao`` format (``dynaseq-int8-v1``) load too. :class:`~dynaseq.models.search.Translator`
+loads such a run transparently (on the CPU: the kernels are CPU kernels).
 
 Example::
 
@@ -41,129 +34,28 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
 import shutil
-import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.ao.nn.quantized.dynamic as nnqd
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-from torch.ao.quantization.observer import default_per_channel_weight_observer
 
 from dynaseq.core.errors import CheckpointError, DynaseqError
-from dynaseq.techniques.branching.branched_linear import BranchedLinear, merge_shared_
-from dynaseq.techniques.branching.routing import BranchGroups, Router, run_used_groups
+from dynaseq.nn.int8 import INT8_HANDLERS, KEEP_FLOAT, Int8Linear, quantize_rows
 
 #: The value of ``meta.json``'s ``"quantization"`` key in an int8 checkpoint.
 INT8 = "int8"
 WEIGHTS = "model.safetensors"
 META = "meta.json"
-_FORMAT = "dynaseq-int8-v1"
-QCONFIG = per_channel_dynamic_qconfig
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Silence torch's deprecation notice for quantized tensors (torch.ao itself makes them)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*quantized tensor creation functions",
-                                category=UserWarning)
-        # torch 2.13 points eager-mode users to the separate torchao package; the
-        # torch.ao eager API used here is what this torch ships and runs
-        warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated",
-                                category=DeprecationWarning)
-        yield
-
-
-def _make_qlinear(weight: Tensor, bias: Tensor | None) -> nnqd.Linear:
-    """A dynamic quantized Linear from a float ``(out, in)`` weight and optional bias."""
-    lin = nn.Linear(weight.size(1), weight.size(0), bias=bias is not None)
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-        if bias is not None:
-            lin.bias.copy_(bias)
-    lin.qconfig = QCONFIG
-    return nnqd.Linear.from_float(lin)
-
-
-class Int8BranchedLinear(nn.Module):
-    """Int8 :class:`~dynaseq.techniques.branching.BranchedLinear`: one dynamic quantized Linear per branch.
-
-    Same interface as the float layer at inference: ``forward(x, branch)`` (x ``(..., in)``,
-    branch ``(...)`` long -> ``(..., out)``), :meth:`grouped` over rows sorted by branch,
-    ``n_branches``, ``in_features``, ``out_features`` and :meth:`macs`. Build it with
-    :meth:`from_float` (the effective ``θ_S + θ_Pk`` of each branch is quantized).
-    """
-
-    def __init__(self, branches: Sequence[nnqd.Linear]) -> None:
-        super().__init__()
-        if not branches:
-            raise ValueError("Int8BranchedLinear needs at least one branch")
-        shapes = {(b.in_features, b.out_features) for b in branches}
-        if len(shapes) != 1:
-            raise ValueError(f"branches must all have one shape, got {sorted(shapes)}")
-        self.branches = nn.ModuleList(branches)
-        self.in_features, self.out_features = shapes.pop()
-
-    @classmethod
-    def from_float(cls, mod: BranchedLinear, use_precomputed_fake_quant: bool = False,
-                   **kwargs: Any) -> Int8BranchedLinear:
-        """Quantize each branch of ``mod`` (shared part included) per output channel."""
-        if not isinstance(mod, BranchedLinear):
-            raise TypeError(f"expected a BranchedLinear, got {type(mod).__name__}")
-        with torch.no_grad():
-            weight, bias = mod.branch_parameters()
-            return cls([_make_qlinear(weight[k].float(), None if bias is None else bias[k].float())
-                        for k in range(mod.n_branches)])
-
-    @property
-    def n_branches(self) -> int:
-        return len(self.branches)
-
-    @property
-    def has_shared(self) -> bool:
-        return False
-
-    def grouped(self, xs: Tensor, groups: BranchGroups) -> Tensor:
-        """``(M, in)`` rows sorted by branch as ``groups`` lays them out -> ``(M, out)``.
-
-        One int8 matmul per non-empty group (an empty group computes nothing); a single
-        group runs on ``xs`` directly (no split, no concatenation).
-        """
-        if len(groups.sizes) != self.n_branches:
-            raise ValueError(f"got {len(groups.sizes)} group sizes for {self.n_branches} "
-                             f"branches")
-        return run_used_groups(xs, groups, lambda k, rows: self.branches[k](rows),
-                               self.out_features)
-
-    def forward(self, x: Tensor, branch: Tensor) -> Tensor:
-        if branch.shape != x.shape[:-1]:
-            raise ValueError(f"branch {tuple(branch.shape)} must match the rows of x "
-                             f"{tuple(x.shape[:-1])}")
-        if x.size(-1) != self.in_features:
-            raise ValueError(f"x has width {x.size(-1)}, expected {self.in_features}")
-        groups = BranchGroups.of(branch.reshape(-1), self.n_branches)
-        flat = x.reshape(-1, self.in_features)
-        out = groups.scatter(self.grouped(groups.gather(flat), groups))
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def macs(self, n_tokens: int) -> int:
-        """Multiply-adds of ``n_tokens`` rows (each runs one branch)."""
-        return n_tokens * self.in_features * self.out_features
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"n_branches={self.n_branches}, dtype=qint8")
+_FORMAT = "dynaseq-int8-v2"
+_FORMAT_V1 = "dynaseq-int8-v1"  # torch.ao packed weights: int8 + scale + zero_point per matrix
 
 
 class Int8TokenEmbedding(nn.Module):
@@ -171,7 +63,8 @@ class Int8TokenEmbedding(nn.Module):
 
     ``forward(tokens)``: ``(B, T)`` long -> ``(B, T, d)`` float, ``int8[x] · row_scale[x] ·
     scale`` (``scale`` = sqrt(d_model) as in ``TokenEmbedding``). Buffers: ``weight_int8``
-    ``(V, d)`` int8 and ``row_scale`` ``(V,)`` float32.
+    ``(V, d)`` int8 and ``row_scale`` ``(V,)`` float32; an output layer tied to the embedding
+    holds the very same tensors (:meth:`output_layer`).
     """
 
     def __init__(self, weight_int8: Tensor, row_scale: Tensor, pad_id: int, scale: float) -> None:
@@ -180,29 +73,15 @@ class Int8TokenEmbedding(nn.Module):
             raise ValueError("weight_int8 must be a (V, d) int8 tensor")
         if row_scale.shape != weight_int8.shape[:1]:
             raise ValueError("row_scale must hold one scale per row")
-        self.register_buffer("weight_int8", weight_int8.contiguous())
-        self.register_buffer("row_scale", row_scale.float().contiguous())
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("row_scale", row_scale)
         self.pad_id, self.scale = pad_id, scale
-
-    @classmethod
-    def from_quantized(cls, qweight: Tensor, pad_id: int, scale: float) -> Int8TokenEmbedding:
-        """From a symmetric per-row (axis 0) qint8 tensor, e.g. a tied output layer's weight."""
-        if (qweight.qscheme() not in (torch.per_channel_symmetric, torch.per_channel_affine)
-                or qweight.q_per_channel_axis() != 0
-                or bool(qweight.q_per_channel_zero_points().ne(0).any())):
-            raise DynaseqError("a tied int8 output layer must be quantized symmetrically per row")
-        return cls(qweight.int_repr(), qweight.q_per_channel_scales().float(), pad_id, scale)
 
     @classmethod
     def from_float(cls, emb: nn.Module) -> Int8TokenEmbedding:
         """Quantize a ``TokenEmbedding`` (``weight``, ``pad_id``, ``scale``) per row."""
-        observer = default_per_channel_weight_observer()  # qint8, symmetric, axis 0
-        w = emb.weight.detach().float()
-        observer(w)
-        scales, zero_points = observer.calculate_qparams()
-        qweight = torch.quantize_per_channel(w, scales.double(), zero_points.long(), 0,
-                                             torch.qint8)
-        return cls.from_quantized(qweight, emb.pad_id, emb.scale)
+        q, row_scale = quantize_rows(emb.weight)
+        return cls(q, row_scale, emb.pad_id, emb.scale)
 
     @property
     def vocab_size(self) -> int:
@@ -212,20 +91,15 @@ class Int8TokenEmbedding(nn.Module):
     def embedding_dim(self) -> int:
         return self.weight_int8.size(1)
 
-    def matches(self, qweight: Tensor) -> bool:
-        """True if ``qweight`` holds exactly these int8 rows and scales (a tied output layer)."""
-        return (qweight.qscheme() in (torch.per_channel_symmetric, torch.per_channel_affine)
-                and qweight.q_per_channel_axis() == 0
-                and qweight.shape == self.weight_int8.shape
-                and bool(qweight.q_per_channel_zero_points().eq(0).all())
-                and torch.equal(qweight.q_per_channel_scales(), self.row_scale.double())
-                and torch.equal(qweight.int_repr(), self.weight_int8))
+    def output_layer(self, bias: Tensor | None = None) -> Int8Linear:
+        """An ``(d -> V)`` output layer tied to this embedding: the same int8 rows and scales
+        (no copy)."""
+        return Int8Linear(self.weight_int8, self.row_scale, bias)
 
-    def as_qweight(self) -> Tensor:
-        """The embedding as a per-row qint8 tensor (for an output layer tied to it)."""
-        zeros = torch.zeros(self.vocab_size, dtype=torch.long)
-        return torch._make_per_channel_quantized_tensor(self.weight_int8, self.row_scale.double(),
-                                                        zeros, 0)
+    def is_tied_to(self, lin: nn.Module) -> bool:
+        """True if ``lin`` is an :class:`Int8Linear` holding this embedding's very tensors."""
+        return (isinstance(lin, Int8Linear) and lin.weight_int8 is self.weight_int8
+                and lin.weight_scale is self.row_scale)
 
     def forward(self, tokens: Tensor) -> Tensor:
         rows = self.weight_int8.index_select(0, tokens.reshape(-1)).float()
@@ -236,15 +110,7 @@ class Int8TokenEmbedding(nn.Module):
         return f"{self.vocab_size}, {self.embedding_dim}, pad_id={self.pad_id}, dtype=int8"
 
 
-#: Module types whose ``nn.Linear`` layers decide what runs: kept in float.
-def _gate_types() -> tuple[type, ...]:
-    from dynaseq.techniques.branching.moe import NoisyTopKGate
-    from dynaseq.techniques.cct.gating import ControlNet
-
-    return (Router, NoisyTopKGate, ControlNet)
-
-
-_QUANTIZED = (nnqd.Linear, Int8BranchedLinear, Int8TokenEmbedding)
+_QUANTIZED = (Int8Linear, Int8TokenEmbedding)
 
 
 def is_int8(model: nn.Module) -> bool:
@@ -252,142 +118,137 @@ def is_int8(model: nn.Module) -> bool:
     return any(isinstance(m, _QUANTIZED) for m in model.modules())
 
 
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, attr, module)
+def _quantize_children(module: nn.Module, memo: dict[int, nn.Module]) -> int:
+    """Replace, below ``module``, every child whose exact type has an int8 handler (walking
+    into the others). ``memo``: id(float module) -> its int8 module, so a module shared by
+    two parents (or pre-set, e.g. a tied output layer) maps to one int8 module. Returns how
+    many attributes were replaced."""
+    n = 0
+    for attr, child in list(module.named_children()):
+        handler = INT8_HANDLERS.get(type(child))
+        if id(child) not in memo:
+            if handler == KEEP_FLOAT:
+                continue
+            if handler is None:
+                n += _quantize_children(child, memo)
+                continue
+            memo[id(child)] = handler(child)
+        setattr(module, attr, memo[id(child)])
+        n += 1
+    return n
 
 
 @torch.no_grad()
 def quantize_int8(model: nn.Module) -> nn.Module:
     """An int8 copy of ``model`` for CPU inference (``model`` itself is left unchanged).
 
-    The copy is put on the CPU in eval mode, DMB shared parts are merged into their branches
-    (``merge_shared_``), then ``nn.Linear`` and ``BranchedLinear`` layers outside gates become
-    dynamic quantized int8 modules (see the module docstring) and token embeddings
-    :class:`Int8TokenEmbedding`. Works for dense, CCT, DMB and MoE seq2seq models.
+    The copy is put on the CPU in eval mode; every module whose type has a handler in
+    :data:`~dynaseq.nn.int8.INT8_HANDLERS` is replaced by its int8 version (``nn.Linear``,
+    DMB branches, MoE experts) unless it lies inside a module kept in float (gates, routers,
+    control nets), and token embeddings become :class:`Int8TokenEmbedding` (see the module
+    docstring). Works for dense, CCT, DMB and MoE seq2seq models.
 
     Raises:
-        DynaseqError: the model is already quantized, or has no linear layer to quantize.
+        DynaseqError: the model is already quantized, or has nothing to quantize outside
+            its gates.
     """
     if is_int8(model):
         raise DynaseqError("the model is already int8-quantized")
     from dynaseq.models.seq2seq import TokenEmbedding
 
     qmodel = copy.deepcopy(model).cpu().eval()
-    merge_shared_(qmodel)
-    gates = _gate_types()
-    skip: set[int] = set()
+    memo: dict[int, nn.Module] = {}
+    embeds = {id(m): m for m in qmodel.modules() if isinstance(m, TokenEmbedding)}
+    by_weight = {}
+    for emb in embeds.values():
+        memo[id(emb)] = Int8TokenEmbedding.from_float(emb)
+        by_weight[id(emb.weight)] = memo[id(emb)]
+    # output layers tied to an embedding (the same Parameter) share its int8 tensors
     for m in qmodel.modules():
-        if isinstance(m, gates):
-            skip.update(id(sub) for sub in m.modules())
-    targets = {name: m for name, m in qmodel.named_modules()
-               if type(m) in (nn.Linear, BranchedLinear) and id(m) not in skip}
-    if not targets:
-        raise DynaseqError("nothing to quantize: the model has no nn.Linear or BranchedLinear "
-                           "layer outside its gates")
-    embeds = {name: m for name, m in qmodel.named_modules() if isinstance(m, TokenEmbedding)}
-    # output layers tied to an embedding (the same Parameter): they share the int8 matrix
-    ties = {lname: ename for lname, lin in targets.items() if isinstance(lin, nn.Linear)
-            for ename, emb in embeds.items() if lin.weight is emb.weight}
-    with _quiet():
-        quantize_dynamic(qmodel, {name: QCONFIG for name in targets},
-                         mapping={nn.Linear: nnqd.Linear, BranchedLinear: Int8BranchedLinear},
-                         inplace=True)
-    tied_to = {e: lname for lname, e in ties.items()}
-    new_embeds: dict[int, Int8TokenEmbedding] = {}
-    for ename, emb in embeds.items():
-        if id(emb) not in new_embeds:
-            if ename in tied_to:
-                qweight = qmodel.get_submodule(tied_to[ename]).weight()
-                new_embeds[id(emb)] = Int8TokenEmbedding.from_quantized(qweight, emb.pad_id,
-                                                                        emb.scale)
-            else:
-                with _quiet():
-                    new_embeds[id(emb)] = Int8TokenEmbedding.from_float(emb)
-    # a shared module (encoder.embed is decoder.embed) is listed once by named_modules: set
-    # every attribute that points to it
-    for m in list(qmodel.modules()):
-        for attr, child in list(m.named_children()):
-            if id(child) in new_embeds and isinstance(child, TokenEmbedding):
-                setattr(m, attr, new_embeds[id(child)])
+        if type(m) is nn.Linear and id(m.weight) in by_weight:
+            bias = None if m.bias is None else m.bias.detach().float().clone()
+            memo[id(m)] = by_weight[id(m.weight)].output_layer(bias)
+    n_embeds = sum(isinstance(child, TokenEmbedding) for m in qmodel.modules()
+                   for child in m.children())
+    if _quantize_children(qmodel, memo) <= n_embeds:
+        raise DynaseqError("nothing to quantize: the model has no nn.Linear or other layer "
+                           "with an int8 version outside its gates")
     return qmodel.eval()
 
 
-def int8_param_count(model: nn.Module) -> int:
-    """Weights held by int8 modules (not ``nn.Parameter``s): quantized matrices, their float
-    biases and int8 embeddings; an output layer tied to an embedding counted once."""
-    embeds = [m for m in {id(m): m for m in model.modules()}.values()
-              if isinstance(m, Int8TokenEmbedding)]
-    n = sum(e.weight_int8.numel() for e in embeds)
+def _int8_tensors(model: nn.Module) -> list[Tensor]:
+    """The distinct int8 weights and biases held by int8 modules (shared ones once)."""
+    seen: dict[int, Tensor] = {}
     for m in model.modules():
-        if isinstance(m, nnqd.Linear):
-            w, b = m._weight_bias()
-            if not any(e.matches(w) for e in embeds):
-                n += w.numel()
-            n += 0 if b is None else b.numel()
-    return n
+        if isinstance(m, _QUANTIZED):
+            for name in ("weight_int8", "bias"):
+                t = getattr(m, name, None)
+                if isinstance(t, Tensor):
+                    seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def int8_param_count(model: nn.Module) -> int:
+    """Weights held by int8 modules as buffers (not ``nn.Parameter``s): int8 matrices and
+    embeddings with their float biases; an output layer tied to an embedding counted once."""
+    return sum(t.numel() for t in _int8_tensors(model))
 
 
 # --------------------------------------------------------------------------- saving
 
 
-def _quantized_linears(model: nn.Module) -> dict[str, nnqd.Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, nnqd.Linear)}
-
-
-def _under(key: str, prefixes: Sequence[str]) -> bool:
-    return any(key.startswith(p + ".") for p in prefixes)
-
-
 def int8_state(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The tensors and safetensors metadata that :func:`load_int8_state` reads back.
 
-    Per quantized Linear ``name``: ``name.weight.int8``, ``name.weight.scale``,
-    ``name.weight.zero_point`` (per output channel, or 0-d for a per-tensor scheme) and
-    ``name.bias``; an output layer tied to an :class:`Int8TokenEmbedding` is stored as a
-    reference to it (metadata ``ties``). Every other parameter and persistent buffer is
-    stored under its state-dict name, shared ones once (metadata ``aliases``).
+    Every parameter and persistent buffer under its state-dict name (int8 weights as int8,
+    their per-channel scales as float32); a tensor shared by two modules (a tied output layer
+    and its embedding, shared embeddings) is stored once and the other names recorded as
+    aliases of it (metadata ``aliases``).
     """
-    qlinears = _quantized_linears(model)
-    embeds = {n: m for n, m in model.named_modules() if isinstance(m, Int8TokenEmbedding)}
     tensors: dict[str, Tensor] = {}
-    ties: dict[str, str] = {}
-    for name, m in qlinears.items():
-        w, b = m._weight_bias()
-        if w.dtype != torch.qint8:
-            raise DynaseqError(f"{name}: only qint8 weights can be saved, got {w.dtype}")
-        tie = next((en for en, e in embeds.items() if b is None and e.matches(w)), None)
-        if tie is not None:
-            ties[name] = tie
-        elif w.qscheme() in (torch.per_channel_symmetric, torch.per_channel_affine):
-            if w.q_per_channel_axis() != 0:
-                raise DynaseqError(f"{name}: per-channel scales must be along the output axis")
-            tensors[f"{name}.weight.int8"] = w.int_repr()
-            tensors[f"{name}.weight.scale"] = w.q_per_channel_scales().double()
-            tensors[f"{name}.weight.zero_point"] = w.q_per_channel_zero_points().to(torch.int32)
-        else:
-            tensors[f"{name}.weight.int8"] = w.int_repr()
-            tensors[f"{name}.weight.scale"] = torch.tensor(w.q_scale(), dtype=torch.float64)
-            tensors[f"{name}.weight.zero_point"] = torch.tensor(w.q_zero_point(),
-                                                                dtype=torch.int32)
-        if b is not None:
-            tensors[f"{name}.bias"] = b.detach()
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    for key, t in model.state_dict().items():
-        if _under(key, list(qlinears)):
-            continue
+    seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, Tensor) or t.is_quantized:
             raise DynaseqError(f"cannot save {key}: not a plain tensor")
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if ident in seen:
             aliases[key] = seen[ident]
             continue
         seen[ident] = key
         tensors[key] = t.detach().contiguous()
-    metadata = {"format": _FORMAT, "quantization": INT8, "ties": json.dumps(ties),
-                "aliases": json.dumps(aliases)}
+    metadata = {"format": _FORMAT, "quantization": INT8, "aliases": json.dumps(aliases)}
     return tensors, metadata
+
+
+def _from_v1(tensors: dict[str, Tensor], metadata: dict[str, str]) -> dict[str, Tensor]:
+    """Tensors of a ``dynaseq-int8-v1`` (torch.ao) checkpoint under this format's names:
+    ``X.weight.int8`` -> ``X.weight_int8``, ``X.weight.scale`` -> ``X.weight_scale`` (float32);
+    a tied output layer gets its embedding's tensors.
+
+    Raises:
+        CheckpointError: a matrix with a nonzero zero point or a per-tensor scale (not
+            made by dynaseq's quantize).
+    """
+    out = {}
+    for key, t in tensors.items():
+        if key.endswith(".weight.int8"):
+            out[key[:-len(".weight.int8")] + ".weight_int8"] = t
+        elif key.endswith(".weight.scale"):
+            if t.dim() != 1:
+                raise CheckpointError(f"int8 checkpoint: {key} is not a per-channel scale")
+            out[key[:-len(".weight.scale")] + ".weight_scale"] = t.float()
+        elif key.endswith(".weight.zero_point"):
+            if bool(t.ne(0).any()):
+                raise CheckpointError(f"int8 checkpoint: {key} is not symmetric (zero point 0)")
+        else:
+            out[key] = t
+    for lin, emb in json.loads(metadata.get("ties", "{}")).items():
+        for a, b in (("weight_int8", "weight_int8"), ("weight_scale", "row_scale")):
+            if f"{emb}.{b}" not in out:
+                raise CheckpointError(f"int8 checkpoint: {lin} is tied to missing {emb}.{b}")
+            out[f"{lin}.{a}"] = out[f"{emb}.{b}"]
+    return out
 
 
 def load_int8_state(model: nn.Module, tensors: dict[str, Tensor],
@@ -395,64 +256,33 @@ def load_int8_state(model: nn.Module, tensors: dict[str, Tensor],
     """Fill an int8 ``model`` (same structure) with :func:`int8_state` output, in place.
 
     Raises:
-        CheckpointError: a tensor is missing, left over or of the wrong shape.
+        CheckpointError: not an int8 checkpoint, or a tensor is missing, left over or of the
+            wrong shape or dtype.
     """
-    if metadata.get("format") != _FORMAT:
-        raise CheckpointError(f"not an int8 checkpoint (format {metadata.get('format')!r})")
-    ties = json.loads(metadata.get("ties", "{}"))
-    aliases = json.loads(metadata.get("aliases", "{}"))
+    fmt = metadata.get("format")
+    if fmt not in (_FORMAT, _FORMAT_V1):
+        raise CheckpointError(f"not an int8 checkpoint (format {fmt!r})")
     tensors = dict(tensors)
-    for key, orig in aliases.items():
+    for key, orig in json.loads(metadata.get("aliases", "{}")).items():
         if orig not in tensors:
             raise CheckpointError(f"int8 checkpoint: alias {key} -> missing {orig}")
         tensors[key] = tensors[orig]
-    qlinears = _quantized_linears(model)
-    float_state = {k: v for k, v in tensors.items() if not _under(k, list(qlinears))}
-    expected = {k for k in model.state_dict() if not _under(k, list(qlinears))}
-    missing, unexpected = sorted(expected - set(float_state)), sorted(set(float_state) - expected)
+    if fmt == _FORMAT_V1:
+        tensors = _from_v1(tensors, metadata)
+    slots = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(slots) - set(tensors)), sorted(set(tensors) - set(slots))
     if missing or unexpected:
         raise CheckpointError(f"int8 checkpoint does not match the model: missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]}")
-    # copied one by one: load_state_dict would also ask the quantized modules for their
-    # (packed) state
-    slots = dict(model.named_parameters(remove_duplicate=False))
-    slots.update(model.named_buffers(remove_duplicate=False))
+    for key, value in tensors.items():
+        slot = slots[key]
+        if slot.shape != value.shape or (slot.dtype == torch.int8) != (value.dtype == torch.int8):
+            raise CheckpointError(f"int8 checkpoint: {key} has shape {tuple(value.shape)} "
+                                  f"{value.dtype}, expected {tuple(slot.shape)} {slot.dtype}")
+    # copied one by one into the existing tensors: tensors shared by two modules stay shared
     with torch.no_grad():
-        for key, value in float_state.items():
-            slot = slots[key]
-            if slot.shape != value.shape:
-                raise CheckpointError(f"int8 checkpoint: {key} has shape {tuple(value.shape)}, "
-                                      f"expected {tuple(slot.shape)}")
-            slot.copy_(value)
-    used = set(float_state)
-    for name, m in qlinears.items():
-        if name in ties:
-            qweight = model.get_submodule(ties[name]).as_qweight()
-        else:
-            try:
-                q = tensors[f"{name}.weight.int8"]
-                scale = tensors[f"{name}.weight.scale"].double()
-                zp = tensors[f"{name}.weight.zero_point"].long()
-            except KeyError as e:
-                raise CheckpointError(f"int8 checkpoint has no {e.args[0]}") from None
-            used.update(f"{name}.weight.{s}" for s in ("int8", "scale", "zero_point"))
-            if q.dtype != torch.int8 or q.shape != (m.out_features, m.in_features):
-                raise CheckpointError(f"int8 checkpoint: {name}.weight.int8 has shape "
-                                      f"{tuple(q.shape)} {q.dtype}, expected "
-                                      f"{(m.out_features, m.in_features)} int8")
-            if scale.dim() == 0:
-                qweight = torch._make_per_tensor_quantized_tensor(q, float(scale), int(zp))
-            else:
-                qweight = torch._make_per_channel_quantized_tensor(q, scale, zp, 0)
-        bias = tensors.get(f"{name}.bias")
-        if (bias is None) != (m._weight_bias()[1] is None):
-            raise CheckpointError(f"int8 checkpoint: bias of {name} does not match the model")
-        if bias is not None:
-            used.add(f"{name}.bias")
-        m.set_weight_bias(qweight, bias)
-    left = sorted(set(tensors) - used - set(aliases))
-    if left:
-        raise CheckpointError(f"int8 checkpoint does not match the model: unexpected {left[:3]}")
+        for key, value in tensors.items():
+            slots[key].copy_(value)
 
 
 def save_int8(model: nn.Module, directory: str | Path, meta: dict[str, Any] | None = None) -> Path:
@@ -489,8 +319,7 @@ def load_int8(float_model: nn.Module, directory: str | Path) -> nn.Module:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"corrupt checkpoint {path}: {msg}") from None
     qmodel = quantize_int8(float_model)
-    with _quiet():
-        load_int8_state(qmodel, tensors, metadata)
+    load_int8_state(qmodel, tensors, metadata)
     return qmodel.eval()
 
 

@@ -143,10 +143,10 @@ def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _int8_linear_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
-    """FLOPs of an int8 dynamic linear (``dynaseq.compress.int8``): ``2·rows·in·out`` as for
-    ``nn.Linear`` (the packed weight has no shape here; the output gives ``out``)."""
-    return 2 * math.prod(input_shape) * out_shape[-1]
+def _int_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of the int8 matmul ``(M, K) x (K, N)`` of ``dynaseq.nn.int8``: ``2·M·K·N`` as
+    for the float ``nn.Linear`` it replaces."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -158,13 +158,12 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 
 def _counter() -> FlopCounterMode:
     # FlopCounterMode knows the CUDA fused-attention kernels but not the CPU one; without this
-    # it reports 0 for attention products that really run. Nor does it know int8 linears or
+    # it reports 0 for attention products that really run. Nor does it know int8 matmuls or
     # grouped matmuls.
     return FlopCounterMode(display=False,
                            custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu:
                                            _cpu_sdpa_flops,
-                                           torch.ops.quantized.linear_dynamic:
-                                           _int8_linear_flops,
+                                           aten._int_mm: _int_mm_flops,
                                            aten._grouped_mm: _grouped_mm_flops})
 
 

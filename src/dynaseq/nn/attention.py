@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.ao.nn.quantized import dynamic as nnqd
 
+from dynaseq.nn.int8 import Int8Linear
 from dynaseq.nn.outputs import AuxOutputs
 
 
@@ -134,8 +134,8 @@ class MultiHeadAttention(AttentionHeads):
         n_kv = n_keys if n_kv_tokens is None else n_kv_tokens
 
         def lin(m: nn.Module, n: int) -> int:
-            # dense projections: nn.Linear, or its int8 version (dynaseq.compress.int8)
-            assert isinstance(m, (nn.Linear, nnqd.Linear)), "macs() assumes dense projections"
+            # dense projections: nn.Linear, or its int8 version (dynaseq.nn.int8)
+            assert isinstance(m, (nn.Linear, Int8Linear)), "macs() assumes dense projections"
             return n * m.in_features * m.out_features
 
         return {

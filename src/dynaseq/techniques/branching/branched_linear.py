@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynaseq.nn.int8 import Int8Linear, int8_linear, quantize_rows, register_int8
 from dynaseq.techniques.branching.routing import BranchGroups, run_used_groups
 
 #: dtypes ``F.grouped_mm`` takes for inference (float32 on CPU, bf16/fp16 on either)
@@ -184,6 +185,90 @@ class BranchedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"n_branches={self.n_branches}, bias={self.bias is not None}, "
                 f"shared={self.has_shared}")
+
+
+class Int8BranchedLinear(nn.Module):
+    """Int8 :class:`BranchedLinear` for CPU inference: one :class:`~dynaseq.nn.int8.Int8Linear`
+    per branch (weights per output channel, activations per token).
+
+    Same interface as the float layer at inference: ``forward(x, branch)`` (x ``(..., in)``,
+    branch ``(...)`` long -> ``(..., out)``), :meth:`grouped` over rows sorted by branch,
+    ``n_branches``, ``in_features``, ``out_features`` and :meth:`macs`. Rows are grouped by
+    branch and each non-empty group runs one int8 matmul against its own branch only. Build
+    it with :meth:`from_float` (the effective ``θ_S + θ_Pk`` of each branch is quantized, so
+    merging first is not needed).
+    """
+
+    def __init__(self, branches: list[Int8Linear]) -> None:
+        super().__init__()
+        if not branches:
+            raise ValueError("Int8BranchedLinear needs at least one branch")
+        shapes = {(b.in_features, b.out_features) for b in branches}
+        if len(shapes) != 1:
+            raise ValueError(f"branches must all have one shape, got {sorted(shapes)}")
+        self.branches = nn.ModuleList(branches)
+        self.in_features, self.out_features = shapes.pop()
+
+    @classmethod
+    @torch.no_grad()
+    def from_float(cls, mod: nn.Module) -> Int8BranchedLinear:
+        """Quantize each branch of a :class:`BranchedLinear` (shared part included)."""
+        if not isinstance(mod, BranchedLinear):
+            raise TypeError(f"expected a BranchedLinear, got {type(mod).__name__}")
+        weight, bias = mod.branch_parameters()  # (N, out, in), (N, out)
+        branches = []
+        for k in range(mod.n_branches):
+            q, scale = quantize_rows(weight[k])
+            branches.append(Int8Linear(q, scale, None if bias is None
+                                       else bias[k].detach().float().clone()))
+        return cls(branches)
+
+    @property
+    def n_branches(self) -> int:
+        return len(self.branches)
+
+    @property
+    def has_shared(self) -> bool:
+        return False
+
+    def grouped(self, xs: Tensor, groups: BranchGroups) -> Tensor:
+        """``(M, in)`` rows sorted by branch as ``groups`` lays them out -> ``(M, out)``.
+
+        One int8 matmul per non-empty group (an empty group computes nothing); a single
+        group runs on ``xs`` directly (no split, no concatenation).
+        """
+        if len(groups.sizes) != self.n_branches:
+            raise ValueError(f"got {len(groups.sizes)} group sizes for {self.n_branches} "
+                             f"branches")
+        branches = self.branches
+
+        def apply(k: int, rows: Tensor) -> Tensor:  # the kernel itself: no module call
+            b = branches[k]
+            return int8_linear(rows, b.weight_int8, b.weight_scale, b.bias)
+
+        return run_used_groups(xs, groups, apply, self.out_features)
+
+    def forward(self, x: Tensor, branch: Tensor) -> Tensor:
+        if branch.shape != x.shape[:-1]:
+            raise ValueError(f"branch {tuple(branch.shape)} must match the rows of x "
+                             f"{tuple(x.shape[:-1])}")
+        if x.size(-1) != self.in_features:
+            raise ValueError(f"x has width {x.size(-1)}, expected {self.in_features}")
+        groups = BranchGroups.of(branch.reshape(-1), self.n_branches)
+        flat = x.reshape(-1, self.in_features)
+        out = groups.scatter(self.grouped(groups.gather(flat), groups))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def macs(self, n_tokens: int) -> int:
+        """Multiply-adds of ``n_tokens`` rows (each runs one branch)."""
+        return n_tokens * self.in_features * self.out_features
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"n_branches={self.n_branches}, dtype=int8")
+
+
+register_int8(BranchedLinear, Int8BranchedLinear.from_float)
 
 
 def merge_shared_(model: nn.Module) -> int:

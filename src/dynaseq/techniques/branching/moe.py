@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynaseq.nn.int8 import KEEP_FLOAT, register_int8
 from dynaseq.techniques.branching.branched_linear import BranchedLinear
 from dynaseq.techniques.branching.routed import RoutedAttention, RoutedFeedForward, _Gated
 from dynaseq.techniques.branching.routing import (
@@ -322,3 +323,7 @@ def moe_attention(d_model: int, n_heads: int, n_experts: int = 4, k: int = 2,
 
     return MoEAttention(d_model, n_heads, NoisyTopKGate(d_model, n_experts, k, noise_epsilon),
                         proj(), proj(), proj(), proj(), dropout=dropout, name=name)
+
+
+# the gate's top-k decides which experts run: int8 rounding could flip it
+register_int8(NoisyTopKGate, KEEP_FLOAT)

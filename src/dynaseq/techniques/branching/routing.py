@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynaseq.nn.int8 import KEEP_FLOAT, register_int8
 from dynaseq.techniques.branching.traces import ExpertTrace, RouteTrace
 
 
@@ -303,3 +304,6 @@ class Top1Dispatch(Dispatch):
 
     def trace(self, layer: str, gate: str, stream: str, gate_id: int) -> RouteTrace:
         return RouteTrace(layer, gate, stream, self.route.logits, self.route.branch, gate_id)
+
+# the router's argmax decides which branch runs: int8 rounding could flip it
+register_int8(Router, KEEP_FLOAT)

@@ -64,9 +64,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.ao.nn.quantized import dynamic as nnqd
 
 from dynaseq.nn.attention import KVCache
+from dynaseq.nn.int8 import Int8Linear
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.techniques.cct.gating import (
     GATE_TRACE,
@@ -143,8 +143,8 @@ class PackedKeys:
 
 
 def _linear_macs(m: nn.Module, n: int) -> int:
-    # nn.Linear, or its int8 version (dynaseq.compress.int8)
-    assert isinstance(m, (nn.Linear, nnqd.Linear)), "MAC counts assume dense projections"
+    # nn.Linear, or its int8 version (dynaseq.nn.int8)
+    assert isinstance(m, (nn.Linear, Int8Linear)), "MAC counts assume dense projections"
     return n * m.in_features * m.out_features
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from dynaseq.nn.int8 import KEEP_FLOAT, register_int8
 from dynaseq.nn.outputs import MACS_TRACE, MacsRecord  # noqa: F401  (re-exported)
 
 GATE_TRACE = "cct.gates"
@@ -312,3 +313,7 @@ def control_trace(layer: str, control: ControlNet, gates: Tensor, stream: str) -
     ones = gates.new_ones(gates.shape[:-1] + (1,)).detach()
     cost = torch.tensor(float(control.macs(1)), dtype=gates.dtype, device=gates.device)
     return GateTrace(layer, "control", ones, cost, stream)
+
+
+# a control net decides which gates are on: int8 rounding could flip a decision
+register_int8(ControlNet, KEEP_FLOAT)

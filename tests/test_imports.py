@@ -1,0 +1,43 @@
+"""Importing dynaseq raises no deprecation warning, and the model code never imports torch.ao."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dynaseq
+
+SRC = Path(dynaseq.__file__).resolve().parent
+#: packages that hold models and their building blocks: int8 goes through dynaseq.nn.int8
+MODEL_PACKAGES = ("nn", "models", "adaptive", "branching", "techniques")
+
+
+def test_import_raises_no_deprecation_warning():
+    code = "import dynaseq, dynaseq.models, dynaseq.compress.int8"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def test_model_code_does_not_import_torch_ao():
+    files = [f for pkg in MODEL_PACKAGES if (SRC / pkg).is_dir()
+             for f in sorted((SRC / pkg).rglob("*.py"))]
+    assert files
+    bad = {str(f.relative_to(SRC)): name for f in files for name in _imports(f)
+           if name == "torch.ao" or name.startswith("torch.ao.")}
+    assert not bad, f"torch.ao imported in model code: {bad}"
