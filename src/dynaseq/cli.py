@@ -230,7 +230,7 @@ def _run_dir_kind(run_dir: str) -> str:
 
 def _quantize_seq2seq(args: argparse.Namespace) -> int:
     """``dynaseq quantize RUN_DIR --out NEW_DIR``: int8 weights (translation runs)."""
-    from dynaseq.compress.int8 import quantize_run
+    from dynaseq.workflows.quantize import quantize_run
 
     if args.bits is not None or args.steps:
         raise DynaseqError("quantize: --bits and --steps are for language-model runs "

@@ -17,7 +17,6 @@ from dynaseq.compress.int8 import (
     is_int8,
     load_int8,
     quantize_int8,
-    quantize_run,
     save_int8,
 )
 from dynaseq.core.config import DMBConfig, ModelConfig, MoEConfig
@@ -30,6 +29,7 @@ from dynaseq.tasks.translation.predictor import Translator
 from dynaseq.techniques.branching import BranchedLinear
 from dynaseq.techniques.branching.branched_linear import Int8BranchedLinear
 from dynaseq.techniques.branching.routing import BranchGroups, Router
+from dynaseq.workflows.quantize import quantize_run
 
 VOCAB = 60
 

@@ -36,9 +36,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -326,97 +323,3 @@ def load_int8(float_model: nn.Module, directory: str | Path) -> nn.Module:
 def is_int8_checkpoint(meta: dict[str, Any]) -> bool:
     """True for the ``meta.json`` of a checkpoint written by :func:`save_int8`."""
     return meta.get("quantization") == INT8
-
-
-# --------------------------------------------------------------------------- run directories
-
-
-def dir_size(path: str | Path) -> int:
-    """Bytes of all regular files under ``path`` (or of the file ``path``)."""
-    p = Path(path)
-    if p.is_file():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-
-
-@dataclass
-class QuantizeReport:
-    """Sizes in bytes: the source checkpoint's weights and the int8 weights; whole run dirs."""
-
-    run_dir: Path
-    out_dir: Path
-    checkpoint: Path
-    weights_before: int
-    weights_after: int
-    run_before: int
-    run_after: int
-
-
-def check_new_run_dir(run_dir: Path, out_dir: Path) -> None:
-    """Refuse an ``out_dir`` that exists and is not empty, or one inside ``run_dir``."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise DynaseqError(f"{out_dir} already exists and is not empty (choose a new --out)")
-    r, o = run_dir.resolve(), out_dir.resolve()
-    if o == r or r in o.parents:
-        raise DynaseqError(f"--out {out_dir} must lie outside the run directory {run_dir}")
-
-
-def quantize_run(run_dir: str | Path, out_dir: str | Path,
-                 checkpoint: str = "auto") -> QuantizeReport:
-    """Write a new seq2seq run directory ``out_dir`` holding the int8 version of ``run_dir``.
-
-    ``run_dir`` is only read. ``out_dir`` gets ``config.yaml`` (``run_dir`` set to it),
-    the tokenizer files and one checkpoint at the same relative place as the source one
-    (``averaged/``, ``best/`` or ``checkpoints/step_N/``, so ``--checkpoint auto`` finds it)
-    whose ``meta.json`` records ``"quantization": "int8"``. Everything is written to a
-    temporary sibling directory that is renamed into place at the end: a failure leaves no
-    half-written run directory.
-
-    Raises:
-        DynaseqError: missing run directory, an existing non-empty ``out_dir``, an
-            already-quantized run.
-    """
-    from dynaseq.core.checkpoint import read_meta
-    from dynaseq.core.config import save_config
-    from dynaseq.tasks.translation.predictor import Translator
-
-    run, out = Path(run_dir), Path(out_dir)
-    if not run.is_dir():
-        raise DynaseqError(f"run directory not found: {run}")
-    check_new_run_dir(run, out)
-    t = Translator.load(run, checkpoint=checkpoint, device="cpu")
-    if is_int8(t.model):
-        raise DynaseqError(f"{run} is already int8-quantized")
-    qmodel = quantize_int8(t.model)
-    ckpt = t.checkpoint
-    try:
-        rel = ckpt.resolve().relative_to(run.resolve())
-    except ValueError:
-        rel = Path("best")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir()
-        cfg = copy.deepcopy(t.config)
-        cfg.run_dir = str(out)
-        save_config(cfg, tmp / "config.yaml")
-        for name in ("spm.model", "spm.vocab"):
-            if (run / name).is_file():
-                shutil.copy2(run / name, tmp / name)
-        meta = {k: v for k, v in read_meta(ckpt).items() if k in ("step", "averaged", "valid")}
-        meta.update(source_run=str(run), source_checkpoint=str(ckpt))
-        save_int8(qmodel, tmp / rel, meta)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if out.exists():  # an empty directory: rename replaces it
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return QuantizeReport(run, out, ckpt, dir_size(ckpt / WEIGHTS), dir_size(out / rel / WEIGHTS),
-                          dir_size(run), dir_size(out))

@@ -29,3 +29,20 @@ def open_run(run_dir: str | Path, expect: tuple[type, str] | None = None) -> tup
     if expect is not None and not isinstance(cfg, expect[0]):
         raise DynaseqError(f"{run} is not a {expect[1]} run")
     return run, cfg
+
+
+def check_new_run_dir(run_dir: Path, out_dir: Path) -> None:
+    """Refuse an ``out_dir`` that exists and is not empty, or one inside ``run_dir``."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise DynaseqError(f"{out_dir} already exists and is not empty (choose a new --out)")
+    r, o = run_dir.resolve(), out_dir.resolve()
+    if o == r or r in o.parents:
+        raise DynaseqError(f"--out {out_dir} must lie outside the run directory {run_dir}")
+
+
+def dir_size(path: str | Path) -> int:
+    """Bytes of all regular files under ``path`` (or of the file ``path``)."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from dynaseq.compress.int8 import check_new_run_dir
 from dynaseq.compress.prune import (
     GradualPruner,
     SensitivityResult,
@@ -57,6 +56,7 @@ from dynaseq.compress.qat import check_bits, check_representable, convert_qat_
 from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.config import LMCacheConfig, LMDistillConfig, save_config, to_dict
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.rundir import check_new_run_dir
 from dynaseq.data.lm_corpus import VOCAB_FILE
 from dynaseq.models.lm import TransformerLM
 from dynaseq.nn.neural_cache import NeuralCache, local_search
