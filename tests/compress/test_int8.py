@@ -293,7 +293,9 @@ def test_failed_quantize_leaves_no_directory(trained_run, tmp_path, monkeypatch)
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(int8, "save_int8", boom)
+    from dynaseq.workflows import quantize
+
+    monkeypatch.setattr(quantize, "save_int8", boom)
     with pytest.raises(RuntimeError):
         quantize_run(trained_run, tmp_path / "q")
     assert list(tmp_path.iterdir()) == []
