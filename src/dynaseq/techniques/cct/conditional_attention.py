@@ -67,14 +67,12 @@ from torch import Tensor, nn
 
 from dynaseq.nn.attention import KVCache
 from dynaseq.nn.int8 import Int8Linear
-from dynaseq.nn.outputs import AuxOutputs
+from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
 from dynaseq.techniques.cct.gating import (
     GATE_TRACE,
-    MACS_TRACE,
     ControlNet,
     Gate,
     GateTrace,
-    MacsRecord,
     NoiseSchedule,
     control_trace,
 )

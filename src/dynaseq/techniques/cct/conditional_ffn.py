@@ -21,14 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from dynaseq.nn.feedforward import FeedForward
-from dynaseq.nn.outputs import AuxOutputs
+from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
 from dynaseq.techniques.cct.gating import (
     GATE_TRACE,
-    MACS_TRACE,
     ControlNet,
     Gate,
     GateTrace,
-    MacsRecord,
     NoiseSchedule,
     control_trace,
 )
