@@ -33,26 +33,35 @@ EXIT_BAD_INPUT = 2
 
 
 def _read_input(path: str | None) -> list[str]:
-    from dynaseq.data import read_lines
+    """The lines of ``path`` or of standard input (``None``/``-``), split by one rule."""
+    from dynaseq.data.text import decode_lines, read_lines
 
     if path is None or path == "-":
-        data = sys.stdin.buffer.read()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = data[: e.start].count(b"\n") + 1
-            raise DynaseqError(f"stdin: line {line} is not valid UTF-8") from None
-        return [ln.strip() for ln in text.splitlines()]
+        return decode_lines(sys.stdin.buffer.read(), "stdin")
     return read_lines(path)
 
 
+def _check_output(out: str | None, *inputs: str | None) -> None:
+    """Refuse an output file that is one of the inputs (it would be overwritten), before
+    anything is read or written."""
+    from dynaseq.core.files import same_file
+
+    if out is None or out == "-":
+        return
+    for inp in inputs:
+        if inp is not None and inp != "-" and same_file(out, inp):
+            raise DynaseqError(f"the output {out} is the input {inp}: choose another file")
+
+
 def _write_output(lines: list[str], path: str | None) -> None:
-    text = "".join(line + "\n" for line in lines)
+    """Standard output, or ``path`` written atomically (a failure leaves the old file)."""
     if path is None or path == "-":
-        sys.stdout.write(text)
+        sys.stdout.write("".join(line + "\n" for line in lines))
         sys.stdout.flush()
     else:
-        Path(path).write_text(text, encoding="utf-8")
+        from dynaseq.data import write_lines
+
+        write_lines(path, lines)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -79,6 +88,7 @@ def _translator(args: argparse.Namespace):
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
+    _check_output(args.output, args.input)
     lines = _read_input(args.input)
     t = _translator(args)
     out = t.translate(lines, beam=args.beam, length_penalty=args.length_penalty,
@@ -334,6 +344,7 @@ def _distill_data_seq2seq(args: argparse.Namespace) -> int:
 
     if args.src is None:
         raise DynaseqError("distill-data: --src is required for translation runs")
+    _check_output(args.out, args.src)
     read_lines(args.src)  # a missing source fails before the model loads
     t = _translator(args)
     n = write_distill_data(t, args.src, args.out, beam=args.beam, batch_size=args.batch_size,

@@ -21,7 +21,7 @@ from typing import Any, Union
 import yaml
 
 from dynaseq.core.errors import ConfigError
-from dynaseq.core.files import read_text
+from dynaseq.core.files import atomic_write, read_text
 
 #: Named model sizes. ``tiny`` and ``small`` are the DMB paper's on-device settings.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -704,4 +704,4 @@ def load_config(path: str | Path | None,
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

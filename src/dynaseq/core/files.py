@@ -1,7 +1,11 @@
-"""Reading small text files (configs, vocabularies) with one clear error for bad input."""
+"""Small files: reading (configs, vocabularies) with one clear error for bad input, and
+writing atomically (a crash or a full disk never leaves half a file in place of the old one)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
@@ -17,3 +21,33 @@ def read_text(path: str | Path, what: str, error: type[DynaseqError] = DynaseqEr
         raise error(f"{what} not found: {p}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise error(f"cannot read {what} {p}: {e}") from None
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> None:
+    """Write ``data`` (str as UTF-8) to ``path`` so that a reader sees the old file or the
+    whole new one, never a part: written to a temporary sibling, flushed to disk, then
+    renamed over ``path``. The temporary file is removed if anything fails (a full disk),
+    and the old file stays. Parent folders are created. Raises OSError as the OS reports it.
+    """
+    p = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{p.name}-", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """True when ``a`` and ``b`` name one existing file (links and relative paths resolved)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

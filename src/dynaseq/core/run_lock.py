@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from pathlib import Path
 from types import TracebackType
 
@@ -79,3 +80,17 @@ class RunDirLock:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.release()
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Empty ``run_dir`` for a fresh run, holding its lock meanwhile: refused with
+    :class:`RunDirBusy` while a training writes to it, and the lock file itself is kept (a
+    new file would let a second trainer in beside the one holding the old)."""
+    with RunDirLock(run_dir):
+        for entry in Path(run_dir).iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()

@@ -20,8 +20,18 @@ class RunLog:
         record = {"event": event, "time": round(time.time(), 3), **fields}
         self.history.append(record)
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            self._append([record])
+
+    def start_writing(self) -> None:
+        """Write the records held so far and every later one (a log created disabled holds
+        its records until the run is accepted: a refused run writes nothing)."""
+        if not self.enabled:
+            self.enabled = True
+            self._append(self.history)
+
+    def _append(self, records: list[dict[str, Any]]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
 def read_log(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:

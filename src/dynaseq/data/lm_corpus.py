@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import read_text
+from dynaseq.core.files import atomic_write, read_text
 from dynaseq.data.text import read_lines
 
 EOS = "<eos>"
@@ -98,7 +98,7 @@ class Vocab:
     def save(self, path: str | Path) -> None:
         """One ``word<TAB>count`` per line, in id order."""
         text = "".join(f"{w}\t{c}\n" for w, c in zip(self.itos, self.counts, strict=True))
-        Path(path).write_text(text, encoding="utf-8")
+        atomic_write(path, text)
 
     @classmethod
     def load(cls, path: str | Path) -> Vocab:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import atomic_write
 
 #: The first two bytes of every gzip stream (RFC 1952).
 GZIP_MAGIC = b"\x1f\x8b"
@@ -79,12 +80,22 @@ def read_lines(path: str | Path) -> list[str]:
             UTF-8"`` or ``"{path}: corrupt gzip file (<detail>)"``.
     """
     p = Path(path)
-    data = _read_bytes(p)
+    return decode_lines(_read_bytes(p), str(p))
+
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+    """The lines of UTF-8 ``data`` as :func:`read_lines` splits them (``"\\n"`` only, a final
+    newline adds no line, a byte-order mark dropped, each line stripped): the one rule for
+    files and standard input alike, so one line in is one line out.
+
+    Raises:
+        DynaseqError: ``"{name}: line {n} is not valid UTF-8"``.
+    """
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line_no = data.count(b"\n", 0, e.start) + 1
-        raise DynaseqError(f"{p}: line {line_no} is not valid UTF-8") from None
+        raise DynaseqError(f"{name}: line {line_no} is not valid UTF-8") from None
     if text.startswith("\ufeff"):
         text = text[1:]
     lines = text.split("\n")
@@ -112,7 +123,8 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str]
 def write_lines(path: str | Path, lines: Iterable[str]) -> None:
     """Write ``lines`` as UTF-8, each followed by ``"\\n"``; parent folders are created.
 
-    The file is always plain text (no gzip, whatever the suffix).
+    The file is always plain text (no gzip, whatever the suffix), written atomically: a
+    failure (a full disk) leaves the old file, if any, in place.
 
     Raises:
         DynaseqError: a line contains ``"\\n"`` (it would not read back as one line) or
@@ -131,7 +143,6 @@ def write_lines(path: str | Path, lines: Iterable[str]) -> None:
         line_no = text.count("\n", 0, e.start) + 1
         raise DynaseqError(f"cannot write {p}: line {line_no} is not encodable as UTF-8") from None
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
+        atomic_write(p, data)
     except OSError as e:
         raise DynaseqError(f"cannot write {p}: {os_reason(e)}") from None

@@ -26,6 +26,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import atomic_write
 from dynaseq.data.text import os_reason, read_bytes
 
 PAD_ID = 0
@@ -149,12 +150,11 @@ class Tokenizer:
         processor = spm.SentencePieceProcessor(model_proto=proto)
         vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i)}\n"
                         for i in range(processor.vocab_size()))
-        try:
-            model_path.parent.mkdir(parents=True, exist_ok=True)
-            model_path.write_bytes(proto)
+        try:  # the vocabulary first: a model file present is a whole, usable one
             vocab_path = model_path.with_suffix(".vocab")
             if vocab_path != model_path:
-                vocab_path.write_text(vocab, encoding="utf-8")
+                atomic_write(vocab_path, vocab)
+            atomic_write(model_path, proto)
         except OSError as e:
             raise DynaseqError(f"cannot write {model_path}: {os_reason(e)}") from None
         return cls(processor, model_path)

@@ -55,15 +55,17 @@ class Task(Protocol):
     """A trainable task, built from its run config (``cfg.run_dir``, ``cfg.train``).
 
     Construction reads and checks everything and writes nothing (a refused run leaves no
-    trace); :meth:`prepare` runs with the run directory locked and writes the task's files
-    (``config.yaml``, tokenizer or vocabulary), then builds the data and :attr:`model`.
+    trace); :meth:`prepare` runs with the run directory locked and writes the task's own
+    files (tokenizer or vocabulary, when the run has none yet), then builds the data and
+    :attr:`model`. The loop writes ``config.yaml`` once the model is built and the run's
+    latest checkpoint, if any, has loaded into it.
     """
 
     cfg: Any
     model: nn.Module
 
     def prepare(self, env: DistEnv, device: torch.device, log: RunLog) -> None:
-        """Write the run's files (main rank), encode the data, build :attr:`model` on
+        """Write the task's files (main rank), encode the data, build :attr:`model` on
         ``device``."""
         ...
 

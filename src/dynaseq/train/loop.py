@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import to_dict
+from dynaseq.core.config import read_yaml, save_config, to_dict
 from dynaseq.core.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -41,6 +41,7 @@ from dynaseq.core.distributed import (
     init_distributed,
     pick_device,
 )
+from dynaseq.core.errors import ConfigError
 from dynaseq.core.run_lock import RunDirLock
 from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.protocol import Task
@@ -87,14 +88,32 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     run_dir = Path(cfg.run_dir)
     lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
     try:
-        log = RunLog(run_dir / "log.jsonl", env.is_main)
+        _check_same_task(run_dir, cfg)
+        log = RunLog(run_dir / "log.jsonl", False)  # held until the run is accepted
         task.prepare(env, device, log)
+        latest = ckpt.list_checkpoints(run_dir)[-1:]
+        if latest:  # a resumed run: its checkpoint must fit this config's model
+            ckpt.load_weights(task.model, latest[0])
+        if env.is_main:  # only now: a refused run keeps its config and log
+            save_config(cfg, run_dir / "config.yaml")
+            log.start_writing()
     except BaseException:
         if lock is not None:
             lock.release()
         cleanup(env)
         raise
     return Run(task, run_dir, env, device, log, lock)
+
+
+def _check_same_task(run_dir: Path, cfg: Any) -> None:
+    """Refuse a config of another task than the run directory's (before anything is
+    written into it)."""
+    if (run_dir / "config.yaml").is_file():
+        saved = read_yaml(run_dir / "config.yaml").get("task", "seq2seq")
+        given = to_dict(cfg).get("task", "seq2seq")
+        if saved != given:
+            raise ConfigError(f"{run_dir} holds a {saved} run; this config is a {given} run "
+                              "(use a new run_dir)")
 
 
 def fit(run: Run, progress: bool = True) -> TrainResult:

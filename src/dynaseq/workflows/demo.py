@@ -10,7 +10,6 @@ Leaves under ``out``: ``data/{train,valid,test}.{src,tgt}`` (the generated task)
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from dynaseq.core.config import (
     RunConfig,
     TrainConfig,
 )
+from dynaseq.core.run_lock import clear_run_dir
 from dynaseq.data import hard_token_mask, read_lines, write_task
 from dynaseq.metrics.profile import count_params
 from dynaseq.tasks.translation.predictor import Translator, bleu
@@ -100,7 +100,7 @@ def run_demo(out: str | Path, minutes: float = 5.0, seed: int = 0, progress: boo
     cfg = demo_config(out, paths, minutes, seed, demo_cct(minutes))
     if Path(cfg.run_dir).exists():  # the demo's own scratch run: a fresh model every time
         say(f"[demo] removing the previous demo run {cfg.run_dir}")
-        shutil.rmtree(cfg.run_dir)
+        clear_run_dir(Path(cfg.run_dir))
     say(f"[demo] training one tiny CCT for {len(DEMO_BUDGETS)} budgets, up to {minutes:g} min, "
         f"in {cfg.run_dir}")
     result = train(cfg, progress=progress)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dynaseq.core.config import LMRunConfig, save_config
+from dynaseq.core.config import LMRunConfig
 from dynaseq.core.distributed import DistEnv
 from dynaseq.core.errors import ConfigError
 from dynaseq.core.runlog import RunLog
@@ -112,7 +112,6 @@ class LMTask:
     def prepare(self, env: DistEnv, device: torch.device, log: RunLog) -> None:
         if env.enabled:
             raise ConfigError("language-model training runs in one process (no DDP)")
-        save_config(self.cfg, self.run_dir / "config.yaml")
         if not (self.run_dir / VOCAB_FILE).is_file():
             self.vocab.save(self.run_dir / VOCAB_FILE)
         log.write("data", split="train", tokens=self.train.n_tokens + self.cfg.data.batch_size,

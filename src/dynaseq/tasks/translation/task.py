@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core.config import ModelConfig, RunConfig, TrainConfig, save_config
+from dynaseq.core.config import ModelConfig, RunConfig, TrainConfig
 from dynaseq.core.distributed import DistEnv, barrier
 from dynaseq.core.errors import ConfigError
 from dynaseq.core.runlog import RunLog
@@ -96,9 +96,6 @@ class TranslationTask:
 
     def prepare(self, env: DistEnv, device: torch.device, log: RunLog) -> None:
         cfg = self.cfg
-        if env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
         src_lines, tgt_lines = read_parallel(cfg.data.train_src, cfg.data.train_tgt)
         valid_lines = None
         if cfg.data.valid_src is not None and cfg.data.valid_tgt is not None:
