@@ -85,3 +85,49 @@ def test_resolve_prefers_averaged_then_best_then_latest(tmp_path):
     assert ckpt.resolve_checkpoint(tmp_path, "latest").name == "step_00000005"
     with pytest.raises(CheckpointError):
         ckpt.resolve_checkpoint(tmp_path, "averaged")
+
+
+def _tiny_checkpoint(tmp_path):
+    import torch
+    from torch import nn
+
+    from dynaseq.core.checkpoint import write_checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    write_checkpoint(tmp_path / "ck", model, {"step": 1}, {"x": torch.zeros(2)})
+    return model, tmp_path / "ck"
+
+
+def test_damaged_weights_are_refused_not_loaded(tmp_path):
+    """A flipped byte inside the weights (the header still parses), NaN weights and weights
+    of another dtype are refused; the trainer state is checksummed too."""
+    import pytest
+    import torch
+    from safetensors.torch import save_file
+
+    from dynaseq.core.checkpoint import load_trainer_state, load_weights, read_meta
+    from dynaseq.core.errors import CheckpointError
+
+    model, ck = _tiny_checkpoint(tmp_path)
+    assert set(read_meta(ck)["sha256"]) == {"model.safetensors", "trainer.pt"}
+    load_weights(model, ck)
+    data = bytearray((ck / "model.safetensors").read_bytes())
+    data[-3] ^= 0x40  # inside the last tensor's bytes
+    (ck / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256 does not match"):
+        load_weights(model, ck)
+    (ck / "trainer.pt").write_bytes((ck / "trainer.pt").read_bytes() + b"\0")
+    with pytest.raises(CheckpointError, match="SHA-256 does not match"):
+        load_trainer_state(ck)
+    (ck / "meta.json").unlink()  # an old checkpoint without checksums: the tensors are checked
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["0.weight"][0, 0] = float("nan")
+    save_file(state, str(ck / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="0.weight holds non-finite"):
+        load_weights(model, ck)
+    state = {k: v.double() for k, v in model.state_dict().items()}
+    save_file(state, str(ck / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="is torch.float64, the model expects torch.float32"):
+        load_weights(model, ck)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # nothing was loaded

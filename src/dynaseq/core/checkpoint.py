@@ -10,11 +10,17 @@ Layout of a run directory::
 A checkpoint directory is written under a temporary name and renamed into place, so a kill
 at any moment leaves the previous checkpoints intact. Loading never executes code: weights
 are safetensors and the trainer state is read with ``torch.load(weights_only=True)``.
+
+``meta.json`` records the SHA-256 of each file written with it (``sha256``); loading checks
+them, so flipped bytes are refused instead of loaded, and refuses non-finite weights and
+weights of another dtype than the model's. (Checkpoints written before checksums were
+recorded load without that check.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
@@ -78,8 +84,45 @@ def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, An
         save_model(model, str(tmp / WEIGHTS))
         if trainer_state is not None:
             torch.save(trainer_state, tmp / TRAINER)
-        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        _write_meta(tmp, meta)
     return Path(directory)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
+    """``meta`` plus the SHA-256 of every file already in ``tmp``, as ``meta.json``."""
+    sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / META).write_text(json.dumps({**meta, "sha256": sums}, indent=1), encoding="utf-8")
+
+
+def _verify(directory: Path, name: str, what: str = "checkpoint") -> None:
+    """Refuse ``directory/name`` if ``meta.json`` records another SHA-256 for it."""
+    expected = read_meta(directory).get("sha256", {}).get(name)
+    if expected is not None and _sha256(directory / name) != expected:
+        raise CheckpointError(f"corrupt {what} {directory / name}: its SHA-256 does not "
+                              f"match the one recorded in {META} (damaged file)")
+
+
+def _check_tensors(path: Path, model: nn.Module) -> None:
+    """Refuse non-finite weights and weights of another dtype than the model's."""
+    expected = model.state_dict()
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+            t = f.get_tensor(name)
+            want = expected.get(name)
+            if want is not None and t.dtype != want.dtype:
+                raise CheckpointError(f"checkpoint {path}: {name} is {t.dtype}, the model "
+                                      f"expects {want.dtype}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"checkpoint {path}: {name} holds non-finite values "
+                                      "(NaN or inf)")
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -117,6 +160,9 @@ def load_weights(model: nn.Module, directory: str | Path) -> None:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint in {directory} (missing {WEIGHTS})")
     try:
+        if (Path(directory) / META).is_file():
+            _verify(Path(directory), WEIGHTS)
+        _check_tensors(path, model)
         missing, unexpected = load_model(model, str(path), strict=False)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -128,6 +174,8 @@ def load_weights(model: nn.Module, directory: str | Path) -> None:
 
 def load_trainer_state(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / TRAINER
+    if path.is_file():
+        _verify(Path(directory), TRAINER, "trainer state")
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
@@ -157,7 +205,7 @@ def average_checkpoints(directories: list[Path], out_dir: str | Path) -> Path:
             "step": read_meta(directories[-1]).get("step")}
     with _atomic_dir(out_dir) as tmp:
         save_file(mean, str(tmp / WEIGHTS))
-        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        _write_meta(tmp, meta)
     return Path(out_dir)
 
 
