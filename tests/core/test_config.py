@@ -154,3 +154,17 @@ def test_bad_dmb_and_moe_configs_are_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_named_size_gives_that_size_from_python_too():
+    from dynaseq.core.config import MODEL_SIZES, ModelConfig
+    from dynaseq.models import build_seq2seq
+
+    for size, dims in MODEL_SIZES.items():
+        cfg = ModelConfig(size=size)
+        assert (cfg.d_model, cfg.ffn_dim, cfg.n_heads) == tuple(dims.values())
+    narrow = ModelConfig(size="small", ffn_dim=128)  # an explicit dimension wins
+    assert (narrow.d_model, narrow.ffn_dim, narrow.n_heads) == (256, 128, 4)
+    assert ModelConfig().d_model == 128  # no size: tiny's
+    model = build_seq2seq(ModelConfig(size="small", encoder_layers=1, decoder_layers=1), 100)
+    assert model.encoder.layers[0].ffn_norm.normalized_shape == (256,)

@@ -230,14 +230,17 @@ class ModelConfig:
     """Dense pre-LayerNorm Transformer encoder-decoder.
 
     ``size`` picks a named preset (``tiny``/``small``/``base``/``big``) whose values fill every
-    field the config does not set itself. At most one of ``cct`` (conditional computation),
+    dimension (``d_model``, ``ffn_dim``, ``n_heads``) the config does not set itself, from
+    YAML and from Python alike: ``ModelConfig(size="base")`` is a base model, and
+    ``ModelConfig(size="small", ffn_dim=128)`` a small one with a narrower FFN. Without a
+    size the unset dimensions are ``tiny``'s. At most one of ``cct`` (conditional computation),
     ``dmb`` (dynamic multi-branch layers) and ``moe`` (its mixture-of-experts baseline) is set.
     """
 
     size: str | None = None
-    d_model: int = 128
-    ffn_dim: int = 512
-    n_heads: int = 4
+    d_model: int | None = None  # None: the size's (or tiny's) value
+    ffn_dim: int | None = None
+    n_heads: int | None = None
     encoder_layers: int = 3
     decoder_layers: int = 3
     dropout: float = 0.1
@@ -251,6 +254,11 @@ class ModelConfig:
     moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.size is not None and self.size not in MODEL_SIZES:
+            raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
+        for name, value in MODEL_SIZES[self.size or "tiny"].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         chosen = [name for name in ("cct", "dmb", "moe") if getattr(self, name) is not None]
         if len(chosen) > 1:
             raise ConfigError(f"{chosen[0]} and {chosen[1]} cannot be combined (a model takes "
@@ -258,23 +266,11 @@ class ModelConfig:
         if self.cct is not None and self.ffn_dim % self.cct.ffn_pieces:
             raise ConfigError(f"ffn_dim={self.ffn_dim} is not divisible by "
                               f"cct.ffn_pieces={self.cct.ffn_pieces}")
-        if self.size is not None and self.size not in MODEL_SIZES:
-            raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
         _check_positive(self, "d_model", "ffn_dim", "n_heads", "encoder_layers",
                         "decoder_layers", "max_positions")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         _check_fraction(self, "dropout", "attention_dropout", "activation_dropout")
-
-    @classmethod
-    def preset_defaults(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        """Return ``raw`` with the named size's values filled in under it."""
-        size = raw.get("size")
-        if size is None:
-            return raw
-        if size not in MODEL_SIZES:
-            raise ConfigError(f"unknown model size {size!r}; known: {sorted(MODEL_SIZES)}")
-        return {**MODEL_SIZES[size], **raw}
 
 
 @dataclass
@@ -619,8 +615,6 @@ def from_dict(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     """Build dataclass ``cls`` from a plain mapping, refusing unknown keys and bad types."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
-    if cls is ModelConfig:
-        raw = ModelConfig.preset_defaults(raw)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
