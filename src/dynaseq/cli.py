@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from dynaseq.core.errors import DynaseqError
 
@@ -156,7 +158,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if target.is_dir():
         args.run_dir = str(target)
         t = _translator(args)
-        model = t.model
+        model, model_cfg = t.model, t.config.model
         budget_ctx = t.at_budget(args.budget)  # with the run's calibration, if any
     elif target.is_file():
         from dynaseq.core.config import load_config
@@ -166,11 +168,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
         cfg = load_config(target, args.overrides)
         if getattr(cfg, "task", None) == "lm":  # random weights, vocabulary of data.train
             return _profile_lm(args, cfg)
-        model = build_seq2seq(cfg.model, cfg.data.vocab_size).eval()
+        model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
         merge_shared_(model)  # DMB: as Translator.load runs it
         budget_ctx = contextlib.nullcontext(control_for_budget(cfg.model, args.budget))
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
+    longest = max(args.src_len, args.tgt_len)
+    if longest > model_cfg.max_positions:
+        raise DynaseqError(f"profile: {longest} positions exceed the model's max_positions="
+                           f"{model_cfg.max_positions}")
     with budget_ctx as control:
         result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
                                control=control)
@@ -382,6 +388,10 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
 def _check_generate(args: argparse.Namespace) -> None:
     if args.tokens < 0 or args.temperature < 0:
         raise DynaseqError("--tokens and --temperature must be >= 0")
+    if args.top_k is not None and args.top_k < 1:
+        raise DynaseqError("--top-k must be >= 1")
+    if args.seed < 0:
+        raise DynaseqError("--seed must be >= 0")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -473,8 +483,17 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``dynaseq: error: ...``, exit status 2), as every other
+    refusal; ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        where = self.prog.removeprefix("dynaseq").strip()  # the subcommand, if any
+        self.exit(EXIT_BAD_INPUT, f"dynaseq: error: {where + ': ' if where else ''}{message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dynaseq", description="Sequence models whose computation is chosen at run time.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -707,6 +726,11 @@ COMMANDS: dict[str, Command] = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            parser.error(f"--{name.replace('_', '-')} {value} is out of range (64-bit)")
     for name in ("beam", "batch_size", "k", "repeats", "src_len", "tgt_len", "batch",
                  "window", "max_evals", "valid_tokens", "lines"):
         value = getattr(args, name, None)

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 
 def _check_positive(obj: Any, *names: str) -> None:
     for name in names:
-        if getattr(obj, name) <= 0:
+        if not getattr(obj, name) > 0:  # NaN too
             raise ConfigError(f"{name} must be > 0, got {getattr(obj, name)!r}")
 
 
@@ -290,6 +291,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "vocab_size", "max_tokens", "max_len")
+        if self.vocab_size <= 4:
+            raise ConfigError(f"vocab_size must be > 4 (the special ids), got {self.vocab_size}")
         if self.long_lines not in ("skip", "truncate"):
             raise ConfigError(f"long_lines must be 'skip' or 'truncate', got {self.long_lines!r}")
         if self.spm_model_type not in ("unigram", "bpe", "char", "word"):
@@ -341,6 +344,10 @@ class TrainConfig:
             raise ConfigError("warmup_steps, average_last_k and valid_bleu_lines must be >= 0")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError("max_minutes must be > 0")
+        if not (self.weight_decay >= 0 and self.clip_norm >= 0 and self.adam_eps > 0):
+            raise ConfigError("weight_decay and clip_norm must be >= 0 and adam_eps > 0")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be in [0, 1), got {list(self.betas)}")
         _check_fraction(self, "label_smoothing")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
@@ -596,10 +603,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(f"{key}: {value} is out of range (a 64-bit integer)")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -4,6 +4,7 @@ the routing losses -> merged inference; incremental decoding, gradients for DDP,
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 
@@ -181,6 +182,7 @@ def test_ddp_steps_with_empty_branches(kind, tmp_path):
         _force_branch_zero(m)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
+    ddp = None
     try:
         ddp = DistributedDataParallel(m)
         src, tgt = _batch()
@@ -189,6 +191,10 @@ def test_ddp_steps_with_empty_branches(kind, tmp_path):
             ce = F.cross_entropy(out.logits.flatten(0, 1), tgt.flatten(), ignore_index=0)
             (ce + 0.1 * seq2seq_routing_loss(out.aux, src, tgt, 0)).backward()
     finally:
+        # the DDP reducer holds the group: freed after the group is destroyed, its gloo
+        # threads were seen to hang joining at exit, so free it first
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
 
 
