@@ -150,16 +150,16 @@ def int8_linear(x: Tensor, weight_int8: Tensor, weight_scale: Tensor,
 
 def _choose_path(rows: int, n_in: int, n_out: int, packed: Int8Packed) -> str:
     """Which int8 matmul is fastest for ``rows`` rows of an ``(n_out, n_in)`` weight (measured
-    per layer shape, one thread, AVX-512 VNNI): ``torch._int_mm`` for one row (fast there)
-    and for small products; oneDNN on the prepacked weight (~20 us of set-up per call) from
-    two rows on for weights of 2M values or more (output layers) and of 1M with a wider input
-    (FFN down-projections: ``torch._int_mm`` takes 3-6x the old ``torch.ao`` time at 2-8
-    rows there), and for any call of more than :data:`ONEDNN_MIN_MACS` multiply-adds."""
+    per layer shape with the weights out of cache, as in a model; one thread, AVX-512 VNNI):
+    ``torch._int_mm`` for one row (its matrix-vector kernel beats oneDNN's there) and for
+    small products; oneDNN on the prepacked weight (~20 us of set-up per call) from two rows
+    on for weights of 1M values or more (output layers, FFN layers at ``base``:
+    ``torch._int_mm`` takes 2.5-3.4x the old ``torch.ao`` time at 4 rows there, oneDNN
+    1.7-2x) and for any call of more than :data:`ONEDNN_MIN_MACS` multiply-adds."""
     if packed.onednn is None or rows < 2:
         return "int_mm"
     weights = n_in * n_out
-    if (weights >= 1 << 21 or (weights >= 1 << 20 and n_in > n_out)
-            or rows * weights > ONEDNN_MIN_MACS):
+    if weights >= 1 << 20 or rows * weights > ONEDNN_MIN_MACS:
         return "onednn"
     return "int_mm"
 
