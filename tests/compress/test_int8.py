@@ -116,6 +116,47 @@ def test_int8_linear_kernel_matches_a_float_reference_and_is_batch_independent()
         Int8Linear.from_float(nn.Conv1d(2, 2, 1))
 
 
+@pytest.mark.parametrize("shape", [(48, 40), (512, 2048), (2048, 512), (256, 8000)])
+def test_int8_linear_paths_agree_bit_for_bit(shape, monkeypatch):
+    """torch._int_mm and oneDNN (prepacked weight) give the same numbers, for any row count."""
+    import dynaseq.nn.int8 as nn_int8
+
+    if nn_int8.pack_int8(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)).onednn is None:
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    n_in, n_out = shape
+    q = Int8Linear.from_float(nn.Linear(n_in, n_out))
+    x = torch.randn(37, n_in) * torch.rand(37, 1) * 10
+    x[0] = 0
+    with torch.no_grad():
+        outs = []
+        for path in ("int_mm", "onednn"):
+            monkeypatch.setattr(nn_int8, "_choose_path", lambda *a, p=path: p)
+            outs.append(q(x))
+        monkeypatch.undo()
+        auto, rows = q(x), torch.cat([q(x[i:i + 1]) for i in range(37)])
+        # the public function without a packed weight (torch._int_mm only)
+        plain = nn_int8.int8_linear(x, q.weight_int8, q.weight_scale, q.bias)
+    for out in (outs[1], auto, rows, plain):
+        assert torch.equal(out, outs[0])
+
+
+def test_int8_linear_packed_weight_follows_its_buffers():
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    q = Int8Linear.from_float(nn.Linear(64, 4096))  # large enough for the oneDNN path
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        before = q(x)
+        assert torch.equal(copy.deepcopy(q)(x), before)  # the packed copy is not copied...
+        assert torch.equal(pickle.loads(pickle.dumps(q))(x), before)  # ...nor pickled
+        assert "_packed" not in q.state_dict() and len(q.state_dict()) == 3
+        q.weight_int8.neg_()  # changed in place (as load_int8 does): repacked
+        assert torch.allclose(q(x), 2 * q.bias - before, atol=1e-5)
+
+
 def test_branched_linear_int8_runs_each_row_on_its_own_branch_only():
     torch.manual_seed(0)
     lin = BranchedLinear(8, 16, n_branches=3, shared=True)

@@ -1,12 +1,16 @@
 """Int8 linear layers for CPU inference, and the table that says how each module type quantizes.
 
-Kernel (hand-written on ``torch._int_mm``, no ``torch.ao``): weights are int8, symmetric per
-output channel (``w ≈ weight_int8 · weight_scale[:, None]``); activations are quantized on
-the fly, symmetric per row (per token): ``x ≈ x_int8 · x_scale[:, None]`` with
+Kernel (no ``torch.ao``, no quantized tensors): weights are int8, symmetric per output channel
+(``w ≈ weight_int8 · weight_scale[:, None]``); activations are quantized on the fly,
+symmetric per row (per token): ``x ≈ x_int8 · x_scale[:, None]`` with
 ``x_scale = max|x_row| / 127``. The product runs as one int8 x int8 -> int32 matmul and is
-rescaled by ``x_scale ⊗ weight_scale`` in float, plus the float bias. Per-row activation
-scales make a row's output independent of the other rows of its batch (batch 1 and batch 32
-give the same numbers for the same sentence).
+rescaled by ``x_scale ⊗ weight_scale`` in float, plus the float bias. The matmul is
+``torch._int_mm`` for one row and small products, and oneDNN's int8 matmul
+(``torch.ops.onednn.qlinear_pointwise``) on a copy of the weight prepacked once per layer
+for large ones (:func:`pack_int8`; built from the stored tensors, never saved). Both give
+the exact int32 sums, followed by the same float operations. Per-row activation scales make a
+row's output independent of the other rows of its batch (batch 1 and batch 32 give the same
+numbers for the same sentence, whichever matmul each call took).
 
 :data:`INT8_HANDLERS` maps a module *type* (exact type, not subclasses) to a function that
 returns its int8 replacement, or to :data:`KEEP_FLOAT` for modules whose whole subtree stays
@@ -25,6 +29,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -69,22 +74,111 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+class Int8Packed(NamedTuple):
+    """What :func:`int8_linear` derives once from a layer's stored tensors (never saved).
+
+    ``scale127``: ``weight_scale / 127`` ``(out,)`` float32 (the per-channel scale with the
+    activation scale's 1/127 folded in). ``onednn``: the weight in oneDNN's blocked int8 layout
+    (``torch.ops.onednn.qlinear_prepack``, zero-point compensation precomputed) and
+    ``zero_points`` ``(out,)`` int32 zeros, or None where oneDNN is not available (GPU tensors,
+    a torch built without it). ``weight_t``: the ``(in, out)`` view ``torch._int_mm`` takes.
+    """
+
+    scale127: Tensor
+    onednn: Tensor | None
+    zero_points: Tensor | None
+    weight_t: Tensor | None = None  # weight_int8.t(): a view, made once
+
+
+#: ``rows · in · out`` (multiply-adds of one call) above which oneDNN's int8 matmul on the
+#: prepacked weight is used whatever the layer's shape; below it oneDNN's per-call set-up
+#: (~20 us: ATen builds the primitive descriptor on every call) dominates.
+ONEDNN_MIN_MACS = 1 << 25
+
+
+def _onednn_ok() -> bool:
+    global _ONEDNN
+    if _ONEDNN is None:
+        try:
+            w = torch.zeros(2, 4, dtype=torch.int8)
+            torch.ops.onednn.qlinear_prepack(w, None)
+            _ONEDNN = True
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _ONEDNN = False
+    return _ONEDNN
+
+
+_ONEDNN: bool | None = None
+
+
+def pack_int8(weight_int8: Tensor, weight_scale: Tensor) -> Int8Packed:
+    """The :class:`Int8Packed` of an ``(out, in)`` int8 weight and its ``(out,)`` scales."""
+    scale127 = (weight_scale.float() / 127).contiguous()
+    if weight_int8.device.type != "cpu" or not _onednn_ok():
+        return Int8Packed(scale127, None, None, weight_int8.t())
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None)
+    except RuntimeError:  # a shape oneDNN does not take: torch._int_mm does
+        return Int8Packed(scale127, None, None, weight_int8.t())
+    zp = torch.zeros(weight_int8.size(0), dtype=torch.int32)
+    return Int8Packed(scale127, packed, zp, weight_int8.t())
+
+
 def int8_linear(x: Tensor, weight_int8: Tensor, weight_scale: Tensor,
-                bias: Tensor | None) -> Tensor:
+                bias: Tensor | None, packed: Int8Packed | None = None) -> Tensor:
     """``x Wᵀ + b`` with ``W = weight_int8 · weight_scale[:, None]`` and ``x`` quantized per row.
 
     x: ``(M, in)`` float32; weight_int8: ``(out, in)`` int8; weight_scale: ``(out,)``;
-    bias: ``(out,)`` or None -> ``(M, out)`` float32.
+    bias: ``(out,)`` or None; packed: :func:`pack_int8` of the weight (enables the oneDNN
+    path; without it only ``torch._int_mm`` is used) -> ``(M, out)`` float32.
+
+    Every path computes the exact int32 sums and then the same float operations, so a row's
+    output does not depend on how many rows share its call (nor on the path taken).
     """
+    if packed is None:
+        packed = Int8Packed(weight_scale.float() / 127, None, None)
     # (M, 1) per-row max |x|; an all-zero row gets a tiny one and quantizes to zeros
     amax = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
-    xq = (x * (127 / amax)).round_().to(torch.int8)          # (M, in), |xq| <= 127
-    acc = torch._int_mm(xq, weight_int8.t())                 # (M, out) int32, exact
-    out = torch.mul(acc, weight_scale)                       # (M, out) float32
-    # x_scale = amax / 127: out · x_scale + bias in one pass
+    xq = torch.mul(x, torch.reciprocal(amax).mul_(127.0)).round_().to(torch.int8)  # |xq| <= 127
+    path = _choose_path(xq.size(0), weight_int8.size(1), weight_int8.size(0), packed)
+    y = _MATMULS[path](xq, weight_int8, packed)          # (M, out) float32: acc · scale127
+    # x_scale = amax / 127, the 1/127 folded into scale127
     if bias is None:
-        return out.mul_(amax).div_(127)
-    return torch.addcmul(bias, out, amax, value=1 / 127)
+        return y.mul_(amax)
+    return torch.addcmul(bias, y, amax)
+
+
+def _choose_path(rows: int, n_in: int, n_out: int, packed: Int8Packed) -> str:
+    """Which int8 matmul is fastest for ``rows`` rows of an ``(n_out, n_in)`` weight (measured
+    per layer shape with the weights out of cache, as in a model; one thread, AVX-512 VNNI):
+    ``torch._int_mm`` for one row (its matrix-vector kernel beats oneDNN's there) and for
+    small products; oneDNN on the prepacked weight (~20 us of set-up per call) from two rows
+    on for weights of 1M values or more (output layers, FFN layers at ``base``:
+    ``torch._int_mm`` takes 2.5-3.4x the old ``torch.ao`` time at 4 rows there, oneDNN
+    1.7-2x) and for any call of more than :data:`ONEDNN_MIN_MACS` multiply-adds."""
+    if packed.onednn is None or rows < 2:
+        return "int_mm"
+    weights = n_in * n_out
+    if weights >= 1 << 20 or rows * weights > ONEDNN_MIN_MACS:
+        return "onednn"
+    return "int_mm"
+
+
+def _int_mm(xq: Tensor, w: Tensor, packed: Int8Packed) -> Tensor:
+    wt = w.t() if packed.weight_t is None else packed.weight_t
+    return torch.mul(torch._int_mm(xq, wt), packed.scale127)
+
+
+def _onednn(xq: Tensor, w: Tensor, packed: Int8Packed) -> Tensor:
+    # uint8 with zero point 128 (oneDNN's fast int8 kernels take unsigned activations):
+    # flipping the top bit adds 128
+    xu = xq.view(torch.uint8).bitwise_xor_(128)
+    return torch.ops.onednn.qlinear_pointwise(
+        xu, 1.0, 128, packed.onednn, packed.scale127, packed.zero_points, None, 1.0, 0,
+        torch.float32, "none", [], "")
+
+
+_MATMULS = {"int_mm": _int_mm, "onednn": _onednn}
 
 
 class Int8Linear(nn.Module):
@@ -112,6 +206,26 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", bias)
+        self._packed: tuple[tuple[int, ...], Int8Packed] | None = None
+
+    def packed(self) -> Int8Packed:
+        """The :class:`Int8Packed` of this layer's weight: built on first use and again
+        whenever ``weight_int8`` or ``weight_scale`` changed (loaded in place, moved);
+        never saved (state dict, pickling and deep copies hold only the stored tensors)."""
+        bufs = self._buffers
+        return self._packed_for(bufs["weight_int8"], bufs["weight_scale"])
+
+    def _packed_for(self, w: Tensor, s: Tensor) -> Int8Packed:
+        key = (w.data_ptr(), w._version, s.data_ptr(), s._version)
+        cached = self._packed
+        if cached is None or cached[0] != key:
+            cached = self._packed = (key, pack_int8(w, s))
+        return cached[1]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_packed"] = None  # oneDNN's blocked tensor has no storage to copy or pickle
+        return state
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> Int8Linear:
@@ -135,11 +249,17 @@ class Int8Linear(nn.Module):
         return self.weight_int8.float() * self.weight_scale[:, None]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.size(-1) != self.in_features:
-            raise ValueError(f"x has width {x.size(-1)}, expected {self.in_features}")
-        flat = x.reshape(-1, self.in_features)
-        out = int8_linear(flat, self.weight_int8, self.weight_scale, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        # buffers read from _buffers directly: this runs once per layer per decoding step
+        bufs = self._buffers
+        w, s = bufs["weight_int8"], bufs["weight_scale"]
+        n_in = w.shape[1]
+        if x.shape[-1] != n_in:
+            raise ValueError(f"x has width {x.shape[-1]}, expected {n_in}")
+        packed = self._packed_for(w, s)
+        if x.dim() == 2:
+            return int8_linear(x, w, s, bufs["bias"], packed)
+        out = int8_linear(x.reshape(-1, n_in), w, s, bufs["bias"], packed)
+        return out.view(*x.shape[:-1], w.shape[0])
 
     def macs(self, n_tokens: int) -> int:
         """Multiply-adds of ``n_tokens`` rows (as for the float layer)."""

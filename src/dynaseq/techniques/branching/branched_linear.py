@@ -244,7 +244,9 @@ class Int8BranchedLinear(nn.Module):
 
         def apply(k: int, rows: Tensor) -> Tensor:  # the kernel itself: no module call
             b = branches[k]
-            return int8_linear(rows, b.weight_int8, b.weight_scale, b.bias)
+            bufs = b._buffers  # not b.weight_int8 &c.: Module.__getattr__ costs per call
+            return int8_linear(rows, bufs["weight_int8"], bufs["weight_scale"], bufs["bias"],
+                               b.packed())
 
         return run_used_groups(xs, groups, apply, self.out_features)
 
