@@ -73,20 +73,13 @@ class Int8TokenEmbedding(nn.Module):
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("row_scale", row_scale)
         self.pad_id, self.scale = pad_id, scale
+        self.vocab_size, self.embedding_dim = weight_int8.shape  # fixed, as nn.Embedding's
 
     @classmethod
     def from_float(cls, emb: nn.Module) -> Int8TokenEmbedding:
         """Quantize a ``TokenEmbedding`` (``weight``, ``pad_id``, ``scale``) per row."""
         q, row_scale = quantize_rows(emb.weight)
         return cls(q, row_scale, emb.pad_id, emb.scale)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.weight_int8.size(0)
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.weight_int8.size(1)
 
     def output_layer(self, bias: Tensor | None = None) -> Int8Linear:
         """An ``(d -> V)`` output layer tied to this embedding: the same int8 rows and scales

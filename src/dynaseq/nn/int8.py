@@ -206,6 +206,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight_int8.shape  # fixed, as nn.Linear's
         self._packed: tuple[tuple[int, ...], Int8Packed] | None = None
 
     def packed(self) -> Int8Packed:
@@ -235,14 +236,6 @@ class Int8Linear(nn.Module):
         q, scale = quantize_rows(mod.weight)
         bias = None if mod.bias is None else mod.bias.detach().float().clone()
         return cls(q, scale, bias)
-
-    @property
-    def in_features(self) -> int:
-        return self.weight_int8.size(1)
-
-    @property
-    def out_features(self) -> int:
-        return self.weight_int8.size(0)
 
     def dequantized_weight(self) -> Tensor:
         """The float ``(out, in)`` weight these int8 values stand for."""

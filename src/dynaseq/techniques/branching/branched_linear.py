@@ -32,6 +32,21 @@ from dynaseq.techniques.branching.routing import BranchGroups, run_used_groups
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def branched_forward(layer: nn.Module, x: Tensor, branch: Tensor) -> Tensor:
+    """``x`` ``(..., in)``, ``branch`` ``(...)`` long -> ``(..., out)``: each row through its
+    branch of ``layer`` (a :class:`BranchedLinear` or its int8 version), rows grouped by
+    branch for ``layer.grouped`` and put back in order."""
+    if branch.shape != x.shape[:-1]:
+        raise ValueError(f"branch {tuple(branch.shape)} must match the rows of x "
+                         f"{tuple(x.shape[:-1])}")
+    if x.size(-1) != layer.in_features:
+        raise ValueError(f"x has width {x.size(-1)}, expected {layer.in_features}")
+    groups = BranchGroups.of(branch.reshape(-1), layer.n_branches)
+    flat = x.reshape(-1, layer.in_features)
+    out = groups.scatter(layer.grouped(groups.gather(flat), groups))
+    return out.view(*x.shape[:-1], layer.out_features)
+
+
 class BranchedLinear(nn.Module):
     """``y_m = x_m W_{k_m}ᵀ + b_{k_m}`` with ``k_m`` the branch of row m (eq. 25).
 
@@ -151,15 +166,7 @@ class BranchedLinear(nn.Module):
         return (self.in_features * size) % 16 == 0 and (self.out_features * size) % 16 == 0
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
-        if branch.shape != x.shape[:-1]:
-            raise ValueError(f"branch {tuple(branch.shape)} must match the rows of x "
-                             f"{tuple(x.shape[:-1])}")
-        if x.size(-1) != self.in_features:
-            raise ValueError(f"x has width {x.size(-1)}, expected {self.in_features}")
-        groups = BranchGroups.of(branch.reshape(-1), self.n_branches)
-        flat = x.reshape(-1, self.in_features)
-        out = groups.scatter(self.grouped(groups.gather(flat), groups))
-        return out.view(*x.shape[:-1], self.out_features)
+        return branched_forward(self, x, branch)
 
     @torch.no_grad()
     def merge_(self) -> BranchedLinear:
@@ -251,15 +258,7 @@ class Int8BranchedLinear(nn.Module):
         return run_used_groups(xs, groups, apply, self.out_features)
 
     def forward(self, x: Tensor, branch: Tensor) -> Tensor:
-        if branch.shape != x.shape[:-1]:
-            raise ValueError(f"branch {tuple(branch.shape)} must match the rows of x "
-                             f"{tuple(x.shape[:-1])}")
-        if x.size(-1) != self.in_features:
-            raise ValueError(f"x has width {x.size(-1)}, expected {self.in_features}")
-        groups = BranchGroups.of(branch.reshape(-1), self.n_branches)
-        flat = x.reshape(-1, self.in_features)
-        out = groups.scatter(self.grouped(groups.gather(flat), groups))
-        return out.view(*x.shape[:-1], self.out_features)
+        return branched_forward(self, x, branch)
 
     def macs(self, n_tokens: int) -> int:
         """Multiply-adds of ``n_tokens`` rows (each runs one branch)."""

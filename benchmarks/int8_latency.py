@@ -1,0 +1,85 @@
+"""Int8 decoding latency: dynaseq's int8 path (``dynaseq.nn.int8``) against fp32 and against
+the ``torch.ao`` dynamic quantization it replaced, interleaved in one process.
+
+Untrained dense models of the configs' sizes (weights do not change latency), 30 -> 30
+tokens, greedy and beam 4 at batch 1 and 32, one thread, medians. The ``torch.ao`` column is
+``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear`` (per-channel qint8, what
+dynaseq used before); it runs here only, as the bar, and its deprecation warnings are shown,
+not silenced. Writes ``results/int8_latency.{json,md}``.
+
+    python benchmarks/int8_latency.py [--sizes tiny,small,base] [--rounds 3] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch import nn
+
+from dynaseq.compress.int8 import quantize_int8
+from dynaseq.core.config import load_config
+from dynaseq.metrics.latency import decode_latency_ms
+from dynaseq.models import build_seq2seq
+
+import _lib
+
+SETTINGS = [(1, 1), (1, 32), (4, 1), (4, 32)]  # (beam, batch)
+
+
+def torch_ao_int8(model: nn.Module) -> nn.Module:
+    """The removed path: torch.ao dynamic int8 on every nn.Linear (a quantized copy)."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=False)
+
+
+def measure(size: str, rounds: int, repeats: int) -> dict[str, dict[str, float]]:
+    torch.manual_seed(0)
+    model = build_seq2seq(load_config("configs/multi30k_tiny.yaml", [f"model.size={size}"]).model,
+                          8000).eval()
+    variants = {"fp32": model, "torch.ao": torch_ao_int8(model), "dynaseq": quantize_int8(model)}
+    times: dict[str, dict[tuple[int, int], list[float]]] = {
+        v: {s: [] for s in SETTINGS} for v in variants}
+    for _ in range(rounds):
+        for s in SETTINGS:
+            for name, m in variants.items():  # interleaved: the same moment for each variant
+                times[name][s].append(decode_latency_ms(m, 30, 30, beam=s[0], batch=s[1],
+                                                        repeats=repeats))
+    rows = {}
+    for s in SETTINGS:
+        med = {v: statistics.median(times[v][s]) for v in variants}
+        rows[f"{'greedy' if s[0] == 1 else 'beam4'}_b{s[1]}"] = {
+            **{f"{v}_ms": round(x, 1) for v, x in med.items()},
+            "dynaseq/torch.ao": round(med["dynaseq"] / med["torch.ao"], 2),
+            "dynaseq/fp32": round(med["dynaseq"] / med["fp32"], 2),
+            "torch.ao/fp32": round(med["torch.ao"] / med["fp32"], 2)}
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="tiny,small,base")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    _lib.add_results_arg(p)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    results = {"command": _lib.command(), "machine": _lib.machine(processor=True),
+               "sizes": {size: measure(size, args.rounds, args.repeats)
+                         for size in args.sizes.split(",")}}
+    lines = _lib.md_head("int8 decoding latency: dynaseq int8 vs torch.ao int8 vs fp32",
+                         results["command"], f"Machine: {results['machine']}")
+    table = [[size, setting, r["fp32_ms"], r["torch.ao_ms"], r["dynaseq_ms"],
+              r["dynaseq/torch.ao"], r["dynaseq/fp32"]]
+             for size, rows in results["sizes"].items() for setting, r in rows.items()]
+    lines += _lib.md_table(["size", "decode (30->30)", "fp32 ms", "torch.ao ms", "dynaseq ms",
+                            "dynaseq ÷ torch.ao", "dynaseq ÷ fp32"], "llrrrrr", table)
+    lines += ["", "Untrained dense models, one thread, medians of interleaved rounds."]
+    _lib.write_results(args.results, "int8_latency", results, lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
