@@ -18,7 +18,7 @@ A CCT model takes each row's budget as the call's ``control``: control-symbol id
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +32,12 @@ from dynaseq.nn import (
     FeedForward,
     KVCache,
     SinusoidalPositions,
+    Sublayers,
     dense_attention,
     padding_to_attn_mask,
 )
+from dynaseq.techniques.branching.builder import dmb_sublayers, moe_sublayers
+from dynaseq.techniques.cct.builder import cct_sublayers
 from dynaseq.techniques.cct.gating import GATE_SUBNETWORKS, BudgetControl
 
 
@@ -262,92 +265,42 @@ class Seq2SeqTransformer(nn.Module):
         return self.decoder(tokens, enc, state)[:, -1]
 
 
+def dense_sublayers(cfg: ModelConfig) -> Sublayers:
+    """Plain multi-head attention and FFN sub-layers."""
+
+    def attention() -> nn.Module:
+        return dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+
+    def ffn() -> nn.Module:
+        return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation_dropout)
+
+    return Sublayers(attention, ffn)
+
+
+#: ``ModelConfig`` section -> the technique's sub-layer builder (none set: dense). Each builder
+#: lives beside its technique; this table is the only place that names them.
+TECHNIQUE_SUBLAYERS: dict[str, Callable[[ModelConfig], Sublayers]] = {
+    "cct": cct_sublayers,
+    "dmb": dmb_sublayers,
+    "moe": moe_sublayers,
+}
+
+
 def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: int = 2,
                   eos_id: int = 3) -> Seq2SeqTransformer:
     """Pre-LN Transformer from a config: dense, CCT (``cfg.cct``), Transformer-DMB
-    (``cfg.dmb``) or its mixture-of-experts baseline (``cfg.moe``).
+    (``cfg.dmb``) or its mixture-of-experts baseline (``cfg.moe``), the sub-layers from the
+    technique's builder (:data:`TECHNIQUE_SUBLAYERS`).
 
     ``share_embeddings`` ties source and target embeddings (one shared vocabulary);
     ``tie_output`` ties the output projection to the target embedding (Press & Wolf 2017).
     """
-    d = cfg.d_model
-
-    def attention() -> nn.Module:
-        return dense_attention(d, cfg.n_heads, cfg.attention_dropout)
-
-    def ffn() -> nn.Module:
-        return FeedForward(d, cfg.ffn_dim, cfg.activation_dropout)
-
-    if cfg.dmb is not None or cfg.moe is not None:
-        return _build_branching(cfg, vocab_size, attention, pad_id, bos_id, eos_id)
-    if cfg.cct is None:
-        return _assemble(cfg, vocab_size, attention, ffn, None, pad_id, bos_id, eos_id)
-
-    from dynaseq.techniques.cct.layers import (
-        NoiseSchedule,
-        conditional_attention,
-        conditional_feedforward,
-        name_conditional_sublayers,
-    )
-
-    cct = cfg.cct
-    schedule = NoiseSchedule(cct.alpha_max, cct.noise_ramp_steps)
-
-    def cond_attention() -> nn.Module:
-        return conditional_attention(d, cfg.n_heads, cfg.attention_dropout,
-                                     control_hidden=cct.control_hidden, schedule=schedule,
-                                     hard_budget=cct.budget_estimate == "hard",
-                                     norms=cct.output_norms)
-
-    def cond_ffn() -> nn.Module:
-        return conditional_feedforward(d, cfg.ffn_dim, cct.ffn_pieces, cfg.activation_dropout,
-                                       control_hidden=cct.control_hidden, schedule=schedule,
-                                       hard_budget=cct.budget_estimate == "hard",
-                                       out_norms=cct.output_norms)
-
-    control = nn.Embedding(len(cct.controls), d)
-    nn.init.normal_(control.weight, std=cct.control_init_std)
-    model = _assemble(cfg, vocab_size, cond_attention, cond_ffn, control, pad_id, bos_id, eos_id)
-    name_conditional_sublayers(model)
-    return model
-
-
-def _build_branching(cfg: ModelConfig, vocab_size: int, dense_attn, pad_id: int, bos_id: int,
-                     eos_id: int) -> Seq2SeqTransformer:
-    """Transformer-DMB (Tan et al. 2021) or the top-k MoE baseline: every FFN, and with
-    ``attention`` every self- and cross-attention, of encoder and decoder is branched; the
-    sub-layers are named after their paths for the routing losses."""
-    from dynaseq.techniques.branching import (
-        dmb_attention,
-        dmb_feedforward,
-        moe_attention,
-        moe_feedforward,
-        name_branching_sublayers,
-    )
-
-    d, heads = cfg.d_model, cfg.n_heads
-    if cfg.dmb is not None:
-        n, shared = cfg.dmb.n_branches, cfg.dmb.shared_private
-        with_attention = cfg.dmb.attention
-
-        def branched_attn() -> nn.Module:
-            return dmb_attention(d, heads, n, cfg.attention_dropout, shared=shared)
-
-        def branched_ffn() -> nn.Module:
-            return dmb_feedforward(d, cfg.ffn_dim, n, cfg.activation_dropout, shared=shared)
-    else:
-        moe = cfg.moe
-        with_attention = moe.attention
-
-        def branched_attn() -> nn.Module:
-            return moe_attention(d, heads, moe.n_experts, moe.k, cfg.attention_dropout)
-
-        def branched_ffn() -> nn.Module:
-            return moe_feedforward(d, cfg.ffn_dim, moe.n_experts, moe.k, cfg.activation_dropout)
-
-    model = _assemble(cfg, vocab_size, branched_attn if with_attention else dense_attn,
-                      branched_ffn, None, pad_id, bos_id, eos_id)
-    name_branching_sublayers(model)
+    chosen = [make for name, make in TECHNIQUE_SUBLAYERS.items() if getattr(cfg, name)]
+    parts = chosen[0](cfg) if chosen else dense_sublayers(cfg)
+    model = _assemble(cfg, vocab_size, parts.attention, parts.ffn, parts.control, pad_id,
+                      bos_id, eos_id)
+    if parts.finish is not None:
+        parts.finish(model)
     return model
 
 

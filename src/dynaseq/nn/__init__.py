@@ -2,7 +2,7 @@
 
 from dynaseq.nn.attention import KVCache, MultiHeadAttention, dense_attention, padding_to_attn_mask
 from dynaseq.nn.feedforward import FeedForward
-from dynaseq.nn.layers import DecoderLayer, EncoderLayer
+from dynaseq.nn.layers import DecoderLayer, EncoderLayer, Sublayers
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.nn.positional import SinusoidalPositions
 
@@ -14,6 +14,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "SinusoidalPositions",
+    "Sublayers",
     "dense_attention",
     "padding_to_attn_mask",
 ]

@@ -12,6 +12,8 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -74,3 +76,16 @@ def _per_call(aux: AuxOutputs | None, gate_offset: Tensor | None) -> dict[str, A
     """The per-call keyword arguments of a sub-layer: ``aux`` always, ``gate_offset`` only
     when given (sub-layers without gates do not take one)."""
     return {"aux": aux} if gate_offset is None else {"aux": aux, "gate_offset": gate_offset}
+
+
+@dataclass
+class Sublayers:
+    """What a technique gives a model to compose: factories for each layer's attention and
+    feed-forward sub-layers (called once per use, in layer order), an optional control-symbol
+    embedding (CCT budgets) and ``finish(model)``, run on the assembled model (e.g. naming
+    the sub-layers after their paths for traces and losses)."""
+
+    attention: Callable[[], nn.Module]
+    ffn: Callable[[], nn.Module]
+    control: nn.Module | None = None
+    finish: Callable[[nn.Module], object] | None = None

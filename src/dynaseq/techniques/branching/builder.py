@@ -1,0 +1,56 @@
+"""Sub-layers of a Transformer-DMB (Tan et al. 2021) and of its top-k MoE baseline: every FFN,
+and with ``attention`` every self- and cross-attention, branched; the sub-layers named after
+their paths for the routing losses."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dynaseq.core.config import ModelConfig
+from dynaseq.nn import dense_attention
+from dynaseq.nn.layers import Sublayers
+from dynaseq.techniques.branching import (
+    dmb_attention,
+    dmb_feedforward,
+    moe_attention,
+    moe_feedforward,
+    name_branching_sublayers,
+)
+
+
+def _attention_or_dense(cfg: ModelConfig, branched, with_attention: bool):
+    if with_attention:
+        return branched
+    return lambda: dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+
+
+def dmb_sublayers(cfg: ModelConfig) -> Sublayers:
+    """N-branch FFNs (and attention projections) for ``cfg`` (its ``dmb`` section set)."""
+    dmb, d = cfg.dmb, cfg.d_model
+    assert dmb is not None
+
+    def attention() -> nn.Module:
+        return dmb_attention(d, cfg.n_heads, dmb.n_branches, cfg.attention_dropout,
+                             shared=dmb.shared_private)
+
+    def ffn() -> nn.Module:
+        return dmb_feedforward(d, cfg.ffn_dim, dmb.n_branches, cfg.activation_dropout,
+                               shared=dmb.shared_private)
+
+    return Sublayers(_attention_or_dense(cfg, attention, dmb.attention), ffn,
+                     finish=name_branching_sublayers)
+
+
+def moe_sublayers(cfg: ModelConfig) -> Sublayers:
+    """Top-k expert FFNs (and attention projections) for ``cfg`` (its ``moe`` section set)."""
+    moe, d = cfg.moe, cfg.d_model
+    assert moe is not None
+
+    def attention() -> nn.Module:
+        return moe_attention(d, cfg.n_heads, moe.n_experts, moe.k, cfg.attention_dropout)
+
+    def ffn() -> nn.Module:
+        return moe_feedforward(d, cfg.ffn_dim, moe.n_experts, moe.k, cfg.activation_dropout)
+
+    return Sublayers(_attention_or_dense(cfg, attention, moe.attention), ffn,
+                     finish=name_branching_sublayers)

@@ -1,0 +1,37 @@
+"""The CCT's sub-layers for a seq2seq model (Bapna et al. 2020): every attention and FFN
+gated (:func:`conditional_attention`, :func:`conditional_feedforward` with M pieces), one
+control-symbol embedding per trained budget, and the sub-layers named after their paths."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dynaseq.core.config import ModelConfig
+from dynaseq.nn.layers import Sublayers
+from dynaseq.techniques.cct.conditional_attention import conditional_attention
+from dynaseq.techniques.cct.conditional_ffn import conditional_feedforward
+from dynaseq.techniques.cct.gating import NoiseSchedule
+from dynaseq.techniques.cct.layers import name_conditional_sublayers
+
+
+def cct_sublayers(cfg: ModelConfig) -> Sublayers:
+    """Gated sub-layers for ``cfg`` (its ``cct`` section set); the control embedding
+    ``(len(controls), d)`` is initialised N(0, ``control_init_std``²)."""
+    cct, d = cfg.cct, cfg.d_model
+    assert cct is not None
+    schedule = NoiseSchedule(cct.alpha_max, cct.noise_ramp_steps)
+    hard = cct.budget_estimate == "hard"
+
+    def attention() -> nn.Module:
+        return conditional_attention(d, cfg.n_heads, cfg.attention_dropout,
+                                     control_hidden=cct.control_hidden, schedule=schedule,
+                                     hard_budget=hard, norms=cct.output_norms)
+
+    def ffn() -> nn.Module:
+        return conditional_feedforward(d, cfg.ffn_dim, cct.ffn_pieces, cfg.activation_dropout,
+                                       control_hidden=cct.control_hidden, schedule=schedule,
+                                       hard_budget=hard, out_norms=cct.output_norms)
+
+    control = nn.Embedding(len(cct.controls), d)
+    nn.init.normal_(control.weight, std=cct.control_init_std)
+    return Sublayers(attention, ffn, control, name_conditional_sublayers)
