@@ -116,3 +116,20 @@ def test_an_output_that_is_an_input_is_refused(trained_run, tmp_path, capsys):
                  str(tmp_path / "." / "in.txt")]) == 2
     assert "is the input" in capsys.readouterr().err
     assert src.read_bytes() == before
+
+
+def test_evaluate_refuses_empty_files_and_options_a_run_kind_ignores(trained_run, tmp_path,
+                                                                       capsys):
+    (tmp_path / "e.src").write_text("")
+    (tmp_path / "e.ref").write_text("")
+    assert main(["evaluate", str(trained_run), "--src", str(tmp_path / "e.src"), "--ref",
+                 str(tmp_path / "e.ref")]) == 2
+    assert "has no lines to evaluate" in capsys.readouterr().err
+    lm = lm_config(tmp_path, "train.max_steps=1")
+    from dynaseq.train.loop import train
+
+    train(lm, progress=False)
+    assert main(["evaluate", lm.run_dir, "--budget", "0.5", "--beam", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"dynaseq: error: evaluate: --budget, --beam are for translation runs; "
+                   f"{lm.run_dir} is a language-model run"), err

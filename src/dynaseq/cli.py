@@ -107,6 +107,8 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     src, ref = read_lines(args.src), read_lines(args.ref)
     if len(src) != len(ref):
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
+    if not src:
+        raise DynaseqError(f"evaluate: {args.src} has no lines to evaluate")
     t = _translator(args)
     result = t.evaluate(src, ref, beam=args.beam, length_penalty=args.length_penalty,
                         batch_size=args.batch_size, budget=args.budget)
@@ -370,6 +372,12 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     """``dynaseq evaluate LM_RUN --split valid|test [--json]``: perplexity without (``ppl``)
     and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
     θ 0.016, λ 0.07 for a run without a cache)."""
+    given = [f"--{name.replace('_', '-')}" for name in ("src", "ref", "budget", "beam",
+                                                       "length_penalty")
+             if getattr(args, name, None) is not None]
+    if given:  # refused, not silently dropped
+        raise DynaseqError(f"evaluate: {', '.join(given)} are for translation runs; "
+                           f"{args.run_dir} is a language-model run")
     lm = _language_model(args)
     result = {"split": args.split,
               **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True),
