@@ -133,3 +133,21 @@ def test_evaluate_refuses_empty_files_and_options_a_run_kind_ignores(trained_run
     err = capsys.readouterr().err.strip()
     assert err == (f"dynaseq: error: evaluate: --budget, --beam are for translation runs; "
                    f"{lm.run_dir} is a language-model run"), err
+
+
+def test_a_trainer_state_of_the_wrong_structure_is_one_line(trained_run, tmp_path, capsys):
+    import torch
+
+    from dynaseq.core import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    latest = ckpt.list_checkpoints(run)[-1]
+    torch.save({"unexpected": 1}, latest / ckpt.TRAINER)
+    meta = ckpt.read_meta(latest)
+    meta.pop("sha256")  # a well-formed file, just not this run's trainer state
+    (latest / ckpt.META).write_text(__import__("json").dumps(meta))
+    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "train.max_steps=30",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not this run's trainer state" in err[0], err

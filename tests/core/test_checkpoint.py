@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -131,3 +133,29 @@ def test_damaged_weights_are_refused_not_loaded(tmp_path):
     with pytest.raises(CheckpointError, match="is torch.float64, the model expects torch.float32"):
         load_weights(model, ck)
     assert all(torch.isfinite(p).all() for p in model.parameters())  # nothing was loaded
+
+
+def test_a_kill_between_the_renames_of_best_is_recovered(tmp_path):
+    """best/ is replaced by two renames (best -> .old-best, .tmp-best -> best); a kill in
+    between leaves neither best/ nor a pointer. The next load brings back the complete new
+    one, or else the old one."""
+    run = tmp_path / "run"
+    ckpt.write_checkpoint(run / "best", net(0), {"step": 1})
+    ckpt.write_checkpoint(run / ".tmp-best", net(1), {"step": 2})  # complete, not yet renamed
+    (run / "best").rename(run / ".old-best")
+    assert ckpt.read_meta(ckpt.resolve_checkpoint(run, "best"))["step"] == 2
+    assert sorted(p.name for p in run.iterdir()) == [".old-best", "best"]
+    # a new best that was not complete (no meta.json yet): the old one comes back
+    (run / "best").rename(run / ".old-best2")
+    shutil.rmtree(run / ".old-best")
+    (run / ".old-best2").rename(run / ".old-best")
+    (run / ".tmp-best").mkdir()
+    (run / ".tmp-best" / ckpt.WEIGHTS).write_bytes(b"partial")
+    assert ckpt.read_meta(ckpt.resolve_checkpoint(run, "auto"))["step"] == 2
+
+
+def test_a_stray_step_directory_is_not_a_checkpoint(tmp_path):
+    ckpt.write_checkpoint(ckpt.step_dir(tmp_path, 5), net(0), {"step": 5})
+    (tmp_path / "checkpoints" / "step_abc").mkdir()
+    (tmp_path / "checkpoints" / "step_abc" / ckpt.META).write_text("{}")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005"]

@@ -49,8 +49,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def recover_dir(final: Path) -> None:
+    """Bring back ``final`` (e.g. ``best/``) after a kill between the two renames of
+    :func:`_replace_dir`: the new ``.tmp-NAME`` if it is complete (its ``meta.json`` and every
+    checksum it records hold), else the previous ``.old-NAME``. A no-op when ``final``
+    exists."""
+    if final.exists():
+        return
+    tmp, old = final.with_name(f".tmp-{final.name}"), final.with_name(f".old-{final.name}")
+    if tmp.is_dir() and _complete(tmp):
+        tmp.rename(final)
+    elif old.is_dir():
+        old.rename(final)
+    else:
+        return
+    _fsync_dir(final.parent)
+
+
+def _complete(directory: Path) -> bool:
+    """A checkpoint directory whose ``meta.json`` records a SHA-256 for each of its files,
+    and every one matches."""
+    try:
+        sums = read_meta(directory).get("sha256") or {}
+        files = {p.name for p in directory.iterdir() if p.is_file() and p.name != META}
+        return bool(sums) and set(sums) == files and all(
+            _sha256(directory / name) == digest for name, digest in sums.items())
+    except (CheckpointError, OSError, AttributeError):
+        return False
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished ``tmp`` directory to ``final``, replacing it, never leaving neither."""
+    """Move a finished ``tmp`` directory to ``final``, replacing it, never leaving neither
+    (a kill between the renames is undone by :func:`recover_dir`)."""
     old = final.with_name(f".old-{final.name}")
     if old.exists():
         shutil.rmtree(old)
@@ -134,8 +164,9 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir()
-             if p.is_dir() and p.name.startswith(_PREFIX) and (p / META).is_file()]
+    found = [p for p in root.iterdir()  # step_<digits> only: a stray step_abc/ is no checkpoint
+             if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
+             and (p / META).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -219,6 +250,8 @@ def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
     named = {"best": run / "best", "averaged": run / "averaged"}
+    for d in named.values():
+        recover_dir(d)
     if which == "latest" or which == "auto":
         ckpts = list_checkpoints(run)
         latest = ckpts[-1] if ckpts else None

@@ -41,7 +41,7 @@ from dynaseq.core.distributed import (
     init_distributed,
     pick_device,
 )
-from dynaseq.core.errors import ConfigError
+from dynaseq.core.errors import CheckpointError, ConfigError
 from dynaseq.core.run_lock import RunDirLock
 from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.protocol import Task
@@ -157,11 +157,15 @@ class _Trainer:
         latest = found[-1]
         ckpt.load_weights(self.task.model, latest)
         trainer = ckpt.load_trainer_state(latest)
-        self.optimizer.load_state_dict(trainer["optimizer"])
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        set_rng_state(trainer["rng"])
-        self.task.load_trainer_state(trainer)
-        state = TrainState(**trainer["state"])
+        try:
+            self.optimizer.load_state_dict(trainer["optimizer"])
+            self.scheduler.load_state_dict(trainer["scheduler"])
+            set_rng_state(trainer["rng"])
+            self.task.load_trainer_state(trainer)
+            state = TrainState(**trainer["state"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+            raise CheckpointError(f"{latest / ckpt.TRAINER} is not this run's trainer state "
+                                  f"({type(e).__name__}: {e})") from None
         self.run.log.write("resume", step=state.step, path=str(latest))
         return state
 
