@@ -67,6 +67,8 @@ class Run:
     device: torch.device
     log: RunLog
     lock: RunDirLock | None = None  # held by the main rank until fit() ends
+    #: the latest checkpoint and the model setup() loaded its weights into (None: a new run)
+    resumed: tuple[Path, nn.Module] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -91,9 +93,11 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
         _check_same_task(run_dir, cfg)
         log = RunLog(run_dir / "log.jsonl", False)  # held until the run is accepted
         task.prepare(env, device, log)
+        resumed = None
         latest = ckpt.list_checkpoints(run_dir)[-1:]
         if latest:  # a resumed run: its checkpoint must fit this config's model
             ckpt.load_weights(task.model, latest[0])
+            resumed = (latest[0], task.model)
         if env.is_main:  # only now: a refused run keeps its config and log
             save_config(cfg, run_dir / "config.yaml")
             log.start_writing()
@@ -102,7 +106,7 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
             lock.release()
         cleanup(env)
         raise
-    return Run(task, run_dir, env, device, log, lock)
+    return Run(task, run_dir, env, device, log, lock, resumed)
 
 
 def _check_same_task(run_dir: Path, cfg: Any) -> None:
@@ -151,11 +155,11 @@ class _Trainer:
         self.main = run.env.is_main
 
     def _resume(self) -> TrainState:
-        found = ckpt.list_checkpoints(self.run.run_dir)
-        if not found:
+        if self.run.resumed is None:
             return TrainState()
-        latest = found[-1]
-        ckpt.load_weights(self.task.model, latest)
+        latest, loaded_into = self.run.resumed
+        if loaded_into is not self.task.model:  # the model was replaced after setup()
+            ckpt.load_weights(self.task.model, latest)
         trainer = ckpt.load_trainer_state(latest)
         try:
             self.optimizer.load_state_dict(trainer["optimizer"])

@@ -9,7 +9,7 @@ the optional in-place self-distillation term to each micro-batch's loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,12 @@ class CCTTraining:
     cct: CCTConfig
     seed: int
     label_smoothing: float
+    sampling_ids: Tensor = field(init=False)  # (n,) control symbol of each budgets entry
+    budgets: Tensor = field(init=False)  # (N, 2): (encoder, decoder) budget per symbol
+
+    def __post_init__(self) -> None:
+        self.sampling_ids = torch.tensor(self.cct.sampling_ids, dtype=torch.long)
+        self.budgets = torch.tensor(self.cct.controls, dtype=torch.float32)
 
     @classmethod
     def from_config(cls, model: ModelConfig, train: TrainConfig) -> CCTTraining:
@@ -55,8 +61,7 @@ class CCTTraining:
 
     def controls(self, n_rows: int, step: int, micro: int) -> Tensor:
         """(n_rows,) control ids of micro-batch ``micro`` of update ``step``."""
-        ids = torch.tensor(self.cct.sampling_ids, dtype=torch.long)
-        return sample_controls(ids, n_rows, self.seed, step, micro, self.cct.sampled_share(step))
+        return sample_controls(self.sampling_ids, n_rows, self.seed, step, micro, self.cct.sampled_share(step))
 
     def loss(self, model: nn.Module, out, src: Tensor, tgt_in: Tensor, tgt_out: Tensor,
              control: Tensor | None, n_tokens: int, pad_id: int) -> tuple[Tensor, dict[str, float]]:
@@ -66,7 +71,7 @@ class CCTTraining:
         all tokens of the update averages it (logged without λ as ``budget_loss``).
         """
         assert control is not None
-        budgets = torch.tensor(self.cct.controls, dtype=torch.float32, device=src.device)
+        budgets = self.budgets.to(src.device)
         extra = out.logits.new_zeros(())
         if self.cct.distill_weight:  # the teacher pass runs on the bare model, outside DDP
             extra = extra + inplace_distill_term(
