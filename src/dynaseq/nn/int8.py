@@ -96,25 +96,23 @@ class Int8Packed(NamedTuple):
 ONEDNN_MIN_MACS = 1 << 25
 
 
-def _onednn_ok() -> bool:
-    global _ONEDNN
-    if _ONEDNN is None:
-        try:
-            w = torch.zeros(2, 4, dtype=torch.int8)
-            torch.ops.onednn.qlinear_prepack(w, None)
-            _ONEDNN = True
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _ONEDNN = False
-    return _ONEDNN
+def _probe_onednn() -> bool:
+    """Whether this torch has oneDNN's int8 prepack (probed once, at import)."""
+    try:
+        torch.ops.onednn.qlinear_prepack(torch.zeros(2, 4, dtype=torch.int8), None)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
-_ONEDNN: bool | None = None
+#: oneDNN's int8 matmul is available (decided at import; no call changes it).
+ONEDNN_AVAILABLE = _probe_onednn()
 
 
 def pack_int8(weight_int8: Tensor, weight_scale: Tensor) -> Int8Packed:
     """The :class:`Int8Packed` of an ``(out, in)`` int8 weight and its ``(out,)`` scales."""
     scale127 = (weight_scale.float() / 127).contiguous()
-    if weight_int8.device.type != "cpu" or not _onednn_ok():
+    if weight_int8.device.type != "cpu" or not ONEDNN_AVAILABLE:
         return Int8Packed(scale127, None, None, weight_int8.t())
     try:
         packed = torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None)
