@@ -337,7 +337,8 @@ def build_app(state: ServeState) -> Any:
         elif any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",)
                  for e in errs):
             msg, status = "empty body: send a JSON object", 400
-        elif any(tuple(e.get("loc", ())) == ("body",) for e in errs):
+        elif any(e.get("type") in ("model_attributes_type", "model_type", "dict_type")
+                 and tuple(e.get("loc", ())) == ("body",) for e in errs):
             msg, status = ("the body must be a JSON object (Content-Type: "
                            "application/json)"), 400
         else:
