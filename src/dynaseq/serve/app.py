@@ -259,7 +259,11 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
             log["budget"] = list(job.budget)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
-            result = await fut
+            await asyncio.wait({fut, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not fut.done():  # the client went away: its job is dropped unless running
+                job.cancel()
+                return _refuse(state, endpoint, log, 499, "the client closed the connection")
+            result = fut.result()
         except Exception as e:  # the batch raised: this batch's requests fail, not the server
             msg = f"the batch failed: {type(e).__name__}: {e}"
             return _refuse(state, endpoint, log, 500, msg)
@@ -284,7 +288,9 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
                    queue_ms=round(1000 * ((job.started or done) - job.enqueued), 3),
                    batch_lines=job.batch_rows)
         log.update(degraded=bool(out.get("degraded")), batch_lines=job.batch_rows)
-        return JSONResponse(endpoint.response(**out).model_dump(exclude_none=True))
+        data = endpoint.response(**out).model_dump(exclude_none=True)
+        data.setdefault("budget", None)  # None: the model has no budget knob
+        return JSONResponse(data)
 
     handle.__name__ = endpoint.name
     # real types (this module's annotations are strings): FastAPI reads the body model here

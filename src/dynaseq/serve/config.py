@@ -39,7 +39,7 @@ class ServeConfig:
     max_batch_rows: int = 32
     max_queue_rows: int = 4096
     max_body_bytes: int = 1 << 20
-    max_lines: int = 64
+    max_lines: int = 32
     max_line_chars: int = 2000
     max_tokens: int = 4096
     beam: int | None = None
@@ -69,4 +69,4 @@ class ServeConfig:
             raise DynaseqError("--slack must be in (0, 1]")
         if self.max_lines > self.max_batch_rows:
             raise DynaseqError(f"--max-lines ({self.max_lines}) must not exceed "
-                               f"--max-batch-rows ({self.max_batch_rows})")
+                               f"--max-batch-lines ({self.max_batch_rows})")
