@@ -101,3 +101,12 @@ def test_profile_latency_table_refusals(serve_run, lm_run):
     assert r.returncode == 2 and b"--table-batches must be integers >= 1" in r.stderr
     r = run_cli("profile", str(serve_run), "--latency-table", "--table-lengths", "2000")
     assert r.returncode == 2 and b"max_positions" in r.stderr
+
+
+def test_scale_multiplies_the_table():
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    ahead = [Work(FULL, 9, 10)]
+    assert p.backlog_ms(ahead, running_ms=7.0, extra_rows=1, scale=2.0) == 97.0
+    d = p.decide(100, 1, 10, ahead, scale=2.0)  # 90 + 10 full, 90 + 6 half
+    assert (d.budget, d.predicted_ms) == (FULL, 100.0)
+    assert p.decide(99, 1, 10, ahead, scale=2.0).budget == HALF

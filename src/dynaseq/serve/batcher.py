@@ -64,7 +64,15 @@ class Batcher:
 
     estimate_ms: predicted milliseconds of a batch of jobs (for :meth:`snapshot`'s running
         time), or None.
+
+    :attr:`scale` follows the ratio of each batch's real time to its estimate (an
+    exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
+    :data:`SCALE_RANGE`), so predictions from a latency table measured on the bare model
+    include what the server adds around it.
     """
+
+    SCALE_WEIGHT = 0.2
+    SCALE_RANGE = (0.5, 4.0)
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
@@ -79,6 +87,7 @@ class Batcher:
         self._stopping = False
         self._running: tuple[float, float] | None = None  # (start, predicted ms)
         self._thread: threading.Thread | None = None
+        self.scale = 1.0
 
     # -- event loop side ------------------------------------------------------------------
     def start(self) -> None:
@@ -94,16 +103,17 @@ class Batcher:
         with self._cond:
             return sum(j.rows for j in self._queue)
 
-    def snapshot(self) -> tuple[list[Work], float | None]:
-        """The queued work (oldest first) and what the running batch still needs (ms;
-        None when no batch runs), for the deadline policy."""
+    def snapshot(self) -> tuple[list[Work], float | None, float]:
+        """The queued work (oldest first), what the running batch still needs (ms, scaled;
+        None when no batch runs) and :attr:`scale`, for the deadline policy."""
         with self._cond:
             ahead = [Work(j.budget or (1.0, 1.0), j.rows, j.length) for j in self._queue]
             running = None
             if self._running is not None:
                 start, predicted = self._running
-                running = max(0.0, predicted - 1000.0 * (time.perf_counter() - start))
-        return ahead, running
+                running = max(0.0, self.scale * predicted
+                              - 1000.0 * (time.perf_counter() - start))
+            return ahead, running, self.scale
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
@@ -177,6 +187,12 @@ class Batcher:
                     self._run(live)
             finally:
                 with self._cond:
+                    start, predicted = self._running or (0.0, 0.0)
+                    if live and predicted > 0:
+                        ratio = 1000.0 * (time.perf_counter() - start) / predicted
+                        lo, hi = self.SCALE_RANGE
+                        w = self.SCALE_WEIGHT
+                        self.scale = min(hi, max(lo, (1 - w) * self.scale + w * ratio))
                     self._running = None
 
     def _run(self, batch: list[Job]) -> None:

@@ -106,8 +106,8 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
         if state.policy is None:
             raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
                                "RUN --latency-table), which this server has not loaded")
-        ahead, running = state.batcher.snapshot()
-        d = state.policy.decide(req.deadline_ms, len(lines), length, ahead, running)
+        ahead, running, scale = state.batcher.snapshot()
+        d = state.policy.decide(req.deadline_ms, len(lines), length, ahead, running, scale)
         if d.reject:
             raise Overloaded(f"no budget can answer within {req.deadline_ms:g} ms now "
                              f"(predicted {d.predicted_ms:.0f} ms at the smallest)",

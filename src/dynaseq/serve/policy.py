@@ -92,27 +92,31 @@ class DeadlinePolicy:
         return self.table.predict_ms(budget, batch, length) / batch
 
     def backlog_ms(self, ahead: Sequence[Work], running_ms: float = 0.0,
-                   extra_rows: int = 0) -> float:
+                   extra_rows: int = 0, scale: float = 1.0) -> float:
         """Predicted milliseconds until the work ``ahead`` is done: ``running_ms`` (what the
-        batch now running still needs) plus each queued line's share of its batch."""
+        batch now running still needs) plus each queued line's share of its batch, times
+        ``scale``."""
         rows = sum(w.rows for w in ahead) + extra_rows
         batch = max(1, min(rows, self.max_batch_rows))
-        return running_ms + sum(w.rows * self.row_ms(w.budget, w.length, batch) for w in ahead)
+        return running_ms + scale * sum(w.rows * self.row_ms(w.budget, w.length, batch)
+                                        for w in ahead)
 
     def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
-               running_ms: float | None = None) -> Decision:
+               running_ms: float | None = None, scale: float = 1.0) -> Decision:
         """The budget for a request of ``rows`` lines (longest ``length`` tokens) with
         ``deadline_ms``, given the queued ``ahead`` and the running batch's remaining
-        ``running_ms`` (None: no batch is running)."""
+        ``running_ms`` (None: no batch is running). ``scale`` multiplies the table's service
+        times (the server's measured ratio of real batch time to predicted: its own
+        overhead, e.g. the realized-compute passes, and load on the machine)."""
         idle = not ahead and running_ms is None
-        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=rows)
+        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=rows, scale=scale)
         if idle:
             wait += self.window_ms
         batch = max(1, min(sum(w.rows for w in ahead) + rows, self.max_batch_rows))
         limit = self.slack * deadline_ms
         predicted = math.inf
         for budget in self.budgets:
-            predicted = wait + rows * self.row_ms(budget, length, batch)
+            predicted = wait + scale * rows * self.row_ms(budget, length, batch)
             if predicted <= limit:
                 return Decision(budget, budget != self.largest, False, predicted)
         if self.overload == "smallest":
