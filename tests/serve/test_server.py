@@ -242,3 +242,18 @@ def test_access_log_is_json_lines(server):
     bad = [r for r in records if r.get("status") == 422 and "0.9" in r.get("error", "")]
     assert ok and bad
     assert {"ts", "method", "path", "latency_ms", "lines", "batch_lines"} <= set(ok[-1])
+
+
+def test_serve_refusals_are_one_line_exit_2(serve_run, lm_run, tmp_path):
+    for args, words in [
+        ((str(tmp_path / "none"),), "none"),
+        ((str(serve_run), "--slack", "2"), "--slack must be in (0, 1]"),
+        ((str(serve_run), "--max-lines", "64"), "must not exceed --max-batch-lines"),
+        ((str(serve_run), "--default-budget", "0.4"), "was not trained"),
+        ((str(serve_run), "--beam", "2"), "measured at beam 1"),
+        ((str(lm_run), "--latency-table", "t.json"), "for translation runs"),
+    ]:
+        r = run_cli("serve", *args, "--port", "1")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and words in err, (args, err)
+        assert err.count("\n") == 1 and err.startswith("dynaseq: error:")
