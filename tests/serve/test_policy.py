@@ -110,3 +110,12 @@ def test_scale_multiplies_the_table():
     d = p.decide(100, 1, 10, ahead, scale=2.0)  # 90 + 10 full, 90 + 6 half
     assert (d.budget, d.predicted_ms) == (FULL, 100.0)
     assert p.decide(99, 1, 10, ahead, scale=2.0).budget == HALF
+
+
+def test_overhead_is_added_to_every_prediction():
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    assert p.predict_ms(FULL, 1, 10) == 10.0
+    assert p.predict_ms(HALF, 1, 10, overhead_ms=4.0) == 10.0
+    assert p.decide(13, 1, 10, overhead_ms=4.0).budget == HALF
+    d = p.decide(9, 1, 10, overhead_ms=4.0)
+    assert d.reject and d.predicted_ms == 10.0

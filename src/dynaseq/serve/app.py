@@ -276,6 +276,8 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
         latency = done - t0
         label = "none" if job.budget is None else f"{job.budget[0]:g},{job.budget[1]:g}"
         m = state.metrics
+        if job.predicted_ms is not None:
+            state.batcher.observe(job.predicted_ms, 1000 * latency)
         m.latency.labels(endpoint.name, label).observe(latency)
         m.lines.labels(endpoint.name, label).inc(job.rows)
         if out.get("degraded"):
@@ -311,10 +313,21 @@ def build_app(state: ServeState) -> Any:
     """The ASGI app: the task's routes, health, readiness and metrics, wrapped in the body
     limit and the access log. Starting it starts the batcher; stopping it drains it."""
 
+    async def watch_loop(period: float = 0.01, weight: float = 0.2) -> None:
+        """How late the event loop runs a timer: requests waiting for the loop (not yet
+        parsed) wait about as long; the deadline policy adds it to its predictions."""
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(period)
+            lag = max(0.0, 1000 * (time.perf_counter() - t - period))
+            b = state.batcher
+            b.loop_lag_ms = (1 - weight) * b.loop_lag_ms + weight * lag
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if state.batcher._thread is None:
             state.batcher.start()
+        monitor = asyncio.create_task(watch_loop()) if state.policy is not None else None
         state.log.write({"ts": round(time.time(), 3), "event": "ready", "run": state.run_dir,
                          "kind": state.kind, "budgets": [list(b) for b in state.budgets],
                          "deadline_policy": state.policy is not None})
@@ -322,6 +335,8 @@ def build_app(state: ServeState) -> Any:
             yield
         finally:
             state.draining = True
+            if monitor is not None:
+                monitor.cancel()
             await asyncio.to_thread(state.batcher.stop)
             state.log.write({"ts": round(time.time(), 3), "event": "stopped"})
 

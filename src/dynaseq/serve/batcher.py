@@ -53,6 +53,7 @@ class Job:
     started: float | None = None
     batch_rows: int = 0
     cancelled: bool = False
+    predicted_ms: float | None = None  # the policy's completion estimate, overhead excluded
 
     def cancel(self) -> None:
         """The client went away: drop the job if it has not started."""
@@ -68,11 +69,15 @@ class Batcher:
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
     exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
     :data:`SCALE_RANGE`), so predictions from a latency table measured on the bare model
-    include what the server adds around it.
+    include what the server adds around it; :attr:`overhead_ms` follows how much later
+    than predicted requests were answered (:meth:`observe`, weight
+    :data:`OVERHEAD_WEIGHT`, never below 0): the time a request spends outside the queue
+    and the batches (parsing, the event loop), which grows when the loop is saturated.
     """
 
     SCALE_WEIGHT = 0.2
     SCALE_RANGE = (0.5, 4.0)
+    OVERHEAD_WEIGHT = 0.1
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
@@ -88,6 +93,8 @@ class Batcher:
         self._running: tuple[float, float] | None = None  # (start, predicted ms)
         self._thread: threading.Thread | None = None
         self.scale = 1.0
+        self.overhead_ms = 0.0
+        self.loop_lag_ms = 0.0  # set by the app's loop monitor
 
     # -- event loop side ------------------------------------------------------------------
     def start(self) -> None:
@@ -103,9 +110,10 @@ class Batcher:
         with self._cond:
             return sum(j.rows for j in self._queue)
 
-    def snapshot(self) -> tuple[list[Work], float | None, float]:
+    def snapshot(self) -> tuple[list[Work], float | None, float, float]:
         """The queued work (oldest first), what the running batch still needs (ms, scaled;
-        None when no batch runs) and :attr:`scale`, for the deadline policy."""
+        None when no batch runs), :attr:`scale` and the overhead (:attr:`overhead_ms` +
+        :attr:`loop_lag_ms`), for the deadline policy."""
         with self._cond:
             ahead = [Work(j.budget or (1.0, 1.0), j.rows, j.length) for j in self._queue]
             running = None
@@ -113,7 +121,15 @@ class Batcher:
                 start, predicted = self._running
                 running = max(0.0, self.scale * predicted
                               - 1000.0 * (time.perf_counter() - start))
-            return ahead, running, self.scale
+            return ahead, running, self.scale, self.overhead_ms + self.loop_lag_ms
+
+    def observe(self, predicted_ms: float, latency_ms: float) -> None:
+        """A request predicted (without overhead) to take ``predicted_ms`` was answered in
+        ``latency_ms``: update :attr:`overhead_ms`."""
+        w = self.OVERHEAD_WEIGHT
+        with self._cond:
+            self.overhead_ms = max(0.0, (1 - w) * self.overhead_ms
+                                   + w * (latency_ms - predicted_ms))
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.

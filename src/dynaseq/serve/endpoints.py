@@ -102,12 +102,14 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     _check_tokens(state, sum(len(x) for x in ids))
     length = max((len(x) for x in ids), default=0) + 1
     degraded = False
+    if req.deadline_ms is not None and state.policy is None:
+        raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
+                           "RUN --latency-table), which this server has not loaded")
+    snapshot = state.batcher.snapshot() if state.policy is not None else None
     if req.deadline_ms is not None:
-        if state.policy is None:
-            raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
-                               "RUN --latency-table), which this server has not loaded")
-        ahead, running, scale = state.batcher.snapshot()
-        d = state.policy.decide(req.deadline_ms, len(lines), length, ahead, running, scale)
+        ahead, running, scale, overhead = snapshot
+        d = state.policy.decide(req.deadline_ms, len(lines), length, ahead, running, scale,
+                                overhead)
         if d.reject:
             raise Overloaded(f"no budget can answer within {req.deadline_ms:g} ms now "
                              f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
@@ -117,8 +119,14 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
         budget = req.budget_value if req.budget is not None else state.default_budget
     pair = state.budget_ran(budget)  # DynaseqError (422) for an untrained budget
     work = TranslateWork(lines, ids, budget, pair, degraded)
+    predicted = None
+    if snapshot is not None and state.policy.table.has(pair or (1.0, 1.0)):
+        ahead, running, scale, _ = snapshot
+        predicted = state.policy.predict_ms(pair or (1.0, 1.0), len(lines), length, ahead,
+                                            running, scale)
     return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
-               rows=len(lines), length=length, budget=pair, endpoint="translate")
+               rows=len(lines), length=length, budget=pair, endpoint="translate",
+               predicted_ms=predicted)
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]

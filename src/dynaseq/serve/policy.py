@@ -101,17 +101,34 @@ class DeadlinePolicy:
         return running_ms + scale * sum(w.rows * self.row_ms(w.budget, w.length, batch)
                                         for w in ahead)
 
+    def predict_ms(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work] = (),
+                   running_ms: float | None = None, scale: float = 1.0,
+                   overhead_ms: float = 0.0) -> float:
+        """Predicted completion (ms from now) of a request of ``rows`` lines at ``budget``
+        behind ``ahead`` (see :meth:`decide`)."""
+        wait = self._wait(rows, ahead, running_ms, scale, overhead_ms)
+        batch = max(1, min(sum(w.rows for w in ahead) + rows, self.max_batch_rows))
+        return wait + scale * rows * self.row_ms(budget, length, batch)
+
+    def _wait(self, rows: int, ahead: Sequence[Work], running_ms: float | None, scale: float,
+              overhead_ms: float) -> float:
+        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=rows, scale=scale)
+        if not ahead and running_ms is None:  # idle: the batching window
+            wait += self.window_ms
+        return wait + overhead_ms
+
     def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
-               running_ms: float | None = None, scale: float = 1.0) -> Decision:
+               running_ms: float | None = None, scale: float = 1.0,
+               overhead_ms: float = 0.0) -> Decision:
         """The budget for a request of ``rows`` lines (longest ``length`` tokens) with
         ``deadline_ms``, given the queued ``ahead`` and the running batch's remaining
-        ``running_ms`` (None: no batch is running). ``scale`` multiplies the table's service
-        times (the server's measured ratio of real batch time to predicted: its own
-        overhead, e.g. the realized-compute passes, and load on the machine)."""
-        idle = not ahead and running_ms is None
-        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=rows, scale=scale)
-        if idle:
-            wait += self.window_ms
+        ``running_ms`` (None: no batch is running).
+
+        ``scale`` multiplies the table's service times (the server's measured ratio of real
+        batch time to predicted: what it runs besides the decode, load on the machine);
+        ``overhead_ms`` is added to every prediction (the server's measured latency beyond
+        the queue and the batches: request parsing, the event loop's own queue)."""
+        wait = self._wait(rows, ahead, running_ms, scale, overhead_ms)
         batch = max(1, min(sum(w.rows for w in ahead) + rows, self.max_batch_rows))
         limit = self.slack * deadline_ms
         predicted = math.inf
