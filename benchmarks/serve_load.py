@@ -97,6 +97,11 @@ class ServerProc:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the server process has used."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def queue_depth(self) -> float:
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith("dynaseq_queue_depth_lines "):
@@ -260,12 +265,15 @@ def main() -> None:
         smallest = min(budgets, key=lambda b: (b[0] + b[1], b[1]))
         solo_ms = asyncio.run(one_at_a_time(server.url, lines, 22))
         deadline = args.deadline_ms or round(args.deadline_factor * solo_ms, 1)
-        sat = {}
+        sat, sat_cpu = {}, {}
         for name, bs in (("full", [1.0]), ("smallest", [smallest]),
                          ("mixed", [1.0, smallest])):
             wait_idle(server)
+            cpu0, own0 = server.cpu_s(), time.process_time()
             sat[name] = round(asyncio.run(closed_loop(server.url, lines, bs, args.clients,
                                                       args.saturation_seconds)), 2)
+            sat_cpu[name] = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
+                             "client_cpu_s": round(time.process_time() - own0, 2)}
             print(f"saturation {name}: {sat[name]} req/s", file=sys.stderr)
         segregated = 2 / (1 / sat["full"] + 1 / sat["smallest"])
         rows = []
@@ -273,10 +281,14 @@ def main() -> None:
             rate = mult * sat["full"]
             for policy in POLICIES:
                 wait_idle(server)
+                cpu0, own0 = server.cpu_s(), time.process_time()
                 cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
                                              deadline, smallest, args.timeout_s,
                                              args.seed + int(100 * mult)))
-                row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": policy, **cell}
+                cpu = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
+                       "client_cpu_s": round(time.process_time() - own0, 2)}
+                row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": policy, **cell,
+                       **cpu}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
     finally:
@@ -293,7 +305,9 @@ def main() -> None:
                    "budgets": budgets, "smallest": smallest},
         "latency_table": {k: table[k] for k in ("batch_sizes", "lengths", "service_ms")},
         "solo_full_ms": round(solo_ms, 2), "deadline_ms": deadline,
-        "saturation_rps": sat, "segregated_rps": round(segregated, 2),
+        "saturation_rps": sat, "saturation_cpu": sat_cpu,
+        "saturation_seconds": args.saturation_seconds,
+        "segregated_rps": round(segregated, 2),
         "mixed_over_segregated": round(sat["mixed"] / segregated, 3),
         "seconds_per_cell": args.seconds, "client_timeout_s": args.timeout_s,
         "rows": rows,
