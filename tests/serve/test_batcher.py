@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -69,3 +70,17 @@ def test_queue_limit_raising_batch_and_drain():
     b = asyncio.run(go())
     assert b.metrics.batch_failures.labels("t")._value.get() == 1
     assert not b.alive
+
+
+def test_measured_overhead_follows_late_answers_and_decays():
+    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
+    b.OVERHEAD_TAU_S = 0.05
+    for _ in range(30):
+        b.observe(predicted_ms=10.0, latency_ms=110.0)
+    assert 90 < b.overhead_ms <= 100
+    _, _, _, overhead = b.snapshot()
+    assert overhead == pytest.approx(b.overhead_ms, rel=0.1)
+    time.sleep(0.3)  # six time constants without an answer
+    assert b.overhead_ms < 1.0
+    b.observe(predicted_ms=50.0, latency_ms=10.0)  # early answers never make it negative
+    assert b.overhead_ms == 0.0

@@ -13,6 +13,7 @@ every queued job still runs before the worker exits.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import deque
@@ -72,12 +73,15 @@ class Batcher:
     include what the server adds around it; :attr:`overhead_ms` follows how much later
     than predicted requests were answered (:meth:`observe`, weight
     :data:`OVERHEAD_WEIGHT`, never below 0): the time a request spends outside the queue
-    and the batches (parsing, the event loop), which grows when the loop is saturated.
+    and the batches (parsing, the event loop), which grows when the loop is saturated. It
+    decays with time constant :data:`OVERHEAD_TAU_S` between observations, so a server that
+    rejected everything while it was high admits requests again once they stop coming.
     """
 
     SCALE_WEIGHT = 0.2
     SCALE_RANGE = (0.5, 4.0)
     OVERHEAD_WEIGHT = 0.1
+    OVERHEAD_TAU_S = 1.0
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
@@ -93,7 +97,7 @@ class Batcher:
         self._running: tuple[float, float] | None = None  # (start, predicted ms)
         self._thread: threading.Thread | None = None
         self.scale = 1.0
-        self.overhead_ms = 0.0
+        self._overhead = (0.0, time.perf_counter())  # (value ms, when)
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
 
     # -- event loop side ------------------------------------------------------------------
@@ -123,13 +127,19 @@ class Batcher:
                               - 1000.0 * (time.perf_counter() - start))
             return ahead, running, self.scale, self.overhead_ms + self.loop_lag_ms
 
+    @property
+    def overhead_ms(self) -> float:
+        """The measured overhead now (decayed since the last observation)."""
+        value, when = self._overhead
+        return value * math.exp(-(time.perf_counter() - when) / self.OVERHEAD_TAU_S)
+
     def observe(self, predicted_ms: float, latency_ms: float) -> None:
         """A request predicted (without overhead) to take ``predicted_ms`` was answered in
         ``latency_ms``: update :attr:`overhead_ms`."""
         w = self.OVERHEAD_WEIGHT
         with self._cond:
-            self.overhead_ms = max(0.0, (1 - w) * self.overhead_ms
-                                   + w * (latency_ms - predicted_ms))
+            value = max(0.0, (1 - w) * self.overhead_ms + w * (latency_ms - predicted_ms))
+            self._overhead = (value, time.perf_counter())
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
