@@ -55,9 +55,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_run(run: Path, work: Path, batches: str, lengths: str) -> Path:
+def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Path) -> Path:
     """``run`` if it has a latency table, else a copy of it (config, tokenizer, checkpoint
-    folders) in ``work`` with one measured there."""
+    folders) in ``work`` with one measured there (free decoding of ``table_src``)."""
     if (run / "latency_table.json").is_file():
         return run
     dst = work / "run"
@@ -67,7 +67,8 @@ def prepare_run(run: Path, work: Path, batches: str, lengths: str) -> Path:
         shutil.copytree(run, dst, ignore=shutil.ignore_patterns("log.jsonl", "*.lock"))
         subprocess.run([sys.executable, "-m", "dynaseq", "profile", str(dst), "--latency-table",
                         "--beam", "1", "--repeats", "3", "--table-batches", batches,
-                        "--table-lengths", lengths], check=True)
+                        "--table-lengths", lengths, "--table-src", str(table_src)],
+                       check=True)
     return dst
 
 
@@ -173,6 +174,8 @@ async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: f
                                degraded=b["degraded"], server_ms=b["latency_ms"])
             except httpx.TimeoutException:
                 rec["status"] = "timeout"
+            except httpx.TransportError:  # the connection was refused or reset
+                rec["status"] = "conn_error"
             rec["ms"] = 1000 * (time.perf_counter() - t0)
             records.append(rec)
 
@@ -206,7 +209,9 @@ def summarize(records: list[dict], seconds: float, deadline_ms: float) -> dict:
         "sent": len(records), "answered": len(ok),
         "rejected_503": sum(r["status"] == 503 for r in records),
         "timeouts": sum(r["status"] == "timeout" for r in records),
-        "other_errors": sum(r["status"] not in (200, 503, "timeout") for r in records),
+        "conn_errors": sum(r["status"] == "conn_error" for r in records),
+        "other_errors": sum(r["status"] not in (200, 503, "timeout", "conn_error")
+                            for r in records),
         "p50_ms": round(pct(lat, 0.50), 1), "p95_ms": round(pct(lat, 0.95), 1),
         "p99_ms": round(pct(lat, 0.99), 1),
         "server_p50_ms": round(pct([r["server_ms"] for r in ok], 0.50), 1),
@@ -247,6 +252,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     p.add_argument("--window-ms", type=float, default=5.0)
     p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--table-src", type=Path, default=Path("runs/demo/data/valid.src"),
+                   help="sentences the latency table is timed on (not the test set)")
     p.add_argument("--table-batches", default="1,2,4,8,16,32")
     p.add_argument("--table-lengths", default="8,16,32")
     p.add_argument("--seed", type=int, default=0)
@@ -257,7 +264,8 @@ def main() -> None:
     ref = args.ref.read_text().splitlines()
     pairs = [(s, r) for s, r in zip(src, ref, strict=True) if s.strip()]
     lines = [s for s, _ in pairs]
-    run = prepare_run(args.run, args.work, args.table_batches, args.table_lengths)
+    run = prepare_run(args.run, args.work, args.table_batches, args.table_lengths,
+                      args.table_src)
     server = ServerProc(run, args.threads, args.window_ms, args.max_batch)
     started = time.time()
     try:
@@ -303,7 +311,8 @@ def main() -> None:
         "server": {"beam": 1, "batch_window_ms": args.window_ms,
                    "max_batch_lines": args.max_batch, "threads": args.threads,
                    "budgets": budgets, "smallest": smallest},
-        "latency_table": {k: table[k] for k in ("batch_sizes", "lengths", "service_ms")},
+        "latency_table": {k: table[k] for k in ("batch_sizes", "lengths", "service_ms",
+                                                "extra")},
         "solo_full_ms": round(solo_ms, 2), "deadline_ms": deadline,
         "saturation_rps": sat, "saturation_cpu": sat_cpu,
         "saturation_seconds": args.saturation_seconds,
@@ -327,12 +336,12 @@ def main() -> None:
         f"{data['solo_full_ms']} ms); rates are multiples of the full-budget saturation "
         f"rate; {args.seconds} s of arrivals per cell, client timeout {args.timeout_s} s.")
     md += md_table(
-        ["rate", "req/s", "policy", "sent", "503", "timeouts", "p50 ms", "p95 ms", "p99 ms",
+        ["rate", "req/s", "policy", "sent", "503", "timeouts + resets", "p50 ms", "p95 ms", "p99 ms",
          "server p50/p99 ms", "SLO attained", "accepted in SLO", "goodput/s", "mean budget",
          "full share", "BLEU"],
         "rrlrrrrrrrrrrrrr",
         [[f"{r['rate_x']}x", r["rate_rps"], r["policy"], r["sent"], r["rejected_503"],
-          r["timeouts"], r["p50_ms"], r["p95_ms"], r["p99_ms"],
+          r["timeouts"] + r["conn_errors"], r["p50_ms"], r["p95_ms"], r["p99_ms"],
           f"{r['server_p50_ms']} / {r['server_p99_ms']}", r["slo_attainment"],
           r["accepted_within_deadline"], r["goodput_rps"], r["mean_budget"],
           r["full_budget_share"], r["bleu"]] for r in rows])

@@ -228,9 +228,17 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
         [*cct.controls, *(c.budget for c in t.calibrations)]))
     controls = {p: t.control_for(None if cct is None else p) for p in pairs}
     beam = args.beam or t.config.decode.beam
+    sources = None
+    if args.table_src is not None:
+        from dynaseq.data import read_lines
+
+        sources = t.tokenizer.encode([x for x in read_lines(args.table_src) if x.strip()])
+    d = t.config.decode
     table = measure_latency_table(t.model, controls, sorted(set(args.table_batches)),
                                   sorted(set(args.table_lengths)), beam=beam,
-                                  repeats=args.repeats, checkpoint=str(t.checkpoint))
+                                  repeats=args.repeats, checkpoint=str(t.checkpoint),
+                                  sources=sources, max_len_a=d.max_len_a,
+                                  max_len_b=d.max_len_b)
     path = table.save(target / LATENCY_TABLE_FILE)
     if args.json:
         print(json.dumps(table.to_json(), indent=1))
@@ -626,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--latency-table source = target lengths (default 8,16,32)")
     p.add_argument("--beam", type=int, default=None,
                    help="--latency-table beam size (default: the run's decode.beam)")
+    p.add_argument("--table-src", default=None,
+                   help="--latency-table: time real sentences of this file (those nearest "
+                        "each length), decoded freely, instead of random fixed-length ones "
+                        "(recommended: a budget's outputs may run longer)")
     _add_budget_arg(p)
     _add_run_args(p)
 

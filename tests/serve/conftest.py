@@ -18,7 +18,7 @@ from serve_helpers import BUDGETS, Server
 @pytest.fixture(scope="session")
 def serve_run(tmp_path_factory, synthetic_paths) -> Path:
     """A micro CCT (:data:`BUDGETS`) trained 8 updates, with a latency table measured by
-    ``dynaseq profile RUN --latency-table`` (greedy)."""
+    ``dynaseq profile RUN --latency-table`` (greedy, free decoding of validation sentences)."""
     from dynaseq.train.loop import train
 
     from helpers import run_cli
@@ -30,7 +30,8 @@ def serve_run(tmp_path_factory, synthetic_paths) -> Path:
                               budgets=BUDGETS)
     train(cfg, progress=False)
     r = run_cli("profile", str(run), "--latency-table", "--beam", "1", "--repeats", "1",
-                "--table-batches", "1,8", "--table-lengths", "8,24")
+                "--table-batches", "1,8", "--table-lengths", "8,24",
+                "--table-src", str(synthetic_paths["valid.src"]))
     assert r.returncode == 0, r.stderr.decode()
     assert (run / "latency_table.json").is_file()
     return run

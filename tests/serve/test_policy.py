@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import dynaseq
 from dynaseq.core.errors import DynaseqError
 from dynaseq.metrics.latency_table import LatencyTable
 from dynaseq.serve.policy import DeadlinePolicy, Work
@@ -90,8 +91,21 @@ def test_profile_writes_the_run_latency_table(serve_run):
     t = LatencyTable.load(serve_run / "latency_table.json")
     assert t.budgets == BUDGETS and t.batch_sizes == [1, 8] and t.lengths == [8, 24]
     assert t.beam == 1 and t.checkpoint.endswith("best")
+    assert t.extra["decoding"].startswith("free: real sentences")
     raw = json.loads((serve_run / "latency_table.json").read_text())
     assert set(raw["service_ms"]) == {"1,1", "0.5,0.5", "1,0.33"}
+
+
+def test_fixed_length_table_without_sentences(serve_run):
+    from dynaseq.metrics.latency_table import measure_latency_table
+
+    t = dynaseq.load(serve_run)
+    table = measure_latency_table(t.model, {(1.0, 1.0): 0, (0.5, 0.5): 1}, [1, 2], [4],
+                                  repeats=1)
+    assert table.extra["decoding"].startswith("fixed length")
+    assert all(v > 0 for rows in table.service_ms.values() for r in rows for v in r)
+    with pytest.raises(DynaseqError, match="no sentences"):
+        measure_latency_table(t.model, {(1.0, 1.0): 0}, [1], [4], sources=[[]])
 
 
 def test_profile_latency_table_refusals(serve_run, lm_run):

@@ -4,8 +4,9 @@ predicts from.
 
 A :class:`LatencyTable` holds, for each budget (an ``(encoder, decoder)`` pair; a dense
 model has one row, ``(1, 1)``), the median wall time of decoding a batch of ``b`` sentences
-of ``L`` source tokens into ``L`` target tokens (:func:`~dynaseq.metrics.latency.
-decode_latency_ms`, fixed length so every budget runs the same number of steps).
+of ``L`` source tokens: real sentences of about that length decoded freely (each budget's
+outputs as long as they come out), or, without sentences, random tokens decoded into
+exactly ``L`` target tokens (:func:`~dynaseq.metrics.latency.decode_latency_ms`).
 :meth:`LatencyTable.predict_ms` interpolates linearly between the measured batch sizes and
 lengths and extrapolates linearly beyond the largest (decoding cost grows about linearly in
 both at these sizes).
@@ -23,6 +24,8 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ from torch import nn
 
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, read_text
+from dynaseq.data import collate_source
 from dynaseq.metrics.latency import decode_latency_ms
 
 LATENCY_TABLE_FILE = "latency_table.json"
@@ -130,28 +134,84 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+@torch.no_grad()
+def free_decode_ms(model: nn.Module, src: torch.Tensor, beam: int, repeats: int,
+                   control: Any = None, max_len_a: float = 1.2, max_len_b: int = 10) -> float:
+    """Median wall time (ms) to decode the padded batch ``src`` (B, S) as a server would:
+    until every row has produced eos or reached ``max_len_a · S + max_len_b`` tokens, after
+    one warm-up."""
+    from dynaseq.models.search import beam_search, greedy_search
+
+    max_pos = model.decoder.positions.max_positions
+    kwargs = {"max_len_a": max_len_a, "max_len_b": max_len_b, "max_positions": max_pos,
+              "control": control}
+    device = next(model.parameters()).device
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if beam == 1:
+            greedy_search(model, src, **kwargs)
+        else:
+            beam_search(model, src, beam=beam, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i > 0:
+            times.append(time.perf_counter() - t0)
+    return 1000.0 * statistics.median(times)
+
+
 def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                           batch_sizes: Sequence[int], lengths: Sequence[int], beam: int = 1,
-                          repeats: int = 3, checkpoint: str = "") -> LatencyTable:
+                          repeats: int = 3, checkpoint: str = "",
+                          sources: Sequence[Sequence[int]] | None = None,
+                          max_len_a: float = 1.2, max_len_b: int = 10) -> LatencyTable:
     """Measure :class:`LatencyTable` for ``model`` (a Seq2SeqTransformer).
 
     ``controls``: budget pair -> the ``control`` argument that runs it (a control-symbol id,
     a :class:`~dynaseq.techniques.cct.gating.BudgetControl` with calibrated offsets, or None
     for a dense model). Each cell is the median of ``repeats`` timed decodes after one
     warm-up, interleaved budget by budget so load drifts hit every budget alike.
+
+    Without ``sources``: random tokens decoded to exactly ``L`` target tokens
+    (:func:`~dynaseq.metrics.latency.decode_latency_ms`), the same steps at every budget.
+    With ``sources`` (token ids of real sentences, no eos): the ``b`` sentences whose
+    lengths are nearest ``L``, decoded freely (:func:`free_decode_ms`), so a budget whose
+    outputs run longer (or stop sooner) is timed as it will serve.
     """
     max_pos = model.decoder.positions.max_positions
     if max(lengths) + 2 > max_pos:
         raise DynaseqError(f"length {max(lengths)} exceeds the model's max_positions={max_pos}")
+    if sources is not None and not any(sources):
+        raise DynaseqError("no sentences to time the latency table with")
     budgets = list(controls)
     service: dict[str, list[list[float]]] = {
         budget_key(p): [[0.0] * len(lengths) for _ in batch_sizes] for p in budgets}
-    for i, b in enumerate(batch_sizes):
-        for j, length in enumerate(lengths):
-            for pair in budgets:
-                service[budget_key(pair)][i][j] = decode_latency_ms(
-                    model, length, length, beam, b, repeats, control=controls[pair])
     device = next(model.parameters()).device
+    pool = [list(s)[: max_pos - 2] for s in (sources or []) if s]
+    was_training = model.training
+    model.eval()
+    try:
+        for i, b in enumerate(batch_sizes):
+            for j, length in enumerate(lengths):
+                src = None
+                if pool:
+                    near = sorted(pool, key=lambda s: abs(len(s) + 1 - length))
+                    rows = [near[k % len(near)] for k in range(b)]
+                    src = collate_source(rows, model.pad_id, model.eos_id).to(device)
+                for pair in budgets:
+                    service[budget_key(pair)][i][j] = (
+                        decode_latency_ms(model, length, length, beam, b, repeats,
+                                          control=controls[pair]) if src is None else
+                        free_decode_ms(model, src, beam, repeats, controls[pair], max_len_a,
+                                       max_len_b))
+    finally:
+        model.train(was_training)
+    extra = ({"decoding": "fixed length: L random source tokens -> L target tokens"}
+             if not pool else {"decoding": f"free: real sentences ({len(pool)}) nearest "
+                                            f"each length, max_len {max_len_a} x S + "
+                                            f"{max_len_b}"})
     return LatencyTable(budgets, list(batch_sizes), list(lengths), service, beam=beam,
                         device=str(device), threads=torch.get_num_threads(),
-                        checkpoint=checkpoint)
+                        checkpoint=checkpoint, extra=extra)
