@@ -234,7 +234,7 @@ class Batcher:
             results = batch[0].run(batch)
             if len(results) != len(batch):
                 raise RuntimeError(f"a batch of {len(batch)} jobs gave {len(results)} results")
-        except Exception as e:  # noqa: BLE001 - the batch's requests get a 500, the next runs
+        except Exception as e:  # the batch's requests get a 500; the next batch runs
             self.metrics.batch_failures.labels(endpoint).inc()
             for job in batch:
                 _deliver(job, exc=e)
