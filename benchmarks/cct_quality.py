@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from dynaseq.core.config import load_config
 from dynaseq.data import read_lines
 from dynaseq.metrics import count_macs
+from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.predictor import Translator
 
 import _lib

@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from dynaseq.core.config import load_config
 from dynaseq.data import read_lines
 from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.metrics.profile import count_params
+from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.predictor import Translator
 
 import _lib
@@ -155,7 +155,7 @@ def scaled_models(size: str, int8: bool = False) -> dict[str, torch.nn.Module]:
     through how tokens spread over branches (random-init routers spread them too).
     ``int8``: their int8 copies too (``{name}_{size}_int8``)."""
     from dynaseq.compress.int8 import quantize_int8
-    from dynaseq.models import build_seq2seq
+    from dynaseq.tasks.translation.model import build_seq2seq
     from dynaseq.techniques.branching import merge_shared_
 
     torch.manual_seed(0)

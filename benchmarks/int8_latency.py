@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from dynaseq.compress.int8 import quantize_int8
-from dynaseq.core.config import load_config
 from dynaseq.metrics.latency import decode_latency_ms
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.registry import load_config
+from dynaseq.tasks.translation.model import build_seq2seq
 
 import _lib
 

@@ -7,14 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dynaseq.core.config import (
-    DataConfig,
-    DecodeConfig,
-    ModelConfig,
-    RunConfig,
-    TrainConfig,
-    load_config,
-)
+from dynaseq.core.config import TrainConfig
+from dynaseq.tasks.registry import load_config
+from dynaseq.tasks.translation.config import DataConfig, DecodeConfig, ModelConfig, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -67,7 +67,7 @@ def _write_output(lines: list[str], path: str | None) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dynaseq.core.config import load_config
+    from dynaseq.tasks.registry import load_config
     from dynaseq.train.loop import train
 
     overrides = list(args.overrides)
@@ -163,8 +163,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model, model_cfg = t.model, t.config.model
         budget_ctx = t.at_budget(args.budget)  # with the run's calibration, if any
     elif target.is_file():
-        from dynaseq.core.config import load_config
-        from dynaseq.models import build_seq2seq
+        from dynaseq.tasks.registry import load_config
+        from dynaseq.tasks.translation.model import build_seq2seq
         from dynaseq.techniques.branching import merge_shared_
 
         cfg = load_config(target, args.overrides)
@@ -419,7 +419,7 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
         model = _language_model(args).model
     else:
         from dynaseq.data.lm_corpus import Vocab, read_lm_lines
-        from dynaseq.models.lm import build_lm
+        from dynaseq.tasks.lm.model import build_lm
 
         if cfg.data.train is None:
             raise DynaseqError("profile: an LM config needs data.train (for the vocabulary)")

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from dynaseq.core.config import ModelConfig
 from dynaseq.metrics import count_macs, flop_counter_macs
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 
 
 def test_hand_count_for_a_small_model():

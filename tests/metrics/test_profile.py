@@ -1,6 +1,6 @@
-from dynaseq.core.config import ModelConfig
 from dynaseq.metrics.profile import count_params, profile_model
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 
 
 def test_profile_fields_and_fixed_length_latency():

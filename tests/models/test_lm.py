@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from dynaseq.cli import main
-from dynaseq.core.config import LMModelConfig, load_config, save_config
+from dynaseq.core.config import save_config
 from dynaseq.core.errors import ConfigError
-from dynaseq.models.lm import LMOutput, build_lm
+from dynaseq.models.lm import LMOutput
+from dynaseq.tasks.lm.config import LMModelConfig
+from dynaseq.tasks.lm.model import build_lm
+from dynaseq.tasks.registry import load_config
 
 from helpers import lm_config as _lm_config
 from helpers import run_cli

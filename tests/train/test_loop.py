@@ -153,8 +153,8 @@ def test_two_process_ddp_matches_one_process(tmp_path, synthetic_paths):
 
 def test_gradient_accumulation_normalises_over_all_micro_batches(tmp_path, synthetic_paths):
     from dynaseq.data import Tokenizer, collate, make_corpus, read_parallel, token_batches
-    from dynaseq.models import build_seq2seq
     from dynaseq.nn.losses import label_smoothed_loss
+    from dynaseq.tasks.translation.model import build_seq2seq
 
     cfg = micro_config(tmp_path / "acc", synthetic_paths, max_steps=1, update_freq=3,
                        log_every=1, valid_every=100)

@@ -3,32 +3,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dynaseq.core.config import load_config
+from dynaseq.core.config import config_task, parse_config, read_yaml
 from dynaseq.core.errors import CheckpointError, DynaseqError
 
 
-def open_run(run_dir: str | Path, expect: tuple[type, str] | None = None) -> tuple[Path, Any]:
-    """The run directory's path and its parsed config (the type its ``task:`` names).
+def open_run(run_dir: str | Path, types: Mapping[str, type],
+             what: str | None = None) -> tuple[Path, Any]:
+    """The run directory's path and its parsed config, of the type ``types`` maps its
+    ``task:`` to (a predictor passes its own task's, the registry every task's).
 
-    ``expect``: (config type, what to call such a run) when only that kind will do.
+    ``what``: what to call a run of the tasks in ``types`` (a run of another task is then
+    refused as "not a {what} run" rather than as an unknown task).
 
     Raises:
         CheckpointError: no such directory, or no ``config.yaml`` in it.
         ConfigError: a config that does not parse.
-        DynaseqError: a run of another kind than ``expect``.
+        DynaseqError: with ``what``, a run of a task ``types`` does not list.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
     if not (run / "config.yaml").is_file():
         raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
-    if expect is not None and not isinstance(cfg, expect[0]):
-        raise DynaseqError(f"{run} is not a {expect[1]} run")
-    return run, cfg
+    raw = read_yaml(run / "config.yaml")
+    if what is not None and config_task(raw) not in types:
+        raise DynaseqError(f"{run} is not a {what} run")
+    return run, parse_config(raw, types)
 
 
 def check_new_run_dir(run_dir: Path, out_dir: Path) -> None:

@@ -11,7 +11,7 @@ update and the loss of each (``loss = task.loss(out, micro)``, technique losses 
 
 Example::
 
-    from dynaseq.core.config import load_config
+    from dynaseq.tasks.registry import load_config
     from dynaseq.train.loop import train
     result = train(load_config("configs/tiny.yaml"))   # any task's config
 """

@@ -54,12 +54,13 @@ from dynaseq.compress.prune import (
 )
 from dynaseq.compress.qat import check_bits, check_representable, convert_qat_
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import LMCacheConfig, LMDistillConfig, save_config, to_dict
+from dynaseq.core.config import save_config, to_dict
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import check_new_run_dir
 from dynaseq.data.lm_corpus import VOCAB_FILE
 from dynaseq.models.lm import TransformerLM
 from dynaseq.nn.neural_cache import NeuralCache, local_search
+from dynaseq.tasks.lm.config import LMCacheConfig, LMDistillConfig
 from dynaseq.tasks.lm.predictor import (
     DEFAULT_CACHE,
     LanguageModel,

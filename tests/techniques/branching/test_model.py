@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 
 import dynaseq
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import CCTConfig, DMBConfig, ModelConfig, MoEConfig, from_dict
+from dynaseq.core.config import from_dict
 from dynaseq.core.errors import ConfigError
 from dynaseq.metrics import pair_macs, ptr
-from dynaseq.models import build_seq2seq
 from dynaseq.nn import MultiHeadAttention
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import (
     BranchedAttention,
     BranchedFeedForward,
@@ -29,6 +30,8 @@ from dynaseq.techniques.branching import (
     merge_shared_,
     seq2seq_routing_loss,
 )
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.train.loop import train
 
 from helpers import free_port, micro_config, run_cli

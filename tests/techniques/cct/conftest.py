@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynaseq.core.config import CCTConfig
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.techniques.cct.layers import ControlNet
 from dynaseq.train.loop import train
 

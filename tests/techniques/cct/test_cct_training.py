@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import dynaseq
-from dynaseq.core.config import CCTConfig
 from dynaseq.core.errors import DynaseqError
 from dynaseq.tasks.translation.predictor import control_for_budget
+from dynaseq.techniques.cct.config import CCTConfig
 
 from helpers import run_cli
 
@@ -40,7 +40,8 @@ def test_budgeted_translation_and_refusals(cct_run, synthetic_paths):
 
 
 def test_control_for_budget_rules():
-    from dynaseq.core.config import DMBConfig, ModelConfig, MoEConfig
+    from dynaseq.tasks.translation.config import ModelConfig
+    from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 
     cfg = ModelConfig(cct=CCTConfig(budgets=[(0.5, 0.5), (1.0, 1.0), (1.0, 1.0)]))
     assert control_for_budget(cfg) == 1  # the largest, first of equals
@@ -115,7 +116,7 @@ def test_control_sampling_follows_the_list_and_the_curriculum():
     half = torch.cat([_sample_controls(ids, 500, 0, s, 0, share=0.5) for s in range(20)])
     assert abs(float((half == 0).float().mean()) - 0.75) < 0.02  # 0.5 + 0.5 * 0.5
     # a dense model has no technique plug-in, so its batches carry no control ids
-    from dynaseq.core.config import RunConfig
+    from dynaseq.tasks.translation.config import RunConfig
     from dynaseq.tasks.translation.task import TranslationTask
 
     dense = RunConfig()
@@ -129,8 +130,8 @@ def test_output_norms_and_control_init_std_shape_the_built_model():
     = soft". ``control_init_std`` sets the control embeddings' init scale."""
     from torch import nn
 
-    from dynaseq.core.config import ModelConfig
-    from dynaseq.models import build_seq2seq
+    from dynaseq.tasks.translation.config import ModelConfig
+    from dynaseq.tasks.translation.model import build_seq2seq
     from dynaseq.techniques.cct.layers import force_gates
 
     def build(**cct):

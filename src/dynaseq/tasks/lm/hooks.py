@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from dynaseq.compress.distill import AnnealedLambda, TeacherTopK, distill_loss
-from dynaseq.core.config import LMRunConfig
 from dynaseq.data.lm_corpus import StreamBatches, Vocab
 from dynaseq.models.lm import LMOutput, TransformerLM
 from dynaseq.nn.hebbian import adaptive_hebbian_update_
+from dynaseq.tasks.lm.config import LMRunConfig
 from dynaseq.tasks.lm.task import LMHooks, lm_loss
 from dynaseq.tasks.protocol import LossTerms
 

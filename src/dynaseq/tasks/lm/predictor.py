@@ -29,13 +29,15 @@ import torch
 from torch import Tensor
 
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import LMCacheConfig, LMRunConfig, read_yaml
+from dynaseq.core.config import read_yaml
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import open_run
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
-from dynaseq.models.lm import LMState, TransformerLM, build_lm
+from dynaseq.models.lm import LMState, TransformerLM
 from dynaseq.nn.neural_cache import NeuralCache
+from dynaseq.tasks.lm.config import TASK, LMCacheConfig, LMRunConfig
+from dynaseq.tasks.lm.model import build_lm
 
 if TYPE_CHECKING:
     from dynaseq.compress.qat import QATConfig
@@ -145,7 +147,7 @@ class LanguageModel:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> LanguageModel:
-        run, cfg = open_run(run_dir, (LMRunConfig, "language-model"))
+        run, cfg = open_run(run_dir, {TASK: LMRunConfig}, "language-model")
         vocab = Vocab.load(run / VOCAB_FILE)
         path = ckpt.resolve_checkpoint(run, checkpoint)
         dev = pick_device(device)

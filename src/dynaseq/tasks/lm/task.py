@@ -27,13 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dynaseq.core.config import LMRunConfig
 from dynaseq.core.distributed import DistEnv
 from dynaseq.core.errors import ConfigError
 from dynaseq.core.runlog import RunLog
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines
-from dynaseq.models.lm import LMOutput, LMState, TransformerLM, build_lm
+from dynaseq.models.lm import LMOutput, LMState, TransformerLM
 from dynaseq.nn.relative_attention import RelativeCache
+from dynaseq.tasks.lm.config import LMRunConfig
+from dynaseq.tasks.lm.model import build_lm
 from dynaseq.tasks.lm.predictor import evaluate_stream
 from dynaseq.tasks.protocol import LossTerms, Update
 

@@ -27,15 +27,15 @@ import torch
 from torch import nn
 
 from dynaseq.core.checkpoint import load_weights, read_meta, resolve_checkpoint
-from dynaseq.core.config import ModelConfig, RunConfig
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import open_run
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
-from dynaseq.models import build_seq2seq
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.cct.calibration import BudgetCalibration
 from dynaseq.techniques.cct.gating import BudgetControl
@@ -293,7 +293,7 @@ class Translator:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> Translator:
-        run, cfg = open_run(run_dir, (RunConfig, "translation"))
+        run, cfg = open_run(run_dir, {TASK: RunConfig}, "translation")
         ckpt = resolve_checkpoint(run, checkpoint)
         meta = read_meta(ckpt)
         tok = Tokenizer.load(run / "spm.model")

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core.config import CCTConfig, ModelConfig, TrainConfig
+from dynaseq.core.config import TrainConfig
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.techniques.cct.gating import set_gate_step
 from dynaseq.techniques.cct.layers import seq2seq_budget_loss
 from dynaseq.techniques.cct.self_distill import inplace_distill_term
@@ -52,9 +53,8 @@ class CCTTraining:
         self.budgets = torch.tensor(self.cct.controls, dtype=torch.float32)
 
     @classmethod
-    def from_config(cls, model: ModelConfig, train: TrainConfig) -> CCTTraining:
-        assert model.cct is not None
-        return cls(model.cct, train.seed, train.label_smoothing)
+    def from_config(cls, cct: CCTConfig, train: TrainConfig) -> CCTTraining:
+        return cls(cct, train.seed, train.label_smoothing)
 
     def before_update(self, model: nn.Module, step: int) -> None:
         set_gate_step(model, step)
