@@ -43,9 +43,10 @@ def free_port() -> str:
 
 
 def run_cli(*args: str, stdin: bytes | None = None, cwd: Path | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m dynaseq ARGS`` and capture text output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            timeout: float = 300, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run ``python -m dynaseq ARGS`` and capture text output (``env``: extra variables)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "dynaseq", *args], input=stdin,
                           capture_output=True, cwd=cwd or REPO, timeout=timeout, env=env)
 

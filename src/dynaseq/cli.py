@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from dynaseq import __version__
 from dynaseq.core.errors import DynaseqError
 
 EXIT_BAD_INPUT = 2
@@ -74,6 +75,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     cfg = load_config(args.config, overrides)
+    if args.print_config:  # the resolved config, defaults included; nothing is written
+        import yaml
+
+        from dynaseq.core.config import to_dict
+
+        sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
     result = train(cfg, progress=not args.quiet)  # the config's task (task: lm or seq2seq)
     if result.stopped_by_signal is not None:
         print(f"stopped by signal at step {result.state.step}; checkpoint saved in "
@@ -264,6 +272,46 @@ def _quantize_seq2seq(args: argparse.Namespace) -> int:
           f"({rep.weights_before / max(rep.weights_after, 1):.1f}x smaller; from "
           f"{rep.checkpoint})\n"
           f"run dir  {mb(rep.run_before)} -> {mb(rep.run_after)}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """``dynaseq data check [ROOT] [--dataset NAME]``: every file of the datasets against its
+    sha256; exit 1 when one is missing or differs."""
+    from dynaseq.data.datasets import DATASETS, check_data, data_root
+
+    root = Path(args.root) if args.root else data_root()
+    if args.root and not root.is_dir():
+        raise DynaseqError(f"data root {root} is not a directory")
+    checks = check_data(root, args.dataset)
+    bad = 0
+    for name in dict.fromkeys(c.dataset for c in checks):
+        mine = [c for c in checks if c.dataset == name]
+        missing = [c for c in mine if c.status == "missing"]
+        differ = [c for c in mine if c.status == "mismatch"]
+        ok = len(mine) - len(missing) - len(differ)
+        line = f"{name}: {ok}/{len(mine)} files ok"
+        if missing:
+            line += f"; missing {len(missing)} (e.g. {missing[0].path})"
+        if differ:
+            line += f"; {len(differ)} differ from their sha256 ({differ[0].path})"
+        if missing or differ:
+            line += f"; get it from {DATASETS[name].upstream}"
+        print(line)
+        bad += len(missing) + len(differ)
+    print(f"data root {root}: " + ("all files present and verified" if not bad else
+                                   f"{bad} file(s) missing or different (see docs/data.md)"))
+    return 1 if bad else 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """``dynaseq plot RUN... --out FILE.png``: training and validation curves."""
+    from dynaseq.analysis.curves import plot_curves, read_curves
+
+    if Path(args.out).suffix.lower() != ".png":
+        raise DynaseqError(f"--out {args.out} must be a .png file")
+    out = plot_curves(read_curves(args.runs), args.out)
+    print(f"curves of {len(args.runs)} run(s) written to {out}")
     return 0
 
 
@@ -503,13 +551,28 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dynaseq", description="Sequence models whose computation is chosen at run time.")
+    parser.add_argument("--version", action="version", version=f"dynaseq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("data", help="check the datasets under the data root (docs/data.md)")
+    data_sub = p.add_subparsers(dest="action", required=True)
+    q = data_sub.add_parser("check", help="verify each dataset file against its sha256")
+    q.add_argument("root", nargs="?", default=None,
+                   help="data root (default: $DYNASEQ_DATA, else data/, else ../shared/data)")
+    q.add_argument("--dataset", action="append", default=None,
+                   help="only this dataset (repeatable)")
+
+    p = sub.add_parser("plot", help="training and validation curves of runs, as a PNG")
+    p.add_argument("runs", nargs="+", help="run directories (their log.jsonl)")
+    p.add_argument("--out", "-o", required=True, help="the PNG to write")
 
     p = sub.add_parser("train", help="train a model from a YAML config")
     p.add_argument("config", help="YAML run config (see configs/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.add_argument("--run-dir", default=None, help="same as run_dir=...")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults included) as YAML and exit")
 
     p = sub.add_parser("translate", help="translate a file or stdin, one sentence per line")
     p.add_argument("run_dir")
@@ -715,6 +778,8 @@ KIND_NAMES = {"seq2seq": "translation", "lm": "language-model"}
 #: subcommand -> what runs it (the parser is :func:`build_parser`).
 COMMANDS: dict[str, Command] = {
     "train": Command({None: cmd_train}),
+    "data": Command({None: cmd_data}),
+    "plot": Command({None: cmd_plot}),
     "translate": Command({"seq2seq": cmd_translate}),
     "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm}),
     "calibrate": Command({"seq2seq": cmd_calibrate}),

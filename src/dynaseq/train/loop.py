@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -88,6 +89,7 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     device = pick_device(cfg.train.device)
     env = init_distributed(device)
     run_dir = Path(cfg.run_dir)
+    created = not run_dir.exists()  # a refused new run leaves no directory behind
     lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
     try:
         _check_same_task(run_dir, cfg)
@@ -103,6 +105,8 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
             log.start_writing()
     except BaseException:
         if lock is not None:
+            if created:  # still locked: nobody else writes here
+                shutil.rmtree(run_dir, ignore_errors=True)
             lock.release()
         cleanup(env)
         raise

@@ -1,0 +1,152 @@
+"""A newcomer's path: the README's commands exist, data is found through a data root (or the
+command says which dataset is missing and where to get it), ``data check`` verifies
+checksums, ``plot`` draws curves, ``--version`` and ``train --print-config``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+from matplotlib.image import imread
+from test_cli import assert_clean_error
+
+import dynaseq
+from dynaseq.cli import COMMANDS, main
+from dynaseq.core.config import to_dict
+from dynaseq.core.errors import DynaseqError
+from dynaseq.data.datasets import DATA_ENV, DATASETS, check_data, resolve_data_path, sha256_file
+from dynaseq.tasks.registry import load_config
+
+from helpers import REPO, run_cli
+
+README = REPO / "README.md"
+
+
+def test_readme_is_one_page_and_each_command_it_names_has_help(capsys):
+    text = README.read_text()
+    assert len(text.splitlines()) < 200
+    assert "make demo" in text and "make test" in text
+    named = set(re.findall(r"\bdynaseq ([a-z][a-z-]+)", text))
+    commands = named & set(COMMANDS)
+    assert {"train", "translate", "data", "plot"} <= commands, named
+    unknown = {c for c in named - set(COMMANDS)
+               if re.search(rf"`dynaseq {c}\b|^\s*dynaseq {c}\b", text, re.M)}
+    assert not unknown, f"README names commands dynaseq does not have: {unknown}"
+    for command in sorted(commands):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0, command
+    capsys.readouterr()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dynaseq {dynaseq.__version__}"
+
+
+def test_shipped_configs_name_their_data_under_the_root():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        text = path.read_text()
+        assert "../shared" not in text, path
+        for value in re.findall(r":\s*(\$DATA/\S+)", text):
+            name = value.split("/")[1]
+            assert name in DATASETS, (path, value)
+            assert value.split("/", 2)[2] in DATASETS[name].files, (path, value)
+
+
+def test_data_paths_resolve_under_the_root(tmp_path):
+    (tmp_path / "wikitext-2").mkdir()
+    (tmp_path / "wikitext-2" / "train.txt").write_text("a b\n")
+    env = {DATA_ENV: str(tmp_path)}
+    assert resolve_data_path("$DATA/wikitext-2/train.txt", env) == \
+        tmp_path / "wikitext-2" / "train.txt"
+    assert str(resolve_data_path("other/train.txt", env)) == "other/train.txt"
+    with pytest.raises(DynaseqError) as e:
+        resolve_data_path("$DATA/multi30k/train.en.gz", env)
+    msg = str(e.value)
+    assert "dataset multi30k is missing" in msg and str(tmp_path) in msg
+    assert DATASETS["multi30k"].upstream in msg and "dynaseq data check" in msg
+    assert "\n" not in msg
+
+
+def test_training_without_the_data_names_the_dataset_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/multi30k_tiny.yaml", f"run_dir={run_dir}",
+                   env={DATA_ENV: str(tmp_path / "empty")}, timeout=60)
+    assert_clean_error(proc, "dataset multi30k is missing", "docs/data.md",
+                       "dynaseq data check", str(tmp_path / "empty"))
+    assert not run_dir.exists()
+
+
+def test_docs_data_lists_every_file_and_checksum():
+    text = (REPO / "docs" / "data.md").read_text()
+    for d in DATASETS.values():
+        assert d.upstream in text
+        for rel, sha in d.files.items():
+            assert f"| `{d.name}/{rel}` | `{sha}` |" in text, rel
+
+
+def test_data_check_reports_missing_and_changed_files(tmp_path, capsys):
+    root = tmp_path / "root"
+    good, bad = root / "wikitext-2" / "valid.txt", root / "wikitext-2" / "test.txt"
+    good.parent.mkdir(parents=True)
+    good.write_text("x")
+    bad.write_text("y")
+    expected = DATASETS["wikitext-2"].files
+    # what the manifest holds for a file is its sha256: make "valid.txt" match by checksum
+    checks = {c.path.name: c.status for c in check_data(root, ["wikitext-2"])}
+    assert checks == {"valid.txt": "mismatch", "test.txt": "mismatch", "train.txt": "missing"}
+    assert sha256_file(good) != expected["valid.txt"]
+    assert main(["data", "check", str(root), "--dataset", "wikitext-2"]) == 1
+    out = capsys.readouterr().out
+    assert "wikitext-2: 0/3 files ok; missing 1" in out and "2 differ" in out
+    assert DATASETS["wikitext-2"].upstream in out
+    assert main(["data", "check", str(tmp_path / "nowhere")]) == 2
+    assert main(["data", "check", str(root), "--dataset", "imagenet"]) == 2
+
+
+def test_data_check_passes_on_the_shared_data(capsys):
+    shared = REPO.parent / "shared" / "data"
+    if not (shared / "glue").is_dir():
+        pytest.skip("../shared/data is not here")
+    assert main(["data", "check", str(shared), "--dataset", "glue"]) == 0
+    assert "glue: 8/8 files ok" in capsys.readouterr().out
+
+
+def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "configs/multi30k_tiny.yaml", f"run_dir={run_dir}",
+                 "train.max_steps=7", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    cfg = load_config(REPO / "configs/multi30k_tiny.yaml",
+                      [f"run_dir={run_dir}", "train.max_steps=7"])
+    assert printed == to_dict(cfg)
+    assert printed["train"]["max_steps"] == 7 and "label_smoothing" in printed["train"]
+    assert not run_dir.exists()
+
+
+def _fake_log(run_dir, scale: float) -> None:
+    run_dir.mkdir()
+    recs = [{"event": "data", "split": "train", "lines": 9}]
+    recs += [{"event": "train", "step": s, "loss": scale * 5 / s, "lr": 1e-3} for s in (1, 2, 3)]
+    recs += [{"event": "valid", "step": 2, "loss": scale, "bleu": 10 * scale}]
+    (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_plot_draws_curves_of_two_runs(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _fake_log(a, 1.0)
+    _fake_log(b, 2.0)
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(a), str(b), "--out", str(out)]) == 0
+    image = imread(out)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 300
+    assert image.std() > 0  # not a blank canvas
+    assert main(["plot", str(a), "--out", str(tmp_path / "c.jpg")]) == 2
+    assert main(["plot", str(tmp_path / "none"), "--out", str(tmp_path / "d.png")]) == 2
+    assert not (tmp_path / "d.png").exists()
+    capsys.readouterr()
