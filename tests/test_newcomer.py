@@ -150,3 +150,51 @@ def test_plot_draws_curves_of_two_runs(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "none"), "--out", str(tmp_path / "d.png")]) == 2
     assert not (tmp_path / "d.png").exists()
     capsys.readouterr()
+
+
+def _stderr_of(args: list[str], stdin: bytes, tty: bool) -> tuple[int, str, str]:
+    """Run ``python -m dynaseq ARGS`` with stderr on a pseudo-terminal (``tty``) or a pipe."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"}
+    if not tty:
+        proc = subprocess.run([sys.executable, "-m", "dynaseq", *args], input=stdin,
+                              capture_output=True, cwd=REPO, env=env, timeout=120)
+        return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+    leader, follower = pty.openpty()
+    # a terminal 100 columns wide (a fresh pty is 0 x 0, where tqdm draws nothing)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "dynaseq", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=follower, cwd=REPO, env=env)
+    os.close(follower)
+    out, _ = proc.communicate(stdin, timeout=120)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the follower side is closed: all read
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    return proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_not_in_a_pipe(trained_run, synthetic_paths):
+    lines = synthetic_paths["valid.src"].read_bytes()
+    args = ["translate", str(trained_run), "--batch-size", "8"]
+    rc, out_tty, err_tty = _stderr_of(args, lines, tty=True)
+    assert rc == 0, err_tty
+    assert "decode" in err_tty and "sent" in err_tty and "%" in err_tty, err_tty
+    rc, out_pipe, err_pipe = _stderr_of(args, lines, tty=False)
+    assert rc == 0 and err_pipe == "", err_pipe
+    assert out_pipe == out_tty  # the bar goes to stderr only
+    rc, _, err_quiet = _stderr_of([*args, "--quiet"], lines, tty=True)
+    assert rc == 0 and "decode" not in err_quiet, err_quiet

@@ -102,7 +102,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     lines = _read_input(args.input)
     t = _translator(args)
     out = t.translate(lines, beam=args.beam, length_penalty=args.length_penalty,
-                      batch_size=args.batch_size, budget=args.budget)
+                      batch_size=args.batch_size, budget=args.budget, progress=not args.quiet)
     _write_output(out, args.output)
     return 0
 
@@ -119,7 +119,8 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
         raise DynaseqError(f"evaluate: {args.src} has no lines to evaluate")
     t = _translator(args)
     result = t.evaluate(src, ref, beam=args.beam, length_penalty=args.length_penalty,
-                        batch_size=args.batch_size, budget=args.budget)
+                        batch_size=args.batch_size, budget=args.budget,
+                        progress=not args.quiet)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -144,7 +145,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
     t = _translator(args)
     fitted = t.calibrate(src[: args.lines], ref[: args.lines], budgets=args.budgets,
-                         tol=args.tol)
+                         tol=args.tol, progress=not args.quiet)
     path = t.save_calibration(args.run_dir, {"src": args.src, "ref": args.ref,
                                              "lines": min(args.lines, len(src))})
     print("budget (enc, dec)  control  offset enc  offset dec  realized before -> after")
@@ -239,7 +240,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     ref = None if args.ref is None else read_lines(args.ref)
     t = _translator(args)
     result = analyze(t, src, ref, budgets=args.budget, beam=args.beam,
-                     max_lines=args.max_lines)
+                     max_lines=args.max_lines, progress=not args.quiet)
     result = {"run_dir": str(args.run_dir), "src": args.src, "ref": args.ref, **result}
     paths = write_analysis(result, args.out)
     print(f"analyzed {result['n_sentences']} sentences at {len(result['budgets'])} budgets: "
@@ -428,7 +429,8 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
                            f"{args.run_dir} is a language-model run")
     lm = _language_model(args)
     result = {"split": args.split,
-              **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True),
+              **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
+                            progress=not args.quiet),
               "checkpoint": str(lm.checkpoint)}
     if args.json:
         print(json.dumps(result, indent=1))
@@ -537,6 +539,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default="auto",
                    help="auto (averaged > best > latest), best, latest, averaged or a path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (one shows only when stderr is a terminal)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -698,7 +702,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", default=None, metavar="TOPK_DIR",
                    help="distill from this teacher top-k while fine-tuning, e.g. the run's "
                         "own: dynaseq distill-data RUN_DIR --out TOPK_DIR")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
     _add_run_args(p)
 
     p = sub.add_parser(
@@ -745,7 +748,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=30, help="LM: top-k labels per token (default 30)")
     p.add_argument("--window", type=int, default=None,
                    help="LM: the student's model.extended_context")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_budget_arg(p)
     _add_run_args(p)
     return parser

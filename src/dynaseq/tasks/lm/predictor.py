@@ -32,6 +32,7 @@ from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.config import read_yaml
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
 from dynaseq.models.lm import LMState, TransformerLM
@@ -95,9 +96,10 @@ def is_lm_run(run_dir: str | Path) -> bool:
 @torch.no_grad()
 def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: int,
                     device: torch.device | str = "cpu", max_tokens: int | None = None,
-                    adjust: Adjust | None = None) -> dict[str, float]:
+                    adjust: Adjust | None = None, progress: bool = False) -> dict[str, float]:
     """Perplexity of ``ids`` (N,) read as ``batch_size`` streams in consecutive windows,
-    carrying the per-layer state so every token sees its full context.
+    carrying the per-layer state so every token sees its full context (``progress``: a bar
+    of windows on a terminal).
 
     Returns ``{"loss": mean NLL (nats), "ppl": exp(loss), "tokens": n}`` and, with
     ``adjust``, also ``loss_adjusted`` / ``ppl_adjusted`` from the adjusted log-probs.
@@ -110,6 +112,7 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
     model.eval()
     state: LMState | None = None
     nll, nll_adj, n = 0.0, 0.0, 0
+    bar = progress_bar(len(batches), "win", "evaluate", progress)
     try:
         for x, y in batches:
             x, y = x.to(device), y.to(device)
@@ -121,7 +124,9 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
             if adjust is not None:
                 nll_adj -= float(adjust(h, logp, y).double().sum())
             n += y.numel()
+            bar.update(1)
     finally:
+        bar.close()
         model.train(was_training)
     result = {"loss": nll / n, "ppl": math.exp(nll / n), "tokens": n}
     if adjust is not None:
@@ -172,7 +177,7 @@ class LanguageModel:
 
     def evaluate(self, split_or_path: str, batch_size: int | None = None,
                  max_tokens: int | None = None, adjust: Adjust | None = None,
-                 with_cache: bool = False, budget: None = None) -> dict:
+                 with_cache: bool = False, budget: None = None, progress: bool = False) -> dict:
         """Perplexity of a split of the run's config (``valid``/``test``) or a text file.
 
         ``budget``: the Predictor protocol's compute knob; a language model has none, so
@@ -180,7 +185,7 @@ class LanguageModel:
 
         ``with_cache`` adds ``ppl_cache``/``loss_cache`` (the run's cache, else
         :data:`DEFAULT_CACHE`) and ``cache`` (its n_cache, θ, λ and where they came from);
-        it replaces ``adjust``.
+        it replaces ``adjust``. ``progress``: a bar on a terminal.
         """
         _no_budget(budget)
         path = (self.split_path(split_or_path)
@@ -191,7 +196,7 @@ class LanguageModel:
         result = evaluate_stream(self.model, self.ids(split_or_path),
                                  batch_size or self.config.data.eval_batch_size,
                                  self.config.model.extended_context, self.device, max_tokens,
-                                 adjust)
+                                 adjust, progress)
         if cache is not None:
             result["loss_cache"] = result.pop("loss_adjusted")
             result["ppl_cache"] = result.pop("ppl_adjusted")
