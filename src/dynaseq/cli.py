@@ -305,6 +305,16 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """``dynaseq export RUN --out DIR``: a self-contained model directory."""
+    from dynaseq.workflows.export import export_model
+
+    rep = export_model(args.run_dir, args.out, checkpoint=args.checkpoint)
+    print(f"model directory written to {rep.out_dir} (from {rep.checkpoint}): "
+          f"{', '.join(rep.files)}")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     """``dynaseq plot RUN... --out FILE.png``: training and validation curves."""
     from dynaseq.analysis.curves import plot_curves, read_curves
@@ -566,6 +576,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dataset", action="append", default=None,
                    help="only this dataset (repeatable)")
 
+    p = sub.add_parser("export", help="a self-contained model directory (config.json, "
+                                      "weights, tokenizer, calibration, model card)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="the model directory (must not exist, or be "
+                                                "empty)")
+    p.add_argument("--checkpoint", default="auto",
+                   help="auto (averaged > best > latest), best, latest, averaged or a path")
+
     p = sub.add_parser("plot", help="training and validation curves of runs, as a PNG")
     p.add_argument("runs", nargs="+", help="run directories (their log.jsonl)")
     p.add_argument("--out", "-o", required=True, help="the PNG to write")
@@ -782,6 +800,7 @@ COMMANDS: dict[str, Command] = {
     "train": Command({None: cmd_train}),
     "data": Command({None: cmd_data}),
     "plot": Command({None: cmd_plot}),
+    "export": Command({None: cmd_export}),
     "translate": Command({"seq2seq": cmd_translate}),
     "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm}),
     "calibrate": Command({"seq2seq": cmd_calibrate}),

@@ -114,7 +114,7 @@ def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, An
         save_model(model, str(tmp / WEIGHTS))
         if trainer_state is not None:
             torch.save(trainer_state, tmp / TRAINER)
-        _write_meta(tmp, meta)
+        write_meta(tmp, meta)
     return Path(directory)
 
 
@@ -126,7 +126,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
+def write_meta(tmp: Path, meta: dict[str, Any]) -> None:
     """``meta`` plus the SHA-256 of every file already in ``tmp``, as ``meta.json``."""
     sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / META).write_text(json.dumps({**meta, "sha256": sums}, indent=1), encoding="utf-8")
@@ -236,7 +236,7 @@ def average_checkpoints(directories: list[Path], out_dir: str | Path) -> Path:
             "step": read_meta(directories[-1]).get("step")}
     with _atomic_dir(out_dir) as tmp:
         save_file(mean, str(tmp / WEIGHTS))
-        _write_meta(tmp, meta)
+        write_meta(tmp, meta)
     return Path(out_dir)
 
 
@@ -244,11 +244,14 @@ def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
     """Directory holding the weights to use.
 
     ``which``: ``auto`` (averaged, else best, else latest), ``best``, ``latest``, ``averaged``
-    or a path to a checkpoint directory.
+    or a path to a checkpoint directory. An exported model directory (its weights at the top)
+    is its own checkpoint for ``auto``.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
+    if which == "auto" and (run / WEIGHTS).is_file() and (run / META).is_file():
+        return run
     named = {"best": run / "best", "averaged": run / "averaged"}
     for d in named.values():
         recover_dir(d)

@@ -5,6 +5,7 @@ model with its optional neural cache and Hebbian softmax, word-level data, and t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from dynaseq.core.config import TrainConfig, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
@@ -113,6 +114,8 @@ class LMDataConfig:
     ``batch_size`` parallel streams per update (each window is batch_size x C_e tokens);
     ``eval_batch_size`` streams for validation/test; ``valid_max_tokens`` limits the
     validation run during training (None: the whole valid file)."""
+
+    PATHS: ClassVar[tuple[str, ...]] = ("train", "valid", "test")  # files (not exported)
 
     train: str | None = None
     valid: str | None = None

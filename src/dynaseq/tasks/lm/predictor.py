@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -142,6 +142,9 @@ def _no_budget(budget: object) -> None:
 @dataclass
 class LanguageModel:
     """A trained LM: model (eval mode), vocabulary, run config and checkpoint used."""
+
+    #: the run files an exported model carries besides config and weights (the vocabulary)
+    EXPORT_FILES: ClassVar[tuple[str, ...]] = (VOCAB_FILE,)
 
     model: TransformerLM
     vocab: Vocab

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from dynaseq.core.config import TrainConfig, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
@@ -78,7 +79,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Parallel text (one sentence per line, plain or .gz) and its SentencePiece model."""
+    """Parallel text (one sentence per line, plain or .gz) and its SentencePiece model.
+    :attr:`PATHS` name the fields that are files (left out of an exported model)."""
+
+    PATHS: ClassVar[tuple[str, ...]] = ("train_src", "train_tgt", "valid_src", "valid_tgt")
 
     train_src: str | None = None
     train_tgt: str | None = None

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import sacrebleu
 import torch
@@ -225,6 +226,9 @@ class Translator:
     up per row and passed to the model with the call (:meth:`control_for`); the model is
     never modified, so threads may translate at different budgets on one Translator.
     """
+
+    #: the run files an exported model carries besides config and weights (the tokenizer)
+    EXPORT_FILES: ClassVar[tuple[str, ...]] = ("spm.model", "spm.vocab")
 
     model: nn.Module
     tokenizer: Tokenizer
