@@ -272,7 +272,8 @@ def cmd_report_latency(args: argparse.Namespace) -> None:
     for name in ("dense", "dmb", "moe"):
         if name in trained:
             trained[f"{name}_int8"] = quantize_int8(Translator.load(run_dir(name)).model)
-    groups = {"tiny (trained)": interleaved_latency(trained, args.rounds, args.repeats)}
+    groups = ({"tiny (trained)": interleaved_latency(trained, args.rounds, args.repeats)}
+              if trained else {})  # no finished `report` runs here: the untrained sizes only
     for size in args.scale_sizes:
         groups[f"{size} (untrained)"] = interleaved_latency(scaled_models(size, args.int8),
                                                             args.rounds, args.repeats)

@@ -198,3 +198,24 @@ def test_progress_bar_on_a_terminal_not_in_a_pipe(trained_run, synthetic_paths):
     assert out_pipe == out_tty  # the bar goes to stderr only
     rc, _, err_quiet = _stderr_of([*args, "--quiet"], lines, tty=True)
     assert rc == 0 and "decode" not in err_quiet, err_quiet
+
+
+def test_tensorboard_sink_writes_the_logged_scalars(tmp_path, synthetic_paths):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dynaseq.core.runlog import read_log
+    from dynaseq.train.loop import train
+
+    from helpers import micro_config
+
+    cfg = micro_config(tmp_path / "run", synthetic_paths, max_steps=10, log_every=2,
+                       valid_every=5, save_every=10, valid_bleu_lines=4, tensorboard=True)
+    train(cfg, progress=False)
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    logged = read_log(tmp_path / "run" / "log.jsonl", "train")
+    scalars = acc.Scalars("train/loss")
+    assert [s.step for s in scalars] == [r["step"] for r in logged]
+    assert [s.value for s in scalars] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
+    valid = read_log(tmp_path / "run" / "log.jsonl", "valid")
+    assert [s.step for s in acc.Scalars("valid/bleu")] == [r["step"] for r in valid] == [5, 10]

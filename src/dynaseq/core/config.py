@@ -49,7 +49,8 @@ def check_fraction(obj: Any, *names: str) -> None:
 class TrainConfig:
     """Optimisation and bookkeeping. ``lr`` is the peak of the learning-rate ``schedule``:
     ``inverse_sqrt`` (Vaswani et al.) or ``cosine`` (linear warm-up, then cosine decay to
-    ``min_lr_ratio`` · lr at ``max_steps``)."""
+    ``min_lr_ratio`` · lr at ``max_steps``). ``tensorboard``: the train and valid scalars of
+    ``log.jsonl`` also go to ``run_dir/tensorboard`` (needs the ``tensorboard`` extra)."""
 
     seed: int = 1
     lr: float = 7e-4
@@ -73,6 +74,7 @@ class TrainConfig:
     device: str = "auto"
     schedule: str = "inverse_sqrt"
     min_lr_ratio: float = 0.0
+    tensorboard: bool = False  # also write the logged scalars to run_dir/tensorboard
 
     def __post_init__(self) -> None:
         check_positive(self, "lr", "update_freq", "max_steps", "max_epochs", "log_every",

@@ -56,6 +56,7 @@ from dynaseq.train.common import (
     set_rng_state,
 )
 from dynaseq.train.schedule import make_schedule
+from dynaseq.train.tensorboard import check_tensorboard, tensorboard_sink
 
 
 @dataclass
@@ -89,6 +90,8 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     device = pick_device(cfg.train.device)
     env = init_distributed(device)
     run_dir = Path(cfg.run_dir)
+    if cfg.train.tensorboard:
+        check_tensorboard()  # before anything is written
     created = not run_dir.exists()  # a refused new run leaves no directory behind
     lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
     try:
@@ -103,6 +106,8 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
         if env.is_main:  # only now: a refused run keeps its config and log
             save_config(cfg, run_dir / "config.yaml")
             log.start_writing()
+            if cfg.train.tensorboard:
+                log.add_sink(tensorboard_sink(run_dir))
     except BaseException:
         if lock is not None:
             if created:  # still locked: nobody else writes here
