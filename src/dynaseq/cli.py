@@ -377,7 +377,8 @@ def cmd_cache_search(args: argparse.Namespace) -> int:
     from dynaseq.workflows.lm_runs import cache_search_run
 
     rep = cache_search_run(args.run_dir, args.out, args.cache_sizes, args.max_evals,
-                           args.valid_tokens, checkpoint=args.checkpoint, n_cache=args.n_cache)
+                           args.valid_tokens, checkpoint=args.checkpoint, n_cache=args.n_cache,
+                           progress=not args.quiet)
     b, a = rep["before"], rep["after"]
     print(f"valid ppl {rep['valid_ppl']:.2f} ({rep['valid_tokens']:,} tokens)\n"
           f"before: ppl_cache {b['ppl_cache']:.2f}  theta {b['theta']:.4g}  lam "
