@@ -219,3 +219,20 @@ def test_tensorboard_sink_writes_the_logged_scalars(tmp_path, synthetic_paths):
     assert [s.value for s in scalars] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
     valid = read_log(tmp_path / "run" / "log.jsonl", "valid")
     assert [s.step for s in acc.Scalars("valid/bleu")] == [r["step"] for r in valid] == [5, 10]
+
+
+def test_without_a_data_root_the_error_says_where_it_looked(tmp_path):
+    """As in a fresh clone elsewhere: no DYNASEQ_DATA, no data/ and no ../shared/data."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != DATA_ENV}
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "dynaseq", "train",
+                           str(REPO / "configs" / "wikitext2_tiny.yaml"), "run_dir=run"],
+                          capture_output=True, cwd=work, env=env, timeout=60)
+    assert_clean_error(proc, "dataset wikitext-2 is missing", f"{DATA_ENV} unset",
+                       DATASETS["wikitext-2"].upstream, "dynaseq data check")
+    assert not (work / "run").exists()
