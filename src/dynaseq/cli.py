@@ -24,6 +24,7 @@ import json
 import math
 import signal
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import NoReturn
 
 from dynaseq import __version__
 from dynaseq.core.errors import DynaseqError
+from dynaseq.data.text import os_reason
 
 EXIT_BAD_INPUT = 2
 
@@ -213,12 +215,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_average(args: argparse.Namespace) -> int:
     from dynaseq.core.checkpoint import average_checkpoints, list_checkpoints
+    from dynaseq.core.run_lock import RunDirLock
 
-    found = list_checkpoints(args.run_dir)
-    if not found:
-        raise DynaseqError(f"no checkpoint in run directory {args.run_dir}")
-    picked = found[-args.k:]
-    out = average_checkpoints(picked, Path(args.run_dir) / "averaged")
+    if not Path(args.run_dir).is_dir():
+        raise DynaseqError(f"run directory not found: {args.run_dir}")
+    # the run's lock: a training run or another `average` writing here is refused, one line
+    with RunDirLock(Path(args.run_dir)):
+        found = list_checkpoints(args.run_dir)
+        if not found:
+            raise DynaseqError(f"no checkpoint in run directory {args.run_dir}")
+        picked = found[-args.k:]
+        out = average_checkpoints(picked, Path(args.run_dir) / "averaged")
     print(f"averaged {len(picked)} checkpoints into {out}", file=sys.stderr)
     return 0
 
@@ -395,6 +402,9 @@ def _distill_data_lm(args: argparse.Namespace) -> int:
     teacher config's data.batch_size and model.extended_context)."""
     from dynaseq.compress.lm_distill import dump_lm_teacher
 
+    _refuse_given(args, ("beam", "budget"), "translation")
+    if args.k is None:
+        args.k = 30
     if Path(args.out).exists():
         raise DynaseqError(f"{args.out} already exists (choose a new --out)")
     lm = _language_model(args)
@@ -412,6 +422,9 @@ def _distill_data_seq2seq(args: argparse.Namespace) -> int:
 
     if args.src is None:
         raise DynaseqError("distill-data: --src is required for translation runs")
+    _refuse_given(args, ("k", "window"), "language-model")
+    if args.beam is None:
+        args.beam = 4
     _check_output(args.out, args.src)
     read_lines(args.src)  # a missing source fails before the model loads
     t = _translator(args)
@@ -420,6 +433,17 @@ def _distill_data_seq2seq(args: argparse.Namespace) -> int:
     print(f"wrote {n} teacher translations to {args.out} (train the student with "
           f"data.train_tgt={args.out})", file=sys.stderr)
     return 0
+
+
+def _refuse_given(args: argparse.Namespace, names: tuple[str, ...], runs: str) -> None:
+    """Refuse (one line) the options in ``names`` that were given: they are for ``runs``
+    only and would be silently dropped on this run."""
+    given = [f"--{name.replace('_', '-')}" for name in names
+             if getattr(args, name, None) is not None]
+    if given:
+        verb = "is" if len(given) == 1 else "are"
+        raise DynaseqError(f"{args.command}: {', '.join(given)} {verb} for {runs} runs; "
+                           f"{args.run_dir} is a {KIND_NAMES[_run_dir_kind(args.run_dir)]} run")
 
 
 def _language_model(args: argparse.Namespace):
@@ -432,12 +456,7 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     """``dynaseq evaluate LM_RUN --split valid|test [--json]``: perplexity without (``ppl``)
     and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
     θ 0.016, λ 0.07 for a run without a cache)."""
-    given = [f"--{name.replace('_', '-')}" for name in ("src", "ref", "budget", "beam",
-                                                       "length_penalty")
-             if getattr(args, name, None) is not None]
-    if given:  # refused, not silently dropped
-        raise DynaseqError(f"evaluate: {', '.join(given)} are for translation runs; "
-                           f"{args.run_dir} is a language-model run")
+    _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
     lm = _language_model(args)
     result = {"split": args.split,
               **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
@@ -761,10 +780,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "translation runs) / LM training text")
     p.add_argument("--out", required=True, help="output file (.gz: gzip-compressed) / LM: "
                    "output directory")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
+    p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy; default 4)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="sentences per batch / LM: the student's data.batch_size")
-    p.add_argument("--k", type=int, default=30, help="LM: top-k labels per token (default 30)")
+    p.add_argument("--k", type=int, default=None,
+                   help="LM: top-k labels per token (default 30)")
     p.add_argument("--window", type=int, default=None,
                    help="LM: the student's model.extended_context")
     _add_budget_arg(p)
@@ -836,15 +856,27 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "tol", 1) <= 0:
         parser.error("--tol must be > 0")
     try:
-        return COMMANDS[args.command](args)
+        with warnings.catch_warnings():  # restored when the command ends
+            warnings.showwarning = _one_line_warning
+            return COMMANDS[args.command](args)
     except DynaseqError as e:
         print(f"dynaseq: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # a full disk, a folder not writable: what the OS said, in one line
+        if isinstance(e, BrokenPipeError):
+            return 0
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"dynaseq: error: {os_reason(e)}{where}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("dynaseq: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    except BrokenPipeError:
-        return 0
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as ``dynaseq: warning: <message>`` (no source line)."""
+    text = " ".join(str(message).split())
+    print(f"dynaseq: warning: {text}", file=sys.stderr if file is None else file)
 
 
 def entry() -> None:

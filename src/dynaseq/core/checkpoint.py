@@ -24,9 +24,9 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,6 +34,8 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from dynaseq.core.errors import CheckpointError
+
+T = TypeVar("T")
 
 WEIGHTS = "model.safetensors"
 TRAINER = "trainer.pt"
@@ -94,17 +96,22 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 @contextlib.contextmanager
 def _atomic_dir(directory: str | Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success fsync it and move it to ``directory``."""
+    """Yield a fresh temporary directory; on success fsync it and move it to ``directory``.
+    A failure while it is filled (a full disk) removes it; ``directory`` stays as it was."""
     final = Path(directory)
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    yield tmp
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _replace_dir(tmp, final)
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _replace_dir(tmp, final)  # from here on a kill is recovered by recover_dir
 
 
 def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, Any],
@@ -270,3 +277,18 @@ def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
     if not (path / WEIGHTS).is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     return path
+
+
+def load_resolved(run_dir: str | Path, which: str, load: Callable[[Path], T],
+                  attempts: int = 3) -> T:
+    """``load(resolve_checkpoint(run_dir, which))``. With ``auto`` or ``latest``, a checkpoint
+    that vanishes while it is read (a training run's ``keep_last`` deleting it) is replaced
+    by the next newest, up to ``attempts`` times; any other failure is raised as it is."""
+    for _ in range(attempts - 1):
+        path = resolve_checkpoint(run_dir, which)
+        try:
+            return load(path)
+        except (CheckpointError, FileNotFoundError):
+            if which not in ("auto", "latest") or path.exists():
+                raise
+    return load(resolve_checkpoint(run_dir, which))

@@ -157,13 +157,16 @@ class LanguageModel:
              device: str = "auto") -> LanguageModel:
         run, cfg = open_run(run_dir, {TASK: LMRunConfig}, "language-model")
         vocab = Vocab.load(run / VOCAB_FILE)
-        path = ckpt.resolve_checkpoint(run, checkpoint)
         dev = pick_device(device)
-        model = build_lm(cfg.model, len(vocab))
-        if cfg.model.qat_bits is not None:
-            apply_qat_structure(model, cfg.model.qat_bits)
-        ckpt.load_weights(model, path)
-        return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+
+        def from_checkpoint(path: Path) -> LanguageModel:
+            model = build_lm(cfg.model, len(vocab))
+            if cfg.model.qat_bits is not None:
+                apply_qat_structure(model, cfg.model.qat_bits)
+            ckpt.load_weights(model, path)
+            return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+
+        return ckpt.load_resolved(run, checkpoint, from_checkpoint)
 
     def split_path(self, split: str) -> str:
         path = getattr(self.config.data, split, None) if split in ("train", "valid",

@@ -27,7 +27,7 @@ import sacrebleu
 import torch
 from torch import nn
 
-from dynaseq.core.checkpoint import load_weights, read_meta, resolve_checkpoint
+from dynaseq.core.checkpoint import load_resolved, load_weights, read_meta
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
@@ -302,24 +302,27 @@ class Translator:
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> Translator:
         run, cfg = open_run(run_dir, {TASK: RunConfig}, "translation")
-        ckpt = resolve_checkpoint(run, checkpoint)
-        meta = read_meta(ckpt)
         tok = Tokenizer.load(run / "spm.model")
         dev = pick_device(device)
-        model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
-        if meta.get("quantization") == "int8":  # written by `dynaseq quantize`
-            from dynaseq.compress.int8 import load_int8
 
-            if dev.type != "cpu" and device != "auto":
-                raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
-            return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
+        def from_checkpoint(ckpt: Path) -> Translator:
+            meta = read_meta(ckpt)
+            model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+            if meta.get("quantization") == "int8":  # written by `dynaseq quantize`
+                from dynaseq.compress.int8 import load_int8
+
+                if dev.type != "cpu" and device != "auto":
+                    raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
+                return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
+                           read_calibration(run, ckpt, model.n_controls))
+            load_weights(model, ckpt)
+            # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
+            # folds θ_S into every branch (same outputs, no shared parameters left to add)
+            merge_shared_(model)
+            return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
                        read_calibration(run, ckpt, model.n_controls))
-        load_weights(model, ckpt)
-        # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
-        # folds θ_S into every branch (same outputs, no shared parameters left to add)
-        merge_shared_(model)
-        return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
-                   read_calibration(run, ckpt, model.n_controls))
+
+        return load_resolved(run, checkpoint, from_checkpoint)
 
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,
