@@ -257,3 +257,54 @@ def test_warnings_are_one_line(monkeypatch, capsys):
     assert main(["average", "anything"]) == 0
     assert capsys.readouterr().err == (
         "dynaseq: warning: calibration.json was made for checkpoint best, not step_10\n")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1000 KiB tmpfs (a disk that fills up), where this process may mount one."""
+    import subprocess
+
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1000k", "tmpfs", str(mnt)],
+                          capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_during_training_stops_cleanly_and_resumes_exactly(
+        small_tmpfs, synthetic_paths, tmp_path):
+    """The step-10 checkpoint fits on the small disk, the step-20 one does not: the run stops
+    with one line, leaves its step-10 checkpoint whole, and resumed elsewhere it ends with
+    the weights of an uninterrupted run, bit for bit."""
+    from safetensors.torch import load_file
+
+    from helpers import micro_config
+
+    ref = tmp_path / "ref"
+    save_config(micro_config(ref, synthetic_paths), tmp_path / "ref.yaml")
+    assert run_cli("train", str(tmp_path / "ref.yaml"), "--quiet").returncode == 0
+
+    full = small_tmpfs / "run"
+    save_config(micro_config(full, synthetic_paths), tmp_path / "full.yaml")
+    proc = run_cli("train", str(tmp_path / "full.yaml"), "--quiet")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dynaseq: error: no space left on device"), err
+    ckpts = sorted(p.name for p in (full / "checkpoints").iterdir())
+    assert ckpts == ["step_00000010"]  # no half-written step 20, no temporary directory
+    assert not [p for p in full.rglob(".tmp-*")]
+
+    moved = tmp_path / "moved"  # space freed: the run continues on another disk
+    shutil.copytree(full, moved)
+    cfg = micro_config(moved, synthetic_paths)
+    save_config(cfg, tmp_path / "moved.yaml")
+    assert run_cli("train", str(tmp_path / "moved.yaml"), "--quiet").returncode == 0
+    a = load_file(str(ref / "checkpoints" / "step_00000020" / "model.safetensors"))
+    b = load_file(str(moved / "checkpoints" / "step_00000020" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

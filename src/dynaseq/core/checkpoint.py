@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -94,6 +96,23 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+@contextlib.contextmanager
+def os_errors() -> Iterator[None]:
+    """Re-raise a safetensors write that failed in the OS (``... (os error 28)``: a full
+    disk) as the ``OSError`` it was, so callers handle it as any failed write."""
+    try:
+        yield
+    except SafetensorError as e:
+        m = _OS_ERROR.search(str(e))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code)) from None
+
+
 @contextlib.contextmanager
 def _atomic_dir(directory: str | Path) -> Iterator[Path]:
     """Yield a fresh temporary directory; on success fsync it and move it to ``directory``.
@@ -118,9 +137,14 @@ def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, An
                      trainer_state: dict[str, Any] | None = None) -> Path:
     """Atomically write weights (+ optional trainer state) and ``meta`` to ``directory``."""
     with _atomic_dir(directory) as tmp:
-        save_model(model, str(tmp / WEIGHTS))
+        with os_errors():
+            save_model(model, str(tmp / WEIGHTS))
         if trainer_state is not None:
-            torch.save(trainer_state, tmp / TRAINER)
+            # serialized in memory first: torch.save into a full disk raises a RuntimeError
+            # ("unexpected pos") instead of the OSError that a plain write gives
+            buf = io.BytesIO()
+            torch.save(trainer_state, buf)
+            (tmp / TRAINER).write_bytes(buf.getbuffer())
         write_meta(tmp, meta)
     return Path(directory)
 
@@ -242,7 +266,8 @@ def average_checkpoints(directories: list[Path], out_dir: str | Path) -> Path:
     meta = {"averaged": [Path(d).name for d in directories],
             "step": read_meta(directories[-1]).get("step")}
     with _atomic_dir(out_dir) as tmp:
-        save_file(mean, str(tmp / WEIGHTS))
+        with os_errors():
+            save_file(mean, str(tmp / WEIGHTS))
         write_meta(tmp, meta)
     return Path(out_dir)
 
