@@ -51,11 +51,13 @@ def measure(size: str, rounds: int, repeats: int) -> dict[str, dict[str, float]]
     variants = {"fp32": model, "torch.ao": torch_ao_int8(model), "dynaseq": quantize_int8(model)}
     times: dict[str, dict[tuple[int, int], list[float]]] = {
         v: {s: [] for s in SETTINGS} for v in variants}
-    for _ in range(rounds):
-        for s in SETTINGS:
-            for name, m in variants.items():  # interleaved: the same moment for each variant
-                times[name][s].append(decode_latency_ms(m, 30, 30, beam=s[0], batch=s[1],
-                                                        repeats=repeats))
+    with warnings.catch_warnings():  # shown once when the models were built; not timed
+        warnings.simplefilter("ignore")
+        for _ in range(rounds):
+            for s in SETTINGS:
+                for name, m in variants.items():  # interleaved: the same moment for each
+                    times[name][s].append(decode_latency_ms(m, 30, 30, beam=s[0], batch=s[1],
+                                                            repeats=repeats))
     rows = {}
     for s in SETTINGS:
         med = {v: statistics.median(times[v][s]) for v in variants}
@@ -102,7 +104,8 @@ def layer_times(rows_list: list[int], rounds: int) -> list[dict]:
         for rows in rows_list:
             x = torch.randn(rows, n_in)
             times: dict[str, list[float]] = {k: [] for k in kernels}
-            with torch.inference_mode():
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.ao's deprecation: shown once, not timed
                 for _ in range(rounds):
                     for name, layers in kernels.items():
                         for m in layers:  # warm-up pass
@@ -128,9 +131,13 @@ def main() -> None:
     _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(1)
+    warning = quantized_tensor_warning()  # torch warns once per process: ask first
     results = {"command": _lib.command(), "machine": _lib.machine(processor=True),
                "sizes": {size: measure(size, args.rounds, args.repeats)
-                         for size in args.sizes.split(",")}}
+                         for size in args.sizes.split(",") if size}}
+    rows_list = [int(r) for r in args.layer_rows.split(",") if r]
+    results["layers"] = layer_times(rows_list, args.rounds) if rows_list else []
+    results["quantized_tensor_warning"] = warning
     lines = _lib.md_head("int8 decoding latency: dynaseq int8 vs torch.ao int8 vs fp32",
                          results["command"], f"Machine: {results['machine']}")
     table = [[size, setting, r["fp32_ms"], r["torch.ao_ms"], r["dynaseq_ms"],
