@@ -77,3 +77,32 @@ def lm_config(tmp_path: Path, *extra: str):
         f"data.valid={tmp_path / 'valid.txt'}", f"data.test={tmp_path / 'test.txt'}",
         "data.batch_size=4", "train.max_steps=12", "train.warmup_steps=2", "train.lr=0.003",
         "train.valid_every=6", "train.save_every=6", "train.log_every=6", *extra])
+
+
+def signal_at_step(task, step: int, signum: int):
+    """Make ``task`` (a :class:`~dynaseq.tasks.protocol.Task`) send ``signum`` to this process
+    right after its ``step``-th optimizer update (counted from now, so the global step of a
+    fresh run), before the loop logs, validates or checkpoints that update. SIGTERM is handled
+    by the loop (checkpoint at ``step``, stop); SIGKILL ends the process there, leaving only
+    the checkpoints already written. Returns ``task``."""
+    real = task.after_update
+    done = [0]
+
+    def after_update(out, micro) -> None:
+        real(out, micro)
+        done[0] += 1
+        if done[0] == step:
+            os.kill(os.getpid(), signum)
+
+    task.after_update = after_update
+    return task
+
+
+def train_killed_at(config_path: Path, step: int, signum: int = 9,
+                    timeout: float = 300) -> subprocess.CompletedProcess:
+    """Train the run config at ``config_path`` in a new process that sends itself ``signum``
+    after update ``step`` (:func:`signal_at_step`; ``tests/signalled_train.py``)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).with_name("signalled_train.py")
+    return subprocess.run([sys.executable, str(script), str(config_path), str(step), str(signum)],
+                          capture_output=True, cwd=REPO, timeout=timeout, env=env)
