@@ -166,6 +166,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dynaseq.tasks.translation.predictor import control_for_budget
 
     target = Path(args.target)
+    if args.latency_table:
+        return _profile_latency_table(args)
     if target.is_dir() and _run_dir_kind(str(target)) == "lm":
         return _profile_lm(args)
     if target.is_dir():
@@ -211,6 +213,72 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"latency {args.src_len}->{args.tgt_len} tokens, batch {lat['batch']}: "
           f"greedy {lat['greedy']:.1f} ms, beam 4 {lat['beam4']:.1f} ms")
     return 0
+
+
+def _profile_latency_table(args: argparse.Namespace) -> int:
+    """``dynaseq profile RUN --latency-table``: service time per budget x batch size x
+    length, written to RUN/latency_table.json (what ``dynaseq serve`` predicts from)."""
+    from dynaseq.metrics.latency_table import LATENCY_TABLE_FILE, measure_latency_table
+
+    target = Path(args.target)
+    if not target.is_dir() or _run_dir_kind(str(target)) != "seq2seq":
+        raise DynaseqError(f"profile --latency-table: {target} is not a translation run "
+                           "directory")
+    for name in ("table_batches", "table_lengths"):
+        values = getattr(args, name)
+        if not values or min(values) < 1:
+            raise DynaseqError(f"--{name.replace('_', '-')} must be integers >= 1")
+    args.run_dir = str(target)
+    t = _translator(args)
+    longest = max(args.table_lengths)
+    if longest + 2 > t.config.model.max_positions:
+        raise DynaseqError(f"profile: length {longest} exceeds the model's max_positions="
+                           f"{t.config.model.max_positions}")
+    cct = t.config.model.cct
+    pairs = [(1.0, 1.0)] if cct is None else list(dict.fromkeys(
+        [*cct.controls, *(c.budget for c in t.calibrations)]))
+    controls = {p: t.control_for(None if cct is None else p) for p in pairs}
+    beam = args.beam or t.config.decode.beam
+    sources = None
+    if args.table_src is not None:
+        from dynaseq.data import read_lines
+
+        sources = t.tokenizer.encode([x for x in read_lines(args.table_src) if x.strip()])
+    d = t.config.decode
+    table = measure_latency_table(t.model, controls, sorted(set(args.table_batches)),
+                                  sorted(set(args.table_lengths)), beam=beam,
+                                  repeats=args.repeats, checkpoint=str(t.checkpoint),
+                                  sources=sources, max_len_a=d.max_len_a,
+                                  max_len_b=d.max_len_b)
+    path = table.save(target / LATENCY_TABLE_FILE)
+    if args.json:
+        print(json.dumps(table.to_json(), indent=1))
+    else:
+        print(f"service ms (beam {beam}, {table.threads} threads), batch x source length:")
+        print("budget".ljust(12) + "".join(f"{f'b{b} L{n}':>10}" for b in table.batch_sizes
+                                           for n in table.lengths))
+        for pair in table.budgets:
+            rows = table.service_ms[f"{pair[0]:g},{pair[1]:g}"]
+            print(f"({pair[0]:g}, {pair[1]:g})".ljust(12)
+                  + "".join(f"{v:>10.1f}" for r in rows for v in r))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``dynaseq serve RUN --host 127.0.0.1 --port 8000``: the budget-aware HTTP server."""
+    from dynaseq.serve.config import ServeConfig
+    from dynaseq.serve.server import serve
+
+    cfg = ServeConfig(
+        host=args.host, port=args.port, batch_window_ms=args.batch_window_ms,
+        max_batch_rows=args.max_batch_lines, max_queue_rows=args.max_queue_lines,
+        max_body_bytes=args.max_body_bytes, max_lines=args.max_lines,
+        max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
+        overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
+        access_log=not args.no_access_log, default_budget=args.default_budget)
+    return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
+                 latency_table=args.latency_table, threads=args.threads)
 
 
 def cmd_average(args: argparse.Namespace) -> int:
@@ -661,6 +729,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt-len", type=int, default=30)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--latency-table", action="store_true",
+                   help="translation runs: measure decoding time per budget x batch size x "
+                        "source length and write RUN/latency_table.json (for dynaseq serve "
+                        "--deadline policy)")
+    p.add_argument("--table-batches", type=_int_list, default=[1, 2, 4, 8, 16],
+                   help="--latency-table batch sizes (default 1,2,4,8,16)")
+    p.add_argument("--table-lengths", type=_int_list, default=[8, 16, 32],
+                   help="--latency-table source = target lengths (default 8,16,32)")
+    p.add_argument("--beam", type=int, default=None,
+                   help="--latency-table beam size (default: the run's decode.beam)")
+    p.add_argument("--table-src", default=None,
+                   help="--latency-table: time real sentences of this file (those nearest "
+                        "each length), decoded freely, instead of random fixed-length ones "
+                        "(recommended: a budget's outputs may run longer)")
     _add_budget_arg(p)
     _add_run_args(p)
 
@@ -671,6 +753,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    _add_run_args(p)
+
+    p = sub.add_parser(
+        "serve", help="a budget-aware HTTP inference server for a run (FastAPI + uvicorn)",
+        description="Serve RUN over HTTP: translation runs POST /v1/translate, language "
+                    "models POST /v1/generate and /v1/score; GET /healthz, /readyz, "
+                    "/metrics (Prometheus), /docs. Each request may carry a budget or a "
+                    "deadline_ms (needs RUN/latency_table.json from dynaseq profile RUN "
+                    "--latency-table). SIGTERM answers the requests in flight, then exits. "
+                    "Example: dynaseq serve runs/demo/run --port 8000")
+    p.add_argument("run_dir")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="how long a batch waits for more requests (default 5)")
+    p.add_argument("--max-batch-lines", type=int, default=32, help="lines per batch at most")
+    p.add_argument("--max-queue-lines", type=int, default=4096,
+                   help="queued lines at most; beyond, 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-lines", type=int, default=32, help="lines per request at most")
+    p.add_argument("--max-line-chars", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per request at most")
+    p.add_argument("--beam", type=int, default=None, help="beam size (default: the run's)")
+    p.add_argument("--default-budget", type=parse_budget, default=None,
+                   help="budget of requests that give none (default: the largest trained)")
+    p.add_argument("--latency-table", default=None,
+                   help="latency table for deadline_ms (default RUN/latency_table.json)")
+    p.add_argument("--overload", choices=["reject", "smallest"], default="reject",
+                   help="a deadline no budget can meet: 503 + Retry-After (reject) or run "
+                        "at the smallest budget")
+    p.add_argument("--slack", type=float, default=0.9,
+                   help="plan deadline requests to finish within SLACK x deadline")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-compute", action="store_true",
+                   help="do not measure each line's realized compute")
+    p.add_argument("--no-access-log", action="store_true")
     _add_run_args(p)
 
     p = sub.add_parser("average", help="average the last K checkpoints into run_dir/averaged")
@@ -828,6 +946,7 @@ COMMANDS: dict[str, Command] = {
     "profile": Command({None: cmd_profile}),  # a run directory or a config file
     "generate": Command({"lm": cmd_generate}, check=_check_generate),
     "average": Command({None: cmd_average}),
+    "serve": Command({"seq2seq": cmd_serve, "lm": cmd_serve}),
     "demo": Command({None: cmd_demo}),
     "analyze": Command({"seq2seq": cmd_analyze}),
     "quantize": Command({"seq2seq": _quantize_seq2seq, "lm": _quantize_lm},

@@ -1,0 +1,358 @@
+"""serve_load: a budget-aware server under open-loop load (issue 30's benchmark).
+
+Starts ``dynaseq serve`` on a translation run (its ``latency_table.json``, measured here by
+``dynaseq profile --latency-table`` on a copy of the run if it has none) and drives it with
+real HTTP clients over loopback (httpx + asyncio, one process):
+
+1. saturation: closed-loop throughput (``--clients`` requests always in flight) at the full
+   budget, at the smallest, and with the two mixed half and half in the same batches
+   (mixed vs. the same requests run as single-budget batches: the time-weighted rate
+   ``2 / (1/R_full + 1/R_small)``);
+2. the deadline: ``--deadline-factor`` x the median latency of one request at a time at
+   the full budget (or ``--deadline-ms``);
+3. open loop: Poisson arrivals at each ``--rates`` multiple of the full-budget saturation
+   rate for ``--seconds`` each, one test sentence per request (seeded), for three policies
+   side by side: always the full budget, always the smallest, deadline-aware
+   (``deadline_ms``). Per cell: p50/p95/p99 latency of the answered requests, SLO
+   attainment (answered within the deadline / sent), goodput (answered within the
+   deadline per second), mean budget served, the share served at the full budget, 503s,
+   and the BLEU of the returned translations against their references.
+
+Example (a few minutes on 2 CPU cores; take the shared lock)::
+
+    flock /tmp/dynaseq-heavy.lock python benchmarks/serve_load.py --run runs/demo/run \
+        --src runs/demo/data/test.src --ref runs/demo/data/test.tgt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import sacrebleu
+
+from _lib import add_results_arg, command, machine, md_head, md_table, write_results
+
+POLICIES = ("full", "smallest", "deadline")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Path) -> Path:
+    """``run`` if it has a latency table, else a copy of it (config, tokenizer, checkpoint
+    folders) in ``work`` with one measured there (free decoding of ``table_src``)."""
+    if (run / "latency_table.json").is_file():
+        return run
+    dst = work / "run"
+    if not (dst / "latency_table.json").is_file():
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(run, dst, ignore=shutil.ignore_patterns("log.jsonl", "*.lock"))
+        subprocess.run([sys.executable, "-m", "dynaseq", "profile", str(dst), "--latency-table",
+                        "--beam", "1", "--repeats", "3", "--table-batches", batches,
+                        "--table-lengths", lengths, "--table-src", str(table_src)],
+                       check=True)
+    return dst
+
+
+class ServerProc:
+    def __init__(self, run: Path, threads: int, window_ms: float, max_batch: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynaseq", "serve", str(run), "--port", str(self.port),
+             "--beam", "1", "--threads", str(threads), "--batch-window-ms", str(window_ms),
+             "--max-batch-lines", str(max_batch), "--max-lines", str(max_batch),
+             "--no-access-log"], env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("dynaseq serve did not start")
+            time.sleep(0.2)
+        self.info = httpx.get(self.url + "/readyz").json()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the server process has used."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def queue_depth(self) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith("dynaseq_queue_depth_lines "):
+                return float(line.split()[1])
+        return 0.0
+
+
+def body_for(policy: str, line: str, smallest: list[float], deadline_ms: float) -> dict:
+    if policy == "full":
+        return {"text": line, "budget": 1.0}
+    if policy == "smallest":
+        return {"text": line, "budget": smallest}
+    return {"text": line, "deadline_ms": deadline_ms}
+
+
+async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
+                      seconds: float) -> float:
+    """Requests per second with ``clients`` always in flight (budgets taken in turn)."""
+    done = 0
+    stop_at = time.perf_counter() + seconds
+    async with httpx.AsyncClient(base_url=url, timeout=60,
+                                 limits=httpx.Limits(max_connections=clients + 8)) as c:
+        async def worker(k: int) -> None:
+            nonlocal done
+            i = k
+            while time.perf_counter() < stop_at:
+                r = await c.post("/v1/translate", json={"text": lines[i % len(lines)],
+                                                        "budget": budgets[i % len(budgets)]})
+                r.raise_for_status()
+                done += 1
+                i += clients
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(k) for k in range(clients)))
+        return done / (time.perf_counter() - t0)
+
+
+async def one_at_a_time(url: str, lines: list[str], n: int) -> float:
+    """Median latency (ms) of ``n`` full-budget requests sent one after another."""
+    times = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = await c.post("/v1/translate", json={"text": lines[i % len(lines)],
+                                                    "budget": 1.0})
+            r.raise_for_status()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times[2:])
+
+
+async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: float,
+                    seconds: float, deadline_ms: float, smallest: list[float],
+                    timeout_s: float, seed: int) -> dict:
+    """Poisson arrivals at ``rate``/s for ``seconds``; one record per request."""
+    rng = random.Random(seed)
+    records: list[dict] = []
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s,
+                                 limits=httpx.Limits(max_connections=2000)) as c:
+        async def send(src: str, ref: str) -> None:
+            t0 = time.perf_counter()
+            rec = {"ref": ref}
+            try:
+                r = await c.post("/v1/translate", json=body_for(policy, src, smallest,
+                                                                deadline_ms))
+                rec["status"] = r.status_code
+                if r.status_code == 200:
+                    b = r.json()
+                    rec.update(hyp=b["translation"], budget=b["budget"],
+                               degraded=b["degraded"], server_ms=b["latency_ms"])
+            except httpx.TimeoutException:
+                rec["status"] = "timeout"
+            except httpx.TransportError:  # the connection was refused or reset
+                rec["status"] = "conn_error"
+            rec["ms"] = 1000 * (time.perf_counter() - t0)
+            records.append(rec)
+
+        tasks = []
+        t_end = time.perf_counter() + seconds
+        nxt = time.perf_counter()
+        while nxt < t_end:
+            await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+            src, ref = pairs[rng.randrange(len(pairs))]
+            tasks.append(asyncio.create_task(send(src, ref)))
+            nxt += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+    return summarize(records, seconds, deadline_ms)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarize(records: list[dict], seconds: float, deadline_ms: float) -> dict:
+    ok = [r for r in records if r["status"] == 200]
+    lat = [r["ms"] for r in ok]
+    in_slo = [r for r in ok if r["ms"] <= deadline_ms]
+    budgets = [sum(r["budget"]) / 2 for r in ok]
+    bleu = (sacrebleu.corpus_bleu([r["hyp"] for r in ok], [[r["ref"] for r in ok]]).score
+            if ok else float("nan"))
+    return {
+        "sent": len(records), "answered": len(ok),
+        "rejected_503": sum(r["status"] == 503 for r in records),
+        "timeouts": sum(r["status"] == "timeout" for r in records),
+        "conn_errors": sum(r["status"] == "conn_error" for r in records),
+        "other_errors": sum(r["status"] not in (200, 503, "timeout", "conn_error")
+                            for r in records),
+        "p50_ms": round(pct(lat, 0.50), 1), "p95_ms": round(pct(lat, 0.95), 1),
+        "p99_ms": round(pct(lat, 0.99), 1),
+        "server_p50_ms": round(pct([r["server_ms"] for r in ok], 0.50), 1),
+        "server_p99_ms": round(pct([r["server_ms"] for r in ok], 0.99), 1),
+        "accepted_within_deadline": round(len(in_slo) / max(len(ok), 1), 4),
+        "slo_attainment": round(len(in_slo) / max(len(records), 1), 4),
+        "goodput_rps": round(len(in_slo) / seconds, 2),
+        "mean_budget": round(statistics.fmean(budgets), 3) if budgets else float("nan"),
+        "full_budget_share": round(sum(b == 1.0 for b in budgets) / max(len(ok), 1), 4),
+        "degraded": sum(bool(r.get("degraded")) for r in ok),
+        "bleu": round(bleu, 2),
+    }
+
+
+def wait_idle(server: ServerProc, limit_s: float = 60) -> None:
+    t_end = time.monotonic() + limit_s
+    while server.queue_depth() > 0 and time.monotonic() < t_end:
+        time.sleep(0.1)
+    time.sleep(0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", type=Path, default=Path("runs/demo/run"))
+    p.add_argument("--src", type=Path, default=Path("runs/demo/data/test.src"))
+    p.add_argument("--ref", type=Path, default=Path("runs/demo/data/test.tgt"))
+    p.add_argument("--work", type=Path, default=Path("runs/bench/serve_load"),
+                   help="where a copy of the run gets its latency table, if it has none")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0],
+                   help="multiples of the full-budget saturation rate")
+    p.add_argument("--seconds", type=float, default=6.0, help="open-loop seconds per cell")
+    p.add_argument("--saturation-seconds", type=float, default=5.0)
+    p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
+    p.add_argument("--deadline-ms", type=float, default=None)
+    p.add_argument("--deadline-factor", type=float, default=3.0,
+                   help="deadline = this x one full-budget request's median latency")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="client timeout")
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument("--window-ms", type=float, default=5.0)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--table-src", type=Path, default=Path("runs/demo/data/valid.src"),
+                   help="sentences the latency table is timed on (not the test set)")
+    p.add_argument("--table-batches", default="1,2,4,8,16,32")
+    p.add_argument("--table-lengths", default="8,16,32")
+    p.add_argument("--seed", type=int, default=0)
+    add_results_arg(p)
+    args = p.parse_args()
+
+    src = args.src.read_text().splitlines()
+    ref = args.ref.read_text().splitlines()
+    pairs = [(s, r) for s, r in zip(src, ref, strict=True) if s.strip()]
+    lines = [s for s, _ in pairs]
+    run = prepare_run(args.run, args.work, args.table_batches, args.table_lengths,
+                      args.table_src)
+    server = ServerProc(run, args.threads, args.window_ms, args.max_batch)
+    started = time.time()
+    try:
+        budgets = server.info["budgets"]
+        smallest = min(budgets, key=lambda b: (b[0] + b[1], b[1]))
+        solo_ms = asyncio.run(one_at_a_time(server.url, lines, 22))
+        deadline = args.deadline_ms or round(args.deadline_factor * solo_ms, 1)
+        sat, sat_cpu = {}, {}
+        for name, bs in (("full", [1.0]), ("smallest", [smallest]),
+                         ("mixed", [1.0, smallest])):
+            wait_idle(server)
+            cpu0, own0 = server.cpu_s(), time.process_time()
+            sat[name] = round(asyncio.run(closed_loop(server.url, lines, bs, args.clients,
+                                                      args.saturation_seconds)), 2)
+            sat_cpu[name] = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
+                             "client_cpu_s": round(time.process_time() - own0, 2)}
+            print(f"saturation {name}: {sat[name]} req/s", file=sys.stderr)
+        segregated = 2 / (1 / sat["full"] + 1 / sat["smallest"])
+        rows = []
+        for mult in args.rates:
+            rate = mult * sat["full"]
+            for policy in POLICIES:
+                wait_idle(server)
+                cpu0, own0 = server.cpu_s(), time.process_time()
+                cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
+                                             deadline, smallest, args.timeout_s,
+                                             args.seed + int(100 * mult)))
+                cpu = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
+                       "client_cpu_s": round(time.process_time() - own0, 2)}
+                row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": policy, **cell,
+                       **cpu}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+    finally:
+        server.stop()
+    table = json.loads((run / "latency_table.json").read_text())
+    data = {
+        "command": command(), "machine": machine(processor=True, server_threads=args.threads,
+                                                 cores=os.cpu_count()),
+        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+        "run": str(args.run), "run_with_table": str(run),
+        "test_set": f"{args.src} / {args.ref} ({len(pairs)} sentences, drawn at random)",
+        "server": {"beam": 1, "batch_window_ms": args.window_ms,
+                   "max_batch_lines": args.max_batch, "threads": args.threads,
+                   "budgets": budgets, "smallest": smallest},
+        "latency_table": {k: table[k] for k in ("batch_sizes", "lengths", "service_ms",
+                                                "extra")},
+        "solo_full_ms": round(solo_ms, 2), "deadline_ms": deadline,
+        "saturation_rps": sat, "saturation_cpu": sat_cpu,
+        "saturation_seconds": args.saturation_seconds,
+        "segregated_rps": round(segregated, 2),
+        "mixed_over_segregated": round(sat["mixed"] / segregated, 3),
+        "seconds_per_cell": args.seconds, "client_timeout_s": args.timeout_s,
+        "rows": rows,
+    }
+    md = md_head(
+        "serve_load: open-loop Poisson load on dynaseq serve, three budget policies",
+        data["command"],
+        f"Machine: {data['machine']}  ",
+        f"Run: `{args.run}` (latency table in `{run}`); test set {data['test_set']}; "
+        f"greedy; batching window {args.window_ms} ms, at most {args.max_batch} lines a "
+        f"batch; server torch threads {args.threads}; client and server share the machine.  ",
+        f"Saturation (closed loop, {args.clients} clients): full budget {sat['full']} req/s, "
+        f"smallest {smallest} {sat['smallest']} req/s, half and half mixed in the same "
+        f"batches {sat['mixed']} req/s = {data['mixed_over_segregated']}x the same requests "
+        f"in single-budget batches ({data['segregated_rps']} req/s).  ",
+        f"Deadline {deadline} ms ({args.deadline_factor} x one full-budget request alone, "
+        f"{data['solo_full_ms']} ms); rates are multiples of the full-budget saturation "
+        f"rate; {args.seconds} s of arrivals per cell, client timeout {args.timeout_s} s.")
+    md += md_table(
+        ["rate", "req/s", "policy", "sent", "503", "timeouts + resets", "p50 ms", "p95 ms", "p99 ms",
+         "server p50/p99 ms", "SLO attained", "accepted in SLO", "goodput/s", "mean budget",
+         "full share", "BLEU"],
+        "rrlrrrrrrrrrrrrr",
+        [[f"{r['rate_x']}x", r["rate_rps"], r["policy"], r["sent"], r["rejected_503"],
+          r["timeouts"] + r["conn_errors"], r["p50_ms"], r["p95_ms"], r["p99_ms"],
+          f"{r['server_p50_ms']} / {r['server_p99_ms']}", r["slo_attainment"],
+          r["accepted_within_deadline"], r["goodput_rps"], r["mean_budget"],
+          r["full_budget_share"], r["bleu"]] for r in rows])
+    md += ["", "SLO attained: answered within the deadline / sent. Accepted in SLO: answered "
+           "within the deadline / answered. p-latencies are of the answered requests, "
+           "measured by the client (timeouts excluded, counted apart); server p50/p99: the "
+           "`latency_ms` the server reported (from the app receiving the request to its "
+           "answer)."]
+    write_results(args.results, "serve_load", data, md)
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Service time per budget × batch size × source length: what ``dynaseq profile RUN
+--latency-table`` measures and stores in the run, and what the server's deadline policy
+predicts from.
+
+A :class:`LatencyTable` holds, for each budget (an ``(encoder, decoder)`` pair; a dense
+model has one row, ``(1, 1)``), the median wall time of decoding a batch of ``b`` sentences
+of ``L`` source tokens: real sentences of about that length decoded freely (each budget's
+outputs as long as they come out), or, without sentences, random tokens decoded into
+exactly ``L`` target tokens (:func:`~dynaseq.metrics.latency.decode_latency_ms`).
+:meth:`LatencyTable.predict_ms` interpolates linearly between the measured batch sizes and
+lengths and extrapolates linearly beyond the largest (decoding cost grows about linearly in
+both at these sizes).
+
+Example::
+
+    table = measure_latency_table(model, {(1.0, 1.0): 0, (0.5, 0.5): 1}, batch_sizes=[1, 8],
+                                  lengths=[8, 24], beam=1)
+    table.save("runs/demo/run/latency_table.json")
+    LatencyTable.load("runs/demo/run/latency_table.json").predict_ms((0.5, 0.5), 4, 16)
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import atomic_write, read_text
+from dynaseq.data import collate_source
+from dynaseq.metrics.latency import decode_latency_ms
+
+LATENCY_TABLE_FILE = "latency_table.json"
+"""Written into a run directory by ``dynaseq profile RUN --latency-table``."""
+
+Pair = tuple[float, float]
+
+
+def budget_key(pair: Pair) -> str:
+    """``(0.5, 0.5)`` -> ``"0.5,0.5"``: a budget as a JSON object key."""
+    return f"{pair[0]:g},{pair[1]:g}"
+
+
+@dataclass
+class LatencyTable:
+    """Measured service times: ``service_ms[budget_key][i][j]`` is the median milliseconds
+    to decode a batch of ``batch_sizes[i]`` sentences of ``lengths[j]`` source tokens at that
+    budget (greedy for ``beam`` 1), on ``device`` with ``threads`` CPU threads."""
+
+    budgets: list[Pair]
+    batch_sizes: list[int]
+    lengths: list[int]
+    service_ms: dict[str, list[list[float]]]
+    beam: int = 1
+    device: str = "cpu"
+    threads: int = 1
+    checkpoint: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.budgets = [(float(e), float(d)) for e, d in self.budgets]
+        if not self.budgets or not self.batch_sizes or not self.lengths:
+            raise ValueError("a latency table needs at least one budget, batch size and length")
+        if sorted(set(self.batch_sizes)) != list(self.batch_sizes) or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch sizes must be increasing and >= 1, got {self.batch_sizes}")
+        if sorted(set(self.lengths)) != list(self.lengths) or self.lengths[0] < 1:
+            raise ValueError(f"lengths must be increasing and >= 1, got {self.lengths}")
+        for pair in self.budgets:
+            rows = self.service_ms.get(budget_key(pair))
+            if rows is None:
+                raise ValueError(f"no service times for budget {budget_key(pair)}")
+            if len(rows) != len(self.batch_sizes) or any(
+                    len(r) != len(self.lengths) for r in rows):
+                raise ValueError(f"service times of budget {budget_key(pair)} are not "
+                                 f"{len(self.batch_sizes)} x {len(self.lengths)}")
+            if not all(math.isfinite(v) and v > 0 for r in rows for v in r):
+                raise ValueError(f"service times of budget {budget_key(pair)} must be > 0")
+
+    def has(self, pair: Pair) -> bool:
+        return budget_key(pair) in self.service_ms
+
+    def predict_ms(self, pair: Pair, batch: int, length: int) -> float:
+        """Predicted milliseconds to decode ``batch`` sentences of ``length`` source tokens
+        at budget ``pair``: bilinear in (batch size, length) between the measured points,
+        linear beyond them (never below the smallest measured time / 4)."""
+        rows = self.service_ms.get(budget_key(pair))
+        if rows is None:
+            raise KeyError(f"budget {budget_key(pair)} is not in the latency table "
+                           f"(it has {', '.join(self.service_ms)})")
+        by_batch = [_interp(self.lengths, r, max(length, 1)) for r in rows]
+        value = _interp(self.batch_sizes, by_batch, max(batch, 1))
+        floor = min(min(r) for r in rows) / 4
+        return max(value, floor)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["budgets"] = [list(p) for p in self.budgets]
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        """Write the table as JSON, atomically (a reader sees the old file or the new)."""
+        atomic_write(path, json.dumps(self.to_json(), indent=1))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyTable:
+        """Read a table written by :meth:`save` (a :class:`DynaseqError` if it is not one)."""
+        text = read_text(path, "latency table")
+        try:
+            d = json.loads(text)
+            return cls(**d)
+        except (ValueError, TypeError) as e:
+            raise DynaseqError(f"{path} is not a latency table ({type(e).__name__}: {e}); "
+                               "run dynaseq profile RUN --latency-table again") from None
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through the points; linear extrapolation from the two
+    nearest points outside them (constant with one point)."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@torch.no_grad()
+def free_decode_ms(model: nn.Module, src: torch.Tensor, beam: int, repeats: int,
+                   control: Any = None, max_len_a: float = 1.2, max_len_b: int = 10) -> float:
+    """Median wall time (ms) to decode the padded batch ``src`` (B, S) as a server would:
+    until every row has produced eos or reached ``max_len_a · S + max_len_b`` tokens, after
+    one warm-up."""
+    from dynaseq.models.search import beam_search, greedy_search
+
+    max_pos = model.decoder.positions.max_positions
+    kwargs = {"max_len_a": max_len_a, "max_len_b": max_len_b, "max_positions": max_pos,
+              "control": control}
+    device = next(model.parameters()).device
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if beam == 1:
+            greedy_search(model, src, **kwargs)
+        else:
+            beam_search(model, src, beam=beam, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i > 0:
+            times.append(time.perf_counter() - t0)
+    return 1000.0 * statistics.median(times)
+
+
+def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
+                          batch_sizes: Sequence[int], lengths: Sequence[int], beam: int = 1,
+                          repeats: int = 3, checkpoint: str = "",
+                          sources: Sequence[Sequence[int]] | None = None,
+                          max_len_a: float = 1.2, max_len_b: int = 10) -> LatencyTable:
+    """Measure :class:`LatencyTable` for ``model`` (a Seq2SeqTransformer).
+
+    ``controls``: budget pair -> the ``control`` argument that runs it (a control-symbol id,
+    a :class:`~dynaseq.techniques.cct.gating.BudgetControl` with calibrated offsets, or None
+    for a dense model). Each cell is the median of ``repeats`` timed decodes after one
+    warm-up, interleaved budget by budget so load drifts hit every budget alike.
+
+    Without ``sources``: random tokens decoded to exactly ``L`` target tokens
+    (:func:`~dynaseq.metrics.latency.decode_latency_ms`), the same steps at every budget.
+    With ``sources`` (token ids of real sentences, no eos): the ``b`` sentences whose
+    lengths are nearest ``L``, decoded freely (:func:`free_decode_ms`), so a budget whose
+    outputs run longer (or stop sooner) is timed as it will serve.
+    """
+    max_pos = model.decoder.positions.max_positions
+    if max(lengths) + 2 > max_pos:
+        raise DynaseqError(f"length {max(lengths)} exceeds the model's max_positions={max_pos}")
+    if sources is not None and not any(sources):
+        raise DynaseqError("no sentences to time the latency table with")
+    budgets = list(controls)
+    service: dict[str, list[list[float]]] = {
+        budget_key(p): [[0.0] * len(lengths) for _ in batch_sizes] for p in budgets}
+    device = next(model.parameters()).device
+    pool = [list(s)[: max_pos - 2] for s in (sources or []) if s]
+    was_training = model.training
+    model.eval()
+    try:
+        for i, b in enumerate(batch_sizes):
+            for j, length in enumerate(lengths):
+                src = None
+                if pool:
+                    near = sorted(pool, key=lambda s: abs(len(s) + 1 - length))
+                    rows = [near[k % len(near)] for k in range(b)]
+                    src = collate_source(rows, model.pad_id, model.eos_id).to(device)
+                for pair in budgets:
+                    service[budget_key(pair)][i][j] = (
+                        decode_latency_ms(model, length, length, beam, b, repeats,
+                                          control=controls[pair]) if src is None else
+                        free_decode_ms(model, src, beam, repeats, controls[pair], max_len_a,
+                                       max_len_b))
+    finally:
+        model.train(was_training)
+    extra = ({"decoding": "fixed length: L random source tokens -> L target tokens"}
+             if not pool else {"decoding": f"free: real sentences ({len(pool)}) nearest "
+                                            f"each length, max_len {max_len_a} x S + "
+                                            f"{max_len_b}"})
+    return LatencyTable(budgets, list(batch_sizes), list(lengths), service, beam=beam,
+                        device=str(device), threads=torch.get_num_threads(),
+                        checkpoint=checkpoint, extra=extra)

@@ -1,0 +1,410 @@
+"""The FastAPI application of ``dynaseq serve``: one loaded predictor, its task's endpoints
+(:data:`~dynaseq.serve.endpoints.TASK_ENDPOINTS`), ``/healthz``, ``/readyz``, ``/metrics``.
+
+Every refusal is ``{"error": "one line"}``: 400 malformed JSON or an empty body, 413 a body,
+line count, line or token count over its limit, 422 a wrong type, an unknown field, an
+untrained budget (naming the trained ones) or a deadline <= 0, 503 with ``Retry-After``
+when the queue is full or no budget meets a deadline, 500 when the request's batch raised
+(the next batch runs). The server keeps no state between requests: replicas behind any
+load balancer serve alike.
+
+Example::
+
+    state = build_state(dynaseq.load("runs/demo/run"), "seq2seq", ServeConfig())
+    app = build_app(state)      # uvicorn.run(app) -- or: dynaseq serve runs/demo/run
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, TextIO
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dynaseq.core.errors import DynaseqError
+from dynaseq.metrics.latency_table import LatencyTable, Pair
+from dynaseq.serve import endpoints as ep
+from dynaseq.serve.batcher import Batcher, Job, QueueFull
+from dynaseq.serve.config import ServeConfig
+from dynaseq.serve.metrics import ServerMetrics
+from dynaseq.serve.policy import DeadlinePolicy
+from dynaseq.serve.schemas import ErrorResponse, one_line
+
+
+class AccessLog:
+    """One JSON object per line (request id, time, method, path, status, latency, lines,
+    budget, degraded, error) on ``stream``; thread-safe."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.stream is None:
+            return
+        line = json.dumps(record, separators=(",", ":"), default=str)
+        with self._lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+@dataclass
+class ServeState:
+    """Everything one app instance holds: the predictor and its kind, settings, metrics,
+    the batcher and the deadline policy (None without a latency table). Nothing here
+    changes between requests except the queue and the counters."""
+
+    predictor: Any
+    kind: str
+    config: ServeConfig
+    metrics: ServerMetrics
+    batcher: Batcher
+    policy: DeadlinePolicy | None
+    beam: int
+    default_budget: Any
+    budgets: list[Pair]
+    log: AccessLog
+    run_dir: str = ""
+    draining: bool = False
+    lm_compute: dict[str, Any] | None = None
+    run_translate: Callable[[list[Job]], list[Any]] | None = None
+    run_generate: Callable[[list[Job]], list[Any]] | None = None
+    run_score: Callable[[list[Job]], list[Any]] | None = None
+    _requests: int = field(default=0, repr=False)
+
+    def budget_ran(self, budget: Any) -> Pair | None:
+        return ep.budget_ran(self.predictor, budget)
+
+
+def _trained_budgets(predictor: Any) -> list[Pair]:
+    cct = getattr(getattr(predictor.config, "model", None), "cct", None)
+    if cct is None:
+        return []
+    pairs = [*cct.controls, *(c.budget for c in getattr(predictor, "calibrations", []))]
+    return list(dict.fromkeys((float(e), float(d)) for e, d in pairs))
+
+
+def build_state(predictor: Any, kind: str, config: ServeConfig,
+                table: LatencyTable | None = None, run_dir: str = "",
+                log_stream: TextIO | None = sys.stderr) -> ServeState:
+    """The state of one server: checks the settings against the run (default budget
+    trained, latency table at the server's beam) and builds the batcher and the policy."""
+    if kind not in ep.TASK_ENDPOINTS:
+        raise DynaseqError(f"no endpoints serve a {kind} run (served: "
+                           f"{', '.join(ep.TASK_ENDPOINTS)})")
+    metrics = ServerMetrics()
+    budgets = _trained_budgets(predictor) if kind == "seq2seq" else []
+    beam = config.beam or (predictor.config.decode.beam if kind == "seq2seq" else 1)
+    default_budget = config_default_budget(predictor, kind, config)
+    policy = None
+    if table is not None and kind == "seq2seq":
+        if table.beam != beam:
+            raise DynaseqError(f"the latency table was measured at beam {table.beam}, the "
+                               f"server decodes at beam {beam}: serve with --beam "
+                               f"{table.beam} or run dynaseq profile RUN --latency-table "
+                               f"--beam {beam}")
+        usable = [b for b in (budgets or [(1.0, 1.0)]) if table.has(b)]
+        if not usable:
+            raise DynaseqError("the latency table holds none of the run's budgets: run "
+                               "dynaseq profile RUN --latency-table again")
+        policy = DeadlinePolicy(table, usable, config.max_batch_rows, config.batch_window_ms,
+                                config.slack, config.overload, config.retry_after_min_s)
+
+    def estimate(jobs: list[Job]) -> float:
+        if policy is None:
+            return 0.0
+        rows = sum(j.rows for j in jobs)
+        return sum(j.rows * policy.row_ms(j.budget or (1.0, 1.0), j.length, rows)
+                   for j in jobs if policy.table.has(j.budget or (1.0, 1.0)))
+
+    batcher = Batcher(metrics, config.batch_window_ms, config.max_batch_rows,
+                      config.max_queue_rows, estimate)
+    state = ServeState(predictor, kind, config, metrics, batcher, policy, beam, default_budget,
+                       budgets, AccessLog(log_stream if config.access_log else None),
+                       run_dir=run_dir)
+    if kind == "seq2seq":
+        state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute)
+    else:
+        state.run_generate = partial(ep.run_generate, predictor)
+        state.run_score = partial(ep.run_score, predictor)
+        state.lm_compute = ep.lm_compute(predictor)
+    return state
+
+
+def config_default_budget(predictor: Any, kind: str, config: Any) -> Any:
+    """The budget a request without ``budget`` or ``deadline_ms`` runs at (checked)."""
+    budget = getattr(config, "default_budget", None)
+    if budget is not None:
+        if kind != "seq2seq":
+            raise DynaseqError("--default-budget is for translation runs")
+        ep.budget_ran(predictor, budget)
+    return budget
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": " ".join(str(message).split())}, status_code=status,
+                        headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose ``Content-Length`` is over ``limit`` bytes gets 413
+    before its body is read (a chunked body is measured by the endpoint)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            for k, v in scope.get("headers", []):
+                if k == b"content-length":
+                    try:
+                        n = int(v)
+                    except ValueError:
+                        n = -1
+                    if n > self.limit or n < 0:
+                        msg = (f"body of {n} bytes; the limit is {self.limit}" if n >= 0
+                               else "bad Content-Length")
+                        status = 413 if n >= 0 else 400
+                        resp = _error(status, msg)
+                        scope.setdefault("state", {})["log"] = {"error": msg}
+                        await resp(scope, receive, send)
+                        return
+        await self.app(scope, receive, send)
+
+
+class AccessLogMiddleware:
+    """ASGI middleware: times every request, counts it in ``dynaseq_requests`` and writes
+    its access-log line (with what the endpoint put in ``request.state.log``)."""
+
+    def __init__(self, app: Any, state: ServeState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        scope.setdefault("state", {})["t0"] = t0
+        status = {"code": 500}
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            info = scope["state"].get("log", {})
+            if path.startswith("/v1/"):
+                self.state.metrics.requests.labels(path, str(status["code"])).inc()
+            if path not in ("/metrics", "/healthz", "/readyz") or status["code"] >= 400:
+                client = scope.get("client")
+                self.state.log.write({
+                    "ts": round(time.time(), 3), "method": scope.get("method"), "path": path,
+                    "status": status["code"],
+                    "latency_ms": round(1000 * (time.perf_counter() - t0), 3),
+                    "client": client[0] if client else None, **info})
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel ``job`` if the client goes away before it is answered."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
+    async def handle(request, body):
+        t0 = request.state.t0 if hasattr(request.state, "t0") else time.perf_counter()
+        log = {"lines": len(body.lines)}
+        request.state.log = log
+        raw = await request.body()
+        if len(raw) > state.config.max_body_bytes:
+            return _refuse(state, endpoint, log, 413, f"body of {len(raw)} bytes; the limit "
+                           f"is {state.config.max_body_bytes}")
+        if state.draining:
+            return _refuse(state, endpoint, log, 503, "the server is shutting down",
+                           retry=state.config.retry_after_min_s, reason="draining")
+        try:
+            job = endpoint.plan(state, body)
+            fut = state.batcher.submit(job)
+        except ep.Overloaded as e:
+            return _refuse(state, endpoint, log, 503, str(e), retry=e.retry_after_s,
+                           reason="deadline")
+        except QueueFull as e:
+            return _refuse(state, endpoint, log, 503, str(e),
+                           retry=state.config.retry_after_min_s, reason="queue")
+        except ep.TooLarge as e:
+            return _refuse(state, endpoint, log, 413, str(e))
+        except DynaseqError as e:
+            return _refuse(state, endpoint, log, 422, str(e))
+        if job.budget is not None:
+            log["budget"] = list(job.budget)
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            await asyncio.wait({fut, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not fut.done():  # the client went away: its job is dropped unless running
+                job.cancel()
+                return _refuse(state, endpoint, log, 499, "the client closed the connection")
+            result = fut.result()
+        except Exception as e:  # the batch raised: this batch's requests fail, not the server
+            msg = f"the batch failed: {type(e).__name__}: {e}"
+            return _refuse(state, endpoint, log, 500, msg)
+        finally:
+            watcher.cancel()
+            if not fut.done():
+                job.cancel()
+        out = endpoint.answer(state, body, job, result)
+        done = time.perf_counter()
+        latency = done - t0
+        label = "none" if job.budget is None else f"{job.budget[0]:g},{job.budget[1]:g}"
+        m = state.metrics
+        if job.predicted_ms is not None:
+            state.batcher.observe(job.predicted_ms, 1000 * latency)
+        m.latency.labels(endpoint.name, label).observe(latency)
+        m.lines.labels(endpoint.name, label).inc(job.rows)
+        if out.get("degraded"):
+            m.degraded.labels(endpoint.name).inc()
+        computes = out.get("compute")
+        for c in (computes if isinstance(computes, list) else [computes]):
+            if c and endpoint.name == "translate":
+                m.compute.labels(endpoint.name, label).observe(c["fraction"]["total"])
+        out.update(latency_ms=round(1000 * latency, 3),
+                   queue_ms=round(1000 * ((job.started or done) - job.enqueued), 3),
+                   batch_lines=job.batch_rows)
+        log.update(degraded=bool(out.get("degraded")), batch_lines=job.batch_rows)
+        data = endpoint.response(**out).model_dump(exclude_none=True)
+        data.setdefault("budget", None)  # None: the model has no budget knob
+        return JSONResponse(data)
+
+    handle.__name__ = endpoint.name
+    # real types (this module's annotations are strings): FastAPI reads the body model here
+    handle.__annotations__ = {"request": Request, "body": endpoint.request, "return": Any}
+    return handle
+
+
+def _refuse(state: ServeState, endpoint: ep.Endpoint, log: dict, status: int, msg: str,
+            retry: int | None = None, reason: str | None = None) -> JSONResponse:
+    log["error"] = msg
+    if reason is not None:
+        state.metrics.rejected.labels(endpoint.name, reason).inc()
+    headers = {"Retry-After": str(retry)} if retry is not None else None
+    return _error(status, msg, headers)
+
+
+def build_app(state: ServeState) -> Any:
+    """The ASGI app: the task's routes, health, readiness and metrics, wrapped in the body
+    limit and the access log. Starting it starts the batcher; stopping it drains it."""
+
+    async def watch_loop(period: float = 0.01, weight: float = 0.2) -> None:
+        """How late the event loop runs a timer: requests waiting for the loop (not yet
+        parsed) wait about as long; the deadline policy adds it to its predictions."""
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(period)
+            lag = max(0.0, 1000 * (time.perf_counter() - t - period))
+            b = state.batcher
+            b.loop_lag_ms = (1 - weight) * b.loop_lag_ms + weight * lag
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state.batcher._thread is None:
+            state.batcher.start()
+        monitor = asyncio.create_task(watch_loop()) if state.policy is not None else None
+        state.log.write({"ts": round(time.time(), 3), "event": "ready", "run": state.run_dir,
+                         "kind": state.kind, "budgets": [list(b) for b in state.budgets],
+                         "deadline_policy": state.policy is not None})
+        try:
+            yield
+        finally:
+            state.draining = True
+            if monitor is not None:
+                monitor.cancel()
+            await asyncio.to_thread(state.batcher.stop)
+            state.log.write({"ts": round(time.time(), 3), "event": "stopped"})
+
+    app = FastAPI(title="dynaseq serve", lifespan=lifespan,
+                  description="A budget-aware inference server: each request carries its "
+                              "compute budget or its deadline.")
+    errors = {400: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
+              422: {"model": ErrorResponse}, 500: {"model": ErrorResponse},
+              503: {"model": ErrorResponse}}
+    for endpoint in ep.TASK_ENDPOINTS[state.kind]:
+        app.post(endpoint.path, response_model=endpoint.response, summary=endpoint.summary,
+                 responses=errors, response_model_exclude_none=True)(_route(state, endpoint))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = list(exc.errors())
+        if any(e.get("type") == "json_invalid" for e in errs):
+            msg, status = "malformed JSON: " + one_line(errs), 400
+        elif any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",)
+                 for e in errs):
+            msg, status = "empty body: send a JSON object", 400
+        elif any(e.get("type") in ("model_attributes_type", "model_type", "dict_type")
+                 and tuple(e.get("loc", ())) == ("body",) for e in errs):
+            msg, status = ("the body must be a JSON object (Content-Type: "
+                           "application/json)"), 400
+        else:
+            msg, status = one_line(errs), 422
+        request.state.log = {"error": msg}
+        return _error(status, msg)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.get("/healthz", summary="The process is up")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="The model is loaded and requests are accepted")
+    async def readyz() -> Response:
+        ready = state.batcher.alive and not state.draining
+        body = {"ready": ready, "kind": state.kind, "run": state.run_dir,
+                "endpoints": [e.path for e in ep.TASK_ENDPOINTS[state.kind]],
+                "budgets": [list(b) for b in state.budgets],
+                "deadline_policy": state.policy is not None}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        state.metrics.queue_rows.set(state.batcher.queued_rows())
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    return AccessLogMiddleware(BodyLimit(app, state.config.max_body_bytes), state)
+
+
+def load_table(run_dir: str | Path, path: str | Path | None) -> LatencyTable | None:
+    """The latency table at ``path``, else the run's ``latency_table.json`` if it has one."""
+    from dynaseq.metrics.latency_table import LATENCY_TABLE_FILE
+
+    if path is not None:
+        return LatencyTable.load(path)
+    default = Path(run_dir) / LATENCY_TABLE_FILE
+    if default.is_file():
+        return LatencyTable.load(default)
+    return None
+
+
+def _warn_checkpoint(table: LatencyTable | None, predictor: Any) -> None:
+    if table is not None and table.checkpoint and table.checkpoint != str(predictor.checkpoint):
+        warnings.warn(f"the latency table was measured on {table.checkpoint}, the server "
+                      f"loaded {predictor.checkpoint}", stacklevel=2)

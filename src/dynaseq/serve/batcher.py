@@ -1,0 +1,259 @@
+"""Dynamic batching: requests queue on the event loop, one worker thread runs the model.
+
+The asyncio loop only validates, plans and queues a :class:`Job`; a single worker thread
+takes the oldest job, waits up to the batching window (counted from that job's arrival) for
+more jobs of the same group (same endpoint and decoding settings) to join, up to
+``max_batch_rows`` lines, and runs them as one batch with their own budgets per row
+(nothing is padded to the slowest budget). Results go back to each request's future on the
+loop. An exception fails that batch's jobs only; the next batch runs. A job whose client
+went away (:meth:`Job.cancel`) is dropped before it runs. :meth:`Batcher.stop` drains:
+every queued job still runs before the worker exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynaseq.metrics.latency_table import Pair
+from dynaseq.serve.metrics import ServerMetrics
+from dynaseq.serve.policy import Work
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue_rows`` lines already."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's work.
+
+    group: jobs with equal groups may share a batch (e.g. ``("translate", beam)``).
+    run: ``run(jobs) -> one result per job``, called in the worker thread with the batch.
+    payload: what ``run`` needs (lines, per-line budgets, options).
+    rows, length, budget: its lines, the longest line's tokens and its budget (``None`` for
+        models without one), for the queue's latency prediction.
+    """
+
+    group: Hashable
+    run: Callable[[list[Job]], list[Any]]
+    payload: Any
+    rows: int
+    length: int = 1
+    budget: Pair | None = None
+    endpoint: str = ""
+    future: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    batch_rows: int = 0
+    cancelled: bool = False
+    predicted_ms: float | None = None  # the policy's completion estimate, overhead excluded
+
+    def cancel(self) -> None:
+        """The client went away: drop the job if it has not started."""
+        self.cancelled = True
+
+
+class Batcher:
+    """The queue and its worker thread (see the module doc).
+
+    estimate_ms: predicted milliseconds of a batch of jobs (for :meth:`snapshot`'s running
+        time), or None.
+
+    :attr:`scale` follows the ratio of each batch's real time to its estimate (an
+    exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
+    :data:`SCALE_RANGE`), so predictions from a latency table measured on the bare model
+    include what the server adds around it; :attr:`overhead_ms` follows how much later
+    than predicted requests were answered (:meth:`observe`, weight
+    :data:`OVERHEAD_WEIGHT`, never below 0): the time a request spends outside the queue
+    and the batches (parsing, the event loop), which grows when the loop is saturated. It
+    decays with time constant :data:`OVERHEAD_TAU_S` between observations, so a server that
+    rejected everything while it was high admits requests again once they stop coming.
+    """
+
+    SCALE_WEIGHT = 0.2
+    SCALE_RANGE = (0.5, 4.0)
+    OVERHEAD_WEIGHT = 0.1
+    OVERHEAD_TAU_S = 1.0
+
+    def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
+                 max_queue_rows: int,
+                 estimate_ms: Callable[[list[Job]], float] | None = None) -> None:
+        self.metrics = metrics
+        self.window_s = window_ms / 1000.0
+        self.max_batch_rows = max_batch_rows
+        self.max_queue_rows = max_queue_rows
+        self.estimate_ms = estimate_ms
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._running: tuple[float, float] | None = None  # (start, predicted ms)
+        self._thread: threading.Thread | None = None
+        self.scale = 1.0
+        self._overhead = (0.0, time.perf_counter())  # (value ms, when)
+        self.loop_lag_ms = 0.0  # set by the app's loop monitor
+
+    # -- event loop side ------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="dynaseq-batcher",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def queued_rows(self) -> int:
+        with self._cond:
+            return sum(j.rows for j in self._queue)
+
+    def snapshot(self) -> tuple[list[Work], float | None, float, float]:
+        """The queued work (oldest first), what the running batch still needs (ms, scaled;
+        None when no batch runs), :attr:`scale` and the overhead (:attr:`overhead_ms` +
+        :attr:`loop_lag_ms`), for the deadline policy."""
+        with self._cond:
+            ahead = [Work(j.budget or (1.0, 1.0), j.rows, j.length) for j in self._queue]
+            running = None
+            if self._running is not None:
+                start, predicted = self._running
+                running = max(0.0, self.scale * predicted
+                              - 1000.0 * (time.perf_counter() - start))
+            return ahead, running, self.scale, self.overhead_ms + self.loop_lag_ms
+
+    @property
+    def overhead_ms(self) -> float:
+        """The measured overhead now (decayed since the last observation)."""
+        value, when = self._overhead
+        return value * math.exp(-(time.perf_counter() - when) / self.OVERHEAD_TAU_S)
+
+    def observe(self, predicted_ms: float, latency_ms: float) -> None:
+        """A request predicted (without overhead) to take ``predicted_ms`` was answered in
+        ``latency_ms``: update :attr:`overhead_ms`."""
+        w = self.OVERHEAD_WEIGHT
+        with self._cond:
+            value = max(0.0, (1 - w) * self.overhead_ms + w * (latency_ms - predicted_ms))
+            self._overhead = (value, time.perf_counter())
+
+    def submit(self, job: Job) -> asyncio.Future:
+        """Queue ``job`` (on the event loop); its future receives the result or exception.
+        Raises :class:`QueueFull` when the queue is full or the server is draining."""
+        loop = asyncio.get_running_loop()
+        job.loop, job.future = loop, loop.create_future()
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            queued = sum(j.rows for j in self._queue)
+            if queued + job.rows > self.max_queue_rows:
+                raise QueueFull(f"{queued} lines are queued (limit {self.max_queue_rows})")
+            job.enqueued = time.perf_counter()
+            self._queue.append(job)
+            self.metrics.queue_rows.set(queued + job.rows)
+            self._cond.notify()
+        return job.future
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new jobs, run every queued one, then end the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- worker side ----------------------------------------------------------------------
+    def _take(self) -> list[Job] | None:
+        """The next batch (None: stopped and drained)."""
+        with self._cond:
+            while not self._queue:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            first = self._queue[0]
+            until = first.enqueued + self.window_s
+            while not self._stopping:
+                rows = sum(j.rows for j in self._queue if j.group == first.group)
+                left = until - time.perf_counter()
+                if rows >= self.max_batch_rows or left <= 0:
+                    break
+                self._cond.wait(left)
+            batch: list[Job] = []
+            rows = 0
+            for job in list(self._queue):
+                if job.group != first.group:
+                    continue
+                if batch and rows + job.rows > self.max_batch_rows:
+                    break
+                self._queue.remove(job)
+                batch.append(job)
+                rows += job.rows
+            predicted = self.estimate_ms(batch) if self.estimate_ms is not None else 0.0
+            self._running = (time.perf_counter(), predicted)
+            self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
+            return batch
+
+    def _work(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            live = []
+            for job in batch:
+                if job.cancelled or (job.future is not None and job.future.done()):
+                    self.metrics.cancelled.labels(job.endpoint).inc()
+                else:
+                    live.append(job)
+            try:
+                if live:
+                    self._run(live)
+            finally:
+                with self._cond:
+                    start, predicted = self._running or (0.0, 0.0)
+                    if live and predicted > 0:
+                        ratio = 1000.0 * (time.perf_counter() - start) / predicted
+                        lo, hi = self.SCALE_RANGE
+                        w = self.SCALE_WEIGHT
+                        self.scale = min(hi, max(lo, (1 - w) * self.scale + w * ratio))
+                    self._running = None
+
+    def _run(self, batch: list[Job]) -> None:
+        now = time.perf_counter()
+        rows = sum(j.rows for j in batch)
+        for job in batch:
+            job.started, job.batch_rows = now, rows
+        endpoint = batch[0].endpoint
+        self.metrics.batch_rows.labels(endpoint).observe(rows)
+        self.metrics.batch_budgets.labels(endpoint).observe(
+            len({j.budget for j in batch}))
+        try:
+            results = batch[0].run(batch)
+            if len(results) != len(batch):
+                raise RuntimeError(f"a batch of {len(batch)} jobs gave {len(results)} results")
+        except Exception as e:  # the batch's requests get a 500; the next batch runs
+            self.metrics.batch_failures.labels(endpoint).inc()
+            for job in batch:
+                _deliver(job, exc=e)
+            return
+        for job, result in zip(batch, results, strict=True):
+            _deliver(job, result=result)
+
+
+def _deliver(job: Job, result: Any = None, exc: BaseException | None = None) -> None:
+    """Hand a result or exception to the job's future, on its event loop."""
+
+    def settle() -> None:
+        fut = job.future
+        if fut is None or fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    if job.loop is not None and not job.loop.is_closed():
+        job.loop.call_soon_threadsafe(settle)

@@ -1,0 +1,72 @@
+"""Server settings: one typed dataclass, filled from ``dynaseq serve`` options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynaseq.core.errors import DynaseqError
+
+OVERLOAD_ACTIONS = ("reject", "smallest")
+"""What a deadline request that no budget can meet gets: ``reject`` (503 with
+``Retry-After``) or ``smallest`` (run at the smallest budget, late)."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How ``dynaseq serve`` batches, limits and schedules requests.
+
+    host, port: where uvicorn listens.
+    batch_window_ms: a batch waits at most this long after its first request for more
+        requests to join it (0: run what is queued at once).
+    max_batch_rows: lines per batch at most (a request's lines are never split).
+    max_queue_rows: lines waiting at most; beyond, requests get 503 + ``Retry-After``.
+    max_body_bytes, max_lines, max_line_chars, max_tokens: per-request limits (413/422).
+    beam: beam size for translation (None: the run's ``decode.beam``).
+    overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
+    slack: a deadline request's predicted completion must be within ``slack × deadline``.
+    retry_after_min_s: the smallest ``Retry-After`` sent.
+    report_compute: measure each translated line's realized compute (two teacher-forced
+        passes over the batch's outputs; off: responses carry no ``compute``).
+    access_log: write one JSON line per request to stderr.
+    max_generate_tokens: largest ``tokens`` a generate request may ask for.
+    default_budget: what a request with neither ``budget`` nor ``deadline_ms`` runs at
+        (None: the largest trained budget).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    batch_window_ms: float = 5.0
+    max_batch_rows: int = 32
+    max_queue_rows: int = 4096
+    max_body_bytes: int = 1 << 20
+    max_lines: int = 32
+    max_line_chars: int = 2000
+    max_tokens: int = 4096
+    beam: int | None = None
+    overload: str = "reject"
+    slack: float = 0.9
+    retry_after_min_s: int = 1
+    report_compute: bool = True
+    access_log: bool = True
+    max_generate_tokens: int = 512
+    default_budget: float | tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise DynaseqError(f"--port must be in [0, 65535], got {self.port}")
+        if self.batch_window_ms < 0:
+            raise DynaseqError("--batch-window-ms must be >= 0")
+        for name in ("max_batch_rows", "max_queue_rows", "max_body_bytes", "max_lines",
+                     "max_line_chars", "max_tokens", "retry_after_min_s",
+                     "max_generate_tokens"):
+            if getattr(self, name) < 1:
+                raise DynaseqError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.beam is not None and self.beam < 1:
+            raise DynaseqError("--beam must be >= 1")
+        if self.overload not in OVERLOAD_ACTIONS:
+            raise DynaseqError(f"--overload must be one of {', '.join(OVERLOAD_ACTIONS)}")
+        if not 0 < self.slack <= 1:
+            raise DynaseqError("--slack must be in (0, 1]")
+        if self.max_lines > self.max_batch_rows:
+            raise DynaseqError(f"--max-lines ({self.max_lines}) must not exceed "
+                               f"--max-batch-lines ({self.max_batch_rows})")

@@ -1,0 +1,335 @@
+"""What each task kind serves: a table ``run kind -> endpoints`` (:data:`TASK_ENDPOINTS`).
+
+An :class:`Endpoint` is a path, its request and response models and three functions:
+``plan`` (on the event loop: check the request, choose its budget, build the
+:class:`~dynaseq.serve.batcher.Job`), ``run`` (in the worker thread: one batch of jobs ->
+one result per job) and ``answer`` (result -> response body). The app adds a route per
+entry of its run's kind, so a task is served by adding its row here: classification
+(``POST /v1/classify``) has no task yet, hence no row.
+
+Translation batches every request's lines together, each line at its request's budget
+(per-row control ids and calibrated offsets: :meth:`Translator.control_for`); language
+models run one request at a time (they have no budget knob).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import BaseModel
+
+from dynaseq.core.errors import DynaseqError
+from dynaseq.data import collate_source
+from dynaseq.metrics.latency_table import Pair
+from dynaseq.metrics.macs import count_macs
+from dynaseq.serve import schemas
+from dynaseq.serve.batcher import Job
+from dynaseq.tasks.translation.predictor import budget_pair, decode_corpus
+from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS, BudgetControl
+from dynaseq.techniques.cct.layers import realized_macs_by_row
+
+if TYPE_CHECKING:
+    from dynaseq.serve.app import ServeState
+
+
+class TooLarge(DynaseqError):
+    """A request over a size limit (413)."""
+
+
+class Overloaded(DynaseqError):
+    """No budget meets the deadline, or the queue is full (503 with ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route of a task kind (see the module doc)."""
+
+    path: str
+    name: str
+    request: type[BaseModel]
+    response: type[BaseModel]
+    plan: Callable[[ServeState, Any], Job]
+    answer: Callable[[ServeState, Any, Job, Any], dict[str, Any]]
+    summary: str
+
+
+def check_lines(state: ServeState, lines: list[str]) -> None:
+    """The per-request line limits (413)."""
+    cfg = state.config
+    if len(lines) > cfg.max_lines:
+        raise TooLarge(f"{len(lines)} lines in one request; the limit is {cfg.max_lines}")
+    for i, line in enumerate(lines):
+        if len(line) > cfg.max_line_chars:
+            raise TooLarge(f"line {i} has {len(line)} characters; the limit is "
+                           f"{cfg.max_line_chars}")
+        if "\n" in line or "\r" in line:
+            raise DynaseqError(f"line {i} holds a line break: send each line as its own "
+                               'entry of "texts"')
+
+
+def _check_tokens(state: ServeState, n_tokens: int) -> None:
+    if n_tokens > state.config.max_tokens:
+        raise TooLarge(f"{n_tokens} tokens in one request; the limit is "
+                       f"{state.config.max_tokens}")
+
+
+# -- translation --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TranslateWork:
+    lines: list[str]
+    ids: list[list[int]]
+    budget: Budget | None  # what Translator.control_for takes for every line
+    pair: Pair | None  # the (encoder, decoder) budget that runs (None: dense model)
+    degraded: bool
+
+
+Budget = float | tuple[float, float]
+
+
+def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
+    t = state.predictor
+    lines = req.lines
+    check_lines(state, lines)
+    ids = t.tokenizer.encode(lines)
+    _check_tokens(state, sum(len(x) for x in ids))
+    length = max((len(x) for x in ids), default=0) + 1
+    degraded = False
+    if req.deadline_ms is not None and state.policy is None:
+        raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
+                           "RUN --latency-table), which this server has not loaded")
+    snapshot = state.batcher.snapshot() if state.policy is not None else None
+    if req.deadline_ms is not None:
+        ahead, running, scale, overhead = snapshot
+        d = state.policy.decide(req.deadline_ms, len(lines), length, ahead, running, scale,
+                                overhead)
+        if d.reject:
+            raise Overloaded(f"no budget can answer within {req.deadline_ms:g} ms now "
+                             f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
+                             d.retry_after_s)
+        budget, degraded = d.budget, d.degraded
+    else:
+        budget = req.budget_value if req.budget is not None else state.default_budget
+    pair = state.budget_ran(budget)  # DynaseqError (422) for an untrained budget
+    work = TranslateWork(lines, ids, budget, pair, degraded)
+    predicted = None
+    if snapshot is not None and state.policy.table.has(pair or (1.0, 1.0)):
+        ahead, running, scale, _ = snapshot
+        predicted = state.policy.predict_ms(pair or (1.0, 1.0), len(lines), length, ahead,
+                                            running, scale)
+    return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
+               rows=len(lines), length=length, budget=pair, endpoint="translate",
+               predicted_ms=predicted)
+
+
+def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]
+                  ) -> list[tuple[list[str], list[dict | None]]]:
+    """One batch: every job's lines decoded together, each at its job's budget, exactly as
+    :meth:`Translator.translate` decodes (same search, same settings) -> per job its
+    translations and each line's realized compute (None for an empty line)."""
+    lines: list[str] = []
+    budgets: list[Budget | None] = []
+    for job in jobs:
+        lines.extend(job.payload.lines)
+        budgets.extend([job.payload.budget] * job.rows)
+    d = t.config.decode
+    control = t.control_for(budgets, len(lines))
+    keep = [i for i, line in enumerate(lines) if line.strip()]
+    if isinstance(control, BudgetControl):
+        control = control.select(torch.tensor(keep, dtype=torch.long, device=t.device))
+    src = t.tokenizer.encode([lines[i] for i in keep])
+    hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
+                         max_len_a=d.max_len_a, max_len_b=d.max_len_b,
+                         batch_size=max(len(src), 1), device=t.device, control=control)
+    texts = [""] * len(lines)
+    for i, text in zip(keep, t.tokenizer.decode(hyps), strict=True):
+        texts[i] = text
+    compute: list[dict | None] = [None] * len(lines)
+    if report_compute and keep:
+        for i, c in zip(keep, realized_per_row(t.model, src, hyps, control), strict=True):
+            compute[i] = c
+    out, start = [], 0
+    for job in jobs:
+        out.append((texts[start: start + job.rows], compute[start: start + job.rows]))
+        start += job.rows
+    return out
+
+
+@torch.no_grad()
+def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: list[list[int]],
+                     control: Any) -> list[dict]:
+    """Each line's realized compute: its source and its own output run teacher forced (the
+    same gates fire as in the decode, which fed the same prefixes), once at the line's
+    budget and once with every gate on; per-row MACs of the gated sub-layers
+    (:func:`realized_macs_by_row`) per token and as a fraction. Dense models: the analytic
+    count, fraction 1."""
+    max_pos = model.encoder.positions.max_positions
+    device = next(model.parameters()).device
+    src = collate_source([s[: max_pos - 1] for s in src_ids], model.pad_id,
+                         model.eos_id).to(device)
+    rows = [[model.bos_id, *h[: max_pos - 1]] for h in hyps]
+    tgt = torch.full((len(rows), max(len(r) for r in rows)), model.pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tgt[i, : len(r)] = torch.tensor(r)
+    tgt = tgt.to(device)
+    n_src = src.ne(model.pad_id).sum(1).tolist()
+    n_tgt = [len(r) for r in rows]
+    if model.n_controls == 0:
+        out = []
+        for s, n in zip(n_src, n_tgt, strict=True):
+            per = {k: float(v) for k, v in count_macs(model, s, n).per_token().items()}
+            out.append({"fraction": {"encoder": 1.0, "decoder": 1.0, "total": 1.0},
+                        "macs_per_token": per})
+        return out
+    ids = control.ids if isinstance(control, BudgetControl) else control
+    opened = BudgetControl(ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
+    parts = []
+    for setting in (control, opened):
+        by_layer = realized_macs_by_row(model(src, tgt, setting).aux)
+        sums = {sub: torch.zeros(len(rows), dtype=torch.long, device=device)
+                for sub in GATE_SUBNETWORKS}
+        for layer, per_row in by_layer.items():
+            sums[layer.split(".")[0]] += per_row
+        parts.append({k: v.tolist() for k, v in sums.items()})
+    ran, full = parts
+    out = []
+    for i in range(len(rows)):
+        per = {"encoder": ran["encoder"][i] / n_src[i], "decoder": ran["decoder"][i] / n_tgt[i]}
+        mx = {"encoder": full["encoder"][i] / n_src[i], "decoder": full["decoder"][i] / n_tgt[i]}
+        frac = {k: per[k] / mx[k] if mx[k] else 1.0 for k in per}
+        frac["total"] = sum(per.values()) / max(sum(mx.values()), 1e-12)
+        per["total"] = per["encoder"] + per["decoder"]
+        out.append({"fraction": frac, "macs_per_token": per})
+    return out
+
+
+def _answer_translate(state: ServeState, req: schemas.TranslateRequest, job: Job,
+                      result: Any) -> dict[str, Any]:
+    texts, compute = result
+    work: TranslateWork = job.payload
+    body: dict[str, Any] = {"budget": None if work.pair is None else list(work.pair),
+                            "degraded": work.degraded}
+    if req.text is not None:
+        body.update(translation=texts[0], compute=compute[0])
+    else:
+        body.update(translations=texts, compute=compute)
+    return body
+
+
+# -- language models ----------------------------------------------------------------------
+
+def _no_knob(req: schemas._Budgeted) -> None:
+    if req.budget is not None:
+        raise DynaseqError("a language model has no compute-budget knob: leave out "
+                           '"budget"')
+    if req.deadline_ms is not None:
+        raise DynaseqError("a language model has no budgets to choose from: leave out "
+                           '"deadline_ms"')
+
+
+def _plan_generate(state: ServeState, req: schemas.GenerateRequest) -> Job:
+    _no_knob(req)
+    check_lines(state, req.lines)
+    if req.tokens > state.config.max_generate_tokens:
+        raise TooLarge(f"tokens={req.tokens}; the limit is {state.config.max_generate_tokens}")
+    _check_tokens(state, sum(len(x.split()) + 1 for x in req.lines))
+    return Job(group=None, run=state.run_generate, payload=req, rows=len(req.lines),
+               length=1, endpoint="generate")
+
+
+def run_generate(lm: Any, jobs: list[Job]) -> list[list[str]]:
+    """One request (a language model's batches hold one job): each prompt continued, as
+    ``LanguageModel.generate`` (``dynaseq generate``) does."""
+    out = []
+    for job in jobs:
+        r: schemas.GenerateRequest = job.payload
+        out.append([lm.generate(p or None, r.tokens, r.temperature, r.seed, r.top_k)
+                    for p in r.lines])
+    return out
+
+
+def lm_compute(lm: Any) -> dict[str, Any]:
+    """A language model's compute per generated token (dense: everything runs)."""
+    from dynaseq.metrics.lm_profile import lm_macs_per_token
+
+    macs = {k: float(v) for k, v in lm_macs_per_token(lm.model).items()}
+    return {"fraction": {"total": 1.0}, "macs_per_token": macs}
+
+
+def _answer_generate(state: ServeState, req: schemas.GenerateRequest, job: Job,
+                     result: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"budget": None, "compute": state.lm_compute}
+    if req.text is not None:
+        body["text"] = result[0]
+    else:
+        body["texts"] = result
+    return body
+
+
+def _plan_score(state: ServeState, req: schemas.ScoreRequest) -> Job:
+    _no_knob(req)
+    check_lines(state, req.lines)
+    _check_tokens(state, sum(len(x.split()) + 2 for x in req.lines))
+    return Job(group=None, run=state.run_score, payload=req, rows=len(req.lines), length=1,
+               endpoint="score")
+
+
+def run_score(lm: Any, jobs: list[Job]) -> list[list[dict]]:
+    """Each line's loss and perplexity: its words and end of line after a line start
+    (``<eos>``), i.e. what ``LanguageModel.evaluate`` gives for a file holding an empty
+    line and then this line (batch size 1)."""
+    from dynaseq.tasks.lm.predictor import evaluate_stream
+
+    out = []
+    for job in jobs:
+        scores = []
+        for line in job.payload.lines:
+            ids = lm.vocab.encode_lines(["", line])
+            r = evaluate_stream(lm.model, ids, 1, lm.config.model.extended_context, lm.device)
+            scores.append({"loss": r["loss"], "ppl": r["ppl"], "tokens": r["tokens"]})
+        out.append(scores)
+    return out
+
+
+def _answer_score(state: ServeState, req: schemas.ScoreRequest, job: Job, result: Any) -> dict[str, Any]:
+    if req.text is not None:
+        return {"budget": None, "score": result[0]}
+    return {"budget": None, "scores": result}
+
+
+TRANSLATE = Endpoint("/v1/translate", "translate", schemas.TranslateRequest,
+                     schemas.TranslateResponse, _plan_translate, _answer_translate,
+                     "Translate one line or several, at a budget or within a deadline")
+GENERATE = Endpoint("/v1/generate", "generate", schemas.GenerateRequest,
+                    schemas.GenerateResponse, _plan_generate, _answer_generate,
+                    "Continue one prompt or several")
+SCORE = Endpoint("/v1/score", "score", schemas.ScoreRequest, schemas.ScoreResponse,
+                 _plan_score, _answer_score, "Loss and perplexity of one line or several")
+
+#: run kind (:func:`dynaseq.tasks.registry.run_kind`) -> its endpoints. Classification
+#: (``/v1/classify``) is one row to add once its task exists.
+TASK_ENDPOINTS: dict[str, tuple[Endpoint, ...]] = {
+    "seq2seq": (TRANSLATE,),
+    "lm": (GENERATE, SCORE),
+}
+
+
+def budget_ran(predictor: Any, budget: Budget | None) -> Pair | None:
+    """The ``(encoder, decoder)`` budget a request's ``budget`` runs at (the calibration's,
+    the trained control's, or the largest for None); None for a model without budgets.
+    Raises :class:`DynaseqError` naming the trained budgets for one that was not."""
+    cct = predictor.config.model.cct
+    control, cal = predictor.budget_setting(budget)
+    if cct is None:
+        return None
+    if cal is not None:
+        return budget_pair(cal.budget)
+    return budget_pair(cct.controls[control])
+

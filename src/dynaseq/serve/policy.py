@@ -1,0 +1,142 @@
+"""Deadline -> budget: the largest budget whose predicted completion meets the deadline.
+
+A request that carries ``deadline_ms`` is planned when it arrives. Its predicted completion
+is the time the work ahead of it still needs (the rest of the batch now running, then
+every queued line at its own budget) plus its own lines at the candidate budget, each line
+costing ``service(budget, n, length) / n`` of a batch of ``n`` lines
+(:class:`~dynaseq.metrics.latency_table.LatencyTable`), ``n`` being the batch size the
+queue will run at. The first budget, largest first, whose completion is within ``slack ×
+deadline`` runs; so under light load every request gets the full budget, and as the queue
+grows budgets degrade before latency does. When even the smallest budget cannot make it,
+the request is rejected (503 with ``Retry-After``: the seconds the queue ahead needs) or,
+with ``overload="smallest"``, run at the smallest budget.
+
+Example::
+
+    policy = DeadlinePolicy(table, [(1, 1), (0.5, 0.5)], max_batch_rows=32)
+    d = policy.decide(deadline_ms=200, rows=1, length=12, ahead=[Work((1, 1), 4, 20)],
+                      running_ms=15.0)
+    d.budget, d.degraded, d.reject, d.predicted_ms
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dynaseq.metrics.latency_table import LatencyTable, Pair
+
+
+@dataclass(frozen=True)
+class Work:
+    """Lines waiting in the queue: their budget, how many, their longest source (tokens)."""
+
+    budget: Pair
+    rows: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy chose for one deadline request.
+
+    budget: the budget to run (None when rejected).
+    degraded: a smaller budget than the largest was chosen (or ``overload="smallest"``).
+    reject: no budget meets the deadline: answer 503 with ``Retry-After: retry_after_s``.
+    predicted_ms: predicted completion (queue wait + service) at ``budget`` (at the smallest
+        budget when rejected).
+    """
+
+    budget: Pair | None
+    degraded: bool
+    reject: bool
+    predicted_ms: float
+    retry_after_s: int = 0
+
+
+class DeadlinePolicy:
+    """Chooses a budget per deadline request from a latency table (see the module doc).
+
+    budgets: the budgets the server may choose from, any order (sorted here by compute,
+        largest first; each must be in ``table``).
+    window_ms: the batching window a request waits when nothing is ahead of it.
+    """
+
+    def __init__(self, table: LatencyTable, budgets: Sequence[Pair], max_batch_rows: int,
+                 window_ms: float = 0.0, slack: float = 1.0, overload: str = "reject",
+                 retry_after_min_s: int = 1) -> None:
+        missing = [b for b in budgets if not table.has(b)]
+        if missing:
+            raise ValueError(f"budgets {missing} are not in the latency table")
+        if not budgets:
+            raise ValueError("a deadline policy needs at least one budget")
+        self.table = table
+        self.budgets = sorted(budgets, key=lambda b: (-(b[0] + b[1]), -b[1]))
+        self.max_batch_rows = max_batch_rows
+        self.window_ms = window_ms
+        self.slack = slack
+        self.overload = overload
+        self.retry_after_min_s = retry_after_min_s
+
+    @property
+    def largest(self) -> Pair:
+        return self.budgets[0]
+
+    @property
+    def smallest(self) -> Pair:
+        return self.budgets[-1]
+
+    def row_ms(self, budget: Pair, length: int, batch: int) -> float:
+        """Predicted milliseconds one line adds to a batch of ``batch`` lines."""
+        return self.table.predict_ms(budget, batch, length) / batch
+
+    def backlog_ms(self, ahead: Sequence[Work], running_ms: float = 0.0,
+                   extra_rows: int = 0, scale: float = 1.0) -> float:
+        """Predicted milliseconds until the work ``ahead`` is done: ``running_ms`` (what the
+        batch now running still needs) plus each queued line's share of its batch, times
+        ``scale``."""
+        rows = sum(w.rows for w in ahead) + extra_rows
+        batch = max(1, min(rows, self.max_batch_rows))
+        return running_ms + scale * sum(w.rows * self.row_ms(w.budget, w.length, batch)
+                                        for w in ahead)
+
+    def predict_ms(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work] = (),
+                   running_ms: float | None = None, scale: float = 1.0,
+                   overhead_ms: float = 0.0) -> float:
+        """Predicted completion (ms from now) of a request of ``rows`` lines at ``budget``
+        behind ``ahead`` (see :meth:`decide`)."""
+        wait = self._wait(rows, ahead, running_ms, scale, overhead_ms)
+        batch = max(1, min(sum(w.rows for w in ahead) + rows, self.max_batch_rows))
+        return wait + scale * rows * self.row_ms(budget, length, batch)
+
+    def _wait(self, rows: int, ahead: Sequence[Work], running_ms: float | None, scale: float,
+              overhead_ms: float) -> float:
+        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=rows, scale=scale)
+        if not ahead and running_ms is None:  # idle: the batching window
+            wait += self.window_ms
+        return wait + overhead_ms
+
+    def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
+               running_ms: float | None = None, scale: float = 1.0,
+               overhead_ms: float = 0.0) -> Decision:
+        """The budget for a request of ``rows`` lines (longest ``length`` tokens) with
+        ``deadline_ms``, given the queued ``ahead`` and the running batch's remaining
+        ``running_ms`` (None: no batch is running).
+
+        ``scale`` multiplies the table's service times (the server's measured ratio of real
+        batch time to predicted: what it runs besides the decode, load on the machine);
+        ``overhead_ms`` is added to every prediction (the server's measured latency beyond
+        the queue and the batches: request parsing, the event loop's own queue)."""
+        wait = self._wait(rows, ahead, running_ms, scale, overhead_ms)
+        batch = max(1, min(sum(w.rows for w in ahead) + rows, self.max_batch_rows))
+        limit = self.slack * deadline_ms
+        predicted = math.inf
+        for budget in self.budgets:
+            predicted = wait + scale * rows * self.row_ms(budget, length, batch)
+            if predicted <= limit:
+                return Decision(budget, budget != self.largest, False, predicted)
+        if self.overload == "smallest":
+            return Decision(self.smallest, True, False, predicted)
+        retry = max(self.retry_after_min_s, math.ceil(wait / 1000.0))
+        return Decision(None, True, True, predicted, retry)

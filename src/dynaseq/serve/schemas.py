@@ -1,0 +1,146 @@
+"""Request and response bodies (pydantic), so ``/docs`` shows the real schema.
+
+Requests are strict: an unknown field, a string where a number belongs or a number where a
+string belongs is a 422, never coerced. Each request gives ``text`` (one line) or ``texts``
+(several); the answer mirrors it (``translation``/``translations``, ``text``/``texts``,
+``score``/``scores``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Budget = float | tuple[float, float]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: str | None = Field(None, description="one input line")
+    texts: list[str] | None = Field(None, min_length=1, description="several input lines")
+
+    @model_validator(mode="after")
+    def _one_of_text_texts(self) -> _Request:
+        if (self.text is None) == (self.texts is None):
+            raise ValueError('give "text" (one line) or "texts" (a list), not both or neither')
+        return self
+
+    @property
+    def lines(self) -> list[str]:
+        return [self.text] if self.text is not None else list(self.texts or [])
+
+
+class _Budgeted(_Request):
+    budget: float | list[float] | None = Field(
+        None, description="compute budget: a fraction for encoder and decoder alike, or an "
+                          "[encoder, decoder] pair; a trained or calibrated one")
+    deadline_ms: float | None = Field(
+        None, gt=0, description="answer within this many milliseconds: the server runs the "
+                                "largest budget predicted to make it")
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget_shape(cls, v: Any) -> Any:
+        def number(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if v is None or number(v) or (isinstance(v, list) and len(v) == 2
+                                      and all(number(x) for x in v)):
+            return v
+        raise ValueError("a budget is a fraction or an [encoder, decoder] pair of fractions")
+
+    @property
+    def budget_value(self) -> Budget | None:
+        """``budget`` as :class:`Translator` takes it (a pair as a tuple)."""
+        b = self.budget
+        return (b[0], b[1]) if isinstance(b, list) else b
+
+    @model_validator(mode="after")
+    def _budget_or_deadline(self) -> _Budgeted:
+        if self.budget is not None and self.deadline_ms is not None:
+            raise ValueError('give "budget" or "deadline_ms", not both')
+        return self
+
+
+class TranslateRequest(_Budgeted):
+    """``POST /v1/translate``."""
+
+
+class GenerateRequest(_Budgeted):
+    """``POST /v1/generate``: continue each prompt (``text``/``texts``; ``""`` starts a new
+    line). A language model has no budget: ``budget`` and ``deadline_ms`` are refused."""
+
+    tokens: int = Field(50, ge=0, description="words to generate")
+    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    top_k: int | None = Field(None, ge=1)
+    seed: int = Field(0, ge=0)
+
+
+class ScoreRequest(_Budgeted):
+    """``POST /v1/score``: a language model's loss and perplexity of each line (its words and
+    the end of line, from a line start)."""
+
+
+class Compute(BaseModel):
+    """Realized compute of one line: MACs per token that ran (encoder per source token,
+    decoder per target token) and their fraction of every gate on."""
+
+    fraction: dict[str, float]
+    macs_per_token: dict[str, float]
+
+
+class _Response(BaseModel):
+    budget: list[float] | None = Field(None, description="the [encoder, decoder] budget that "
+                                                         "ran (None: the model has none)")
+    degraded: bool = Field(False, description="the deadline policy chose a budget below the "
+                                              "largest")
+    latency_ms: float = Field(description="server-side time from arrival to answer")
+    queue_ms: float = Field(description="time waiting for a batch")
+    batch_lines: int = Field(description="lines in the batch this request ran in")
+
+
+class TranslateResponse(_Response):
+    translation: str | None = None
+    translations: list[str] | None = None
+    compute: Compute | list[Compute | None] | None = None
+
+
+class GenerateResponse(_Response):
+    text: str | None = None
+    texts: list[str] | None = None
+    compute: Compute | None = None
+
+
+class LineScore(BaseModel):
+    loss: float
+    ppl: float
+    tokens: int
+
+
+class ScoreResponse(_Response):
+    score: LineScore | None = None
+    scores: list[LineScore] | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal: ``{"error": "one line"}``."""
+
+    error: str
+
+
+def one_line(errors: list[dict[str, Any]]) -> str:
+    """A pydantic error list as one line: ``budget: Input should be a valid number; ...``."""
+    parts = []
+    seen = set()
+    for e in errors:
+        field = next((x for x in e.get("loc", ()) if x != "body"), "")
+        if field in seen:  # one message per field (a union reports each alternative)
+            continue
+        seen.add(field)
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        msg = str(e.get("msg", "invalid")).replace("Value error, ", "")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts[:3]).replace("\n", " ") + (
+        f" (+{len(parts) - 3} more)" if len(parts) > 3 else "")

@@ -1,0 +1,66 @@
+"""Fixtures for the server tests: a micro CCT trained a few updates with three budgets and
+its latency table, a tiny language model, and a real ``dynaseq serve`` process."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dynaseq.techniques.cct.config import CCTConfig
+
+from helpers import lm_config, micro_config
+from serve_helpers import BUDGETS, Server
+
+
+@pytest.fixture(scope="session")
+def serve_run(tmp_path_factory, synthetic_paths) -> Path:
+    """A micro CCT (:data:`BUDGETS`) trained 8 updates, with a latency table measured by
+    ``dynaseq profile RUN --latency-table`` (greedy, free decoding of validation sentences)."""
+    from dynaseq.train.loop import train
+
+    from helpers import run_cli
+
+    run = tmp_path_factory.mktemp("serve") / "run"
+    cfg = micro_config(run, synthetic_paths, max_steps=8, log_every=4, valid_every=8,
+                       save_every=8, valid_bleu_lines=4)
+    cfg.model.cct = CCTConfig(ffn_pieces=2, control_hidden=8, noise_ramp_steps=4,
+                              budgets=BUDGETS)
+    train(cfg, progress=False)
+    r = run_cli("profile", str(run), "--latency-table", "--beam", "1", "--repeats", "1",
+                "--table-batches", "1,8", "--table-lengths", "8,24",
+                "--table-src", str(synthetic_paths["valid.src"]))
+    assert r.returncode == 0, r.stderr.decode()
+    assert (run / "latency_table.json").is_file()
+    return run
+
+
+@pytest.fixture(scope="session")
+def lm_run(tmp_path_factory) -> Path:
+    """A tiny word-level LM trained 12 updates."""
+    from dynaseq.train.loop import train
+
+    tmp = tmp_path_factory.mktemp("serve_lm")
+    cfg = lm_config(tmp)
+    train(cfg, progress=False)
+    return Path(cfg.run_dir)
+
+
+@pytest.fixture(scope="module")
+def server(serve_run, tmp_path_factory) -> Iterator[Server]:
+    """One server on :func:`serve_run` (greedy, a 30 ms batching window, small limits)."""
+    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    s = Server(serve_run, "--beam", "1", "--batch-window-ms", "30", "--max-lines", "8",
+               "--max-body-bytes", "4000", "--max-tokens", "400", "--max-line-chars", "300",
+               log=log)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def run_copy(serve_run, tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(serve_run, dst)
+    return dst

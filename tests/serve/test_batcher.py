@@ -1,0 +1,86 @@
+"""The batcher alone (no model): what shares a batch, limits, a raising batch, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from dynaseq.serve.batcher import Batcher, Job, QueueFull
+from dynaseq.serve.metrics import ServerMetrics
+
+
+def make_job(group, rows, batches, budget=(1.0, 1.0), fail=False, gate=None):
+    def run(jobs):
+        if gate is not None:
+            gate.wait(5)
+        batches.append([(j.payload, j.rows, j.budget) for j in jobs])
+        if fail:
+            raise RuntimeError("boom")
+        return [j.payload for j in jobs]
+
+    return Job(group=group, run=run, payload=f"{group}{len(batches)}-{rows}-{budget[0]}",
+               rows=rows, budget=budget, endpoint="t")
+
+
+def test_same_group_jobs_share_a_batch_whatever_their_budgets():
+    async def go():
+        batches = []
+        b = Batcher(ServerMetrics(), window_ms=100, max_batch_rows=5, max_queue_rows=100)
+        jobs = [make_job("a", 2, batches, (1.0, 1.0)), make_job("b", 1, batches),
+                make_job("a", 2, batches, (0.5, 0.5)), make_job("a", 2, batches, (1.0, 0.33))]
+        futs = [b.submit(j) for j in jobs]
+        b.start()
+        results = await asyncio.gather(*futs)
+        b.stop()
+        return batches, results, jobs
+
+    batches, results, jobs = asyncio.run(go())
+    assert results == [j.payload for j in jobs]
+    # group a: 2 + 2 lines (5 max: the third job of 2 lines waits), then group b, then a
+    assert [[rows for _, rows, _ in batch] for batch in batches] == [[2, 2], [1], [2]]
+    assert {budget for _, _, budget in batches[0]} == {(1.0, 1.0), (0.5, 0.5)}
+    assert jobs[0].batch_rows == 4 and jobs[3].batch_rows == 2
+
+
+def test_queue_limit_raising_batch_and_drain():
+    async def go():
+        batches, gate = [], threading.Event()
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
+        b.start()
+        first = b.submit(make_job("a", 1, batches, gate=gate))  # holds the worker
+        await asyncio.sleep(0.05)
+        bad = b.submit(make_job("a", 2, batches, fail=True))
+        ok = b.submit(make_job("b", 2, batches))
+        with pytest.raises(QueueFull, match="4 lines are queued"):
+            b.submit(make_job("c", 1, batches))
+        gate.set()
+        stopper = asyncio.get_running_loop().run_in_executor(None, b.stop)  # drains
+        assert await first == "a0-1-1.0"
+        with pytest.raises(RuntimeError, match="boom"):
+            await bad
+        assert await ok == "b0-2-1.0"
+        await stopper
+        with pytest.raises(QueueFull, match="shutting down"):
+            b.submit(make_job("a", 1, batches))
+        return b
+
+    b = asyncio.run(go())
+    assert b.metrics.batch_failures.labels("t")._value.get() == 1
+    assert not b.alive
+
+
+def test_measured_overhead_follows_late_answers_and_decays():
+    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
+    b.OVERHEAD_TAU_S = 0.05
+    for _ in range(30):
+        b.observe(predicted_ms=10.0, latency_ms=110.0)
+    assert 90 < b.overhead_ms <= 100
+    _, _, _, overhead = b.snapshot()
+    assert overhead == pytest.approx(b.overhead_ms, rel=0.1)
+    time.sleep(0.3)  # six time constants without an answer
+    assert b.overhead_ms < 1.0
+    b.observe(predicted_ms=50.0, latency_ms=10.0)  # early answers never make it negative
+    assert b.overhead_ms == 0.0

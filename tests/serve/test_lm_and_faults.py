@@ -1,0 +1,152 @@
+"""Language-model endpoints against the offline predictor and CLI; a batch that raises fails
+only its own requests; a client that goes away before its batch costs nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+import dynaseq
+from dynaseq.serve.app import build_app, build_state
+from dynaseq.serve.config import ServeConfig
+
+from helpers import free_port, run_cli
+from serve_helpers import Server
+
+
+@pytest.fixture(scope="module")
+def lm_server(lm_run):
+    s = Server(lm_run)
+    yield s
+    s.stop()
+
+
+def test_generate_equals_offline_generate_and_the_cli(lm_server, lm_run):
+    lm = dynaseq.load(lm_run)
+    r = lm_server.post("/v1/generate", json={"text": "w1 w2", "tokens": 6, "seed": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["text"] == lm.generate("w1 w2", 6, 1.0, 3, None)
+    assert body["budget"] is None and body["compute"]["macs_per_token"]["total"] > 0
+    cli = run_cli("generate", str(lm_run), "--prompt", "w1 w2", "--tokens", "6", "--seed", "3")
+    assert cli.stdout.decode() == body["text"] + "\n"
+    r = lm_server.post("/v1/generate", json={"texts": ["w3", ""], "tokens": 4,
+                                             "temperature": 0.0})
+    assert r.json()["texts"] == [lm.generate("w3", 4, 0.0), lm.generate(None, 4, 0.0)]
+
+
+def test_score_equals_offline_evaluate(lm_server, lm_run, tmp_path):
+    lm = dynaseq.load(lm_run)
+    lines = ["w1 w5 w7 w2", "w3 nonword w4"]
+    r = lm_server.post("/v1/score", json={"texts": lines})
+    assert r.status_code == 200, r.text
+    for line, got in zip(lines, r.json()["scores"], strict=True):
+        f = tmp_path / "one.txt"
+        f.write_text(f"\n{line}\n")  # a line start, then the line
+        want = lm.evaluate(str(f), batch_size=1)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
+        assert got["tokens"] == want["tokens"]
+    one = lm_server.post("/v1/score", json={"text": lines[0]}).json()
+    assert one["score"] == r.json()["scores"][0]
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"text": "w1", "budget": 0.5}, "no compute-budget knob"),
+    ({"text": "w1", "deadline_ms": 100}, "no budgets"),
+    ({"text": "w1", "tokens": -1}, "tokens"),
+    ({"text": "w1", "tokens": 100000}, "limit"),
+    ({"text": "w1", "temperature": "hot"}, "temperature"),
+    ({"text": "w1", "top_k": 0}, "top_k"),
+])
+def test_language_model_refusals(lm_server, body, words):
+    r = lm_server.post("/v1/generate", json=body)
+    assert 400 <= r.status_code < 500 and words in r.json()["error"], r.text
+    assert lm_server.post("/v1/score", json={"text": "w1", "budget": 1}).status_code == 422
+    assert lm_server.post("/v1/generate", json={"text": "w1", "tokens": 2}).status_code == 200
+
+
+def test_language_model_server_serves_no_translation(lm_server):
+    assert lm_server.post("/v1/translate", json={"text": "a"}).status_code == 404
+    assert lm_server.client.get("/readyz").json()["endpoints"] == ["/v1/generate",
+                                                                   "/v1/score"]
+
+
+class InProcess:
+    """The app on uvicorn in a thread (to reach into the batch function)."""
+
+    def __init__(self, state) -> None:
+        self.port = int(free_port())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_an_exception_in_a_batch_fails_that_batch_only(serve_run, synthetic_paths):
+    lines = synthetic_paths["test.src"].read_text().splitlines()[:3]
+    state = build_state(dynaseq.load(serve_run), "seq2seq",
+                        ServeConfig(beam=1, batch_window_ms=300), log_stream=None)
+    real = state.run_translate
+
+    def faulty(jobs):
+        if any("BOOM" in line for j in jobs for line in j.payload.lines):
+            raise RuntimeError("injected fault")
+        return real(jobs)
+
+    state.run_translate = faulty
+    srv = InProcess(state)
+    try:
+        with ThreadPoolExecutor(2) as pool:  # both land in one batch (300 ms window)
+            a = pool.submit(httpx.post, srv.url + "/v1/translate", json={"text": "BOOM"},
+                            timeout=30)
+            time.sleep(0.05)
+            b = pool.submit(httpx.post, srv.url + "/v1/translate", json={"text": lines[0]},
+                            timeout=30)
+            ra, rb = a.result(), b.result()
+        assert ra.status_code == rb.status_code == 500
+        assert ra.json() == {"error": "the batch failed: RuntimeError: injected fault"}
+        r = httpx.post(srv.url + "/v1/translate", json={"texts": lines}, timeout=30)
+        assert r.status_code == 200
+        assert r.json()["translations"] == dynaseq.load(serve_run).translate(lines, beam=1)
+        assert state.metrics.batch_failures.labels("translate")._value.get() == 1
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_goes_away_costs_nothing_further(serve_run, synthetic_paths):
+    lines = synthetic_paths["test.src"].read_text().splitlines()[:2]
+    state = build_state(dynaseq.load(serve_run), "seq2seq",
+                        ServeConfig(beam=1, batch_window_ms=400), log_stream=None)
+    real, ran = state.run_translate, []
+
+    def counting(jobs):
+        ran.extend(line for j in jobs for line in j.payload.lines)
+        return real(jobs)
+
+    state.run_translate = counting
+    srv = InProcess(state)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/translate", json={"text": lines[0]}, timeout=0.1)
+        time.sleep(0.6)  # past the window: the batch would have run
+        r = httpx.post(srv.url + "/v1/translate", json={"text": lines[1]}, timeout=30)
+        assert r.status_code == 200
+        assert ran == [lines[1]]
+        assert state.metrics.cancelled.labels("translate")._value.get() == 1
+    finally:
+        srv.stop()

@@ -1,0 +1,135 @@
+"""The deadline policy's exact decisions on a synthetic latency table, and the table
+itself (interpolation, JSON round trip, refusals, what ``profile --latency-table`` writes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import dynaseq
+from dynaseq.core.errors import DynaseqError
+from dynaseq.metrics.latency_table import LatencyTable
+from dynaseq.serve.policy import DeadlinePolicy, Work
+
+from helpers import run_cli
+from serve_helpers import BUDGETS
+
+FULL, HALF = (1.0, 1.0), (0.5, 0.5)
+
+
+def table() -> LatencyTable:
+    # batch 1 / 10 x length 10 / 20 -> ms
+    return LatencyTable([FULL, HALF], [1, 10], [10, 20],
+                        {"1,1": [[10.0, 20.0], [50.0, 100.0]],
+                         "0.5,0.5": [[6.0, 12.0], [30.0, 60.0]]})
+
+
+def test_table_interpolates_extrapolates_and_floors():
+    t = table()
+    assert t.predict_ms(FULL, 1, 10) == 10.0
+    assert t.predict_ms(FULL, 10, 20) == 100.0
+    assert t.predict_ms(FULL, 5, 15) == pytest.approx(15 + 60 * 4 / 9)
+    assert t.predict_ms(FULL, 20, 10) == pytest.approx(50 + 10 * 40 / 9)  # beyond: linear
+    assert t.predict_ms(FULL, 1, 1) == 2.5  # never below a quarter of the fastest cell
+    with pytest.raises(KeyError, match="0.2,0.2"):
+        t.predict_ms((0.2, 0.2), 1, 10)
+
+
+def test_table_round_trips_and_refuses_bad_files(tmp_path):
+    path = table().save(tmp_path / "t.json")
+    back = LatencyTable.load(path)
+    assert back.service_ms == table().service_ms and back.budgets == [FULL, HALF]
+    (tmp_path / "bad.json").write_text('{"budgets": [[1, 1]]}')
+    with pytest.raises(DynaseqError, match="not a latency table"):
+        LatencyTable.load(tmp_path / "bad.json")
+    with pytest.raises(DynaseqError, match="not found"):
+        LatencyTable.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="must be > 0"):
+        LatencyTable([FULL], [1], [10], {"1,1": [[0.0]]})
+    with pytest.raises(ValueError, match="increasing"):
+        LatencyTable([FULL], [4, 1], [10], {"1,1": [[1.0], [2.0]]})
+
+
+def test_idle_server_gives_the_largest_budget_that_makes_the_deadline():
+    p = DeadlinePolicy(table(), [HALF, FULL], max_batch_rows=10)
+    assert p.largest == FULL and p.smallest == HALF
+    d = p.decide(12, rows=1, length=10)
+    assert (d.budget, d.degraded, d.reject, d.predicted_ms) == (FULL, False, False, 10.0)
+    d = p.decide(8, rows=1, length=10)
+    assert (d.budget, d.degraded, d.reject, d.predicted_ms) == (HALF, True, False, 6.0)
+    d = p.decide(5, rows=1, length=10)
+    assert (d.budget, d.reject, d.retry_after_s, d.predicted_ms) == (None, True, 1, 6.0)
+
+
+def test_queued_work_degrades_budgets_before_latency_grows():
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    ahead = [Work(FULL, 9, 10)]  # 9 lines: with ours, one batch of 10 -> 5 ms a full line
+    assert p.backlog_ms(ahead, extra_rows=1) == 45.0
+    assert p.decide(50, 1, 10, ahead).budget == FULL  # 45 + 5
+    d = p.decide(49, 1, 10, ahead)  # 45 + 3 at half
+    assert (d.budget, d.degraded, d.predicted_ms) == (HALF, True, 48.0)
+    d = p.decide(47, 1, 10, ahead)
+    assert d.reject and d.retry_after_s == 1
+    d = p.decide(1000, 1, 10, ahead, running_ms=2000.0)  # a long batch is running
+    assert d.reject and d.retry_after_s == 3  # ceil((2000 + 45) / 1000)
+    assert p.decide(2100, 1, 10, ahead, running_ms=2000.0).budget == FULL
+
+
+def test_slack_window_and_overload_smallest():
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10, window_ms=5, slack=0.5)
+    assert p.decide(30, 1, 10).budget == FULL  # 5 + 10 <= 15
+    assert p.decide(29, 1, 10).budget == HALF  # 5 + 6 <= 14.5
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10, overload="smallest")
+    d = p.decide(1, 1, 10)
+    assert (d.budget, d.degraded, d.reject) == (HALF, True, False)
+    with pytest.raises(ValueError, match="not in the latency table"):
+        DeadlinePolicy(table(), [(0.2, 0.2)], max_batch_rows=10)
+
+
+def test_profile_writes_the_run_latency_table(serve_run):
+    t = LatencyTable.load(serve_run / "latency_table.json")
+    assert t.budgets == BUDGETS and t.batch_sizes == [1, 8] and t.lengths == [8, 24]
+    assert t.beam == 1 and t.checkpoint.endswith("best")
+    assert t.extra["decoding"].startswith("free: real sentences")
+    raw = json.loads((serve_run / "latency_table.json").read_text())
+    assert set(raw["service_ms"]) == {"1,1", "0.5,0.5", "1,0.33"}
+
+
+def test_fixed_length_table_without_sentences(serve_run):
+    from dynaseq.metrics.latency_table import measure_latency_table
+
+    t = dynaseq.load(serve_run)
+    table = measure_latency_table(t.model, {(1.0, 1.0): 0, (0.5, 0.5): 1}, [1, 2], [4],
+                                  repeats=1)
+    assert table.extra["decoding"].startswith("fixed length")
+    assert all(v > 0 for rows in table.service_ms.values() for r in rows for v in r)
+    with pytest.raises(DynaseqError, match="no sentences"):
+        measure_latency_table(t.model, {(1.0, 1.0): 0}, [1], [4], sources=[[]])
+
+
+def test_profile_latency_table_refusals(serve_run, lm_run):
+    r = run_cli("profile", str(lm_run), "--latency-table")
+    assert r.returncode == 2 and b"not a translation run" in r.stderr
+    r = run_cli("profile", str(serve_run), "--latency-table", "--table-batches", "0,2")
+    assert r.returncode == 2 and b"--table-batches must be integers >= 1" in r.stderr
+    r = run_cli("profile", str(serve_run), "--latency-table", "--table-lengths", "2000")
+    assert r.returncode == 2 and b"max_positions" in r.stderr
+
+
+def test_scale_multiplies_the_table():
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    ahead = [Work(FULL, 9, 10)]
+    assert p.backlog_ms(ahead, running_ms=7.0, extra_rows=1, scale=2.0) == 97.0
+    d = p.decide(100, 1, 10, ahead, scale=2.0)  # 90 + 10 full, 90 + 6 half
+    assert (d.budget, d.predicted_ms) == (FULL, 100.0)
+    assert p.decide(99, 1, 10, ahead, scale=2.0).budget == HALF
+
+
+def test_overhead_is_added_to_every_prediction():
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    assert p.predict_ms(FULL, 1, 10) == 10.0
+    assert p.predict_ms(HALF, 1, 10, overhead_ms=4.0) == 10.0
+    assert p.decide(13, 1, 10, overhead_ms=4.0).budget == HALF
+    d = p.decide(9, 1, 10, overhead_ms=4.0)
+    assert d.reject and d.predicted_ms == 10.0

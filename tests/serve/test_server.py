@@ -1,0 +1,259 @@
+"""A real ``dynaseq serve`` process on 127.0.0.1: answers equal the offline ones, mixed
+budgets batch together, bad input is refused with one-line 4xx JSON and the server goes
+on, /metrics counts what was sent, deadlines choose budgets, SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import dynaseq
+
+from helpers import run_cli
+from serve_helpers import BUDGETS, Server
+
+
+@pytest.fixture(scope="module")
+def offline(serve_run):
+    return dynaseq.load(serve_run)
+
+
+@pytest.fixture(scope="module")
+def lines(synthetic_paths) -> list[str]:
+    return synthetic_paths["test.src"].read_text().splitlines()[:6]
+
+
+def test_translate_equals_offline_translate_at_each_budget(server, offline, lines):
+    for budget in BUDGETS:
+        want = offline.translate(lines, beam=1, budget=budget)
+        r = server.post("/v1/translate", json={"texts": lines, "budget": list(budget)})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["translations"] == want
+        assert body["budget"] == list(budget)
+        assert body["degraded"] is False and body["latency_ms"] > 0
+        assert len(body["compute"]) == len(lines)
+        for c in body["compute"]:
+            assert set(c["fraction"]) == {"encoder", "decoder", "total"}
+            assert 0 < c["fraction"]["total"] <= 1.0 + 1e-9
+        r1 = server.post("/v1/translate", json={"text": lines[0], "budget": list(budget)})
+        assert r1.json()["translation"] == want[0]
+    for c in body["compute"]:  # realized MACs per token, encoder + decoder
+        per = c["macs_per_token"]
+        assert per["total"] == pytest.approx(per["encoder"] + per["decoder"])
+    # no budget: the largest trained one
+    r = server.post("/v1/translate", json={"text": lines[1]})
+    assert r.json()["budget"] == [1.0, 1.0]
+    assert r.json()["translation"] == offline.translate([lines[1]], beam=1)[0]
+    # an empty line translates to an empty line, as offline
+    r = server.post("/v1/translate", json={"texts": ["", lines[2]], "budget": 0.5})
+    assert r.json()["translations"] == offline.translate(["", lines[2]], beam=1, budget=0.5)
+    assert r.json()["compute"][0] is None
+
+
+def test_translate_equals_the_cli(server, serve_run, lines):
+    cli = run_cli("translate", str(serve_run), "--budget", "1,0.33", "--beam", "1",
+                  stdin="\n".join(lines[:3]).encode() + b"\n")
+    assert cli.returncode == 0, cli.stderr.decode()
+    r = server.post("/v1/translate", json={"texts": lines[:3], "budget": [1, 0.33]})
+    assert r.json()["translations"] == cli.stdout.decode().splitlines()
+
+
+def test_concurrent_requests_at_mixed_budgets_each_get_their_own_answer(server, offline,
+                                                                         lines):
+    want = {b: offline.translate(lines, beam=1, budget=b) for b in BUDGETS}
+    jobs = [(i, BUDGETS[i % len(BUDGETS)]) for i in range(18)]
+    batches_before = server.metric("dynaseq_batch_distinct_budgets_count",
+                                   endpoint="translate")
+    mixed_before = batches_before - server.metric(
+        "dynaseq_batch_distinct_budgets_bucket", endpoint="translate", le="1.0")
+
+    def ask(job):
+        i, budget = job
+        line = lines[i % len(lines)]
+        r = httpx.post(server.url + "/v1/translate", json={"text": line, "budget": list(budget)},
+                       timeout=60)
+        return i, budget, r
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(ask, jobs))
+    for i, budget, r in results:
+        assert r.status_code == 200, r.text
+        assert r.json()["translation"] == want[budget][i % len(lines)]
+        assert r.json()["budget"] == list(budget)
+    batches = server.metric("dynaseq_batch_distinct_budgets_count", endpoint="translate")
+    mixed = batches - server.metric("dynaseq_batch_distinct_budgets_bucket",
+                                    endpoint="translate", le="1.0")
+    assert batches - batches_before < len(jobs)  # requests were batched together
+    assert mixed > mixed_before  # and at least one batch held several budgets
+    assert max(r.json()["batch_lines"] for _, _, r in results) > 1
+
+
+BAD = [
+    # (what, kwargs of client.post, status, words of the error)
+    ("malformed JSON", {"content": b'{"text": "a",', "headers": {"content-type":
+                                                                 "application/json"}},
+     400, "malformed JSON"),
+    ("empty body", {"content": b"", "headers": {"content-type": "application/json"}}, 400,
+     "empty body"),
+    ("not an object", {"json": ["a"]}, 400, "JSON object"),
+    ("wrong type", {"json": {"text": 5}}, 422, "text"),
+    ("wrong type in list", {"json": {"texts": ["a", 5]}}, 422, "texts.1"),
+    ("budget as string", {"json": {"text": "a", "budget": "0.5"}}, 422, "budget"),
+    ("budget triple", {"json": {"text": "a", "budget": [1, 1, 1]}}, 422, "budget"),
+    ("unknown field", {"json": {"text": "a", "beam_size": 4}}, 422, "beam_size"),
+    ("text and texts", {"json": {"text": "a", "texts": ["b"]}}, 422, "not both"),
+    ("no text", {"json": {"budget": 1}}, 422, "text"),
+    ("empty texts", {"json": {"texts": []}}, 422, "texts"),
+    ("untrained budget", {"json": {"text": "a", "budget": 0.4}}, 422,
+     "trained (encoder, decoder) budgets: (1, 1), (0.5, 0.5), (1, 0.33)"),
+    ("budget over 1", {"json": {"text": "a", "budget": 1.5}}, 422, "(0, 1]"),
+    ("deadline 0", {"json": {"text": "a", "deadline_ms": 0}}, 422, "deadline_ms"),
+    ("negative deadline", {"json": {"text": "a", "deadline_ms": -5}}, 422, "deadline_ms"),
+    ("budget and deadline", {"json": {"text": "a", "budget": 1, "deadline_ms": 100}}, 422,
+     "not both"),
+    ("too many lines", {"json": {"texts": ["a"] * 9}}, 413, "limit is 8"),
+    ("line too long", {"json": {"text": "a " * 200}}, 413, "characters"),
+    ("too many tokens", {"json": {"texts": ["sum 1 2 3 4 5 6 7 8 9 end " * 5] * 8}}, 413,
+     "tokens"),
+    ("body too large", {"json": {"texts": ["a" * 290] * 15}}, 413, "bytes"),
+    ("line break in a line", {"json": {"text": "a\nb"}}, 422, "line break"),
+]
+
+
+@pytest.mark.parametrize("what,kwargs,status,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_one_line_4xx_and_the_server_answers_the_next(server, lines, what,
+                                                                       kwargs, status,
+                                                                       words):
+    r = server.post("/v1/translate", **kwargs)
+    assert r.status_code == status, (what, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and "\n" not in body["error"]
+    assert words in body["error"], body
+    ok = server.post("/v1/translate", json={"text": lines[0]})
+    assert ok.status_code == 200
+
+
+def test_unknown_paths_and_methods_are_json_errors(server):
+    assert server.client.get("/v1/nothing").json() == {"error": "Not Found"}
+    r = server.client.get("/v1/translate")
+    assert r.status_code == 405 and "error" in r.json()
+    assert server.post("/v1/generate", json={"text": "a"}).status_code == 404
+
+
+def test_health_readiness_and_openapi(server):
+    assert server.client.get("/healthz").json() == {"status": "ok"}
+    ready = server.client.get("/readyz").json()
+    assert ready["ready"] is True and ready["endpoints"] == ["/v1/translate"]
+    assert ready["budgets"] == [list(b) for b in BUDGETS] and ready["deadline_policy"]
+    schema = server.client.get("/openapi.json").json()
+    assert "/v1/translate" in schema["paths"]
+    props = schema["components"]["schemas"]["TranslateRequest"]["properties"]
+    assert {"text", "texts", "budget", "deadline_ms"} <= set(props)
+
+
+def test_metrics_count_what_was_sent(serve_run, lines, tmp_path):
+    s = Server(serve_run, "--beam", "1", "--batch-window-ms", "0")
+    try:
+        for _ in range(3):
+            assert s.post("/v1/translate", json={"text": lines[0], "budget": 0.5}).is_success
+        assert s.post("/v1/translate", json={"texts": lines[:4], "budget": [1, 0.33]}
+                      ).is_success
+        assert s.post("/v1/translate", json={"text": 1}).status_code == 422
+        assert s.post("/v1/translate", json={"text": "a", "budget": 0.7}).status_code == 422
+        assert s.metric("dynaseq_requests_total", endpoint="/v1/translate", status="200") == 4
+        assert s.metric("dynaseq_requests_total", endpoint="/v1/translate", status="422") == 2
+        assert s.metric("dynaseq_lines_total", endpoint="translate", budget="0.5,0.5") == 3
+        assert s.metric("dynaseq_lines_total", endpoint="translate", budget="1,0.33") == 4
+        assert s.metric("dynaseq_request_latency_seconds_count", endpoint="translate",
+                        budget="0.5,0.5") == 3
+        assert s.metric("dynaseq_realized_compute_fraction_count", endpoint="translate",
+                        budget="1,0.33") == 4
+        assert s.metric("dynaseq_batch_lines_sum", endpoint="translate") == 7
+        assert s.metric("dynaseq_queue_depth_lines") == 0
+    finally:
+        s.stop()
+
+
+def test_deadlines_choose_budgets_from_the_latency_table(server, serve_run, lines):
+    table = json.loads((serve_run / "latency_table.json").read_text())
+    slowest = max(v for rows in table["service_ms"].values() for r in rows for v in r)
+    # a loose deadline on an idle server: the full budget
+    r = server.post("/v1/translate", json={"text": lines[0], "deadline_ms": 100 * slowest})
+    assert r.status_code == 200 and r.json()["budget"] == [1.0, 1.0]
+    assert r.json()["degraded"] is False
+    # one no budget can meet: 503 with Retry-After, counted as rejected
+    before = server.metric("dynaseq_rejected_total", endpoint="translate", reason="deadline")
+    r = server.post("/v1/translate", json={"text": lines[0], "deadline_ms": 0.001})
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert "no budget" in r.json()["error"]
+    assert server.metric("dynaseq_rejected_total", endpoint="translate",
+                         reason="deadline") == before + 1
+    assert server.post("/v1/translate", json={"text": lines[0]}).status_code == 200
+
+
+def test_a_deadline_without_a_latency_table_is_refused(run_copy, lines):
+    (run_copy / "latency_table.json").unlink()
+    s = Server(run_copy, "--beam", "1")
+    try:
+        r = s.post("/v1/translate", json={"text": lines[0], "deadline_ms": 1000})
+        assert r.status_code == 422 and "latency-table" in r.json()["error"]
+        assert s.client.get("/readyz").json()["deadline_policy"] is False
+        assert s.post("/v1/translate", json={"text": lines[0]}).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_sigterm_answers_the_requests_in_flight_then_exits(serve_run, lines, tmp_path):
+    log = tmp_path / "server.log"
+    s = Server(serve_run, "--beam", "1", "--batch-window-ms", "600", log=log)
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(httpx.post, s.url + "/v1/translate",
+                               json={"text": lines[i], "budget": list(BUDGETS[i % 3])},
+                               timeout=60) for i in range(6)]
+        deadline = time.monotonic() + 30
+        while s.metric("dynaseq_queue_depth_lines") < 6:  # all six are queued
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        answers = [f.result() for f in futures]
+    assert [a.status_code for a in answers] == [200] * 6
+    # uvicorn re-raises the signal once drained: the exit status of a SIGTERM (143)
+    assert s.proc.wait(60) == -signal.SIGTERM
+    with pytest.raises(httpx.TransportError):
+        httpx.get(s.url + "/healthz", timeout=2)
+    records = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    served = [r for r in records if r.get("path") == "/v1/translate"]
+    assert len(served) == 6 and all(r["status"] == 200 for r in served)
+    assert records[-1]["event"] == "stopped"
+    s.stop()
+
+
+def test_access_log_is_json_lines(server):
+    server.post("/v1/translate", json={"text": "a", "budget": 0.5})
+    server.post("/v1/translate", json={"text": "a", "budget": 0.9})
+    records = [json.loads(x) for x in server.log_text().splitlines()]
+    ok = [r for r in records if r.get("status") == 200 and r.get("budget") == [0.5, 0.5]]
+    bad = [r for r in records if r.get("status") == 422 and "0.9" in r.get("error", "")]
+    assert ok and bad
+    assert {"ts", "method", "path", "latency_ms", "lines", "batch_lines"} <= set(ok[-1])
+
+
+def test_serve_refusals_are_one_line_exit_2(serve_run, lm_run, tmp_path):
+    for args, words in [
+        ((str(tmp_path / "none"),), "none"),
+        ((str(serve_run), "--slack", "2"), "--slack must be in (0, 1]"),
+        ((str(serve_run), "--max-lines", "64"), "must not exceed --max-batch-lines"),
+        ((str(serve_run), "--default-budget", "0.4"), "was not trained"),
+        ((str(serve_run), "--beam", "2"), "measured at beam 1"),
+        ((str(lm_run), "--latency-table", "t.json"), "for translation runs"),
+    ]:
+        r = run_cli("serve", *args, "--port", "1")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and words in err, (args, err)
+        assert err.count("\n") == 1 and err.startswith("dynaseq: error:")
