@@ -50,6 +50,61 @@ def command(argv: list[str] | None = None) -> str:
                      *map(shlex.quote, argv[1:])])
 
 
+def code_state(where: Path | None = None) -> dict[str, Any]:
+    """The code a result was made with: ``commit`` (the git HEAD of the checkout holding
+    ``where``, default this script's) and ``dirty`` (True when that checkout has any
+    uncommitted change or untracked file anywhere in its tree, benchmarks included; None
+    outside a git checkout)."""
+    import subprocess
+
+    where = Path(__file__).resolve().parent if where is None else Path(where)
+
+    def git(*args: str) -> str | None:
+        proc = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    root = git("rev-parse", "--show-toplevel")
+    if root is None:
+        return {"commit": None, "dirty": None}
+    status = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=all"],
+                            capture_output=True, text=True).stdout
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status.strip())}
+
+
+def provenance(argv: list[str] | None = None, where: Path | None = None) -> dict[str, Any]:
+    """What made a result row, recorded in the row (``made_by``) so that any row can be made
+    again: the ``command`` as run (:func:`command`), the code's ``commit`` and ``dirty`` flag
+    (:func:`code_state`) and the UTC ``date`` (``YYYY-MM-DD HH:MM``)."""
+    return {"command": command(argv), **code_state(where),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def stamp(rows: Iterable[dict], made_by: dict[str, Any]) -> None:
+    """Record ``made_by`` (:func:`provenance`) in each of ``rows`` (the rows measured now)."""
+    for r in rows:
+        r["made_by"] = made_by
+
+
+def made_by_lines(rows: Iterable[dict], key: str) -> list[str]:
+    """Markdown lines saying which command, commit and date made each row (named by
+    ``row[key]``): one bullet per distinct ``made_by`` record, in order of first use, and one
+    for the rows made before rows recorded it."""
+    groups: dict[str, tuple[dict | None, list[str]]] = {}
+    for r in rows:
+        m = r.get("made_by")
+        groups.setdefault(json.dumps(m, sort_keys=True), (m, []))[1].append(str(r[key]))
+    lines = ["## How each row was made", ""]
+    for m, names in groups.values():
+        if m is None:
+            lines.append(f"- {', '.join(names)}: made before result rows recorded their command "
+                         "and commit.")
+            continue
+        code = "no git checkout" if m["commit"] is None else (
+            f"commit {m['commit'][:12]}" + (" with uncommitted changes" if m["dirty"] else ""))
+        lines.append(f"- {', '.join(names)}: `{m['command']}` ({code}, {m['date']} UTC)")
+    return lines
+
+
 def machine(*, processor: bool = False, torch_threads: bool = True,
             **extra: Any) -> dict[str, Any]:
     """What a result records of the machine: platform, (processor,) torch version, (torch's

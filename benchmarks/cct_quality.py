@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from dynaseq.core.config import load_config
 from dynaseq.data import read_lines
 from dynaseq.metrics import count_macs
+from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.predictor import Translator
 
 import _lib
@@ -181,15 +181,17 @@ def cmd_report(args: argparse.Namespace) -> None:
             rows.append({"system": system, **evaluate(Translator.load(run), src, ref)})
         elif system in carried:  # not re-measured: keep the committed row and its date
             rows.append(carried[system])
+    _lib.stamp([r for r in rows if "measured" not in r], _lib.provenance())  # measured now
     for r in rows:
         r.setdefault("measured", today)
     machine = _lib.machine()
-    command = ("python benchmarks/cct_quality.py train cct & python benchmarks/cct_quality.py "
-               "train baselines; python benchmarks/cct_quality.py train cct --variants "
-               f"{' '.join(VARIANTS)}; python benchmarks/cct_quality.py train baselines --only "
-               f"{' '.join(LONG_BASELINES)}; "
-               "python benchmarks/cct_quality.py report")
-    out = {"benchmark": "cct_quality", "command": command, "machine": machine, "date": today,
+    recipe = ("python benchmarks/cct_quality.py train cct & python benchmarks/cct_quality.py "
+              "train baselines; python benchmarks/cct_quality.py train cct --variants "
+              f"{' '.join(VARIANTS)}; python benchmarks/cct_quality.py train baselines --only "
+              f"{' '.join(LONG_BASELINES)}; "
+              "python benchmarks/cct_quality.py report")
+    out = {"benchmark": "cct_quality", "command": _lib.command(), "recipe": recipe,
+           "machine": machine, "date": today,
            "test_set": "multi30k test_2016_flickr en->fr (1000 sentences), beam 4",
            "calibration": f"first {args.calibration_lines} pairs of multi30k val en->fr",
            "rows": rows}
@@ -208,6 +210,7 @@ def quality_md(out: dict) -> list[str]:
     full = next(r for r in out["rows"] if r["system"].startswith("dense small"))
     lines = _lib.md_head(
         "cct_quality: one CCT at several budgets vs MAC-matched dense models", out["command"],
+        f"Recipe (all runs and rows): `{out.get('recipe', '')}`",
         f"Machine: {out['machine']}", f"Test set: {out['test_set']}")
     lines += ["Layer MACs/token: attention + FFN (+ control nets for the CCT) per source token "
               "plus per target token, teacher forced over the test pairs, batch 1; embeddings "
@@ -229,7 +232,7 @@ def quality_md(out: dict) -> list[str]:
         ["system", "BLEU beam4", "layer MACs/token", "÷ dense small",
          "realized fraction (enc, dec)", "params", "steps", "train min", "measured"],
         "lrrrrrrrl", (cells(r) for r in out["rows"] if not r.get("variant")))
-    return lines + variants_table(out["rows"])
+    return lines + variants_table(out["rows"]) + ["", *_lib.made_by_lines(out["rows"], "system")]
 
 
 def variants_table(rows: list[dict]) -> list[str]:

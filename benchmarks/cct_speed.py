@@ -17,9 +17,15 @@ round by round (these machines are noisy; the ratios come from the same rounds):
 
 Times are reported as ratios to the CCT at budget 1 (median over rounds). Also measured:
 the CCT with every gate forced off (``force_gates(model, 0.0)``: embeddings, output layer,
-control nets and gating overhead only), scored and decoded at the fixed length: the floor
-under any budget. ``floor + b·(1 − floor)`` is then the best time a budget b can reach
-given the ungated parts (Amdahl).
+control nets and gating overhead only), scored and decoded at the fixed length: the
+ungated floor. ``floor + b·(1 − floor)`` is an *estimate* of the time at budget b (the
+gated part scaled by b), not a bound: a budget can measure below it (the floor's run also
+pays gating overhead that partly scales with the gates left on).
+
+Targets, each reported beside the ratio it is held against: budget b < 1 scores in at most
+b + 0.10 and beam-decodes in at most b + 0.25 of budget 1's time (the latter defined for
+free beam decoding; the fixed-length column is held against the same b + 0.25 and labelled
+so); budget 1 scores and decodes in at most 1.10× the dense model's time.
 
     python benchmarks/cct_speed.py [--rounds 3] [--decode-lines 1000] [--fixed-len 16]
                                    [--variants cct_nonorm ...]
@@ -168,9 +174,16 @@ def main() -> None:
         if (name.startswith("cct ") or variant) and systems[name][2] is None:
             b = budget[0]
             row["budget"] = list(budget)
-            row["target"] = {"score": round(b + 0.10, 3), "beam4": round(b + 0.25, 3)}
+            if tuple(budget) == (1.0, 1.0):  # held against the dense model, not against b
+                row["ratio_to_dense"] = {k: round(med[name][k] / med[dense_name][k], 3)
+                                         for k in base}
+                row["target"] = {"vs_dense": 1.10}
+            else:  # beam4_fixed: the free-beam target b + 0.25, applied at the fixed length
+                row["target"] = {"score": round(b + 0.10, 3), "beam4": round(b + 0.25, 3),
+                                 "beam4_fixed": round(b + 0.25, 3)}
             if variant is None:  # the floor was measured on the CCT, not its variants
-                row["amdahl_limit"] = {k: round(f + b * (1 - f), 3) for k, f in floor.items()}
+                row["floor_estimate"] = {k: round(f + b * (1 - f), 3)
+                                         for k, f in floor.items()}
         rows.append(row)
     dense_vs_cct = {k: round(base[k] / med[dense_name][k], 3) for k in base}
     variants_vs_dense = {v: {k: round(med[f"{v} 1,1"][k] / med[dense_name][k], 3)
@@ -209,36 +222,49 @@ def markdown(out: dict) -> list[str]:
         f"Budgets run with calibrated gate offsets: {out['calibrated_budgets']}")
 
     def cells(r: dict) -> list:
-        tg, lim, sec = r.get("target", {}), r.get("amdahl_limit", {}), r["seconds"]
+        tg, est, sec = r.get("target", {}), r.get("floor_estimate", {}), r["seconds"]
         ratio = r.get("ratio_to_own_budget_1", r["ratio_to_cct_budget_1"])
-        return [r["system"], ratio["score"], tg.get("score", ""), lim.get("score", ""),
-                ratio["beam4"], tg.get("beam4", ""), ratio["beam4_fixed"],
-                lim.get("beam4_fixed", ""), sec["score"], sec["beam4"], sec["beam4_fixed"]]
+        to_dense = r.get("ratio_to_dense")
+
+        def held(k: str) -> tuple[object, object]:  # (the ratio, its target) of column k
+            if to_dense is not None:  # budget 1: its time over the dense model's
+                return f"{ratio[k]} ({to_dense[k]}× dense)", f"≤ {tg['vs_dense']}× dense"
+            return ratio[k], tg.get(k, "")
+
+        return [r["system"], *held("score"), est.get("score", ""), *held("beam4"),
+                *held("beam4_fixed"), est.get("beam4_fixed", ""), sec["score"], sec["beam4"],
+                sec["beam4_fixed"]]
 
     lines += _lib.md_table(
-        ["system", "scoring ratio", "target", "Amdahl limit", "beam-4 ratio", "target",
-         "fixed-length beam-4 ratio", "Amdahl limit", "scoring s", "beam-4 s", "fixed s"],
-        "l" + "r" * 10, (cells(r) for r in out["rows"]))
+        ["system", "scoring ratio", "target", "estimate from floor", "beam-4 ratio", "target",
+         "fixed-length beam-4 ratio", "target (free beam's b + 0.25)", "estimate from floor",
+         "scoring s", "beam-4 s", "fixed s"],
+        "l" + "r" * 11, (cells(r) for r in out["rows"]))
     dense, floor = out["cct_budget_1_time_over_dense"], out["floor_all_gates_off"]
     lines += ["", f"CCT at budget 1 takes {dense['score']}× the dense model's time to score, "
               f"{dense['beam4']}× to beam-decode and {dense['beam4_fixed']}× to beam-decode at "
-              "the fixed length (target ≤ 1.10×).", ""]
+              "the fixed length (target ≤ 1.10×).", "",
+              "Targets: budget b < 1 at most b + 0.10 of budget 1's scoring time and b + 0.25 "
+              "of its beam-4 decoding time; b + 0.25 is the target for free beam decoding and "
+              "is applied unchanged to the fixed-length column. Budget 1: at most 1.10× the "
+              "dense model's time (its ratio to dense in brackets).", ""]
     for v, vs in out.get("variant_budget_1_time_over_dense", {}).items():
         lines += [f"Variant `{v}` (its rows: ratios to its own budget 1) at budget 1 takes "
                   f"{vs['score']}× the dense model's time to score, {vs['beam4']}× to "
                   f"beam-decode and {vs['beam4_fixed']}× at the fixed length.", ""]
     lines += [
-              "Amdahl limit: floor + b·(1 − floor), where the floor is the CCT's time with "
-              "every gate forced off (the ungated embeddings, output layer and control nets, "
-              f"plus gating overhead): {floor['score']} of budget 1's time to score, "
-              f"{floor['beam4_fixed']} to decode at the fixed length. The beam-4 column "
+              "Estimate from floor: floor + b·(1 − floor), where the floor is the CCT's time "
+              "with every gate forced off (the ungated embeddings, output layer and control "
+              f"nets, plus gating overhead): {floor['score']} of budget 1's time to score, "
+              f"{floor['beam4_fixed']} to decode at the fixed length. It is an estimate, not "
+              "a bound: a budget can measure below it. The beam-4 column "
               "decodes each system's own translations, whose lengths differ by system; the "
               "fixed-length column runs every system the same number of steps.", "",
               f"Of budget 1's scoring time, {out['floor_output_layer_scoring']} is the output "
               "projection and loss alone (`output layer + loss only`: the same batches with "
-              "the decoder states zeroed), which no gate can skip: even if every gated "
-              "sub-layer scaled exactly with the budget, scoring at budget b could not take "
-              f"less than {out['floor_output_layer_scoring']} + "
+              "the decoder states zeroed), which no gate can skip: if every other part "
+              "scaled exactly with the budget, scoring at budget b would take "
+              f"{out['floor_output_layer_scoring']} + "
               f"b·(1 − {out['floor_output_layer_scoring']}) of budget 1's time."]
     return lines
 

@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import load_config, save_config
+from dynaseq.core.config import save_config
 from dynaseq.data import Tokenizer, read_lines
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.registry import load_config
+from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.tasks.translation.predictor import Translator
 
 import _lib

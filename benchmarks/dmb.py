@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from dynaseq.core.config import load_config
 from dynaseq.data import read_lines
 from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.metrics.profile import count_params
+from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.predictor import Translator
 
 import _lib
@@ -155,7 +155,7 @@ def scaled_models(size: str, int8: bool = False) -> dict[str, torch.nn.Module]:
     through how tokens spread over branches (random-init routers spread them too).
     ``int8``: their int8 copies too (``{name}_{size}_int8``)."""
     from dynaseq.compress.int8 import quantize_int8
-    from dynaseq.models import build_seq2seq
+    from dynaseq.tasks.translation.model import build_seq2seq
     from dynaseq.techniques.branching import merge_shared_
 
     torch.manual_seed(0)
@@ -197,6 +197,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     src = read_lines(DATA / "test_2016_flickr.en.gz")
     ref = read_lines(DATA / "test_2016_flickr.de.gz")
     rows, translators = [], {}
+    made_by = _lib.provenance()  # recorded in every row measured now
     systems = [(n, v["table"], v["system"], run_dir(n)) for n, v in VARIANTS.items()
                if not args.only or n in args.only]
     for name, table, desc, path in systems:
@@ -206,7 +207,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         t = Translator.load(path)
         translators[name] = t
         rows.append({"name": name, "table": table, "system": desc, **evaluate(t, src, ref),
-                     "measured": time.strftime("%Y-%m-%d")})
+                     "measured": time.strftime("%Y-%m-%d"), "made_by": made_by})
     int8 = {}
     for name in ("dense", "dmb", "moe"):
         if name in translators:
@@ -216,7 +217,7 @@ def cmd_report(args: argparse.Namespace) -> None:
             rows.append({"name": f"{name}_int8", "table": "int8",
                          "system": f"{next(r['system'] for r in rows if r['name'] == name)}"
                                    " int8", **evaluate(t, src, ref),
-                         "measured": time.strftime("%Y-%m-%d")})
+                         "measured": time.strftime("%Y-%m-%d"), "made_by": made_by})
     models = {n: translators[n].model for n in ("dense", "dmb", "moe", "dmb_no_attention")
               if n in translators}
     models.update({f"{n}_int8": t.model for n, t in int8.items()})
@@ -227,14 +228,12 @@ def cmd_report(args: argparse.Namespace) -> None:
         if r["name"] in lat:
             r["latency_ms"] = lat[r["name"]]
     machine = _lib.machine(cpus=torch.get_num_threads())
-    command = ("python benchmarks/dmb.py train a & python benchmarks/dmb.py train b; "
-               "python benchmarks/dmb.py train kd; python benchmarks/dmb.py report"
-               f"{'' if args.latency else ' --no-latency'}")
+    recipe = ("python benchmarks/dmb.py train a & python benchmarks/dmb.py train b; "
+              "python benchmarks/dmb.py train kd; python benchmarks/dmb.py report")
     disk = disk_sizes(translators)
     if args.only:
         rows, disk = merge_committed(rows, disk, args.results / "dmb.json")
-        command += " --only NAME…"
-    out = {"benchmark": "dmb", "command": command, "machine": machine,
+    out = {"benchmark": "dmb", "command": _lib.command(), "recipe": recipe, "machine": machine,
            "test_set": "multi30k test_2016_flickr en->de (1000 sentences), beam 4",
            "updates": STEPS, "rows": rows, "disk_bytes": disk,
            "latency_untrained_ms": scaled}
@@ -272,18 +271,16 @@ def cmd_report_latency(args: argparse.Namespace) -> None:
     for name in ("dense", "dmb", "moe"):
         if name in trained:
             trained[f"{name}_int8"] = quantize_int8(Translator.load(run_dir(name)).model)
-    groups = {"tiny (trained)": interleaved_latency(trained, args.rounds, args.repeats)}
+    groups = ({"tiny (trained)": interleaved_latency(trained, args.rounds, args.repeats)}
+              if trained else {})  # no finished `report` runs here: the untrained sizes only
     for size in args.scale_sizes:
         groups[f"{size} (untrained)"] = interleaved_latency(scaled_models(size, args.int8),
                                                             args.rounds, args.repeats)
     import dynaseq  # the code timed: this checkout, or another on PYTHONPATH
 
-    src = Path(dynaseq.__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."],
-                           capture_output=True, text=True).stdout.strip()
-    commit += " (with uncommitted changes)" if dirty else ""
+    code = _lib.code_state(Path(dynaseq.__file__).resolve().parent)  # its whole tree
+    commit = (code["commit"] or "no git checkout")[:12]
+    commit += " (with uncommitted changes)" if code["dirty"] else ""
     out = {"benchmark": "dmb_latency", "command": _lib.command(), "commit": commit,
            "machine": _lib.machine(),
            "measured": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
@@ -388,7 +385,8 @@ def markdown(out: dict) -> list[str]:
     dense = rows.get("dense")
     lines = _lib.md_head(
         "dmb: Transformer vs Transformer-MoE vs Transformer-DMB (tiny, Multi30k en→de)",
-        out["command"], f"Machine: {out['machine']}",
+        out["command"], f"Recipe (all runs and rows): `{out.get('recipe', '')}`",
+        f"Machine: {out['machine']}",
         f"Test set: {out['test_set']}; every model {out['updates']} updates with the same "
         "data, batch size, schedule and seed.")
     lines += ["#MACs: the DMB paper's convention, one 30 → 30-token pass with the output layer "
@@ -430,7 +428,7 @@ def markdown(out: dict) -> list[str]:
         lines += _lib.md_table(["model", "fp32", "int8", "ratio"], "lrrr", (
             [name, f"{d['fp32']:,}", f"{d['int8']:,}", f"{d['int8'] / d['fp32']:.3f}"]
             for name, d in out["disk_bytes"].items()))
-    return lines
+    return lines + ["", *_lib.made_by_lines(out["rows"], "name")]
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -29,9 +29,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dynaseq.core.config import MODEL_SIZES
 from dynaseq.nn import FeedForward
 from dynaseq.nn.attention import dense_attention
+from dynaseq.tasks.translation.config import MODEL_SIZES
 from dynaseq.techniques.branching import dmb_attention, dmb_feedforward, merge_shared_
 
 import _lib

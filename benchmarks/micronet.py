@@ -132,11 +132,12 @@ def cmd_report(args: argparse.Namespace) -> None:
     rows, earlier = [], _lib.committed_rows(args.results / "micronet.json", "name",
                                             "measured_on")
     today = time.strftime("%Y-%m-%d")
+    made_by = _lib.provenance()  # recorded in every row measured now
     for name in [*TRAINED, *DERIVED]:
         if done(name) and (not args.only or name in args.only):
             spec = TRAINED.get(name) or DERIVED[name]
             row = {"table": spec["table"], "system": spec["system"], "measured": today,
-                   **measure(name)}
+                   **measure(name), "made_by": made_by}
             if name in ("prune", "prune35") or name.startswith("prune35_"):
                 row["pruned_from"] = pruned_from(name)
                 row["system"] += f" (from {row['pruned_from']})"
@@ -149,9 +150,10 @@ def cmd_report(args: argparse.Namespace) -> None:
             print(f"-- {name}: not built, skipped", file=sys.stderr)
     machine = _lib.machine(torch_threads=False, cpus=os.cpu_count(),
                            threads=os.environ.get("OMP_NUM_THREADS", "1"))
-    command = ("python benchmarks/micronet.py train pipeline & python benchmarks/micronet.py "
-               "train ablations; python benchmarks/micronet.py report")
-    out = {"benchmark": "micronet", "command": command, "machine": machine, "measured_on": today,
+    recipe = ("python benchmarks/micronet.py train pipeline & python benchmarks/micronet.py "
+              "train ablations; python benchmarks/micronet.py report")
+    out = {"benchmark": "micronet", "command": _lib.command(), "recipe": recipe,
+           "machine": machine, "measured_on": today,
            "data": "WikiText-2 word level (33,278 types); valid 217,646 / test 245,569 tokens",
            "rows": rows, "targets": targets(rows)}
     lines = markdown(out)
@@ -174,15 +176,17 @@ def targets(rows: list[dict]) -> dict:
                                    4),
                 "target": "gain >= 0.10 at ops_ratio < 1.05"}
     if "quant" in by and "cache" in by:
-        before = by["cache"]["test_ppl_cache"]
-        after = by["quant"]["test_ppl_cache"]
+        # one definition per key: ppl_* without the cache, ppl_*_cache with it, and every
+        # relative cost between two perplexities without the cache
+        quantized = by["quant"]["test_ppl"]
         source = by["prune"].get("pruned_from", "distill") if "prune" in by else "distill"
         unpruned = by[source]["test_ppl"] if source in by else None
         out["prune_quant"] = {
-            "pruned_from": source, "ppl_before_prune": unpruned, "ppl_pruned_cache": before,
-            "ppl_quantized": after,
+            "pruned_from": source, "ppl_before_prune": unpruned, "ppl_quantized": quantized,
             "relative_cost_of_prune_and_qat":
-                round(by["quant"]["test_ppl"] / unpruned - 1, 4) if unpruned else None,
+                round(quantized / unpruned - 1, 4) if unpruned else None,
+            "ppl_pruned_cache": by["cache"]["test_ppl_cache"],
+            "ppl_quantized_cache": by["quant"]["test_ppl_cache"],
             "target": f">= 35% sparsity + {BITS}-bit QAT cost <= 3% ppl"}
         if "control" in by:  # the same number of fine-tuning updates, dense and in float
             control = by["control"]["test_ppl"]
@@ -219,7 +223,8 @@ def targets(rows: list[dict]) -> dict:
 def markdown(out: dict) -> list[str]:
     """The lines of micronet.md for the results ``out``."""
     lines = _lib.md_head("micronet: the MicroNet pipeline on WikiText-2 (word level)",
-                         out["command"], f"Machine: {out['machine']}", f"Data: {out['data']}")
+                         out["command"], f"Recipe (all runs and rows): `{out.get('recipe', '')}`",
+                         f"Machine: {out['machine']}", f"Data: {out['data']}")
     lines += ["Storage: parameters weighted by bit width / 32, sparse matrices by the challenge "
               "rules. Ops/token: multiplies + adds with tokens fed one at a time (full softmax, "
               "cache included when the run has one). Score = storage / 159M + ops / 318M.", ""]
@@ -230,8 +235,10 @@ def markdown(out: dict) -> list[str]:
           f"{r['ops_per_token']['total'] / 1e6:.3f}M", r["valid_ppl"], r["valid_ppl_cache"],
           r["test_ppl"], r["test_ppl_cache"], r["score"], r["build_minutes"],
           r.get("measured") or "earlier"] for r in out["rows"]))
-    return lines + ["", "## Targets", "", "```json", json.dumps(out["targets"], indent=1),
-                    "```"]
+    return lines + ["", "## Targets", "", "Test perplexities: `ppl_*` without the neural cache, "
+                    "`ppl_*_cache` with it; every `relative_cost*` compares two perplexities "
+                    "without the cache.", "", "```json", json.dumps(out["targets"], indent=1),
+                    "```", "", *_lib.made_by_lines(out["rows"], "name")]
 
 
 def plot(rows: list[dict], path: Path) -> None:

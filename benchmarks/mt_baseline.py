@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from dynaseq.core.config import load_config
 from dynaseq.data import read_lines
 from dynaseq.metrics.profile import profile_model
+from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.predictor import Translator, bleu
 
 import _lib

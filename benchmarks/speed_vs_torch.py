@@ -24,11 +24,13 @@ import statistics
 import torch
 from torch import nn
 
-from dynaseq.core.config import ModelConfig, from_dict
+from dynaseq.core.config import from_dict
 from dynaseq.data import Tokenizer, collate, make_corpus, read_parallel, token_batches
-from dynaseq.models import TokenEmbedding, build_seq2seq
+from dynaseq.models import TokenEmbedding
 from dynaseq.models.search import greedy_search
 from dynaseq.nn import SinusoidalPositions
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 
 import _lib
 

@@ -32,3 +32,20 @@ def trained_run(tmp_path_factory, synthetic_paths) -> Path:
     return run
 
 
+BUDGETS = [(1.0, 1.0), (0.5, 0.5), (1.0, 0.33)]
+
+
+@pytest.fixture(scope="session")
+def cct_run(tmp_path_factory, synthetic_paths):
+    """A CCT trained 8 updates on the synthetic task with :data:`BUDGETS` (do not write into
+    its directory: tests share it; copy it first)."""
+    from dynaseq.techniques.cct.config import CCTConfig
+    from dynaseq.train.loop import train
+
+    run = tmp_path_factory.mktemp("cct") / "run"
+    cfg = micro_config(run, synthetic_paths, max_steps=8, log_every=1, valid_every=8,
+                       save_every=8, valid_bleu_lines=4)
+    cfg.model.cct = CCTConfig(ffn_pieces=2, control_hidden=8, noise_ramp_steps=4,
+                              budgets=BUDGETS)
+    result = train(cfg, progress=False)
+    return run, result

@@ -7,14 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dynaseq.core.config import (
-    DataConfig,
-    DecodeConfig,
-    ModelConfig,
-    RunConfig,
-    TrainConfig,
-    load_config,
-)
+from dynaseq.core.config import TrainConfig
+from dynaseq.tasks.registry import load_config
+from dynaseq.tasks.translation.config import DataConfig, DecodeConfig, ModelConfig, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -48,9 +43,10 @@ def free_port() -> str:
 
 
 def run_cli(*args: str, stdin: bytes | None = None, cwd: Path | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m dynaseq ARGS`` and capture text output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            timeout: float = 300, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run ``python -m dynaseq ARGS`` and capture text output (``env``: extra variables)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "dynaseq", *args], input=stdin,
                           capture_output=True, cwd=cwd or REPO, timeout=timeout, env=env)
 
@@ -77,3 +73,88 @@ def lm_config(tmp_path: Path, *extra: str):
         f"data.valid={tmp_path / 'valid.txt'}", f"data.test={tmp_path / 'test.txt'}",
         "data.batch_size=4", "train.max_steps=12", "train.warmup_steps=2", "train.lr=0.003",
         "train.valid_every=6", "train.save_every=6", "train.log_every=6", *extra])
+
+
+def signal_at_step(task, step: int, signum: int):
+    """Make ``task`` (a :class:`~dynaseq.tasks.protocol.Task`) send ``signum`` to this process
+    right after its ``step``-th optimizer update (counted from now, so the global step of a
+    fresh run), before the loop logs, validates or checkpoints that update. SIGTERM is handled
+    by the loop (checkpoint at ``step``, stop); SIGKILL ends the process there, leaving only
+    the checkpoints already written. Returns ``task``."""
+    real = task.after_update
+    done = [0]
+
+    def after_update(out, micro) -> None:
+        real(out, micro)
+        done[0] += 1
+        if done[0] == step:
+            os.kill(os.getpid(), signum)
+
+    task.after_update = after_update
+    return task
+
+
+def train_killed_at(config_path: Path, step: int, signum: int = 9,
+                    timeout: float = 300) -> subprocess.CompletedProcess:
+    """Train the run config at ``config_path`` in a new process that sends itself ``signum``
+    after update ``step`` (:func:`signal_at_step`; ``tests/signalled_train.py``)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).with_name("signalled_train.py")
+    return subprocess.run([sys.executable, str(script), str(config_path), str(step), str(signum)],
+                          capture_output=True, cwd=REPO, timeout=timeout, env=env)
+
+
+def train_one_and_two_processes(single, double, timeout: float = 300) -> tuple[Path, Path]:
+    """Train run config ``single`` in this process and ``double`` (the same run in another
+    ``run_dir``) under ``torchrun --nproc_per_node 2`` (gloo, a free port); return their run
+    directories. Raises AssertionError with torchrun's stderr if it fails."""
+    from dynaseq.core.config import save_config
+    from dynaseq.train.loop import train
+
+    train(single, progress=False)
+    path = Path(double.run_dir).with_suffix(".yaml")
+    save_config(double, path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", free_port(), "-m", "dynaseq", "train", str(path), "--quiet"],
+        cwd=REPO, capture_output=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    return Path(single.run_dir), Path(double.run_dir)
+
+
+#: Parameters whose gradient is zero in exact arithmetic (a key bias adds the same q·b to
+#: every score of a query, which the softmax ignores): what they hold is rounding noise, which
+#: Adam (dividing by sqrt(v)) turns into moves of up to lr per update in either direction, so
+#: two reductions of the same gradients may leave them anywhere within steps·lr of each other.
+ZERO_GRADIENT_PARAMETERS = ("k_proj.bias",)
+
+
+def assert_ddp_matches_one_process(single: Path, double: Path, steps: int, lr: float,
+                                   keys: tuple[str, ...] = ("loss", "nll")) -> None:
+    """The two-process run ``double`` logged the one-process run ``single``'s ``keys`` at every
+    one of ``steps`` updates within 1e-6 (relative; float32 sums reduced in another order
+    differ by ~1e-7), and ends with the same weights within 1e-3·lr, except
+    :data:`ZERO_GRADIENT_PARAMETERS` (within steps·lr; they change no output)."""
+    import json
+
+    import pytest
+    from safetensors.torch import load_file
+
+    from dynaseq.core import checkpoint as ckpt
+
+    def train_records(run: Path) -> list[dict]:
+        recs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+        return [r for r in recs if r["event"] == "train"]
+
+    one, two = train_records(single), train_records(double)
+    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, steps + 1))
+    for a, b in zip(one, two, strict=True):
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-6, abs=0), (a["step"], k)
+    wa = load_file(str(ckpt.step_dir(single, steps) / ckpt.WEIGHTS))
+    wb = load_file(str(ckpt.step_dir(double, steps) / ckpt.WEIGHTS))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        bound = steps * lr if name.endswith(ZERO_GRADIENT_PARAMETERS) else 1e-3 * lr
+        assert float((wa[name] - wb[name]).abs().max()) <= bound, name

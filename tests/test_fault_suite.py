@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynaseq.cli import main
-from dynaseq.core.config import load_config
 from dynaseq.core.errors import ConfigError
 from dynaseq.data import read_lines, write_lines
 from dynaseq.data.text import decode_lines
+from dynaseq.tasks.registry import load_config
 
 # any code point but surrogates (not encodable) and "\n" (the one line end)
 LINE = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n"),

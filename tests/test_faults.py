@@ -151,3 +151,160 @@ def test_a_trainer_state_of_the_wrong_structure_is_one_line(trained_run, tmp_pat
                  "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not this run's trainer state" in err[0], err
+
+
+def _one_line(capsys, *fragments: str) -> str:
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+def test_latest_checkpoint_deleted_while_loading_falls_back_to_the_next(trained_run, tmp_path,
+                                                                         monkeypatch):
+    """``--checkpoint latest`` racing a training run's keep_last: the checkpoint found first
+    vanishes before it is read; the next newest loads instead."""
+    from dynaseq.tasks.translation import predictor
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    real_read_meta = predictor.read_meta
+    deleted = []
+
+    def read_meta_after_pruning(ckpt):
+        if not deleted:
+            deleted.append(ckpt.name)
+            shutil.rmtree(ckpt)  # keep_last pruned it between listing and reading
+        return real_read_meta(ckpt)
+
+    monkeypatch.setattr(predictor, "read_meta", read_meta_after_pruning)
+    t = Translator.load(run, checkpoint="latest")
+    assert deleted == ["step_00000020"] and t.checkpoint.name == "step_00000010"
+    # a checkpoint named explicitly is not swapped for another
+    deleted.clear()
+    monkeypatch.setattr(predictor, "read_meta", read_meta_after_pruning)
+    with pytest.raises(DynaseqError, match="no checkpoint"):
+        Translator.load(run, checkpoint=str(run / "checkpoints" / "step_00000010"))
+
+
+def test_average_takes_the_run_lock(trained_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    with RunDirLock(run):  # a training run, or another `average`, holds it
+        assert main(["average", str(run), "-k", "2"]) == 2
+    _one_line(capsys, "being trained by another process")
+    assert not (run / "averaged").exists()
+    assert main(["average", str(run), "-k", "2"]) == 0
+    assert (run / "averaged" / "model.safetensors").is_file()
+
+
+def test_a_full_disk_while_averaging_or_checkpointing_is_one_line(trained_run, tmp_path, capsys,
+                                                                  monkeypatch):
+    from dynaseq.core import checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    assert main(["average", str(run), "-k", "2"]) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_model", full_disk)  # training checkpoints
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)  # averaged weights
+    assert main(["average", str(run), "-k", "1"]) == 2
+    _one_line(capsys, "no space left on device")
+    assert _snapshot(run) == before  # the old averaged/ is whole
+    assert not [p for p in run.iterdir() if p.name.startswith(".")
+                and p.name != LOCK_FILE]  # no temporary directories left
+    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "train.max_steps=30",
+                 "--quiet"]) == 2
+    _one_line(capsys, "no space left on device")
+
+
+def test_options_a_run_kind_ignores_are_refused_by_distill_data(trained_run, tmp_path, capsys):
+    from dynaseq.train.loop import train
+
+    cfg = lm_config(tmp_path, "train.max_steps=2")
+    train(cfg, progress=False)
+    lm_run = tmp_path / "run"
+    for extra in (["--beam", "2"], ["--budget", "0.5"]):
+        assert main(["distill-data", str(lm_run), "--out", str(tmp_path / "k"), *extra]) == 2
+        _one_line(capsys, f"{extra[0]} is for translation runs",
+                  "is a language-model run")
+    src = tmp_path / "valid.txt"
+    for extra in (["--k", "5"], ["--window", "8"]):
+        assert main(["distill-data", str(trained_run), "--src", str(src), "--out",
+                     str(tmp_path / "kd.txt"), *extra]) == 2
+        _one_line(capsys, f"{extra[0]} is for language-model runs", "is a translation run")
+    assert not (tmp_path / "k").exists() and not (tmp_path / "kd.txt").exists()
+
+
+def test_warnings_are_one_line(monkeypatch, capsys):
+    import warnings
+
+    from dynaseq import cli
+
+    def warns(args):
+        warnings.warn("calibration.json was made for checkpoint best,\nnot step_10",
+                      stacklevel=1)
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "average", cli.Command({None: warns}))
+    assert main(["average", "anything"]) == 0
+    assert capsys.readouterr().err == (
+        "dynaseq: warning: calibration.json was made for checkpoint best, not step_10\n")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1000 KiB tmpfs (a disk that fills up), where this process may mount one."""
+    import subprocess
+
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1000k", "tmpfs", str(mnt)],
+                          capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_during_training_stops_cleanly_and_resumes_exactly(
+        small_tmpfs, synthetic_paths, tmp_path):
+    """The step-10 checkpoint fits on the small disk, the step-20 one does not: the run stops
+    with one line, leaves its step-10 checkpoint whole, and resumed elsewhere it ends with
+    the weights of an uninterrupted run, bit for bit."""
+    from safetensors.torch import load_file
+
+    from helpers import micro_config
+
+    ref = tmp_path / "ref"
+    save_config(micro_config(ref, synthetic_paths), tmp_path / "ref.yaml")
+    assert run_cli("train", str(tmp_path / "ref.yaml"), "--quiet").returncode == 0
+
+    full = small_tmpfs / "run"
+    save_config(micro_config(full, synthetic_paths), tmp_path / "full.yaml")
+    proc = run_cli("train", str(tmp_path / "full.yaml"), "--quiet")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dynaseq: error: no space left on device"), err
+    ckpts = sorted(p.name for p in (full / "checkpoints").iterdir())
+    assert ckpts == ["step_00000010"]  # no half-written step 20, no temporary directory
+    assert not [p for p in full.rglob(".tmp-*")]
+
+    moved = tmp_path / "moved"  # space freed: the run continues on another disk
+    shutil.copytree(full, moved)
+    cfg = micro_config(moved, synthetic_paths)
+    save_config(cfg, tmp_path / "moved.yaml")
+    assert run_cli("train", str(tmp_path / "moved.yaml"), "--quiet").returncode == 0
+    a = load_file(str(ref / "checkpoints" / "step_00000020" / "model.safetensors"))
+    b = load_file(str(moved / "checkpoints" / "step_00000020" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

@@ -24,12 +24,15 @@ import json
 import math
 import signal
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from dynaseq import __version__
 from dynaseq.core.errors import DynaseqError
+from dynaseq.data.text import os_reason
 
 EXIT_BAD_INPUT = 2
 
@@ -67,13 +70,20 @@ def _write_output(lines: list[str], path: str | None) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dynaseq.core.config import load_config
+    from dynaseq.tasks.registry import load_config
     from dynaseq.train.loop import train
 
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     cfg = load_config(args.config, overrides)
+    if args.print_config:  # the resolved config, defaults included; nothing is written
+        import yaml
+
+        from dynaseq.core.config import to_dict
+
+        sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
     result = train(cfg, progress=not args.quiet)  # the config's task (task: lm or seq2seq)
     if result.stopped_by_signal is not None:
         print(f"stopped by signal at step {result.state.step}; checkpoint saved in "
@@ -94,7 +104,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     lines = _read_input(args.input)
     t = _translator(args)
     out = t.translate(lines, beam=args.beam, length_penalty=args.length_penalty,
-                      batch_size=args.batch_size, budget=args.budget)
+                      batch_size=args.batch_size, budget=args.budget, progress=not args.quiet)
     _write_output(out, args.output)
     return 0
 
@@ -111,7 +121,8 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
         raise DynaseqError(f"evaluate: {args.src} has no lines to evaluate")
     t = _translator(args)
     result = t.evaluate(src, ref, beam=args.beam, length_penalty=args.length_penalty,
-                        batch_size=args.batch_size, budget=args.budget)
+                        batch_size=args.batch_size, budget=args.budget,
+                        progress=not args.quiet)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -136,7 +147,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
     t = _translator(args)
     fitted = t.calibrate(src[: args.lines], ref[: args.lines], budgets=args.budgets,
-                         tol=args.tol)
+                         tol=args.tol, progress=not args.quiet)
     path = t.save_calibration(args.run_dir, {"src": args.src, "ref": args.ref,
                                              "lines": min(args.lines, len(src))})
     print("budget (enc, dec)  control  offset enc  offset dec  realized before -> after")
@@ -165,8 +176,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model, model_cfg = t.model, t.config.model
         budget_ctx = t.at_budget(args.budget)  # with the run's calibration, if any
     elif target.is_file():
-        from dynaseq.core.config import load_config
-        from dynaseq.models import build_seq2seq
+        from dynaseq.tasks.registry import load_config
+        from dynaseq.tasks.translation.model import build_seq2seq
         from dynaseq.techniques.branching import merge_shared_
 
         cfg = load_config(target, args.overrides)
@@ -272,12 +283,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_average(args: argparse.Namespace) -> int:
     from dynaseq.core.checkpoint import average_checkpoints, list_checkpoints
+    from dynaseq.core.run_lock import RunDirLock
 
-    found = list_checkpoints(args.run_dir)
-    if not found:
-        raise DynaseqError(f"no checkpoint in run directory {args.run_dir}")
-    picked = found[-args.k:]
-    out = average_checkpoints(picked, Path(args.run_dir) / "averaged")
+    if not Path(args.run_dir).is_dir():
+        raise DynaseqError(f"run directory not found: {args.run_dir}")
+    # the run's lock: a training run or another `average` writing here is refused, one line
+    with RunDirLock(Path(args.run_dir)):
+        found = list_checkpoints(args.run_dir)
+        if not found:
+            raise DynaseqError(f"no checkpoint in run directory {args.run_dir}")
+        picked = found[-args.k:]
+        out = average_checkpoints(picked, Path(args.run_dir) / "averaged")
     print(f"averaged {len(picked)} checkpoints into {out}", file=sys.stderr)
     return 0
 
@@ -299,7 +315,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     ref = None if args.ref is None else read_lines(args.ref)
     t = _translator(args)
     result = analyze(t, src, ref, budgets=args.budget, beam=args.beam,
-                     max_lines=args.max_lines)
+                     max_lines=args.max_lines, progress=not args.quiet)
     result = {"run_dir": str(args.run_dir), "src": args.src, "ref": args.ref, **result}
     paths = write_analysis(result, args.out)
     print(f"analyzed {result['n_sentences']} sentences at {len(result['budgets'])} budgets: "
@@ -332,6 +348,56 @@ def _quantize_seq2seq(args: argparse.Namespace) -> int:
           f"({rep.weights_before / max(rep.weights_after, 1):.1f}x smaller; from "
           f"{rep.checkpoint})\n"
           f"run dir  {mb(rep.run_before)} -> {mb(rep.run_after)}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """``dynaseq data check [ROOT] [--dataset NAME]``: every file of the datasets against its
+    sha256; exit 1 when one is missing or differs."""
+    from dynaseq.data.datasets import DATASETS, check_data, data_root
+
+    root = Path(args.root) if args.root else data_root()
+    if args.root and not root.is_dir():
+        raise DynaseqError(f"data root {root} is not a directory")
+    checks = check_data(root, args.dataset)
+    bad = 0
+    for name in dict.fromkeys(c.dataset for c in checks):
+        mine = [c for c in checks if c.dataset == name]
+        missing = [c for c in mine if c.status == "missing"]
+        differ = [c for c in mine if c.status == "mismatch"]
+        ok = len(mine) - len(missing) - len(differ)
+        line = f"{name}: {ok}/{len(mine)} files ok"
+        if missing:
+            line += f"; missing {len(missing)} (e.g. {missing[0].path})"
+        if differ:
+            line += f"; {len(differ)} differ from their sha256 ({differ[0].path})"
+        if missing or differ:
+            line += f"; get it from {DATASETS[name].upstream}"
+        print(line)
+        bad += len(missing) + len(differ)
+    print(f"data root {root}: " + ("all files present and verified" if not bad else
+                                   f"{bad} file(s) missing or different (see docs/data.md)"))
+    return 1 if bad else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``dynaseq export RUN --out DIR``: a self-contained model directory."""
+    from dynaseq.workflows.export import export_model
+
+    rep = export_model(args.run_dir, args.out, checkpoint=args.checkpoint)
+    print(f"model directory written to {rep.out_dir} (from {rep.checkpoint}): "
+          f"{', '.join(rep.files)}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """``dynaseq plot RUN... --out FILE.png``: training and validation curves."""
+    from dynaseq.analysis.curves import plot_curves, read_curves
+
+    if Path(args.out).suffix.lower() != ".png":
+        raise DynaseqError(f"--out {args.out} must be a .png file")
+    out = plot_curves(read_curves(args.runs), args.out)
+    print(f"curves of {len(args.runs)} run(s) written to {out}")
     return 0
 
 
@@ -386,7 +452,8 @@ def cmd_cache_search(args: argparse.Namespace) -> int:
     from dynaseq.workflows.lm_runs import cache_search_run
 
     rep = cache_search_run(args.run_dir, args.out, args.cache_sizes, args.max_evals,
-                           args.valid_tokens, checkpoint=args.checkpoint, n_cache=args.n_cache)
+                           args.valid_tokens, checkpoint=args.checkpoint, n_cache=args.n_cache,
+                           progress=not args.quiet)
     b, a = rep["before"], rep["after"]
     print(f"valid ppl {rep['valid_ppl']:.2f} ({rep['valid_tokens']:,} tokens)\n"
           f"before: ppl_cache {b['ppl_cache']:.2f}  theta {b['theta']:.4g}  lam "
@@ -403,6 +470,9 @@ def _distill_data_lm(args: argparse.Namespace) -> int:
     teacher config's data.batch_size and model.extended_context)."""
     from dynaseq.compress.lm_distill import dump_lm_teacher
 
+    _refuse_given(args, ("beam", "budget"), "translation")
+    if args.k is None:
+        args.k = 30
     if Path(args.out).exists():
         raise DynaseqError(f"{args.out} already exists (choose a new --out)")
     lm = _language_model(args)
@@ -420,6 +490,9 @@ def _distill_data_seq2seq(args: argparse.Namespace) -> int:
 
     if args.src is None:
         raise DynaseqError("distill-data: --src is required for translation runs")
+    _refuse_given(args, ("k", "window"), "language-model")
+    if args.beam is None:
+        args.beam = 4
     _check_output(args.out, args.src)
     read_lines(args.src)  # a missing source fails before the model loads
     t = _translator(args)
@@ -428,6 +501,17 @@ def _distill_data_seq2seq(args: argparse.Namespace) -> int:
     print(f"wrote {n} teacher translations to {args.out} (train the student with "
           f"data.train_tgt={args.out})", file=sys.stderr)
     return 0
+
+
+def _refuse_given(args: argparse.Namespace, names: tuple[str, ...], runs: str) -> None:
+    """Refuse (one line) the options in ``names`` that were given: they are for ``runs``
+    only and would be silently dropped on this run."""
+    given = [f"--{name.replace('_', '-')}" for name in names
+             if getattr(args, name, None) is not None]
+    if given:
+        verb = "is" if len(given) == 1 else "are"
+        raise DynaseqError(f"{args.command}: {', '.join(given)} {verb} for {runs} runs; "
+                           f"{args.run_dir} is a {KIND_NAMES[_run_dir_kind(args.run_dir)]} run")
 
 
 def _language_model(args: argparse.Namespace):
@@ -440,15 +524,11 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     """``dynaseq evaluate LM_RUN --split valid|test [--json]``: perplexity without (``ppl``)
     and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
     θ 0.016, λ 0.07 for a run without a cache)."""
-    given = [f"--{name.replace('_', '-')}" for name in ("src", "ref", "budget", "beam",
-                                                       "length_penalty")
-             if getattr(args, name, None) is not None]
-    if given:  # refused, not silently dropped
-        raise DynaseqError(f"evaluate: {', '.join(given)} are for translation runs; "
-                           f"{args.run_dir} is a language-model run")
+    _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
     lm = _language_model(args)
     result = {"split": args.split,
-              **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True),
+              **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
+                            progress=not args.quiet),
               "checkpoint": str(lm.checkpoint)}
     if args.json:
         print(json.dumps(result, indent=1))
@@ -487,7 +567,7 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
         model = _language_model(args).model
     else:
         from dynaseq.data.lm_corpus import Vocab, read_lm_lines
-        from dynaseq.models.lm import build_lm
+        from dynaseq.tasks.lm.model import build_lm
 
         if cfg.data.train is None:
             raise DynaseqError("profile: an LM config needs data.train (for the vocabulary)")
@@ -557,6 +637,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default="auto",
                    help="auto (averaged > best > latest), best, latest, averaged or a path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (one shows only when stderr is a terminal)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -571,13 +653,36 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dynaseq", description="Sequence models whose computation is chosen at run time.")
+    parser.add_argument("--version", action="version", version=f"dynaseq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("data", help="check the datasets under the data root (docs/data.md)")
+    data_sub = p.add_subparsers(dest="action", required=True)
+    q = data_sub.add_parser("check", help="verify each dataset file against its sha256")
+    q.add_argument("root", nargs="?", default=None,
+                   help="data root (default: $DYNASEQ_DATA, else data/, else ../shared/data)")
+    q.add_argument("--dataset", action="append", default=None,
+                   help="only this dataset (repeatable)")
+
+    p = sub.add_parser("export", help="a self-contained model directory (config.json, "
+                                      "weights, tokenizer, calibration, model card)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="the model directory (must not exist, or be "
+                                                "empty)")
+    p.add_argument("--checkpoint", default="auto",
+                   help="auto (averaged > best > latest), best, latest, averaged or a path")
+
+    p = sub.add_parser("plot", help="training and validation curves of runs, as a PNG")
+    p.add_argument("runs", nargs="+", help="run directories (their log.jsonl)")
+    p.add_argument("--out", "-o", required=True, help="the PNG to write")
 
     p = sub.add_parser("train", help="train a model from a YAML config")
     p.add_argument("config", help="YAML run config (see configs/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
     p.add_argument("--run-dir", default=None, help="same as run_dir=...")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults included) as YAML and exit")
 
     p = sub.add_parser("translate", help="translate a file or stdin, one sentence per line")
     p.add_argument("run_dir")
@@ -753,7 +858,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", default=None, metavar="TOPK_DIR",
                    help="distill from this teacher top-k while fine-tuning, e.g. the run's "
                         "own: dynaseq distill-data RUN_DIR --out TOPK_DIR")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
     _add_run_args(p)
 
     p = sub.add_parser(
@@ -794,13 +898,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "translation runs) / LM training text")
     p.add_argument("--out", required=True, help="output file (.gz: gzip-compressed) / LM: "
                    "output directory")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
+    p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy; default 4)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="sentences per batch / LM: the student's data.batch_size")
-    p.add_argument("--k", type=int, default=30, help="LM: top-k labels per token (default 30)")
+    p.add_argument("--k", type=int, default=None,
+                   help="LM: top-k labels per token (default 30)")
     p.add_argument("--window", type=int, default=None,
                    help="LM: the student's model.extended_context")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_budget_arg(p)
     _add_run_args(p)
     return parser
@@ -833,6 +937,9 @@ KIND_NAMES = {"seq2seq": "translation", "lm": "language-model"}
 #: subcommand -> what runs it (the parser is :func:`build_parser`).
 COMMANDS: dict[str, Command] = {
     "train": Command({None: cmd_train}),
+    "data": Command({None: cmd_data}),
+    "plot": Command({None: cmd_plot}),
+    "export": Command({None: cmd_export}),
     "translate": Command({"seq2seq": cmd_translate}),
     "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm}),
     "calibrate": Command({"seq2seq": cmd_calibrate}),
@@ -868,15 +975,27 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "tol", 1) <= 0:
         parser.error("--tol must be > 0")
     try:
-        return COMMANDS[args.command](args)
+        with warnings.catch_warnings():  # restored when the command ends
+            warnings.showwarning = _one_line_warning
+            return COMMANDS[args.command](args)
     except DynaseqError as e:
         print(f"dynaseq: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # a full disk, a folder not writable: what the OS said, in one line
+        if isinstance(e, BrokenPipeError):
+            return 0
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"dynaseq: error: {os_reason(e)}{where}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("dynaseq: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    except BrokenPipeError:
-        return 0
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as ``dynaseq: warning: <message>`` (no source line)."""
+    text = " ".join(str(message).split())
+    print(f"dynaseq: warning: {text}", file=sys.stderr if file is None else file)
 
 
 def entry() -> None:

@@ -117,3 +117,45 @@ def test_scripts_import_only_shared_modules():
                 top = name.split(".")[0]
                 assert top not in scripts or top.startswith("_"), f"{path.name} imports {name}"
 
+
+
+def test_provenance_records_command_commit_whole_tree_dirty_flag_and_date(tmp_path):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    (repo / "src.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run([*git[:3], "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    where = repo / "benchmarks"
+    assert lib.code_state(where) == {"commit": head, "dirty": False}
+    (repo / "benchmarks" / "new.py").write_text("")  # an untracked file under benchmarks/
+    assert lib.code_state(where) == {"commit": head, "dirty": True}
+    (repo / "benchmarks" / "new.py").unlink()
+    (repo / "src.py").write_text("x = 2\n")  # a change outside benchmarks/
+    assert lib.code_state(where)["dirty"] is True
+    assert lib.code_state(tmp_path) == {"commit": None, "dirty": None}  # not a checkout
+    made = lib.provenance(["benchmarks/x.py", "report", "--only", "a b"], where)
+    assert made["command"] == "python benchmarks/x.py report --only 'a b'"
+    assert (made["commit"], made["dirty"]) == (head, True)
+    assert len(made["date"]) == len("2026-11-25 13:45") and made["date"][4] == "-"
+
+
+def test_made_by_lines_name_each_rows_command_commit_and_date():
+    a = {"command": "python benchmarks/x.py report --only p", "commit": "0123456789abcdef",
+         "dirty": False, "date": "2026-11-25 10:00"}
+    b = {**a, "command": "python benchmarks/x.py report --only q r", "dirty": True}
+    rows = [{"name": "p"}, {"name": "q"}, {"name": "r"}, {"name": "old"}]
+    lib.stamp(rows[:1], a)
+    lib.stamp(rows[1:3], b)
+    assert lib.made_by_lines(rows, "name") == [
+        "## How each row was made", "",
+        "- p: `python benchmarks/x.py report --only p` (commit 0123456789ab, 2026-11-25 10:00 "
+        "UTC)",
+        "- q, r: `python benchmarks/x.py report --only q r` (commit 0123456789ab with "
+        "uncommitted changes, 2026-11-25 10:00 UTC)",
+        "- old: made before result rows recorded their command and commit."]

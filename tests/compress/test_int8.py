@@ -19,15 +19,16 @@ from dynaseq.compress.int8 import (
     quantize_int8,
     save_int8,
 )
-from dynaseq.core.config import DMBConfig, ModelConfig, MoEConfig
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import read_lines
-from dynaseq.models import build_seq2seq
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn.int8 import Int8Linear, quantize_rows
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.tasks.translation.predictor import Translator
 from dynaseq.techniques.branching import BranchedLinear
 from dynaseq.techniques.branching.branched_linear import Int8BranchedLinear
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.branching.routing import BranchGroups, Router
 from dynaseq.workflows.quantize import quantize_run
 
@@ -200,7 +201,7 @@ def test_dmb_and_moe_quantize_and_translate(kind):
 
 
 def test_cct_model_quantizes_with_float_control_nets():
-    from dynaseq.core.config import CCTConfig
+    from dynaseq.techniques.cct.config import CCTConfig
     from dynaseq.techniques.cct.gating import ControlNet
 
     model = micro_model(cct=CCTConfig(ffn_pieces=2, control_hidden=16,
@@ -305,9 +306,8 @@ def test_cli_quantize_then_evaluate_and_profile(trained_run, synthetic_paths, tm
     q, f = profiles
     assert q["params"] == f["params"]  # int8 weights counted, the tied output layer once
     assert q["macs_pair"] == f["macs_pair"]
-    for part in ("encoder", "decoder", "total"):  # the flop counter sees the int8 linears
-        assert q["macs_per_token_flop_counter"][part] == pytest.approx(
-            f["macs_per_token_flop_counter"][part])
+    # the flop counter sees the int8 linears: the same count as the float model's
+    assert q["macs_per_token_flop_counter"] == f["macs_per_token_flop_counter"]
 
 
 def test_cli_quantize_bad_input(trained_run, tmp_path, capsys):

@@ -2,20 +2,14 @@ from pathlib import Path
 
 import pytest
 
-from dynaseq.core.config import (
-    MODEL_SIZES,
-    CCTConfig,
-    DMBConfig,
-    ModelConfig,
-    MoEConfig,
-    RunConfig,
-    from_dict,
-    load_config,
-    save_config,
-)
+from dynaseq.core.config import from_dict, save_config
 from dynaseq.core.errors import ConfigError
 from dynaseq.metrics import count_macs
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.registry import load_config
+from dynaseq.tasks.translation.config import MODEL_SIZES, ModelConfig, RunConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
+from dynaseq.techniques.cct.config import CCTConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -28,7 +22,7 @@ def test_configs_exist():
 def test_every_shipped_config_parses_and_builds(path):
     cfg = load_config(path)
     if getattr(cfg, "task", None) == "lm":  # language models: WikiText-2's 33,278 words
-        from dynaseq.models.lm import build_lm
+        from dynaseq.tasks.lm.model import build_lm
 
         assert len(build_lm(cfg.model, 33_278).layers) == cfg.model.n_layers
         return
@@ -157,8 +151,8 @@ def test_bad_dmb_and_moe_configs_are_refused(overrides, message):
 
 
 def test_a_named_size_gives_that_size_from_python_too():
-    from dynaseq.core.config import MODEL_SIZES, ModelConfig
-    from dynaseq.models import build_seq2seq
+    from dynaseq.tasks.translation.config import MODEL_SIZES, ModelConfig
+    from dynaseq.tasks.translation.model import build_seq2seq
 
     for size, dims in MODEL_SIZES.items():
         cfg = ModelConfig(size=size)

@@ -62,17 +62,34 @@ def test_directory(tmp_path: Path) -> None:
     assert str(err.value) == f"cannot read {tmp_path}: is a directory"
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
-                    reason="root ignores file permissions")
-def test_permission_denied(tmp_path: Path) -> None:
+def _unreadable(tmp_path: Path, reason: str) -> Path:
+    """A path that ``open`` refuses for ``reason`` (the first two also under root)."""
+    if reason == "not a directory":  # a file under a regular file
+        return _write(tmp_path / "plain.txt", b"x\n") / "child.txt"
+    if reason == "too many levels of symbolic links":  # a symlink to itself
+        loop = tmp_path / "loop.txt"
+        loop.symlink_to(loop)
+        return loop
     path = _write(tmp_path / "secret.txt", b"x\n")
     path.chmod(0)
+    return path
+
+
+@pytest.mark.parametrize("reason", [
+    "not a directory", "too many levels of symbolic links",
+    pytest.param("permission denied", marks=pytest.mark.skipif(
+        not hasattr(os, "geteuid") or os.geteuid() == 0,
+        reason="root ignores file permissions (the other reasons run under root)"))])
+def test_unopenable_path_is_one_line(tmp_path: Path, reason: str) -> None:
+    """Any OSError of ``open`` becomes one DynaseqError line naming the file and why."""
+    path = _unreadable(tmp_path, reason)
     try:
         with pytest.raises(DynaseqError) as err:
             read_lines(path)
-        assert str(err.value) == f"cannot read {path}: permission denied"
+        assert str(err.value) == f"cannot read {path}: {reason}"
     finally:
-        path.chmod(0o600)
+        if reason == "permission denied":
+            path.chmod(0o600)
 
 
 @pytest.mark.parametrize("compress", [False, True])

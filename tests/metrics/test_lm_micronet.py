@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dynaseq.cli import main
-from dynaseq.core.config import LMCacheConfig, LMModelConfig
 from dynaseq.metrics.lm_profile import micronet_profile
 from dynaseq.metrics.micronet import parameter_storage
-from dynaseq.models.lm import build_lm
+from dynaseq.tasks.lm.config import LMCacheConfig, LMModelConfig
+from dynaseq.tasks.lm.model import build_lm
 from dynaseq.train.loop import train
 
 from helpers import lm_config

@@ -1,6 +1,6 @@
-from dynaseq.core.config import ModelConfig
 from dynaseq.metrics.profile import count_params, profile_model
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 
 
 def test_profile_fields_and_fixed_length_latency():
@@ -10,6 +10,7 @@ def test_profile_fields_and_fixed_length_latency():
     assert p["params"] == count_params(m) < sum(x.numel() for x in m.parameters()) + 1
     for key in ("macs_per_token", "macs_per_token_flop_counter"):
         assert set(p[key]) == {"encoder", "decoder", "total"}
+    assert p["macs_per_token_flop_counter"] == p["macs_per_token"]
     assert p["latency_ms"]["greedy"] > 0 and p["latency_ms"]["beam4"] > 0
 
 

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from dynaseq.cli import main
-from dynaseq.core.config import LMModelConfig, load_config, save_config
+from dynaseq.core.config import save_config
 from dynaseq.core.errors import ConfigError
-from dynaseq.models.lm import LMOutput, build_lm
+from dynaseq.models.lm import LMOutput
+from dynaseq.tasks.lm.config import LMModelConfig
+from dynaseq.tasks.lm.model import build_lm
+from dynaseq.tasks.registry import load_config
 
 from helpers import lm_config as _lm_config
 from helpers import run_cli
@@ -71,6 +74,36 @@ def test_total_context_is_layers_times_c_minus_one(model):
     edge = x.clone()
     edge[0, 15 - reach] = (edge[0, 15 - reach] + 1) % V  # exactly at the reach
     assert not torch.allclose(model(edge).hidden[0, -1], last)
+
+
+@pytest.mark.parametrize("word", [5, 35], ids=["head_word", "tail_word"])
+def test_a_generation_step_costs_the_same_at_position_10000_as_at_100(model, word):
+    """One incremental step (``model.step``: a word in, the full next-word distribution out)
+    after 100 and after 10,000 tokens of text: the same multiply-adds (FlopCounterMode) and
+    the same math operations, op by op (MicroNet's counter), not only the same cache lengths.
+    The step reads the same ``word`` at both positions (a tail word of the adaptive input
+    costs its up-projection more than a head word, wherever it is)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dynaseq.metrics.lm_profile import prefill
+    from dynaseq.metrics.micronet import MicroNetOpCounter
+
+    text = torch.randint(0, V, (1, 10_000), generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([word])
+    costs = {}
+    for position in (100, 10_000):
+        with torch.no_grad():
+            state = prefill(model, text[:, :position], 512)
+            assert state.position == position
+            flops, ops = FlopCounterMode(display=False), MicroNetOpCounter(model)
+            with flops:
+                model.step(tokens, state)
+            with ops:
+                model.step(tokens, state)
+        costs[position] = (flops.get_total_flops(), flops.get_flop_counts(), ops.counts.mults,
+                           ops.counts.adds, dict(ops.counts.by_op))
+    assert costs[100][0] > 0 and costs[100][2] > 0
+    assert costs[10_000] == costs[100]
 
 
 def test_generate_is_seeded_and_greedy_is_deterministic(model):

@@ -1,8 +1,8 @@
 import torch
 
-from dynaseq.core.config import ModelConfig
-from dynaseq.models import build_seq2seq
 from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 
 EOS = 3
 

@@ -1,7 +1,7 @@
 import torch
 
-from dynaseq.core.config import ModelConfig
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 
 
 def model(**kw):

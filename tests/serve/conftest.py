@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dynaseq.core.config import CCTConfig
+from dynaseq.techniques.cct.config import CCTConfig
 
 from helpers import lm_config, micro_config
 from serve_helpers import BUDGETS, Server

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 import dynaseq
-from dynaseq.core.config import LMRunConfig, RunConfig
 from dynaseq.core.errors import CheckpointError, ConfigError
+from dynaseq.tasks.lm.config import LMRunConfig
 from dynaseq.tasks.lm.predictor import LanguageModel
 from dynaseq.tasks.protocol import Predictor
 from dynaseq.tasks.registry import PREDICTORS, TASKS, run_kind, task_for
+from dynaseq.tasks.translation.config import RunConfig
 from dynaseq.tasks.translation.predictor import Translator
 from dynaseq.train.loop import train
 

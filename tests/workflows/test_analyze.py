@@ -19,10 +19,11 @@ from dynaseq.analysis import (
 from dynaseq.analysis.gates import rank_buckets
 from dynaseq.analysis.plots import PLOTTERS, plot_all
 from dynaseq.cli import main
-from dynaseq.core.config import CCTConfig, ModelConfig
-from dynaseq.models import build_seq2seq
 from dynaseq.models.seq2seq import Seq2SeqOutput
 from dynaseq.nn import AuxOutputs
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.techniques.cct.layers import ControlNet, GateTrace, force_gates
 from dynaseq.train.loop import train
 

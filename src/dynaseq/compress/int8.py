@@ -44,6 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from dynaseq.core.checkpoint import os_errors
 from dynaseq.core.errors import CheckpointError, DynaseqError
 from dynaseq.nn.int8 import INT8_HANDLERS, KEEP_FLOAT, Int8Linear, quantize_rows
 
@@ -286,7 +287,8 @@ def save_int8(model: nn.Module, directory: str | Path, meta: dict[str, Any] | No
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors, metadata = int8_state(model)
-    save_file(tensors, str(d / WEIGHTS), metadata=metadata)
+    with os_errors():
+        save_file(tensors, str(d / WEIGHTS), metadata=metadata)
     (d / META).write_text(json.dumps({**(meta or {}), "quantization": INT8}, indent=1),
                           encoding="utf-8")
     return d

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,6 +36,8 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from dynaseq.core.errors import CheckpointError
+
+T = TypeVar("T")
 
 WEIGHTS = "model.safetensors"
 TRAINER = "trainer.pt"
@@ -92,29 +96,56 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+@contextlib.contextmanager
+def os_errors() -> Iterator[None]:
+    """Re-raise a safetensors write that failed in the OS (``... (os error 28)``: a full
+    disk) as the ``OSError`` it was, so callers handle it as any failed write."""
+    try:
+        yield
+    except SafetensorError as e:
+        m = _OS_ERROR.search(str(e))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code)) from None
+
+
 @contextlib.contextmanager
 def _atomic_dir(directory: str | Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success fsync it and move it to ``directory``."""
+    """Yield a fresh temporary directory; on success fsync it and move it to ``directory``.
+    A failure while it is filled (a full disk) removes it; ``directory`` stays as it was."""
     final = Path(directory)
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    yield tmp
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _replace_dir(tmp, final)
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _replace_dir(tmp, final)  # from here on a kill is recovered by recover_dir
 
 
 def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, Any],
                      trainer_state: dict[str, Any] | None = None) -> Path:
     """Atomically write weights (+ optional trainer state) and ``meta`` to ``directory``."""
     with _atomic_dir(directory) as tmp:
-        save_model(model, str(tmp / WEIGHTS))
+        with os_errors():
+            save_model(model, str(tmp / WEIGHTS))
         if trainer_state is not None:
-            torch.save(trainer_state, tmp / TRAINER)
-        _write_meta(tmp, meta)
+            # serialized in memory first: torch.save into a full disk raises a RuntimeError
+            # ("unexpected pos") instead of the OSError that a plain write gives
+            buf = io.BytesIO()
+            torch.save(trainer_state, buf)
+            (tmp / TRAINER).write_bytes(buf.getbuffer())
+        write_meta(tmp, meta)
     return Path(directory)
 
 
@@ -126,7 +157,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
+def write_meta(tmp: Path, meta: dict[str, Any]) -> None:
     """``meta`` plus the SHA-256 of every file already in ``tmp``, as ``meta.json``."""
     sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / META).write_text(json.dumps({**meta, "sha256": sums}, indent=1), encoding="utf-8")
@@ -235,8 +266,9 @@ def average_checkpoints(directories: list[Path], out_dir: str | Path) -> Path:
     meta = {"averaged": [Path(d).name for d in directories],
             "step": read_meta(directories[-1]).get("step")}
     with _atomic_dir(out_dir) as tmp:
-        save_file(mean, str(tmp / WEIGHTS))
-        _write_meta(tmp, meta)
+        with os_errors():
+            save_file(mean, str(tmp / WEIGHTS))
+        write_meta(tmp, meta)
     return Path(out_dir)
 
 
@@ -244,11 +276,14 @@ def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
     """Directory holding the weights to use.
 
     ``which``: ``auto`` (averaged, else best, else latest), ``best``, ``latest``, ``averaged``
-    or a path to a checkpoint directory.
+    or a path to a checkpoint directory. An exported model directory (its weights at the top)
+    is its own checkpoint for ``auto``.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
+    if which == "auto" and (run / WEIGHTS).is_file() and (run / META).is_file():
+        return run
     named = {"best": run / "best", "averaged": run / "averaged"}
     for d in named.values():
         recover_dir(d)
@@ -267,3 +302,18 @@ def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
     if not (path / WEIGHTS).is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     return path
+
+
+def load_resolved(run_dir: str | Path, which: str, load: Callable[[Path], T],
+                  attempts: int = 3) -> T:
+    """``load(resolve_checkpoint(run_dir, which))``. With ``auto`` or ``latest``, a checkpoint
+    that vanishes while it is read (a training run's ``keep_last`` deleting it) is replaced
+    by the next newest, up to ``attempts`` times; any other failure is raised as it is."""
+    for _ in range(attempts - 1):
+        path = resolve_checkpoint(run_dir, which)
+        try:
+            return load(path)
+        except (CheckpointError, FileNotFoundError):
+            if which not in ("auto", "latest") or path.exists():
+                raise
+    return load(resolve_checkpoint(run_dir, which))

@@ -59,6 +59,18 @@ def all_reduce_sum(values: list[float], env: DistEnv, device: torch.device) -> l
     return t.tolist()
 
 
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks of the process group, differentiably (the backward pass
+    sums the gradients of every rank's use of the result back to each rank's ``t``); ``t``
+    itself in a single process. Every rank must call it for the same tensors in the same
+    order (as the micro-batches of one update are)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(t)
+
+
 def barrier(env: DistEnv) -> None:
     if env.enabled:
         dist.barrier()

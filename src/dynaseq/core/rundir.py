@@ -1,34 +1,71 @@
 """A run directory: ``config.yaml``, tokenizer or vocabulary files, ``log.jsonl``,
-``checkpoints/step_*``, ``best/``, ``averaged/``."""
+``checkpoints/step_*``, ``best/``, ``averaged/``; or an exported model directory
+(``dynaseq export``): ``config.json`` and the weights at its top, read the same way."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dynaseq.core.config import load_config
-from dynaseq.core.errors import CheckpointError, DynaseqError
+from dynaseq.core.config import config_task, parse_config, read_yaml
+from dynaseq.core.errors import CheckpointError, ConfigError, DynaseqError
+from dynaseq.core.files import read_text
 
 
-def open_run(run_dir: str | Path, expect: tuple[type, str] | None = None) -> tuple[Path, Any]:
-    """The run directory's path and its parsed config (the type its ``task:`` names).
+def open_run(run_dir: str | Path, types: Mapping[str, type],
+             what: str | None = None) -> tuple[Path, Any]:
+    """The run directory's path and its parsed config, of the type ``types`` maps its
+    ``task:`` to (a predictor passes its own task's, the registry every task's).
 
-    ``expect``: (config type, what to call such a run) when only that kind will do.
+    ``what``: what to call a run of the tasks in ``types`` (a run of another task is then
+    refused as "not a {what} run" rather than as an unknown task).
 
     Raises:
         CheckpointError: no such directory, or no ``config.yaml`` in it.
         ConfigError: a config that does not parse.
-        DynaseqError: a run of another kind than ``expect``.
+        DynaseqError: with ``what``, a run of a task ``types`` does not list.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
-    if not (run / "config.yaml").is_file():
-        raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
-    if expect is not None and not isinstance(cfg, expect[0]):
-        raise DynaseqError(f"{run} is not a {expect[1]} run")
-    return run, cfg
+    if (run / "config.yaml").is_file():
+        raw = read_yaml(run / "config.yaml")
+    elif (run / MODEL_CONFIG).is_file():
+        raw = read_model_config(run / MODEL_CONFIG)
+    else:
+        raise CheckpointError(f"{run} is not a run directory (no config.yaml) nor an exported "
+                              f"model ({MODEL_CONFIG})")
+    if what is not None and config_task(raw) not in types:
+        raise DynaseqError(f"{run} is not a {what} run")
+    return run, parse_config(raw, types)
+
+
+#: The config of an exported model directory (``dynaseq export``).
+MODEL_CONFIG = "config.json"
+#: ``format`` of :data:`MODEL_CONFIG`.
+MODEL_FORMAT = "dynaseq-model"
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The run-config mapping in an exported model's ``config.json`` (``{"format":
+    "dynaseq-model", "version": 1, "config": {...}}``).
+
+    Raises:
+        ConfigError: not JSON, or not a dynaseq model config.
+    """
+    try:
+        payload = json.loads(read_text(path, "model config", ConfigError))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not (isinstance(payload, dict) and payload.get("format") == MODEL_FORMAT
+            and isinstance(payload.get("config"), dict)):
+        raise ConfigError(f"{path} is not a dynaseq model config (format {MODEL_FORMAT!r})")
+    return payload["config"]
 
 
 def check_new_run_dir(run_dir: Path, out_dir: Path) -> None:
@@ -46,3 +83,28 @@ def dir_size(path: str | Path) -> int:
     if p.is_file():
         return p.stat().st_size
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+@contextlib.contextmanager
+def writing_new_dir(out: str | Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to fill; when the block ends without an error its files
+    are flushed to disk and it is renamed to ``out`` (an empty ``out`` is replaced), else it
+    is removed: a failure leaves no half-written directory."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if out.exists():  # an empty directory (check_new_run_dir): rename replaces it
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,15 @@ class RunLog:
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path, self.enabled = path, enabled
         self.history: list[dict[str, Any]] = []
+        self.sinks: list[Callable[[dict[str, Any]], None]] = []  # see add_sink
+
+    def add_sink(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        """Also hand every record this log writes to ``sink`` (e.g. TensorBoard), from the
+        ones written so far on."""
+        self.sinks.append(sink)
+        if self.enabled:
+            for record in self.history:
+                sink(record)
 
     def write(self, event: str, **fields: Any) -> None:
         record = {"event": event, "time": round(time.time(), 3), **fields}
@@ -32,6 +42,9 @@ class RunLog:
     def _append(self, records: list[dict[str, Any]]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records))
+        for sink in self.sinks:
+            for record in records:
+                sink(record)
 
 
 def read_log(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:

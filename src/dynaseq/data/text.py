@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write
+from dynaseq.data.datasets import resolve_data_path
 
 #: The first two bytes of every gzip stream (RFC 1952).
 GZIP_MAGIC = b"\x1f\x8b"
@@ -67,7 +68,8 @@ def read_lines(path: str | Path) -> list[str]:
     add an empty last line; empty lines elsewhere are kept as ``""`` so that the lines of
     a parallel corpus stay aligned.
 
-    The whole file is read into memory.
+    The whole file is read into memory. A path starting ``$DATA/`` is under the data root
+    (:func:`~dynaseq.data.datasets.resolve_data_path`).
 
     Example::
 
@@ -77,9 +79,10 @@ def read_lines(path: str | Path) -> list[str]:
     Raises:
         DynaseqError: ``"cannot read {path}: no such file"``, ``"cannot read {path}:
             <reason>"`` (a directory, no permission), ``"{path}: line {n} is not valid
-            UTF-8"`` or ``"{path}: corrupt gzip file (<detail>)"``.
+            UTF-8"``, ``"{path}: corrupt gzip file (<detail>)"``, or a missing dataset
+            under the data root.
     """
-    p = Path(path)
+    p = resolve_data_path(path)
     return decode_lines(_read_bytes(p), str(p))
 
 

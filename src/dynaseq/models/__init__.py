@@ -8,7 +8,6 @@ from dynaseq.models.seq2seq import (
     Seq2SeqOutput,
     Seq2SeqTransformer,
     TokenEmbedding,
-    build_seq2seq,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "Seq2SeqOutput",
     "Seq2SeqTransformer",
     "TokenEmbedding",
-    "build_seq2seq",
 ]

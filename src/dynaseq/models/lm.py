@@ -7,8 +7,8 @@ a training window holds C_e >= L(C-1)+1 tokens. The layers are pre-norm
 (``x + drop(f(LN(x)))``, as the rest of dynaseq) rather than Transformer-XL's post-norm: it
 trains without a long warm-up, which matters for the short CPU runs.
 
-The model composes sub-layers it is given; :func:`build_lm` wires them from an
-:class:`~dynaseq.core.config.LMModelConfig`.
+The model composes sub-layers it is given (the LM task wires them from its config:
+:func:`dynaseq.tasks.lm.model.build_lm`); nothing here reads a config.
 
 Example::
 
@@ -27,10 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from dynaseq.nn.adaptive_io import AdaptiveInput, AdaptiveSoftmax
-from dynaseq.nn.feedforward import FeedForward
 from dynaseq.nn.layers import EncoderLayer
 from dynaseq.nn.neural_cache import NeuralCache
-from dynaseq.nn.relative_attention import RelativeCache, relative_attention
+from dynaseq.nn.relative_attention import RelativeCache
 
 
 @dataclass
@@ -172,36 +171,3 @@ def sample_next(log_probs: Tensor, temperature: float = 1.0, top_k: int | None =
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
-def build_lm(cfg, vocab_size: int) -> TransformerLM:
-    """Wire a :class:`TransformerLM` from an ``LMModelConfig`` for ``vocab_size`` words.
-
-    Raises ConfigError when an adaptive cutoff is not below ``vocab_size``. ``cfg.cache``
-    adds a :class:`NeuralCache`, ``cfg.hebbian`` Hebbian-softmax counts (``cfg.qat_bits``
-    is applied by the loader, :meth:`dynaseq.tasks.lm.predictor.LanguageModel.load`).
-    """
-    from dynaseq.nn.hebbian import make_adaptive_hebbian
-
-    softmax = AdaptiveSoftmax(cfg.d_model, vocab_size, cfg.cutoffs, cfg.adaptive_dims)
-    if cfg.tie_embeddings:
-        embed = AdaptiveInput.tied_to(softmax, tie_projections=cfg.tie_projections)
-    else:
-        embed = AdaptiveInput(cfg.d_model, vocab_size, cfg.cutoffs, cfg.adaptive_dims)
-    layers = [
-        LMLayer(cfg.d_model,
-                relative_attention(cfg.d_model, cfg.n_heads, cfg.d_head, cfg.context,
-                                   cfg.attention_dropout),
-                FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation_dropout),
-                cfg.dropout)
-        for _ in range(cfg.n_layers)
-    ]
-    cache = None
-    if cfg.cache is not None:
-        cache = NeuralCache(cfg.cache.n_cache, cfg.cache.theta, cfg.cache.lam)
-        cache.requires_grad_(cfg.cache.train)
-    hebbian = None
-    if cfg.hebbian is not None:
-        hebbian = make_adaptive_hebbian(softmax, cfg.hebbian.gamma, cfg.hebbian.max_count,
-                                        match_norm=cfg.hebbian.match_norm)
-    return TransformerLM(embed, layers, softmax, cfg.context, cfg.dropout, cache, hebbian)

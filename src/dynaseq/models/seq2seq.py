@@ -2,8 +2,9 @@
 
 The model composes blocks it is given: an :class:`Encoder` and a :class:`Decoder` each hold
 an embedding, sinusoidal positions and a list of layers whose sub-layers were built
-elsewhere. :func:`build_seq2seq` wires the dense version, or a CCT, DMB or MoE one, from a
-:class:`ModelConfig`.
+elsewhere (the translation task wires them from its config:
+:func:`dynaseq.tasks.translation.model.build_seq2seq`, dense or with a technique's
+sub-layers). Nothing here reads a config.
 
 Example::
 
@@ -18,26 +19,20 @@ A CCT model takes each row's budget as the call's ``control``: control-symbol id
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core.config import ModelConfig
 from dynaseq.nn import (
     AuxOutputs,
     DecoderLayer,
     EncoderLayer,
-    FeedForward,
     KVCache,
     SinusoidalPositions,
-    Sublayers,
-    dense_attention,
     padding_to_attn_mask,
 )
-from dynaseq.techniques.branching.builder import dmb_sublayers, moe_sublayers
-from dynaseq.techniques.cct.builder import cct_sublayers
 from dynaseq.techniques.cct.gating import GATE_SUBNETWORKS, BudgetControl
 
 
@@ -263,67 +258,3 @@ class Seq2SeqTransformer(nn.Module):
     def decode_step(self, tokens: Tensor, enc: EncoderOutput, state: DecoderState) -> Tensor:
         """tokens (B, 1) at position ``state.step`` -> next-token logits (B, V)."""
         return self.decoder(tokens, enc, state)[:, -1]
-
-
-def dense_sublayers(cfg: ModelConfig) -> Sublayers:
-    """Plain multi-head attention and FFN sub-layers."""
-
-    def attention() -> nn.Module:
-        return dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-
-    def ffn() -> nn.Module:
-        return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation_dropout)
-
-    return Sublayers(attention, ffn)
-
-
-#: ``ModelConfig`` section -> the technique's sub-layer builder (none set: dense). Each builder
-#: lives beside its technique; this table is the only place that names them.
-TECHNIQUE_SUBLAYERS: dict[str, Callable[[ModelConfig], Sublayers]] = {
-    "cct": cct_sublayers,
-    "dmb": dmb_sublayers,
-    "moe": moe_sublayers,
-}
-
-
-def build_seq2seq(cfg: ModelConfig, vocab_size: int, pad_id: int = 0, bos_id: int = 2,
-                  eos_id: int = 3) -> Seq2SeqTransformer:
-    """Pre-LN Transformer from a config: dense, CCT (``cfg.cct``), Transformer-DMB
-    (``cfg.dmb``) or its mixture-of-experts baseline (``cfg.moe``), the sub-layers from the
-    technique's builder (:data:`TECHNIQUE_SUBLAYERS`).
-
-    ``share_embeddings`` ties source and target embeddings (one shared vocabulary);
-    ``tie_output`` ties the output projection to the target embedding (Press & Wolf 2017).
-    """
-    chosen = [make for name, make in TECHNIQUE_SUBLAYERS.items() if getattr(cfg, name)]
-    parts = chosen[0](cfg) if chosen else dense_sublayers(cfg)
-    model = _assemble(cfg, vocab_size, parts.attention, parts.ffn, parts.control, pad_id,
-                      bos_id, eos_id)
-    if parts.finish is not None:
-        parts.finish(model)
-    return model
-
-
-def _assemble(cfg: ModelConfig, vocab_size: int, attention, ffn,
-              control: nn.Embedding | None, pad_id: int, bos_id: int,
-              eos_id: int) -> Seq2SeqTransformer:
-    """Wire embeddings, positions and layers whose sub-layers come from the factories."""
-    d = cfg.d_model
-
-    src_embed = TokenEmbedding(vocab_size, d, pad_id)
-    tgt_embed = src_embed if cfg.share_embeddings else TokenEmbedding(vocab_size, d, pad_id)
-    output_proj = nn.Linear(d, vocab_size, bias=False)
-    if cfg.tie_output:
-        output_proj.weight = tgt_embed.weight
-    else:
-        nn.init.normal_(output_proj.weight, std=d ** -0.5)
-    encoder = Encoder(
-        src_embed, SinusoidalPositions(d, cfg.max_positions),
-        [EncoderLayer(d, attention(), ffn(), cfg.dropout) for _ in range(cfg.encoder_layers)],
-        d, cfg.dropout)
-    decoder = Decoder(
-        tgt_embed, SinusoidalPositions(d, cfg.max_positions),
-        [DecoderLayer(d, attention(), attention(), ffn(), cfg.dropout)
-         for _ in range(cfg.decoder_layers)],
-        d, output_proj, cfg.dropout)
-    return Seq2SeqTransformer(encoder, decoder, pad_id, bos_id, eos_id, control)

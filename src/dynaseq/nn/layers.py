@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
@@ -76,6 +76,18 @@ def _per_call(aux: AuxOutputs | None, gate_offset: Tensor | None) -> dict[str, A
     """The per-call keyword arguments of a sub-layer: ``aux`` always, ``gate_offset`` only
     when given (sub-layers without gates do not take one)."""
     return {"aux": aux} if gate_offset is None else {"aux": aux, "gate_offset": gate_offset}
+
+
+
+class TransformerDims(Protocol):
+    """The dimensions a sub-layer builder reads from a model config (any object with these
+    attributes; the translation task's ``ModelConfig`` is one)."""
+
+    d_model: int
+    ffn_dim: int
+    n_heads: int
+    attention_dropout: float
+    activation_dropout: float
 
 
 @dataclass

@@ -11,7 +11,7 @@ update and the loss of each (``loss = task.loss(out, micro)``, technique losses 
 
 Example::
 
-    from dynaseq.core.config import load_config
+    from dynaseq.tasks.registry import load_config
     from dynaseq.train.loop import train
     result = train(load_config("configs/tiny.yaml"))   # any task's config
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -55,6 +56,7 @@ from dynaseq.train.common import (
     set_rng_state,
 )
 from dynaseq.train.schedule import make_schedule
+from dynaseq.train.tensorboard import check_tensorboard, tensorboard_sink
 
 
 @dataclass
@@ -88,6 +90,9 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     device = pick_device(cfg.train.device)
     env = init_distributed(device)
     run_dir = Path(cfg.run_dir)
+    if cfg.train.tensorboard:
+        check_tensorboard()  # before anything is written
+    created = not run_dir.exists()  # a refused new run leaves no directory behind
     lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
     try:
         _check_same_task(run_dir, cfg)
@@ -101,8 +106,12 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
         if env.is_main:  # only now: a refused run keeps its config and log
             save_config(cfg, run_dir / "config.yaml")
             log.start_writing()
+            if cfg.train.tensorboard:
+                log.add_sink(tensorboard_sink(run_dir))
     except BaseException:
         if lock is not None:
+            if created:  # still locked: nobody else writes here
+                shutil.rmtree(run_dir, ignore_errors=True)
             lock.release()
         cleanup(env)
         raise

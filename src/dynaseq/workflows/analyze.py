@@ -29,6 +29,7 @@ from dynaseq.analysis.gates import (
     usage_by_step,
 )
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.progress import progress_bar
 from dynaseq.tasks.translation.predictor import (
     Budget,
     Translator,
@@ -146,7 +147,8 @@ def summarize(translator: Translator, stats: GateStats, budget: tuple[float, flo
 
 def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] | None = None,
             budgets: list[Budget] | None = None, beam: int = 1,
-            max_lines: int | None = None, bins: int = HISTOGRAM_BINS) -> dict[str, object]:
+            max_lines: int | None = None, bins: int = HISTOGRAM_BINS,
+            progress: bool = False) -> dict[str, object]:
     """Gate statistics of ``translator``'s CCT model at each budget (paper fig. 9-13).
 
     src_lines / ref_lines: raw sentences (the first ``max_lines``; empty sources skipped);
@@ -161,6 +163,7 @@ def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] |
     ``encoder`` and ``decoder`` (fig. 9 ``histogram``, fig. 10 ``by_rank`` buckets and
     ``by_subword`` means), ``layers`` (fig. 11: sub-layer -> gate -> activation rate) and
     ``by_step`` (fig. 12-13: q-gate rate per decoding step, per layer and averaged).
+    ``progress``: a bar of budgets on a terminal.
     """
     pairs = budget_pairs(translator, budgets)
     if ref_lines is not None and len(ref_lines) != len(src_lines):
@@ -171,12 +174,15 @@ def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] |
         ref_lines = None if ref_lines is None else ref_lines[:max_lines]
     src, ref = encode_pairs(translator, src_lines, ref_lines)
     records = []
-    for budget in pairs:
-        with translator.at_budget(budget) as control:  # with its calibration, if any
-            tgt = ref if ref is not None else translate_ids(translator, src, control, beam)
-            stats = collect_gate_stats(translator.model, (
-                pair_tensors(translator, s, t) for s, t in zip(src, tgt, strict=True)), control)
-        records.append(summarize(translator, stats, budget, bins))
+    with progress_bar(len(pairs), "budget", "analyze", progress) as bar:
+        for budget in pairs:
+            with translator.at_budget(budget) as control:  # with its calibration, if any
+                tgt = ref if ref is not None else translate_ids(translator, src, control, beam)
+                stats = collect_gate_stats(translator.model, (
+                    pair_tensors(translator, s, t) for s, t in zip(src, tgt, strict=True)),
+                    control)
+            records.append(summarize(translator, stats, budget, bins))
+            bar.update(1)
     return {
         "checkpoint": str(translator.checkpoint),
         "target": "reference" if ref is not None else "hypothesis",

@@ -18,18 +18,13 @@ from typing import Any
 import torch
 
 from dynaseq.analysis.gates import sentence_traces, token_compute
-from dynaseq.core.config import (
-    CCTConfig,
-    DataConfig,
-    DecodeConfig,
-    ModelConfig,
-    RunConfig,
-    TrainConfig,
-)
+from dynaseq.core.config import TrainConfig
 from dynaseq.core.run_lock import clear_run_dir
 from dynaseq.data import hard_token_mask, read_lines, write_task
 from dynaseq.metrics.profile import count_params
+from dynaseq.tasks.translation.config import DataConfig, DecodeConfig, ModelConfig, RunConfig
 from dynaseq.tasks.translation.predictor import Translator, bleu
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.train.loop import train
 
 DEMO_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]

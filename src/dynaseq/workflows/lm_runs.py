@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -54,12 +53,14 @@ from dynaseq.compress.prune import (
 )
 from dynaseq.compress.qat import check_bits, check_representable, convert_qat_
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import LMCacheConfig, LMDistillConfig, save_config, to_dict
+from dynaseq.core.config import save_config, to_dict
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.rundir import check_new_run_dir
+from dynaseq.core.progress import progress_bar
+from dynaseq.core.rundir import check_new_run_dir, writing_new_dir
 from dynaseq.data.lm_corpus import VOCAB_FILE
 from dynaseq.models.lm import TransformerLM
 from dynaseq.nn.neural_cache import NeuralCache, local_search
+from dynaseq.tasks.lm.config import LMCacheConfig, LMDistillConfig
 from dynaseq.tasks.lm.predictor import (
     DEFAULT_CACHE,
     LanguageModel,
@@ -75,19 +76,11 @@ QAT_VALIDATIONS = 6  # validations during QAT fine-tuning; the best (or none) is
 
 @contextmanager
 def new_run_dir(run_dir: Path, out_dir: Path) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``out_dir`` when the block succeeds."""
+    """Yield a temporary directory that becomes ``out_dir`` when the block succeeds
+    (``out_dir`` checked first: it must be new or empty, and outside ``run_dir``)."""
     check_new_run_dir(run_dir, out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with writing_new_dir(out_dir) as tmp:
         yield tmp
-        if out_dir.exists():  # an empty directory (checked above)
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_run(tmp: Path, out_dir: Path, lm: LanguageModel, model: TransformerLM,
@@ -237,7 +230,15 @@ def prune_lm_run(run_dir: str | Path, out_dir: str | Path, sparsity: float, step
         sens = load_sensitivity(sensitivity, model)
         grid = sorted({s for c in sens.curves.values() for s, _ in c if s > 0})
     else:  # at sparsity 0 (a dense control) every target is 0 whatever the curves
-        sens = sensitivity_analysis(model, evaluate, grid if target > 0 else [], names)
+        sweep = grid if target > 0 else []
+        n_evals = 1 + len(names) * len([s for s in sweep if s > 0])
+        with progress_bar(n_evals, "eval", "sensitivity", progress) as bar:
+            def counted() -> float:
+                ppl = evaluate()
+                bar.update(1)
+                return ppl
+
+            sens = sensitivity_analysis(model, counted, sweep, names)
     plan = thresholds_for_target(sens.curves, sens.sizes, target)
     with new_run_dir(run, out) as tmp:
         end = steps * 3 // 4
@@ -351,13 +352,15 @@ def qat_lm_run(run_dir: str | Path, out_dir: str | Path, bits: int, steps: int =
 def cache_search_run(run_dir: str | Path, out_dir: str | Path,
                      cache_sizes: Sequence[int] = (), max_evals: int = 40,
                      valid_tokens: int | None = None, checkpoint: str = "auto",
-                     device: str = "auto", n_cache: int | None = None) -> dict[str, Any]:
+                     device: str = "auto", n_cache: int | None = None,
+                     progress: bool = False) -> dict[str, Any]:
     """Local search over θ, λ (then each of ``cache_sizes``) minimising the cache perplexity
     on the first ``valid_tokens`` validation tokens (all when None), starting from the
     run's cache (or :data:`DEFAULT_CACHE`), at cache size ``n_cache`` when given (e.g. a
     small cache that keeps the extra ops low) instead of the run's. The model's states are computed once; each
     evaluation only reruns the cache. The new run's ``model.cache`` holds the best values
-    (``train`` kept, false for a run that had no cache). Returns ``cache_search.json``."""
+    (``train`` kept, false for a run that had no cache). ``progress``: bars of validation
+    windows and of evaluations on a terminal. Returns ``cache_search.json``."""
     if max_evals < 1:
         raise DynaseqError(f"--max-evals must be >= 1, got {max_evals}")
     for n in [*cache_sizes, *([] if n_cache is None else [n_cache])]:
@@ -374,7 +377,9 @@ def cache_search_run(run_dir: str | Path, out_dir: str | Path,
         return logp
 
     plain = evaluate_stream(model, lm.ids("valid"), cfg.data.eval_batch_size,
-                            cfg.model.extended_context, lm.device, valid_tokens, keep)
+                            cfg.model.extended_context, lm.device, valid_tokens, keep,
+                            progress)
+    bar = progress_bar(max_evals + 1, "eval", "cache-search", progress)
 
     @torch.no_grad()
     def cache_ppl(theta: float, lam: float, n_cache: int) -> float:
@@ -382,6 +387,7 @@ def cache_search_run(run_dir: str | Path, out_dir: str | Path,
         for h, lp, y in windows:
             mixed, memory = cache.target_log_prob(lp, h, y, memory)
             nll -= float(mixed.double().sum())
+        bar.update(1)
         return math.exp(nll / plain["tokens"])
 
     start = cfg.model.cache or DEFAULT_CACHE
@@ -391,8 +397,9 @@ def cache_search_run(run_dir: str | Path, out_dir: str | Path,
     if n_cache is not None:
         start = replace(start, n_cache=n_cache)
     before = cache_ppl(start.theta, start.lam, start.n_cache)
-    found = local_search(cache_ppl, start.theta, start.lam, start.n_cache,
-                         cache_sizes=list(cache_sizes), max_evals=max_evals)
+    with bar:
+        found = local_search(cache_ppl, start.theta, start.lam, start.n_cache,
+                             cache_sizes=list(cache_sizes), max_evals=max_evals)
     best = LMCacheConfig(found.n_cache, found.theta, found.lam, start.train)
     if found.score > before:  # never worse than where it started
         best = start

@@ -4,14 +4,13 @@ its int8 version (:func:`dynaseq.compress.int8.quantize_int8`)."""
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynaseq.compress.int8 import WEIGHTS, is_int8, quantize_int8, save_int8
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.rundir import check_new_run_dir, dir_size
+from dynaseq.core.rundir import check_new_run_dir, dir_size, writing_new_dir
 
 
 @dataclass
@@ -59,12 +58,7 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
         rel = ckpt.resolve().relative_to(run.resolve())
     except ValueError:
         rel = Path("best")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir()
+    with writing_new_dir(out) as tmp:
         cfg = copy.deepcopy(t.config)
         cfg.run_dir = str(out)
         save_config(cfg, tmp / "config.yaml")
@@ -74,15 +68,5 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
         meta = {k: v for k, v in read_meta(ckpt).items() if k in ("step", "averaged", "valid")}
         meta.update(source_run=str(run), source_checkpoint=str(ckpt))
         save_int8(qmodel, tmp / rel, meta)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if out.exists():  # an empty directory: rename replaces it
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return QuantizeReport(run, out, ckpt, dir_size(ckpt / WEIGHTS), dir_size(out / rel / WEIGHTS),
                           dir_size(run), dir_size(out))

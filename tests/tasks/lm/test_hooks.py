@@ -11,11 +11,12 @@ import torch
 from dynaseq.cli import main
 from dynaseq.compress.lm_distill import dump_lm_teacher, open_teacher_topk
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import LMCacheConfig, LMHebbianConfig, LMModelConfig, save_config
+from dynaseq.core.config import save_config
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data.lm_corpus import StreamBatches
-from dynaseq.models.lm import build_lm
+from dynaseq.tasks.lm.config import LMCacheConfig, LMHebbianConfig, LMModelConfig
 from dynaseq.tasks.lm.hooks import ConfigLoss, hebbian_after_step
+from dynaseq.tasks.lm.model import build_lm
 from dynaseq.tasks.lm.predictor import LanguageModel, cache_adjust, evaluate_stream
 from dynaseq.tasks.lm.task import lm_loss
 from dynaseq.train.loop import setup, train

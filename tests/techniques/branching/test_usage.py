@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynaseq.core.config import DMBConfig, ModelConfig, MoEConfig
-from dynaseq.models import build_seq2seq
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import Router
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.branching.usage import branch_usage, collapsed
 
 V, PAD = 60, 0

@@ -1,31 +1,12 @@
-"""Fixtures for the CCT tests: steering control networks to a chosen gate pattern; a tiny
-trained CCT run."""
+"""Fixtures for the CCT tests: steering control networks to a chosen gate pattern (the tiny
+trained CCT run, ``cct_run``, is in ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dynaseq.core.config import CCTConfig
 from dynaseq.techniques.cct.layers import ControlNet
-from dynaseq.train.loop import train
-
-from helpers import micro_config
-
-BUDGETS = [(1.0, 1.0), (0.5, 0.5), (1.0, 0.33)]
-
-
-@pytest.fixture(scope="session")
-def cct_run(tmp_path_factory, synthetic_paths):
-    """A CCT trained 8 updates on the synthetic task with :data:`BUDGETS` (do not write into
-    its directory: tests share it; copy it first)."""
-    run = tmp_path_factory.mktemp("cct") / "run"
-    cfg = micro_config(run, synthetic_paths, max_steps=8, log_every=1, valid_every=8,
-                       save_every=8, valid_bleu_lines=4)
-    cfg.model.cct = CCTConfig(ffn_pieces=2, control_hidden=8, noise_ramp_steps=4,
-                              budgets=BUDGETS)
-    result = train(cfg, progress=False)
-    return run, result
 
 
 def _steer(control: ControlNet, features: list[int], scale: float = 1000.0) -> None:

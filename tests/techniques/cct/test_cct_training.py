@@ -8,11 +8,16 @@ import pytest
 import torch
 
 import dynaseq
-from dynaseq.core.config import CCTConfig
 from dynaseq.core.errors import DynaseqError
 from dynaseq.tasks.translation.predictor import control_for_budget
+from dynaseq.techniques.cct.config import CCTConfig
 
-from helpers import run_cli
+from helpers import (
+    assert_ddp_matches_one_process,
+    micro_config,
+    run_cli,
+    train_one_and_two_processes,
+)
 
 
 def test_training_logs_a_budget_loss(cct_run):
@@ -40,7 +45,8 @@ def test_budgeted_translation_and_refusals(cct_run, synthetic_paths):
 
 
 def test_control_for_budget_rules():
-    from dynaseq.core.config import DMBConfig, ModelConfig, MoEConfig
+    from dynaseq.tasks.translation.config import ModelConfig
+    from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 
     cfg = ModelConfig(cct=CCTConfig(budgets=[(0.5, 0.5), (1.0, 1.0), (1.0, 1.0)]))
     assert control_for_budget(cfg) == 1  # the largest, first of equals
@@ -115,7 +121,7 @@ def test_control_sampling_follows_the_list_and_the_curriculum():
     half = torch.cat([_sample_controls(ids, 500, 0, s, 0, share=0.5) for s in range(20)])
     assert abs(float((half == 0).float().mean()) - 0.75) < 0.02  # 0.5 + 0.5 * 0.5
     # a dense model has no technique plug-in, so its batches carry no control ids
-    from dynaseq.core.config import RunConfig
+    from dynaseq.tasks.translation.config import RunConfig
     from dynaseq.tasks.translation.task import TranslationTask
 
     dense = RunConfig()
@@ -129,8 +135,8 @@ def test_output_norms_and_control_init_std_shape_the_built_model():
     = soft". ``control_init_std`` sets the control embeddings' init scale."""
     from torch import nn
 
-    from dynaseq.core.config import ModelConfig
-    from dynaseq.models import build_seq2seq
+    from dynaseq.tasks.translation.config import ModelConfig
+    from dynaseq.tasks.translation.model import build_seq2seq
     from dynaseq.techniques.cct.layers import force_gates
 
     def build(**cct):
@@ -157,3 +163,21 @@ def test_output_norms_and_control_init_std_shape_the_built_model():
     torch.testing.assert_close(hard, soft)
     with pytest.raises(DynaseqError, match="control_init_std must be >= 0"):
         CCTConfig(control_init_std=-1.0)
+
+
+def test_two_process_ddp_trains_a_cct_as_one_process(tmp_path, synthetic_paths):
+    """torchrun, 2 CPU processes (gloo): a CCT logs the same loss, NLL and budget loss at every
+    update (within 1e-6) and ends with the same weights (within 1e-3·lr) as one process. The
+    budget loss is a batch statistic (eq. 5-7): its sums run over both ranks' rows
+    (``sum_over_ranks``), so its value and gradient are the whole batch's, as in one process.
+    Dropout and gate noise are off: their random draws differ by rank."""
+    kw = {"max_steps": 6, "log_every": 1, "valid_every": 1000, "save_every": 1000}
+    single = micro_config(tmp_path / "single", synthetic_paths, **kw)
+    double = micro_config(tmp_path / "ddp", synthetic_paths, **kw)
+    for cfg in (single, double):
+        cfg.model.dropout = 0.0
+        cfg.model.cct = CCTConfig(ffn_pieces=2, control_hidden=8, alpha_max=0.0,
+                                  budgets=[(1.0, 1.0), (0.5, 0.5), (0.33, 0.33)])
+    one, two = train_one_and_two_processes(single, double)
+    assert_ddp_matches_one_process(one, two, 6, single.train.lr,
+                                   ("loss", "nll", "budget_loss"))

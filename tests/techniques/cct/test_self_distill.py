@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dynaseq.core.config import CCTConfig
 from dynaseq.core.errors import ConfigError
 from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.techniques.cct.self_distill import inplace_distill_term, soft_target_loss
 from dynaseq.train.loop import train
 

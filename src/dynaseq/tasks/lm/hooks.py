@@ -4,8 +4,9 @@ distillation and the Hebbian softmax (MicroNet §3.5, §4.1, A.1).
 - ``model.cache`` with ``train: true``: the loss is the NLL of the cache mixture
   (1−λ)·P_model + λ·P_cache, so θ and λ (``model.cache``'s parameters, saved in the
   checkpoints) and the hidden states get gradients. The :class:`CacheMemory` is carried from
-  one window to the next (detached) and reset when the streams restart (window 0 of an
-  epoch, and after a resume, where training restarts from an empty cache).
+  one window to the next (detached), reset when the streams restart (window 0 of an epoch)
+  and saved with each checkpoint (:meth:`ConfigLoss.trainer_state`), so a resumed run reads
+  the same cache as the run that was never stopped.
 - ``train.distill``: (1−λ_t)·L_hard + λ_t·L_soft with the teacher's top-k rows of the
   window (see :mod:`dynaseq.compress.lm_distill` for the order contract), λ_t annealed
   over ``train.max_steps``; the student's log-probabilities are computed only at the target
@@ -20,14 +21,17 @@ go to the log as ``nll_cache``, ``distill_lambda``, ``soft``, ``cache_theta``, `
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from dynaseq.compress.distill import AnnealedLambda, TeacherTopK, distill_loss
-from dynaseq.core.config import LMRunConfig
 from dynaseq.data.lm_corpus import StreamBatches, Vocab
 from dynaseq.models.lm import LMOutput, TransformerLM
 from dynaseq.nn.hebbian import adaptive_hebbian_update_
+from dynaseq.nn.neural_cache import CacheMemory
+from dynaseq.tasks.lm.config import LMRunConfig
 from dynaseq.tasks.lm.task import LMHooks, lm_loss
 from dynaseq.tasks.protocol import LossTerms
 
@@ -47,7 +51,19 @@ class ConfigLoss:
                  teacher: TeacherTopK | None = None, lam: AnnealedLambda | None = None) -> None:
         self.n_windows, self.window_len, self.train_cache = n_windows, window_len, train_cache
         self.teacher, self.lam = teacher, lam
-        self.memory = None
+        self.memory: CacheMemory | None = None
+
+    def trainer_state(self) -> dict[str, Any]:
+        """The carried cache memory, saved with each checkpoint (exact resume): its hidden
+        states (B, M, d), next words (B, M) and validity mask (B, M), on the CPU."""
+        m = self.memory
+        return {} if m is None else {"cache_memory": [m.hidden.cpu(), m.targets.cpu(),
+                                                       m.valid.cpu()]}
+
+    def load_trainer_state(self, state: dict[str, Any], device: torch.device) -> None:
+        """Restore what :meth:`trainer_state` saved (no memory when it saved none)."""
+        saved = state.get("cache_memory")
+        self.memory = CacheMemory(*(t.to(device) for t in saved)) if saved else None
 
     def _mix(self, model: TransformerLM, logp: Tensor, out: LMOutput, targets: Tensor) -> Tensor:
         """(N,) target log-probs -> the cache mixture's (N,), carrying the memory."""

@@ -23,19 +23,22 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import LMCacheConfig, LMRunConfig, read_yaml
+from dynaseq.core.config import read_yaml
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
-from dynaseq.models.lm import LMState, TransformerLM, build_lm
+from dynaseq.models.lm import LMState, TransformerLM
 from dynaseq.nn.neural_cache import NeuralCache
+from dynaseq.tasks.lm.config import TASK, LMCacheConfig, LMRunConfig
+from dynaseq.tasks.lm.model import build_lm
 
 if TYPE_CHECKING:
     from dynaseq.compress.qat import QATConfig
@@ -93,9 +96,10 @@ def is_lm_run(run_dir: str | Path) -> bool:
 @torch.no_grad()
 def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: int,
                     device: torch.device | str = "cpu", max_tokens: int | None = None,
-                    adjust: Adjust | None = None) -> dict[str, float]:
+                    adjust: Adjust | None = None, progress: bool = False) -> dict[str, float]:
     """Perplexity of ``ids`` (N,) read as ``batch_size`` streams in consecutive windows,
-    carrying the per-layer state so every token sees its full context.
+    carrying the per-layer state so every token sees its full context (``progress``: a bar
+    of windows on a terminal).
 
     Returns ``{"loss": mean NLL (nats), "ppl": exp(loss), "tokens": n}`` and, with
     ``adjust``, also ``loss_adjusted`` / ``ppl_adjusted`` from the adjusted log-probs.
@@ -108,6 +112,7 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
     model.eval()
     state: LMState | None = None
     nll, nll_adj, n = 0.0, 0.0, 0
+    bar = progress_bar(len(batches), "win", "evaluate", progress)
     try:
         for x, y in batches:
             x, y = x.to(device), y.to(device)
@@ -119,7 +124,9 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
             if adjust is not None:
                 nll_adj -= float(adjust(h, logp, y).double().sum())
             n += y.numel()
+            bar.update(1)
     finally:
+        bar.close()
         model.train(was_training)
     result = {"loss": nll / n, "ppl": math.exp(nll / n), "tokens": n}
     if adjust is not None:
@@ -136,6 +143,9 @@ def _no_budget(budget: object) -> None:
 class LanguageModel:
     """A trained LM: model (eval mode), vocabulary, run config and checkpoint used."""
 
+    #: the run files an exported model carries besides config and weights (the vocabulary)
+    EXPORT_FILES: ClassVar[tuple[str, ...]] = (VOCAB_FILE,)
+
     model: TransformerLM
     vocab: Vocab
     config: LMRunConfig
@@ -145,15 +155,18 @@ class LanguageModel:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> LanguageModel:
-        run, cfg = open_run(run_dir, (LMRunConfig, "language-model"))
+        run, cfg = open_run(run_dir, {TASK: LMRunConfig}, "language-model")
         vocab = Vocab.load(run / VOCAB_FILE)
-        path = ckpt.resolve_checkpoint(run, checkpoint)
         dev = pick_device(device)
-        model = build_lm(cfg.model, len(vocab))
-        if cfg.model.qat_bits is not None:
-            apply_qat_structure(model, cfg.model.qat_bits)
-        ckpt.load_weights(model, path)
-        return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+
+        def from_checkpoint(path: Path) -> LanguageModel:
+            model = build_lm(cfg.model, len(vocab))
+            if cfg.model.qat_bits is not None:
+                apply_qat_structure(model, cfg.model.qat_bits)
+            ckpt.load_weights(model, path)
+            return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+
+        return ckpt.load_resolved(run, checkpoint, from_checkpoint)
 
     def split_path(self, split: str) -> str:
         path = getattr(self.config.data, split, None) if split in ("train", "valid",
@@ -170,7 +183,7 @@ class LanguageModel:
 
     def evaluate(self, split_or_path: str, batch_size: int | None = None,
                  max_tokens: int | None = None, adjust: Adjust | None = None,
-                 with_cache: bool = False, budget: None = None) -> dict:
+                 with_cache: bool = False, budget: None = None, progress: bool = False) -> dict:
         """Perplexity of a split of the run's config (``valid``/``test``) or a text file.
 
         ``budget``: the Predictor protocol's compute knob; a language model has none, so
@@ -178,7 +191,7 @@ class LanguageModel:
 
         ``with_cache`` adds ``ppl_cache``/``loss_cache`` (the run's cache, else
         :data:`DEFAULT_CACHE`) and ``cache`` (its n_cache, θ, λ and where they came from);
-        it replaces ``adjust``.
+        it replaces ``adjust``. ``progress``: a bar on a terminal.
         """
         _no_budget(budget)
         path = (self.split_path(split_or_path)
@@ -189,7 +202,7 @@ class LanguageModel:
         result = evaluate_stream(self.model, self.ids(split_or_path),
                                  batch_size or self.config.data.eval_batch_size,
                                  self.config.model.extended_context, self.device, max_tokens,
-                                 adjust)
+                                 adjust, progress)
         if cache is not None:
             result["loss_cache"] = result.pop("loss_adjusted")
             result["ppl_cache"] = result.pop("ppl_adjusted")

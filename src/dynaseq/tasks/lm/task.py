@@ -27,13 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dynaseq.core.config import LMRunConfig
 from dynaseq.core.distributed import DistEnv
 from dynaseq.core.errors import ConfigError
 from dynaseq.core.runlog import RunLog
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines
-from dynaseq.models.lm import LMOutput, LMState, TransformerLM, build_lm
+from dynaseq.models.lm import LMOutput, LMState, TransformerLM
 from dynaseq.nn.relative_attention import RelativeCache
+from dynaseq.tasks.lm.config import LMRunConfig
+from dynaseq.tasks.lm.model import build_lm
 from dynaseq.tasks.lm.predictor import evaluate_stream
 from dynaseq.tasks.protocol import LossTerms, Update
 
@@ -61,7 +62,10 @@ BeforeStep = Callable[[TransformerLM, int], None]
 class LMHooks:
     """Where distillation, the neural cache, the Hebbian softmax and pruning plug into
     training. ``loss(model, out, targets, step)``: ``step`` is the global update index; the
-    window index in the epoch is ``step % len(train)`` (both advance together)."""
+    window index in the epoch is ``step % len(train)`` (both advance together). A ``loss``
+    that carries state from one window to the next gives it to the checkpoints through
+    ``trainer_state() -> dict`` and ``load_trainer_state(state, device)`` methods (as
+    :class:`~dynaseq.tasks.lm.hooks.ConfigLoss` does), so resume stays exact."""
 
     loss: Callable[[TransformerLM, LMOutput, Tensor, int], LossTerms] = lm_loss
     after_step: list[AfterStep] = field(default_factory=list)
@@ -154,7 +158,14 @@ class LMTask:
         return -metrics["loss"] if "loss" in metrics else None
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"memory": _state_tensors(self.memory)}
+        """The carried per-layer state and, when the loss hook carries state of its own (a
+        trained cache's memory, :class:`~dynaseq.tasks.lm.hooks.ConfigLoss`), that state."""
+        state: dict[str, Any] = {"memory": _state_tensors(self.memory)}
+        if hasattr(self.hooks.loss, "trainer_state"):
+            state["loss_hook"] = self.hooks.loss.trainer_state()
+        return state
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.memory = _state_from(state.get("memory", []), self.device)
+        if hasattr(self.hooks.loss, "load_trainer_state"):
+            self.hooks.loss.load_trainer_state(state.get("loss_hook", {}), self.device)

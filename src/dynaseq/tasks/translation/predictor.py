@@ -21,21 +21,23 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import sacrebleu
 import torch
 from torch import nn
 
-from dynaseq.core.checkpoint import load_weights, read_meta, resolve_checkpoint
-from dynaseq.core.config import ModelConfig, RunConfig
+from dynaseq.core.checkpoint import load_resolved, load_weights, read_meta
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
-from dynaseq.models import build_seq2seq
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.cct.calibration import BudgetCalibration
 from dynaseq.techniques.cct.gating import BudgetControl
@@ -70,11 +72,11 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   length_penalty: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
                   batch_size: int = 64, min_len: int = 0,
                   device: torch.device | None = None,
-                  control: Control = None) -> list[list[int]]:
+                  control: Control = None, progress: bool = False) -> list[list[int]]:
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); a batch
-    may mix sentences at different budgets.
+    may mix sentences at different budgets. ``progress``: a bar of sentences on a terminal.
     """
     device = device or next(model.parameters()).device
     max_pos = model.encoder.positions.max_positions
@@ -82,6 +84,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     out: list[list[int]] = [[] for _ in src_ids]
     was_training = model.training
     model.eval()
+    bar = progress_bar(len(src_ids), "sent", "decode", progress)
     try:
         for start in range(0, len(order), batch_size):
             idx = order[start: start + batch_size]
@@ -95,7 +98,9 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                                    min_len, max_pos, rows)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
+            bar.update(len(idx))
     finally:
+        bar.close()
         model.train(was_training)
     return out
 
@@ -222,6 +227,9 @@ class Translator:
     never modified, so threads may translate at different budgets on one Translator.
     """
 
+    #: the run files an exported model carries besides config and weights (the tokenizer)
+    EXPORT_FILES: ClassVar[tuple[str, ...]] = ("spm.model", "spm.vocab")
+
     model: nn.Module
     tokenizer: Tokenizer
     config: RunConfig
@@ -293,36 +301,39 @@ class Translator:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> Translator:
-        run, cfg = open_run(run_dir, (RunConfig, "translation"))
-        ckpt = resolve_checkpoint(run, checkpoint)
-        meta = read_meta(ckpt)
+        run, cfg = open_run(run_dir, {TASK: RunConfig}, "translation")
         tok = Tokenizer.load(run / "spm.model")
         dev = pick_device(device)
-        model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
-        if meta.get("quantization") == "int8":  # written by `dynaseq quantize`
-            from dynaseq.compress.int8 import load_int8
 
-            if dev.type != "cpu" and device != "auto":
-                raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
-            return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
+        def from_checkpoint(ckpt: Path) -> Translator:
+            meta = read_meta(ckpt)
+            model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+            if meta.get("quantization") == "int8":  # written by `dynaseq quantize`
+                from dynaseq.compress.int8 import load_int8
+
+                if dev.type != "cpu" and device != "auto":
+                    raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
+                return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
+                           read_calibration(run, ckpt, model.n_controls))
+            load_weights(model, ckpt)
+            # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
+            # folds θ_S into every branch (same outputs, no shared parameters left to add)
+            merge_shared_(model)
+            return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
                        read_calibration(run, ckpt, model.n_controls))
-        load_weights(model, ckpt)
-        # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
-        # folds θ_S into every branch (same outputs, no shared parameters left to add)
-        merge_shared_(model)
-        return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
-                   read_calibration(run, ckpt, model.n_controls))
+
+        return load_resolved(run, checkpoint, from_checkpoint)
 
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,
                   max_len_a: float | None = None, max_len_b: int | None = None,
-                  budget: Budgets = None) -> list[str]:
+                  budget: Budgets = None, progress: bool = False) -> list[str]:
         """Translate raw sentences; returns detokenized sentences in the same order.
 
         An empty (or all-whitespace) line translates to an empty line. ``budget`` (CCT
         models): a trained or calibrated compute budget, ``0.33`` or ``(1.0, 0.33)``,
         default the largest; or a list with one budget per line (``[1.0, 0.5, (1.0, 0.33)]``),
-        the lines batched together whatever their budgets.
+        the lines batched together whatever their budgets. ``progress``: a bar on a terminal.
         """
         d = self.config.decode
         control = self.control_for(budget, len(lines))
@@ -335,7 +346,8 @@ class Translator:
             length_penalty=d.length_penalty if length_penalty is None else length_penalty,
             max_len_a=d.max_len_a if max_len_a is None else max_len_a,
             max_len_b=d.max_len_b if max_len_b is None else max_len_b,
-            batch_size=batch_size or d.batch_size, device=self.device, control=control)
+            batch_size=batch_size or d.batch_size, device=self.device, control=control,
+            progress=progress)
         out = [""] * len(lines)
         for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
             out[i] = text
@@ -443,8 +455,8 @@ class Translator:
                           for i in range(len(corpus)))]
 
     def calibrate(self, src: list[str], ref: list[str],
-                  budgets: list[Budget] | None = None, tol: float = 0.005
-                  ) -> list[BudgetCalibration]:
+                  budgets: list[Budget] | None = None, tol: float = 0.005,
+                  progress: bool = False) -> list[BudgetCalibration]:
         """Fit gate offsets so each budget's realized compute on these held-out pairs meets
         it (:func:`~dynaseq.techniques.cct.calibration.calibrate_budget`), keep them on this
         translator, and return them. ``budgets``: default every trained budget; an
@@ -466,8 +478,13 @@ class Translator:
             if not all(0 < b <= 1 for b in pair):
                 raise DynaseqError(f"a budget is a fraction in (0, 1], got {pair}")
         # a trained budget is its own nearest (distance 0): it keeps its control symbol
-        fitted = [calibrate_budget(self.model, pairs, nearest_control(cct.controls, pair), pair,
-                                   tol=tol) for pair in targets]
+        fitted = []
+        with progress_bar(len(targets), "budget", "calibrate", progress) as bar:
+            for pair in targets:
+                fitted.append(calibrate_budget(self.model, pairs,
+                                               nearest_control(cct.controls, pair), pair,
+                                               tol=tol))
+                bar.update(1)
         kept = [c for c in self.calibrations
                 if not any(same_budget(c.budget, f.budget) for f in fitted)]
         self.calibrations = kept + fitted

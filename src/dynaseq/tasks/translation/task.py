@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core.config import ModelConfig, RunConfig, TrainConfig
+from dynaseq.core.config import TrainConfig
 from dynaseq.core.distributed import DistEnv, barrier
 from dynaseq.core.errors import ConfigError
 from dynaseq.core.runlog import RunLog
@@ -36,9 +36,10 @@ from dynaseq.data import (
     read_parallel,
     token_batches,
 )
-from dynaseq.models import build_seq2seq
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.tasks.protocol import LossTerms, Update
+from dynaseq.tasks.translation.config import RunConfig
+from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.tasks.translation.predictor import (
     bleu,
     control_for_budget,
@@ -61,11 +62,12 @@ class TechniqueTraining(Protocol):
              ) -> tuple[Tensor, dict[str, float]]: ...
 
 
-#: ``model.<section>`` -> the technique's training plug-in, built when the section is set.
-TECHNIQUE_TRAINING: dict[str, Callable[[ModelConfig, TrainConfig], TechniqueTraining]] = {
+#: ``model.<section>`` -> the technique's training plug-in, built from that section and the
+#: training settings when the section is set.
+TECHNIQUE_TRAINING: dict[str, Callable[[Any, TrainConfig], TechniqueTraining]] = {
     "cct": CCTTraining.from_config,
-    "dmb": RoutingTraining.from_config,
-    "moe": RoutingTraining.from_config,
+    "dmb": RoutingTraining.for_dmb,
+    "moe": RoutingTraining.for_moe,
 }
 
 
@@ -90,7 +92,7 @@ class TranslationTask:
                 raise ConfigError(f"data.{name} is required for training")
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.techniques = [make(cfg.model, cfg.train) for name, make in
+        self.techniques = [make(getattr(cfg.model, name), cfg.train) for name, make in
                            TECHNIQUE_TRAINING.items() if getattr(cfg.model, name) is not None]
         self.model: nn.Module | None = None
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from dynaseq.core.config import ModelConfig
 from dynaseq.nn import dense_attention
-from dynaseq.nn.layers import Sublayers
+from dynaseq.nn.layers import Sublayers, TransformerDims
 from dynaseq.techniques.branching import (
     dmb_attention,
     dmb_feedforward,
@@ -16,18 +15,18 @@ from dynaseq.techniques.branching import (
     moe_feedforward,
     name_branching_sublayers,
 )
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 
 
-def _attention_or_dense(cfg: ModelConfig, branched, with_attention: bool):
+def _attention_or_dense(cfg: TransformerDims, branched, with_attention: bool):
     if with_attention:
         return branched
     return lambda: dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
 
 
-def dmb_sublayers(cfg: ModelConfig) -> Sublayers:
-    """N-branch FFNs (and attention projections) for ``cfg`` (its ``dmb`` section set)."""
-    dmb, d = cfg.dmb, cfg.d_model
-    assert dmb is not None
+def dmb_sublayers(dmb: DMBConfig, cfg: TransformerDims) -> Sublayers:
+    """N-branch FFNs (and attention projections) of a model of dimensions ``cfg``."""
+    d = cfg.d_model
 
     def attention() -> nn.Module:
         return dmb_attention(d, cfg.n_heads, dmb.n_branches, cfg.attention_dropout,
@@ -41,10 +40,9 @@ def dmb_sublayers(cfg: ModelConfig) -> Sublayers:
                      finish=name_branching_sublayers)
 
 
-def moe_sublayers(cfg: ModelConfig) -> Sublayers:
-    """Top-k expert FFNs (and attention projections) for ``cfg`` (its ``moe`` section set)."""
-    moe, d = cfg.moe, cfg.d_model
-    assert moe is not None
+def moe_sublayers(moe: MoEConfig, cfg: TransformerDims) -> Sublayers:
+    """Top-k expert FFNs (and attention projections) of a model of dimensions ``cfg``."""
+    d = cfg.d_model
 
     def attention() -> nn.Module:
         return moe_attention(d, cfg.n_heads, moe.n_experts, moe.k, cfg.attention_dropout)

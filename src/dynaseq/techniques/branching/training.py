@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from dynaseq.core.config import ModelConfig, TrainConfig
+from dynaseq.core.config import TrainConfig
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.branching.losses import seq2seq_routing_loss
 
 
@@ -23,13 +24,14 @@ class RoutingTraining:
     entropy: bool
 
     @classmethod
-    def from_config(cls, model: ModelConfig, train: TrainConfig) -> RoutingTraining:
-        routing = model.dmb or model.moe
-        assert routing is not None
-        dmb = model.dmb
-        return cls(routing.aux_weight,
-                   1.0 if dmb is None else dmb.diversity_weight if dmb.diversity else 0.0,
-                   dmb is None or dmb.entropy)
+    def for_dmb(cls, dmb: DMBConfig, train: TrainConfig) -> RoutingTraining:
+        """Diversity (weighted, or off) and entropy terms as ``dmb`` says (eq. 19-20, 31)."""
+        return cls(dmb.aux_weight, dmb.diversity_weight if dmb.diversity else 0.0, dmb.entropy)
+
+    @classmethod
+    def for_moe(cls, moe: MoEConfig, train: TrainConfig) -> RoutingTraining:
+        """The MoE baseline's importance + load losses, both terms on."""
+        return cls(moe.aux_weight, 1.0, True)
 
     def before_update(self, model: nn.Module, step: int) -> None:
         pass

@@ -13,14 +13,16 @@ sequences of task i, their non-padding tokens t, and the gates of sub-network j:
     loss        = λ · Σ_{i,j} L_ij     over the (i, j) present in the batch   (eq. 8-9)
 
 The loss is two-sided (it also penalizes using less than the budget, as the paper does)
-and batch-level per task (sequences of one task may trade compute among themselves).
+and batch-level per task (sequences of one task may trade compute among themselves). Under
+DDP the batch is the rows of all ranks: ``reduce`` sums C_util and C_total over the ranks
+before eq. 7, so N processes compute the loss of the one-process batch.
 Padding tokens count neither in C_total nor in C_util. The attention products are charged
 to the query gate at their dense size (the keys the query may attend to).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +58,17 @@ class BudgetLoss:
 
 
 def budget_loss(terms: Sequence[BudgetTerm], group: Tensor, budgets: Tensor,
-                weight: float = 1.0) -> BudgetLoss:
+                weight: float = 1.0,
+                reduce: Callable[[Tensor], Tensor] | None = None) -> BudgetLoss:
     """The multi-task budget loss of eq. 5-9 (see the module docstring for the formula).
 
     terms: the gates of the batch (see :func:`budget_terms` for gate traces).
     group: ``(B,)`` long, the control task of each sequence, in ``[0, N)``.
     budgets: ``(N, J)`` fractions in (0, 1]: budget of task i for sub-network j.
     weight: λ.
+    reduce: applied to the stacked ``(2, N, J)`` C_util and C_total of this batch before
+        eq. 7 (:func:`dynaseq.core.distributed.sum_over_ranks` under DDP: the whole batch's
+        sums, differentiably).
     """
     if budgets.dim() != 2:
         raise ValueError(f"budgets must be an (N tasks, J sub-networks) table, got shape "
@@ -95,6 +101,8 @@ def budget_loss(terms: Sequence[BudgetTerm], group: Tensor, budgets: Tensor,
         total[:, term.subnetwork] += cost.sum((1, 2))
     c_util = util.new_zeros(n_tasks, n_sub).index_add(0, group, util)  # (N, J)
     c_total = total.new_zeros(n_tasks, n_sub).index_add(0, group, total)
+    if reduce is not None:
+        c_util, c_total = reduce(torch.stack([c_util, c_total]))
     present = c_total > 0
     c_budget = budgets.to(dtype) * c_total
     per_task = torch.where(present, (c_budget - c_util).abs() / c_budget.where(present, 1.0),

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from dynaseq.core.config import ModelConfig
-from dynaseq.nn.layers import Sublayers
+from dynaseq.nn.layers import Sublayers, TransformerDims
 from dynaseq.techniques.cct.conditional_attention import conditional_attention
 from dynaseq.techniques.cct.conditional_ffn import conditional_feedforward
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.techniques.cct.gating import NoiseSchedule
 from dynaseq.techniques.cct.layers import name_conditional_sublayers
 
 
-def cct_sublayers(cfg: ModelConfig) -> Sublayers:
-    """Gated sub-layers for ``cfg`` (its ``cct`` section set); the control embedding
+def cct_sublayers(cct: CCTConfig, cfg: TransformerDims) -> Sublayers:
+    """Gated sub-layers of a model of dimensions ``cfg``; the control embedding
     ``(len(controls), d)`` is initialised N(0, ``control_init_std``²)."""
-    cct, d = cfg.cct, cfg.d_model
-    assert cct is not None
+    d = cfg.d_model
     schedule = NoiseSchedule(cct.alpha_max, cct.noise_ramp_steps)
     hard = cct.budget_estimate == "hard"
 

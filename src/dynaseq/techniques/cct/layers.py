@@ -25,7 +25,7 @@ Wiring a model (sketch)::
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -136,15 +136,18 @@ def realized_macs_by_row(aux: AuxOutputs) -> dict[str, Tensor]:
 
 
 def seq2seq_budget_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: int,
-                        control: Tensor, budgets: Tensor, weight: float) -> Tensor:
+                        control: Tensor, budgets: Tensor, weight: float,
+                        reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Budget loss (eq. 5-9) of one encoder-decoder forward pass.
 
     src (B, S), tgt_in (B, T): the batch (padding excluded from the costs); control (B,):
-    each sequence's control symbol; budgets (N, 2): (encoder, decoder) budget per symbol.
+    each sequence's control symbol; budgets (N, 2): (encoder, decoder) budget per symbol;
+    ``reduce``: see :func:`~dynaseq.techniques.cct.budget.budget_loss` (DDP).
     """
     src_valid, tgt_valid = src.ne(pad_id), tgt_in.ne(pad_id)
     valid = {"encoder": src_valid, "decoder": tgt_valid, "decoder.memory": src_valid}
-    return budget_loss(budget_terms(gate_traces(aux), valid), control, budgets, weight).loss
+    return budget_loss(budget_terms(gate_traces(aux), valid), control, budgets, weight,
+                       reduce).loss
 
 
 @torch.no_grad()

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core.config import CCTConfig, ModelConfig, TrainConfig
+from dynaseq.core.config import TrainConfig
+from dynaseq.core.distributed import sum_over_ranks
+from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.techniques.cct.gating import set_gate_step
 from dynaseq.techniques.cct.layers import seq2seq_budget_loss
 from dynaseq.techniques.cct.self_distill import inplace_distill_term
@@ -52,9 +54,8 @@ class CCTTraining:
         self.budgets = torch.tensor(self.cct.controls, dtype=torch.float32)
 
     @classmethod
-    def from_config(cls, model: ModelConfig, train: TrainConfig) -> CCTTraining:
-        assert model.cct is not None
-        return cls(model.cct, train.seed, train.label_smoothing)
+    def from_config(cls, cct: CCTConfig, train: TrainConfig) -> CCTTraining:
+        return cls(cct, train.seed, train.label_smoothing)
 
     def before_update(self, model: nn.Module, step: int) -> None:
         set_gate_step(model, step)
@@ -68,7 +69,10 @@ class CCTTraining:
         """What to add to the micro-batch's summed loss, and its per-token-sum logs.
 
         The budget loss is a per-batch mean, weighted by tokens so that the loop's division by
-        all tokens of the update averages it (logged without λ as ``budget_loss``).
+        all tokens of the update averages it (logged without λ as ``budget_loss``). Under DDP
+        its batch sums cover the micro-batch's rows on every rank
+        (:func:`~dynaseq.core.distributed.sum_over_ranks`), so its value and gradient are the
+        one-process run's.
         """
         assert control is not None
         budgets = self.budgets.to(src.device)
@@ -77,6 +81,7 @@ class CCTTraining:
             extra = extra + inplace_distill_term(
                 model, src, tgt_in, tgt_out, control, out.logits, self.cct.largest_control,
                 self.cct.distill_weight, self.label_smoothing, pad_id)
-        blo = seq2seq_budget_loss(out.aux, src, tgt_in, pad_id, control, budgets, 1.0)
+        blo = seq2seq_budget_loss(out.aux, src, tgt_in, pad_id, control, budgets, 1.0,
+                                  sum_over_ranks)
         extra = extra + self.cct.budget_weight * blo * n_tokens
         return extra, {"budget_loss": float(blo.detach()) * n_tokens}

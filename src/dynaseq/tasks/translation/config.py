@@ -1,0 +1,136 @@
+"""A translation run's config: the seq2seq model (with at most one technique section), the
+parallel data, the training and the decoding settings; saved as ``config.yaml``.
+
+Example::
+
+    cfg = load_config("configs/multi30k_small.yaml", ["train.max_steps=100"])  # tasks.registry
+    cfg.model.d_model, cfg.model.cct  # 256, CCTConfig(...) or None
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from dynaseq.core.config import TrainConfig, check_fraction, check_positive
+from dynaseq.core.errors import ConfigError
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
+from dynaseq.techniques.cct.config import CCTConfig
+
+#: The ``task:`` of a translation config (the default when a config names none).
+TASK = "seq2seq"
+
+#: Named model sizes. ``tiny`` and ``small`` are the DMB paper's on-device settings.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 128, "ffn_dim": 512, "n_heads": 4},
+    "small": {"d_model": 256, "ffn_dim": 1024, "n_heads": 4},
+    "base": {"d_model": 512, "ffn_dim": 2048, "n_heads": 8},
+    "big": {"d_model": 1024, "ffn_dim": 4096, "n_heads": 16},  # Vaswani et al. (2017) big
+}
+
+
+@dataclass
+class ModelConfig:
+    """Dense pre-LayerNorm Transformer encoder-decoder.
+
+    ``size`` picks a named preset (``tiny``/``small``/``base``/``big``) whose values fill every
+    dimension (``d_model``, ``ffn_dim``, ``n_heads``) the config does not set itself, from
+    YAML and from Python alike: ``ModelConfig(size="base")`` is a base model, and
+    ``ModelConfig(size="small", ffn_dim=128)`` a small one with a narrower FFN. Without a
+    size the unset dimensions are ``tiny``'s. At most one of ``cct`` (conditional computation),
+    ``dmb`` (dynamic multi-branch layers) and ``moe`` (its mixture-of-experts baseline) is set.
+    """
+
+    size: str | None = None
+    d_model: int | None = None  # None: the size's (or tiny's) value
+    ffn_dim: int | None = None
+    n_heads: int | None = None
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    share_embeddings: bool = True
+    tie_output: bool = True
+    max_positions: int = 1024
+    cct: CCTConfig | None = None
+    dmb: DMBConfig | None = None
+    moe: MoEConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.size is not None and self.size not in MODEL_SIZES:
+            raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
+        for name, value in MODEL_SIZES[self.size or "tiny"].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        chosen = [name for name in ("cct", "dmb", "moe") if getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ConfigError(f"{chosen[0]} and {chosen[1]} cannot be combined (a model takes "
+                              "at most one of cct, dmb and moe)")
+        if self.cct is not None and self.ffn_dim % self.cct.ffn_pieces:
+            raise ConfigError(f"ffn_dim={self.ffn_dim} is not divisible by "
+                              f"cct.ffn_pieces={self.cct.ffn_pieces}")
+        check_positive(self, "d_model", "ffn_dim", "n_heads", "encoder_layers",
+                        "decoder_layers", "max_positions")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        check_fraction(self, "dropout", "attention_dropout", "activation_dropout")
+
+
+@dataclass
+class DataConfig:
+    """Parallel text (one sentence per line, plain or .gz) and its SentencePiece model.
+    :attr:`PATHS` name the fields that are files (left out of an exported model)."""
+
+    PATHS: ClassVar[tuple[str, ...]] = ("train_src", "train_tgt", "valid_src", "valid_tgt")
+
+    train_src: str | None = None
+    train_tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    vocab_size: int = 8000
+    spm_model_type: str = "unigram"
+    character_coverage: float = 1.0
+    max_tokens: int = 4096
+    max_len: int = 256
+    long_lines: str = "skip"
+
+    def __post_init__(self) -> None:
+        check_positive(self, "vocab_size", "max_tokens", "max_len")
+        if self.vocab_size <= 4:
+            raise ConfigError(f"vocab_size must be > 4 (the special ids), got {self.vocab_size}")
+        if self.long_lines not in ("skip", "truncate"):
+            raise ConfigError(f"long_lines must be 'skip' or 'truncate', got {self.long_lines!r}")
+        if self.spm_model_type not in ("unigram", "bpe", "char", "word"):
+            raise ConfigError(f"unknown spm_model_type {self.spm_model_type!r}")
+        if not 0.0 < self.character_coverage <= 1.0:
+            raise ConfigError("character_coverage must be in (0, 1]")
+        if self.max_tokens < self.max_len + 1:
+            raise ConfigError(f"max_tokens={self.max_tokens} must be > max_len={self.max_len}")
+
+
+@dataclass
+class DecodeConfig:
+    """Search settings; output length is at most ``max_len_a * src_len + max_len_b``."""
+
+    beam: int = 4
+    length_penalty: float = 1.0
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        check_positive(self, "beam", "batch_size")
+        if self.max_len_a < 0 or self.max_len_b < 0:
+            raise ConfigError("max_len_a and max_len_b must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; saved as ``config.yaml`` in the run directory."""
+
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)

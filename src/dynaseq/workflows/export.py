@@ -1,0 +1,142 @@
+"""``dynaseq export RUN --out DIR``: a run directory -> a self-contained model directory.
+
+The model directory holds what inference needs and nothing of the machine it was trained on:
+
+- ``config.json``: ``{"format": "dynaseq-model", "version": 1, "config": {...}}``, the run
+  config with its model, decoding and data *settings* but no file paths (the data section's
+  :attr:`PATHS` fields are dropped, the ``train`` section and ``run_dir`` left at defaults);
+- ``model.safetensors`` and ``meta.json`` (the chosen checkpoint's weights, byte for byte,
+  its metadata and SHA-256): the directory is its own checkpoint;
+- the task's tokenizer or vocabulary files (the predictor's ``EXPORT_FILES``);
+- ``calibration.json`` when the run has one for that checkpoint (CCT budgets);
+- ``README.md``: a model card (task, model, data it was trained on, scores, budgets, how it
+  was trained).
+
+``dynaseq.load(DIR)`` and every command that reads a run directory read it the same way
+(:func:`dynaseq.core.rundir.open_run`, :func:`dynaseq.core.checkpoint.resolve_checkpoint`),
+for every run kind, with bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynaseq.core.checkpoint import WEIGHTS, read_meta, resolve_checkpoint, write_meta
+from dynaseq.core.config import to_dict
+from dynaseq.core.files import atomic_write
+from dynaseq.core.rundir import (
+    MODEL_CONFIG,
+    MODEL_FORMAT,
+    check_new_run_dir,
+    open_run,
+    writing_new_dir,
+)
+from dynaseq.metrics.profile import count_params
+from dynaseq.tasks.registry import PREDICTORS, RUN_CONFIGS, load
+from dynaseq.tasks.translation.predictor import CALIBRATION_FILE as CALIBRATION
+
+#: Version of the ``config.json`` layout.
+MODEL_VERSION = 1
+
+
+@dataclass
+class ExportReport:
+    run_dir: Path
+    out_dir: Path
+    checkpoint: Path
+    files: list[str]
+
+
+def portable_config(cfg: Any) -> dict[str, Any]:
+    """The run config as a mapping without training paths: ``run_dir`` and ``train`` dropped
+    (their defaults apply on load), and the data section's file fields (``PATHS``) removed."""
+    raw = to_dict(cfg)
+    raw.pop("run_dir", None)
+    raw.pop("train", None)
+    paths = getattr(type(cfg.data), "PATHS", ())
+    raw["data"] = {k: v for k, v in raw["data"].items() if k not in paths}
+    return raw
+
+
+def model_card(cfg: Any, meta: dict[str, Any], run: Path, ckpt: Path, n_params: int,
+               calibration: dict[str, Any] | None) -> str:
+    """The ``README.md`` of an exported model: what it is, what it was trained on, its
+    validation scores, its budgets and how it was trained."""
+    task = next(name for name, cls in RUN_CONFIGS.items() if isinstance(cfg, cls))
+    model = to_dict(cfg.model)
+    technique = next((k for k in ("cct", "dmb", "moe") if model.get(k)), None)
+    shape = {k: v for k, v in model.items() if not isinstance(v, (dict, list)) and v is not None}
+    data = {k: getattr(cfg.data, k) for k in getattr(type(cfg.data), "PATHS", ())
+            if getattr(cfg.data, k) is not None}
+    tc = cfg.train
+    lines = [f"# dynaseq model: {task}{f' ({technique})' if technique else ''}", "",
+             "Load it with `dynaseq.load(DIR)` or give `DIR` to any `dynaseq` command that "
+             "takes a run directory.", "",
+             "## Model", "", f"- task: `{task}`; parameters: {n_params:,}",
+             f"- dimensions: {', '.join(f'{k}={v}' for k, v in shape.items())}"]
+    if technique:
+        lines.append(f"- {technique}: `{json.dumps(model[technique])}`")
+    if meta.get("quantization"):
+        lines.append(f"- weights: {meta['quantization']}")
+    lines += ["", "## Training", "",
+              f"- data: {', '.join(f'{k} `{v}`' for k, v in data.items()) or 'not recorded'}",
+              f"- from run `{run}`, checkpoint `{ckpt.name}` (step {meta.get('step', '?')})",
+              f"- optimiser: lr {tc.lr:g} ({tc.schedule}, warm-up {tc.warmup_steps}), "
+              f"max_steps {tc.max_steps}, seed {tc.seed}, label smoothing {tc.label_smoothing:g}"]
+    metrics = meta.get("metrics") or meta.get("valid") or {}
+    if metrics:
+        lines += ["", "## Validation scores (at the checkpoint)", "",
+                  *(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}"
+                    for k, v in metrics.items())]
+    if technique == "cct":
+        lines += ["", "## Budgets", "", "Trained (encoder, decoder) budgets: " + ", ".join(
+            f"({e:g}, {d:g})" for e, d in cfg.model.cct.controls) + "."]
+        for c in (calibration or {}).get("budgets", []):
+            realized = ", ".join(f"{k} {v:.3f}" for k, v in c["realized"].items())
+            lines.append(f"- calibrated ({c['budget'][0]:g}, {c['budget'][1]:g}): realized "
+                         f"compute {realized} (gate offsets {c['offsets']})")
+    return "\n".join(lines) + "\n"
+
+
+def export_model(run_dir: str | Path, out_dir: str | Path,
+                 checkpoint: str = "auto") -> ExportReport:
+    """Write the model directory ``out_dir`` of ``run_dir``'s checkpoint (see the module doc).
+
+    ``run_dir`` is only read; ``out_dir`` must not exist or be empty, and appears whole or
+    not at all.
+
+    Raises:
+        DynaseqError: a missing or unreadable run, an existing ``out_dir``, a checkpoint that
+            does not load (its weights are checked by loading them once).
+    """
+    run, out = Path(run_dir), Path(out_dir)
+    run, cfg = open_run(run, RUN_CONFIGS)
+    check_new_run_dir(run, out)
+    ckpt = resolve_checkpoint(run, checkpoint)
+    predictor = load(run, checkpoint=str(ckpt), device="cpu")  # the weights load and fit
+    meta = {k: v for k, v in read_meta(ckpt).items() if k != "sha256"}
+    meta.update(exported_from=str(run), exported_checkpoint=str(ckpt))
+    calibration = None
+    if (run / CALIBRATION).is_file() and getattr(predictor, "calibrations", None):
+        calibration = json.loads((run / CALIBRATION).read_text())
+        calibration["checkpoint"] = "."  # the model directory is its own checkpoint
+    files = []
+    with writing_new_dir(out) as tmp:
+        shutil.copy2(ckpt / WEIGHTS, tmp / WEIGHTS)
+        atomic_write(tmp / MODEL_CONFIG, json.dumps(
+            {"format": MODEL_FORMAT, "version": MODEL_VERSION,
+             "config": portable_config(cfg)}, indent=1))
+        for name in PREDICTORS[type(cfg)].EXPORT_FILES:
+            if (run / name).is_file():
+                shutil.copy2(run / name, tmp / name)
+        if calibration is not None:
+            atomic_write(tmp / CALIBRATION, json.dumps(calibration, indent=1))
+        atomic_write(tmp / "README.md", model_card(cfg, meta, run, ckpt,
+                                                   count_params(predictor.model), calibration))
+        write_meta(tmp, meta)  # the SHA-256 of every file, as a checkpoint's meta.json
+        files = sorted(p.name for p in tmp.iterdir())
+    return ExportReport(run, out, ckpt, files)
