@@ -1,11 +1,14 @@
 import json
 
+import pytest
+
 from dynaseq.data import read_lines
 from dynaseq.tasks.translation.predictor import Translator
 from dynaseq.techniques.cct.layers import force_gates
 from dynaseq.workflows.demo import DEMO_BUDGETS, hard_easy_compute, run_demo, token_accuracy
 
 
+@pytest.mark.slow  # the whole demo end to end (~20 s on 2 cores): `make test-slow`
 def test_demo_writes_data_run_and_summary(tmp_path):
     out = tmp_path / "demo"
     # a run left by an older demo (another model) is replaced, not resumed into the CCT
