@@ -14,6 +14,10 @@ from dynaseq.tasks.lm import config as lm_config
 from dynaseq.tasks.lm.config import LMRunConfig
 from dynaseq.tasks.lm.predictor import LanguageModel
 from dynaseq.tasks.lm.task import LMTask
+from dynaseq.tasks.mlm import config as mlm_config
+from dynaseq.tasks.mlm.config import MLMRunConfig
+from dynaseq.tasks.mlm.predictor import MaskedLM
+from dynaseq.tasks.mlm.task import MLMTask
 from dynaseq.tasks.protocol import Predictor, Task
 from dynaseq.tasks.translation import config as translation_config
 from dynaseq.tasks.translation.config import RunConfig
@@ -25,16 +29,19 @@ from dynaseq.tasks.translation.task import TranslationTask
 RUN_CONFIGS: dict[str, type] = {
     translation_config.TASK: RunConfig,
     lm_config.TASK: LMRunConfig,
+    mlm_config.TASK: MLMRunConfig,
 }
 
 #: run-config type -> the task that trains it (``hooks``: task-specific extension points).
 TASKS: dict[type, Any] = {
     RunConfig: TranslationTask,
     LMRunConfig: LMTask,
+    MLMRunConfig: MLMTask,
 }
 
 #: run-config type -> the predictor that loads a trained run of it.
-PREDICTORS: dict[type, type] = {RunConfig: Translator, LMRunConfig: LanguageModel}
+PREDICTORS: dict[type, type] = {RunConfig: Translator, LMRunConfig: LanguageModel,
+                                MLMRunConfig: MaskedLM}
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Any:
@@ -58,6 +65,6 @@ def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto") ->
 
 
 def run_kind(run_dir: str | Path) -> str:
-    """``"lm"`` or ``"seq2seq"``: the task of a run directory's config."""
+    """The task of a run directory's config (``"seq2seq"``, ``"lm"``, ``"mlm"``, ...)."""
     _, cfg = open_run(run_dir, RUN_CONFIGS)
     return next(task for task, cls in RUN_CONFIGS.items() if isinstance(cfg, cls))
