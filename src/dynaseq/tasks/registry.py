@@ -10,6 +10,10 @@ from typing import Any
 from dynaseq.core.config import load_config as load_typed_config
 from dynaseq.core.errors import ConfigError
 from dynaseq.core.rundir import open_run
+from dynaseq.tasks.classify import config as classify_config
+from dynaseq.tasks.classify.config import ClassifyRunConfig
+from dynaseq.tasks.classify.predictor import Classifier
+from dynaseq.tasks.classify.task import ClassifyTask
 from dynaseq.tasks.lm import config as lm_config
 from dynaseq.tasks.lm.config import LMRunConfig
 from dynaseq.tasks.lm.predictor import LanguageModel
@@ -30,6 +34,7 @@ RUN_CONFIGS: dict[str, type] = {
     translation_config.TASK: RunConfig,
     lm_config.TASK: LMRunConfig,
     mlm_config.TASK: MLMRunConfig,
+    classify_config.TASK: ClassifyRunConfig,
 }
 
 #: run-config type -> the task that trains it (``hooks``: task-specific extension points).
@@ -37,11 +42,12 @@ TASKS: dict[type, Any] = {
     RunConfig: TranslationTask,
     LMRunConfig: LMTask,
     MLMRunConfig: MLMTask,
+    ClassifyRunConfig: ClassifyTask,
 }
 
 #: run-config type -> the predictor that loads a trained run of it.
 PREDICTORS: dict[type, type] = {RunConfig: Translator, LMRunConfig: LanguageModel,
-                                MLMRunConfig: MaskedLM}
+                                MLMRunConfig: MaskedLM, ClassifyRunConfig: Classifier}
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Any:
