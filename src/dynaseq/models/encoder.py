@@ -183,8 +183,8 @@ class ClassificationHead(nn.Module):
         pooled = torch.tanh(self.pooler(hidden[:, 0]))  # (B, d)
         return self.out(self.dropout(pooled))
 
-    def macs(self) -> dict[str, int]:
-        """Per sequence (the pooler runs on one token)."""
+    def macs(self, n_tokens: int = 1) -> dict[str, int]:
+        """Per sequence, whatever its ``n_tokens`` (the pooler runs on the first token)."""
         d = self.pooler.in_features
         return {"pooler": d * d, "classifier": d * self.n_out}
 
