@@ -7,7 +7,7 @@ from pathlib import Path
 from dynaseq.tasks.registry import load_config
 
 TINY_MODEL = ["model.d_model=32", "model.ffn_dim=64", "model.n_heads=2", "model.layers=2",
-              "model.max_positions=64"]
+              "model.max_positions=128"]
 
 
 def mlm_config(run_dir: Path, corpus: dict[str, Path], *extra: str):

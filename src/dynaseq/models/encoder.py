@@ -240,12 +240,15 @@ class EncoderModel(nn.Module):
         if isinstance(control, int):
             if not 0 <= control < self.n_controls:
                 raise ValueError(f"control symbol {control} is not in [0, {self.n_controls})")
-            emb = self.control_embed.weight[control].expand(batch, 1, -1)
+            control = torch.full((batch,), control, dtype=torch.long, device=device)
+            # a look-up, not a view of the weight (a view made under no_grad would still
+            # require grad, which FlopCounterMode's module hooks refuse)
+            emb = self.control_embed(control).unsqueeze(1)
         else:
             if control.shape != (batch,):
                 raise ValueError(f"control ids must be one per row, shape ({batch},), got "
                                  f"{tuple(control.shape)}")
-            emb = self.control_embed(control.to(device)).unsqueeze(1)
+            emb = self.control_embed(control.to(device)).unsqueeze(1)  # (B, 1, d)
         return emb, offsets.get("encoder")
 
     def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,

@@ -4,7 +4,8 @@ Ids: pad 0, unk 1 (bos 2 and eos 3 unused), then [CLS] 4, [SEP] 5, [MASK] 6 (Sen
 user symbols: never split, reserved), then the subwords. A single sentence is
 ``[CLS] a [SEP]`` with segment 0; a pair ``[CLS] a [SEP] b [SEP]`` with segment 0 up to the
 first [SEP] and 1 after it (BERT sec. 3). Over-long inputs lose tokens from the end of the
-longer sentence first.
+longer sentence first (the second on a tie, as BERT's
+``_truncate_seq_pair``).
 
 Example::
 
@@ -66,7 +67,7 @@ class EncoderVocab:
             if room < 1 + (b is not None):
                 raise ValueError(f"max_len={max_len} leaves no room for the sentences")
             while len(a) + (0 if b is None else len(b)) > room:
-                if b is not None and len(b) > len(a):
+                if b is not None and len(b) >= len(a):  # BERT's _truncate_seq_pair
                     b.pop()
                 else:
                     a.pop()
