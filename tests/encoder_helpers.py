@@ -26,3 +26,10 @@ def classify_config(run_dir: Path, data: dict[str, Path], *extra: str):
         "data.max_len=40", "data.batch_size=16", "train.max_steps=6", "train.warmup_steps=2",
         "train.lr=0.003", "train.log_every=3", "train.valid_every=3", "train.save_every=3",
         *extra])
+
+
+def read_events(run: Path) -> list[dict]:
+    """The events of a run's ``log.jsonl``."""
+    import json
+
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]

@@ -117,3 +117,38 @@ def test_cct_mlm_trains_at_budgets(tmp_path, text_corpus, mlm_run):
     with pytest.raises(dynaseq.DynaseqError, match="was not trained"):
         m.evaluate("valid", budget=0.6)
     shutil.rmtree(run)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_mlm_matches_one_process(tmp_path, text_corpus):
+    """torchrun, 2 CPU processes (gloo): both ranks mask the same full batch and train on
+    their rows; the loop's normalisation by the update's masked tokens over all ranks makes
+    the losses those of one process."""
+    import os
+    import subprocess
+    import sys
+
+    from dynaseq.core.config import save_config
+
+    from helpers import REPO, free_port
+
+    extra = ["train.max_steps=4", "train.log_every=1", "model.dropout=0.0",
+             "model.attention_dropout=0.0", "train.valid_every=100", "train.save_every=100"]
+    train(mlm_config(tmp_path / "one", text_corpus, *extra), progress=False)
+    cfg = mlm_config(tmp_path / "two", text_corpus, *extra)
+    save_config(cfg, tmp_path / "two.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", free_port(), "-m", "dynaseq", "train", str(tmp_path / "two.yaml"),
+         "--quiet"], cwd=REPO, capture_output=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+
+    def losses(run):
+        from encoder_helpers import read_events
+
+        return [r["loss"] for r in read_events(run) if r["event"] == "train"]
+
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    assert two == pytest.approx(one, rel=1e-4)
