@@ -491,7 +491,7 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
         from dynaseq.tasks.encoder.model import MLM, build_encoder_model
 
         model_cfg = cfg.model
-        head = MLM if cfg.task == "mlm" else max(cfg.data.layout().n_outputs, 2)
+        head = MLM if cfg.task == "mlm" else (cfg.data.layout().n_outputs or 2)
         model = build_encoder_model(model_cfg, cfg.data.vocab_size, head).eval()
     lengths = (32, 128)
     if max(lengths) > model_cfg.max_positions:
