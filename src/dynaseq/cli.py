@@ -131,6 +131,8 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
+    if args.src is None or args.ref is None:
+        raise DynaseqError("calibrate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
     if len(src) != len(ref):
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
@@ -475,18 +477,42 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_classify(args: argparse.Namespace) -> int:
+    """``dynaseq calibrate CLASSIFY_RUN --data dev.tsv [--budgets 0.5 0.4]``: one gate offset
+    per budget so that its realized compute meets it (CCT-BERT)."""
+    if args.data is None:
+        raise DynaseqError("calibrate: --data FILE (a TSV in the run's layout) is required for "
+                           "classification runs")
+    budgets = None
+    if args.budgets is not None:
+        if any(isinstance(b, tuple) for b in args.budgets):
+            raise DynaseqError("an encoder's budget is one fraction (e.g. 0.5), not ENC,DEC")
+        budgets = list(args.budgets)
+    c = _classifier(args)
+    fitted = c.calibrate(args.data, budgets, lines=args.lines, tol=args.tol)
+    path = c.save_calibration(args.run_dir, {"data": args.data, "lines": args.lines})
+    print("budget  control  offset  realized before -> after")
+    for cal in fitted:
+        print(f"{cal.budget[0]:<7g} {cal.control:>7}  {cal.offsets['encoder']:>+6.3f}  "
+              f"{cal.uncalibrated['encoder']:.3f} -> {cal.realized['encoder']:.3f}")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
     """An encoder run directory, or an encoder config (random weights): params, MACs/token
     (analytic and flop counter), latency at batch 1 and throughput at batch 32 for 32- and
     128-token inputs."""
     from dynaseq.metrics.encoder_profile import profile_encoder
-    from dynaseq.tasks.encoder.budget import control_id
+    from dynaseq.tasks.encoder.budget import control_for
 
     budget = _encoder_budget(args)
+    calibrations = []
     if cfg is None:
         args.run_dir = args.target
         predictor = dynaseq_load(args)
         model, model_cfg = predictor.model, predictor.config.model
+        calibrations = getattr(predictor, "calibrations", [])  # a classifier's
     else:
         from dynaseq.tasks.encoder.model import MLM, build_encoder_model
 
@@ -497,8 +523,8 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
     if max(lengths) > model_cfg.max_positions:
         raise DynaseqError(f"profile: {max(lengths)} tokens exceed the model's max_positions="
                            f"{model_cfg.max_positions}")
-    result = profile_encoder(model, lengths, (1, 32), args.repeats,
-                             control_id(model_cfg, budget))
+    control = control_for(model_cfg, budget, 1, next(model.parameters()).device, calibrations)
+    result = profile_encoder(model, lengths, (1, 32), args.repeats, control)
     result["budget"] = budget
     if args.json:
         print(json.dumps(result, indent=1))
@@ -675,10 +701,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "RUN_DIR/calibration.json for the checkpoint used; translate, evaluate "
                     "and profile then run each calibrated budget with its offsets. A budget "
                     "that was not trained (--budgets) starts from the nearest trained one. "
-                    "Example: dynaseq calibrate runs/cct --src val.en --ref val.fr")
+                    "Example: dynaseq calibrate runs/cct --src val.en --ref val.fr; "
+                    "CCT-BERT classifiers: dynaseq calibrate RUN --data dev.tsv")
     p.add_argument("run_dir")
-    p.add_argument("--src", required=True, help="held-out source sentences (e.g. validation)")
-    p.add_argument("--ref", required=True, help="their references")
+    p.add_argument("--src", default=None, help="held-out source sentences (e.g. validation)")
+    p.add_argument("--ref", default=None, help="their references")
+    p.add_argument("--data", default=None,
+                   help="classification runs (CCT-BERT): a TSV in the run's layout")
     p.add_argument("--budgets", type=parse_budget, nargs="+", default=None,
                    help="budgets to fit, each 0.33 or ENC,DEC (default: every trained one)")
     p.add_argument("--lines", type=int, default=300, help="calibrate on the first N pairs")
@@ -859,7 +888,7 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm,
                          "mlm": _evaluate_mlm, "classify": _evaluate_classify}),
     "classify": Command({"classify": cmd_classify}),
-    "calibrate": Command({"seq2seq": cmd_calibrate}),
+    "calibrate": Command({"seq2seq": cmd_calibrate, "classify": _calibrate_classify}),
     "profile": Command({None: cmd_profile}),  # a run directory or a config file
     "generate": Command({"lm": cmd_generate}, check=_check_generate),
     "average": Command({None: cmd_average}),

@@ -200,3 +200,16 @@ def test_cct_bert_finetunes_and_reports_realized_compute(tmp_path, text_corpus, 
     assert proc.returncode == 0, proc.stderr.decode()
     row = json.loads(proc.stdout)["lengths"]["32"]
     assert row["macs_per_token_flop_counter"] <= row["macs_per_token"]
+    # calibration: an untrained budget (0.4) from the nearest trained symbol (0.33)
+    with pytest.raises(DynaseqError, match="was not trained"):
+        c.classify(lines, budget=0.4)
+    proc = run_cli("calibrate", str(run), "--data", str(sst2_small["dev"]), "--budgets", "0.4",
+                   "0.8", "--lines", "30", "--tol", "0.02")
+    assert proc.returncode == 0, proc.stderr.decode()
+    c = dynaseq.load(run)
+    cal = {x.budget[0]: x for x in c.calibrations}
+    assert set(cal) == {0.4, 0.8} and cal[0.4].control == 2  # P_BERT's 0.33
+    assert c.evaluate(sst2_small["dev"], budget=0.4)["budget"] == 0.4
+    mixed = c.classify(lines, budget=[0.4, 0.2, 0.8])  # calibrated and trained rows mixed
+    assert mixed == [c.classify([line], budget=b)[0]
+                     for line, b in zip(lines, [0.4, 0.2, 0.8], strict=True)]

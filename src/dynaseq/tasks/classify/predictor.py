@@ -16,7 +16,7 @@ looked up per row and never written into the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,19 +31,32 @@ from dynaseq.models.encoder import EncoderModel
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
 from dynaseq.tasks.classify.glue import Examples, TableLayout, read_table
-from dynaseq.tasks.encoder.budget import Budgets, control_for, trained_budget
+from dynaseq.tasks.encoder.budget import (
+    Budget,
+    Budgets,
+    as_fraction,
+    control_for,
+    nearest_trained,
+    trained_budget,
+)
+from dynaseq.tasks.encoder.calibration_file import read_calibrations, write_calibrations
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
+from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budget
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_layer
 
-Control = int | Tensor | None
-"""One control id for every row, ``(N,)`` ids (one per row), or None (dense)."""
+Control = int | Tensor | BudgetControl | None
+"""One control for every row (an id, or a :class:`BudgetControl` with float offsets), one per
+row (``(N,)`` ids, or a BudgetControl with ``(N,)`` ids and offsets), or None (dense)."""
 
 
 def _rows_control(control: Control, idx: list[int], device: torch.device) -> Control:
+    index = torch.tensor(idx, device=device)
+    if isinstance(control, BudgetControl):
+        return control.select(index)
     if isinstance(control, Tensor):
-        return control[torch.tensor(idx, device=control.device)].to(device)
+        return control.to(device).index_select(0, index)
     return control
 
 
@@ -68,7 +81,9 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
             res = model(tokens, segments, rows_control)
             out[torch.tensor(idx)] = res.logits.float().cpu()
             if compute is not None:
-                opened = BudgetControl(rows_control, {"encoder": ALL_GATES_ON})
+                ids = (rows_control.ids if isinstance(rows_control, BudgetControl)
+                       else rows_control)
+                opened = BudgetControl(ids, {"encoder": ALL_GATES_ON})
                 full = model(tokens, segments, opened)
                 for key, aux in (("ran", res.aux), ("full", full.aux)):
                     compute[key] = compute.get(key, 0) + sum(
@@ -95,13 +110,21 @@ def task_metrics(layout: TableLayout, gold: list, pred: list) -> dict[str, float
 
 @dataclass
 class Classifier:
-    """A fine-tuned encoder with its vocabulary, config, checkpoint and table layout."""
+    """A fine-tuned encoder with its vocabulary, config, checkpoint and table layout;
+    ``calibrations``: the run's ``calibration.json`` for this checkpoint (CCT-BERT)."""
 
     model: EncoderModel
     vocab: EncoderVocab
     config: ClassifyRunConfig
     checkpoint: Path
     device: torch.device
+    calibrations: list[BudgetCalibration] = field(default_factory=list)
+
+    def _control(self, budget: Budgets, n_rows: int) -> Control:
+        return control_for(self.config.model, budget, n_rows, self.device, self.calibrations)
+
+    def _budget(self, budget: Budget) -> float | None:
+        return trained_budget(self.config.model, budget, self.calibrations)
 
     @property
     def layout(self) -> TableLayout:
@@ -119,7 +142,8 @@ class Classifier:
             raise DynaseqError(f"{run}: the config has no label set")
         model = build_encoder_model(cfg.model, vocab.size, layout.n_outputs, vocab.pad_id)
         ckpt.load_weights(model, path)
-        return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+        return cls(model.to(dev).eval(), vocab, cfg, path, dev,
+                   read_calibrations(run, path, model.n_controls))
 
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
         """Examples of the non-empty inputs and their indices. A pair task needs two
@@ -148,13 +172,13 @@ class Classifier:
 
         ``budget`` (CCT models): a trained budget for every line, or a list, one per line
         (the lines are batched together whatever their budgets)."""
-        control = control_for(self.config.model, budget, len(lines), self.device)
+        control = self._control(budget, len(lines))
         ex, keep = self._examples(lines)
         out: list[str | float | None] = [None] * len(lines)
         if not keep:
             return out
-        if isinstance(control, Tensor):
-            control = control[torch.tensor(keep, device=control.device)]
+        if isinstance(budget, list):
+            control = _rows_control(control, keep, self.device)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
                                 self.device, control)
@@ -172,7 +196,7 @@ class Classifier:
         ex = read_table(path, layout)
         if not len(ex):
             raise DynaseqError(f"{path}: every row has an empty sentence")
-        control = control_for(self.config.model, budget, len(ex), self.device)
+        control = self._control(budget, len(ex))
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         compute: dict[str, int] | None = {} if self.config.model.cct is not None else None
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
@@ -182,9 +206,39 @@ class Classifier:
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
             "n_examples": len(ex), "skipped": ex.skipped, "checkpoint": str(self.checkpoint)}
         if compute is not None:
-            result["budget"] = ([trained_budget(self.config.model, b) for b in budget]
-                                if isinstance(budget, list)
-                                else trained_budget(self.config.model, budget))
+            result["budget"] = ([self._budget(b) for b in budget] if isinstance(budget, list)
+                                else self._budget(budget))
             result["realized_fraction"] = compute["ran"] / compute["full"]
             result["realized_macs_per_token"] = compute["ran"] / compute["tokens"]
         return result
+
+    def calibrate(self, path: str | Path, budgets: list[float] | None = None,
+                  lines: int = 300, tol: float = 0.005) -> list[BudgetCalibration]:
+        """Fit one gate offset per budget so that its realized compute on the first
+        ``lines`` rows of ``path`` (batch 1) meets it
+        (:func:`~dynaseq.techniques.cct.calibration.calibrate_budget`), keep them on this
+        classifier and return them. ``budgets``: default every trained one; an untrained
+        budget starts from the nearest trained control symbol. :meth:`save_calibration`
+        keeps them with the run."""
+        cct = self.config.model.cct
+        if cct is None:
+            raise DynaseqError("this is a dense encoder, which has no compute-budget knob to "
+                               "calibrate")
+        ex = read_table(path, self.layout, labelled=False)
+        rows = encode_examples(self.vocab, ex, self.config.data.max_len)[:lines]
+        if not rows:
+            raise DynaseqError(f"{path}: nothing to calibrate on (every row is empty)")
+        pairs = [(torch.tensor([ids], device=self.device),
+                  torch.tensor([segs], device=self.device)) for ids, segs in rows]
+        targets = cct.controls if budgets is None else [as_fraction(b) for b in budgets]
+        fitted = [calibrate_budget(self.model, pairs, nearest_trained(self.config.model, b),
+                                   (b,), tol=tol, subnetworks=("encoder",)) for b in targets]
+        kept = [c for c in self.calibrations
+                if not any(abs(c.budget[0] - f.budget[0]) < 1e-6 for f in fitted)]
+        self.calibrations = kept + fitted
+        return fitted
+
+    def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:
+        """Write :attr:`calibrations` to ``run_dir/calibration.json``, tied to the loaded
+        checkpoint."""
+        return write_calibrations(Path(run_dir), self.checkpoint, self.calibrations, data or {})
