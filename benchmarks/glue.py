@@ -63,16 +63,14 @@ def curve(run: Path, metric: str) -> list[dict[str, float]]:
     return out
 
 
-def flattens(points: list[dict[str, float]], metric: str, tol: float = 0.5) -> int | None:
-    """The first step from which the metric never again rises by more than ``tol`` points
-    over its best so far (None: no curve)."""
+def flattens(points: list[dict[str, float]], metric: str, tol: float = 0.5) -> int | str | None:
+    """The first validated step within ``tol`` points of the run's best, or ``"rising"``
+    when that is the last validation (the curve had not flattened; None: no curve)."""
     if not points:
         return None
     best = max(p[metric] for p in points)
-    for p in points:
-        if p[metric] >= best - tol:
-            return p["step"]
-    return None
+    first = next(p["step"] for p in points if p[metric] >= best - tol)
+    return "rising" if first == points[-1]["step"] else first
 
 
 def main() -> None:
@@ -139,7 +137,7 @@ def markdown(out: dict) -> list[str]:
           r["flattens_at_step"]] for r in out["rows"]])
     lines += ["", "Learning curves (dev metric x 100 per validation): `glue.json` -> `curves`; "
                   "plot `glue.png`. `flattens at step`: first validation within 0.5 points of "
-                  "the run's best."]
+                  "the run's best (`rising`: only the last one, the curve had not flattened)."]
     return lines
 
 

@@ -132,7 +132,8 @@ class TransformerEncoder(nn.Module):
         if control is not None:
             x = x + control
         x = self.dropout(x)
-        mask = padding_to_attn_mask(pad_mask)  # (B, 1, 1, S)
+        # (B, 1, 1, S); None without padding, so attention can take its fused kernel
+        mask = padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
         for i in self.plan:
             x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset)
         return self.norm(x), pad_mask
