@@ -142,6 +142,8 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
+    if args.src is None or args.ref is None:
+        raise DynaseqError("calibrate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
     if len(src) != len(ref):
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
@@ -170,6 +172,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return _profile_latency_table(args)
     if target.is_dir() and _run_dir_kind(str(target)) == "lm":
         return _profile_lm(args)
+    if target.is_dir() and _run_dir_kind(str(target)) in ENCODER_KINDS:
+        return _profile_encoder(args)
     if target.is_dir():
         args.run_dir = str(target)
         t = _translator(args)
@@ -183,6 +187,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         cfg = load_config(target, args.overrides)
         if getattr(cfg, "task", None) == "lm":  # random weights, vocabulary of data.train
             return _profile_lm(args, cfg)
+        if getattr(cfg, "task", None) in ENCODER_KINDS:  # random weights
+            return _profile_encoder(args, cfg)
         model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
         merge_shared_(model)  # DMB: as Translator.load runs it
         budget_ctx = contextlib.nullcontext(control_for_budget(cfg.model, args.budget))
@@ -541,6 +547,152 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _encoder_budget(args: argparse.Namespace) -> float | None:
+    if isinstance(args.budget, tuple):
+        raise DynaseqError("an encoder's budget is one fraction (e.g. --budget 0.5), not "
+                           "ENC,DEC")
+    return args.budget
+
+
+def _classifier(args: argparse.Namespace):
+    from dynaseq.tasks.classify.predictor import Classifier
+
+    return Classifier.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+
+
+def cmd_classify(args: argparse.Namespace) -> int:
+    """``dynaseq classify RUN [-i FILE] [-o FILE] [--budget B]``: one sentence (a pair task:
+    two tab-separated sentences) per line in, one label or score per line out (an empty line
+    for an empty input line)."""
+    _check_output(args.output, args.input)
+    budget = _encoder_budget(args)
+    lines = _read_input(args.input)
+    c = _classifier(args)
+    out = c.classify(lines, budget=budget, batch_size=args.batch_size)
+    _write_output(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
+                   for v in out], args.output)
+    return 0
+
+
+def _refuse_translation_args(args: argparse.Namespace, what: str) -> None:
+    given = [f"--{name.replace('_', '-')}" for name in ("src", "ref", "beam", "length_penalty")
+             if getattr(args, name, None) is not None]
+    if given:
+        raise DynaseqError(f"evaluate: {', '.join(given)} are for translation runs; "
+                           f"{args.run_dir} is {what} run")
+
+
+def _evaluate_classify(args: argparse.Namespace) -> int:
+    """``dynaseq evaluate RUN --data dev.tsv [--budget B] [--json]``: the task's official
+    metrics (and, for CCT-BERT, the realized compute)."""
+    _refuse_translation_args(args, "a classification")
+    if args.data is None:
+        raise DynaseqError("evaluate: --data FILE (a labelled TSV in the run's layout) is "
+                           "required for classification runs")
+    budget = _encoder_budget(args)
+    c = _classifier(args)
+    result = c.evaluate(args.data, budget=budget, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        metrics = "  ".join(f"{m} {result[m]:.4f}" for m in c.layout.metrics)
+        extra = ""
+        if "realized_fraction" in result:
+            extra = (f"  budget {result['budget']}  realized {result['realized_fraction']:.3f}"
+                     f" ({result['realized_macs_per_token'] / 1e6:.3f} M MACs/token)")
+        print(f"{result['task']} {metrics}  ({result['n_examples']} examples, "
+              f"{result['skipped']} skipped){extra}")
+    return 0
+
+
+def _evaluate_mlm(args: argparse.Namespace) -> int:
+    """``dynaseq evaluate MLM_RUN [--data FILE] [--budget B] [--json]``: masked-token loss,
+    perplexity and accuracy (fixed masks) of the run's valid file or FILE."""
+    from dynaseq.tasks.mlm.predictor import MaskedLM
+
+    _refuse_translation_args(args, "an MLM")
+    budget = _encoder_budget(args)
+    if args.split != "valid" and args.data is None:
+        raise DynaseqError("evaluate: an MLM run's config has a valid file only; give "
+                           "--data FILE for other text")
+    m = MaskedLM.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+    result = m.evaluate(args.data or "valid", budget=budget, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"MLM loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy "
+              f"{result['accuracy']:.4f}  ({result['n_masked']:,} masked tokens)")
+    return 0
+
+
+def _calibrate_classify(args: argparse.Namespace) -> int:
+    """``dynaseq calibrate CLASSIFY_RUN --data dev.tsv [--budgets 0.5 0.4]``: one gate offset
+    per budget so that its realized compute meets it (CCT-BERT)."""
+    if args.data is None:
+        raise DynaseqError("calibrate: --data FILE (a TSV in the run's layout) is required for "
+                           "classification runs")
+    budgets = None
+    if args.budgets is not None:
+        if any(isinstance(b, tuple) for b in args.budgets):
+            raise DynaseqError("an encoder's budget is one fraction (e.g. 0.5), not ENC,DEC")
+        budgets = list(args.budgets)
+    c = _classifier(args)
+    fitted = c.calibrate(args.data, budgets, lines=args.lines, tol=args.tol)
+    path = c.save_calibration(args.run_dir, {"data": args.data, "lines": args.lines})
+    print("budget  control  offset  realized before -> after")
+    for cal in fitted:
+        print(f"{cal.budget[0]:<7g} {cal.control:>7}  {cal.offsets['encoder']:>+6.3f}  "
+              f"{cal.uncalibrated['encoder']:.3f} -> {cal.realized['encoder']:.3f}")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
+    """An encoder run directory, or an encoder config (random weights): params, MACs/token
+    (analytic and flop counter), latency at batch 1 and throughput at batch 32 for 32- and
+    128-token inputs."""
+    from dynaseq.metrics.encoder_profile import profile_encoder
+    from dynaseq.tasks.encoder.budget import control_for
+
+    budget = _encoder_budget(args)
+    calibrations = []
+    if cfg is None:
+        args.run_dir = args.target
+        predictor = dynaseq_load(args)
+        model, model_cfg = predictor.model, predictor.config.model
+        calibrations = getattr(predictor, "calibrations", [])  # a classifier's
+    else:
+        from dynaseq.tasks.encoder.model import MLM, build_encoder_model
+
+        model_cfg = cfg.model
+        head = MLM if cfg.task == "mlm" else (cfg.data.layout().n_outputs or 2)
+        model = build_encoder_model(model_cfg, cfg.data.vocab_size, head).eval()
+    lengths = (32, 128)
+    if max(lengths) > model_cfg.max_positions:
+        raise DynaseqError(f"profile: {max(lengths)} tokens exceed the model's max_positions="
+                           f"{model_cfg.max_positions}")
+    control = control_for(model_cfg, budget, 1, next(model.parameters()).device, calibrations)
+    result = profile_encoder(model, lengths, (1, 32), args.repeats, control)
+    result["budget"] = budget
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"params            {result['params']:,}")
+    label = "ran at this budget" if model_cfg.cct is not None else "flop counter"
+    for s, row in result["lengths"].items():
+        print(f"{s:>4} tokens: MACs/token {row['macs_per_token'] / 1e6:.3f} M ({label} "
+              f"{row['macs_per_token_flop_counter'] / 1e6:.3f} M); latency batch 1 "
+              f"{row['latency_ms_b1']:.2f} ms; batch 32 {row['latency_ms_b32']:.1f} ms = "
+              f"{row['sentences_per_s_b32']:.0f} sentences/s")
+    return 0
+
+
+def dynaseq_load(args: argparse.Namespace):
+    from dynaseq.tasks.registry import load
+
+    return load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+
+
 def _check_generate(args: argparse.Namespace) -> None:
     if args.tokens < 0 or args.temperature < 0:
         raise DynaseqError("--tokens and --temperature must be >= 0")
@@ -691,13 +843,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_args(p)
     _add_run_args(p)
 
+    p = sub.add_parser("classify", help="classify sentences (pairs: tab-separated), one per "
+                       "line, with a fine-tuned encoder")
+    p.add_argument("run_dir")
+    p.add_argument("--input", "-i", default=None, help="input file (default stdin)")
+    p.add_argument("--output", "-o", default=None, help="output file (default stdout)")
+    p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
+    _add_budget_arg(p)
+    _add_run_args(p)
+
     p = sub.add_parser("evaluate", help="sacreBLEU and loss against references; "
-                       "perplexity for language models")
+                       "perplexity for language models; GLUE metrics for classifiers")
     p.add_argument("run_dir")
     p.add_argument("--src", default=None, help="source sentences (translation runs)")
     p.add_argument("--ref", default=None, help="references (translation runs)")
     p.add_argument("--split", default="valid", choices=["valid", "test"],
                    help="language models: which data file of the run's config")
+    p.add_argument("--data", default=None,
+                   help="classification runs: a labelled TSV in the run's layout (GLUE "
+                        "dev.tsv); MLM runs: a text file (default the run's valid file)")
     p.add_argument("--json", action="store_true")
     _add_decode_args(p)
     _add_run_args(p)
@@ -710,10 +874,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "RUN_DIR/calibration.json for the checkpoint used; translate, evaluate "
                     "and profile then run each calibrated budget with its offsets. A budget "
                     "that was not trained (--budgets) starts from the nearest trained one. "
-                    "Example: dynaseq calibrate runs/cct --src val.en --ref val.fr")
+                    "Example: dynaseq calibrate runs/cct --src val.en --ref val.fr; "
+                    "CCT-BERT classifiers: dynaseq calibrate RUN --data dev.tsv")
     p.add_argument("run_dir")
-    p.add_argument("--src", required=True, help="held-out source sentences (e.g. validation)")
-    p.add_argument("--ref", required=True, help="their references")
+    p.add_argument("--src", default=None, help="held-out source sentences (e.g. validation)")
+    p.add_argument("--ref", default=None, help="their references")
+    p.add_argument("--data", default=None,
+                   help="classification runs (CCT-BERT): a TSV in the run's layout")
     p.add_argument("--budgets", type=parse_budget, nargs="+", default=None,
                    help="budgets to fit, each 0.33 or ENC,DEC (default: every trained one)")
     p.add_argument("--lines", type=int, default=300, help="calibrate on the first N pairs")
@@ -932,7 +1099,9 @@ class Command:
         return self.by_kind[kind](args)
 
 
-KIND_NAMES = {"seq2seq": "translation", "lm": "language-model"}
+KIND_NAMES = {"seq2seq": "translation", "lm": "language-model", "mlm": "MLM",
+              "classify": "classification"}
+ENCODER_KINDS = ("mlm", "classify")
 
 #: subcommand -> what runs it (the parser is :func:`build_parser`).
 COMMANDS: dict[str, Command] = {
@@ -941,8 +1110,10 @@ COMMANDS: dict[str, Command] = {
     "plot": Command({None: cmd_plot}),
     "export": Command({None: cmd_export}),
     "translate": Command({"seq2seq": cmd_translate}),
-    "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm}),
-    "calibrate": Command({"seq2seq": cmd_calibrate}),
+    "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm,
+                         "mlm": _evaluate_mlm, "classify": _evaluate_classify}),
+    "classify": Command({"classify": cmd_classify}),
+    "calibrate": Command({"seq2seq": cmd_calibrate, "classify": _calibrate_classify}),
     "profile": Command({None: cmd_profile}),  # a run directory or a config file
     "generate": Command({"lm": cmd_generate}, check=_check_generate),
     "average": Command({None: cmd_average}),

@@ -26,6 +26,18 @@ def test_every_shipped_config_parses_and_builds(path):
 
         assert len(build_lm(cfg.model, 33_278).layers) == cfg.model.n_layers
         return
+    if getattr(cfg, "task", None) in ("mlm", "classify"):  # encoders
+        from dynaseq.tasks.encoder.model import MLM, build_encoder_model
+
+        head = MLM if cfg.task == "mlm" else cfg.data.layout().n_outputs
+        model = build_encoder_model(cfg.model, cfg.data.vocab_size, head)
+        assert model.encoder.depth == cfg.model.layers
+        assert model.n_controls == (0 if cfg.model.cct is None else len(cfg.model.cct.controls))
+        for path_field in ("train", "valid"):  # the shipped data paths exist
+            paths = getattr(cfg.data, path_field)
+            for p in paths if isinstance(paths, list) else [paths]:
+                assert (path.parents[1] / p).is_file(), p
+        return
     model = build_seq2seq(cfg.model, cfg.data.vocab_size)
     assert len(model.encoder.layers) == cfg.model.encoder_layers
     macs = count_macs(model, 2, 2)  # dense maximum: the FFN width is what the config says

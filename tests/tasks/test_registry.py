@@ -34,7 +34,11 @@ def test_load_returns_each_tasks_predictor(tmp_path, trained_run):
 
 
 def test_every_config_type_has_a_task_and_a_predictor():
-    assert set(TASKS) == set(PREDICTORS) == {RunConfig, LMRunConfig}
+    from dynaseq.tasks.classify.config import ClassifyRunConfig
+    from dynaseq.tasks.mlm.config import MLMRunConfig
+
+    assert set(TASKS) == set(PREDICTORS) == {RunConfig, LMRunConfig, MLMRunConfig,
+                                             ClassifyRunConfig}
 
 
 def test_load_and_task_for_refuse_bad_input(tmp_path):

@@ -317,3 +317,36 @@ def load_resolved(run_dir: str | Path, which: str, load: Callable[[Path], T],
             if which not in ("auto", "latest") or path.exists():
                 raise
     return load(resolve_checkpoint(run_dir, which))
+
+
+def load_weights_prefixed(model: nn.Module, directory: str | Path,
+                          prefixes: tuple[str, ...]) -> list[str]:
+    """Load the weights of ``model`` whose names start with one of ``prefixes`` from a
+    checkpoint of another model (e.g. a pre-trained encoder under a new head); the others
+    keep their values. Every such weight must be in the checkpoint with the same shape and
+    dtype, else :class:`CheckpointError` names the first that is not. Returns the names
+    loaded."""
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint in {directory} (missing {WEIGHTS})")
+    if (Path(directory) / META).is_file():
+        _verify(Path(directory), WEIGHTS)
+    try:
+        saved = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"corrupt checkpoint {path}: {e}") from None
+    own = model.state_dict()
+    wanted = [k for k in own if k.startswith(prefixes)]
+    for k in wanted:
+        t = saved.get(k)
+        if t is None:
+            raise CheckpointError(f"checkpoint {path} has no {k}")
+        if t.shape != own[k].shape or t.dtype != own[k].dtype:
+            raise CheckpointError(f"checkpoint {path}: {k} is {tuple(t.shape)} {t.dtype}, the "
+                                  f"model expects {tuple(own[k].shape)} {own[k].dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"checkpoint {path}: {k} holds non-finite values")
+    with torch.no_grad():
+        for k in wanted:
+            own[k].copy_(saved[k])
+    return wanted

@@ -29,6 +29,15 @@ import yaml
 from dynaseq.core.errors import ConfigError
 from dynaseq.core.files import atomic_write, read_text
 
+#: Named model sizes shared by every task (``size:`` in a model section). ``tiny`` and
+#: ``small`` are the DMB paper's on-device settings.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 128, "ffn_dim": 512, "n_heads": 4},
+    "small": {"d_model": 256, "ffn_dim": 1024, "n_heads": 4},
+    "base": {"d_model": 512, "ffn_dim": 2048, "n_heads": 8},
+    "big": {"d_model": 1024, "ffn_dim": 4096, "n_heads": 16},  # Vaswani et al. (2017) big
+}
+
 
 def check_positive(obj: Any, *names: str) -> None:
     """Raise :class:`ConfigError` unless each named field of ``obj`` is > 0 (NaN fails)."""

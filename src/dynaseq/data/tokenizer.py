@@ -94,6 +94,7 @@ class Tokenizer:
         model_type: str = "unigram",
         character_coverage: float = 1.0,
         seed_sentencepiece_size: int | None = None,
+        user_symbols: Sequence[str] = (),
     ) -> Tokenizer:
         """Train one shared model on ``lines`` and write it to ``model_path``.
 
@@ -102,7 +103,8 @@ class Tokenizer:
         :data:`MAX_TRAIN_SENTENCES` of them (a seeded random sample beyond that) and is
         deterministic for the same input. ``vocab_size`` is an upper bound
         (``hard_vocab_limit=False``): a small corpus gives a smaller vocabulary instead of
-        an error. A human-readable ``<model_path stem>.vocab`` (``piece<TAB>score``) is
+        an error. ``user_symbols`` (e.g. ``["[CLS]", "[SEP]", "[MASK]"]``) get the ids right
+        after the four special ones, in order, and are never split. A human-readable ``<model_path stem>.vocab`` (``piece<TAB>score``) is
         written next to the model.
 
         Raises:
@@ -133,6 +135,8 @@ class Tokenizer:
             "num_threads": _TRAIN_THREADS,
             "minloglevel": 2,
         }
+        if user_symbols:
+            options["user_defined_symbols"] = list(user_symbols)
         if seed_sentencepiece_size is not None:
             options["seed_sentencepiece_size"] = seed_sentencepiece_size
         buffer = io.BytesIO()
@@ -216,6 +220,14 @@ class Tokenizer:
     def encode_pieces(self, line: str) -> list[str]:
         """Subword pieces of one line, for debugging: ``'a dog' -> ['▁a', '▁dog']``."""
         return list(self._sp.encode(line, out_type=str))
+
+    def piece_to_id(self, piece: str) -> int:
+        """The id of a whole piece (e.g. a user symbol ``"[MASK]"``); DynaseqError if the
+        model has no such piece."""
+        i = int(self._sp.piece_to_id(piece))
+        if i == self.unk_id and piece != self.id_to_piece(self.unk_id):
+            raise DynaseqError(f"{self.path}: SentencePiece model has no piece {piece!r}")
+        return i
 
     def id_to_piece(self, i: int) -> str:
         """The piece of id ``i`` (special ids give ``<pad>``, ``<unk>``, ``<s>``, ``</s>``)."""

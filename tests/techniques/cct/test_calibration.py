@@ -161,7 +161,8 @@ def test_calibrate_refuses_a_language_model_run(tmp_path, synthetic_paths):
     proc = run_cli("calibrate", str(run), "--src", str(synthetic_paths["valid.src"]), "--ref",
                    str(synthetic_paths["valid.tgt"]))
     assert proc.returncode == 2 and proc.stderr.count(b"\n") == 1, proc.stderr
-    assert b"is a language-model run; calibrate takes translation runs" in proc.stderr
+    assert (b"is a language-model run; calibrate takes translation or classification runs"
+            in proc.stderr)
 
 
 def test_calibrate_command(run_copy, synthetic_paths, trained_run):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dynaseq.core.config import TrainConfig, check_fraction, check_positive
+from dynaseq.core.config import MODEL_SIZES, TrainConfig, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.cct.config import CCTConfig
@@ -20,13 +20,8 @@ from dynaseq.techniques.cct.config import CCTConfig
 #: The ``task:`` of a translation config (the default when a config names none).
 TASK = "seq2seq"
 
-#: Named model sizes. ``tiny`` and ``small`` are the DMB paper's on-device settings.
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"d_model": 128, "ffn_dim": 512, "n_heads": 4},
-    "small": {"d_model": 256, "ffn_dim": 1024, "n_heads": 4},
-    "base": {"d_model": 512, "ffn_dim": 2048, "n_heads": 8},
-    "big": {"d_model": 1024, "ffn_dim": 4096, "n_heads": 16},  # Vaswani et al. (2017) big
-}
+__all__ = ["MODEL_SIZES", "TASK", "DataConfig", "DecodeConfig", "ModelConfig", "RunConfig"]
+
 
 
 @dataclass

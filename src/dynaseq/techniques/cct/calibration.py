@@ -49,14 +49,15 @@ SUBNETWORKS = GATE_SUBNETWORKS
 class BudgetCalibration:
     """One calibrated budget.
 
-    budget: the (encoder, decoder) target fractions.
+    budget: the target fraction of each sub-network: (encoder, decoder), or (encoder,) for
+        an encoder-only model (CCT-BERT).
     control: the control-symbol id it runs with (its own if trained, else the nearest).
     offsets: per sub-network threshold offset δ (see the module docstring).
     realized: realized fractions with the offsets, on the calibration pairs.
     uncalibrated: realized fractions of ``control`` with no offset, on the same pairs.
     """
 
-    budget: tuple[float, float]
+    budget: tuple[float, ...]
     control: int
     offsets: dict[str, float]
     realized: dict[str, float]
@@ -71,7 +72,7 @@ class BudgetCalibration:
 
     @classmethod
     def from_json(cls, d: dict) -> BudgetCalibration:
-        return cls(budget=(float(d["budget"][0]), float(d["budget"][1])),
+        return cls(budget=tuple(float(b) for b in d["budget"]),
                    control=int(d["control"]),
                    offsets={k: float(v) for k, v in d["offsets"].items()},
                    realized={k: float(v) for k, v in d["realized"].items()},
@@ -86,15 +87,16 @@ class _Meter:
     """
 
     def __init__(self, model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]],
-                 control: int) -> None:
+                 control: int, subnetworks: tuple[str, ...] = SUBNETWORKS) -> None:
         if not pairs:
             raise ValueError("calibration needs at least one sentence pair")
         self.model, self.pairs, self.control = model, pairs, control
-        self.full = self._ran(dict.fromkeys(SUBNETWORKS, ALL_GATES_ON))
+        self.subnetworks = subnetworks
+        self.full = self._ran(dict.fromkeys(subnetworks, ALL_GATES_ON))
 
     @torch.no_grad()
     def _ran(self, offsets: dict[str, float]) -> dict[str, int]:
-        totals = dict.fromkeys(SUBNETWORKS, 0)
+        totals = dict.fromkeys(self.subnetworks, 0)
         control = BudgetControl(self.control, offsets)
         for src, tgt_in in self.pairs:
             out = self.model(src, tgt_in, control)
@@ -104,7 +106,7 @@ class _Meter:
 
     def __call__(self, offsets: dict[str, float]) -> dict[str, float]:
         ran = self._ran(offsets)
-        return {k: ran[k] / self.full[k] for k in SUBNETWORKS}
+        return {k: ran[k] / self.full[k] for k in self.subnetworks}
 
 
 def _solve(f, target: float, tol: float, max_calls: int) -> tuple[float, float]:
@@ -141,28 +143,33 @@ def _solve(f, target: float, tol: float, max_calls: int) -> tuple[float, float]:
 
 
 def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], control: int,
-                     budget: tuple[float, float], *, tol: float = 0.005,
-                     max_calls: int = 16) -> BudgetCalibration:
+                     budget: tuple[float, ...], *, tol: float = 0.005,
+                     max_calls: int = 16,
+                     subnetworks: tuple[str, ...] = SUBNETWORKS) -> BudgetCalibration:
     """Offsets that bring the realized fractions of ``control`` on ``pairs`` to ``budget``.
 
     pairs: held-out ``(src (1, S), tgt_in (1, T))`` pairs, run teacher forced at batch 1
         (as :func:`~dynaseq.techniques.cct.layers.realized_fraction` measures).
-    budget: ``(encoder, decoder)`` target fractions in (0, 1].
+    budget: ``(encoder, decoder)`` target fractions in (0, 1], one per ``subnetworks``.
+    subnetworks: the gated sub-networks, in budget order (an encoder-only CCT: ``("encoder",)``
+        with ``pairs`` of ``(tokens (1, S), segments (1, S))``: any model called as
+        ``model(a, b, control)``).
     tol: stop a sub-network's search once within this of its target.
     max_calls: passes over ``pairs`` per sub-network at most.
     """
-    if len(budget) != 2 or not all(0 < b <= 1 for b in budget):
-        raise ValueError(f"a budget is an (encoder, decoder) pair of fractions in (0, 1], "
-                         f"got {budget}")
+    if len(budget) != len(subnetworks) or not all(0 < b <= 1 for b in budget):
+        what = ("an (encoder, decoder) pair of fractions" if subnetworks == SUBNETWORKS
+                else f"one fraction per sub-network {list(subnetworks)}")
+        raise ValueError(f"a budget is {what} in (0, 1], got {budget}")
     if not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol}")
     was_training = model.training
     model.eval()
     try:
-        meter = _Meter(model, pairs, control)
-        offsets = dict.fromkeys(SUBNETWORKS, 0.0)
+        meter = _Meter(model, pairs, control, subnetworks)
+        offsets = dict.fromkeys(subnetworks, 0.0)
         uncalibrated = meter(offsets)
-        for j, target in zip(SUBNETWORKS, budget, strict=True):
+        for j, target in zip(subnetworks, budget, strict=True):
             def f(x: float, j: str = j) -> float:
                 return meter({**offsets, j: x})[j]
 
@@ -176,7 +183,7 @@ def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], c
                              {k: round(v, 4) for k, v in uncalibrated.items()})
 
 
-def nearest_control(trained: Sequence[tuple[float, float]], budget: tuple[float, float]) -> int:
+def nearest_control(trained: Sequence[tuple[float, ...]], budget: tuple[float, ...]) -> int:
     """The trained budget closest to ``budget`` (Euclidean over (encoder, decoder)); ties go
     to the larger trained budget, then the first listed."""
     if not trained:

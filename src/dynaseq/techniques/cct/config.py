@@ -126,3 +126,73 @@ class CCTConfig:
         """The control symbol of each ``budgets`` entry (training draws entries uniformly)."""
         index = {pair: i for i, pair in enumerate(self.controls)}
         return [index[(float(e), float(d))] for e, d in self.budgets]
+
+
+#: The paper's budgets for CCT-BERT (Bapna et al. 2020, sec. 5): P_BERT.
+P_BERT = [0.8, 0.8, 0.8, 0.5, 0.33, 0.2]
+
+
+@dataclass
+class EncoderCCTConfig:
+    """A CCT in an encoder-only model (CCT-BERT, Bapna et al. 2020 sec. 5): the ``model.cct``
+    section of an ``mlm`` or ``classify`` run.
+
+    ``budgets``: one compute fraction per entry (encoder only); every training sequence draws
+    one entry uniformly, so repeats weigh it (default P_BERT = [.8, .8, .8, .5, .33, .2]: the
+    paper found that training p = 1.0 hurt the MLM loss, which it ascribes to the [MASK]
+    token's special role, sec. 8 (ii)). Each distinct value gets one control symbol
+    (:attr:`controls`). ``budget_weight`` is λ of eq. 8 (0.3 in pre-training; the paper
+    scales it to the task loss when fine-tuning, so set it per run). ``alpha_max``,
+    ``noise_ramp_steps`` (paper: 0 -> 5 over 300k steps), ``ffn_pieces`` (M = 4),
+    ``control_hidden``, ``budget_estimate``, ``control_init_std``, ``output_norms``,
+    ``budget_start_step`` and ``budget_ramp_steps`` as in :class:`CCTConfig` (the curriculum
+    gives the largest budget, the first entry, before the ramp).
+    """
+
+    ffn_pieces: int = 4
+    control_hidden: int = 128
+    alpha_max: float = 5.0
+    noise_ramp_steps: int = 10_000
+    budgets: list[float] = field(default_factory=lambda: list(P_BERT))
+    budget_weight: float = 0.3
+    budget_start_step: int = 0
+    budget_ramp_steps: int = 0
+    budget_estimate: str = "soft"
+    control_init_std: float = 1.0
+    output_norms: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive(self, "ffn_pieces", "control_hidden")
+        if not self.control_init_std >= 0:
+            raise ConfigError(f"control_init_std must be >= 0, got {self.control_init_std}")
+        if min(self.alpha_max, self.noise_ramp_steps, self.budget_weight,
+               self.budget_start_step, self.budget_ramp_steps) < 0:
+            raise ConfigError("alpha_max, noise_ramp_steps, budget_weight, budget_start_step "
+                              "and budget_ramp_steps must be >= 0")
+        if self.budget_estimate not in ("soft", "hard"):
+            raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
+                              f"{self.budget_estimate!r}")
+        if not self.budgets or not all(0.0 < b <= 1.0 for b in self.budgets):
+            raise ConfigError(f"budgets must list fractions in (0, 1], got {self.budgets}")
+        self.budgets = [float(b) for b in self.budgets]
+
+    @property
+    def controls(self) -> list[float]:
+        """The distinct budgets in first-seen order: control symbol i stands for
+        ``controls[i]``."""
+        return list(dict.fromkeys(self.budgets))
+
+    @property
+    def sampling_ids(self) -> list[int]:
+        """The control symbol of each ``budgets`` entry."""
+        return [self.controls.index(b) for b in self.budgets]
+
+    @property
+    def largest_control(self) -> int:
+        """The control id of the largest trained budget."""
+        c = self.controls
+        return max(range(len(c)), key=lambda i: (c[i], -i))
+
+    def sampled_share(self, step: int) -> float:
+        """The share of sequences that draw a budget at ``step`` (the rest: control 0)."""
+        return CCTConfig.sampled_share(self, step)  # the same curriculum

@@ -150,6 +150,16 @@ def seq2seq_budget_loss(aux: AuxOutputs, src: Tensor, tgt_in: Tensor, pad_id: in
                        reduce).loss
 
 
+def encoder_budget_loss(aux: AuxOutputs, valid: Tensor, control: Tensor,
+                        budgets: Tensor) -> Tensor:
+    """Budget loss (eq. 5-9, λ = 1) of one encoder-only forward pass (CCT-BERT).
+
+    valid (B, S): False at padding; control (B,): each row's control symbol; budgets (N,):
+    the budget of each symbol (one sub-network, the encoder)."""
+    terms = budget_terms(gate_traces(aux), {"encoder": valid}, ("encoder",))
+    return budget_loss(terms, control, budgets.reshape(-1, 1), 1.0).loss
+
+
 @torch.no_grad()
 def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
                       control: int | BudgetControl | Sequence[int | BudgetControl]

@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from dynaseq.core.config import TrainConfig
 from dynaseq.core.distributed import sum_over_ranks
-from dynaseq.techniques.cct.config import CCTConfig
+from dynaseq.techniques.cct.config import CCTConfig, EncoderCCTConfig
 from dynaseq.techniques.cct.gating import set_gate_step
-from dynaseq.techniques.cct.layers import seq2seq_budget_loss
+from dynaseq.techniques.cct.layers import encoder_budget_loss, seq2seq_budget_loss
 from dynaseq.techniques.cct.self_distill import inplace_distill_term
 
 
@@ -85,3 +85,41 @@ class CCTTraining:
                                   sum_over_ranks)
         extra = extra + self.cct.budget_weight * blo * n_tokens
         return extra, {"budget_loss": float(blo.detach()) * n_tokens}
+
+
+@dataclass
+class EncoderCCTTraining:
+    """CCT-BERT's training plug-in (Bapna et al. 2020 sec. 5) for the encoder tasks (MLM
+    pre-training and fine-tuning): the gates' step before each update (noise ramp), one
+    control symbol per sequence drawn from ``cct.budgets`` (from (seed, step, micro-batch),
+    as :func:`sample_controls`), and λ·L_c added to the task loss: ``L^mlm + λ L^c`` in
+    pre-training, λ scaled to the task loss when fine-tuning (the run's ``budget_weight``)."""
+
+    cct: EncoderCCTConfig
+    seed: int
+    sampling_ids: Tensor = field(init=False)
+    budgets: Tensor = field(init=False)  # (N,) budget per control symbol
+
+    def __post_init__(self) -> None:
+        self.sampling_ids = torch.tensor(self.cct.sampling_ids, dtype=torch.long)
+        self.budgets = torch.tensor(self.cct.controls, dtype=torch.float32)
+
+    @classmethod
+    def from_config(cls, cct: EncoderCCTConfig, train: TrainConfig) -> EncoderCCTTraining:
+        return cls(cct, train.seed)
+
+    def before_update(self, model: nn.Module, step: int) -> None:
+        set_gate_step(model, step)
+
+    def controls(self, n_rows: int, step: int, micro: int) -> Tensor:
+        """(n_rows,) control ids of micro-batch ``micro`` of update ``step``."""
+        return sample_controls(self.sampling_ids, n_rows, self.seed, step, micro,
+                               self.cct.sampled_share(step))
+
+    def loss(self, aux, valid: Tensor, control: Tensor, n_units: int
+             ) -> tuple[Tensor, dict[str, float]]:
+        """λ·L_c weighted by the micro-batch's loss units ``n_units`` (masked tokens, or
+        sequences), so the loop's division by the update's units averages it; and its
+        per-unit-sum log ``budget_loss`` (without λ)."""
+        blo = encoder_budget_loss(aux, valid, control, self.budgets.to(valid.device))
+        return self.cct.budget_weight * blo * n_units, {"budget_loss": float(blo.detach()) * n_units}

@@ -1,0 +1,115 @@
+"""``dynaseq profile`` for encoder runs (``mlm``, ``classify``): parameters, MACs per token
+(analytic, and measured by ``FlopCounterMode``), classification latency at batch 1 and
+throughput at batch 32.
+
+Analytic MACs of one S-token input (every gate on for a CCT; what ran is measured):
+
+* embeddings: look-ups 0; ALBERT's factorized embedding adds its projection E·d per token;
+* each layer application (shared layers count once per application): attention q/k/v/out
+  4·S·d², scores and values 2·S²·d, FFN 2·S·d·d_ff (CCT: plus its control nets);
+* head: classification pooler d² + classifier d·n_out per sequence; MLM d·E + E·V per token.
+
+Per token = the input's total / S. LayerNorm, softmax, GELU/tanh and biases are not counted
+(nor does the counter count them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from dynaseq.metrics.macs import _counter
+from dynaseq.metrics.profile import count_params
+
+
+def encoder_macs(model: nn.Module, n_tokens: int) -> dict[str, int]:
+    """Analytic MACs of one ``n_tokens`` input through ``model`` (an EncoderModel), by part
+    (summed over layers)."""
+    if n_tokens < 1:
+        raise ValueError("n_tokens must be >= 1")
+    s = n_tokens
+    enc = model.encoder
+    out: dict[str, int] = dict(enc.embeddings.macs(s))
+    for i in enc.plan:
+        layer = enc.layers[i]
+        for prefix, counts in (("self_attn", layer.self_attn.macs(s, s)),
+                               ("ffn", layer.ffn.macs(s))):
+            for k, v in counts.items():
+                out[f"{prefix}.{k}"] = out.get(f"{prefix}.{k}", 0) + v
+    out.update({f"head.{k}": v for k, v in model.head.macs(s).items()})
+    return out
+
+
+@torch.no_grad()
+def flop_counter_encoder_macs(model: nn.Module, tokens: torch.Tensor,
+                              control: Any = None) -> float:
+    """MACs FlopCounterMode measures for one eval forward pass of ``tokens`` (1, S)
+    (a CCT: what ran at ``control``)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with _counter() as fc:
+            model(tokens, torch.zeros_like(tokens), control)
+    finally:
+        model.train(was_training)
+    return fc.get_total_flops() / 2
+
+
+@torch.no_grad()
+def encoder_latency_ms(model: nn.Module, n_tokens: int, batch: int, repeats: int = 5,
+                       control: Any = None, seed: int = 0) -> float:
+    """Median wall time (ms) of one eval forward pass over ``batch`` random inputs of
+    ``n_tokens`` tokens each (after one warm-up)."""
+    device = next(model.parameters()).device
+    vocab = model.encoder.embeddings.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(7, vocab, (batch, n_tokens), generator=gen).to(device)
+    segments = torch.zeros_like(tokens)
+    was_training = model.training
+    model.eval()
+    times = []
+    try:
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(tokens, segments, control)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        model.train(was_training)
+    return 1000.0 * statistics.median(times)
+
+
+def profile_encoder(model: nn.Module, lengths: tuple[int, ...] = (32, 128),
+                    batches: tuple[int, int] = (1, 32), repeats: int = 5,
+                    control: Any = None, latency: bool = True) -> dict[str, Any]:
+    """Params; per input length: analytic MACs per token (all gates on), the flop counter's
+    (what ran at ``control``), batch-1 latency (ms) and batch-32 throughput (sentences/s)."""
+    device = next(model.parameters()).device
+    vocab = model.encoder.embeddings.vocab_size
+    result: dict[str, Any] = {"params": count_params(model), "device": str(device),
+                              "threads": torch.get_num_threads(), "lengths": {}}
+    gen = torch.Generator().manual_seed(0)
+    for s in lengths:
+        tokens = torch.randint(7, vocab, (1, s), generator=gen).to(device)
+        analytic = encoder_macs(model, s)
+        row: dict[str, Any] = {
+            "macs_per_token": sum(analytic.values()) / s,
+            "macs_per_token_flop_counter": flop_counter_encoder_macs(model, tokens, control) / s,
+            "macs_breakdown_per_token": {k: v / s for k, v in analytic.items()},
+        }
+        if latency:
+            b1, bn = batches
+            row[f"latency_ms_b{b1}"] = encoder_latency_ms(model, s, b1, repeats, control)
+            ms = encoder_latency_ms(model, s, bn, repeats, control)
+            row[f"latency_ms_b{bn}"] = ms
+            row[f"sentences_per_s_b{bn}"] = bn / (ms / 1000.0)
+        result["lengths"][str(s)] = row
+    return result

@@ -1,0 +1,265 @@
+"""Pre-LayerNorm Transformer encoder (BERT-style) with ALBERT options, and its two heads.
+
+The model composes blocks it is given (the encoder tasks wire them from their config:
+:func:`dynaseq.tasks.encoder.model.build_encoder_model`); nothing here reads a config.
+
+* :class:`EncoderEmbeddings`: token + learned position + segment embeddings of width E,
+  LayerNorm, and, when E < d (ALBERT's factorized embedding, Lan et al. 2020 sec. 3.1),
+  a projection E -> d. Parameters ``V·E + E·d`` instead of ``V·d``.
+* :class:`TransformerEncoder`: the embeddings, a stack of pre-LN
+  :class:`~dynaseq.nn.EncoderLayer` s whose sub-layers were built elsewhere (dense, or the
+  CCT's gated ones), and a final LayerNorm. Cross-layer parameter sharing (ALBERT sec. 3.1)
+  is a ``plan``: position i of the ``depth`` applications runs layer module ``plan[i]``, so
+  ``plan = [0] * L`` shares one layer across all positions, ``[0, 0, 1, 1]`` two groups.
+* :class:`MLMHead`: ``LN(GELU(h W_t)) E_tok^T + b`` at the masked positions, the output
+  matrix tied to the token embedding (width E, so factorized models stay tied);
+* :class:`ClassificationHead`: the BERT pooler ``tanh(h_[CLS] W_p)`` (first token), dropout
+  and a linear layer to the task's labels (1 output for a regression).
+
+:class:`EncoderModel` joins an encoder, one head and, for a CCT, the control-symbol
+embedding: each row's budget is an argument of the call (control ids, or a
+:class:`~dynaseq.techniques.cct.gating.BudgetControl` with per-row gate offsets), added to
+every token's input like the seq2seq encoder's control symbol; nothing is stored.
+
+Example::
+
+    out = model(tokens, segments)              # tokens, segments (B, S) long
+    out.logits                                  # classification (B, n_out) / MLM (N, V)
+    model(tokens, segments, control=2)          # a CCT at its third trained budget
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dynaseq.nn import AuxOutputs, EncoderLayer, padding_to_attn_mask
+from dynaseq.techniques.cct.gating import BudgetControl
+
+ENCODER_SUBNETWORKS = ("encoder",)
+"""The gated sub-network of an encoder-only CCT (the first component of its gates' paths)."""
+
+Control = Tensor | int | BudgetControl | None
+"""A call's budget: (B,) control-symbol ids, one id, a :class:`BudgetControl`, or None."""
+
+
+class EncoderEmbeddings(nn.Module):
+    """tokens, segments (B, S) long -> (B, S, d): ``proj(LN(E_tok[x] + E_pos[t] + E_seg[s]))``.
+
+    ``embedding_dim`` E < ``d_model`` adds the projection E -> d (ALBERT's factorization);
+    E == d has none. Weights ~ N(0, 0.02²) as in BERT; the pad row is zero.
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int, d_model: int, max_positions: int,
+                 n_segments: int, pad_id: int) -> None:
+        super().__init__()
+        if embedding_dim > d_model:
+            raise ValueError(f"embedding_dim={embedding_dim} must be <= d_model={d_model}")
+        self.tokens = nn.Embedding(vocab_size, embedding_dim, padding_idx=pad_id)
+        self.positions = nn.Embedding(max_positions, embedding_dim)
+        self.segments = nn.Embedding(n_segments, embedding_dim)
+        for emb in (self.tokens, self.positions, self.segments):
+            nn.init.normal_(emb.weight, std=0.02)
+        with torch.no_grad():
+            self.tokens.weight[pad_id].zero_()
+        self.norm = nn.LayerNorm(embedding_dim)
+        self.proj = nn.Linear(embedding_dim, d_model) if embedding_dim < d_model else None
+        self.pad_id = pad_id
+
+    @property
+    def max_positions(self) -> int:
+        return self.positions.num_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokens.num_embeddings
+
+    def forward(self, tokens: Tensor, segments: Tensor | None = None) -> Tensor:
+        s = tokens.size(1)
+        if s > self.max_positions:
+            raise ValueError(f"{s} tokens exceed max_positions={self.max_positions}")
+        x = self.tokens(tokens) + self.positions.weight[:s]  # (B, S, E)
+        if segments is not None:
+            x = x + self.segments(segments)
+        else:
+            x = x + self.segments.weight[0]
+        x = self.norm(x)
+        return x if self.proj is None else self.proj(x)  # (B, S, d)
+
+    def macs(self, n_tokens: int) -> dict[str, int]:
+        """Look-ups are free; the factorization's projection costs ``E·d`` per token."""
+        if self.proj is None:
+            return {"embedding": 0}
+        return {"embedding": 0,
+                "embedding_proj": n_tokens * self.proj.in_features * self.proj.out_features}
+
+
+class TransformerEncoder(nn.Module):
+    """tokens (B, S) -> hidden states (B, S, d): embeddings, ``len(plan)`` layer applications,
+    final LayerNorm (pre-LN).
+
+    ``layers``: the distinct layer modules; ``plan[i]``: which one runs at depth i (default
+    one each, no sharing). A shared layer's parameters count once and its gated sub-layers
+    report one trace per application.
+    """
+
+    def __init__(self, embeddings: EncoderEmbeddings, layers: list[EncoderLayer],
+                 d_model: int, plan: list[int] | None = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+        self.layers = nn.ModuleList(layers)
+        self.plan = list(range(len(layers))) if plan is None else list(plan)
+        if not self.plan or sorted(set(self.plan)) != list(range(len(layers))):
+            raise ValueError(f"plan {self.plan} must use each of the {len(layers)} layers")
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def depth(self) -> int:
+        return len(self.plan)
+
+    def forward(self, tokens: Tensor, segments: Tensor | None = None,
+                control: Tensor | None = None, gate_offset: Tensor | None = None,
+                aux: AuxOutputs | None = None) -> tuple[Tensor, Tensor]:
+        """Returns (hidden (B, S, d), pad_mask (B, S) bool, True at padding).
+
+        control: (B, 1, d) control-symbol embedding added to every token's input (CCT);
+        gate_offset: (B,) per-row offsets of the gates (a calibrated budget)."""
+        pad_mask = tokens.eq(self.embeddings.pad_id)
+        x = self.embeddings(tokens, segments)
+        if control is not None:
+            x = x + control
+        x = self.dropout(x)
+        # (B, 1, 1, S); None without padding, so attention can take its fused kernel
+        mask = padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
+        for i in self.plan:
+            x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset)
+        return self.norm(x), pad_mask
+
+
+class MLMHead(nn.Module):
+    """h (N, d) -> logits (N, V) = ``LN(GELU(h W_t + b_t)) E_tok^T + b`` (BERT's MLM head;
+    the output matrix is the token embedding ``E_tok`` (V, E), tied)."""
+
+    def __init__(self, d_model: int, token_embedding: nn.Embedding) -> None:
+        super().__init__()
+        e = token_embedding.embedding_dim
+        self.transform = nn.Linear(d_model, e)
+        self.norm = nn.LayerNorm(e)
+        self.decoder_weight = token_embedding.weight  # tied: the same Parameter
+        self.bias = nn.Parameter(torch.zeros(token_embedding.num_embeddings))
+
+    def forward(self, hidden: Tensor, select: Tensor | None = None) -> Tensor:
+        """hidden (B, S, d), select (B, S) bool (default all) -> (N, V), N selected."""
+        h = hidden[select] if select is not None else hidden.reshape(-1, hidden.size(-1))
+        h = self.norm(nn.functional.gelu(self.transform(h)))
+        return nn.functional.linear(h, self.decoder_weight, self.bias)
+
+    def macs(self, n_tokens: int) -> dict[str, int]:
+        v, e = self.decoder_weight.shape
+        return {"mlm_transform": n_tokens * self.transform.in_features * e,
+                "mlm_output": n_tokens * e * v}
+
+
+class ClassificationHead(nn.Module):
+    """hidden (B, S, d) -> logits (B, n_out): pooler ``tanh(h_0 W_p + b_p)`` on the first
+    ([CLS]) token, dropout, ``W_o`` (BERT sec. 4.1). ``n_out`` = 1 for a regression."""
+
+    def __init__(self, d_model: int, n_out: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.pooler = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.out = nn.Linear(d_model, n_out)
+        nn.init.normal_(self.out.weight, std=0.02)
+        nn.init.zeros_(self.out.bias)
+
+    @property
+    def n_out(self) -> int:
+        return self.out.out_features
+
+    def forward(self, hidden: Tensor, select: Tensor | None = None) -> Tensor:
+        """``select`` is ignored (every row is classified)."""
+        pooled = torch.tanh(self.pooler(hidden[:, 0]))  # (B, d)
+        return self.out(self.dropout(pooled))
+
+    def macs(self, n_tokens: int = 1) -> dict[str, int]:
+        """Per sequence, whatever its ``n_tokens`` (the pooler runs on the first token)."""
+        d = self.pooler.in_features
+        return {"pooler": d * d, "classifier": d * self.n_out}
+
+
+@dataclass
+class EncoderModelOutput:
+    """hidden: (B, S, d) final states; pad_mask: (B, S) True at padding; logits: the head's
+    output (MLM: (N, V) at the ``select`` positions; classification: (B, n_out));
+    aux: auxiliary losses and traces (CCT gates, realized MACs)."""
+
+    hidden: Tensor
+    pad_mask: Tensor
+    logits: Tensor
+    aux: AuxOutputs = field(default_factory=AuxOutputs)
+
+
+class EncoderModel(nn.Module):
+    """An encoder with one head (:class:`MLMHead` or :class:`ClassificationHead`) and, for a
+    CCT, ``control_embed`` (one row per trained budget).
+
+    ``forward(tokens, segments=None, control=None, select=None)``: tokens, segments (B, S);
+    ``select`` (B, S) bool: the positions the MLM head scores (default all).
+    """
+
+    def __init__(self, encoder: TransformerEncoder, head: nn.Module,
+                 control_embed: nn.Embedding | None = None) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+        self.control_embed = control_embed
+
+    @property
+    def pad_id(self) -> int:
+        return self.encoder.embeddings.pad_id
+
+    @property
+    def n_controls(self) -> int:
+        return 0 if self.control_embed is None else self.control_embed.num_embeddings
+
+    def _control(self, control: Control, batch: int,
+                 device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """(B, 1, d) control embeddings and (B,) gate offsets (or None) of a call."""
+        offsets: dict[str, Tensor] = {}
+        if isinstance(control, BudgetControl):
+            offsets = control.row_offsets(batch, device, ENCODER_SUBNETWORKS)
+            control = control.ids
+        if self.control_embed is None:
+            if control is not None or offsets:
+                raise ValueError("this model has no control symbols (no compute budget)")
+            return None, None
+        if control is None:
+            raise ValueError(f"this model needs a control symbol id in [0, {self.n_controls})")
+        if isinstance(control, int):
+            if not 0 <= control < self.n_controls:
+                raise ValueError(f"control symbol {control} is not in [0, {self.n_controls})")
+            control = torch.full((batch,), control, dtype=torch.long, device=device)
+            # a look-up, not a view of the weight (a view made under no_grad would still
+            # require grad, which FlopCounterMode's module hooks refuse)
+            emb = self.control_embed(control).unsqueeze(1)
+        else:
+            if control.shape != (batch,):
+                raise ValueError(f"control ids must be one per row, shape ({batch},), got "
+                                 f"{tuple(control.shape)}")
+            emb = self.control_embed(control.to(device)).unsqueeze(1)  # (B, 1, d)
+        return emb, offsets.get("encoder")
+
+    def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
+               aux: AuxOutputs | None = None) -> tuple[Tensor, Tensor]:
+        """(hidden (B, S, d), pad_mask (B, S))."""
+        emb, offset = self._control(control, tokens.size(0), tokens.device)
+        return self.encoder(tokens, segments, emb, offset, aux)
+
+    def forward(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
+                select: Tensor | None = None) -> EncoderModelOutput:
+        aux = AuxOutputs()
+        hidden, pad_mask = self.encode(tokens, segments, control, aux)
+        return EncoderModelOutput(hidden, pad_mask, self.head(hidden, select), aux)

@@ -1,0 +1,1 @@
+"""Sentence (pair) classification and regression with an encoder (``task: classify``)."""

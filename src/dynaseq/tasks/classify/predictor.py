@@ -1,0 +1,248 @@
+"""Load a fine-tuned run and classify sentences (or pairs) with it, or evaluate it on a
+labelled file with the task's official metrics.
+
+Example::
+
+    import dynaseq
+    c = dynaseq.load("runs/sst2_small")                        # a Classifier
+    c.classify(["a charming journey", "bleak and desperate"])  # ["1", "0"]
+    c.classify(["A man plays.\tA person plays."])              # a pair task: tab-separated
+    c.classify(lines, budget=0.5)                              # CCT-BERT: a trained budget
+    c.evaluate("glue/SST-2/dev.tsv")                           # {"accuracy": ..., ...}
+
+A budget is an argument of each call (one for every line, or a list with one per line),
+looked up per row and never written into the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from dynaseq.core import checkpoint as ckpt
+from dynaseq.core.distributed import pick_device
+from dynaseq.core.errors import DynaseqError
+from dynaseq.core.rundir import open_run
+from dynaseq.metrics.classification import classification_metrics, regression_metrics
+from dynaseq.models.encoder import EncoderModel
+from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
+from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
+from dynaseq.tasks.classify.glue import Examples, TableLayout, read_table
+from dynaseq.tasks.encoder.budget import (
+    Budget,
+    Budgets,
+    as_fraction,
+    control_for,
+    nearest_trained,
+    trained_budget,
+)
+from dynaseq.tasks.encoder.calibration_file import read_calibrations, write_calibrations
+from dynaseq.tasks.encoder.model import build_encoder_model
+from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
+from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budget
+from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
+from dynaseq.techniques.cct.layers import realized_macs_by_layer
+
+Control = int | Tensor | BudgetControl | None
+"""One control for every row (an id, or a :class:`BudgetControl` with float offsets), one per
+row (``(N,)`` ids, or a BudgetControl with ``(N,)`` ids and offsets), or None (dense)."""
+
+
+def _rows_control(control: Control, idx: list[int], device: torch.device) -> Control:
+    index = torch.tensor(idx, device=device)
+    if isinstance(control, BudgetControl):
+        return control.select(index)
+    if isinstance(control, Tensor):
+        return control.to(device).index_select(0, index)
+    return control
+
+
+@torch.no_grad()
+def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
+                   device: torch.device, control: Control = None,
+                   compute: dict[str, int] | None = None) -> Tensor:
+    """(N, n_out) logits of the rows, in batches of similar length (output in row order).
+
+    ``compute`` (CCT models): receives ``ran`` and ``full``, the MACs the gated sub-layers
+    executed and would execute with every gate on, over the same batches."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+    out = torch.empty(len(rows), model.head.n_out)
+    try:
+        for i in range(0, len(order), batch_size):
+            idx = order[i:i + batch_size]
+            tokens, segments = (t.to(device) for t in
+                                collate_rows([rows[j] for j in idx], model.pad_id))
+            rows_control = _rows_control(control, idx, device)
+            res = model(tokens, segments, rows_control)
+            out[torch.tensor(idx)] = res.logits.float().cpu()
+            if compute is not None:
+                ids = (rows_control.ids if isinstance(rows_control, BudgetControl)
+                       else rows_control)
+                opened = BudgetControl(ids, {"encoder": ALL_GATES_ON})
+                full = model(tokens, segments, opened)
+                for key, aux in (("ran", res.aux), ("full", full.aux)):
+                    compute[key] = compute.get(key, 0) + sum(
+                        sum(c.values()) for c in realized_macs_by_layer(aux).values())
+                compute["tokens"] = compute.get("tokens", 0) + int(tokens.ne(model.pad_id).sum())
+    finally:
+        model.train(was_training)
+    return out
+
+
+def decide(logits: Tensor, layout: TableLayout) -> list[str] | list[float]:
+    """Each row's label (argmax, in ``layout.labels``) or score (a regression)."""
+    if layout.regression:
+        return [float(x) for x in logits[:, 0]]
+    return [layout.labels[int(i)] for i in logits.argmax(-1)]
+
+
+def task_metrics(layout: TableLayout, gold: list, pred: list) -> dict[str, float]:
+    """The layout's official metrics of ``pred`` against ``gold``."""
+    if layout.regression:
+        return regression_metrics(gold, pred, layout.metrics)
+    return classification_metrics(gold, pred, layout.metrics, layout.positive)
+
+
+@dataclass
+class Classifier:
+    """A fine-tuned encoder with its vocabulary, config, checkpoint and table layout;
+    ``calibrations``: the run's ``calibration.json`` for this checkpoint (CCT-BERT)."""
+
+    #: the run files an exported model carries besides config and weights (the vocabulary)
+    EXPORT_FILES: ClassVar[tuple[str, ...]] = (SPM_FILE, "spm.vocab")
+
+    model: EncoderModel
+    vocab: EncoderVocab
+    config: ClassifyRunConfig
+    checkpoint: Path
+    device: torch.device
+    calibrations: list[BudgetCalibration] = field(default_factory=list)
+
+    def _control(self, budget: Budgets, n_rows: int) -> Control:
+        return control_for(self.config.model, budget, n_rows, self.device, self.calibrations)
+
+    def _budget(self, budget: Budget) -> float | None:
+        return trained_budget(self.config.model, budget, self.calibrations)
+
+    @property
+    def layout(self) -> TableLayout:
+        return self.config.data.layout()
+
+    @classmethod
+    def load(cls, run_dir: str | Path, checkpoint: str = "auto",
+             device: str = "auto") -> Classifier:
+        run, cfg = open_run(run_dir, {TASK: ClassifyRunConfig}, "classification")
+        vocab = EncoderVocab.load(run / SPM_FILE)
+        path = ckpt.resolve_checkpoint(run, checkpoint)
+        dev = pick_device(device)
+        layout = cfg.data.layout()
+        if layout.n_outputs < 1:
+            raise DynaseqError(f"{run}: the config has no label set")
+        model = build_encoder_model(cfg.model, vocab.size, layout.n_outputs, vocab.pad_id)
+        ckpt.load_weights(model, path)
+        return cls(model.to(dev).eval(), vocab, cfg, path, dev,
+                   read_calibrations(run, path, model.n_controls))
+
+    def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
+        """Examples of the non-empty inputs and their indices. A pair task needs two
+        tab-separated sentences (or a tuple) per line, a single-sentence task one."""
+        layout = self.layout
+        a, b, keep = [], [], []
+        for n, line in enumerate(lines):
+            parts = list(line) if isinstance(line, tuple) else line.split("\t")
+            if layout.is_pair and len(parts) != 2 and any(p.strip() for p in parts):
+                raise DynaseqError(f"line {n + 1}: {layout.name} is a sentence-pair task: give "
+                                   f"two tab-separated sentences per line")
+            if not layout.is_pair and len(parts) != 1:
+                raise DynaseqError(f"line {n + 1}: {layout.name} takes one sentence per line, "
+                                   f"got {len(parts)} tab-separated fields")
+            if not all(p.strip() for p in parts):
+                continue  # an empty sentence: counted and skipped
+            keep.append(n)
+            a.append(parts[0].strip())
+            if layout.is_pair:
+                b.append(parts[1].strip())
+        return Examples(a, b if layout.is_pair else None, skipped=len(lines) - len(keep)), keep
+
+    def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
+                 batch_size: int | None = None) -> list[str | float | None]:
+        """A label (or a regression score) per line, in order; None for an empty line.
+
+        ``budget`` (CCT models): a trained budget for every line, or a list, one per line
+        (the lines are batched together whatever their budgets)."""
+        control = self._control(budget, len(lines))
+        ex, keep = self._examples(lines)
+        out: list[str | float | None] = [None] * len(lines)
+        if not keep:
+            return out
+        if isinstance(budget, list):
+            control = _rows_control(control, keep, self.device)
+        rows = encode_examples(self.vocab, ex, self.config.data.max_len)
+        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
+                                self.device, control)
+        for i, value in zip(keep, decide(logits, self.layout), strict=True):
+            out[i] = value
+        return out
+
+    def evaluate(self, path: str | Path, budget: Budgets = None,
+                 batch_size: int | None = None) -> dict[str, object]:
+        """The official metrics on a labelled file in the run's layout (GLUE dev.tsv), the
+        rows skipped for an empty sentence, and for a CCT model the budget and the compute
+        its gated sub-layers really ran (``realized_fraction`` of all gates on,
+        ``realized_macs_per_token`` over the non-padding tokens)."""
+        layout = self.layout
+        ex = read_table(path, layout)
+        if not len(ex):
+            raise DynaseqError(f"{path}: every row has an empty sentence")
+        control = self._control(budget, len(ex))
+        rows = encode_examples(self.vocab, ex, self.config.data.max_len)
+        compute: dict[str, int] | None = {} if self.config.model.cct is not None else None
+        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
+                                self.device, control, compute)
+        result: dict[str, object] = {
+            "task": layout.name, "path": str(path),
+            **task_metrics(layout, ex.targets(), decide(logits, layout)),
+            "n_examples": len(ex), "skipped": ex.skipped, "checkpoint": str(self.checkpoint)}
+        if compute is not None:
+            result["budget"] = ([self._budget(b) for b in budget] if isinstance(budget, list)
+                                else self._budget(budget))
+            result["realized_fraction"] = compute["ran"] / compute["full"]
+            result["realized_macs_per_token"] = compute["ran"] / compute["tokens"]
+        return result
+
+    def calibrate(self, path: str | Path, budgets: list[float] | None = None,
+                  lines: int = 300, tol: float = 0.005) -> list[BudgetCalibration]:
+        """Fit one gate offset per budget so that its realized compute on the first
+        ``lines`` rows of ``path`` (batch 1) meets it
+        (:func:`~dynaseq.techniques.cct.calibration.calibrate_budget`), keep them on this
+        classifier and return them. ``budgets``: default every trained one; an untrained
+        budget starts from the nearest trained control symbol. :meth:`save_calibration`
+        keeps them with the run."""
+        cct = self.config.model.cct
+        if cct is None:
+            raise DynaseqError("this is a dense encoder, which has no compute-budget knob to "
+                               "calibrate")
+        ex = read_table(path, self.layout, labelled=False)
+        rows = encode_examples(self.vocab, ex, self.config.data.max_len)[:lines]
+        if not rows:
+            raise DynaseqError(f"{path}: nothing to calibrate on (every row is empty)")
+        pairs = [(torch.tensor([ids], device=self.device),
+                  torch.tensor([segs], device=self.device)) for ids, segs in rows]
+        targets = cct.controls if budgets is None else [as_fraction(b) for b in budgets]
+        fitted = [calibrate_budget(self.model, pairs, nearest_trained(self.config.model, b),
+                                   (b,), tol=tol, subnetworks=("encoder",)) for b in targets]
+        kept = [c for c in self.calibrations
+                if not any(abs(c.budget[0] - f.budget[0]) < 1e-6 for f in fitted)]
+        self.calibrations = kept + fitted
+        return fitted
+
+    def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:
+        """Write :attr:`calibrations` to ``run_dir/calibration.json``, tied to the loaded
+        checkpoint."""
+        return write_calibrations(Path(run_dir), self.checkpoint, self.calibrations, data or {})

@@ -1,0 +1,221 @@
+"""Fine-tuning an encoder on a labelled table (GLUE) as a
+:class:`~dynaseq.tasks.protocol.Task`.
+
+Data: ``data.train`` / ``data.valid`` in the layout of ``data.glue_task`` or
+``data.columns`` (:mod:`~dynaseq.tasks.classify.glue`; rows with an empty sentence are
+counted and skipped), encoded as ``[CLS] a [SEP] (b [SEP])`` with segments 0/1, shuffled per
+epoch from the seed, ``data.batch_size`` sentences per micro-batch.
+
+Model: from scratch (a SentencePiece model trained on the training sentences), or from a
+pre-trained ``mlm`` run (``train.init_from``): its ``spm.model`` is copied into the run and
+its encoder weights (embeddings, layers, control symbols) are loaded under a new
+classification head. The pre-trained run's model section must have the same dimensions
+(:meth:`~dynaseq.tasks.encoder.config.EncoderModelConfig.architecture`), else the run is
+refused before anything is written.
+
+Loss: cross-entropy (or squared error for a regression) summed over the sentences, plus each
+technique's term (CCT-BERT: budgets drawn per sentence, λ·L_c with the run's λ, scaled to
+the task loss). Validation: the task's official metrics at the largest trained budget;
+``best/`` keeps the first metric (CoLA: MCC, MRPC/QQP: F1, STS-B: Pearson, else accuracy).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dynaseq.core import checkpoint as ckpt
+from dynaseq.core.config import from_dict, read_yaml
+from dynaseq.core.distributed import DistEnv, barrier
+from dynaseq.core.errors import ConfigError, DynaseqError
+from dynaseq.core.runlog import RunLog
+from dynaseq.tasks.classify.config import ClassifyRunConfig
+from dynaseq.tasks.classify.data import collate_rows, encode_examples, target_tensor
+from dynaseq.tasks.classify.glue import read_table
+from dynaseq.tasks.classify.predictor import decide, predict_logits, task_metrics
+from dynaseq.tasks.encoder.config import EncoderModelConfig
+from dynaseq.tasks.encoder.model import build_encoder_model
+from dynaseq.tasks.encoder.training import draw_controls, largest_control, techniques_for
+from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
+from dynaseq.tasks.protocol import LossTerms, Update
+
+#: The weights a pre-trained run gives a fine-tuned model (its MLM head is left behind).
+PRETRAINED_PREFIXES = ("encoder.", "control_embed.")
+
+
+@dataclass
+class ClassifyMicro:
+    """One micro-batch: this rank's rows, their targets and control ids (CCT) or None."""
+
+    tokens: Tensor
+    segments: Tensor
+    targets: Tensor
+    control: Tensor | None
+
+
+def check_pretrained(init_from: str, model: EncoderModelConfig) -> tuple[Path, Path]:
+    """The pre-trained run's vocabulary and checkpoint, after checking that its encoder has
+    this config's dimensions (one-line ConfigError naming the first difference)."""
+    run = Path(init_from)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"train.init_from {run} is not a run directory (no config.yaml)")
+    raw = read_yaml(run / "config.yaml")
+    if raw.get("task") not in ("mlm", "classify"):
+        raise ConfigError(f"train.init_from {run} is a {raw.get('task', 'seq2seq')} run; "
+                          "fine-tuning starts from an mlm (or classify) run")
+    theirs = from_dict(EncoderModelConfig, raw.get("model", {}), "model.").architecture()
+    ours = model.architecture()
+    for key, value in ours.items():
+        if theirs.get(key) != value:
+            raise ConfigError(f"train.init_from {run} has model.{key}={theirs.get(key)}, this "
+                              f"config {value}: the encoder's dimensions must match")
+    spm = run / SPM_FILE
+    if not spm.is_file():
+        raise ConfigError(f"train.init_from {run} has no {SPM_FILE}")
+    return spm, ckpt.resolve_checkpoint(run, "auto")
+
+
+class ClassifyTask:
+    """See the module doc. ``cfg``: a :class:`ClassifyRunConfig`; ``hooks`` must be None.
+
+    Construction reads and checks the tables and the pre-trained run (nothing written)."""
+
+    def __init__(self, cfg: ClassifyRunConfig, hooks: None = None) -> None:
+        if hooks is not None:
+            raise ConfigError("fine-tuning takes no hooks")
+        if cfg.data.train is None:
+            raise ConfigError("data.train is required for training")
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        layout = cfg.data.layout()
+        self.train_ex = read_table(cfg.data.train, layout)
+        if not len(self.train_ex):
+            raise ConfigError(f"{cfg.data.train}: every row has an empty sentence")
+        if layout.labels is None and not layout.regression:  # a column spec: learn the set
+            cfg.data.columns.labels = sorted(set(self.train_ex.labels))
+            if len(cfg.data.columns.labels) < 2:
+                raise ConfigError(f"{cfg.data.train} holds one label only: nothing to learn")
+            layout = cfg.data.layout()
+        self.layout = layout
+        self.valid_ex = None if cfg.data.valid is None else read_table(cfg.data.valid, layout)
+        self.pretrained = (None if cfg.train.init_from is None
+                           else check_pretrained(cfg.train.init_from, cfg.model))
+        spm_path = self.run_dir / SPM_FILE
+        if self.pretrained is not None and spm_path.is_file() and (
+                spm_path.read_bytes() != self.pretrained[0].read_bytes()):
+            raise ConfigError(f"{spm_path} is not the vocabulary of train.init_from "
+                              f"{cfg.train.init_from} (use a new run_dir)")
+        self.techniques = techniques_for(cfg.model, cfg.train)
+        self.model: nn.Module | None = None
+
+    def prepare(self, env: DistEnv, device: torch.device, log: RunLog) -> None:
+        cfg = self.cfg
+        spm_path = self.run_dir / SPM_FILE
+        if env.is_main and not spm_path.is_file():
+            if self.pretrained is not None:
+                shutil.copyfile(self.pretrained[0], spm_path.with_suffix(".tmp"))
+                spm_path.with_suffix(".tmp").replace(spm_path)
+            else:
+                ex = self.train_ex
+                EncoderVocab.train(ex.text_a + (ex.text_b or []), spm_path,
+                                   cfg.data.vocab_size, cfg.data.spm_model_type)
+        barrier(env)
+        self.vocab = EncoderVocab.load(spm_path)
+        self.rows = encode_examples(self.vocab, self.train_ex, cfg.data.max_len)
+        self.targets = target_tensor(self.train_ex, self.layout)
+        log.write("data", split="train", examples=len(self.rows), skipped=self.train_ex.skipped,
+                  vocab=self.vocab.size)
+        if self.valid_ex is not None:
+            self.valid_rows = encode_examples(self.vocab, self.valid_ex, cfg.data.max_len)
+            log.write("data", split="valid", examples=len(self.valid_rows),
+                      skipped=self.valid_ex.skipped)
+        self.device = device
+        self._order: tuple[int, Tensor] | None = None
+        torch.manual_seed(cfg.train.seed)
+        model = build_encoder_model(cfg.model, self.vocab.size, self.layout.n_outputs,
+                                    self.vocab.pad_id)
+        if self.pretrained is not None:
+            try:
+                loaded = ckpt.load_weights_prefixed(model, self.pretrained[1],
+                                                    PRETRAINED_PREFIXES)
+            except DynaseqError as e:
+                raise ConfigError(f"train.init_from: {e}") from None
+            log.write("init_from", run=cfg.train.init_from, checkpoint=str(self.pretrained[1]),
+                      tensors=len(loaded))
+        self.model = model.to(device)
+
+    def _epoch_order(self, epoch: int) -> Tensor:
+        if self._order is None or self._order[0] != epoch:
+            gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + epoch)
+            self._order = (epoch, torch.randperm(len(self.rows), generator=gen))
+        return self._order[1]
+
+    def n_updates(self, epoch: int) -> int:
+        per_update = self.cfg.data.batch_size * self.cfg.train.update_freq
+        return -(-len(self.rows) // per_update)
+
+    def update(self, epoch: int, pos: int, step: int, env: DistEnv) -> Update:
+        bs, f = self.cfg.data.batch_size, self.cfg.train.update_freq
+        order = self._epoch_order(epoch)
+        for t in self.techniques:
+            t.before_update(self.model, step)
+        micro, n_rows = [], 0
+        for i in range(f):
+            idx = order[(pos * f + i) * bs:(pos * f + i + 1) * bs]
+            if idx.numel() == 0:
+                break
+            n_rows += idx.numel()
+            control = draw_controls(self.techniques, idx.numel(), step, i)
+            mine = idx[env.rank::env.world_size].tolist()
+            tokens, segments = collate_rows([self.rows[j] for j in mine], self.vocab.pad_id)
+            if control is not None:
+                control = control[env.rank::env.world_size].to(self.device)
+            micro.append(ClassifyMicro(tokens.to(self.device), segments.to(self.device),
+                                       self.targets[mine].to(self.device), control))
+        return Update(micro, n_rows)
+
+    def forward(self, model: nn.Module, micro: ClassifyMicro) -> Any:
+        return model(micro.tokens, micro.segments, micro.control)
+
+    def loss(self, out: Any, micro: ClassifyMicro, step: int) -> LossTerms:
+        if self.layout.regression:
+            nll = nn.functional.mse_loss(out.logits[:, 0], micro.targets, reduction="sum")
+        else:
+            nll = nn.functional.cross_entropy(out.logits, micro.targets, reduction="sum",
+                                              label_smoothing=self.cfg.train.label_smoothing)
+        n = micro.targets.numel()
+        loss = nll
+        for aux_loss in out.aux.losses.values():
+            loss = loss + aux_loss
+        logs: dict[str, float] = {}
+        for t in self.techniques:
+            extra, extra_logs = t.loss(out.aux, micro.tokens.ne(self.vocab.pad_id),
+                                       micro.control, n)
+            loss = loss + extra
+            logs.update(extra_logs)
+        return LossTerms(loss, float(nll.detach()), n, logs)
+
+    def after_update(self, out: Any, micro: ClassifyMicro) -> None:
+        pass
+
+    def validate(self, model: nn.Module) -> dict[str, float]:
+        if self.valid_ex is None or not len(self.valid_ex):
+            return {}
+        logits = predict_logits(model, self.valid_rows, 64, self.device,
+                                largest_control(self.cfg.model))
+        return task_metrics(self.layout, self.valid_ex.targets(), decide(logits, self.layout))
+
+    def score(self, metrics: dict[str, float]) -> float | None:
+        main = self.layout.metrics[0]
+        return metrics.get(main)
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        pass

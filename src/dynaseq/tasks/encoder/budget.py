@@ -1,0 +1,111 @@
+"""A call's compute budget for an encoder run: a trained or calibrated CCT budget -> the
+``control`` argument of the model call.
+
+A budget is an argument of each call, one for every row or a list with one per row; it is
+looked up per row and passed to the model (never written into it), so one batch may hold
+rows at different budgets. A calibrated budget (``dynaseq calibrate``, trained or not) runs
+with its control symbol and its gate offset (:class:`~dynaseq.techniques.cct.gating.
+BudgetControl`); a trained one with its control symbol alone. Dense encoders take no budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from dynaseq.core.errors import DynaseqError
+from dynaseq.tasks.encoder.config import EncoderModelConfig
+from dynaseq.techniques.cct.calibration import BudgetCalibration
+from dynaseq.techniques.cct.gating import BudgetControl
+
+Budget = float | None
+"""One budget: a compute fraction in (0, 1] of a CCT encoder, or None (the largest)."""
+Budgets = Budget | list[Budget]
+Control = int | torch.Tensor | BudgetControl | None
+
+
+def as_fraction(budget: object) -> float:
+    """``budget`` as a float in (0, 1]; DynaseqError otherwise."""
+    try:
+        b = float(budget)
+    except (TypeError, ValueError):
+        raise DynaseqError(f"a budget is a fraction in (0, 1], got {budget!r}") from None
+    if not 0 < b <= 1:
+        raise DynaseqError(f"a budget is a fraction in (0, 1], got {budget}")
+    return b
+
+
+def control_id(cfg: EncoderModelConfig, budget: Budget = None) -> int | None:
+    """The control-symbol id of a trained budget (None: the largest); a dense model takes
+    none. Raises DynaseqError naming the trained budgets."""
+    if cfg.cct is None:
+        if budget is not None:
+            raise DynaseqError("this is a dense encoder, which has no compute-budget knob "
+                               "(train it with a model.cct section to get one)")
+        return None
+    if budget is None:
+        return cfg.cct.largest_control
+    b = as_fraction(budget)
+    for i, trained in enumerate(cfg.cct.controls):
+        if math.isclose(trained, b, abs_tol=1e-6):
+            return i
+    names = ", ".join(f"{c:g}" for c in cfg.cct.controls)
+    raise DynaseqError(f"budget {b:g} was not trained; trained budgets: {names}")
+
+
+def budget_setting(cfg: EncoderModelConfig, budget: Budget,
+                   calibrations: Sequence[BudgetCalibration] = ()
+                   ) -> tuple[int | None, BudgetCalibration | None]:
+    """The control id a budget runs with and its calibration (None if none): a calibrated
+    budget (trained or not) takes its calibration, else it must be trained."""
+    if cfg.cct is not None:
+        b = cfg.cct.controls[cfg.cct.largest_control] if budget is None else as_fraction(budget)
+        for cal in calibrations:
+            if math.isclose(cal.budget[0], b, abs_tol=1e-6):
+                return cal.control, cal
+    try:
+        return control_id(cfg, budget), None
+    except DynaseqError as e:
+        names = ", ".join(f"{c.budget[0]:g}" for c in calibrations)
+        raise DynaseqError(f"{e}{'; calibrated: ' + names if names else ''} (dynaseq "
+                           f"calibrate RUN --data FILE --budgets {budget} can fit it)"
+                           ) from None
+
+
+def control_for(cfg: EncoderModelConfig, budget: Budgets, n_rows: int, device: torch.device,
+                calibrations: Sequence[BudgetCalibration] = ()) -> Control:
+    """The ``control`` argument for ``n_rows`` rows: one id or :class:`BudgetControl` for
+    every row, or per row for a list of budgets (``(n_rows,)`` ids, or a BudgetControl with
+    per-row offsets when one is calibrated); None for a dense model."""
+    if not isinstance(budget, list):
+        control, cal = budget_setting(cfg, budget, calibrations)
+        return control if cal is None else cal.control_for()
+    if len(budget) != n_rows:
+        raise DynaseqError(f"{len(budget)} budgets for {n_rows} lines: give one budget, or a "
+                           "list with one per line")
+    settings = [budget_setting(cfg, b, calibrations) for b in budget]
+    if cfg.cct is None:
+        return None
+    if all(cal is None for _, cal in settings):
+        return torch.tensor([c for c, _ in settings], dtype=torch.long, device=device)
+    return BudgetControl.per_row([c for c, _ in settings],
+                                 [None if cal is None else cal.offsets for _, cal in settings],
+                                 device=device)
+
+
+def trained_budget(cfg: EncoderModelConfig, budget: Budget,
+                   calibrations: Sequence[BudgetCalibration] = ()) -> float | None:
+    """The fraction a call runs at (None for a dense model)."""
+    if cfg.cct is None:
+        control_id(cfg, budget)
+        return None
+    control, cal = budget_setting(cfg, budget, calibrations)
+    return cal.budget[0] if cal is not None else cfg.cct.controls[control]
+
+
+def nearest_trained(cfg: EncoderModelConfig, budget: float) -> int:
+    """The control id of the trained budget closest to ``budget`` (ties: the larger)."""
+    c = cfg.cct.controls
+    return min(range(len(c)), key=lambda i: (abs(c[i] - budget), -c[i], i))

@@ -1,0 +1,53 @@
+"""``calibration.json`` of an encoder run: the gate offsets ``dynaseq calibrate`` fitted
+for the run's checkpoint (a file made for another checkpoint is ignored, with a warning)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import atomic_write
+from dynaseq.techniques.cct.calibration import BudgetCalibration
+
+CALIBRATION_FILE = "calibration.json"
+
+
+def checkpoint_id(run: Path, ckpt: Path) -> str:
+    """The checkpoint's path relative to the run (absolute if outside it)."""
+    try:
+        return str(ckpt.resolve().relative_to(run.resolve()))
+    except ValueError:
+        return str(ckpt.resolve())
+
+
+def read_calibrations(run: Path, ckpt: Path, n_controls: int) -> list[BudgetCalibration]:
+    path = run / CALIBRATION_FILE
+    if not path.is_file():
+        return []
+    try:
+        payload = json.loads(path.read_text())
+        cals = [BudgetCalibration.from_json(d) for d in payload["budgets"]]
+        made_for = payload["checkpoint"]
+        for c in cals:
+            if len(c.budget) != 1 or not 0 <= c.control < n_controls:
+                raise ValueError(f"budget {list(c.budget)} / control {c.control} is not one "
+                                 f"of this encoder's {n_controls} control symbols")
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise DynaseqError(f"{path} is not a calibration file ({type(e).__name__}: {e}); "
+                           "delete it or run dynaseq calibrate again") from None
+    if made_for != checkpoint_id(run, ckpt):
+        warnings.warn(f"{path} was made for checkpoint {made_for}, not "
+                      f"{checkpoint_id(run, ckpt)}: its gate offsets are not used (run "
+                      "dynaseq calibrate again)", stacklevel=3)
+        return []
+    return cals
+
+
+def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
+                       data: dict) -> Path:
+    path = run / CALIBRATION_FILE
+    atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt), "data": data,
+                                   "budgets": [c.to_json() for c in cals]}, indent=1))
+    return path

@@ -1,0 +1,100 @@
+"""The ``model`` section of an encoder run (``task: mlm`` or ``task: classify``).
+
+Example::
+
+    EncoderModelConfig(size="small", layers=4)                       # BERT-Mini-like
+    EncoderModelConfig(size="small", embedding_dim=128, share_layers="all")   # ALBERT
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynaseq.core.config import MODEL_SIZES, check_fraction, check_positive
+from dynaseq.core.errors import ConfigError
+from dynaseq.techniques.cct.config import EncoderCCTConfig
+
+#: ``share_layers`` values: no sharing, one layer for every depth, or ``layer_groups``
+#: groups of consecutive depths sharing one layer each (ALBERT sec. 3.1 / 4.5).
+SHARING = ("none", "all", "groups")
+
+
+@dataclass
+class EncoderModelConfig:
+    """Pre-LN Transformer encoder (BERT-style) with ALBERT's options.
+
+    ``size`` fills ``d_model``/``ffn_dim``/``n_heads`` as for translation models
+    (:data:`~dynaseq.core.config.MODEL_SIZES`), ``layers`` is the depth. ``embedding_dim`` E
+    (default d_model): E < d factorizes the embedding (V·E + E·d parameters).
+    ``share_layers``: ``none``, ``all`` (one layer applied ``layers`` times) or ``groups``
+    (``layer_groups`` distinct layers, each for ``layers / layer_groups`` consecutive depths).
+    ``max_positions``: learned positions (the longest input). ``dropout`` on embeddings and
+    residuals, ``attention_dropout`` on attention probabilities, ``classifier_dropout``
+    before the classification layer. ``cct``: the CCT's gated sub-layers (CCT-BERT).
+    """
+
+    size: str | None = None
+    d_model: int | None = None
+    ffn_dim: int | None = None
+    n_heads: int | None = None
+    layers: int = 4
+    embedding_dim: int | None = None
+    share_layers: str = "none"
+    layer_groups: int = 1
+    max_positions: int = 512
+    n_segments: int = 2
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    activation_dropout: float = 0.0
+    classifier_dropout: float = 0.1
+    cct: EncoderCCTConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.size is not None and self.size not in MODEL_SIZES:
+            raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
+        for name, value in MODEL_SIZES[self.size or "tiny"].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.embedding_dim is None:
+            self.embedding_dim = self.d_model
+        check_positive(self, "d_model", "ffn_dim", "n_heads", "layers", "embedding_dim",
+                       "layer_groups", "max_positions", "n_segments")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.embedding_dim > self.d_model:
+            raise ConfigError(f"embedding_dim={self.embedding_dim} must be <= "
+                              f"d_model={self.d_model}")
+        if self.share_layers not in SHARING:
+            raise ConfigError(f"share_layers must be one of {', '.join(SHARING)}, got "
+                              f"{self.share_layers!r}")
+        if self.share_layers == "groups" and self.layers % self.layer_groups:
+            raise ConfigError(f"layers={self.layers} is not divisible by "
+                              f"layer_groups={self.layer_groups}")
+        if self.cct is not None and self.ffn_dim % self.cct.ffn_pieces:
+            raise ConfigError(f"ffn_dim={self.ffn_dim} is not divisible by "
+                              f"cct.ffn_pieces={self.cct.ffn_pieces}")
+        check_fraction(self, "dropout", "attention_dropout", "activation_dropout",
+                       "classifier_dropout")
+
+    @property
+    def plan(self) -> list[int]:
+        """Which distinct layer runs at each depth (see ``share_layers``)."""
+        if self.share_layers == "all":
+            return [0] * self.layers
+        if self.share_layers == "groups":
+            return [i * self.layer_groups // self.layers for i in range(self.layers)]
+        return list(range(self.layers))
+
+    def architecture(self) -> dict[str, object]:
+        """What must match for weights to load into this model (fine-tuning's init_from):
+        every field but the dropouts, the CCT's training schedule and its budget weight."""
+        keys = ("d_model", "ffn_dim", "n_heads", "layers", "embedding_dim", "share_layers",
+                "layer_groups", "max_positions", "n_segments")
+        arch: dict[str, object] = {k: getattr(self, k) for k in keys}
+        if self.share_layers != "groups":
+            arch.pop("layer_groups")
+        c = self.cct
+        arch["cct"] = None if c is None else {
+            "ffn_pieces": c.ffn_pieces, "control_hidden": c.control_hidden,
+            "controls": c.controls, "output_norms": c.output_norms}
+        return arch

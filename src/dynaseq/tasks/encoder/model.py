@@ -1,0 +1,70 @@
+"""The encoder model from its config: an :class:`~dynaseq.models.encoder.EncoderModel` whose
+sub-layers are dense or a technique's (:data:`TECHNIQUE_SUBLAYERS`: the CCT's gated ones),
+with the MLM head (pre-training) or a classification head (fine-tuning).
+
+Example::
+
+    model = build_encoder_model(EncoderModelConfig(size="tiny", layers=2), 8000, head=MLM)
+    model = build_encoder_model(cfg, 8000, head=2)     # a 2-way classifier
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from dynaseq.models.encoder import (
+    ClassificationHead,
+    EncoderEmbeddings,
+    EncoderModel,
+    MLMHead,
+    TransformerEncoder,
+)
+from dynaseq.nn import EncoderLayer, FeedForward, Sublayers, dense_attention
+from dynaseq.nn.layers import TransformerDims
+from dynaseq.tasks.encoder.config import EncoderModelConfig
+from dynaseq.techniques.cct.builder import cct_sublayers
+
+#: ``head`` value of :func:`build_encoder_model` for the MLM head.
+MLM = "mlm"
+
+
+def dense_sublayers(cfg: TransformerDims) -> Sublayers:
+    """Plain multi-head attention and FFN sub-layers."""
+    return Sublayers(lambda: dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout),
+                     lambda: FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation_dropout))
+
+
+#: ``EncoderModelConfig`` section -> the technique's sub-layer builder (none set: dense).
+TECHNIQUE_SUBLAYERS: dict[str, Callable[[Any, TransformerDims], Sublayers]] = {
+    "cct": cct_sublayers,
+}
+
+
+def build_encoder_model(cfg: EncoderModelConfig, vocab_size: int, head: str | int = MLM,
+                        pad_id: int = 0) -> EncoderModel:
+    """Wire an encoder from ``cfg`` with the MLM head (``head="mlm"``) or a classification
+    head with ``head`` outputs (1: a regression). Shared layers (``cfg.share_layers``) are
+    built once and applied along ``cfg.plan``."""
+    chosen = [(make, getattr(cfg, name)) for name, make in TECHNIQUE_SUBLAYERS.items()
+              if getattr(cfg, name) is not None]
+    parts = chosen[0][0](chosen[0][1], cfg) if chosen else dense_sublayers(cfg)
+    d = cfg.d_model
+    embeddings = EncoderEmbeddings(vocab_size, cfg.embedding_dim, d, cfg.max_positions,
+                                   cfg.n_segments, pad_id)
+    plan = cfg.plan
+    layers = [EncoderLayer(d, parts.attention(), parts.ffn(), cfg.dropout)
+              for _ in range(max(plan) + 1)]
+    encoder = TransformerEncoder(embeddings, layers, d, plan, cfg.dropout)
+    if head == MLM:
+        out: nn.Module = MLMHead(d, embeddings.tokens)
+    elif isinstance(head, int) and head >= 1:
+        out = ClassificationHead(d, head, cfg.classifier_dropout)
+    else:
+        raise ValueError(f"head must be 'mlm' or a number of outputs >= 1, got {head!r}")
+    model = EncoderModel(encoder, out, parts.control)
+    if parts.finish is not None:
+        parts.finish(model)  # CCT: gate traces named "encoder.layers.0.ffn", ...
+    return model

@@ -1,0 +1,52 @@
+"""What techniques add to encoder training (both encoder tasks): :data:`TECHNIQUE_TRAINING`
+maps a model section to its training plug-in (the CCT's: control sampling, noise ramp,
+budget loss)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+from dynaseq.core.config import TrainConfig
+from dynaseq.tasks.encoder.config import EncoderModelConfig
+from dynaseq.techniques.cct.training import EncoderCCTTraining
+
+
+class EncoderTechnique(Protocol):
+    """A technique's part in encoder training (see :class:`EncoderCCTTraining`)."""
+
+    def before_update(self, model: nn.Module, step: int) -> None: ...
+
+    def controls(self, n_rows: int, step: int, micro: int) -> Tensor | None: ...
+
+    def loss(self, aux: Any, valid: Tensor, control: Tensor | None, n_units: int
+             ) -> tuple[Tensor, dict[str, float]]: ...
+
+
+#: ``model.<section>`` -> the technique's training plug-in, built when the section is set.
+TECHNIQUE_TRAINING: dict[str, Callable[[Any, TrainConfig], EncoderTechnique]] = {
+    "cct": EncoderCCTTraining.from_config,
+}
+
+
+def techniques_for(model: EncoderModelConfig, train: TrainConfig) -> list[EncoderTechnique]:
+    return [make(getattr(model, name), train) for name, make in TECHNIQUE_TRAINING.items()
+            if getattr(model, name) is not None]
+
+
+def draw_controls(techniques: list[EncoderTechnique], n_rows: int, step: int,
+                  micro: int) -> Tensor | None:
+    """The (n_rows,) control ids the techniques draw for a micro-batch (None: none)."""
+    control = None
+    for t in techniques:
+        drawn = t.controls(n_rows, step, micro)
+        control = drawn if drawn is not None else control
+    return control
+
+
+def largest_control(model: EncoderModelConfig) -> int | None:
+    """The control id of the largest trained budget (validation runs at it); None without
+    a CCT."""
+    return None if model.cct is None else model.cct.largest_control

@@ -1,0 +1,1 @@
+"""Masked-language-model pre-training of an encoder (``task: mlm``)."""

@@ -1,0 +1,35 @@
+"""Config helpers of the encoder tests (importable as ``encoder_helpers``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dynaseq.tasks.registry import load_config
+
+TINY_MODEL = ["model.d_model=32", "model.ffn_dim=64", "model.n_heads=2", "model.layers=2",
+              "model.max_positions=128"]
+
+
+def mlm_config(run_dir: Path, corpus: dict[str, Path], *extra: str):
+    return load_config(None, [
+        "task=mlm", f"run_dir={run_dir}", *TINY_MODEL, f"data.train=[{corpus['train']}]",
+        f"data.valid={corpus['valid']}", "data.vocab_size=400", "data.block_len=32",
+        "data.batch_size=8", "data.valid_max_blocks=16", "train.max_steps=12",
+        "train.warmup_steps=2", "train.lr=0.003", "train.log_every=4", "train.valid_every=6",
+        "train.save_every=6", "train.seed=5", *extra])
+
+
+def classify_config(run_dir: Path, data: dict[str, Path], *extra: str):
+    return load_config(None, [
+        "task=classify", f"run_dir={run_dir}", *TINY_MODEL, "data.glue_task=sst2",
+        f"data.train={data['train']}", f"data.valid={data['dev']}", "data.vocab_size=400",
+        "data.max_len=40", "data.batch_size=16", "train.max_steps=6", "train.warmup_steps=2",
+        "train.lr=0.003", "train.log_every=3", "train.valid_every=3", "train.save_every=3",
+        *extra])
+
+
+def read_events(run: Path) -> list[dict]:
+    """The events of a run's ``log.jsonl``."""
+    import json
+
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]

@@ -1,0 +1,232 @@
+"""Fine-tuning: from scratch and from a pre-trained MLM run (weights really loaded), the
+Classifier and the CLI, bad inputs (one line, exit status 2), CCT-BERT budgets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import dynaseq
+from dynaseq.core.checkpoint import _sha256, read_meta
+from dynaseq.core.distributed import DistEnv
+from dynaseq.core.errors import ConfigError, DynaseqError
+from dynaseq.core.runlog import RunLog
+from dynaseq.tasks.classify.predictor import Classifier
+from dynaseq.tasks.classify.task import ClassifyTask
+from dynaseq.train.loop import train
+
+from encoder_helpers import classify_config
+from helpers import run_cli
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, mlm_run, sst2_small):
+    run = tmp_path_factory.mktemp("clf") / "run"
+    train(classify_config(run, sst2_small, f"train.init_from={mlm_run}"), progress=False)
+    return run
+
+
+def _prepared(cfg) -> ClassifyTask:
+    task = ClassifyTask(cfg)
+    task.run_dir.mkdir(parents=True, exist_ok=True)
+    task.prepare(DistEnv(), torch.device("cpu"), RunLog(task.run_dir / "log.jsonl", False))
+    return task
+
+
+def test_pretrained_weights_are_loaded(tmp_path, mlm_run, sst2_small):
+    cfg = classify_config(tmp_path / "a", sst2_small, f"train.init_from={mlm_run}")
+    task = _prepared(cfg)
+    saved = load_file(str(mlm_run / "best" / "model.safetensors"))
+    own = task.model.state_dict()
+    encoder_keys = [k for k in own if k.startswith("encoder.")]
+    assert encoder_keys and all(torch.equal(own[k], saved[k]) for k in encoder_keys)
+    assert (tmp_path / "a" / "spm.model").read_bytes() == (mlm_run / "spm.model").read_bytes()
+    # a changed pre-trained weight changes the fine-tuned model's output
+    changed = tmp_path / "changed"
+    shutil.copytree(mlm_run, changed)
+    weights = changed / "best" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["encoder.layers.1.ffn.fc1.weight"] += 0.5
+    save_file(tensors, str(weights))
+    meta = read_meta(changed / "best")
+    meta["sha256"]["model.safetensors"] = _sha256(weights)
+    (changed / "best" / "meta.json").write_text(json.dumps(meta))
+    other = _prepared(classify_config(tmp_path / "b", sst2_small, f"train.init_from={changed}"))
+    x = torch.tensor([[4, 20, 30, 40, 5]])
+    m1, m2 = task.model.eval(), other.model.eval()
+    assert torch.equal(m1.head.out.weight, m2.head.out.weight)  # same seed: same new head
+    assert not torch.equal(m1(x).logits, m2(x).logits)
+    scratch = _prepared(classify_config(tmp_path / "c", sst2_small))
+    assert not torch.equal(scratch.model.state_dict()["encoder.layers.0.ffn.fc1.weight"],
+                           own["encoder.layers.0.ffn.fc1.weight"])
+
+
+def test_init_from_mismatch_is_refused_before_writing(tmp_path, mlm_run, sst2_small):
+    for extra, message in (("model.layers=3", "model.layers=2, this config 3"),
+                           ("model.embedding_dim=16", "model.embedding_dim=32, this config 16"),
+                           ("model.cct.ffn_pieces=2", "model.cct=None")):
+        cfg = classify_config(tmp_path / "x", sst2_small, f"train.init_from={mlm_run}", extra)
+        with pytest.raises(ConfigError, match=message):
+            train(cfg, progress=False)
+        assert not (tmp_path / "x" / "config.yaml").exists()
+    proc = run_cli("train", "/dev/null", "task=classify", f"run_dir={tmp_path / 'y'}",
+                   "data.glue_task=sst2", f"data.train={sst2_small['train']}",
+                   f"train.init_from={tmp_path}")
+    assert proc.returncode == 2 and b"is not a run directory" in proc.stderr
+    # a run whose vocabulary is another one's
+    run = tmp_path / "z"
+    run.mkdir()
+    (run / "spm.model").write_bytes(b"other")
+    with pytest.raises(ConfigError, match="is not the vocabulary of train.init_from"):
+        ClassifyTask(classify_config(run, sst2_small, f"train.init_from={mlm_run}"))
+
+
+def test_finetuned_run_classifies_and_evaluates(finetuned, sst2_small):
+    c = dynaseq.load(finetuned)
+    assert isinstance(c, Classifier)
+    out = c.classify(["a charming , moving film", "", "dull and lifeless"])
+    assert out[1] is None and {out[0], out[2]} <= {"0", "1"}
+    r = c.evaluate(sst2_small["dev"])
+    assert r["n_examples"] == 60 and r["skipped"] == 0 and 0 <= r["accuracy"] <= 1
+    proc = run_cli("classify", str(finetuned), stdin=b"a charming film\n\ndull\n")
+    assert proc.returncode == 0, proc.stderr.decode()
+    lines = proc.stdout.decode().split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[0] in ("0", "1")
+    proc = run_cli("evaluate", str(finetuned), "--data", str(sst2_small["dev"]), "--json")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["accuracy"] == pytest.approx(r["accuracy"])
+    proc = run_cli("profile", str(finetuned), "--json", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr.decode()
+    res = json.loads(proc.stdout)
+    for s in ("32", "128"):
+        row = res["lengths"][s]
+        assert row["macs_per_token"] == row["macs_per_token_flop_counter"]
+        assert row["latency_ms_b1"] > 0 and row["sentences_per_s_b32"] > 0
+
+
+@pytest.mark.parametrize("args,stdin,message", [
+    (["evaluate", "{run}", "--data", "{cola}"], None, "header has no column 'sentence'"),
+    (["evaluate", "{run}", "--data", "{empty}"], None, "is empty"),
+    (["evaluate", "{run}", "--data", "{badlabel}"], None, "label '7' is not one of 0, 1"),
+    (["evaluate", "{run}"], None, "--data FILE"),
+    (["evaluate", "{run}", "--data", "{dev}", "--budget", "0.5"], None, "no compute-budget"),
+    (["classify", "{run}"], b"one\ttwo\n", "takes one sentence per line"),
+    (["classify", "{run}", "--budget", "1,0.5"], b"x\n", "one fraction"),
+    (["translate", "{run}"], b"x\n", "translate takes translation runs"),
+])
+def test_bad_inputs_exit_2_with_one_line(tmp_path, finetuned, sst2_small, args, stdin,
+                                         message):
+    from helpers import SHARED_DATA
+
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "bad.tsv").write_text("sentence\tlabel\nnice\t7\n")
+    paths = {"run": str(finetuned), "cola": str(SHARED_DATA / "glue" / "CoLA" / "dev.tsv"),
+             "empty": str(tmp_path / "empty.tsv"), "badlabel": str(tmp_path / "bad.tsv"),
+             "dev": str(sst2_small["dev"])}
+    proc = run_cli(*[a.format(**paths) for a in args], stdin=stdin)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and message in err, err
+    assert err.count("\n") == 1
+
+
+def test_a_pair_task_refuses_single_sentences(tmp_path, mlm_run):
+    train_tsv = tmp_path / "train.tsv"
+    rows = [f"{i}\tthe cat sat {i}\ta cat sat {i}\t{'entailment' if i % 2 else 'not_entailment'}"
+            for i in range(40)]
+    train_tsv.write_text("index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
+    data = {"train": train_tsv, "dev": train_tsv}
+    run = tmp_path / "rte"
+    train(classify_config(run, data, "data.glue_task=rte", "train.max_steps=2",
+                          f"train.init_from={mlm_run}"), progress=False)
+    c = dynaseq.load(run)
+    assert c.classify(["the cat sat\ta cat sat", ("x", "y")]) [0] in ("entailment",
+                                                                      "not_entailment")
+    with pytest.raises(DynaseqError, match="sentence-pair task"):
+        c.classify(["the cat sat"])
+    # single-sentence data for a pair task: the header lacks the second sentence
+    single = tmp_path / "single.tsv"
+    single.write_text("sentence\tlabel\nthe cat\t1\n")
+    proc = run_cli("evaluate", str(run), "--data", str(single))
+    assert proc.returncode == 2 and b"no column 'sentence1'" in proc.stderr
+
+
+def test_column_spec_regression_and_learned_labels(tmp_path, mlm_run):
+    path = tmp_path / "t.tsv"
+    path.write_text("".join(f"{i / 10}\tthe cat {i}\tx\n" for i in range(30)))
+    run = tmp_path / "reg"
+    train(classify_config(run, {"train": path, "dev": path}, "data.glue_task=null",
+                          "data.columns.text_a=1", "data.columns.label=0",
+                          "data.columns.regression=true",
+                          "data.columns.metrics=[pearson, spearman]", "train.max_steps=2"),
+          progress=False)
+    c = dynaseq.load(run)
+    assert isinstance(c.classify(["the cat 3"])[0], float)
+    assert set(c.evaluate(path)) >= {"pearson", "spearman"}
+    labels = tmp_path / "l.tsv"
+    labels.write_text("".join(f"{'pos' if i % 2 else 'neg'}\tthe dog {i}\n" for i in range(30)))
+    run2 = tmp_path / "lab"
+    train(classify_config(run2, {"train": labels, "dev": labels}, "data.glue_task=null",
+                          "data.columns.text_a=1", "data.columns.label=0", "train.max_steps=2"),
+          progress=False)
+    c2 = dynaseq.load(run2)
+    assert c2.config.data.columns.labels == ["neg", "pos"]  # saved with the run
+    assert c2.classify(["the dog 1"])[0] in ("neg", "pos")
+
+
+def test_cct_bert_finetunes_and_reports_realized_compute(tmp_path, text_corpus, sst2_small):
+    from encoder_helpers import mlm_config
+
+    cct = ["model.cct.ffn_pieces=2", "model.cct.control_hidden=8", "model.cct.noise_ramp_steps=4"]
+    pre = tmp_path / "pre"
+    train(mlm_config(pre, text_corpus, "train.max_steps=4", "train.valid_every=4",
+                     "train.save_every=4", *cct), progress=False)
+    run = tmp_path / "ft"
+    train(classify_config(run, sst2_small, f"train.init_from={pre}", "train.max_steps=4",
+                          "model.cct.budget_weight=0.1", *cct), progress=False)
+    c = dynaseq.load(run)
+    full = c.evaluate(sst2_small["dev"])
+    assert full["budget"] == 0.8 and 0 < full["realized_fraction"] <= 1
+    low = c.evaluate(sst2_small["dev"], budget=0.2)
+    assert low["budget"] == 0.2 and 0 < low["realized_fraction"] <= 1
+    lines = ["a fine film", "bad", "an ok one"]
+    mixed = c.classify(lines, budget=[0.8, 0.2, 0.5])
+    assert mixed == [c.classify([line], budget=b)[0]
+                     for line, b in zip(lines, [0.8, 0.2, 0.5], strict=True)]
+    proc = run_cli("profile", str(run), "--budget", "0.33", "--json", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr.decode()
+    row = json.loads(proc.stdout)["lengths"]["32"]
+    assert row["macs_per_token_flop_counter"] <= row["macs_per_token"]
+    # calibration: an untrained budget (0.4) from the nearest trained symbol (0.33)
+    with pytest.raises(DynaseqError, match="was not trained"):
+        c.classify(lines, budget=0.4)
+    proc = run_cli("calibrate", str(run), "--data", str(sst2_small["dev"]), "--budgets", "0.4",
+                   "0.8", "--lines", "30", "--tol", "0.02")
+    assert proc.returncode == 0, proc.stderr.decode()
+    c = dynaseq.load(run)
+    cal = {x.budget[0]: x for x in c.calibrations}
+    assert set(cal) == {0.4, 0.8} and cal[0.4].control == 2  # P_BERT's 0.33
+    assert c.evaluate(sst2_small["dev"], budget=0.4)["budget"] == 0.4
+    mixed = c.classify(lines, budget=[0.4, 0.2, 0.8])  # calibrated and trained rows mixed
+    assert mixed == [c.classify([line], budget=b)[0]
+                     for line, b in zip(lines, [0.4, 0.2, 0.8], strict=True)]
+
+
+def test_exported_classifier_is_bit_identical(finetuned, sst2_small, tmp_path):
+    """``dynaseq export`` of a classification run: the model directory loads like the run
+    (``dynaseq.load``) and gives the same labels and scores."""
+    from dynaseq.workflows.export import export_model
+
+    out = tmp_path / "model"
+    export_model(finetuned, out)
+    cfg = json.loads((out / "config.json").read_text())["config"]
+    assert "train" not in cfg and not {"train", "valid", "test"} & set(cfg["data"])
+    a, b = Classifier.load(finetuned), dynaseq.load(out)
+    assert isinstance(b, Classifier)
+    lines = [ln.split("\t")[0] for ln in sst2_small["dev"].read_text().splitlines()[1:25]]
+    assert b.classify(lines) == a.classify(lines)
+    assert b.evaluate(str(sst2_small["dev"]))["accuracy"] == \
+        a.evaluate(str(sst2_small["dev"]))["accuracy"]
