@@ -37,7 +37,7 @@ from dynaseq.core.rundir import (
 )
 from dynaseq.metrics.profile import count_params
 from dynaseq.tasks.registry import PREDICTORS, RUN_CONFIGS, load
-from dynaseq.tasks.translation.predictor import CALIBRATION_FILE as CALIBRATION
+from dynaseq.techniques.cct.calibration_file import CALIBRATION_FILE as CALIBRATION
 
 #: Version of the ``config.json`` layout.
 MODEL_VERSION = 1

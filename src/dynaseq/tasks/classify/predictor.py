@@ -40,10 +40,10 @@ from dynaseq.tasks.encoder.budget import (
     nearest_trained,
     trained_budget,
 )
-from dynaseq.tasks.encoder.calibration_file import read_calibrations, write_calibrations
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budget
+from dynaseq.techniques.cct.calibration_file import read_calibrations, write_calibrations
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_layer
 

@@ -15,9 +15,7 @@ one batch may hold rows at different budgets, and threads may share one Translat
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +38,10 @@ from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.cct.calibration import BudgetCalibration
+from dynaseq.techniques.cct.calibration_file import (
+    read_calibrations,
+    write_calibrations,
+)
 from dynaseq.techniques.cct.gating import BudgetControl
 
 Control = int | torch.Tensor | BudgetControl | None
@@ -148,8 +150,6 @@ Budget = float | tuple[float, float] | None
 None (the largest trained budget)."""
 Budgets = Budget | list[Budget]
 """A call's budget: one :data:`Budget` for every line, or a list with one per line."""
-CALIBRATION_FILE = "calibration.json"
-"""Written into a run directory by ``dynaseq calibrate`` (:meth:`Translator.calibrate`)."""
 
 
 def model_kind(cfg: ModelConfig) -> str:
@@ -314,13 +314,13 @@ class Translator:
                 if dev.type != "cpu" and device != "auto":
                     raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
                 return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
-                           read_calibration(run, ckpt, model.n_controls))
+                           read_calibrations(run, ckpt, model.n_controls, parts=2))
             load_weights(model, ckpt)
             # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
             # folds θ_S into every branch (same outputs, no shared parameters left to add)
             merge_shared_(model)
             return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
-                       read_calibration(run, ckpt, model.n_controls))
+                       read_calibrations(run, ckpt, model.n_controls, parts=2))
 
         return load_resolved(run, checkpoint, from_checkpoint)
 
@@ -493,48 +493,4 @@ class Translator:
     def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:
         """Write :attr:`calibrations` to ``run_dir/calibration.json`` (atomically), tied to
         the loaded checkpoint; ``data`` describes the calibration data."""
-        path = Path(run_dir) / CALIBRATION_FILE
-        payload = {"checkpoint": _checkpoint_id(Path(run_dir), self.checkpoint),
-                   "data": data or {}, "budgets": [c.to_json() for c in self.calibrations]}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload, indent=1))
-        tmp.replace(path)
-        return path
-
-
-def _checkpoint_id(run: Path, ckpt: Path) -> str:
-    """The checkpoint's path relative to the run (absolute if outside it)."""
-    ckpt = ckpt.resolve()
-    try:
-        return str(ckpt.relative_to(run.resolve()))
-    except ValueError:
-        return str(ckpt)
-
-
-def read_calibration(run: Path, ckpt: Path, n_controls: int) -> list[BudgetCalibration]:
-    """The calibrations in ``run/calibration.json`` made for checkpoint ``ckpt`` of a model
-    with ``n_controls`` control symbols.
-
-    No file: none. A file made for another checkpoint: none, with a warning (its offsets
-    were fitted to other weights). An unreadable file: a :class:`DynaseqError`.
-    """
-    path = run / CALIBRATION_FILE
-    if not path.is_file():
-        return []
-    try:
-        payload = json.loads(path.read_text())
-        made_for = payload["checkpoint"]
-        cals = [BudgetCalibration.from_json(d) for d in payload["budgets"]]
-        for c in cals:
-            if not 0 <= c.control < n_controls:
-                raise ValueError(f"control {c.control} of budget {c.budget} is not one of "
-                                 f"the model's {n_controls} control symbols")
-    except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise DynaseqError(f"{path} is not a calibration file ({type(e).__name__}: {e}); "
-                           "delete it or run dynaseq calibrate again") from None
-    if made_for != _checkpoint_id(run, ckpt):
-        warnings.warn(f"{path} was made for checkpoint {made_for}, not "
-                      f"{_checkpoint_id(run, ckpt)}: its gate offsets are not used (run "
-                      "dynaseq calibrate again)", stacklevel=3)
-        return []
-    return cals
+        return write_calibrations(Path(run_dir), self.checkpoint, self.calibrations, data or {})

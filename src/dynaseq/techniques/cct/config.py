@@ -8,6 +8,21 @@ from dynaseq.core.config import check_positive
 from dynaseq.core.errors import ConfigError
 
 
+def check_gate_settings(cfg: CCTConfig | EncoderCCTConfig) -> None:
+    """The checks every CCT section shares: pieces, control width, noise, λ, curriculum,
+    budget estimate and control-symbol scale (raises :class:`ConfigError`)."""
+    check_positive(cfg, "ffn_pieces", "control_hidden")
+    if not cfg.control_init_std >= 0:
+        raise ConfigError(f"control_init_std must be >= 0, got {cfg.control_init_std}")
+    if min(cfg.alpha_max, cfg.noise_ramp_steps, cfg.budget_weight,
+           cfg.budget_start_step, cfg.budget_ramp_steps) < 0:
+        raise ConfigError("alpha_max, noise_ramp_steps, budget_weight, budget_start_step "
+                          "and budget_ramp_steps must be >= 0")
+    if cfg.budget_estimate not in ("soft", "hard"):
+        raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
+                          f"{cfg.budget_estimate!r}")
+
+
 @dataclass
 class CCTConfig:
     """Conditional Computation Transformer (Bapna et al. 2020) settings.
@@ -69,18 +84,9 @@ class CCTConfig:
     distill_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        check_positive(self, "ffn_pieces", "control_hidden")
+        check_gate_settings(self)
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ConfigError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
-        if not self.control_init_std >= 0:
-            raise ConfigError(f"control_init_std must be >= 0, got {self.control_init_std}")
-        if min(self.alpha_max, self.noise_ramp_steps, self.budget_weight,
-               self.budget_start_step, self.budget_ramp_steps) < 0:
-            raise ConfigError("alpha_max, noise_ramp_steps, budget_weight, budget_start_step "
-                              "and budget_ramp_steps must be >= 0")
-        if self.budget_estimate not in ("soft", "hard"):
-            raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
-                              f"{self.budget_estimate!r}")
         if self.budget_grid is not None:
             if not self.budget_grid:
                 raise ConfigError("budget_grid must list at least one fraction")
@@ -162,16 +168,7 @@ class EncoderCCTConfig:
     output_norms: bool = True
 
     def __post_init__(self) -> None:
-        check_positive(self, "ffn_pieces", "control_hidden")
-        if not self.control_init_std >= 0:
-            raise ConfigError(f"control_init_std must be >= 0, got {self.control_init_std}")
-        if min(self.alpha_max, self.noise_ramp_steps, self.budget_weight,
-               self.budget_start_step, self.budget_ramp_steps) < 0:
-            raise ConfigError("alpha_max, noise_ramp_steps, budget_weight, budget_start_step "
-                              "and budget_ramp_steps must be >= 0")
-        if self.budget_estimate not in ("soft", "hard"):
-            raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
-                              f"{self.budget_estimate!r}")
+        check_gate_settings(self)
         if not self.budgets or not all(0.0 < b <= 1.0 for b in self.budgets):
             raise ConfigError(f"budgets must list fractions in (0, 1], got {self.budgets}")
         self.budgets = [float(b) for b in self.budgets]

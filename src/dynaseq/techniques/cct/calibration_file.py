@@ -1,5 +1,7 @@
-"""``calibration.json`` of an encoder run: the gate offsets ``dynaseq calibrate`` fitted
-for the run's checkpoint (a file made for another checkpoint is ignored, with a warning)."""
+"""``calibration.json`` of a CCT run (translation or encoder): the gate offsets ``dynaseq
+calibrate`` fitted for the run's checkpoint (a file made for another checkpoint is ignored,
+with a warning). The checkpoint is recorded relative to the run, so an exported model
+directory, its own checkpoint, records ``"."``."""
 
 from __future__ import annotations
 
@@ -22,7 +24,12 @@ def checkpoint_id(run: Path, ckpt: Path) -> str:
         return str(ckpt.resolve())
 
 
-def read_calibrations(run: Path, ckpt: Path, n_controls: int) -> list[BudgetCalibration]:
+def read_calibrations(run: Path, ckpt: Path, n_controls: int,
+                      parts: int = 1) -> list[BudgetCalibration]:
+    """The calibrations in ``run/calibration.json`` made for checkpoint ``ckpt`` of a model
+    with ``n_controls`` control symbols, each budget of ``parts`` fractions (2: encoder and
+    decoder, 1: an encoder). No file: none. A file made for another checkpoint: none, with a
+    warning. An unreadable file: a :class:`DynaseqError`."""
     path = run / CALIBRATION_FILE
     if not path.is_file():
         return []
@@ -31,7 +38,7 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int) -> list[BudgetCali
         cals = [BudgetCalibration.from_json(d) for d in payload["budgets"]]
         made_for = payload["checkpoint"]
         for c in cals:
-            if len(c.budget) != 1 or not 0 <= c.control < n_controls:
+            if len(c.budget) != parts or not 0 <= c.control < n_controls:
                 raise ValueError(f"budget {list(c.budget)} / control {c.control} is not one "
                                  f"of this encoder's {n_controls} control symbols")
     except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -47,6 +54,8 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int) -> list[BudgetCali
 
 def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
                        data: dict) -> Path:
+    """Write ``cals`` to ``run/calibration.json`` (atomically), tied to checkpoint ``ckpt``;
+    ``data`` describes the calibration data."""
     path = run / CALIBRATION_FILE
     atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt), "data": data,
                                    "budgets": [c.to_json() for c in cals]}, indent=1))
