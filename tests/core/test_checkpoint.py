@@ -159,3 +159,15 @@ def test_a_stray_step_directory_is_not_a_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "step_abc").mkdir()
     (tmp_path / "checkpoints" / "step_abc" / ckpt.META).write_text("{}")
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005"]
+
+
+def test_a_shape_mismatch_names_the_first_tensor_and_both_shapes(tmp_path):
+    from torch import nn
+
+    from dynaseq.core.checkpoint import load_weights, write_checkpoint
+    from dynaseq.core.errors import CheckpointError
+
+    write_checkpoint(tmp_path / "c", nn.Sequential(nn.Linear(4, 3)), {"step": 1})
+    with pytest.raises(CheckpointError, match=r"0\.bias has shape \(3,\), the model "
+                                              r"expects \(5,\)"):
+        load_weights(nn.Sequential(nn.Linear(4, 5)), tmp_path / "c")

@@ -172,12 +172,16 @@ def _verify(directory: Path, name: str, what: str = "checkpoint") -> None:
 
 
 def _check_tensors(path: Path, model: nn.Module) -> None:
-    """Refuse non-finite weights and weights of another dtype than the model's."""
+    """Refuse weights of another shape or dtype than the model's (naming the first such
+    tensor and both shapes) and non-finite weights."""
     expected = model.state_dict()
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
             t = f.get_tensor(name)
             want = expected.get(name)
+            if want is not None and t.shape != want.shape:
+                raise CheckpointError(f"checkpoint {path}: {name} has shape {tuple(t.shape)}, "
+                                      f"the model expects {tuple(want.shape)}")
             if want is not None and t.dtype != want.dtype:
                 raise CheckpointError(f"checkpoint {path}: {name} is {t.dtype}, the model "
                                       f"expects {want.dtype}")
