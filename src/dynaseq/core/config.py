@@ -39,6 +39,17 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def apply_size(cfg: Any) -> None:
+    """Fill each dimension of ``cfg`` (``d_model``, ``ffn_dim``, ``n_heads``) that is None from
+    its named ``size`` (:data:`MODEL_SIZES`; no size: ``tiny``), from YAML and Python alike.
+    Raises :class:`ConfigError` for an unknown size."""
+    if cfg.size is not None and cfg.size not in MODEL_SIZES:
+        raise ConfigError(f"unknown model size {cfg.size!r}; known: {sorted(MODEL_SIZES)}")
+    for name, value in MODEL_SIZES[cfg.size or "tiny"].items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+
+
 def check_positive(obj: Any, *names: str) -> None:
     """Raise :class:`ConfigError` unless each named field of ``obj`` is > 0 (NaN fails)."""
     for name in names:

@@ -15,13 +15,12 @@ Per token = the input's total / S. LayerNorm, softmax, GELU/tanh and biases are 
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from dynaseq.metrics.latency import median_ms
 from dynaseq.metrics.macs import _counter
 from dynaseq.metrics.profile import count_params
 
@@ -69,22 +68,7 @@ def encoder_latency_ms(model: nn.Module, n_tokens: int, batch: int, repeats: int
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(7, vocab, (batch, n_tokens), generator=gen).to(device)
     segments = torch.zeros_like(tokens)
-    was_training = model.training
-    model.eval()
-    times = []
-    try:
-        for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(tokens, segments, control)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - t0)
-    finally:
-        model.train(was_training)
-    return 1000.0 * statistics.median(times)
+    return median_ms(model, lambda: model(tokens, segments, control), repeats)
 
 
 def profile_encoder(model: nn.Module, lengths: tuple[int, ...] = (32, 128),

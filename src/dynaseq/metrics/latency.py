@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from dynaseq.models.search import beam_search, greedy_search
+
+
+def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> float:
+    """Median wall time (ms) of ``repeats`` calls of ``run`` with ``model`` in eval mode,
+    after one warm-up call (GPU work synchronized before each clock read); the model's
+    training mode is restored."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    times = []
+    try:
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i > 0:
+                times.append(time.perf_counter() - t0)
+    finally:
+        model.train(was_training)
+    return 1000.0 * statistics.median(times)
 
 
 @torch.no_grad()
@@ -30,23 +54,10 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     src = src.to(device)
     kwargs = {"max_len_a": 0.0, "max_len_b": tgt_len + 1, "min_len": tgt_len,
               "max_positions": model.decoder.positions.max_positions, "control": control}
-    was_training = model.training
-    model.eval()
-    times = []
-    try:
-        for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if beam == 1:
-                out = greedy_search(model, src, **kwargs)
-            else:
-                out = beam_search(model, src, beam=beam, **kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i > 0:
-                times.append(time.perf_counter() - t0)
-            assert all(len(o) == tgt_len for o in out), "fixed-length decoding"
-    finally:
-        model.train(was_training)
-    return 1000.0 * statistics.median(times)
+
+    def run() -> None:
+        out = (greedy_search(model, src, **kwargs) if beam == 1
+               else beam_search(model, src, beam=beam, **kwargs))
+        assert all(len(o) == tgt_len for o in out), "fixed-length decoding"
+
+    return median_ms(model, run, repeats)

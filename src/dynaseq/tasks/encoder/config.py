@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynaseq.core.config import MODEL_SIZES, check_fraction, check_positive
+from dynaseq.core.config import apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 
@@ -50,11 +50,7 @@ class EncoderModelConfig:
     cct: EncoderCCTConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.size is not None and self.size not in MODEL_SIZES:
-            raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
-        for name, value in MODEL_SIZES[self.size or "tiny"].items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        apply_size(self)
         if self.embedding_dim is None:
             self.embedding_dim = self.d_model
         check_positive(self, "d_model", "ffn_dim", "n_heads", "layers", "embedding_dim",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dynaseq.core.config import MODEL_SIZES, TrainConfig, check_fraction, check_positive
+from dynaseq.core.config import MODEL_SIZES, TrainConfig, apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.cct.config import CCTConfig
@@ -53,11 +53,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.size is not None and self.size not in MODEL_SIZES:
-            raise ConfigError(f"unknown model size {self.size!r}; known: {sorted(MODEL_SIZES)}")
-        for name, value in MODEL_SIZES[self.size or "tiny"].items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        apply_size(self)
         chosen = [name for name in ("cct", "dmb", "moe") if getattr(self, name) is not None]
         if len(chosen) > 1:
             raise ConfigError(f"{chosen[0]} and {chosen[1]} cannot be combined (a model takes "
