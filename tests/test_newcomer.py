@@ -16,7 +16,8 @@ import dynaseq
 from dynaseq.cli import COMMANDS, main
 from dynaseq.core.config import to_dict
 from dynaseq.core.errors import DynaseqError
-from dynaseq.data.datasets import DATA_ENV, DATASETS, check_data, resolve_data_path, sha256_file
+from dynaseq.core.files import sha256_file
+from dynaseq.data.datasets import DATA_ENV, DATASETS, check_data, resolve_data_path
 from dynaseq.tasks.registry import load_config
 
 from helpers import REPO, run_cli

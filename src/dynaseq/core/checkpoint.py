@@ -20,7 +20,6 @@ recorded load without that check.)
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -36,6 +35,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from dynaseq.core.errors import CheckpointError
+from dynaseq.core.files import sha256_file
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ def _complete(directory: Path) -> bool:
         sums = read_meta(directory).get("sha256") or {}
         files = {p.name for p in directory.iterdir() if p.is_file() and p.name != META}
         return bool(sums) and set(sums) == files and all(
-            _sha256(directory / name) == digest for name, digest in sums.items())
+            sha256_file(directory / name) == digest for name, digest in sums.items())
     except (CheckpointError, OSError, AttributeError):
         return False
 
@@ -149,24 +149,16 @@ def write_checkpoint(directory: str | Path, model: nn.Module, meta: dict[str, An
     return Path(directory)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_meta(tmp: Path, meta: dict[str, Any]) -> None:
     """``meta`` plus the SHA-256 of every file already in ``tmp``, as ``meta.json``."""
-    sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / META).write_text(json.dumps({**meta, "sha256": sums}, indent=1), encoding="utf-8")
 
 
 def _verify(directory: Path, name: str, what: str = "checkpoint") -> None:
     """Refuse ``directory/name`` if ``meta.json`` records another SHA-256 for it."""
     expected = read_meta(directory).get("sha256", {}).get(name)
-    if expected is not None and _sha256(directory / name) != expected:
+    if expected is not None and sha256_file(directory / name) != expected:
         raise CheckpointError(f"corrupt {what} {directory / name}: its SHA-256 does not "
                               f"match the one recorded in {META} (damaged file)")
 

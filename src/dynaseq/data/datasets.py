@@ -15,13 +15,13 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import sha256_file
 
 #: The environment variable that names the data root.
 DATA_ENV = "DYNASEQ_DATA"
@@ -144,15 +144,6 @@ class FileCheck:
     dataset: str
     path: Path
     status: str
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_data(root: Path, names: list[str] | None = None) -> list[FileCheck]:

@@ -56,7 +56,7 @@ from dynaseq.train.common import (
     set_rng_state,
 )
 from dynaseq.train.schedule import make_schedule
-from dynaseq.train.tensorboard import check_tensorboard, tensorboard_sink
+from dynaseq.train.tensorboard import TensorBoardSink, check_tensorboard
 
 
 @dataclass
@@ -107,7 +107,7 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
             save_config(cfg, run_dir / "config.yaml")
             log.start_writing()
             if cfg.train.tensorboard:
-                log.add_sink(tensorboard_sink(run_dir))
+                log.add_sink(TensorBoardSink(run_dir / "tensorboard"))
     except BaseException:
         if lock is not None:
             if created:  # still locked: nobody else writes here

@@ -9,7 +9,6 @@ extra); asking for the sink without it is a one-line error before anything is wr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +50,3 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def tensorboard_sink(run_dir: Path) -> Callable[[dict[str, Any]], None]:
-    """The sink writing to ``run_dir/tensorboard``."""
-    return TensorBoardSink(run_dir / "tensorboard")

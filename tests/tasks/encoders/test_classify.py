@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dynaseq
-from dynaseq.core.checkpoint import _sha256, read_meta
+from dynaseq.core.checkpoint import read_meta
 from dynaseq.core.distributed import DistEnv
 from dynaseq.core.errors import ConfigError, DynaseqError
+from dynaseq.core.files import sha256_file
 from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.classify.predictor import Classifier
 from dynaseq.tasks.classify.task import ClassifyTask
@@ -53,7 +54,7 @@ def test_pretrained_weights_are_loaded(tmp_path, mlm_run, sst2_small):
     tensors["encoder.layers.1.ffn.fc1.weight"] += 0.5
     save_file(tensors, str(weights))
     meta = read_meta(changed / "best")
-    meta["sha256"]["model.safetensors"] = _sha256(weights)
+    meta["sha256"]["model.safetensors"] = sha256_file(weights)
     (changed / "best" / "meta.json").write_text(json.dumps(meta))
     other = _prepared(classify_config(tmp_path / "b", sst2_small, f"train.init_from={changed}"))
     x = torch.tensor([[4, 20, 30, 40, 5]])

@@ -139,15 +139,18 @@ class Classifier:
              device: str = "auto") -> Classifier:
         run, cfg = open_run(run_dir, {TASK: ClassifyRunConfig}, "classification")
         vocab = EncoderVocab.load(run / SPM_FILE)
-        path = ckpt.resolve_checkpoint(run, checkpoint)
         dev = pick_device(device)
         layout = cfg.data.layout()
         if layout.n_outputs < 1:
             raise DynaseqError(f"{run}: the config has no label set")
-        model = build_encoder_model(cfg.model, vocab.size, layout.n_outputs, vocab.pad_id)
-        ckpt.load_weights(model, path)
-        return cls(model.to(dev).eval(), vocab, cfg, path, dev,
-                   read_calibrations(run, path, model.n_controls))
+
+        def from_checkpoint(path: Path) -> Classifier:
+            model = build_encoder_model(cfg.model, vocab.size, layout.n_outputs, vocab.pad_id)
+            ckpt.load_weights(model, path)
+            return cls(model.to(dev).eval(), vocab, cfg, path, dev,
+                       read_calibrations(run, path, model.n_controls))
+
+        return ckpt.load_resolved(run, checkpoint, from_checkpoint)
 
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
         """Examples of the non-empty inputs and their indices. A pair task needs two

@@ -82,11 +82,14 @@ class MaskedLM:
              device: str = "auto") -> MaskedLM:
         run, cfg = open_run(run_dir, {TASK: MLMRunConfig}, "MLM")
         vocab = EncoderVocab.load(run / SPM_FILE)
-        path = ckpt.resolve_checkpoint(run, checkpoint)
         dev = pick_device(device)
-        model = build_encoder_model(cfg.model, vocab.size, MLM, vocab.pad_id)
-        ckpt.load_weights(model, path)
-        return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+
+        def from_checkpoint(path: Path) -> MaskedLM:
+            model = build_encoder_model(cfg.model, vocab.size, MLM, vocab.pad_id)
+            ckpt.load_weights(model, path)
+            return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+
+        return ckpt.load_resolved(run, checkpoint, from_checkpoint)
 
     def blocks(self, split_or_path: str) -> Tensor:
         """(N, block_len) blocks of a split of the run's config (``valid``) or a text file."""
