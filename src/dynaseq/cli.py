@@ -568,7 +568,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
     budget = _encoder_budget(args)
     lines = _read_input(args.input)
     c = _classifier(args)
-    out = c.classify(lines, budget=budget, batch_size=args.batch_size)
+    out = c.classify(lines, budget=budget, batch_size=args.batch_size, progress=not args.quiet)
     _write_output(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
                    for v in out], args.output)
     return 0
@@ -591,7 +591,8 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
                            "required for classification runs")
     budget = _encoder_budget(args)
     c = _classifier(args)
-    result = c.evaluate(args.data, budget=budget, batch_size=args.batch_size)
+    result = c.evaluate(args.data, budget=budget, batch_size=args.batch_size,
+                        progress=not args.quiet)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -616,7 +617,8 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
         raise DynaseqError("evaluate: an MLM run's config has a valid file only; give "
                            "--data FILE for other text")
     m = MaskedLM.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
-    result = m.evaluate(args.data or "valid", budget=budget, batch_size=args.batch_size)
+    result = m.evaluate(args.data or "valid", budget=budget, batch_size=args.batch_size,
+                        progress=not args.quiet)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -231,3 +231,15 @@ def test_exported_classifier_is_bit_identical(finetuned, sst2_small, tmp_path):
     assert b.classify(lines) == a.classify(lines)
     assert b.evaluate(str(sst2_small["dev"]))["accuracy"] == \
         a.evaluate(str(sst2_small["dev"]))["accuracy"]
+
+
+def test_classify_shows_a_progress_bar_on_a_terminal_only(finetuned, sst2_small):
+    from test_newcomer import _stderr_of
+
+    lines = "".join(ln.split("\t")[0] + "\n"
+                    for ln in sst2_small["dev"].read_text().splitlines()[1:41]).encode()
+    args = ["classify", str(finetuned), "--batch-size", "4"]
+    rc, out_tty, err_tty = _stderr_of(args, lines, tty=True)
+    assert rc == 0 and "classify" in err_tty and "row" in err_tty, err_tty
+    rc, out_pipe, err_pipe = _stderr_of(args, lines, tty=False)
+    assert rc == 0 and err_pipe == "" and out_pipe == out_tty

@@ -26,6 +26,7 @@ from torch import Tensor
 from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
@@ -64,15 +65,17 @@ def _rows_control(control: Control, idx: list[int], device: torch.device) -> Con
 @torch.no_grad()
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
-                   compute: dict[str, int] | None = None) -> Tensor:
+                   compute: dict[str, int] | None = None, progress: bool = False) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
     ``compute`` (CCT models): receives ``ran`` and ``full``, the MACs the gated sub-layers
-    executed and would execute with every gate on, over the same batches."""
+    executed and would execute with every gate on, over the same batches. ``progress``: a
+    bar of rows on a terminal."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     out = torch.empty(len(rows), model.head.n_out)
+    bar = progress_bar(len(rows), "row", "classify", progress)
     try:
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
@@ -90,7 +93,9 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                     compute[key] = compute.get(key, 0) + sum(
                         sum(c.values()) for c in realized_macs_by_layer(aux).values())
                 compute["tokens"] = compute.get("tokens", 0) + int(tokens.ne(model.pad_id).sum())
+            bar.update(len(idx))
     finally:
+        bar.close()
         model.train(was_training)
     return out
 
@@ -174,11 +179,13 @@ class Classifier:
         return Examples(a, b if layout.is_pair else None, skipped=len(lines) - len(keep)), keep
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
-                 batch_size: int | None = None) -> list[str | float | None]:
+                 batch_size: int | None = None,
+                 progress: bool = False) -> list[str | float | None]:
         """A label (or a regression score) per line, in order; None for an empty line.
 
         ``budget`` (CCT models): a trained budget for every line, or a list, one per line
-        (the lines are batched together whatever their budgets)."""
+        (the lines are batched together whatever their budgets). ``progress``: a bar on a
+        terminal."""
         control = self._control(budget, len(lines))
         ex, keep = self._examples(lines)
         out: list[str | float | None] = [None] * len(lines)
@@ -188,13 +195,13 @@ class Classifier:
             control = _rows_control(control, keep, self.device)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control)
+                                self.device, control, progress=progress)
         for i, value in zip(keep, decide(logits, self.layout), strict=True):
             out[i] = value
         return out
 
     def evaluate(self, path: str | Path, budget: Budgets = None,
-                 batch_size: int | None = None) -> dict[str, object]:
+                 batch_size: int | None = None, progress: bool = False) -> dict[str, object]:
         """The official metrics on a labelled file in the run's layout (GLUE dev.tsv), the
         rows skipped for an empty sentence, and for a CCT model the budget and the compute
         its gated sub-layers really ran (``realized_fraction`` of all gates on,
@@ -207,7 +214,7 @@ class Classifier:
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         compute: dict[str, int] | None = {} if self.config.model.cct is not None else None
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute)
+                                self.device, control, compute, progress)
         result: dict[str, object] = {
             "task": layout.name, "path": str(path),
             **task_metrics(layout, ex.targets(), decide(logits, layout)),

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.data.text import read_lines
 from dynaseq.models.encoder import EncoderModel
@@ -41,13 +42,16 @@ def mask_spec(cfg: MLMRunConfig) -> MaskSpec:
 
 @torch.no_grad()
 def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: MaskSpec,
-                batch_size: int, device: torch.device, control: int | None) -> dict[str, float]:
+                batch_size: int, device: torch.device, control: int | None,
+                progress: bool = False) -> dict[str, float]:
     """Masked-token loss (nats per chosen token), perplexity and accuracy over ``blocks``
-    (N, L), masked from :data:`EVAL_MASK_SEED` (fixed positions, comparable across runs)."""
+    (N, L), masked from :data:`EVAL_MASK_SEED` (fixed positions, comparable across runs);
+    ``progress``: a bar of blocks on a terminal."""
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(EVAL_MASK_SEED)
     nll, correct, n = 0.0, 0, 0
+    bar = progress_bar(blocks.size(0), "block", "evaluate", progress)
     try:
         for i in range(0, blocks.size(0), batch_size):
             b = mask_tokens(blocks[i:i + batch_size], vocab, spec, gen).to(device)
@@ -55,7 +59,9 @@ def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: 
             nll += float(nn.functional.cross_entropy(logits, b.targets, reduction="sum"))
             correct += int((logits.argmax(-1) == b.targets).sum())
             n += b.targets.numel()
+            bar.update(min(batch_size, blocks.size(0) - i))
     finally:
+        bar.close()
         model.train(was_training)
     if n == 0:
         raise DynaseqError("no maskable tokens to evaluate")
@@ -103,12 +109,13 @@ class MaskedLM:
         return blocks
 
     def evaluate(self, split_or_path: str = "valid", budget: Budget = None,
-                 batch_size: int | None = None) -> dict[str, object]:
+                 batch_size: int | None = None, progress: bool = False) -> dict[str, object]:
         """Masked-token loss, perplexity and accuracy of a split or file (fixed masks);
-        ``budget``: a trained CCT budget (default the largest)."""
+        ``budget``: a trained CCT budget (default the largest); ``progress``: a bar on a
+        terminal."""
         control = control_id(self.config.model, budget)
         result = mlm_metrics(self.model, self.blocks(split_or_path), self.vocab,
                              mask_spec(self.config), batch_size or self.config.data.batch_size,
-                             self.device, control)
+                             self.device, control, progress)
         return {"path": split_or_path, "budget": trained_budget(self.config.model, budget),
                 **result, "checkpoint": str(self.checkpoint)}
