@@ -255,7 +255,7 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
                                   sorted(set(args.table_lengths)), beam=beam,
                                   repeats=args.repeats, checkpoint=str(t.checkpoint),
                                   sources=sources, max_len_a=d.max_len_a,
-                                  max_len_b=d.max_len_b)
+                                  max_len_b=d.max_len_b, progress=not args.quiet)
     path = table.save(target / LATENCY_TABLE_FILE)
     if args.json:
         print(json.dumps(table.to_json(), indent=1))

@@ -36,6 +36,7 @@ from torch import nn
 
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, read_text
+from dynaseq.core.progress import progress_bar
 from dynaseq.data import collate_source
 from dynaseq.metrics.latency import decode_latency_ms
 
@@ -166,7 +167,8 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                           batch_sizes: Sequence[int], lengths: Sequence[int], beam: int = 1,
                           repeats: int = 3, checkpoint: str = "",
                           sources: Sequence[Sequence[int]] | None = None,
-                          max_len_a: float = 1.2, max_len_b: int = 10) -> LatencyTable:
+                          max_len_a: float = 1.2, max_len_b: int = 10,
+                          progress: bool = False) -> LatencyTable:
     """Measure :class:`LatencyTable` for ``model`` (a Seq2SeqTransformer).
 
     ``controls``: budget pair -> the ``control`` argument that runs it (a control-symbol id,
@@ -178,7 +180,8 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     (:func:`~dynaseq.metrics.latency.decode_latency_ms`), the same steps at every budget.
     With ``sources`` (token ids of real sentences, no eos): the ``b`` sentences whose
     lengths are nearest ``L``, decoded freely (:func:`free_decode_ms`), so a budget whose
-    outputs run longer (or stop sooner) is timed as it will serve.
+    outputs run longer (or stop sooner) is timed as it will serve. ``progress``: a bar of
+    cells on a terminal.
     """
     max_pos = model.decoder.positions.max_positions
     if max(lengths) + 2 > max_pos:
@@ -192,6 +195,8 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     pool = [list(s)[: max_pos - 2] for s in (sources or []) if s]
     was_training = model.training
     model.eval()
+    bar = progress_bar(len(batch_sizes) * len(lengths) * len(budgets), "cell", "latency table",
+                       progress)
     try:
         for i, b in enumerate(batch_sizes):
             for j, length in enumerate(lengths):
@@ -206,7 +211,9 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                                           control=controls[pair]) if src is None else
                         free_decode_ms(model, src, beam, repeats, controls[pair], max_len_a,
                                        max_len_b))
+                    bar.update(1)
     finally:
+        bar.close()
         model.train(was_training)
     extra = ({"decoding": "fixed length: L random source tokens -> L target tokens"}
              if not pool else {"decoding": f"free: real sentences ({len(pool)}) nearest "
