@@ -38,6 +38,7 @@ from dynaseq.core.rundir import (
 from dynaseq.metrics.profile import count_params
 from dynaseq.tasks.registry import PREDICTORS, RUN_CONFIGS, load
 from dynaseq.techniques.cct.calibration_file import CALIBRATION_FILE as CALIBRATION
+from dynaseq.techniques.cct.calibration_file import write_calibrations
 
 #: Version of the ``config.json`` layout.
 MODEL_VERSION = 1
@@ -120,10 +121,11 @@ def export_model(run_dir: str | Path, out_dir: str | Path,
     predictor = load(run, checkpoint=str(ckpt), device="cpu")  # the weights load and fit
     meta = {k: v for k, v in read_meta(ckpt).items() if k != "sha256"}
     meta.update(exported_from=str(run), exported_checkpoint=str(ckpt))
+    cals = getattr(predictor, "calibrations", None) or []  # those made for this checkpoint
     calibration = None
-    if (run / CALIBRATION).is_file() and getattr(predictor, "calibrations", None):
-        calibration = json.loads((run / CALIBRATION).read_text())
-        calibration["checkpoint"] = "."  # the model directory is its own checkpoint
+    if cals:
+        data = json.loads((run / CALIBRATION).read_text()).get("data", {})
+        calibration = {"budgets": [c.to_json() for c in cals], "data": data}
     files = []
     with writing_new_dir(out) as tmp:
         shutil.copy2(ckpt / WEIGHTS, tmp / WEIGHTS)
@@ -133,8 +135,8 @@ def export_model(run_dir: str | Path, out_dir: str | Path,
         for name in PREDICTORS[type(cfg)].EXPORT_FILES:
             if (run / name).is_file():
                 shutil.copy2(run / name, tmp / name)
-        if calibration is not None:
-            atomic_write(tmp / CALIBRATION, json.dumps(calibration, indent=1))
+        if calibration is not None:  # the model directory is its own checkpoint
+            write_calibrations(tmp, tmp, cals, calibration["data"])
         atomic_write(tmp / "README.md", model_card(cfg, meta, run, ckpt,
                                                    count_params(predictor.model), calibration))
         write_meta(tmp, meta)  # the SHA-256 of every file, as a checkpoint's meta.json
