@@ -112,6 +112,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
+    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
     if args.src is None or args.ref is None:
         raise DynaseqError("evaluate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -169,6 +170,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     target = Path(args.target)
     if args.latency_table:
+        _refuse_exit(args)
         return _profile_latency_table(args)
     if target.is_dir() and _run_dir_kind(str(target)) == "lm":
         return _profile_lm(args)
@@ -194,6 +196,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         budget_ctx = contextlib.nullcontext(control_for_budget(cfg.model, args.budget))
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
+    _refuse_exit(args)
     longest = max(args.src_len, args.tgt_len)
     if longest > model_cfg.max_positions:
         raise DynaseqError(f"profile: {longest} positions exceed the model's max_positions="
@@ -531,6 +534,7 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
     θ 0.016, λ 0.07 for a run without a cache)."""
     _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
+    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
     lm = _language_model(args)
     result = {"split": args.split,
               **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
@@ -568,7 +572,8 @@ def cmd_classify(args: argparse.Namespace) -> int:
     budget = _encoder_budget(args)
     lines = _read_input(args.input)
     c = _classifier(args)
-    out = c.classify(lines, budget=budget, batch_size=args.batch_size, progress=not args.quiet)
+    out = c.classify(lines, budget=budget, batch_size=args.batch_size, progress=not args.quiet,
+                     gamma=args.gamma, depth=args.depth)
     _write_output(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
                    for v in out], args.output)
     return 0
@@ -592,7 +597,7 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
     budget = _encoder_budget(args)
     c = _classifier(args)
     result = c.evaluate(args.data, budget=budget, batch_size=args.batch_size,
-                        progress=not args.quiet)
+                        progress=not args.quiet, gamma=args.gamma, depth=args.depth)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -601,6 +606,10 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
         if "realized_fraction" in result:
             extra = (f"  budget {result['budget']}  realized {result['realized_fraction']:.3f}"
                      f" ({result['realized_macs_per_token'] / 1e6:.3f} M MACs/token)")
+        if "avg_layers" in result:
+            how = (f"gamma {result['gamma']}" if result["depth"] is None
+                   else f"depth {result['depth']}")
+            extra += f"  {how}  layers run {result['avg_layers']:.2f} of {c.config.model.layers}"
         print(f"{result['task']} {metrics}  ({result['n_examples']} examples, "
               f"{result['skipped']} skipped){extra}")
     return 0
@@ -612,6 +621,7 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
     from dynaseq.tasks.mlm.predictor import MaskedLM
 
     _refuse_translation_args(args, "an MLM")
+    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
     budget = _encoder_budget(args)
     if args.split != "valid" and args.data is None:
         raise DynaseqError("evaluate: an MLM run's config has a valid file only; give "
@@ -654,7 +664,7 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
     (analytic and flop counter), latency at batch 1 and throughput at batch 32 for 32- and
     128-token inputs."""
     from dynaseq.metrics.encoder_profile import profile_encoder
-    from dynaseq.tasks.encoder.budget import control_for
+    from dynaseq.tasks.encoder.budget import control_for, exit_for
 
     budget = _encoder_budget(args)
     calibrations = []
@@ -674,8 +684,11 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
         raise DynaseqError(f"profile: {max(lengths)} tokens exceed the model's max_positions="
                            f"{model_cfg.max_positions}")
     control = control_for(model_cfg, budget, 1, next(model.parameters()).device, calibrations)
-    result = profile_encoder(model, lengths, (1, 32), args.repeats, control)
+    exit = exit_for(model_cfg, args.gamma, args.depth)
+    result = profile_encoder(model, lengths, (1, 32), args.repeats, control, exit=exit)
     result["budget"] = budget
+    if exit is not None:
+        result.update(gamma=exit.gamma, depth=exit.depth)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -716,6 +729,7 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
     its data.train) -> params, MACs/token, ms/token at positions 100 and 10,000."""
     from dynaseq.metrics.lm_profile import profile_lm
 
+    _refuse_exit(args)
     if cfg is None:
         args.run_dir = args.target
         model = _language_model(args).model
@@ -773,6 +787,25 @@ def parse_budget(text: str) -> float | tuple[float, float]:
     if len(parts) == 2:
         return (parts[0], parts[1])
     raise argparse.ArgumentTypeError(f"a budget is F or ENC,DEC, got {text!r}")
+
+
+EXIT_ARGS = ("gamma", "depth")
+"""The early-exit options (adaptive-depth classifiers only)."""
+
+
+def _refuse_exit(args: argparse.Namespace) -> None:
+    if args.gamma is not None or args.depth is not None:
+        raise DynaseqError(f"{args.command}: --gamma and --depth are for adaptive-depth "
+                           "encoders")
+
+
+def _add_exit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gamma", type=float, default=None,
+                   help="adaptive-depth encoders: exit threshold in (0, 1) (0.1 slow and "
+                        "accurate ... 0.9 fast; default the run's depth.gamma)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="adaptive-depth encoders: run this many adaptive layers for every "
+                        "input instead (the model's maximum: no early exit)")
 
 
 def _add_budget_arg(p: argparse.ArgumentParser) -> None:
@@ -852,6 +885,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default=None, help="output file (default stdout)")
     p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
     _add_budget_arg(p)
+    _add_exit_args(p)
     _add_run_args(p)
 
     p = sub.add_parser("evaluate", help="sacreBLEU and loss against references; "
@@ -866,6 +900,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dev.tsv); MLM runs: a text file (default the run's valid file)")
     p.add_argument("--json", action="store_true")
     _add_decode_args(p)
+    _add_exit_args(p)
     _add_run_args(p)
 
     p = sub.add_parser(
@@ -913,6 +948,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "each length), decoded freely, instead of random fixed-length ones "
                         "(recommended: a budget's outputs may run longer)")
     _add_budget_arg(p)
+    _add_exit_args(p)
     _add_run_args(p)
 
     p = sub.add_parser("generate", help="sample text from a language model")

@@ -45,14 +45,14 @@ def encoder_macs(model: nn.Module, n_tokens: int) -> dict[str, int]:
 
 @torch.no_grad()
 def flop_counter_encoder_macs(model: nn.Module, tokens: torch.Tensor,
-                              control: Any = None) -> float:
+                              control: Any = None, exit: Any = None) -> float:
     """MACs FlopCounterMode measures for one eval forward pass of ``tokens`` (1, S)
-    (a CCT: what ran at ``control``)."""
+    (a CCT: what ran at ``control``; adaptive depth: at ``exit``)."""
     was_training = model.training
     model.eval()
     try:
         with _counter() as fc:
-            model(tokens, torch.zeros_like(tokens), control)
+            model(tokens, torch.zeros_like(tokens), control, exit=exit)
     finally:
         model.train(was_training)
     return fc.get_total_flops() / 2
@@ -60,7 +60,7 @@ def flop_counter_encoder_macs(model: nn.Module, tokens: torch.Tensor,
 
 @torch.no_grad()
 def encoder_latency_ms(model: nn.Module, n_tokens: int, batch: int, repeats: int = 5,
-                       control: Any = None, seed: int = 0) -> float:
+                       control: Any = None, seed: int = 0, exit: Any = None) -> float:
     """Median wall time (ms) of one eval forward pass over ``batch`` random inputs of
     ``n_tokens`` tokens each (after one warm-up)."""
     device = next(model.parameters()).device
@@ -68,14 +68,17 @@ def encoder_latency_ms(model: nn.Module, n_tokens: int, batch: int, repeats: int
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(7, vocab, (batch, n_tokens), generator=gen).to(device)
     segments = torch.zeros_like(tokens)
-    return median_ms(model, lambda: model(tokens, segments, control), repeats)
+    return median_ms(model, lambda: model(tokens, segments, control, exit=exit), repeats)
 
 
 def profile_encoder(model: nn.Module, lengths: tuple[int, ...] = (32, 128),
                     batches: tuple[int, int] = (1, 32), repeats: int = 5,
-                    control: Any = None, latency: bool = True) -> dict[str, Any]:
-    """Params; per input length: analytic MACs per token (all gates on), the flop counter's
-    (what ran at ``control``), batch-1 latency (ms) and batch-32 throughput (sentences/s)."""
+                    control: Any = None, latency: bool = True,
+                    exit: Any = None) -> dict[str, Any]:
+    """Params; per input length: analytic MACs per token (all gates on, every layer), the
+    flop counter's (what ran at ``control`` and ``exit``), batch-1 latency (ms) and batch-32
+    throughput (sentences/s). Random inputs: an adaptive-depth model's exits are those its
+    predictor chooses for them."""
     device = next(model.parameters()).device
     vocab = model.encoder.embeddings.vocab_size
     result: dict[str, Any] = {"params": count_params(model), "device": str(device),
@@ -86,13 +89,15 @@ def profile_encoder(model: nn.Module, lengths: tuple[int, ...] = (32, 128),
         analytic = encoder_macs(model, s)
         row: dict[str, Any] = {
             "macs_per_token": sum(analytic.values()) / s,
-            "macs_per_token_flop_counter": flop_counter_encoder_macs(model, tokens, control) / s,
+            "macs_per_token_flop_counter": flop_counter_encoder_macs(model, tokens, control,
+                                                                     exit) / s,
             "macs_breakdown_per_token": {k: v / s for k, v in analytic.items()},
         }
         if latency:
             b1, bn = batches
-            row[f"latency_ms_b{b1}"] = encoder_latency_ms(model, s, b1, repeats, control)
-            ms = encoder_latency_ms(model, s, bn, repeats, control)
+            row[f"latency_ms_b{b1}"] = encoder_latency_ms(model, s, b1, repeats, control,
+                                                          exit=exit)
+            ms = encoder_latency_ms(model, s, bn, repeats, control, exit=exit)
             row[f"latency_ms_b{bn}"] = ms
             row[f"sentences_per_s_b{bn}"] = bn / (ms / 1000.0)
         result["lengths"][str(s)] = row

@@ -37,6 +37,8 @@ from torch import Tensor, nn
 
 from dynaseq.nn import AuxOutputs, EncoderLayer, padding_to_attn_mask
 from dynaseq.techniques.cct.gating import BudgetControl
+from dynaseq.techniques.depth.exits import DEPTH_PROBS, DEPTH_RUN, LAYER_ROWS, DepthExit
+from dynaseq.techniques.depth.predictor import StructurePredictor
 
 ENCODER_SUBNETWORKS = ("encoder",)
 """The gated sub-network of an encoder-only CCT (the first component of its gates' paths)."""
@@ -50,27 +52,27 @@ class EncoderEmbeddings(nn.Module):
 
     ``embedding_dim`` E < ``d_model`` adds the projection E -> d (ALBERT's factorization);
     E == d has none. Weights ~ N(0, 0.02²) as in BERT; the pad row is zero.
+    ``absolute_positions=False`` drops ``E_pos`` (for models with relative positions only).
     """
 
     def __init__(self, vocab_size: int, embedding_dim: int, d_model: int, max_positions: int,
-                 n_segments: int, pad_id: int) -> None:
+                 n_segments: int, pad_id: int, absolute_positions: bool = True) -> None:
         super().__init__()
         if embedding_dim > d_model:
             raise ValueError(f"embedding_dim={embedding_dim} must be <= d_model={d_model}")
         self.tokens = nn.Embedding(vocab_size, embedding_dim, padding_idx=pad_id)
-        self.positions = nn.Embedding(max_positions, embedding_dim)
+        # absolute_positions=False (relative positions only, an ablation): no table
+        self.positions = nn.Embedding(max_positions, embedding_dim) if absolute_positions else None
         self.segments = nn.Embedding(n_segments, embedding_dim)
         for emb in (self.tokens, self.positions, self.segments):
-            nn.init.normal_(emb.weight, std=0.02)
+            if emb is not None:
+                nn.init.normal_(emb.weight, std=0.02)
         with torch.no_grad():
             self.tokens.weight[pad_id].zero_()
         self.norm = nn.LayerNorm(embedding_dim)
         self.proj = nn.Linear(embedding_dim, d_model) if embedding_dim < d_model else None
         self.pad_id = pad_id
-
-    @property
-    def max_positions(self) -> int:
-        return self.positions.num_embeddings
+        self.max_positions = max_positions
 
     @property
     def vocab_size(self) -> int:
@@ -80,7 +82,9 @@ class EncoderEmbeddings(nn.Module):
         s = tokens.size(1)
         if s > self.max_positions:
             raise ValueError(f"{s} tokens exceed max_positions={self.max_positions}")
-        x = self.tokens(tokens) + self.positions.weight[:s]  # (B, S, E)
+        x = self.tokens(tokens)  # (B, S, E)
+        if self.positions is not None:
+            x = x + self.positions.weight[:s]
         if segments is not None:
             x = x + self.segments(segments)
         else:
@@ -96,6 +100,12 @@ class EncoderEmbeddings(nn.Module):
                 "embedding_proj": n_tokens * self.proj.in_features * self.proj.out_features}
 
 
+def _attn_mask(pad_mask: Tensor) -> Tensor | None:
+    """(B, 1, 1, S) allowed keys; None without padding, so attention can take its fused
+    kernel."""
+    return padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
+
+
 class TransformerEncoder(nn.Module):
     """tokens (B, S) -> hidden states (B, S, d): embeddings, ``len(plan)`` layer applications,
     final LayerNorm (pre-LN).
@@ -103,18 +113,31 @@ class TransformerEncoder(nn.Module):
     ``layers``: the distinct layer modules; ``plan[i]``: which one runs at depth i (default
     one each, no sharing). A shared layer's parameters count once and its gated sub-layers
     report one trace per application.
+
+    ``predictor`` (adaptive depth, ALBERTa): a :class:`~dynaseq.techniques.depth.predictor.
+    StructurePredictor` read after its ``first_group`` layers; the K = depth − first_group
+    layers after it scale their residual branches by its keep probabilities p (B, K)
+    (``H~ = H + p_i·MHA(LN(H))``, ``H' = H~ + p_i·FFN(LN(H~))``). With an ``exit``
+    (:class:`~dynaseq.techniques.depth.exits.DepthExit`) each row stops at its depth and is
+    not computed after it (see :meth:`_run_exits`).
     """
 
     def __init__(self, embeddings: EncoderEmbeddings, layers: list[EncoderLayer],
-                 d_model: int, plan: list[int] | None = None, dropout: float = 0.0) -> None:
+                 d_model: int, plan: list[int] | None = None, dropout: float = 0.0,
+                 predictor: StructurePredictor | None = None) -> None:
         super().__init__()
         self.embeddings = embeddings
         self.layers = nn.ModuleList(layers)
         self.plan = list(range(len(layers))) if plan is None else list(plan)
         if not self.plan or sorted(set(self.plan)) != list(range(len(layers))):
             raise ValueError(f"plan {self.plan} must use each of the {len(layers)} layers")
+        if predictor is not None and (
+                predictor.first_group + predictor.n_adaptive != len(self.plan)):
+            raise ValueError(f"the structure predictor covers {predictor.first_group} + "
+                             f"{predictor.n_adaptive} layers, the encoder has {len(self.plan)}")
         self.norm = nn.LayerNorm(d_model)
         self.dropout = nn.Dropout(dropout)
+        self.predictor = predictor
 
     @property
     def depth(self) -> int:
@@ -122,21 +145,76 @@ class TransformerEncoder(nn.Module):
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None,
                 control: Tensor | None = None, gate_offset: Tensor | None = None,
-                aux: AuxOutputs | None = None) -> tuple[Tensor, Tensor]:
+                aux: AuxOutputs | None = None,
+                exit: DepthExit | None = None) -> tuple[Tensor, Tensor]:
         """Returns (hidden (B, S, d), pad_mask (B, S) bool, True at padding).
 
         control: (B, 1, d) control-symbol embedding added to every token's input (CCT);
-        gate_offset: (B,) per-row offsets of the gates (a calibrated budget)."""
+        gate_offset: (B,) per-row offsets of the gates (a calibrated budget); exit: early
+        exit (adaptive depth; the hidden states of a row's padding are then zero)."""
         pad_mask = tokens.eq(self.embeddings.pad_id)
         x = self.embeddings(tokens, segments)
         if control is not None:
             x = x + control
         x = self.dropout(x)
-        # (B, 1, 1, S); None without padding, so attention can take its fused kernel
-        mask = padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
-        for i in self.plan:
+        mask = _attn_mask(pad_mask)
+        first = self.depth if self.predictor is None else self.predictor.first_group
+        for i in self.plan[:first]:
             x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset)
+        if self.predictor is None:
+            if exit is not None:
+                raise ValueError("this encoder has no structure predictor (no adaptive depth) "
+                                 "to exit early with")
+            return self.norm(x), pad_mask
+        p = self.predictor(x)  # (B, K) keep probabilities
+        if aux is not None:
+            aux.add_trace(DEPTH_PROBS, p)
+        if exit is not None:
+            depths = exit.depths(p, self.predictor.n_adaptive)
+            return self._run_exits(x, pad_mask, p, depths, gate_offset, aux), pad_mask
+        for k, i in enumerate(self.plan[first:]):
+            x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset,
+                               scale=p[:, k, None, None])
         return self.norm(x), pad_mask
+
+    def _run_exits(self, x: Tensor, pad_mask: Tensor, p: Tensor, depths: Tensor,
+                   gate_offset: Tensor | None, aux: AuxOutputs | None) -> Tensor:
+        """Batched early exit: x (B, S, d) after the first group, depths (B,) -> final
+        hidden (B, S, d).
+
+        The rows are ordered by depth (deepest first), so the rows still running at adaptive
+        layer k are a prefix of that order: layer k runs on that prefix only, cut to the
+        longest of its rows (right padding beyond it is not computed). A row leaving after
+        layer k gets the final LayerNorm of its state then, which is exactly its output of the
+        model truncated at k. Writes ``DEPTH_RUN`` and ``LAYER_ROWS`` traces."""
+        order = torch.argsort(depths, descending=True, stable=True)
+        lengths = (~pad_mask).sum(-1)[order].tolist()
+        running = [int(n) for n in (depths[order][None, :] > torch.arange(
+            p.size(1) + 1, device=depths.device)[:, None]).sum(-1).tolist()]  # (K+1,)
+        x, pm_sorted, p = x[order], pad_mask[order], p[order]
+        offset = None if gate_offset is None else gate_offset[order]
+        out = torch.zeros_like(x)
+        first = self.predictor.first_group
+        n_prev = x.size(0)
+        layer_rows = []
+        for k, n in enumerate([*running[:-1], 0]):
+            if n < n_prev:  # rows n .. n_prev leave before adaptive layer k
+                width = max(lengths[n:n_prev])
+                out[order[n:n_prev], :width] = self.norm(x[n:n_prev, :width])
+            if n == 0:
+                break
+            width = max(lengths[:n])
+            x, pm = x[:n, :width], pm_sorted[:n, :width]
+            layer = self.layers[self.plan[first + k]]
+            x = layer(x, _attn_mask(pm), aux=aux,
+                      gate_offset=None if offset is None else offset[:n],
+                      scale=p[:n, k, None, None])
+            layer_rows.append(n)
+            n_prev = n
+        if aux is not None:
+            aux.add_trace(DEPTH_RUN, depths)
+            aux.add_trace(LAYER_ROWS, layer_rows)
+        return out.masked_fill_(pad_mask[..., None], 0.0)  # (B, S, d), padding zero
 
 
 class MLMHead(nn.Module):
@@ -253,13 +331,17 @@ class EncoderModel(nn.Module):
         return emb, offsets.get("encoder")
 
     def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
-               aux: AuxOutputs | None = None) -> tuple[Tensor, Tensor]:
+               aux: AuxOutputs | None = None,
+               exit: DepthExit | None = None) -> tuple[Tensor, Tensor]:
         """(hidden (B, S, d), pad_mask (B, S))."""
         emb, offset = self._control(control, tokens.size(0), tokens.device)
-        return self.encoder(tokens, segments, emb, offset, aux)
+        return self.encoder(tokens, segments, emb, offset, aux, exit)
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
-                select: Tensor | None = None) -> EncoderModelOutput:
+                select: Tensor | None = None,
+                exit: DepthExit | None = None) -> EncoderModelOutput:
+        """``exit``: early exit of an adaptive-depth encoder (its depth per row is then in
+        ``aux.traces[DEPTH_RUN]``)."""
         aux = AuxOutputs()
-        hidden, pad_mask = self.encode(tokens, segments, control, aux)
+        hidden, pad_mask = self.encode(tokens, segments, control, aux, exit)
         return EncoderModelOutput(hidden, pad_mask, self.head(hidden, select), aux)

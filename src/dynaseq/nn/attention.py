@@ -85,15 +85,20 @@ class MultiHeadAttention(AttentionHeads):
         n_heads: number of heads.
         q_proj, k_proj, v_proj, out_proj: modules mapping ``(B, T, d_model)`` to itself.
         dropout: dropout on attention probabilities (training only).
+        position_scores: optional module ``(q (B, H, T, hd), k (B, H, S, hd)) -> (B, H, T, S)``
+            added to the scaled content scores (e.g. :class:`~dynaseq.nn.relative_scores.
+            RelativeScores`); self-attention over a whole sequence only (no cache).
 
     ``forward(x, memory=None, ...)``: x ``(B, T, d_model)`` are the queries; keys/values come
     from ``memory`` ``(B, S, d_model)`` (cross-attention) or from ``x`` (self-attention).
     """
 
     def __init__(self, d_model: int, n_heads: int, q_proj: nn.Module, k_proj: nn.Module,
-                 v_proj: nn.Module, out_proj: nn.Module, dropout: float = 0.0) -> None:
+                 v_proj: nn.Module, out_proj: nn.Module, dropout: float = 0.0,
+                 position_scores: nn.Module | None = None) -> None:
         super().__init__(d_model, n_heads, dropout)
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
+        self.position_scores = position_scores
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, attn_mask: Tensor | None = None,
                 is_causal: bool = False, cache: KVCache | None = None,
@@ -118,6 +123,11 @@ class MultiHeadAttention(AttentionHeads):
                 cache.k, cache.v = k, v
         if is_causal and q.size(2) == 1:
             is_causal = False  # one query attends to everything cached so far
+        if self.position_scores is not None:
+            assert cache is None and memory is None and not is_causal, \
+                "position scores are for full-sequence self-attention"
+            bias = self.position_scores(q, k)  # (B, H, T, S), added to the scaled scores
+            attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd)
@@ -138,7 +148,7 @@ class MultiHeadAttention(AttentionHeads):
             assert isinstance(m, (nn.Linear, Int8Linear)), "macs() assumes dense projections"
             return n * m.in_features * m.out_features
 
-        return {
+        macs = {
             "q_proj": lin(self.q_proj, n_queries),
             "k_proj": lin(self.k_proj, n_kv),
             "v_proj": lin(self.v_proj, n_kv),
@@ -146,6 +156,9 @@ class MultiHeadAttention(AttentionHeads):
             "attn_values": n_queries * n_keys * self.d_model,
             "out_proj": lin(self.out_proj, n_queries),
         }
+        if self.position_scores is not None:
+            macs["position_scores"] = self.position_scores.macs(n_queries, n_keys, self.n_heads)
+        return macs
 
 
 def _linear(d_in: int, d_out: int) -> nn.Linear:
@@ -155,8 +168,11 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
     return layer
 
 
-def dense_attention(d_model: int, n_heads: int, dropout: float = 0.0) -> MultiHeadAttention:
-    """Plain multi-head attention with four ``nn.Linear(d_model, d_model)`` projections."""
+def dense_attention(d_model: int, n_heads: int, dropout: float = 0.0,
+                    position_scores: nn.Module | None = None) -> MultiHeadAttention:
+    """Plain multi-head attention with four ``nn.Linear(d_model, d_model)`` projections
+    (and optional ``position_scores``, see :class:`MultiHeadAttention`)."""
     return MultiHeadAttention(d_model, n_heads, _linear(d_model, d_model),
                               _linear(d_model, d_model), _linear(d_model, d_model),
-                              _linear(d_model, d_model), dropout=dropout)
+                              _linear(d_model, d_model), dropout=dropout,
+                              position_scores=position_scores)

@@ -41,10 +41,14 @@ class EncoderLayer(nn.Module):
         attach_sublayers(self, d_model, dropout, self_attn=self_attn, ffn=ffn)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None, aux: AuxOutputs | None = None,
-                gate_offset: Tensor | None = None) -> Tensor:
+                gate_offset: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        """``scale`` (B, 1, 1): each row's residual branches are multiplied by it (adaptive
+        depth: H~ = H + p·MHA(LN(H)), H' = H~ + p·FFN(LN(H~))); None: unscaled."""
         kw = _per_call(aux, gate_offset)
-        x = x + self.dropout(self.self_attn(self.self_attn_norm(x), attn_mask=attn_mask, **kw))
-        return x + self.dropout(self.ffn(self.ffn_norm(x), **kw))
+        h = self.dropout(self.self_attn(self.self_attn_norm(x), attn_mask=attn_mask, **kw))
+        x = x + (h if scale is None else scale * h)
+        h = self.dropout(self.ffn(self.ffn_norm(x), **kw))
+        return x + (h if scale is None else scale * h)
 
 
 class DecoderLayer(nn.Module):

@@ -29,15 +29,17 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
-from dynaseq.models.encoder import EncoderModel
+from dynaseq.models.encoder import EncoderModel, EncoderModelOutput
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
 from dynaseq.tasks.classify.glue import Examples, TableLayout, read_table
 from dynaseq.tasks.encoder.budget import (
     Budget,
     Budgets,
+    Gamma,
     as_fraction,
     control_for,
+    exit_for,
     nearest_trained,
     trained_budget,
 )
@@ -47,6 +49,7 @@ from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budg
 from dynaseq.techniques.cct.calibration_file import read_calibrations, write_calibrations
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_layer
+from dynaseq.techniques.depth.exits import DEPTH_RUN, DepthExit
 
 Control = int | Tensor | BudgetControl | None
 """One control for every row (an id, or a :class:`BudgetControl` with float offsets), one per
@@ -62,15 +65,48 @@ def _rows_control(control: Control, idx: list[int], device: torch.device) -> Con
     return control
 
 
+def _rows_exit(exit: DepthExit | None, idx: list[int]) -> DepthExit | None:
+    """The exit of rows ``idx`` (a per-row γ or depth is indexed, one for all is kept)."""
+    if exit is None:
+        return None
+    g, d = exit.gamma, exit.depth
+    index = torch.tensor(idx)
+    if isinstance(g, Tensor) and g.numel() > 1:
+        return DepthExit(gamma=g.index_select(0, index.to(g.device)))
+    if isinstance(d, Tensor) and d.numel() > 1:
+        return DepthExit(depth=d.index_select(0, index.to(d.device)))
+    return exit
+
+
+def _count_compute(compute: dict[str, int], model: EncoderModel, res: EncoderModelOutput,
+                   tokens: Tensor, segments: Tensor, control: Control) -> None:
+    """Add one batch's realized compute to ``compute``: CCT models ``ran``/``full`` (MACs
+    of the gated sub-layers as run and with every gate on) and ``tokens``; adaptive-depth
+    models ``layers`` (layer applications over the rows, first group included) and ``rows``."""
+    if model.n_controls:
+        ids = control.ids if isinstance(control, BudgetControl) else control
+        full = model(tokens, segments, BudgetControl(ids, {"encoder": ALL_GATES_ON}))
+        for key, aux in (("ran", res.aux), ("full", full.aux)):
+            compute[key] = compute.get(key, 0) + sum(
+                sum(c.values()) for c in realized_macs_by_layer(aux).values())
+        compute["tokens"] = compute.get("tokens", 0) + int(tokens.ne(model.pad_id).sum())
+    run = res.aux.traces.get(DEPTH_RUN)
+    if run:
+        first = model.encoder.predictor.first_group
+        compute["layers"] = compute.get("layers", 0) + int(run[0].sum()) + first * len(run[0])
+        compute["rows"] = compute.get("rows", 0) + len(run[0])
+
+
 @torch.no_grad()
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
-                   compute: dict[str, int] | None = None, progress: bool = False) -> Tensor:
+                   compute: dict[str, int] | None = None, progress: bool = False,
+                   exit: DepthExit | None = None) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
-    ``compute`` (CCT models): receives ``ran`` and ``full``, the MACs the gated sub-layers
-    executed and would execute with every gate on, over the same batches. ``progress``: a
-    bar of rows on a terminal."""
+    ``compute``: receives the realized compute of the batches (:func:`_count_compute`).
+    ``exit``: early exit of an adaptive-depth model (one for every row, or per row).
+    ``progress``: a bar of rows on a terminal."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
@@ -82,22 +118,24 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
             tokens, segments = (t.to(device) for t in
                                 collate_rows([rows[j] for j in idx], model.pad_id))
             rows_control = _rows_control(control, idx, device)
-            res = model(tokens, segments, rows_control)
+            res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx))
             out[torch.tensor(idx)] = res.logits.float().cpu()
             if compute is not None:
-                ids = (rows_control.ids if isinstance(rows_control, BudgetControl)
-                       else rows_control)
-                opened = BudgetControl(ids, {"encoder": ALL_GATES_ON})
-                full = model(tokens, segments, opened)
-                for key, aux in (("ran", res.aux), ("full", full.aux)):
-                    compute[key] = compute.get(key, 0) + sum(
-                        sum(c.values()) for c in realized_macs_by_layer(aux).values())
-                compute["tokens"] = compute.get("tokens", 0) + int(tokens.ne(model.pad_id).sum())
+                _count_compute(compute, model, res, tokens, segments, rows_control)
             bar.update(len(idx))
     finally:
         bar.close()
         model.train(was_training)
     return out
+
+
+def depth_report(exit: DepthExit, compute: dict[str, int], layers: int) -> dict[str, object]:
+    """What an adaptive-depth evaluation reports: its exit and the layers its rows ran."""
+    g, d = exit.gamma, exit.depth
+    avg = compute["layers"] / compute["rows"]
+    return {"gamma": g.tolist() if isinstance(g, Tensor) else g,
+            "depth": d.tolist() if isinstance(d, Tensor) else d,
+            "avg_layers": avg, "depth_fraction": avg / layers}
 
 
 def decide(logits: Tensor, layout: TableLayout) -> list[str] | list[float]:
@@ -179,51 +217,61 @@ class Classifier:
         return Examples(a, b if layout.is_pair else None, skipped=len(lines) - len(keep)), keep
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
-                 batch_size: int | None = None,
-                 progress: bool = False) -> list[str | float | None]:
+                 batch_size: int | None = None, progress: bool = False,
+                 gamma: Gamma = None, depth: int | None = None) -> list[str | float | None]:
         """A label (or a regression score) per line, in order; None for an empty line.
 
         ``budget`` (CCT models): a trained budget for every line, or a list, one per line
-        (the lines are batched together whatever their budgets). ``progress``: a bar on a
+        (the lines are batched together whatever their budgets). ``gamma`` (adaptive-depth
+        models; default the run's): the exit threshold, one or a list, one per line;
+        ``depth``: a fixed number of adaptive layers instead. ``progress``: a bar on a
         terminal."""
         control = self._control(budget, len(lines))
+        exit = exit_for(self.config.model, gamma, depth, len(lines))
         ex, keep = self._examples(lines)
         out: list[str | float | None] = [None] * len(lines)
         if not keep:
             return out
         if isinstance(budget, list):
             control = _rows_control(control, keep, self.device)
+        exit = _rows_exit(exit, keep)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, progress=progress)
+                                self.device, control, progress=progress, exit=exit)
         for i, value in zip(keep, decide(logits, self.layout), strict=True):
             out[i] = value
         return out
 
     def evaluate(self, path: str | Path, budget: Budgets = None,
-                 batch_size: int | None = None, progress: bool = False) -> dict[str, object]:
+                 batch_size: int | None = None, progress: bool = False,
+                 gamma: Gamma = None, depth: int | None = None) -> dict[str, object]:
         """The official metrics on a labelled file in the run's layout (GLUE dev.tsv), the
-        rows skipped for an empty sentence, and for a CCT model the budget and the compute
-        its gated sub-layers really ran (``realized_fraction`` of all gates on,
-        ``realized_macs_per_token`` over the non-padding tokens)."""
+        rows skipped for an empty sentence; for a CCT model the budget and the compute its
+        gated sub-layers really ran (``realized_fraction`` of all gates on,
+        ``realized_macs_per_token`` over the non-padding tokens); for an adaptive-depth model
+        the exit (``gamma`` or ``depth``) and the layers rows really ran (``avg_layers``,
+        first group included, and ``depth_fraction`` of the model's depth)."""
         layout = self.layout
         ex = read_table(path, layout)
         if not len(ex):
             raise DynaseqError(f"{path}: every row has an empty sentence")
         control = self._control(budget, len(ex))
+        exit = exit_for(self.config.model, gamma, depth, len(ex))
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
-        compute: dict[str, int] | None = {} if self.config.model.cct is not None else None
+        compute: dict[str, int] = {}
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute, progress)
+                                self.device, control, compute, progress, exit)
         result: dict[str, object] = {
             "task": layout.name, "path": str(path),
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
             "n_examples": len(ex), "skipped": ex.skipped, "checkpoint": str(self.checkpoint)}
-        if compute is not None:
+        if self.config.model.cct is not None:
             result["budget"] = ([self._budget(b) for b in budget] if isinstance(budget, list)
                                 else self._budget(budget))
             result["realized_fraction"] = compute["ran"] / compute["full"]
             result["realized_macs_per_token"] = compute["ran"] / compute["tokens"]
+        if exit is not None:
+            result.update(depth_report(exit, compute, self.config.model.layers))
         return result
 
     def calibrate(self, path: str | Path, budgets: list[float] | None = None,

@@ -15,7 +15,9 @@ refused before anything is written.
 
 Loss: cross-entropy (or squared error for a regression) summed over the sentences, plus each
 technique's term (CCT-BERT: budgets drawn per sentence, λ·L_c with the run's λ, scaled to
-the task loss). Validation: the task's official metrics at the largest trained budget;
+the task loss; adaptive depth: λ_d times the expected depth). Validation: the task's
+official metrics at the largest trained budget (adaptive depth: early exit at the run's
+``depth.gamma``, with ``avg_layers``);
 ``best/`` keeps the first metric (CoLA: MCC, MRPC/QQP: F1, STS-B: Pearson, else accuracy).
 """
 
@@ -38,6 +40,7 @@ from dynaseq.tasks.classify.config import ClassifyRunConfig
 from dynaseq.tasks.classify.data import collate_rows, encode_examples, target_tensor
 from dynaseq.tasks.classify.glue import read_table
 from dynaseq.tasks.classify.predictor import decide, predict_logits, task_metrics
+from dynaseq.tasks.encoder.budget import exit_for
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.tasks.encoder.training import draw_controls, largest_control, techniques_for
@@ -206,9 +209,14 @@ class ClassifyTask:
     def validate(self, model: nn.Module) -> dict[str, float]:
         if self.valid_ex is None or not len(self.valid_ex):
             return {}
+        exit = exit_for(self.cfg.model)  # adaptive depth: early exit at the run's γ
+        compute: dict[str, int] = {}
         logits = predict_logits(model, self.valid_rows, 64, self.device,
-                                largest_control(self.cfg.model))
-        return task_metrics(self.layout, self.valid_ex.targets(), decide(logits, self.layout))
+                                largest_control(self.cfg.model), compute, exit=exit)
+        metrics = task_metrics(self.layout, self.valid_ex.targets(), decide(logits, self.layout))
+        if exit is not None:
+            metrics["avg_layers"] = compute["layers"] / compute["rows"]
+        return metrics
 
     def score(self, metrics: dict[str, float]) -> float | None:
         main = self.layout.metrics[0]

@@ -6,6 +6,10 @@ looked up per row and passed to the model (never written into it), so one batch 
 rows at different budgets. A calibrated budget (``dynaseq calibrate``, trained or not) runs
 with its control symbol and its gate offset (:class:`~dynaseq.techniques.cct.gating.
 BudgetControl`); a trained one with its control symbol alone. Dense encoders take no budget.
+
+An adaptive-depth encoder (``model.depth``) takes an exit instead (:func:`exit_for`): a
+threshold γ on its structure predictor (default the run's ``depth.gamma``; one, or one per
+row) or a fixed number of adaptive layers.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
-from dynaseq.core.errors import DynaseqError
+from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.techniques.cct.calibration import BudgetCalibration
 from dynaseq.techniques.cct.gating import BudgetControl
+from dynaseq.techniques.depth.config import check_gamma
+from dynaseq.techniques.depth.exits import DepthExit
 
 Budget = float | None
 """One budget: a compute fraction in (0, 1] of a CCT encoder, or None (the largest)."""
@@ -109,3 +115,38 @@ def nearest_trained(cfg: EncoderModelConfig, budget: float) -> int:
     """The control id of the trained budget closest to ``budget`` (ties: the larger)."""
     c = cfg.cct.controls
     return min(range(len(c)), key=lambda i: (abs(c[i] - budget), -c[i], i))
+
+
+Gamma = float | list[float] | None
+"""An exit threshold γ in (0, 1) for every row, a list with one per row, or None."""
+
+
+def exit_for(cfg: EncoderModelConfig, gamma: Gamma = None, depth: int | None = None,
+             n_rows: int | None = None) -> DepthExit | None:
+    """The ``exit`` argument of a call: None for an encoder without adaptive depth (which
+    refuses ``gamma``/``depth``), else ``depth`` adaptive layers for every row, or γ (default
+    the run's ``depth.gamma``). Raises DynaseqError with one line for bad input."""
+    if cfg.depth is None:
+        if gamma is not None or depth is not None:
+            raise DynaseqError("this encoder has no structure predictor (no adaptive depth): "
+                               "--gamma/--depth need a run trained with a model.depth section")
+        return None
+    if gamma is not None and depth is not None:
+        raise DynaseqError("give --gamma or --depth, not both")
+    if depth is not None:
+        k = cfg.layers - cfg.depth.first_group
+        if not 0 <= depth <= k:
+            raise DynaseqError(f"depth {depth} is not in [0, {k}]: this model has {k} adaptive "
+                               f"layers after its first {cfg.depth.first_group}")
+        return DepthExit(depth=depth)
+    if gamma is None:
+        return DepthExit(gamma=cfg.depth.gamma)
+    try:
+        if isinstance(gamma, list):
+            if n_rows is not None and len(gamma) != n_rows:
+                raise DynaseqError(f"{len(gamma)} gammas for {n_rows} lines: give one, or a "
+                                   "list with one per line")
+            return DepthExit(gamma=torch.tensor([check_gamma(g) for g in gamma]))
+        return DepthExit(gamma=check_gamma(gamma))
+    except ConfigError as e:
+        raise DynaseqError(str(e)) from None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dynaseq.core.config import apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.techniques.cct.config import EncoderCCTConfig
+from dynaseq.techniques.depth.config import DepthConfig
 
 #: ``share_layers`` values: no sharing, one layer for every depth, or ``layer_groups``
 #: groups of consecutive depths sharing one layer each (ALBERT sec. 3.1 / 4.5).
@@ -28,9 +29,14 @@ class EncoderModelConfig:
     (default d_model): E < d factorizes the embedding (V·E + E·d parameters).
     ``share_layers``: ``none``, ``all`` (one layer applied ``layers`` times) or ``groups``
     (``layer_groups`` distinct layers, each for ``layers / layer_groups`` consecutive depths).
-    ``max_positions``: learned positions (the longest input). ``dropout`` on embeddings and
-    residuals, ``attention_dropout`` on attention probabilities, ``classifier_dropout``
-    before the classification layer. ``cct``: the CCT's gated sub-layers (CCT-BERT).
+    ``max_positions``: the longest input; ``absolute_positions``: learned absolute position
+    embeddings (False: none, relative positions only); ``relative_positions`` R > 0: every
+    self-attention adds ALBERTa's relative scores over distances clipped to [−R, R]
+    (:class:`~dynaseq.nn.relative_scores.RelativeScores`; 0: none). ``dropout`` on
+    embeddings and residuals, ``attention_dropout`` on attention probabilities,
+    ``classifier_dropout`` before the classification layer. ``cct``: the CCT's gated
+    sub-layers (CCT-BERT). ``depth``: adaptive depth (ALBERTa: a structure predictor after
+    ``depth.first_group`` layers, early exit).
     """
 
     size: str | None = None
@@ -42,12 +48,15 @@ class EncoderModelConfig:
     share_layers: str = "none"
     layer_groups: int = 1
     max_positions: int = 512
+    absolute_positions: bool = True
+    relative_positions: int = 0
     n_segments: int = 2
     dropout: float = 0.1
     attention_dropout: float = 0.1
     activation_dropout: float = 0.0
     classifier_dropout: float = 0.1
     cct: EncoderCCTConfig | None = None
+    depth: DepthConfig | None = None
 
     def __post_init__(self) -> None:
         apply_size(self)
@@ -71,6 +80,14 @@ class EncoderModelConfig:
                               f"cct.ffn_pieces={self.cct.ffn_pieces}")
         check_fraction(self, "dropout", "attention_dropout", "activation_dropout",
                        "classifier_dropout")
+        if self.relative_positions < 0:
+            raise ConfigError(f"relative_positions must be >= 0, got {self.relative_positions}")
+        if self.relative_positions and self.cct is not None:
+            raise ConfigError("relative_positions is not available with the CCT's gated "
+                              "attention (model.cct)")
+        if self.depth is not None and self.depth.first_group >= self.layers:
+            raise ConfigError(f"depth.first_group={self.depth.first_group} leaves no adaptive "
+                              f"layer of model.layers={self.layers}")
 
     @property
     def plan(self) -> list[int]:
@@ -85,7 +102,8 @@ class EncoderModelConfig:
         """What must match for weights to load into this model (fine-tuning's init_from):
         every field but the dropouts, the CCT's training schedule and its budget weight."""
         keys = ("d_model", "ffn_dim", "n_heads", "layers", "embedding_dim", "share_layers",
-                "layer_groups", "max_positions", "n_segments")
+                "layer_groups", "max_positions", "absolute_positions", "relative_positions",
+                "n_segments")
         arch: dict[str, object] = {k: getattr(self, k) for k in keys}
         if self.share_layers != "groups":
             arch.pop("layer_groups")
@@ -93,4 +111,5 @@ class EncoderModelConfig:
         arch["cct"] = None if c is None else {
             "ffn_pieces": c.ffn_pieces, "control_hidden": c.control_hidden,
             "controls": c.controls, "output_norms": c.output_norms}
+        arch["depth"] = None if self.depth is None else self.depth.architecture()
         return arch

@@ -24,16 +24,26 @@ from dynaseq.models.encoder import (
 )
 from dynaseq.nn import EncoderLayer, FeedForward, Sublayers, dense_attention
 from dynaseq.nn.layers import TransformerDims
+from dynaseq.nn.relative_scores import RelativeScores
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.techniques.cct.builder import cct_sublayers
+from dynaseq.techniques.depth.predictor import StructurePredictor
 
 #: ``head`` value of :func:`build_encoder_model` for the MLM head.
 MLM = "mlm"
 
 
-def dense_sublayers(cfg: TransformerDims) -> Sublayers:
-    """Plain multi-head attention and FFN sub-layers."""
-    return Sublayers(lambda: dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout),
+def dense_sublayers(cfg: EncoderModelConfig) -> Sublayers:
+    """Plain multi-head attention (with ALBERTa's relative scores when
+    ``cfg.relative_positions``) and FFN sub-layers."""
+    d_head = cfg.d_model // cfg.n_heads
+
+    def attention() -> nn.Module:
+        scores = (RelativeScores(d_head, cfg.relative_positions) if cfg.relative_positions
+                  else None)
+        return dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, scores)
+
+    return Sublayers(attention,
                      lambda: FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation_dropout))
 
 
@@ -53,11 +63,14 @@ def build_encoder_model(cfg: EncoderModelConfig, vocab_size: int, head: str | in
     parts = chosen[0][0](chosen[0][1], cfg) if chosen else dense_sublayers(cfg)
     d = cfg.d_model
     embeddings = EncoderEmbeddings(vocab_size, cfg.embedding_dim, d, cfg.max_positions,
-                                   cfg.n_segments, pad_id)
+                                   cfg.n_segments, pad_id, cfg.absolute_positions)
     plan = cfg.plan
     layers = [EncoderLayer(d, parts.attention(), parts.ffn(), cfg.dropout)
               for _ in range(max(plan) + 1)]
-    encoder = TransformerEncoder(embeddings, layers, d, plan, cfg.dropout)
+    dc = cfg.depth
+    predictor = None if dc is None else StructurePredictor(
+        d, dc.predictor_hidden, cfg.layers - dc.first_group, dc.first_group, dc.revpc)
+    encoder = TransformerEncoder(embeddings, layers, d, plan, cfg.dropout, predictor)
     if head == MLM:
         out: nn.Module = MLMHead(d, embeddings.tokens)
     elif isinstance(head, int) and head >= 1:

@@ -1,6 +1,6 @@
 """What techniques add to encoder training (both encoder tasks): :data:`TECHNIQUE_TRAINING`
 maps a model section to its training plug-in (the CCT's: control sampling, noise ramp,
-budget loss)."""
+budget loss; adaptive depth's: the compute term on the expected depth)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from dynaseq.core.config import TrainConfig
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.techniques.cct.training import EncoderCCTTraining
+from dynaseq.techniques.depth.training import DepthTraining
 
 
 class EncoderTechnique(Protocol):
@@ -25,15 +26,17 @@ class EncoderTechnique(Protocol):
              ) -> tuple[Tensor, dict[str, float]]: ...
 
 
-#: ``model.<section>`` -> the technique's training plug-in, built when the section is set.
-TECHNIQUE_TRAINING: dict[str, Callable[[Any, TrainConfig], EncoderTechnique]] = {
-    "cct": EncoderCCTTraining.from_config,
+#: ``model.<section>`` -> the technique's training plug-in (from the section, the train
+#: config and the model's depth), built when the section is set.
+TECHNIQUE_TRAINING: dict[str, Callable[[Any, TrainConfig, int], EncoderTechnique]] = {
+    "cct": lambda cct, train, layers: EncoderCCTTraining.from_config(cct, train),
+    "depth": DepthTraining.from_config,
 }
 
 
 def techniques_for(model: EncoderModelConfig, train: TrainConfig) -> list[EncoderTechnique]:
-    return [make(getattr(model, name), train) for name, make in TECHNIQUE_TRAINING.items()
-            if getattr(model, name) is not None]
+    return [make(getattr(model, name), train, model.layers)
+            for name, make in TECHNIQUE_TRAINING.items() if getattr(model, name) is not None]
 
 
 def draw_controls(techniques: list[EncoderTechnique], n_rows: int, step: int,
