@@ -7,7 +7,9 @@ Analytic MACs of one S-token input (every gate on for a CCT; what ran is measure
 * embeddings: look-ups 0; ALBERT's factorized embedding adds its projection E·d per token;
 * each layer application (shared layers count once per application): attention q/k/v/out
   4·S·d², scores and values 2·S²·d, FFN 2·S·d·d_ff (CCT: plus its control nets);
-* head: classification pooler d² + classifier d·n_out per sequence; MLM d·E + E·V per token.
+* head: classification pooler d² + classifier d·n_out per sequence; MLM d·E + E·V per token;
+* adaptive depth: the structure predictor's MLP per sequence, every layer counted (what ran
+  at an exit is measured); relative positions: (T + S)·(2R+1)·d_head per head and layer.
 
 Per token = the input's total / S. LayerNorm, softmax, GELU/tanh and biases are not counted
 (nor does the counter count them).
@@ -39,6 +41,8 @@ def encoder_macs(model: nn.Module, n_tokens: int) -> dict[str, int]:
                                ("ffn", layer.ffn.macs(s))):
             for k, v in counts.items():
                 out[f"{prefix}.{k}"] = out.get(f"{prefix}.{k}", 0) + v
+    if enc.predictor is not None:  # adaptive depth: the structure predictor, per sequence
+        out["predictor"] = enc.predictor.macs()
     out.update({f"head.{k}": v for k, v in model.head.macs(s).items()})
     return out
 
