@@ -30,6 +30,7 @@ from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
+from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
 from dynaseq.tasks.classify.glue import Examples, TableLayout, read_table
@@ -46,7 +47,7 @@ from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budget
 from dynaseq.techniques.cct.calibration_file import read_calibrations, write_calibrations
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
-from dynaseq.techniques.cct.layers import realized_macs_by_layer
+from dynaseq.techniques.cct.layers import realized_macs_by_layer, realized_macs_by_row
 
 Control = int | Tensor | BudgetControl | None
 """One control for every row (an id, or a :class:`BudgetControl` with float offsets), one per
@@ -62,19 +63,74 @@ def _rows_control(control: Control, idx: list[int], device: torch.device) -> Con
     return control
 
 
+@dataclass
+class RealizedCompute:
+    """What a CCT encoder's gated sub-layers ran over :func:`predict_logits`' rows (it fills
+    this in; sub-layers without gates are not counted).
+
+    ran, full: MACs executed, and what every gate on would execute, over all batches
+        (:func:`realized_macs_by_layer`: the packed layout's padding slots included);
+    tokens: the non-padding tokens;
+    row_ran, row_full: ``(N,)`` long, in row order, the same per row
+        (:func:`realized_macs_by_row`: the row's positions in its padded batch, padding
+        included, whatever budgets the other rows ran at);
+    row_tokens: ``(N,)`` long, each row's non-padding tokens.
+    """
+
+    ran: int = 0
+    full: int = 0
+    tokens: int = 0
+    row_ran: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    row_full: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    row_tokens: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    def start(self, n_rows: int) -> None:
+        """Zero every count for ``n_rows`` rows."""
+        self.ran = self.full = self.tokens = 0
+        self.row_ran, self.row_full, self.row_tokens = (
+            torch.zeros(n_rows, dtype=torch.long) for _ in range(3))
+
+    def add(self, idx: list[int], tokens: Tensor, pad_id: int, ran: AuxOutputs,
+            full: AuxOutputs) -> None:
+        """Count one batch: rows ``idx`` as ``tokens`` ``(B, S)``, run at their budgets
+        (``ran``) and with every gate on (``full``)."""
+        index = torch.tensor(idx)
+        self.ran += _macs_total(ran)
+        self.full += _macs_total(full)
+        self.row_ran[index] = _macs_per_row(ran, len(idx))
+        self.row_full[index] = _macs_per_row(full, len(idx))
+        n = tokens.ne(pad_id).sum(1).cpu()  # (B,)
+        self.tokens += int(n.sum())
+        self.row_tokens[index] = n
+
+
+def _macs_total(aux: AuxOutputs) -> int:
+    return sum(sum(c.values()) for c in realized_macs_by_layer(aux).values())
+
+
+def _macs_per_row(aux: AuxOutputs, n_rows: int) -> Tensor:
+    """(B,) long on the CPU: each row's MACs over every gated sub-layer."""
+    total = torch.zeros(n_rows, dtype=torch.long)
+    for per_row in realized_macs_by_row(aux).values():
+        total += per_row.cpu()
+    return total
+
+
 @torch.no_grad()
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
-                   compute: dict[str, int] | None = None, progress: bool = False) -> Tensor:
+                   compute: RealizedCompute | None = None, progress: bool = False) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
-    ``compute`` (CCT models): receives ``ran`` and ``full``, the MACs the gated sub-layers
-    executed and would execute with every gate on, over the same batches. ``progress``: a
-    bar of rows on a terminal."""
+    ``compute`` (CCT models): receives the MACs the gated sub-layers executed and would
+    execute with every gate on, over the same batches, in total and per row
+    (:class:`RealizedCompute`). ``progress``: a bar of rows on a terminal."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     out = torch.empty(len(rows), model.head.n_out)
+    if compute is not None:
+        compute.start(len(rows))
     bar = progress_bar(len(rows), "row", "classify", progress)
     try:
         for i in range(0, len(order), batch_size):
@@ -89,10 +145,7 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                        else rows_control)
                 opened = BudgetControl(ids, {"encoder": ALL_GATES_ON})
                 full = model(tokens, segments, opened)
-                for key, aux in (("ran", res.aux), ("full", full.aux)):
-                    compute[key] = compute.get(key, 0) + sum(
-                        sum(c.values()) for c in realized_macs_by_layer(aux).values())
-                compute["tokens"] = compute.get("tokens", 0) + int(tokens.ne(model.pad_id).sum())
+                compute.add(idx, tokens, model.pad_id, res.aux, full.aux)
             bar.update(len(idx))
     finally:
         bar.close()
@@ -132,7 +185,11 @@ class Classifier:
     def _control(self, budget: Budgets, n_rows: int) -> Control:
         return control_for(self.config.model, budget, n_rows, self.device, self.calibrations)
 
-    def _budget(self, budget: Budget) -> float | None:
+    def budget_ran(self, budget: Budget) -> float | None:
+        """The fraction a call at ``budget`` runs at (the largest trained one for None;
+        None for a dense model). Raises DynaseqError for a budget outside (0, 1], one
+        neither trained nor calibrated (naming those that are), or any budget of a dense
+        model."""
         return trained_budget(self.config.model, budget, self.calibrations)
 
     @property
@@ -178,6 +235,28 @@ class Classifier:
                 b.append(parts[1].strip())
         return Examples(a, b if layout.is_pair else None, skipped=len(lines) - len(keep)), keep
 
+    def encode(self, lines: list[str] | list[tuple[str, str]]) -> tuple[list[Row], list[int]]:
+        """The model input of each non-empty line and the lines' indices (``keep``). A pair
+        task needs two tab-separated sentences (or a tuple) per line, a single-sentence task
+        one: DynaseqError otherwise."""
+        ex, keep = self._examples(lines)
+        return encode_examples(self.vocab, ex, self.config.data.max_len), keep
+
+    def classify_rows(self, rows: list[Row], budget: Budgets = None,
+                      batch_size: int | None = None, progress: bool = False,
+                      compute: RealizedCompute | None = None) -> list[str | float]:
+        """A label (or a regression score) per encoded row (:meth:`encode`), in order.
+
+        ``budget``: one for every row or a list, one per row (batched together whatever
+        their budgets); ``compute`` (CCT models): receives what the gated sub-layers ran
+        (:class:`RealizedCompute`)."""
+        control = self._control(budget, len(rows))
+        if not rows:
+            return []
+        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
+                                self.device, control, compute, progress)
+        return decide(logits, self.layout)
+
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
                  batch_size: int | None = None,
                  progress: bool = False) -> list[str | float | None]:
@@ -186,17 +265,12 @@ class Classifier:
         ``budget`` (CCT models): a trained budget for every line, or a list, one per line
         (the lines are batched together whatever their budgets). ``progress``: a bar on a
         terminal."""
-        control = self._control(budget, len(lines))
-        ex, keep = self._examples(lines)
+        self._control(budget, len(lines))  # a bad budget is refused before the lines
+        rows, keep = self.encode(lines)
+        kept = [budget[i] for i in keep] if isinstance(budget, list) else budget
         out: list[str | float | None] = [None] * len(lines)
-        if not keep:
-            return out
-        if isinstance(budget, list):
-            control = _rows_control(control, keep, self.device)
-        rows = encode_examples(self.vocab, ex, self.config.data.max_len)
-        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, progress=progress)
-        for i, value in zip(keep, decide(logits, self.layout), strict=True):
+        for i, value in zip(keep, self.classify_rows(rows, kept, batch_size, progress),
+                            strict=True):
             out[i] = value
         return out
 
@@ -212,7 +286,7 @@ class Classifier:
             raise DynaseqError(f"{path}: every row has an empty sentence")
         control = self._control(budget, len(ex))
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
-        compute: dict[str, int] | None = {} if self.config.model.cct is not None else None
+        compute = RealizedCompute() if self.config.model.cct is not None else None
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
                                 self.device, control, compute, progress)
         result: dict[str, object] = {
@@ -220,10 +294,10 @@ class Classifier:
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
             "n_examples": len(ex), "skipped": ex.skipped, "checkpoint": str(self.checkpoint)}
         if compute is not None:
-            result["budget"] = ([self._budget(b) for b in budget] if isinstance(budget, list)
-                                else self._budget(budget))
-            result["realized_fraction"] = compute["ran"] / compute["full"]
-            result["realized_macs_per_token"] = compute["ran"] / compute["tokens"]
+            result["budget"] = ([self.budget_ran(b) for b in budget]
+                                if isinstance(budget, list) else self.budget_ran(budget))
+            result["realized_fraction"] = compute.ran / compute.full
+            result["realized_macs_per_token"] = compute.ran / compute.tokens
         return result
 
     def calibrate(self, path: str | Path, budgets: list[float] | None = None,
