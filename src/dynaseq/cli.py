@@ -963,9 +963,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="a budget-aware HTTP inference server for a run (FastAPI + uvicorn)",
         description="Serve RUN over HTTP: translation runs POST /v1/translate, language "
-                    "models POST /v1/generate and /v1/score; GET /healthz, /readyz, "
-                    "/metrics (Prometheus), /docs. Each request may carry a budget or a "
-                    "deadline_ms (needs RUN/latency_table.json from dynaseq profile RUN "
+                    "models POST /v1/generate and /v1/score, classification runs POST "
+                    "/v1/classify; GET /healthz, /readyz, /metrics (Prometheus), /docs. "
+                    "Each request may carry a budget, a translation request a deadline_ms "
+                    "instead (needs RUN/latency_table.json from dynaseq profile RUN "
                     "--latency-table). SIGTERM answers the requests in flight, then exits. "
                     "Example: dynaseq serve runs/demo/run --port 8000")
     p.add_argument("run_dir")
@@ -1155,7 +1156,7 @@ COMMANDS: dict[str, Command] = {
     "profile": Command({None: cmd_profile}),  # a run directory or a config file
     "generate": Command({"lm": cmd_generate}, check=_check_generate),
     "average": Command({None: cmd_average}),
-    "serve": Command({"seq2seq": cmd_serve, "lm": cmd_serve}),
+    "serve": Command({"seq2seq": cmd_serve, "lm": cmd_serve, "classify": cmd_serve}),
     "demo": Command({None: cmd_demo}),
     "analyze": Command({"seq2seq": cmd_analyze}),
     "quantize": Command({"seq2seq": _quantize_seq2seq, "lm": _quantize_lm},

@@ -1,5 +1,6 @@
 """Fixtures for the server tests: a micro CCT trained a few updates with three budgets and
-its latency table, a tiny language model, and a real ``dynaseq serve`` process."""
+its latency table, a tiny language model, two tiny classifiers (a dense single-sentence one
+and a CCT-BERT pair one with a calibrated budget), and a real ``dynaseq serve`` process."""
 
 from __future__ import annotations
 
@@ -46,6 +47,49 @@ def lm_run(tmp_path_factory) -> Path:
     cfg = lm_config(tmp)
     train(cfg, progress=False)
     return Path(cfg.run_dir)
+
+
+@pytest.fixture(scope="session")
+def clf_data(tmp_path_factory) -> dict[str, Path]:
+    """300 SST-2 training and 60 dev rows (single sentences) and 60 RTE-layout pairs."""
+    from encoder_helpers import glue_subset, write_pair_table
+
+    root = tmp_path_factory.mktemp("clf_data")
+    return {**glue_subset(root, "SST-2", 300, 60),
+            "pairs": write_pair_table(root / "pairs.tsv", 60)}
+
+
+@pytest.fixture(scope="session")
+def dense_clf_run(tmp_path_factory, clf_data) -> Path:
+    """A dense SST-2 classifier trained from scratch for 6 updates."""
+    from dynaseq.train.loop import train
+
+    from encoder_helpers import classify_config
+
+    run = tmp_path_factory.mktemp("serve_clf") / "dense"
+    train(classify_config(run, clf_data), progress=False)
+    return run
+
+
+@pytest.fixture(scope="session")
+def cct_clf_run(tmp_path_factory, clf_data) -> Path:
+    """A CCT-BERT classifier of a sentence-pair task (RTE layout) trained from scratch for 4
+    updates (budgets 0.8, 0.5, 0.33, 0.2) and calibrated at 0.4 (an untrained budget)."""
+    import dynaseq
+    from dynaseq.train.loop import train
+
+    from encoder_helpers import classify_config
+
+    run = tmp_path_factory.mktemp("serve_clf") / "cct"
+    data = {"train": clf_data["pairs"], "dev": clf_data["pairs"]}
+    train(classify_config(run, data, "data.glue_task=rte", "train.max_steps=4",
+                          "model.cct.ffn_pieces=2", "model.cct.control_hidden=8",
+                          "model.cct.noise_ramp_steps=4", "model.cct.budget_weight=0.1"),
+          progress=False)
+    c = dynaseq.load(run)
+    c.calibrate(clf_data["pairs"], [0.4], lines=30, tol=0.02)
+    c.save_calibration(run)
+    return run
 
 
 @pytest.fixture(scope="module")

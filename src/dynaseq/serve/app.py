@@ -3,7 +3,8 @@
 
 Every refusal is ``{"error": "one line"}``: 400 malformed JSON or an empty body, 413 a body,
 line count, line or token count over its limit, 422 a wrong type, an unknown field, an
-untrained budget (naming the trained ones) or a deadline <= 0, 503 with ``Retry-After``
+untrained budget (naming the trained ones), a budget for a model without one, a deadline
+<= 0 or one this run cannot plan, a line the task cannot read, 503 with ``Retry-After``
 when the queue is full or no budget meets a deadline, 500 when the request's batch raised
 (the next batch runs). The server keeps no state between requests: replicas behind any
 load balancer serve alike.
@@ -35,9 +36,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dynaseq.core.errors import DynaseqError
-from dynaseq.metrics.latency_table import LatencyTable, Pair
+from dynaseq.metrics.latency_table import LatencyTable
 from dynaseq.serve import endpoints as ep
-from dynaseq.serve.batcher import Batcher, Job, QueueFull
+from dynaseq.serve.batcher import Batcher, BudgetParts, Job, QueueFull
 from dynaseq.serve.config import ServeConfig
 from dynaseq.serve.metrics import ServerMetrics
 from dynaseq.serve.policy import DeadlinePolicy
@@ -75,7 +76,7 @@ class ServeState:
     policy: DeadlinePolicy | None
     beam: int
     default_budget: Any
-    budgets: list[Pair]
+    budgets: list[BudgetParts]
     log: AccessLog
     run_dir: str = ""
     draining: bool = False
@@ -83,18 +84,23 @@ class ServeState:
     run_translate: Callable[[list[Job]], list[Any]] | None = None
     run_generate: Callable[[list[Job]], list[Any]] | None = None
     run_score: Callable[[list[Job]], list[Any]] | None = None
+    run_classify: Callable[[list[Job]], list[Any]] | None = None
     _requests: int = field(default=0, repr=False)
 
-    def budget_ran(self, budget: Any) -> Pair | None:
-        return ep.budget_ran(self.predictor, budget)
+    def budget_ran(self, budget: Any) -> BudgetParts | None:
+        """The budget a request's ``budget`` runs at (:data:`~dynaseq.serve.endpoints.
+        BUDGET_RAN`); DynaseqError for one the run has not trained or calibrated."""
+        return ep.BUDGET_RAN[self.kind](self.predictor, budget)
 
 
-def _trained_budgets(predictor: Any) -> list[Pair]:
+def _trained_budgets(predictor: Any) -> list[BudgetParts]:
+    """The trained and calibrated budgets (a translation's pairs, an encoder's ``(b,)``)."""
     cct = getattr(getattr(predictor.config, "model", None), "cct", None)
     if cct is None:
         return []
-    pairs = [*cct.controls, *(c.budget for c in getattr(predictor, "calibrations", []))]
-    return list(dict.fromkeys((float(e), float(d)) for e, d in pairs))
+    budgets = [*cct.controls, *(c.budget for c in getattr(predictor, "calibrations", []))]
+    return list(dict.fromkeys(tuple(float(x) for x in (b if isinstance(b, tuple) else (b,)))
+                              for b in budgets))
 
 
 def build_state(predictor: Any, kind: str, config: ServeConfig,
@@ -106,7 +112,7 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
         raise DynaseqError(f"no endpoints serve a {kind} run (served: "
                            f"{', '.join(ep.TASK_ENDPOINTS)})")
     metrics = ServerMetrics()
-    budgets = _trained_budgets(predictor) if kind == "seq2seq" else []
+    budgets = _trained_budgets(predictor) if kind in ep.BUDGET_RAN else []
     beam = config.beam or (predictor.config.decode.beam if kind == "seq2seq" else 1)
     default_budget = config_default_budget(predictor, kind, config)
     policy = None
@@ -137,6 +143,8 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
                        run_dir=run_dir)
     if kind == "seq2seq":
         state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute)
+    elif kind == "classify":
+        state.run_classify = partial(ep.run_classify, predictor, config.report_compute)
     else:
         state.run_generate = partial(ep.run_generate, predictor)
         state.run_score = partial(ep.run_score, predictor)
@@ -148,9 +156,9 @@ def config_default_budget(predictor: Any, kind: str, config: Any) -> Any:
     """The budget a request without ``budget`` or ``deadline_ms`` runs at (checked)."""
     budget = getattr(config, "default_budget", None)
     if budget is not None:
-        if kind != "seq2seq":
-            raise DynaseqError("--default-budget is for translation runs")
-        ep.budget_ran(predictor, budget)
+        if kind not in ep.BUDGET_RAN:
+            raise DynaseqError("--default-budget is for translation and classification runs")
+        ep.BUDGET_RAN[kind](predictor, budget)
     return budget
 
 
@@ -256,7 +264,7 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
         except DynaseqError as e:
             return _refuse(state, endpoint, log, 422, str(e))
         if job.budget is not None:
-            log["budget"] = list(job.budget)
+            log["budget"] = ep.budget_json(job.budget)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
             await asyncio.wait({fut, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -274,7 +282,7 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
         out = endpoint.answer(state, body, job, result)
         done = time.perf_counter()
         latency = done - t0
-        label = "none" if job.budget is None else f"{job.budget[0]:g},{job.budget[1]:g}"
+        label = ep.budget_label(job.budget)
         m = state.metrics
         if job.predicted_ms is not None:
             state.batcher.observe(job.predicted_ms, 1000 * latency)
@@ -284,7 +292,7 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
             m.degraded.labels(endpoint.name).inc()
         computes = out.get("compute")
         for c in (computes if isinstance(computes, list) else [computes]):
-            if c and endpoint.name == "translate":
+            if c and endpoint.realized:
                 m.compute.labels(endpoint.name, label).observe(c["fraction"]["total"])
         out.update(latency_ms=round(1000 * latency, 3),
                    queue_ms=round(1000 * ((job.started or done) - job.enqueued), 3),
@@ -329,7 +337,8 @@ def build_app(state: ServeState) -> Any:
             state.batcher.start()
         monitor = asyncio.create_task(watch_loop()) if state.policy is not None else None
         state.log.write({"ts": round(time.time(), 3), "event": "ready", "run": state.run_dir,
-                         "kind": state.kind, "budgets": [list(b) for b in state.budgets],
+                         "kind": state.kind,
+                         "budgets": [ep.budget_json(b) for b in state.budgets],
                          "deadline_policy": state.policy is not None})
         try:
             yield
@@ -380,7 +389,7 @@ def build_app(state: ServeState) -> Any:
         ready = state.batcher.alive and not state.draining
         body = {"ready": ready, "kind": state.kind, "run": state.run_dir,
                 "endpoints": [e.path for e in ep.TASK_ENDPOINTS[state.kind]],
-                "budgets": [list(b) for b in state.budgets],
+                "budgets": [ep.budget_json(b) for b in state.budgets],
                 "deadline_policy": state.policy is not None}
         return JSONResponse(body, status_code=200 if ready else 503)
 

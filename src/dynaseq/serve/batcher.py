@@ -21,9 +21,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynaseq.metrics.latency_table import Pair
 from dynaseq.serve.metrics import ServerMetrics
 from dynaseq.serve.policy import Work
+
+BudgetParts = tuple[float, ...]
+"""The budget a job runs at, one fraction per budgeted part: ``(encoder, decoder)`` for
+translation, ``(encoder,)`` for classification."""
 
 
 class QueueFull(Exception):
@@ -37,8 +40,9 @@ class Job:
     group: jobs with equal groups may share a batch (e.g. ``("translate", beam)``).
     run: ``run(jobs) -> one result per job``, called in the worker thread with the batch.
     payload: what ``run`` needs (lines, per-line budgets, options).
-    rows, length, budget: its lines, the longest line's tokens and its budget (``None`` for
-        models without one), for the queue's latency prediction.
+    rows, length, budget: its lines, the longest line's tokens and its budget
+        (:data:`BudgetParts`; ``None`` for models without one), for the queue's latency
+        prediction (translation) and the metrics.
     """
 
     group: Hashable
@@ -46,7 +50,7 @@ class Job:
     payload: Any
     rows: int
     length: int = 1
-    budget: Pair | None = None
+    budget: BudgetParts | None = None
     endpoint: str = ""
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None

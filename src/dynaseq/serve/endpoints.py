@@ -4,12 +4,20 @@ An :class:`Endpoint` is a path, its request and response models and three functi
 ``plan`` (on the event loop: check the request, choose its budget, build the
 :class:`~dynaseq.serve.batcher.Job`), ``run`` (in the worker thread: one batch of jobs ->
 one result per job) and ``answer`` (result -> response body). The app adds a route per
-entry of its run's kind, so a task is served by adding its row here: classification
-(``POST /v1/classify``) has no task yet, hence no row.
+entry of its run's kind, so a task is served by adding its row here.
 
-Translation batches every request's lines together, each line at its request's budget
-(per-row control ids and calibrated offsets: :meth:`Translator.control_for`); language
-models run one request at a time (they have no budget knob).
+Translation (``POST /v1/translate``) batches every request's lines together, each line at
+its request's budget (per-row control ids and calibrated offsets:
+:meth:`Translator.control_for`); so does classification (``POST /v1/classify``: one
+encoder budget per request, per-row controls from
+:func:`~dynaseq.tasks.encoder.budget.control_for`; a pair task takes two tab-separated
+sentences per line, as :meth:`Classifier.classify`; ``deadline_ms`` is refused, since
+latency tables are measured for translation only). Language models run one request at a
+time (they have no budget knob).
+
+A budget that ran is a tuple with one fraction per budgeted part (:data:`BudgetParts`):
+``(encoder, decoder)`` for translation, ``(encoder,)`` for classification; responses give
+a pair as a list and a single fraction as a number (:func:`budget_json`).
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ from pydantic import BaseModel
 
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate_source
+from dynaseq.metrics.encoder_profile import encoder_macs
 from dynaseq.metrics.latency_table import Pair
 from dynaseq.metrics.macs import count_macs
 from dynaseq.serve import schemas
-from dynaseq.serve.batcher import Job
+from dynaseq.serve.batcher import BudgetParts, Job
+from dynaseq.tasks.classify.data import Row
+from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.translation.predictor import budget_pair, decode_corpus
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_row
@@ -58,6 +69,7 @@ class Endpoint:
     plan: Callable[[ServeState, Any], Job]
     answer: Callable[[ServeState, Any, Job, Any], dict[str, Any]]
     summary: str
+    realized: bool = False  # its answers carry each line's realized compute (metrics)
 
 
 def check_lines(state: ServeState, lines: list[str]) -> None:
@@ -223,6 +235,96 @@ def _answer_translate(state: ServeState, req: schemas.TranslateRequest, job: Job
     return body
 
 
+# -- classification -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClassifyWork:
+    """One classify request: its non-empty lines as model input (``rows``, from
+    :meth:`Classifier.encode`), their indices among the request's lines (``keep``), the
+    budget each row runs at (what :meth:`Classifier.classify_rows` takes) and the fraction
+    that runs (None: a dense model)."""
+
+    rows: list[Row]
+    keep: list[int]
+    budget: float | None
+    ran: float | None
+
+
+def _plan_classify(state: ServeState, req: schemas.ClassifyRequest) -> Job:
+    c = state.predictor
+    if req.deadline_ms is not None:
+        raise DynaseqError("deadline_ms is for translation runs (a latency table from "
+                           'dynaseq profile RUN --latency-table): give "budget" instead')
+    check_lines(state, req.lines)
+    budget = req.budget if req.budget is not None else state.default_budget
+    ran = state.budget_ran(budget)  # DynaseqError (422): dense, untrained, not in (0, 1]
+    rows, keep = c.encode(req.lines)  # DynaseqError (422): a wrong number of tab fields
+    _check_tokens(state, sum(len(ids) for ids, _ in rows))
+    work = ClassifyWork(rows, keep, budget, None if ran is None else ran[0])
+    return Job(group=("classify",), run=state.run_classify, payload=work,
+               rows=len(req.lines), length=max((len(ids) for ids, _ in rows), default=1),
+               budget=ran, endpoint="classify")
+
+
+def run_classify(c: Any, report_compute: bool, jobs: list[Job]
+                 ) -> list[tuple[list[str | float | None], list[dict | None]]]:
+    """One batch: every job's rows classified together, each at its job's budget (per-row
+    control ids and calibrated offsets), exactly as :meth:`Classifier.classify` does ->
+    per job a label (or score) per line and each line's realized compute (None for an
+    empty line, or every line with ``report_compute`` off)."""
+    rows: list[Row] = []
+    budgets: list[float | None] = []
+    for job in jobs:
+        rows.extend(job.payload.rows)
+        budgets.extend([job.payload.budget] * len(job.payload.rows))
+    cct = c.config.model.cct is not None
+    realized = RealizedCompute() if report_compute and cct else None
+    values = c.classify_rows(rows, budgets, batch_size=max(len(rows), 1), compute=realized)
+    compute: list[dict | None] = [None] * len(rows)
+    if report_compute:
+        compute = list(encoder_compute_per_row(c.model, rows, realized))
+    out, start = [], 0
+    for job in jobs:
+        work: ClassifyWork = job.payload
+        labels: list[str | float | None] = [None] * job.rows
+        computes: list[dict | None] = [None] * job.rows
+        for k, i in enumerate(work.keep):
+            labels[i], computes[i] = values[start + k], compute[start + k]
+        out.append((labels, computes))
+        start += len(work.rows)
+    return out
+
+
+def encoder_compute_per_row(model: torch.nn.Module, rows: list[Row],
+                            realized: RealizedCompute | None) -> list[dict]:
+    """Each row's compute in the shape of translation's (:func:`realized_per_row`): for a
+    CCT encoder, the MACs its gated sub-layers ran per token of the row and their fraction
+    of every gate on (``realized``, from the batch that classified the rows: the row's
+    padded positions count, as they ran); for a dense encoder (``realized`` None) the
+    analytic count (:func:`encoder_macs`), fraction 1."""
+    out = []
+    for i, (ids, _) in enumerate(rows):
+        if realized is None:
+            per, frac = sum(encoder_macs(model, len(ids)).values()) / len(ids), 1.0
+        else:
+            ran, full = int(realized.row_ran[i]), int(realized.row_full[i])
+            per, frac = ran / int(realized.row_tokens[i]), ran / full if full else 1.0
+        out.append({"fraction": {"encoder": frac, "total": frac},
+                    "macs_per_token": {"encoder": per, "total": per}})
+    return out
+
+
+def _answer_classify(state: ServeState, req: schemas.ClassifyRequest, job: Job,
+                     result: Any) -> dict[str, Any]:
+    labels, compute = result
+    body: dict[str, Any] = {"budget": job.payload.ran, "degraded": False}
+    if req.text is not None:
+        body.update(label=labels[0], compute=compute[0])
+    else:
+        body.update(labels=labels, compute=compute)
+    return body
+
+
 # -- language models ----------------------------------------------------------------------
 
 def _no_knob(req: schemas._Budgeted) -> None:
@@ -306,18 +408,22 @@ def _answer_score(state: ServeState, req: schemas.ScoreRequest, job: Job, result
 
 TRANSLATE = Endpoint("/v1/translate", "translate", schemas.TranslateRequest,
                      schemas.TranslateResponse, _plan_translate, _answer_translate,
-                     "Translate one line or several, at a budget or within a deadline")
+                     "Translate one line or several, at a budget or within a deadline",
+                     realized=True)
 GENERATE = Endpoint("/v1/generate", "generate", schemas.GenerateRequest,
                     schemas.GenerateResponse, _plan_generate, _answer_generate,
                     "Continue one prompt or several")
 SCORE = Endpoint("/v1/score", "score", schemas.ScoreRequest, schemas.ScoreResponse,
                  _plan_score, _answer_score, "Loss and perplexity of one line or several")
+CLASSIFY = Endpoint("/v1/classify", "classify", schemas.ClassifyRequest,
+                    schemas.ClassifyResponse, _plan_classify, _answer_classify,
+                    "Label (or score) one line or several, at a budget", realized=True)
 
-#: run kind (:func:`dynaseq.tasks.registry.run_kind`) -> its endpoints. Classification
-#: (``/v1/classify``) is one row to add once its task exists.
+#: run kind (:func:`dynaseq.tasks.registry.run_kind`) -> its endpoints.
 TASK_ENDPOINTS: dict[str, tuple[Endpoint, ...]] = {
     "seq2seq": (TRANSLATE,),
     "lm": (GENERATE, SCORE),
+    "classify": (CLASSIFY,),
 }
 
 
@@ -332,4 +438,29 @@ def budget_ran(predictor: Any, budget: Budget | None) -> Pair | None:
     if cal is not None:
         return budget_pair(cal.budget)
     return budget_pair(cct.controls[control])
+
+
+def classify_budget_ran(predictor: Any, budget: float | None) -> tuple[float] | None:
+    """The ``(encoder,)`` budget a classify request's ``budget`` runs at (None for a dense
+    encoder); DynaseqError as :meth:`Classifier.budget_ran`."""
+    ran = predictor.budget_ran(budget)
+    return None if ran is None else (ran,)
+
+
+#: run kind -> the budget a request's ``budget`` runs at (checked), for the kinds that
+#: take one.
+BUDGET_RAN: dict[str, Callable[[Any, Any], BudgetParts | None]] = {
+    "seq2seq": budget_ran,
+    "classify": classify_budget_ran,
+}
+
+
+def budget_label(budget: BudgetParts | None) -> str:
+    """A budget as a metrics label: ``"0.5,0.5"``, ``"0.5"``, ``"none"``."""
+    return "none" if budget is None else ",".join(f"{x:g}" for x in budget)
+
+
+def budget_json(budget: BudgetParts) -> float | list[float]:
+    """A budget as responses give it: a pair as a list, a single fraction as a number."""
+    return budget[0] if len(budget) == 1 else list(budget)
 

@@ -3,7 +3,7 @@
 Requests are strict: an unknown field, a string where a number belongs or a number where a
 string belongs is a 422, never coerced. Each request gives ``text`` (one line) or ``texts``
 (several); the answer mirrors it (``translation``/``translations``, ``text``/``texts``,
-``score``/``scores``).
+``score``/``scores``, ``label``/``labels``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,20 @@ class ScoreRequest(_Budgeted):
     the end of line, from a line start)."""
 
 
+class ClassifyRequest(_Request):
+    """``POST /v1/classify``: a label (or a regression score) per line. A sentence-pair task
+    takes two tab-separated sentences per line (``"A man plays.\tA person plays."``), as
+    :meth:`Classifier.classify` and ``dynaseq classify``; an empty line (or pair) gets
+    ``null``."""
+
+    budget: float | None = Field(
+        None, description="encoder compute budget of a CCT classifier: a trained or "
+                          "calibrated fraction in (0, 1]; a dense classifier takes none")
+    deadline_ms: float | None = Field(
+        None, gt=0, description="refused for classification (no latency table): give "
+                                '"budget"')
+
+
 class Compute(BaseModel):
     """Realized compute of one line: MACs per token that ran (encoder per source token,
     decoder per target token) and their fraction of every gate on."""
@@ -111,6 +125,23 @@ class GenerateResponse(_Response):
     text: str | None = None
     texts: list[str] | None = None
     compute: Compute | None = None
+
+
+class ClassifyResponse(_Response):
+    budget: float | None = Field(None, description="the encoder budget that ran (None: a "
+                                                   "dense classifier)")
+    label: str | float | None = Field(None, description="the line's label (a regression "
+                                                        "task's score; null: an empty line)")
+    labels: list[str | float | None] | None = None
+    compute: Compute | list[Compute | None] | None = None
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        """As pydantic's, but a one-line answer keeps ``label`` when it is null (an empty
+        line) under ``exclude_none``."""
+        data = super().model_dump(**kwargs)
+        if self.labels is None:
+            data.setdefault("label", None)
+        return data
 
 
 class LineScore(BaseModel):

@@ -9,7 +9,7 @@ import pytest
 
 from dynaseq.train.loop import train
 
-from encoder_helpers import mlm_config
+from encoder_helpers import glue_subset, mlm_config
 from helpers import SHARED_DATA
 
 
@@ -33,10 +33,4 @@ def mlm_run(tmp_path_factory, text_corpus) -> Path:
 @pytest.fixture(scope="session")
 def sst2_small(tmp_path_factory) -> dict[str, Path]:
     """The first 300 SST-2 training rows and 60 dev rows, GLUE layout."""
-    root = tmp_path_factory.mktemp("sst2")
-    src = SHARED_DATA / "glue" / "SST-2"
-    (root / "train.tsv").write_text("\n".join((src / "train.tsv").read_text()
-                                              .splitlines()[:301]) + "\n")
-    (root / "dev.tsv").write_text("\n".join((src / "dev.tsv").read_text()
-                                            .splitlines()[:61]) + "\n")
-    return {"train": root / "train.tsv", "dev": root / "dev.tsv"}
+    return glue_subset(tmp_path_factory.mktemp("sst2"), "SST-2", 300, 60)

@@ -20,7 +20,7 @@ from dynaseq.tasks.classify.predictor import Classifier
 from dynaseq.tasks.classify.task import ClassifyTask
 from dynaseq.train.loop import train
 
-from encoder_helpers import classify_config
+from encoder_helpers import classify_config, write_pair_table
 from helpers import run_cli
 
 
@@ -135,10 +135,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, finetuned, sst2_small, args, 
 
 
 def test_a_pair_task_refuses_single_sentences(tmp_path, mlm_run):
-    train_tsv = tmp_path / "train.tsv"
-    rows = [f"{i}\tthe cat sat {i}\ta cat sat {i}\t{'entailment' if i % 2 else 'not_entailment'}"
-            for i in range(40)]
-    train_tsv.write_text("index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
+    train_tsv = write_pair_table(tmp_path / "train.tsv", 40)
     data = {"train": train_tsv, "dev": train_tsv}
     run = tmp_path / "rte"
     train(classify_config(run, data, "data.glue_task=rte", "train.max_steps=2",

@@ -29,7 +29,8 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
-from dynaseq.models.encoder import EncoderModel, EncoderModelOutput
+from dynaseq.models.encoder import EncoderModel
+from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
 from dynaseq.tasks.classify.glue import Examples, TableLayout, read_table
@@ -48,7 +49,7 @@ from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budget
 from dynaseq.techniques.cct.calibration_file import read_calibrations, write_calibrations
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
-from dynaseq.techniques.cct.layers import realized_macs_by_layer
+from dynaseq.techniques.cct.layers import realized_macs_by_layer, realized_macs_by_row
 from dynaseq.techniques.depth.exits import DEPTH_RUN, DepthExit
 
 Control = int | Tensor | BudgetControl | None
@@ -78,39 +79,91 @@ def _rows_exit(exit: DepthExit | None, idx: list[int]) -> DepthExit | None:
     return exit
 
 
-def _count_compute(compute: dict[str, int], model: EncoderModel, res: EncoderModelOutput,
-                   tokens: Tensor, segments: Tensor, control: Control) -> None:
-    """Add one batch's realized compute to ``compute``: CCT models ``ran``/``full`` (MACs
-    of the gated sub-layers as run and with every gate on) and ``tokens``; adaptive-depth
-    models ``layers`` (layer applications over the rows, first group included) and ``rows``."""
-    if model.n_controls:
-        ids = control.ids if isinstance(control, BudgetControl) else control
-        full = model(tokens, segments, BudgetControl(ids, {"encoder": ALL_GATES_ON}))
-        for key, aux in (("ran", res.aux), ("full", full.aux)):
-            compute[key] = compute.get(key, 0) + sum(
-                sum(c.values()) for c in realized_macs_by_layer(aux).values())
-        compute["tokens"] = compute.get("tokens", 0) + int(tokens.ne(model.pad_id).sum())
-    run = res.aux.traces.get(DEPTH_RUN)
-    if run:
-        first = model.encoder.predictor.first_group
-        compute["layers"] = compute.get("layers", 0) + int(run[0].sum()) + first * len(run[0])
-        compute["rows"] = compute.get("rows", 0) + len(run[0])
+@dataclass
+class RealizedCompute:
+    """What an adaptive encoder ran over :func:`predict_logits`' rows (it fills this in).
+
+    CCT encoders (sub-layers without gates are not counted):
+    ran, full: MACs executed, and what every gate on would execute, over all batches
+        (:func:`realized_macs_by_layer`: the packed layout's padding slots included);
+    tokens: the non-padding tokens;
+    row_ran, row_full: ``(N,)`` long, in row order, the same per row
+        (:func:`realized_macs_by_row`: the row's positions in its padded batch, padding
+        included, whatever budgets the other rows ran at);
+    row_tokens: ``(N,)`` long, each row's non-padding tokens.
+
+    Adaptive-depth encoders (early exit): layers: layer applications over all rows, the
+    first group included; rows: the rows counted.
+    """
+
+    ran: int = 0
+    full: int = 0
+    tokens: int = 0
+    row_ran: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    row_full: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    row_tokens: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    layers: int = 0
+    rows: int = 0
+
+    def start(self, n_rows: int) -> None:
+        """Zero every count for ``n_rows`` rows."""
+        self.ran = self.full = self.tokens = self.layers = self.rows = 0
+        self.row_ran, self.row_full, self.row_tokens = (
+            torch.zeros(n_rows, dtype=torch.long) for _ in range(3))
+
+    def add(self, idx: list[int], tokens: Tensor, pad_id: int, ran: AuxOutputs,
+            full: AuxOutputs) -> None:
+        """Count one batch: rows ``idx`` as ``tokens`` ``(B, S)``, run at their budgets
+        (``ran``) and with every gate on (``full``)."""
+        index = torch.tensor(idx)
+        self.ran += _macs_total(ran)
+        self.full += _macs_total(full)
+        self.row_ran[index] = _macs_per_row(ran, len(idx))
+        self.row_full[index] = _macs_per_row(full, len(idx))
+        n = tokens.ne(pad_id).sum(1).cpu()  # (B,)
+        self.tokens += int(n.sum())
+        self.row_tokens[index] = n
+
+    def add_depth(self, depth_run: Tensor, first_group: int) -> None:
+        """Count one batch of early exit: (B,) adaptive layers each row ran."""
+        self.layers += int(depth_run.sum()) + first_group * depth_run.numel()
+        self.rows += depth_run.numel()
+
+    @property
+    def avg_layers(self) -> float:
+        return self.layers / self.rows
+
+
+def _macs_total(aux: AuxOutputs) -> int:
+    return sum(sum(c.values()) for c in realized_macs_by_layer(aux).values())
+
+
+def _macs_per_row(aux: AuxOutputs, n_rows: int) -> Tensor:
+    """(B,) long on the CPU: each row's MACs over every gated sub-layer."""
+    total = torch.zeros(n_rows, dtype=torch.long)
+    for per_row in realized_macs_by_row(aux).values():
+        total += per_row.cpu()
+    return total
 
 
 @torch.no_grad()
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
-                   compute: dict[str, int] | None = None, progress: bool = False,
+                   compute: RealizedCompute | None = None, progress: bool = False,
                    exit: DepthExit | None = None) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
-    ``compute``: receives the realized compute of the batches (:func:`_count_compute`).
-    ``exit``: early exit of an adaptive-depth model (one for every row, or per row).
-    ``progress``: a bar of rows on a terminal."""
+    ``compute``: receives what ran (:class:`RealizedCompute`): for CCT models the MACs the
+    gated sub-layers executed and would execute with every gate on, over the same batches,
+    in total and per row; for an adaptive-depth model at an ``exit`` (early exit, one for
+    every row or per row) the layers its rows ran. ``progress``: a bar of rows on a
+    terminal."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     out = torch.empty(len(rows), model.head.n_out)
+    if compute is not None:
+        compute.start(len(rows))
     bar = progress_bar(len(rows), "row", "classify", progress)
     try:
         for i in range(0, len(order), batch_size):
@@ -121,7 +174,15 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
             res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx))
             out[torch.tensor(idx)] = res.logits.float().cpu()
             if compute is not None:
-                _count_compute(compute, model, res, tokens, segments, rows_control)
+                if model.n_controls:
+                    ids = (rows_control.ids if isinstance(rows_control, BudgetControl)
+                           else rows_control)
+                    opened = BudgetControl(ids, {"encoder": ALL_GATES_ON})
+                    full = model(tokens, segments, opened)
+                    compute.add(idx, tokens, model.pad_id, res.aux, full.aux)
+                if DEPTH_RUN in res.aux.traces:
+                    compute.add_depth(res.aux.traces[DEPTH_RUN][0],
+                                      model.encoder.predictor.first_group)
             bar.update(len(idx))
     finally:
         bar.close()
@@ -129,10 +190,10 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
     return out
 
 
-def depth_report(exit: DepthExit, compute: dict[str, int], layers: int) -> dict[str, object]:
+def depth_report(exit: DepthExit, compute: RealizedCompute, layers: int) -> dict[str, object]:
     """What an adaptive-depth evaluation reports: its exit and the layers its rows ran."""
     g, d = exit.gamma, exit.depth
-    avg = compute["layers"] / compute["rows"]
+    avg = compute.avg_layers
     return {"gamma": g.tolist() if isinstance(g, Tensor) else g,
             "depth": d.tolist() if isinstance(d, Tensor) else d,
             "avg_layers": avg, "depth_fraction": avg / layers}
@@ -170,7 +231,11 @@ class Classifier:
     def _control(self, budget: Budgets, n_rows: int) -> Control:
         return control_for(self.config.model, budget, n_rows, self.device, self.calibrations)
 
-    def _budget(self, budget: Budget) -> float | None:
+    def budget_ran(self, budget: Budget) -> float | None:
+        """The fraction a call at ``budget`` runs at (the largest trained one for None;
+        None for a dense model). Raises DynaseqError for a budget outside (0, 1], one
+        neither trained nor calibrated (naming those that are), or any budget of a dense
+        model."""
         return trained_budget(self.config.model, budget, self.calibrations)
 
     @property
@@ -216,6 +281,30 @@ class Classifier:
                 b.append(parts[1].strip())
         return Examples(a, b if layout.is_pair else None, skipped=len(lines) - len(keep)), keep
 
+    def encode(self, lines: list[str] | list[tuple[str, str]]) -> tuple[list[Row], list[int]]:
+        """The model input of each non-empty line and the lines' indices (``keep``). A pair
+        task needs two tab-separated sentences (or a tuple) per line, a single-sentence task
+        one: DynaseqError otherwise."""
+        ex, keep = self._examples(lines)
+        return encode_examples(self.vocab, ex, self.config.data.max_len), keep
+
+    def classify_rows(self, rows: list[Row], budget: Budgets = None,
+                      batch_size: int | None = None, progress: bool = False,
+                      compute: RealizedCompute | None = None, gamma: Gamma = None,
+                      depth: int | None = None) -> list[str | float]:
+        """A label (or a regression score) per encoded row (:meth:`encode`), in order.
+
+        ``budget``: one for every row or a list, one per row (batched together whatever
+        their budgets); ``gamma``/``depth``: an adaptive-depth model's exit (default the
+        run's γ), one or a list; ``compute``: receives what ran (:class:`RealizedCompute`)."""
+        control = self._control(budget, len(rows))
+        exit = exit_for(self.config.model, gamma, depth, len(rows))
+        if not rows:
+            return []
+        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
+                                self.device, control, compute, progress, exit)
+        return decide(logits, self.layout)
+
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
                  batch_size: int | None = None, progress: bool = False,
                  gamma: Gamma = None, depth: int | None = None) -> list[str | float | None]:
@@ -226,19 +315,15 @@ class Classifier:
         models; default the run's): the exit threshold, one or a list, one per line;
         ``depth``: a fixed number of adaptive layers instead. ``progress``: a bar on a
         terminal."""
-        control = self._control(budget, len(lines))
-        exit = exit_for(self.config.model, gamma, depth, len(lines))
-        ex, keep = self._examples(lines)
+        self._control(budget, len(lines))  # a bad budget is refused before the lines
+        exit_for(self.config.model, gamma, depth, len(lines))  # so is a bad exit
+        rows, keep = self.encode(lines)
+        kept = [budget[i] for i in keep] if isinstance(budget, list) else budget
+        kept_gamma = [gamma[i] for i in keep] if isinstance(gamma, list) else gamma
         out: list[str | float | None] = [None] * len(lines)
-        if not keep:
-            return out
-        if isinstance(budget, list):
-            control = _rows_control(control, keep, self.device)
-        exit = _rows_exit(exit, keep)
-        rows = encode_examples(self.vocab, ex, self.config.data.max_len)
-        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, progress=progress, exit=exit)
-        for i, value in zip(keep, decide(logits, self.layout), strict=True):
+        for i, value in zip(keep, self.classify_rows(rows, kept, batch_size, progress,
+                                                     gamma=kept_gamma, depth=depth),
+                            strict=True):
             out[i] = value
         return out
 
@@ -258,7 +343,7 @@ class Classifier:
         control = self._control(budget, len(ex))
         exit = exit_for(self.config.model, gamma, depth, len(ex))
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
-        compute: dict[str, int] = {}
+        compute = RealizedCompute()
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
                                 self.device, control, compute, progress, exit)
         result: dict[str, object] = {
@@ -266,10 +351,10 @@ class Classifier:
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
             "n_examples": len(ex), "skipped": ex.skipped, "checkpoint": str(self.checkpoint)}
         if self.config.model.cct is not None:
-            result["budget"] = ([self._budget(b) for b in budget] if isinstance(budget, list)
-                                else self._budget(budget))
-            result["realized_fraction"] = compute["ran"] / compute["full"]
-            result["realized_macs_per_token"] = compute["ran"] / compute["tokens"]
+            result["budget"] = ([self.budget_ran(b) for b in budget]
+                                if isinstance(budget, list) else self.budget_ran(budget))
+            result["realized_fraction"] = compute.ran / compute.full
+            result["realized_macs_per_token"] = compute.ran / compute.tokens
         if exit is not None:
             result.update(depth_report(exit, compute, self.config.model.layers))
         return result

@@ -39,7 +39,12 @@ from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.classify.config import ClassifyRunConfig
 from dynaseq.tasks.classify.data import collate_rows, encode_examples, target_tensor
 from dynaseq.tasks.classify.glue import read_table
-from dynaseq.tasks.classify.predictor import decide, predict_logits, task_metrics
+from dynaseq.tasks.classify.predictor import (
+    RealizedCompute,
+    decide,
+    predict_logits,
+    task_metrics,
+)
 from dynaseq.tasks.encoder.budget import exit_for
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
@@ -210,12 +215,12 @@ class ClassifyTask:
         if self.valid_ex is None or not len(self.valid_ex):
             return {}
         exit = exit_for(self.cfg.model)  # adaptive depth: early exit at the run's γ
-        compute: dict[str, int] = {}
+        compute = RealizedCompute()
         logits = predict_logits(model, self.valid_rows, 64, self.device,
                                 largest_control(self.cfg.model), compute, exit=exit)
         metrics = task_metrics(self.layout, self.valid_ex.targets(), decide(logits, self.layout))
         if exit is not None:
-            metrics["avg_layers"] = compute["layers"] / compute["rows"]
+            metrics["avg_layers"] = compute.avg_layers
         return metrics
 
     def score(self, metrics: dict[str, float]) -> float | None:

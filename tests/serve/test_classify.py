@@ -1,0 +1,219 @@
+"""``POST /v1/classify`` on real ``dynaseq serve`` processes: answers equal
+``Classifier.classify`` (batched and one line at a time), requests at different budgets share
+a batch and each gets its own budget's answer, bad input is refused with one-line 4xx JSON
+and the server goes on, a dense classifier refuses a budget, /metrics counts what was
+sent."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import dynaseq
+from dynaseq.serve.app import build_state
+from dynaseq.serve.config import ServeConfig
+from dynaseq.serve.endpoints import CLASSIFY
+
+from helpers import run_cli
+from serve_helpers import Server
+
+BUDGETS = [0.8, 0.5, 0.33, 0.2, 0.4]  # trained, and 0.4 calibrated
+PAIRS = ["the cat sat 3\ta cat sat 3", "the cat sat 8\ta cat sat 8",
+         "a dog ran far away\tthe dog ran", "the cat sat 11\ta dog sat 11",
+         "x y z\tz y x", "the cat\tthe cat sat 5 and then it ran off again"]
+
+
+@pytest.fixture(scope="module")
+def offline(cct_clf_run):
+    return dynaseq.load(cct_clf_run)
+
+
+@pytest.fixture(scope="module")
+def clf_server(cct_clf_run):
+    s = Server(cct_clf_run, "--batch-window-ms", "30", "--max-lines", "8",
+               "--max-tokens", "200", "--max-line-chars", "300")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def dense_server(dense_clf_run):
+    s = Server(dense_clf_run, "--batch-window-ms", "0")
+    yield s
+    s.stop()
+
+
+def test_classify_equals_offline_classify_at_each_budget(clf_server, offline):
+    for budget in BUDGETS:
+        want = offline.classify(PAIRS, budget=budget)
+        assert want == [offline.classify([p], budget=budget)[0] for p in PAIRS]
+        r = clf_server.post("/v1/classify", json={"texts": PAIRS, "budget": budget})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["labels"] == want and body["budget"] == budget
+        assert body["degraded"] is False and body["batch_lines"] >= len(PAIRS)
+        assert len(body["compute"]) == len(PAIRS)
+        for c in body["compute"]:
+            assert set(c["fraction"]) == {"encoder", "total"}
+            assert 0 < c["fraction"]["total"] <= 1.0 + 1e-9
+            assert c["macs_per_token"]["total"] > 0
+        one = clf_server.post("/v1/classify", json={"text": PAIRS[0], "budget": budget})
+        assert one.json()["label"] == want[0]
+    # no budget: the largest trained one; empty lines (or pairs) get null, as offline
+    r = clf_server.post("/v1/classify", json={"texts": ["", PAIRS[1], "\t"]})
+    assert r.json()["budget"] == 0.8
+    assert r.json()["labels"] == offline.classify(["", PAIRS[1], "\t"]) == [
+        None, offline.classify([PAIRS[1]])[0], None]
+    assert r.json()["compute"][0] is None and r.json()["compute"][1] is not None
+    r = clf_server.post("/v1/classify", json={"text": ""})
+    assert r.status_code == 200 and r.json()["label"] is None
+
+
+def test_classify_equals_the_cli(clf_server, cct_clf_run):
+    cli = run_cli("classify", str(cct_clf_run), "--budget", "0.33",
+                  stdin="\n".join(PAIRS).encode() + b"\n")
+    assert cli.returncode == 0, cli.stderr.decode()
+    r = clf_server.post("/v1/classify", json={"texts": PAIRS, "budget": 0.33})
+    assert r.json()["labels"] == cli.stdout.decode().splitlines()
+
+
+def test_mixed_budgets_in_one_batch_equal_each_budget_alone(cct_clf_run, offline):
+    """One batch of five jobs at five budgets (trained and calibrated) gives each job what
+    its budget gives alone, realized compute included when the rows are padded alike."""
+    state = build_state(offline, "classify", ServeConfig(), log_stream=None)
+    schema = CLASSIFY.request
+    jobs = [CLASSIFY.plan(state, schema(texts=PAIRS, budget=b)) for b in BUDGETS]
+    mixed = state.run_classify(jobs)
+    for job, budget, (labels, compute) in zip(jobs, BUDGETS, mixed, strict=True):
+        alone_labels, alone_compute = state.run_classify([job])[0]
+        assert labels == alone_labels == offline.classify(PAIRS, budget=budget)
+        assert compute == alone_compute  # the same rows, padded to the same length
+    fractions = [m[1][0]["fraction"]["total"] for m in mixed]
+    assert len(set(fractions)) > 1  # the rows really ran at different budgets
+
+
+def test_concurrent_requests_at_mixed_budgets_share_batches(clf_server, offline):
+    want = {b: offline.classify(PAIRS, budget=b) for b in BUDGETS}
+    jobs = [(i, BUDGETS[i % len(BUDGETS)]) for i in range(15)]
+    count = "dynaseq_batch_distinct_budgets_count"
+    batches_before = clf_server.metric(count, endpoint="classify")
+    mixed_before = batches_before - clf_server.metric(
+        "dynaseq_batch_distinct_budgets_bucket", endpoint="classify", le="1.0")
+
+    def ask(job):
+        i, budget = job
+        r = httpx.post(clf_server.url + "/v1/classify",
+                       json={"text": PAIRS[i % len(PAIRS)], "budget": budget}, timeout=60)
+        return i, budget, r
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(ask, jobs))
+    for i, budget, r in results:
+        assert r.status_code == 200, r.text
+        assert r.json()["label"] == want[budget][i % len(PAIRS)]
+        assert r.json()["budget"] == budget
+    batches = clf_server.metric(count, endpoint="classify")
+    mixed = batches - clf_server.metric("dynaseq_batch_distinct_budgets_bucket",
+                                        endpoint="classify", le="1.0")
+    assert batches - batches_before < len(jobs)  # requests were batched together
+    assert mixed > mixed_before  # and at least one batch held several budgets
+
+
+BAD = [
+    # (what, body, status, words of the error)
+    ("empty texts", {"texts": []}, 422, "texts"),
+    ("no text", {"budget": 0.5}, 422, "text"),
+    ("one sentence for a pair task", {"text": "the cat sat"}, 422, "sentence-pair task"),
+    ("three fields", {"texts": [PAIRS[0], "a\tb\tc"]}, 422, "line 2: rte is a sentence-pair"),
+    ("budget over 1", {"text": PAIRS[0], "budget": 1.5}, 422, "(0, 1]"),
+    ("budget 0", {"text": PAIRS[0], "budget": 0}, 422, "(0, 1]"),
+    ("untrained budget", {"text": PAIRS[0], "budget": 0.6}, 422,
+     "budget 0.6 was not trained; trained budgets: 0.8, 0.5, 0.33, 0.2; calibrated: 0.4"),
+    ("budget pair", {"text": PAIRS[0], "budget": [1, 0.5]}, 422, "budget"),
+    ("budget as string", {"text": PAIRS[0], "budget": "0.5"}, 422, "budget"),
+    ("deadline", {"text": PAIRS[0], "deadline_ms": 100}, 422, "deadline_ms is for translation"),
+    ("unknown field", {"text": PAIRS[0], "beam": 2}, 422, "beam"),
+    ("too many lines", {"texts": PAIRS[:1] * 9}, 413, "limit is 8"),
+    ("line too long", {"text": "a " * 200}, 413, "characters"),
+    ("too many tokens", {"texts": ["the cat sat " * 10 + "\tx"] * 8}, 413, "tokens"),
+    ("line break in a line", {"text": "a\nb\tc"}, 422, "line break"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_one_line_4xx_and_the_server_answers_the_next(clf_server, what,
+                                                                       body, status, words):
+    r = clf_server.post("/v1/classify", json=body)
+    assert r.status_code == status, (what, r.text)
+    assert set(r.json()) == {"error"} and "\n" not in r.json()["error"]
+    assert words in r.json()["error"], r.json()
+    ok = clf_server.post("/v1/classify", json={"text": PAIRS[0], "budget": 0.5})
+    assert ok.status_code == 200 and ok.json()["budget"] == 0.5
+
+
+def test_a_dense_classifier_serves_without_a_budget(dense_server, dense_clf_run):
+    c = dynaseq.load(dense_clf_run)
+    lines = ["a charming , moving film", "", "dull and lifeless"]
+    r = dense_server.post("/v1/classify", json={"texts": lines})
+    assert r.status_code == 200, r.text
+    assert r.json()["labels"] == c.classify(lines) == [c.classify([x])[0] if x else None
+                                                      for x in lines]
+    assert r.json()["budget"] is None
+    compute = r.json()["compute"][0]
+    assert compute["fraction"]["total"] == 1.0 and compute["macs_per_token"]["total"] > 0
+    for body, words in [({"text": "a film", "budget": 0.5}, "dense encoder"),
+                        ({"text": "a film", "budget": 1}, "dense encoder"),
+                        ({"text": "a\tfilm"}, "takes one sentence per line")]:
+        bad = dense_server.post("/v1/classify", json=body)
+        assert bad.status_code == 422 and words in bad.json()["error"], bad.text
+        assert dense_server.post("/v1/classify", json={"text": "a film"}).status_code == 200
+    ready = dense_server.client.get("/readyz").json()
+    assert ready["endpoints"] == ["/v1/classify"] and ready["budgets"] == []
+    assert dense_server.post("/v1/translate", json={"text": "a"}).status_code == 404
+
+
+def test_readiness_and_openapi_of_a_cct_classifier(clf_server):
+    ready = clf_server.client.get("/readyz").json()
+    assert ready["ready"] is True and ready["budgets"] == BUDGETS
+    assert ready["deadline_policy"] is False
+    schema = clf_server.client.get("/openapi.json").json()
+    assert "/v1/classify" in schema["paths"]
+    props = schema["components"]["schemas"]["ClassifyRequest"]["properties"]
+    assert {"text", "texts", "budget"} <= set(props)
+
+
+def test_metrics_count_what_was_sent(cct_clf_run):
+    s = Server(cct_clf_run, "--batch-window-ms", "0", "--default-budget", "0.5")
+    try:
+        for _ in range(3):
+            r = s.post("/v1/classify", json={"text": PAIRS[0]})
+            assert r.is_success and r.json()["budget"] == 0.5  # --default-budget
+        assert s.post("/v1/classify", json={"texts": PAIRS[:4], "budget": 0.4}).is_success
+        assert s.post("/v1/classify", json={"text": 1}).status_code == 422
+        assert s.post("/v1/classify", json={"text": "a", "budget": 0.7}).status_code == 422
+        assert s.metric("dynaseq_requests_total", endpoint="/v1/classify", status="200") == 4
+        assert s.metric("dynaseq_requests_total", endpoint="/v1/classify", status="422") == 2
+        assert s.metric("dynaseq_lines_total", endpoint="classify", budget="0.5") == 3
+        assert s.metric("dynaseq_lines_total", endpoint="classify", budget="0.4") == 4
+        assert s.metric("dynaseq_request_latency_seconds_count", endpoint="classify",
+                        budget="0.5") == 3
+        assert s.metric("dynaseq_realized_compute_fraction_count", endpoint="classify",
+                        budget="0.4") == 4
+        assert s.metric("dynaseq_batch_lines_sum", endpoint="classify") == 7
+        assert s.metric("dynaseq_queue_depth_lines") == 0
+    finally:
+        s.stop()
+
+
+def test_serve_refusals_of_classification_runs(cct_clf_run, dense_clf_run):
+    for args, words in [
+        ((str(cct_clf_run), "--default-budget", "0.6"), "was not trained"),
+        ((str(dense_clf_run), "--default-budget", "0.5"), "dense encoder"),
+        ((str(cct_clf_run), "--latency-table", "t.json"), "for translation runs"),
+    ]:
+        r = run_cli("serve", *args, "--port", "1")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and words in err, (args, err)
+        assert err.count("\n") == 1 and err.startswith("dynaseq: error:")
