@@ -187,6 +187,16 @@ class TransformerEncoder(nn.Module):
         longest of its rows (right padding beyond it is not computed). A row leaving after
         layer k gets the final LayerNorm of its state then, which is exactly its output of the
         model truncated at k. Writes ``DEPTH_RUN`` and ``LAYER_ROWS`` traces."""
+        if x.size(0) == 1:  # one row: no order, no cut, no scatter (the same arithmetic)
+            first, k = self.predictor.first_group, int(depths[0])
+            mask = _attn_mask(pad_mask)
+            for j, i in enumerate(self.plan[first:first + k]):
+                x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset,
+                                   scale=p[:, j, None, None])
+            if aux is not None:
+                aux.add_trace(DEPTH_RUN, depths)
+                aux.add_trace(LAYER_ROWS, [1] * k)
+            return self.norm(x).masked_fill_(pad_mask[..., None], 0.0)
         order = torch.argsort(depths, descending=True, stable=True)
         lengths = (~pad_mask).sum(-1)[order].tolist()
         running = [int(n) for n in (depths[order][None, :] > torch.arange(

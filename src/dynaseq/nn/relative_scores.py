@@ -7,15 +7,15 @@ The adaptive-depth paper adds two positional scores to the content score of ever
 
 with ``q = W_Q x``, ``k = W_K x`` the head's projections and ``E_R(δ)`` a learned embedding of
 the signed distance δ = i − j, clipped to [−R, R] (so a table of 2R+1 rows of ``d_head``, one
-per layer, shared by the heads). The scores share the content score's 1/sqrt(d_head), so they
-enter :func:`torch.nn.functional.scaled_dot_product_attention` as its additive float mask.
+per layer, shared by the heads). They enter
+:func:`torch.nn.functional.scaled_dot_product_attention` as its additive float mask.
 
 Hand-written because no library module gives these two terms as an additive bias (DeBERTa's
 disentangled attention in ``transformers`` is fused into its own attention class).
 
 Example::
 
-    scores = RelativeScores(d_head=32, max_distance=16)
+    scores = RelativeScores(d_head=32, max_distance=16, max_positions=128)
     bias = scores(q, k)          # q (B, H, T, hd), k (B, H, S, hd) -> (B, H, T, S)
 """
 
@@ -28,36 +28,36 @@ from torch import Tensor, nn
 
 
 class RelativeScores(nn.Module):
-    """(q (B, H, T, hd), k (B, H, S, hd)) -> (B, H, T, S) = (RKS + RQS) / sqrt(hd).
+    """(q (B, H, T, hd), k (B, H, S, hd)) -> (B, H, T, S) = RKS + RQS.
 
     Query position i and key position j are their indices (self-attention over one
-    sequence, T == S); distances beyond ``max_distance`` share the last embedding."""
+    sequence, T == S <= ``max_positions``); distances beyond ``max_distance`` share the last
+    embedding. The table is learned, so it absorbs the 1/sqrt(d_head) the content score
+    carries (one operation less per layer). The distance index of every (i, j) is built
+    once, at construction (a buffer, never written after)."""
 
-    def __init__(self, d_head: int, max_distance: int) -> None:
+    def __init__(self, d_head: int, max_distance: int, max_positions: int = 512) -> None:
         super().__init__()
         if max_distance < 1:
             raise ValueError(f"max_distance must be >= 1, got {max_distance}")
         self.max_distance = max_distance
         self.embedding = nn.Embedding(2 * max_distance + 1, d_head)
-        nn.init.normal_(self.embedding.weight, std=0.02)
-
-    def index(self, t: int, s: int, device: torch.device) -> Tensor:
-        """(T, S) long: clip(i − j, −R, R) + R, the row of E_R for query i and key j."""
-        i = torch.arange(t, device=device)[:, None]
-        j = torch.arange(s, device=device)[None, :]
-        r = self.max_distance
-        return (i - j).clamp(-r, r) + r
+        nn.init.normal_(self.embedding.weight, std=0.02 / math.sqrt(d_head))
+        pos = torch.arange(max_positions)
+        index = (pos[:, None] - pos[None, :]).clamp(-max_distance, max_distance) + max_distance
+        # (P, P) long: row of E_R for query i, key j; and its transpose for the keys' term
+        self.register_buffer("index", index, persistent=False)
+        self.register_buffer("index_t", index.t().contiguous(), persistent=False)
 
     def forward(self, q: Tensor, k: Tensor) -> Tensor:
-        b, h, t, hd = q.shape
+        b, h, t, _ = q.shape
         s = k.size(2)
-        e = self.embedding.weight  # (2R+1, hd)
-        idx = self.index(t, s, q.device)  # (T, S)
-        q_e = q @ e.t()  # (B, H, T, 2R+1): q_i · E_R(δ) for every δ
-        k_e = k @ e.t()  # (B, H, S, 2R+1): k_j · E_R(δ)
-        rqs = q_e.gather(-1, idx.expand(b, h, t, s))  # (B, H, T, S)
-        rks = k_e.gather(-1, idx.t().expand(b, h, s, t)).transpose(-1, -2)  # (B, H, T, S)
-        return (rqs + rks) / math.sqrt(hd)
+        if max(t, s) > self.index.size(0):
+            raise ValueError(f"{max(t, s)} positions exceed max_positions={self.index.size(0)}")
+        e = self.embedding.weight.t()  # (hd, 2R+1)
+        rqs = (q @ e).gather(-1, self.index[:t, :s].expand(b, h, t, s))  # q_i · E_R(i−j)
+        rks = (k @ e).gather(-1, self.index_t[:s, :t].expand(b, h, s, t))  # k_j · E_R(i−j)
+        return rqs + rks.transpose(-1, -2)  # (B, H, T, S)
 
     def macs(self, n_queries: int, n_keys: int, n_heads: int) -> int:
         """The two products with the table: (T + S) · (2R+1) · d_head per head."""

@@ -4,8 +4,6 @@ left not computed, relative position scores, and the ablation switches."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -146,7 +144,7 @@ def test_relative_scores_match_the_formula():
         for i in range(5):
             for j in range(5):
                 r = max(-2, min(2, i - j)) + 2
-                want = (q[0, h, i] @ e[r] + k[0, h, j] @ e[r]) / math.sqrt(4)
+                want = q[0, h, i] @ e[r] + k[0, h, j] @ e[r]
                 assert torch.allclose(bias[0, h, i, j], want, atol=1e-6)
 
 

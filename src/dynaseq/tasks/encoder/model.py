@@ -39,8 +39,8 @@ def dense_sublayers(cfg: EncoderModelConfig) -> Sublayers:
     d_head = cfg.d_model // cfg.n_heads
 
     def attention() -> nn.Module:
-        scores = (RelativeScores(d_head, cfg.relative_positions) if cfg.relative_positions
-                  else None)
+        scores = (RelativeScores(d_head, cfg.relative_positions, cfg.max_positions)
+                  if cfg.relative_positions else None)
         return dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, scores)
 
     return Sublayers(attention,
