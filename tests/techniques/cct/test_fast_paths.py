@@ -248,3 +248,15 @@ def test_mixed_offsets_give_mixed_gates():
     values = torch.cat([t.values.flatten() for t in aux.traces["cct.gates"]
                         if t.gate != "control"])
     assert 0.1 < float(values.mean()) < 0.9
+
+
+@pytest.mark.parametrize("section", ["CCTConfig", "EncoderCCTConfig"])
+def test_the_config_switch_reaches_every_gated_sublayer(section):
+    from dynaseq.techniques.cct import config
+    from dynaseq.techniques.cct.builder import cct_sublayers
+
+    dims = ModelConfig(d_model=D, ffn_dim=F, n_heads=H)
+    for fast_paths in (True, False):
+        parts = cct_sublayers(getattr(config, section)(fast_paths=fast_paths), dims)
+        assert parts.attention().fast_paths is fast_paths
+        assert parts.ffn().fast_paths is fast_paths

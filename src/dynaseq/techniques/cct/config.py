@@ -158,8 +158,8 @@ class EncoderCCTConfig:
     scales it to the task loss when fine-tuning, so set it per run). ``alpha_max``,
     ``noise_ramp_steps`` (paper: 0 -> 5 over 300k steps), ``ffn_pieces`` (M = 4),
     ``control_hidden``, ``budget_estimate``, ``control_init_std``, ``output_norms``,
-    ``budget_start_step`` and ``budget_ramp_steps`` as in :class:`CCTConfig` (the curriculum
-    gives the largest budget, the first entry, before the ramp).
+    ``budget_start_step``, ``budget_ramp_steps`` and ``fast_paths`` as in :class:`CCTConfig`
+    (the curriculum gives the largest budget, the first entry, before the ramp).
     """
 
     ffn_pieces: int = 4
@@ -173,6 +173,7 @@ class EncoderCCTConfig:
     budget_estimate: str = "soft"
     control_init_std: float = 1.0
     output_norms: bool = True
+    fast_paths: bool = True
 
     def __post_init__(self) -> None:
         check_gate_settings(self)
