@@ -108,19 +108,32 @@ class BranchedLinear(nn.Module):
             bias = bias + self.shared_bias
         return weight, bias
 
+    def _branch(self, k: int) -> tuple[Tensor, Tensor | None]:
+        """Effective ``(weight (out, in), bias (out,) or None)`` of branch ``k`` for inference.
+
+        Merged layers return views kept across calls (:meth:`_branch_views`); while a shared
+        part exists, ``θ_S + θ_Pk`` is formed for branch ``k`` alone (a call whose tokens all
+        chose one branch then adds ``in·out`` numbers, not ``N·in·out``).
+        """
+        if not self.has_shared:
+            return self._branch_views()[k]
+        weight = self.weight[k] + self.shared_weight
+        bias = None if self.bias is None else self.bias[k]
+        if bias is not None and self.shared_bias is not None:
+            bias = bias + self.shared_bias
+        return weight, bias
+
     def _branch_views(self) -> list[tuple[Tensor, Tensor | None]]:
-        """Per-branch ``(weight_k, bias_k)`` for inference, without re-slicing at every call.
+        """Per-branch ``(weight_k, bias_k)`` of a merged layer (no shared part), without
+        re-slicing at every call.
 
         The views are kept while the parameters keep their storage: in-place updates
         (:meth:`merge_`, ``load_state_dict``, an optimizer step) show through the views,
         and ``.to()`` or assigning ``.data`` changes the storage, which rebuilds them.
         Indexing ``weight[k]`` at every call costs as much as the matmul of a decoding step
-        at d=128. Unmerged layers form ``θ_S + θ_Pk`` at every call instead.
+        at d=128.
         """
-        if self.has_shared:
-            weight, bias = self.branch_parameters()
-            return [(weight[k], None if bias is None else bias[k])
-                    for k in range(self.n_branches)]
+        assert not self.has_shared, "views of θ_Pk alone are the branches only once merged"
         bias = self.bias
         key = (self.weight.data_ptr(), None if bias is None else bias.data_ptr())
         cached = self.__dict__.get("_views")
@@ -149,8 +162,7 @@ class BranchedLinear(nn.Module):
                 y = F.grouped_mm(xs, weight.transpose(1, 2), offs=groups.ends)
                 return y if bias is None else y.add_(bias.index_select(0,
                                                                        groups.branch_sorted))
-            views = self._branch_views()
-            return run_used_groups(xs, groups, lambda k, rows: F.linear(rows, *views[k]),
+            return run_used_groups(xs, groups, lambda k, rows: F.linear(rows, *self._branch(k)),
                                    self.out_features)
         weight, bias = self.branch_parameters()
         outs = [F.linear(part, weight[k], None if bias is None else bias[k])

@@ -30,11 +30,11 @@ def dmb_sublayers(dmb: DMBConfig, cfg: TransformerDims) -> Sublayers:
 
     def attention() -> nn.Module:
         return dmb_attention(d, cfg.n_heads, dmb.n_branches, cfg.attention_dropout,
-                             shared=dmb.shared_private)
+                             shared=dmb.shared_private, fast_paths=dmb.fast_paths)
 
     def ffn() -> nn.Module:
         return dmb_feedforward(d, cfg.ffn_dim, dmb.n_branches, cfg.activation_dropout,
-                               shared=dmb.shared_private)
+                               shared=dmb.shared_private, fast_paths=dmb.fast_paths)
 
     return Sublayers(_attention_or_dense(cfg, attention, dmb.attention), ffn,
                      finish=name_branching_sublayers)

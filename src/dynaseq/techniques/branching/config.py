@@ -22,6 +22,9 @@ class DMBConfig:
     term of the auxiliary loss (eq. 19 / eq. 20; the Table III ablations).
     ``diversity_weight`` scales the diversity term against the entropy term (1 = eq. 31; not
     in the paper: at 1 the routing comes out uniform, at 0 it collapses onto one branch).
+    ``fast_paths``: a call whose tokens all chose one branch (every decoding step at batch
+    1) runs that branch's plain matmul instead of the grouped path; False forces the
+    grouped path (same outputs; for tests and benchmarks).
     """
 
     n_branches: int = 4
@@ -31,6 +34,7 @@ class DMBConfig:
     diversity: bool = True
     entropy: bool = True
     diversity_weight: float = 1.0
+    fast_paths: bool = True
 
     def __post_init__(self) -> None:
         check_positive(self, "n_branches")

@@ -76,12 +76,14 @@ class BranchedAttention(RoutedAttention):
 
 
 def dmb_attention(d_model: int, n_heads: int, n_branches: int = 4, dropout: float = 0.0, *,
-                  shared: bool = True, name: str = "attention") -> BranchedAttention:
+                  shared: bool = True, name: str = "attention",
+                  fast_paths: bool = True) -> BranchedAttention:
     """DMB attention: one gate and four :class:`BranchedLinear` ``d_model -> d_model``
-    projections with ``n_branches`` branches and shared-private parameters (``shared``)."""
+    projections with ``n_branches`` branches and shared-private parameters (``shared``;
+    ``fast_paths``: see :class:`~dynaseq.techniques.branching.routing.Router`)."""
 
     def proj() -> BranchedLinear:
         return BranchedLinear(d_model, d_model, n_branches, shared=shared)
 
-    return BranchedAttention(d_model, n_heads, Router(d_model, n_branches), proj(), proj(),
-                             proj(), proj(), dropout=dropout, name=name)
+    return BranchedAttention(d_model, n_heads, Router(d_model, n_branches, fast_paths=fast_paths),
+                             proj(), proj(), proj(), proj(), dropout=dropout, name=name)

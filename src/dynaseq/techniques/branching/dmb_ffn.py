@@ -46,11 +46,12 @@ class BranchedFeedForward(RoutedFeedForward):
 
 def dmb_feedforward(d_model: int, ffn_dim: int, n_branches: int = 4,
                     activation_dropout: float = 0.0, *, shared: bool = True,
-                    name: str = "ffn") -> BranchedFeedForward:
+                    name: str = "ffn", fast_paths: bool = True) -> BranchedFeedForward:
     """DMB FFN with ``n_branches`` branches of width ``ffn_dim`` (each as large as the dense
-    FFN it replaces), shared-private parameters (``shared``) and one gate."""
+    FFN it replaces), shared-private parameters (``shared``) and one gate (``fast_paths``:
+    see :class:`~dynaseq.techniques.branching.routing.Router`)."""
     return BranchedFeedForward(
-        Router(d_model, n_branches),
+        Router(d_model, n_branches, fast_paths=fast_paths),
         BranchedLinear(d_model, ffn_dim, n_branches, shared=shared),
         BranchedLinear(ffn_dim, d_model, n_branches, shared=shared),
         activation_dropout, name=name)

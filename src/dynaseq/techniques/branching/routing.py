@@ -147,6 +147,10 @@ class Router(GatingUnit):
     Args:
         d_model: input width d.
         n_branches: N (the paper uses 4).
+        fast_paths: when every token of a call picks one branch (always, for a one-token
+            decoding step), lay them out as they are, so each projection runs that branch's
+            plain matmul (no sort, gather or grouped matmul); False forces the general grouped
+            layout (:meth:`BranchGroups.of`), for tests and benchmarks. Same outputs.
 
     ``W_g`` is Xavier-initialised and ``b_g`` zero. (A zero ``W_g`` would be a fixed point:
     every token ties, goes to branch 0, and both auxiliary losses have zero gradient at the
@@ -158,7 +162,7 @@ class Router(GatingUnit):
         route = router(torch.randn(2, 5, 16))   # route.branch (2, 5), route.logits (2, 5, 4)
     """
 
-    def __init__(self, d_model: int, n_branches: int = 4) -> None:
+    def __init__(self, d_model: int, n_branches: int = 4, *, fast_paths: bool = True) -> None:
         super().__init__()
         if d_model < 1:
             raise ValueError(f"Router d_model must be >= 1, got {d_model}")
@@ -167,6 +171,7 @@ class Router(GatingUnit):
         self.proj = nn.Linear(d_model, n_branches)
         nn.init.xavier_uniform_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
+        self.fast_paths = fast_paths
 
     @property
     def scorer(self) -> nn.Linear:
@@ -179,7 +184,7 @@ class Router(GatingUnit):
         return Route(logits, logits.argmax(-1))
 
     def dispatch(self, x: Tensor) -> Top1Dispatch:
-        return Top1Dispatch.of(self(x), x, self.n_branches)
+        return Top1Dispatch.of(self(x), x, self.n_branches, fast_paths=self.fast_paths)
 
 
 @dataclass
@@ -208,17 +213,21 @@ class BranchGroups:
     branch_sorted: Tensor | None = None
 
     @classmethod
-    def of(cls, branch: Tensor, n_branches: int, *, validate: bool = True) -> BranchGroups:
+    def of(cls, branch: Tensor, n_branches: int, *, validate: bool = True,
+           fast_paths: bool = True) -> BranchGroups:
         """Group the tokens of ``branch`` ``(M,)`` long, ids in ``[0, n_branches)``.
 
         ``validate=False`` skips the range check of the ids (one reduction and one host
         sync); for ids that hold by construction, such as a router's argmax.
+        ``fast_paths``: tokens that all chose one branch (one token: a single host sync)
+        stay as they are (``in_order``, ``only``); False sorts them into the general grouped
+        layout (``ends``, ``branch_sorted``) whatever they chose.
         """
         if branch.dim() != 1 or branch.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"branch must be an (M,) integer tensor, got shape "
                              f"{tuple(branch.shape)} {branch.dtype}")
         m = branch.numel()
-        if m == 1:  # one token (a decoding step at batch 1): one host sync, nothing to count
+        if m == 1 and fast_paths:  # one token (a decoding step at batch 1): one host sync
             k = int(branch)
             if not 0 <= k < n_branches:
                 raise ValueError(f"branch ids must lie in [0, {n_branches}), got id {k}")
@@ -234,7 +243,7 @@ class BranchGroups:
         if len(sizes) > n_branches:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
                              f"{len(sizes) - 1}")
-        if m == 0 or max(sizes) == m:  # one branch takes every token: nothing to sort
+        if m == 0 or (fast_paths and max(sizes) == m):  # one branch takes every token
             identity = torch.arange(m, device=branch.device)
             return cls(identity, identity, sizes, in_order=True,
                        only=sizes.index(m) if m else None)
@@ -281,9 +290,12 @@ class Top1Dispatch(Dispatch):
     sorted_rows: Tensor
 
     @classmethod
-    def of(cls, route: Route, x: Tensor, n_branches: int) -> Top1Dispatch:
-        """Group the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)``."""
-        groups = BranchGroups.of(route.branch.reshape(-1), n_branches, validate=False)
+    def of(cls, route: Route, x: Tensor, n_branches: int, *,
+           fast_paths: bool = True) -> Top1Dispatch:
+        """Group the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)`` (``fast_paths``:
+        see :meth:`BranchGroups.of`)."""
+        groups = BranchGroups.of(route.branch.reshape(-1), n_branches, validate=False,
+                                 fast_paths=fast_paths)
         return cls(route, groups, groups.gather(x.reshape(-1, x.size(-1))))
 
     @property

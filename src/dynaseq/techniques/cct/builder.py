@@ -24,12 +24,14 @@ def cct_sublayers(cct: CCTConfig, cfg: TransformerDims) -> Sublayers:
     def attention() -> nn.Module:
         return conditional_attention(d, cfg.n_heads, cfg.attention_dropout,
                                      control_hidden=cct.control_hidden, schedule=schedule,
-                                     hard_budget=hard, norms=cct.output_norms)
+                                     hard_budget=hard, norms=cct.output_norms,
+                                     fast_paths=cct.fast_paths)
 
     def ffn() -> nn.Module:
         return conditional_feedforward(d, cfg.ffn_dim, cct.ffn_pieces, cfg.activation_dropout,
                                        control_hidden=cct.control_hidden, schedule=schedule,
-                                       hard_budget=hard, out_norms=cct.output_norms)
+                                       hard_budget=hard, out_norms=cct.output_norms,
+                                       fast_paths=cct.fast_paths)
 
     control = nn.Embedding(len(cct.controls), d)
     nn.init.normal_(control.weight, std=cct.control_init_std)

@@ -46,6 +46,14 @@ gated-off tokens is not executed:
    every key on, the packed width would be S anyway, so attention runs over all keys (plain
    scaled-dot-product attention), the off ones entering as the zero rows they are. A static
    (cross-attention) cache packs its on keys once (:class:`PackedKeys`) for every step.
+4. Fast paths (``fast_paths=True``, the default): one host sync counts the open queries,
+   one the open K/V tokens. A call with every query off (always the case for a one-token
+   decoding step whose ``g_q`` is off) enters neither the query/output projections nor the
+   attention and returns zeros; K/V tokens all off project nothing (a cache still records
+   them, as the zero rows they are), all on are projected as they are, without
+   gather/scatter; every query open over a sequence with every key on runs plain attention.
+   ``fast_paths=False`` (set at construction) takes the general gather/pack/scatter path
+   for every call with an open token; outputs and MAC records are the same.
 
 Incremental decoding needs a :class:`GatedKVCache`: it keeps the keys/values (zero rows where
 off) and which keys are on, so step-by-step decoding equals the full-sequence pass.
@@ -204,12 +212,18 @@ class ConditionalAttention(nn.Module):
             layer into plain attention, e.g. to compare with a dense layer).
         dropout: attention-probability dropout (training only).
         name: sub-layer name carried by its traces (see ``name_conditional_sublayers``).
+        fast_paths: at inference, a call whose queries are all off returns zeros without
+            entering the query/output projections or the attention, K/V tokens all off or
+            all on skip the gather/scatter, and all-open queries over all-on keys run plain
+            attention (see the module docstring); False forces the general gather/pack/
+            scatter path (tests and benchmarks compare the two).
     """
 
     def __init__(self, d_model: int, n_heads: int, q_proj: nn.Module, k_proj: nn.Module,
                  v_proj: nn.Module, out_proj: nn.Module, *, q_control: ControlNet,
                  kv_control: ControlNet, gate: Gate, k_norm: nn.Module, v_norm: nn.Module,
-                 out_norm: nn.Module, dropout: float = 0.0, name: str = "attention") -> None:
+                 out_norm: nn.Module, dropout: float = 0.0, name: str = "attention",
+                 fast_paths: bool = True) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
@@ -222,6 +236,7 @@ class ConditionalAttention(nn.Module):
         self.k_norm, self.v_norm, self.out_norm = k_norm, v_norm, out_norm
         self.dropout = dropout
         self.name = name
+        self.fast_paths = fast_paths
 
     def _split(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -304,11 +319,15 @@ class ConditionalAttention(nn.Module):
                 k, v, key_on = _store(cache, k, v, kv_ran)
         s = k.size(1)
         allowed = allowed_mask(attn_mask, is_causal, t, s, past, x.device)  # None: no mask
-        # Keys are packed only where that narrows them: if a sequence with an open query has
-        # every key on, the packed width is S anyway, and attention runs over all keys, the
-        # off ones as the zero rows they are (the same products, without the packing).
+        # Fast paths (one host sync counts the open queries): with every query off nothing
+        # attends and the sub-layer returns zeros; with every query open and a sequence whose
+        # keys are all on, packing would not narrow anything, and attention runs over all
+        # keys (the off ones as the zero rows they are: the same products, no packing).
         key_width = None  # packed over the open sequences (realized_macs' default)
-        if bool(q_on.all()) and int(key_on.sum(1).max()) == s:
+        n_q = int(q_on.sum()) if self.fast_paths else -1  # -1: not counted (general path)
+        if n_q == 0:
+            out = x.new_zeros(b * t, d)
+        elif n_q == b * t and int(key_on.sum(1).max()) == s:
             out = self._attend_all(x, k, v, allowed).reshape(b * t, d)
         else:
             out = x.new_zeros(b * t, d)
@@ -391,15 +410,19 @@ class ConditionalAttention(nn.Module):
         return self.out_proj(self.out_norm(self._merge(a)))
 
     def _project_kv(self, src: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:
-        """LN(src W_k), LN(src W_v) ``(B, S, d)`` on the ``on`` tokens only; zero rows
-        elsewhere (all tokens on: no gather/scatter)."""
+        """LN(src W_k), LN(src W_v) ``(B, S, d)`` on the ``on`` ``(B, S)`` tokens only; zero
+        rows elsewhere. Fast paths (one host sync): every token on runs the projections on
+        ``src`` as it is (no gather/scatter), every token off projects nothing."""
         b, s, d = src.shape
-        if bool(on.all()):
-            return self.k_norm(self.k_proj(src)), self.v_norm(self.v_proj(src))
-        flat = on.reshape(-1).nonzero().squeeze(1)
+        if self.fast_paths:
+            n_on = int(on.sum())
+            if n_on == b * s:
+                return self.k_norm(self.k_proj(src)), self.v_norm(self.v_proj(src))
+            if n_on == 0:
+                return _zero_rows(src)
+        flat = on.reshape(-1).nonzero().squeeze(1)  # (N_kv,)
         if flat.numel() == 0:
-            zeros = src.new_zeros(b, s, d)
-            return zeros, zeros.clone()
+            return _zero_rows(src)
         rows = src.reshape(b * s, d).index_select(0, flat)  # (N_kv, d)
         k = scatter_rows(self.k_norm(self.k_proj(rows)), flat, b * s).view(b, s, d)
         v = scatter_rows(self.v_norm(self.v_proj(rows)), flat, b * s).view(b, s, d)
@@ -520,6 +543,12 @@ def _attendable(attn_mask: Tensor, batch: int, n_keys: int) -> Tensor:
     return mask.any(2).any(1).expand(batch, n_keys)
 
 
+def _zero_rows(src: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values of ``src`` ``(B, S, d)`` with every token off: two zero tensors."""
+    zeros = torch.zeros_like(src)
+    return zeros, zeros.clone()
+
+
 def _store(cache: GatedKVCache, k: Tensor, v: Tensor,
            on: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Append (or, for a static cache, set) keys/values/on-flags; return the full ones."""
@@ -544,10 +573,12 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
 def conditional_attention(d_model: int, n_heads: int, dropout: float = 0.0, *,
                           control_hidden: int = 128, schedule: NoiseSchedule | None = None,
                           hard_budget: bool = False, norms: bool = True,
-                          name: str = "attention") -> ConditionalAttention:
+                          name: str = "attention", fast_paths: bool = True
+                          ) -> ConditionalAttention:
     """CCT attention with ``nn.Linear`` projections, LayerNorms on K, V and the attention
     output (``norms=False``: none, plain attention maths), and two control nets of width
-    ``control_hidden`` sharing one :class:`Gate`."""
+    ``control_hidden`` sharing one :class:`Gate` (``fast_paths``: see
+    :class:`ConditionalAttention`)."""
 
     def norm() -> nn.Module:
         return nn.LayerNorm(d_model) if norms else nn.Identity()
@@ -557,4 +588,5 @@ def conditional_attention(d_model: int, n_heads: int, dropout: float = 0.0, *,
         _linear(d_model, d_model), _linear(d_model, d_model),
         q_control=ControlNet(d_model, 1, control_hidden),
         kv_control=ControlNet(d_model, 1, control_hidden), gate=Gate(schedule, hard_budget),
-        k_norm=norm(), v_norm=norm(), out_norm=norm(), dropout=dropout, name=name)
+        k_norm=norm(), v_norm=norm(), out_norm=norm(), dropout=dropout, name=name,
+        fast_paths=fast_paths)

@@ -51,6 +51,9 @@ class ConditionalFeedForward(nn.Module):
         control: :class:`ControlNet` with M gates.
         gate: logits -> gates (noise schedule, hard threshold, override).
         name: sub-layer name carried by its traces.
+        fast_paths: at inference, skip pieces whose gate is off for every token and run
+            pieces open for every token without gather/scatter (see the module docstring);
+            False forces the general gather/scatter path.
 
     ``forward(x, aux=None, gate_offset=None)``: x ``(B, T, d)`` -> ``(B, T, d)``;
     ``gate_offset``: ``(B,)`` per-row inference offsets of the gates (see
@@ -58,7 +61,7 @@ class ConditionalFeedForward(nn.Module):
     """
 
     def __init__(self, pieces: list[FeedForwardPiece], control: ControlNet, gate: Gate,
-                 name: str = "ffn") -> None:
+                 name: str = "ffn", *, fast_paths: bool = True) -> None:
         super().__init__()
         if not pieces:
             raise ValueError("ConditionalFeedForward needs at least one piece")
@@ -68,6 +71,7 @@ class ConditionalFeedForward(nn.Module):
         self.pieces = nn.ModuleList(pieces)
         self.control, self.gate = control, gate
         self.name = name
+        self.fast_paths = fast_paths
 
     @property
     def n_pieces(self) -> int:
@@ -92,15 +96,28 @@ class ConditionalFeedForward(nn.Module):
         return out
 
     def _forward_hard(self, x: Tensor, on: Tensor) -> Tensor:
+        """Hard-gated eq. 15: x ``(B, T, d)``, on ``(B, T, M)`` bool -> ``(B, T, d)``; piece i
+        runs on the tokens whose gate i is on, every other token gets 0 from it."""
         b, t, d = x.shape
-        flat_x = x.reshape(b * t, d)
         flat_on = on.reshape(b * t, -1)  # (B·T, M)
+        if self.fast_paths:
+            counts = flat_on.sum(0).tolist()  # open tokens per piece: one host sync
+            if not any(counts):  # every gate off: no piece is entered
+                return x.new_zeros(b, t, d)
+            if all(n == b * t for n in counts):  # every gate on: dense, no gather/scatter
+                return sum(piece(x) for piece in self.pieces)
+        else:
+            counts = [None] * self.n_pieces
+        flat_x = x.reshape(b * t, d)
         out = x.new_zeros(b * t, d)
-        for i, piece in enumerate(self.pieces):
-            idx = flat_on[:, i].nonzero().squeeze(1)
-            if idx.numel() == b * t:  # every token: no gather/scatter
+        for i, (piece, n) in enumerate(zip(self.pieces, counts, strict=True)):
+            if n == 0:
+                continue
+            if n == b * t:  # every token: no gather/scatter
                 out += piece(flat_x)
-            elif idx.numel():
+                continue
+            idx = flat_on[:, i].nonzero().squeeze(1)  # (N_i,)
+            if idx.numel():
                 out.index_add_(0, idx, piece(flat_x.index_select(0, idx)))
         return out.view(b, t, d)
 
@@ -147,10 +164,11 @@ class ConditionalFeedForward(nn.Module):
 def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,
                             activation_dropout: float = 0.0, *, control_hidden: int = 128,
                             schedule: NoiseSchedule | None = None, hard_budget: bool = False,
-                            out_norms: bool = True,
-                            name: str = "ffn") -> ConditionalFeedForward:
+                            out_norms: bool = True, name: str = "ffn",
+                            fast_paths: bool = True) -> ConditionalFeedForward:
     """CCT feed-forward: ``n_pieces`` (M) pieces of width ``ffn_dim // n_pieces``, each with
-    an input and (``out_norms``) an output LayerNorm, and one control net with M gates."""
+    an input and (``out_norms``) an output LayerNorm, and one control net with M gates
+    (``fast_paths``: see :class:`ConditionalFeedForward`)."""
     if n_pieces < 1:
         raise ValueError(f"n_pieces must be >= 1, got {n_pieces}")
     if ffn_dim % n_pieces:
@@ -161,4 +179,4 @@ def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,
                                nn.LayerNorm(d_model) if out_norms else nn.Identity())
               for _ in range(n_pieces)]
     return ConditionalFeedForward(pieces, ControlNet(d_model, n_pieces, control_hidden),
-                                  Gate(schedule, hard_budget), name=name)
+                                  Gate(schedule, hard_budget), name=name, fast_paths=fast_paths)

@@ -67,6 +67,12 @@ class CCTConfig:
     en->fr, 1400 updates, β 0.5) it lost at every budget, most at the lowest (46.1 / 39.1 /
     35.4 / 17.8 BLEU at (b, b), b = 1, .5, .33, .2, against 47.4 / 41.1 / 38.2 / 29.0
     without), so it stays off by default.
+
+    ``fast_paths``: at inference, a gated sub-layer call whose gates are all off is not
+    entered (zeros, no projection), and one whose gates are all on runs dense, without
+    gather/scatter (:class:`~dynaseq.techniques.cct.conditional_attention.ConditionalAttention`,
+    :class:`~dynaseq.techniques.cct.conditional_ffn.ConditionalFeedForward`). False forces
+    the general path for every call (same outputs; for tests and benchmarks).
     """
 
     ffn_pieces: int = 4
@@ -82,6 +88,7 @@ class CCTConfig:
     control_init_std: float = 1.0
     output_norms: bool = True
     distill_weight: float = 0.0
+    fast_paths: bool = True
 
     def __post_init__(self) -> None:
         check_gate_settings(self)
@@ -151,8 +158,8 @@ class EncoderCCTConfig:
     scales it to the task loss when fine-tuning, so set it per run). ``alpha_max``,
     ``noise_ramp_steps`` (paper: 0 -> 5 over 300k steps), ``ffn_pieces`` (M = 4),
     ``control_hidden``, ``budget_estimate``, ``control_init_std``, ``output_norms``,
-    ``budget_start_step`` and ``budget_ramp_steps`` as in :class:`CCTConfig` (the curriculum
-    gives the largest budget, the first entry, before the ramp).
+    ``budget_start_step``, ``budget_ramp_steps`` and ``fast_paths`` as in :class:`CCTConfig`
+    (the curriculum gives the largest budget, the first entry, before the ramp).
     """
 
     ffn_pieces: int = 4
@@ -166,6 +173,7 @@ class EncoderCCTConfig:
     budget_estimate: str = "soft"
     control_init_std: float = 1.0
     output_norms: bool = True
+    fast_paths: bool = True
 
     def __post_init__(self) -> None:
         check_gate_settings(self)
