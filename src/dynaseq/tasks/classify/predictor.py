@@ -8,6 +8,7 @@ Example::
     c.classify(["a charming journey", "bleak and desperate"])  # ["1", "0"]
     c.classify(["A man plays.\tA person plays."])              # a pair task: tab-separated
     c.classify(lines, budget=0.5)                              # CCT-BERT: a trained budget
+    c.evaluate("dev.tsv", keep_layers=3)                       # LayerDrop: 3 layers kept
     c.evaluate("glue/SST-2/dev.tsv")                           # {"accuracy": ..., ...}
 
 A budget is an argument of each call (one for every line, or a list with one per line),
@@ -40,6 +41,7 @@ from dynaseq.tasks.encoder.budget import (
     as_fraction,
     control_for,
     exit_for,
+    layers_for,
     nearest_trained,
     trained_budget,
 )
@@ -79,13 +81,15 @@ def _rows_exit(exit: DepthExit | None, idx: list[int]) -> DepthExit | None:
 
 
 def _count_compute(compute: dict[str, int], model: EncoderModel, res: EncoderModelOutput,
-                   tokens: Tensor, segments: Tensor, control: Control) -> None:
+                   tokens: Tensor, segments: Tensor, control: Control,
+                   layers: tuple[int, ...] | None = None) -> None:
     """Add one batch's realized compute to ``compute``: CCT models ``ran``/``full`` (MACs
     of the gated sub-layers as run and with every gate on) and ``tokens``; adaptive-depth
     models ``layers`` (layer applications over the rows, first group included) and ``rows``."""
     if model.n_controls:
         ids = control.ids if isinstance(control, BudgetControl) else control
-        full = model(tokens, segments, BudgetControl(ids, {"encoder": ALL_GATES_ON}))
+        full = model(tokens, segments, BudgetControl(ids, {"encoder": ALL_GATES_ON}),
+                     layers=layers)
         for key, aux in (("ran", res.aux), ("full", full.aux)):
             compute[key] = compute.get(key, 0) + sum(
                 sum(c.values()) for c in realized_macs_by_layer(aux).values())
@@ -101,11 +105,13 @@ def _count_compute(compute: dict[str, int], model: EncoderModel, res: EncoderMod
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
                    compute: dict[str, int] | None = None, progress: bool = False,
-                   exit: DepthExit | None = None) -> Tensor:
+                   exit: DepthExit | None = None,
+                   layers: tuple[int, ...] | None = None) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
     ``compute``: receives the realized compute of the batches (:func:`_count_compute`).
     ``exit``: early exit of an adaptive-depth model (one for every row, or per row).
+    ``layers``: the plan positions to run (a model pruned to a fixed depth; None: all).
     ``progress``: a bar of rows on a terminal."""
     was_training = model.training
     model.eval()
@@ -118,10 +124,11 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
             tokens, segments = (t.to(device) for t in
                                 collate_rows([rows[j] for j in idx], model.pad_id))
             rows_control = _rows_control(control, idx, device)
-            res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx))
+            res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx),
+                        layers=layers)
             out[torch.tensor(idx)] = res.logits.float().cpu()
             if compute is not None:
-                _count_compute(compute, model, res, tokens, segments, rows_control)
+                _count_compute(compute, model, res, tokens, segments, rows_control, layers)
             bar.update(len(idx))
     finally:
         bar.close()
@@ -136,6 +143,13 @@ def depth_report(exit: DepthExit, compute: dict[str, int], layers: int) -> dict[
     return {"gamma": g.tolist() if isinstance(g, Tensor) else g,
             "depth": d.tolist() if isinstance(d, Tensor) else d,
             "avg_layers": avg, "depth_fraction": avg / layers}
+
+
+def keep_layers_report(layers: tuple[int, ...], depth: int) -> dict[str, object]:
+    """What an evaluation pruned to a fixed depth reports: the kept plan positions and the
+    layers every row ran (``avg_layers``, ``depth_fraction`` as for adaptive depth)."""
+    return {"keep_layers": len(layers), "layers_run": list(layers),
+            "avg_layers": float(len(layers)), "depth_fraction": len(layers) / depth}
 
 
 def decide(logits: Tensor, layout: TableLayout) -> list[str] | list[float]:
@@ -218,16 +232,19 @@ class Classifier:
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
                  batch_size: int | None = None, progress: bool = False,
-                 gamma: Gamma = None, depth: int | None = None) -> list[str | float | None]:
+                 gamma: Gamma = None, depth: int | None = None,
+                 keep_layers: int | None = None) -> list[str | float | None]:
         """A label (or a regression score) per line, in order; None for an empty line.
 
         ``budget`` (CCT models): a trained budget for every line, or a list, one per line
         (the lines are batched together whatever their budgets). ``gamma`` (adaptive-depth
         models; default the run's): the exit threshold, one or a list, one per line;
-        ``depth``: a fixed number of adaptive layers instead. ``progress``: a bar on a
-        terminal."""
+        ``depth``: a fixed number of adaptive layers instead. ``keep_layers`` (models
+        without a structure predictor, e.g. trained with LayerDrop): run N of the layers,
+        evenly spaced ("every other"). ``progress``: a bar on a terminal."""
         control = self._control(budget, len(lines))
         exit = exit_for(self.config.model, gamma, depth, len(lines))
+        layers = layers_for(self.config.model, keep_layers)
         ex, keep = self._examples(lines)
         out: list[str | float | None] = [None] * len(lines)
         if not keep:
@@ -237,30 +254,35 @@ class Classifier:
         exit = _rows_exit(exit, keep)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, progress=progress, exit=exit)
+                                self.device, control, progress=progress, exit=exit,
+                                layers=layers)
         for i, value in zip(keep, decide(logits, self.layout), strict=True):
             out[i] = value
         return out
 
     def evaluate(self, path: str | Path, budget: Budgets = None,
                  batch_size: int | None = None, progress: bool = False,
-                 gamma: Gamma = None, depth: int | None = None) -> dict[str, object]:
+                 gamma: Gamma = None, depth: int | None = None,
+                 keep_layers: int | None = None) -> dict[str, object]:
         """The official metrics on a labelled file in the run's layout (GLUE dev.tsv), the
         rows skipped for an empty sentence; for a CCT model the budget and the compute its
         gated sub-layers really ran (``realized_fraction`` of all gates on,
         ``realized_macs_per_token`` over the non-padding tokens); for an adaptive-depth model
         the exit (``gamma`` or ``depth``) and the layers rows really ran (``avg_layers``,
-        first group included, and ``depth_fraction`` of the model's depth)."""
+        first group included, and ``depth_fraction`` of the model's depth); pruned to
+        ``keep_layers`` (see :meth:`classify`): ``keep_layers``, ``layers_run`` (the plan
+        positions), ``avg_layers`` and ``depth_fraction``."""
         layout = self.layout
         ex = read_table(path, layout)
         if not len(ex):
             raise DynaseqError(f"{path}: every row has an empty sentence")
         control = self._control(budget, len(ex))
         exit = exit_for(self.config.model, gamma, depth, len(ex))
+        layers = layers_for(self.config.model, keep_layers)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         compute: dict[str, int] = {}
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute, progress, exit)
+                                self.device, control, compute, progress, exit, layers)
         result: dict[str, object] = {
             "task": layout.name, "path": str(path),
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
@@ -272,6 +294,8 @@ class Classifier:
             result["realized_macs_per_token"] = compute["ran"] / compute["tokens"]
         if exit is not None:
             result.update(depth_report(exit, compute, self.config.model.layers))
+        if layers is not None:
+            result.update(keep_layers_report(layers, self.config.model.layers))
         return result
 
     def calibrate(self, path: str | Path, budgets: list[float] | None = None,
