@@ -113,6 +113,7 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
     _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
+    _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
     if args.src is None or args.ref is None:
         raise DynaseqError("evaluate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -456,6 +457,31 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_prune_heads(args: argparse.Namespace) -> None:
+    from dynaseq.compress.head_prune import check_keep
+
+    check_keep(args.keep)  # before anything is read or written
+
+
+def cmd_prune_heads(args: argparse.Namespace) -> int:
+    """``dynaseq prune-heads CLASSIFY_RUN --data dev.tsv --keep 0.5 --out NEW_DIR``."""
+    from dynaseq.workflows.head_prune import REPORT_FILE, prune_heads_run
+
+    rep = prune_heads_run(args.run_dir, args.out, args.data, args.keep,
+                          checkpoint=args.checkpoint, batch_size=args.batch_size,
+                          normalize=not args.no_normalize, device=args.device)
+    if args.json:
+        print(json.dumps(rep, indent=1))
+        return 0
+    scores = "  ".join(f"{m} {rep['before'][m]:.4f} -> {rep['after'][m]:.4f}"
+                       for m in rep["before"])
+    print(f"pruned run written to {args.out}: heads {rep['heads_before']} -> "
+          f"{rep['heads_after']} (per layer {rep['layer_heads']}), params "
+          f"{rep['params_before']:,} -> {rep['params_after']:,}; on {args.data}: {scores} "
+          f"(report: {REPORT_FILE})")
+    return 0
+
+
 def cmd_cache_search(args: argparse.Namespace) -> int:
     """``dynaseq cache-search LM_RUN --out NEW_DIR --cache-sizes 3000 --max-evals 40``."""
     from dynaseq.workflows.lm_runs import cache_search_run
@@ -535,6 +561,7 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     θ 0.016, λ 0.07 for a run without a cache)."""
     _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
     _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
+    _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
     lm = _language_model(args)
     result = {"split": args.split,
               **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
@@ -573,7 +600,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
     lines = _read_input(args.input)
     c = _classifier(args)
     out = c.classify(lines, budget=budget, batch_size=args.batch_size, progress=not args.quiet,
-                     gamma=args.gamma, depth=args.depth)
+                     gamma=args.gamma, depth=args.depth, keep_layers=args.keep_layers)
     _write_output(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
                    for v in out], args.output)
     return 0
@@ -597,7 +624,8 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
     budget = _encoder_budget(args)
     c = _classifier(args)
     result = c.evaluate(args.data, budget=budget, batch_size=args.batch_size,
-                        progress=not args.quiet, gamma=args.gamma, depth=args.depth)
+                        progress=not args.quiet, gamma=args.gamma, depth=args.depth,
+                        keep_layers=args.keep_layers)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -606,7 +634,9 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
         if "realized_fraction" in result:
             extra = (f"  budget {result['budget']}  realized {result['realized_fraction']:.3f}"
                      f" ({result['realized_macs_per_token'] / 1e6:.3f} M MACs/token)")
-        if "avg_layers" in result:
+        if "keep_layers" in result:
+            extra += f"  layers run {result['keep_layers']} of {c.config.model.layers}"
+        elif "avg_layers" in result:
             how = (f"gamma {result['gamma']}" if result["depth"] is None
                    else f"depth {result['depth']}")
             extra += f"  {how}  layers run {result['avg_layers']:.2f} of {c.config.model.layers}"
@@ -622,6 +652,7 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
 
     _refuse_translation_args(args, "an MLM")
     _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
+    _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
     budget = _encoder_budget(args)
     if args.split != "valid" and args.data is None:
         raise DynaseqError("evaluate: an MLM run's config has a valid file only; give "
@@ -664,7 +695,7 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
     (analytic and flop counter), latency at batch 1 and throughput at batch 32 for 32- and
     128-token inputs."""
     from dynaseq.metrics.encoder_profile import profile_encoder
-    from dynaseq.tasks.encoder.budget import control_for, exit_for
+    from dynaseq.tasks.encoder.budget import control_for, exit_for, layers_for
 
     budget = _encoder_budget(args)
     calibrations = []
@@ -685,10 +716,14 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
                            f"{model_cfg.max_positions}")
     control = control_for(model_cfg, budget, 1, next(model.parameters()).device, calibrations)
     exit = exit_for(model_cfg, args.gamma, args.depth)
-    result = profile_encoder(model, lengths, (1, 32), args.repeats, control, exit=exit)
+    layers = layers_for(model_cfg, args.keep_layers)
+    result = profile_encoder(model, lengths, (1, 32), args.repeats, control, exit=exit,
+                             layers=layers)
     result["budget"] = budget
     if exit is not None:
         result.update(gamma=exit.gamma, depth=exit.depth)
+    if layers is not None:
+        result.update(keep_layers=len(layers), layers_run=list(layers))
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -797,6 +832,18 @@ def _refuse_exit(args: argparse.Namespace) -> None:
     if args.gamma is not None or args.depth is not None:
         raise DynaseqError(f"{args.command}: --gamma and --depth are for adaptive-depth "
                            "encoders")
+    if getattr(args, "keep_layers", None) is not None:
+        raise DynaseqError(f"{args.command}: --keep-layers is for encoder runs")
+
+
+KEEP_LAYERS_ARGS = ("keep_layers",)
+"""Pruning to a fixed depth (encoders without a structure predictor, e.g. LayerDrop)."""
+
+
+def _add_keep_layers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-layers", type=int, default=None, metavar="N",
+                   help="encoders (e.g. trained with model.layerdrop): run N of the layers, "
+                        "evenly spaced (LayerDrop's 'every other' pruning)")
 
 
 def _add_exit_args(p: argparse.ArgumentParser) -> None:
@@ -886,6 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
     _add_budget_arg(p)
     _add_exit_args(p)
+    _add_keep_layers_arg(p)
     _add_run_args(p)
 
     p = sub.add_parser("evaluate", help="sacreBLEU and loss against references; "
@@ -901,6 +949,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_decode_args(p)
     _add_exit_args(p)
+    _add_keep_layers_arg(p)
     _add_run_args(p)
 
     p = sub.add_parser(
@@ -949,6 +998,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(recommended: a budget's outputs may run longer)")
     _add_budget_arg(p)
     _add_exit_args(p)
+    _add_keep_layers_arg(p)
     _add_run_args(p)
 
     p = sub.add_parser("generate", help="sample text from a language model")
@@ -1067,6 +1117,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
 
     p = sub.add_parser(
+        "prune-heads", help="prune a classifier's least important attention heads into a new "
+                            "run (HeadPrune)",
+        description="Measure each attention head's importance |dL/dxi_h| (Michel et al. 2019: "
+                    "xi_h a mask on the head's output) with the task's loss on --data, keep "
+                    "the --keep fraction of the heads that matter most (over all layers) and "
+                    "remove the others from the weights, so the smaller matmuls really run. "
+                    "Writes NEW_DIR (config with model.layer_heads, weights, "
+                    "head_prune_report.json with the metrics on --data before and after); "
+                    "RUN_DIR is not modified. Example: dynaseq prune-heads runs/sst2 --data "
+                    "glue/SST-2/dev.tsv --keep 0.5 --out runs/sst2_h50")
+    p.add_argument("run_dir")
+    p.add_argument("--data", required=True,
+                   help="a labelled TSV in the run's layout (held-out, e.g. GLUE dev.tsv)")
+    p.add_argument("--keep", type=float, required=True,
+                   help="fraction of the attention heads to keep, in (0, 1]")
+    p.add_argument("--out", required=True, help="new run directory (must not exist, or be empty)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sentences per batch (default the run's data.batch_size)")
+    p.add_argument("--no-normalize", action="store_true",
+                   help="do not normalise the importance scores per layer (l2)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_run_args(p)
+
+    p = sub.add_parser(
         "cache-search", help="tune a language model's neural cache (theta, lambda, size) on "
                              "validation into a new run",
         description="Local search over the cache's theta and lambda (then each of "
@@ -1162,6 +1236,7 @@ COMMANDS: dict[str, Command] = {
     "quantize": Command({"seq2seq": _quantize_seq2seq, "lm": _quantize_lm},
                         check=_check_quantize),
     "prune": Command({"lm": cmd_prune}, check=_check_prune),
+    "prune-heads": Command({"classify": cmd_prune_heads}, check=_check_prune_heads),
     "cache-search": Command({"lm": cmd_cache_search}),
     "distill-data": Command({"seq2seq": _distill_data_seq2seq, "lm": _distill_data_lm}),
 }

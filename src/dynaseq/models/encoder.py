@@ -26,10 +26,12 @@ Example::
     out = model(tokens, segments)              # tokens, segments (B, S) long
     out.logits                                  # classification (B, n_out) / MLM (N, V)
     model(tokens, segments, control=2)          # a CCT at its third trained budget
+    model(tokens, segments, layers=(0, 2))      # LayerDrop: plan positions 0 and 2 only
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +41,9 @@ from dynaseq.nn import AuxOutputs, EncoderLayer, padding_to_attn_mask
 from dynaseq.techniques.cct.gating import BudgetControl
 from dynaseq.techniques.depth.exits import DEPTH_PROBS, DEPTH_RUN, LAYER_ROWS, DepthExit
 from dynaseq.techniques.depth.predictor import StructurePredictor
+
+LAYERDROP_UNUSED = "layerdrop_unused"
+"""``AuxOutputs.losses`` key: 0 · the parameters of the layers LayerDrop skipped (DDP)."""
 
 ENCODER_SUBNETWORKS = ("encoder",)
 """The gated sub-network of an encoder-only CCT (the first component of its gates' paths)."""
@@ -120,6 +125,11 @@ class TransformerEncoder(nn.Module):
     (``H~ = H + p_i·MHA(LN(H))``, ``H' = H~ + p_i·FFN(LN(H~))``). With an ``exit``
     (:class:`~dynaseq.techniques.depth.exits.DepthExit`) each row stops at its depth and is
     not computed after it (see :meth:`_run_exits`).
+
+    ``layers`` (a call argument; LayerDrop, Fan et al. 2019): the positions of ``plan`` to
+    run, increasing; the others are skipped (not entered). Training draws them per
+    micro-batch (:func:`~dynaseq.techniques.depth.layerdrop.sample_layers`), inference
+    prunes to a fixed depth (:func:`~dynaseq.techniques.depth.layerdrop.every_other`).
     """
 
     def __init__(self, embeddings: EncoderEmbeddings, layers: list[EncoderLayer],
@@ -146,18 +156,22 @@ class TransformerEncoder(nn.Module):
     def forward(self, tokens: Tensor, segments: Tensor | None = None,
                 control: Tensor | None = None, gate_offset: Tensor | None = None,
                 aux: AuxOutputs | None = None,
-                exit: DepthExit | None = None) -> tuple[Tensor, Tensor]:
+                exit: DepthExit | None = None,
+                layers: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         """Returns (hidden (B, S, d), pad_mask (B, S) bool, True at padding).
 
         control: (B, 1, d) control-symbol embedding added to every token's input (CCT);
         gate_offset: (B,) per-row offsets of the gates (a calibrated budget); exit: early
-        exit (adaptive depth; the hidden states of a row's padding are then zero)."""
+        exit (adaptive depth; the hidden states of a row's padding are then zero);
+        layers: the positions of ``plan`` to run (LayerDrop; None: all)."""
         pad_mask = tokens.eq(self.embeddings.pad_id)
         x = self.embeddings(tokens, segments)
         if control is not None:
             x = x + control
         x = self.dropout(x)
         mask = _attn_mask(pad_mask)
+        if layers is not None:
+            return self._run_subset(x, mask, layers, gate_offset, aux, exit), pad_mask
         first = self.depth if self.predictor is None else self.predictor.first_group
         for i in self.plan[:first]:
             x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset)
@@ -176,6 +190,31 @@ class TransformerEncoder(nn.Module):
             x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset,
                                scale=p[:, k, None, None])
         return self.norm(x), pad_mask
+
+    def _run_subset(self, x: Tensor, mask: Tensor | None, layers: Sequence[int],
+                    gate_offset: Tensor | None, aux: AuxOutputs | None,
+                    exit: DepthExit | None) -> Tensor:
+        """LayerDrop: x (B, S, d) after the embeddings -> final hidden (B, S, d), running the
+        plan positions ``layers`` only. In training, a layer module none of them runs adds
+        ``0 · Σ its parameters`` to ``aux``'s losses, so that every parameter still takes part
+        in the step (DDP without ``find_unused_parameters``); the module is not entered."""
+        if self.predictor is not None or exit is not None:
+            raise ValueError("layers (LayerDrop) is for encoders without a structure predictor "
+                             "(adaptive depth has its own exit)")
+        positions = list(layers)
+        if any(not 0 <= j < self.depth for j in positions) or positions != sorted(set(positions)):
+            raise ValueError(f"layers must be increasing positions in [0, {self.depth}), got "
+                             f"{positions}")
+        for j in positions:
+            i = self.plan[j]
+            x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset)
+        if self.training and aux is not None:
+            ran = {self.plan[j] for j in positions}
+            unused = [p for i, m in enumerate(self.layers) if i not in ran
+                      for p in m.parameters() if p.requires_grad]
+            if unused:
+                aux.add_loss(LAYERDROP_UNUSED, sum(p.sum() for p in unused) * 0.0)
+        return self.norm(x)
 
     def _run_exits(self, x: Tensor, pad_mask: Tensor, p: Tensor, depths: Tensor,
                    gate_offset: Tensor | None, aux: AuxOutputs | None) -> Tensor:
@@ -342,16 +381,19 @@ class EncoderModel(nn.Module):
 
     def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
                aux: AuxOutputs | None = None,
-               exit: DepthExit | None = None) -> tuple[Tensor, Tensor]:
+               exit: DepthExit | None = None,
+               layers: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         """(hidden (B, S, d), pad_mask (B, S))."""
         emb, offset = self._control(control, tokens.size(0), tokens.device)
-        return self.encoder(tokens, segments, emb, offset, aux, exit)
+        return self.encoder(tokens, segments, emb, offset, aux, exit, layers)
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
                 select: Tensor | None = None,
-                exit: DepthExit | None = None) -> EncoderModelOutput:
+                exit: DepthExit | None = None,
+                layers: Sequence[int] | None = None) -> EncoderModelOutput:
         """``exit``: early exit of an adaptive-depth encoder (its depth per row is then in
-        ``aux.traces[DEPTH_RUN]``)."""
+        ``aux.traces[DEPTH_RUN]``); ``layers``: the layer applications (positions of the
+        encoder's plan) to run, the others skipped (LayerDrop; None: all)."""
         aux = AuxOutputs()
-        hidden, pad_mask = self.encode(tokens, segments, control, aux, exit)
+        hidden, pad_mask = self.encode(tokens, segments, control, aux, exit, layers)
         return EncoderModelOutput(hidden, pad_mask, self.head(hidden, select), aux)

@@ -8,6 +8,7 @@ without flags; :func:`dense_attention` builds the plain version.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -56,16 +57,30 @@ class AttentionHeads(nn.Module):
         d_model: model width (a multiple of ``n_heads``).
         n_heads: number of heads (>= 1).
         dropout: dropout on attention probabilities (training only).
+        d_head: the width of one head when it is not ``d_model // n_heads``: a model whose
+            heads were pruned (:mod:`dynaseq.compress.head_prune`) keeps its heads' width
+            with fewer of them (``n_heads`` >= 0), so the projections map d_model to
+            ``n_heads · d_head`` (:attr:`inner`) and back.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0,
+                 d_head: int | None = None) -> None:
         super().__init__()
-        if n_heads < 1 or d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        if d_head is None:
+            if n_heads < 1 or d_model % n_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+            d_head = d_model // n_heads
+        elif n_heads < 0 or d_head < 1:
+            raise ValueError(f"n_heads={n_heads} must be >= 0 and d_head={d_head} >= 1")
         self.d_model = d_model
         self.n_heads = n_heads
-        self.d_head = d_model // n_heads
+        self.d_head = d_head
         self.dropout = dropout
+
+    @property
+    def inner(self) -> int:
+        """Width of the concatenated heads, ``n_heads · d_head`` (d_model unless pruned)."""
+        return self.n_heads * self.d_head
 
     def new_cache(self, static: bool = False) -> KVCache:
         """An empty cache for incremental decoding (``static``: cross-attention)."""
@@ -88,6 +103,9 @@ class MultiHeadAttention(AttentionHeads):
         position_scores: optional module ``(q (B, H, T, hd), k (B, H, S, hd)) -> (B, H, T, S)``
             added to the scaled content scores (e.g. :class:`~dynaseq.nn.relative_scores.
             RelativeScores`); self-attention over a whole sequence only (no cache).
+        d_head: see :class:`AttentionHeads` (pruned heads: q/k/v map d_model to
+            ``n_heads · d_head``, out_proj maps it back; with no head left the sub-layer's
+            output is out_proj's bias).
 
     ``forward(x, memory=None, ...)``: x ``(B, T, d_model)`` are the queries; keys/values come
     from ``memory`` ``(B, S, d_model)`` (cross-attention) or from ``x`` (self-attention).
@@ -95,8 +113,8 @@ class MultiHeadAttention(AttentionHeads):
 
     def __init__(self, d_model: int, n_heads: int, q_proj: nn.Module, k_proj: nn.Module,
                  v_proj: nn.Module, out_proj: nn.Module, dropout: float = 0.0,
-                 position_scores: nn.Module | None = None) -> None:
-        super().__init__(d_model, n_heads, dropout)
+                 position_scores: nn.Module | None = None, d_head: int | None = None) -> None:
+        super().__init__(d_model, n_heads, dropout, d_head)
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
         self.position_scores = position_scores
 
@@ -109,6 +127,8 @@ class MultiHeadAttention(AttentionHeads):
         is_causal: position t attends to keys <= t (full-sequence self-attention only).
         cache: incremental decoding state, updated in place.
         """
+        if self.n_heads == 0:  # every head pruned: out_proj of nothing is its bias
+            return self.out_proj(x.new_zeros(*x.shape[:-1], 0))
         q = self._split(self.q_proj(x))  # (B, H, T, hd)
         source = x if memory is None else memory
         if cache is not None and cache.static and cache.k is not None:
@@ -132,7 +152,7 @@ class MultiHeadAttention(AttentionHeads):
             q, k, v, attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd)
         b, _, t, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, self.d_model))
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, self.inner))
 
     def macs(self, n_queries: int, n_keys: int, n_kv_tokens: int | None = None) -> dict[str, int]:
         """Multiply-adds of one call with ``n_queries`` query rows attending to ``n_keys`` keys.
@@ -152,8 +172,8 @@ class MultiHeadAttention(AttentionHeads):
             "q_proj": lin(self.q_proj, n_queries),
             "k_proj": lin(self.k_proj, n_kv),
             "v_proj": lin(self.v_proj, n_kv),
-            "attn_scores": n_queries * n_keys * self.d_model,
-            "attn_values": n_queries * n_keys * self.d_model,
+            "attn_scores": n_queries * n_keys * self.inner,
+            "attn_values": n_queries * n_keys * self.inner,
             "out_proj": lin(self.out_proj, n_queries),
         }
         if self.position_scores is not None:
@@ -162,6 +182,12 @@ class MultiHeadAttention(AttentionHeads):
 
 
 def _linear(d_in: int, d_out: int) -> nn.Linear:
+    if not d_in * d_out:  # a layer whose heads were all pruned: nothing to initialise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: "zero-element tensors is a no-op"
+            layer = nn.Linear(d_in, d_out)
+        nn.init.zeros_(layer.bias)
+        return layer
     layer = nn.Linear(d_in, d_out)
     nn.init.xavier_uniform_(layer.weight)
     nn.init.zeros_(layer.bias)
@@ -169,10 +195,14 @@ def _linear(d_in: int, d_out: int) -> nn.Linear:
 
 
 def dense_attention(d_model: int, n_heads: int, dropout: float = 0.0,
-                    position_scores: nn.Module | None = None) -> MultiHeadAttention:
+                    position_scores: nn.Module | None = None,
+                    d_head: int | None = None) -> MultiHeadAttention:
     """Plain multi-head attention with four ``nn.Linear(d_model, d_model)`` projections
-    (and optional ``position_scores``, see :class:`MultiHeadAttention`)."""
-    return MultiHeadAttention(d_model, n_heads, _linear(d_model, d_model),
-                              _linear(d_model, d_model), _linear(d_model, d_model),
-                              _linear(d_model, d_model), dropout=dropout,
-                              position_scores=position_scores)
+    (and optional ``position_scores``, see :class:`MultiHeadAttention`); with ``d_head``
+    (a head-pruned layer) q/k/v are ``nn.Linear(d_model, n_heads · d_head)`` and out_proj
+    ``nn.Linear(n_heads · d_head, d_model)``."""
+    inner = d_model if d_head is None else n_heads * d_head
+    return MultiHeadAttention(d_model, n_heads, _linear(d_model, inner),
+                              _linear(d_model, inner), _linear(d_model, inner),
+                              _linear(inner, d_model), dropout=dropout,
+                              position_scores=position_scores, d_head=d_head)

@@ -8,6 +8,7 @@ Example::
     c.classify(["a charming journey", "bleak and desperate"])  # ["1", "0"]
     c.classify(["A man plays.\tA person plays."])              # a pair task: tab-separated
     c.classify(lines, budget=0.5)                              # CCT-BERT: a trained budget
+    c.evaluate("dev.tsv", keep_layers=3)                       # LayerDrop: 3 layers kept
     c.evaluate("glue/SST-2/dev.tsv")                           # {"accuracy": ..., ...}
 
 A budget is an argument of each call (one for every line, or a list with one per line),
@@ -41,6 +42,7 @@ from dynaseq.tasks.encoder.budget import (
     as_fraction,
     control_for,
     exit_for,
+    layers_for,
     nearest_trained,
     trained_budget,
 )
@@ -150,14 +152,15 @@ def _macs_per_row(aux: AuxOutputs, n_rows: int) -> Tensor:
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
                    compute: RealizedCompute | None = None, progress: bool = False,
-                   exit: DepthExit | None = None) -> Tensor:
+                   exit: DepthExit | None = None,
+                   layers: tuple[int, ...] | None = None) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
     ``compute``: receives what ran (:class:`RealizedCompute`): for CCT models the MACs the
     gated sub-layers executed and would execute with every gate on, over the same batches,
     in total and per row; for an adaptive-depth model at an ``exit`` (early exit, one for
-    every row or per row) the layers its rows ran. ``progress``: a bar of rows on a
-    terminal."""
+    every row or per row) the layers its rows ran. ``layers``: the plan positions to run (a
+    model pruned to a fixed depth; None: all). ``progress``: a bar of rows on a terminal."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
@@ -171,14 +174,15 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
             tokens, segments = (t.to(device) for t in
                                 collate_rows([rows[j] for j in idx], model.pad_id))
             rows_control = _rows_control(control, idx, device)
-            res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx))
+            res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx),
+                        layers=layers)
             out[torch.tensor(idx)] = res.logits.float().cpu()
             if compute is not None:
                 if model.n_controls:
                     ids = (rows_control.ids if isinstance(rows_control, BudgetControl)
                            else rows_control)
                     opened = BudgetControl(ids, {"encoder": ALL_GATES_ON})
-                    full = model(tokens, segments, opened)
+                    full = model(tokens, segments, opened, layers=layers)
                     compute.add(idx, tokens, model.pad_id, res.aux, full.aux)
                 if DEPTH_RUN in res.aux.traces:
                     compute.add_depth(res.aux.traces[DEPTH_RUN][0],
@@ -197,6 +201,13 @@ def depth_report(exit: DepthExit, compute: RealizedCompute, layers: int) -> dict
     return {"gamma": g.tolist() if isinstance(g, Tensor) else g,
             "depth": d.tolist() if isinstance(d, Tensor) else d,
             "avg_layers": avg, "depth_fraction": avg / layers}
+
+
+def keep_layers_report(layers: tuple[int, ...], depth: int) -> dict[str, object]:
+    """What an evaluation pruned to a fixed depth reports: the kept plan positions and the
+    layers every row ran (``avg_layers``, ``depth_fraction`` as for adaptive depth)."""
+    return {"keep_layers": len(layers), "layers_run": list(layers),
+            "avg_layers": float(len(layers)), "depth_fraction": len(layers) / depth}
 
 
 def decide(logits: Tensor, layout: TableLayout) -> list[str] | list[float]:
@@ -291,61 +302,72 @@ class Classifier:
     def classify_rows(self, rows: list[Row], budget: Budgets = None,
                       batch_size: int | None = None, progress: bool = False,
                       compute: RealizedCompute | None = None, gamma: Gamma = None,
-                      depth: int | None = None) -> list[str | float]:
+                      depth: int | None = None,
+                      keep_layers: int | None = None) -> list[str | float]:
         """A label (or a regression score) per encoded row (:meth:`encode`), in order.
 
         ``budget``: one for every row or a list, one per row (batched together whatever
         their budgets); ``gamma``/``depth``: an adaptive-depth model's exit (default the
-        run's γ), one or a list; ``compute``: receives what ran (:class:`RealizedCompute`)."""
+        run's γ), one or a list; ``keep_layers``: a fixed depth of a model without a
+        predictor; ``compute``: receives what ran (:class:`RealizedCompute`)."""
         control = self._control(budget, len(rows))
         exit = exit_for(self.config.model, gamma, depth, len(rows))
+        layers = layers_for(self.config.model, keep_layers)
         if not rows:
             return []
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute, progress, exit)
+                                self.device, control, compute, progress, exit, layers)
         return decide(logits, self.layout)
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
                  batch_size: int | None = None, progress: bool = False,
-                 gamma: Gamma = None, depth: int | None = None) -> list[str | float | None]:
+                 gamma: Gamma = None, depth: int | None = None,
+                 keep_layers: int | None = None) -> list[str | float | None]:
         """A label (or a regression score) per line, in order; None for an empty line.
 
         ``budget`` (CCT models): a trained budget for every line, or a list, one per line
         (the lines are batched together whatever their budgets). ``gamma`` (adaptive-depth
         models; default the run's): the exit threshold, one or a list, one per line;
-        ``depth``: a fixed number of adaptive layers instead. ``progress``: a bar on a
-        terminal."""
+        ``depth``: a fixed number of adaptive layers instead. ``keep_layers`` (models
+        without a structure predictor, e.g. trained with LayerDrop): run N of the layers,
+        evenly spaced ("every other"). ``progress``: a bar on a terminal."""
         self._control(budget, len(lines))  # a bad budget is refused before the lines
         exit_for(self.config.model, gamma, depth, len(lines))  # so is a bad exit
+        layers_for(self.config.model, keep_layers)
         rows, keep = self.encode(lines)
         kept = [budget[i] for i in keep] if isinstance(budget, list) else budget
         kept_gamma = [gamma[i] for i in keep] if isinstance(gamma, list) else gamma
         out: list[str | float | None] = [None] * len(lines)
         for i, value in zip(keep, self.classify_rows(rows, kept, batch_size, progress,
-                                                     gamma=kept_gamma, depth=depth),
+                                                     gamma=kept_gamma, depth=depth,
+                                                     keep_layers=keep_layers),
                             strict=True):
             out[i] = value
         return out
 
     def evaluate(self, path: str | Path, budget: Budgets = None,
                  batch_size: int | None = None, progress: bool = False,
-                 gamma: Gamma = None, depth: int | None = None) -> dict[str, object]:
+                 gamma: Gamma = None, depth: int | None = None,
+                 keep_layers: int | None = None) -> dict[str, object]:
         """The official metrics on a labelled file in the run's layout (GLUE dev.tsv), the
         rows skipped for an empty sentence; for a CCT model the budget and the compute its
         gated sub-layers really ran (``realized_fraction`` of all gates on,
         ``realized_macs_per_token`` over the non-padding tokens); for an adaptive-depth model
         the exit (``gamma`` or ``depth``) and the layers rows really ran (``avg_layers``,
-        first group included, and ``depth_fraction`` of the model's depth)."""
+        first group included, and ``depth_fraction`` of the model's depth); pruned to
+        ``keep_layers`` (see :meth:`classify`): ``keep_layers``, ``layers_run`` (the plan
+        positions), ``avg_layers`` and ``depth_fraction``."""
         layout = self.layout
         ex = read_table(path, layout)
         if not len(ex):
             raise DynaseqError(f"{path}: every row has an empty sentence")
         control = self._control(budget, len(ex))
         exit = exit_for(self.config.model, gamma, depth, len(ex))
+        layers = layers_for(self.config.model, keep_layers)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         compute = RealizedCompute()
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute, progress, exit)
+                                self.device, control, compute, progress, exit, layers)
         result: dict[str, object] = {
             "task": layout.name, "path": str(path),
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
@@ -357,6 +379,8 @@ class Classifier:
             result["realized_macs_per_token"] = compute.ran / compute.tokens
         if exit is not None:
             result.update(depth_report(exit, compute, self.config.model.layers))
+        if layers is not None:
+            result.update(keep_layers_report(layers, self.config.model.layers))
         return result
 
     def calibrate(self, path: str | Path, budgets: list[float] | None = None,

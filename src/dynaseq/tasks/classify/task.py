@@ -48,7 +48,12 @@ from dynaseq.tasks.classify.predictor import (
 from dynaseq.tasks.encoder.budget import exit_for
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
-from dynaseq.tasks.encoder.training import draw_controls, largest_control, techniques_for
+from dynaseq.tasks.encoder.training import (
+    draw_controls,
+    draw_layers,
+    largest_control,
+    techniques_for,
+)
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.tasks.protocol import LossTerms, Update
 
@@ -58,12 +63,14 @@ PRETRAINED_PREFIXES = ("encoder.", "control_embed.")
 
 @dataclass
 class ClassifyMicro:
-    """One micro-batch: this rank's rows, their targets and control ids (CCT) or None."""
+    """One micro-batch: this rank's rows, their targets and control ids (CCT) or None;
+    ``layers``: the plan positions it runs (LayerDrop) or None (all)."""
 
     tokens: Tensor
     segments: Tensor
     targets: Tensor
     control: Tensor | None
+    layers: tuple[int, ...] | None = None
 
 
 def check_pretrained(init_from: str, model: EncoderModelConfig) -> tuple[Path, Path]:
@@ -183,12 +190,13 @@ class ClassifyTask:
             tokens, segments = collate_rows([self.rows[j] for j in mine], self.vocab.pad_id)
             if control is not None:
                 control = control[env.rank::env.world_size].to(self.device)
+            layers = draw_layers(self.cfg.model, self.cfg.train.seed, step, i)
             micro.append(ClassifyMicro(tokens.to(self.device), segments.to(self.device),
-                                       self.targets[mine].to(self.device), control))
+                                       self.targets[mine].to(self.device), control, layers))
         return Update(micro, n_rows)
 
     def forward(self, model: nn.Module, micro: ClassifyMicro) -> Any:
-        return model(micro.tokens, micro.segments, micro.control)
+        return model(micro.tokens, micro.segments, micro.control, layers=micro.layers)
 
     def loss(self, out: Any, micro: ClassifyMicro, step: int) -> LossTerms:
         if self.layout.regression:

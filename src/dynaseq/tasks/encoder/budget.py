@@ -9,7 +9,8 @@ BudgetControl`); a trained one with its control symbol alone. Dense encoders tak
 
 An adaptive-depth encoder (``model.depth``) takes an exit instead (:func:`exit_for`): a
 threshold γ on its structure predictor (default the run's ``depth.gamma``; one, or one per
-row) or a fixed number of adaptive layers.
+row) or a fixed number of adaptive layers. An encoder without one can be pruned to a fixed
+depth instead (:func:`layers_for`: LayerDrop's "every other" layers).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dynaseq.techniques.cct.calibration import BudgetCalibration
 from dynaseq.techniques.cct.gating import BudgetControl
 from dynaseq.techniques.depth.config import check_gamma
 from dynaseq.techniques.depth.exits import DepthExit
+from dynaseq.techniques.depth.layerdrop import every_other
 
 Budget = float | None
 """One budget: a compute fraction in (0, 1] of a CCT encoder, or None (the largest)."""
@@ -150,3 +152,21 @@ def exit_for(cfg: EncoderModelConfig, gamma: Gamma = None, depth: int | None = N
         return DepthExit(gamma=check_gamma(gamma))
     except ConfigError as e:
         raise DynaseqError(str(e)) from None
+
+
+def layers_for(cfg: EncoderModelConfig, keep_layers: int | None = None) -> tuple[int, ...] | None:
+    """The ``layers`` argument of a call that keeps ``keep_layers`` of the model's layer
+    applications, evenly spaced (LayerDrop's "every other" pruning,
+    :func:`~dynaseq.techniques.depth.layerdrop.every_other`); None: every layer. Raises
+    DynaseqError with one line for a count outside [1, model.layers] or an adaptive-depth
+    model (which has ``depth``/``gamma`` instead)."""
+    if keep_layers is None:
+        return None
+    if cfg.depth is not None:
+        raise DynaseqError("--keep-layers is for encoders without a structure predictor; an "
+                           "adaptive-depth model takes --depth or --gamma")
+    if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or not (
+            1 <= keep_layers <= cfg.layers):
+        raise DynaseqError(f"keep-layers {keep_layers} is not in [1, {cfg.layers}] (the "
+                           f"model's {cfg.layers} layers)")
+    return every_other(cfg.layers, keep_layers)

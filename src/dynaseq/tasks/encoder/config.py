@@ -36,7 +36,11 @@ class EncoderModelConfig:
     embeddings and residuals, ``attention_dropout`` on attention probabilities,
     ``classifier_dropout`` before the classification layer. ``cct``: the CCT's gated
     sub-layers (CCT-BERT). ``depth``: adaptive depth (ALBERTa: a structure predictor after
-    ``depth.first_group`` layers, early exit).
+    ``depth.first_group`` layers, early exit). ``layerdrop`` p in [0, 1): LayerDrop
+    training (Fan et al. 2019), each layer application skipped with probability p per
+    micro-batch (prune to a fixed depth at inference: ``--keep-layers``). ``layer_heads``:
+    the heads each distinct layer kept after head pruning (``dynaseq prune-heads``; None: all
+    ``n_heads``; each head keeps its width ``d_model / n_heads``).
     """
 
     size: str | None = None
@@ -57,6 +61,8 @@ class EncoderModelConfig:
     classifier_dropout: float = 0.1
     cct: EncoderCCTConfig | None = None
     depth: DepthConfig | None = None
+    layerdrop: float = 0.0
+    layer_heads: list[int] | None = None
 
     def __post_init__(self) -> None:
         apply_size(self)
@@ -88,6 +94,19 @@ class EncoderModelConfig:
         if self.depth is not None and self.depth.first_group >= self.layers:
             raise ConfigError(f"depth.first_group={self.depth.first_group} leaves no adaptive "
                               f"layer of model.layers={self.layers}")
+        check_fraction(self, "layerdrop")
+        if self.layerdrop and (self.depth is not None or self.cct is not None):
+            raise ConfigError("model.layerdrop is for dense encoders (not with model.depth or "
+                              "model.cct)")
+        if self.layer_heads is not None:
+            n = max(self.plan) + 1
+            if len(self.layer_heads) != n or not all(
+                    0 <= h <= self.n_heads for h in self.layer_heads):
+                raise ConfigError(f"layer_heads must list {n} head counts (one per distinct "
+                                  f"layer) in [0, {self.n_heads}], got {self.layer_heads}")
+            if self.cct is not None:
+                raise ConfigError("layer_heads (pruned heads) is for dense attention, not with "
+                                  "model.cct")
 
     @property
     def plan(self) -> list[int]:
@@ -112,4 +131,5 @@ class EncoderModelConfig:
             "ffn_pieces": c.ffn_pieces, "control_hidden": c.control_hidden,
             "controls": c.controls, "output_norms": c.output_norms}
         arch["depth"] = None if self.depth is None else self.depth.architecture()
+        arch["layer_heads"] = self.layer_heads
         return arch

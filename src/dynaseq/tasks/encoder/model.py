@@ -35,12 +35,17 @@ MLM = "mlm"
 
 def dense_sublayers(cfg: EncoderModelConfig) -> Sublayers:
     """Plain multi-head attention (with ALBERTa's relative scores when
-    ``cfg.relative_positions``) and FFN sub-layers."""
+    ``cfg.relative_positions``; ``cfg.layer_heads[i]`` heads in the i-th distinct layer of a
+    head-pruned model) and FFN sub-layers."""
     d_head = cfg.d_model // cfg.n_heads
+    pruned = iter(cfg.layer_heads) if cfg.layer_heads is not None else None
 
     def attention() -> nn.Module:
         scores = (RelativeScores(d_head, cfg.relative_positions, cfg.max_positions)
                   if cfg.relative_positions else None)
+        if pruned is not None:  # called once per distinct layer, in order
+            return dense_attention(cfg.d_model, next(pruned), cfg.attention_dropout, scores,
+                                   d_head=d_head)
         return dense_attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, scores)
 
     return Sublayers(attention,

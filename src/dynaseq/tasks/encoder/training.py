@@ -1,6 +1,7 @@
 """What techniques add to encoder training (both encoder tasks): :data:`TECHNIQUE_TRAINING`
 maps a model section to its training plug-in (the CCT's: control sampling, noise ramp,
-budget loss; adaptive depth's: the compute term on the expected depth)."""
+budget loss; adaptive depth's: the compute term on the expected depth), and
+:func:`draw_layers`, LayerDrop's layers per micro-batch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from dynaseq.core.config import TrainConfig
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.techniques.cct.training import EncoderCCTTraining
+from dynaseq.techniques.depth.layerdrop import sample_layers
 from dynaseq.techniques.depth.training import DepthTraining
 
 
@@ -47,6 +49,16 @@ def draw_controls(techniques: list[EncoderTechnique], n_rows: int, step: int,
         drawn = t.controls(n_rows, step, micro)
         control = drawn if drawn is not None else control
     return control
+
+
+def draw_layers(model: EncoderModelConfig, seed: int, step: int,
+                micro: int) -> tuple[int, ...] | None:
+    """LayerDrop (``model.layerdrop`` p > 0): the plan positions micro-batch ``micro`` of update
+    ``step`` runs (:func:`~dynaseq.techniques.depth.layerdrop.sample_layers`, the same on every
+    rank and on resume); None without LayerDrop (every layer runs)."""
+    if not model.layerdrop:
+        return None
+    return sample_layers(model.layers, model.layerdrop, seed, step, micro)
 
 
 def largest_control(model: EncoderModelConfig) -> int | None:

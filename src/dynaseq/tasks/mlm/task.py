@@ -30,7 +30,12 @@ from dynaseq.core.errors import ConfigError
 from dynaseq.core.runlog import RunLog
 from dynaseq.data.text import read_lines
 from dynaseq.tasks.encoder.model import MLM, build_encoder_model
-from dynaseq.tasks.encoder.training import draw_controls, largest_control, techniques_for
+from dynaseq.tasks.encoder.training import (
+    draw_controls,
+    draw_layers,
+    largest_control,
+    techniques_for,
+)
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.tasks.mlm.config import MLMRunConfig
 from dynaseq.tasks.mlm.data import MaskedBatch, mask_tokens, pack_blocks
@@ -40,10 +45,12 @@ from dynaseq.tasks.protocol import LossTerms, Update
 
 @dataclass
 class MLMMicro:
-    """One micro-batch: this rank's masked rows and their control ids (CCT) or None."""
+    """One micro-batch: this rank's masked rows and their control ids (CCT) or None;
+    ``layers``: the plan positions it runs (LayerDrop) or None (all)."""
 
     batch: MaskedBatch
     control: Tensor | None
+    layers: tuple[int, ...] | None = None
 
 
 def mask_generator(seed: int, step: int, micro: int) -> torch.Generator:
@@ -120,12 +127,14 @@ class MLMTask:
             control = draw_controls(self.techniques, idx.numel(), step, i)
             if control is not None:
                 control = control[env.rank::env.world_size].to(self.device)
-            micro.append(MLMMicro(full.shard(env.rank, env.world_size).to(self.device), control))
+            layers = draw_layers(self.cfg.model, self.cfg.train.seed, step, i)
+            micro.append(MLMMicro(full.shard(env.rank, env.world_size).to(self.device), control,
+                                  layers))
         return Update(micro, n_tokens)
 
     def forward(self, model: nn.Module, micro: MLMMicro) -> Any:
         b = micro.batch
-        return model(b.inputs, None, micro.control, select=b.select)
+        return model(b.inputs, None, micro.control, select=b.select, layers=micro.layers)
 
     def loss(self, out: Any, micro: MLMMicro, step: int) -> LossTerms:
         b = micro.batch
