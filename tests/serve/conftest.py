@@ -72,6 +72,21 @@ def dense_clf_run(tmp_path_factory, clf_data) -> Path:
 
 
 @pytest.fixture(scope="session")
+def depth_clf_run(tmp_path_factory, clf_data) -> Path:
+    """An adaptive-depth (ALBERTa) SST-2 classifier: 4 layers, the predictor after the
+    first, trained from scratch for 4 updates."""
+    from dynaseq.train.loop import train
+
+    from encoder_helpers import classify_config
+
+    run = tmp_path_factory.mktemp("serve_clf") / "depth"
+    train(classify_config(run, clf_data, "train.max_steps=4", "model.layers=4",
+                          "model.depth.first_group=1", "model.depth.predictor_hidden=8"),
+          progress=False)
+    return run
+
+
+@pytest.fixture(scope="session")
 def cct_clf_run(tmp_path_factory, clf_data) -> Path:
     """A CCT-BERT classifier of a sentence-pair task (RTE layout) trained from scratch for 4
     updates (budgets 0.8, 0.5, 0.33, 0.2) and calibrated at 0.4 (an untrained budget)."""

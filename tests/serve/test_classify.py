@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 import dynaseq
 from dynaseq.serve.app import build_state
@@ -86,8 +87,8 @@ def test_mixed_budgets_in_one_batch_equal_each_budget_alone(cct_clf_run, offline
     schema = CLASSIFY.request
     jobs = [CLASSIFY.plan(state, schema(texts=PAIRS, budget=b)) for b in BUDGETS]
     mixed = state.run_classify(jobs)
-    for job, budget, (labels, compute) in zip(jobs, BUDGETS, mixed, strict=True):
-        alone_labels, alone_compute = state.run_classify([job])[0]
+    for job, budget, (labels, compute, _) in zip(jobs, BUDGETS, mixed, strict=True):
+        alone_labels, alone_compute, _ = state.run_classify([job])[0]
         assert labels == alone_labels == offline.classify(PAIRS, budget=budget)
         assert compute == alone_compute  # the same rows, padded to the same length
     fractions = [m[1][0]["fraction"]["total"] for m in mixed]
@@ -139,6 +140,8 @@ BAD = [
     ("line too long", {"text": "a " * 200}, 413, "characters"),
     ("too many tokens", {"texts": ["the cat sat " * 10 + "\tx"] * 8}, 413, "tokens"),
     ("line break in a line", {"text": "a\nb\tc"}, 422, "line break"),
+    ("gamma on a model without adaptive depth", {"text": PAIRS[0], "gamma": 0.5}, 422,
+     "no structure predictor"),
 ]
 
 
@@ -217,3 +220,41 @@ def test_serve_refusals_of_classification_runs(cct_clf_run, dense_clf_run):
         err = r.stderr.decode()
         assert r.returncode == 2 and words in err, (args, err)
         assert err.count("\n") == 1 and err.startswith("dynaseq: error:")
+
+
+GAMMAS = [0.1, 0.5, 0.9, 0.3]
+SENTENCES = ["a charming , moving film", "dull", "an uneven but often funny comedy", "bad",
+             "", "it is a film about nothing at all , and it knows it"]
+
+
+def test_adaptive_depth_requests_at_mixed_gammas_share_a_batch(depth_clf_run):
+    """One batch of four jobs at four γ gives each what its γ gives alone and offline, with
+    the layers each line ran; a bad γ is a 422 and the server goes on."""
+    offline = dynaseq.load(depth_clf_run)
+    with torch.no_grad():  # a predictor that spreads the depths over the inputs
+        offline.model.encoder.predictor.out.weight.normal_(0, 3.0)
+    state = build_state(offline, "classify", ServeConfig(), log_stream=None)
+    jobs = [CLASSIFY.plan(state, CLASSIFY.request(texts=SENTENCES, gamma=g)) for g in GAMMAS]
+    mixed = state.run_classify(jobs)
+    depths = set()
+    for job, gamma, (labels, _, layers) in zip(jobs, GAMMAS, mixed, strict=True):
+        assert (labels, layers) == state.run_classify([job])[0][::2]
+        assert labels == offline.classify(SENTENCES, gamma=gamma)
+        assert layers[4] is None and all(1 <= n <= 4 for n in layers if n is not None)
+        depths.update(n for n in layers if n is not None)
+        body = CLASSIFY.answer(state, CLASSIFY.request(texts=SENTENCES, gamma=gamma), job,
+                               (labels, None, layers))
+        assert body["gamma"] == gamma and body["layers"] == layers
+    assert len(depths) > 1  # the rows really exited at different depths
+    s = Server(depth_clf_run, "--batch-window-ms", "0")
+    try:
+        r = s.post("/v1/classify", json={"text": SENTENCES[0]})
+        assert r.status_code == 200 and r.json()["gamma"] == 0.5  # the run's default
+        assert 1 <= r.json()["layers"] <= 4
+        for bad in (1.5, 0, -0.1):
+            r = s.post("/v1/classify", json={"text": SENTENCES[0], "gamma": bad})
+            assert r.status_code == 422 and "in (0, 1)" in r.json()["error"], r.text
+        assert s.post("/v1/classify", json={"text": SENTENCES[0],
+                                            "gamma": 0.9}).status_code == 200
+    finally:
+        s.stop()

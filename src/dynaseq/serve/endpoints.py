@@ -38,6 +38,7 @@ from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
+from dynaseq.tasks.encoder.budget import exit_for
 from dynaseq.tasks.translation.predictor import budget_pair, decode_corpus
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_row
@@ -242,12 +243,14 @@ class ClassifyWork:
     """One classify request: its non-empty lines as model input (``rows``, from
     :meth:`Classifier.encode`), their indices among the request's lines (``keep``), the
     budget each row runs at (what :meth:`Classifier.classify_rows` takes) and the fraction
-    that runs (None: a dense model)."""
+    that runs (None: a dense model); ``gamma``: the exit threshold of an adaptive-depth
+    model (None: it has none)."""
 
     rows: list[Row]
     keep: list[int]
     budget: float | None
     ran: float | None
+    gamma: float | None = None
 
 
 def _plan_classify(state: ServeState, req: schemas.ClassifyRequest) -> Job:
@@ -258,39 +261,50 @@ def _plan_classify(state: ServeState, req: schemas.ClassifyRequest) -> Job:
     check_lines(state, req.lines)
     budget = req.budget if req.budget is not None else state.default_budget
     ran = state.budget_ran(budget)  # DynaseqError (422): dense, untrained, not in (0, 1]
+    exit = exit_for(c.config.model, req.gamma)  # 422: no predictor, γ not in (0, 1)
     rows, keep = c.encode(req.lines)  # DynaseqError (422): a wrong number of tab fields
     _check_tokens(state, sum(len(ids) for ids, _ in rows))
-    work = ClassifyWork(rows, keep, budget, None if ran is None else ran[0])
+    work = ClassifyWork(rows, keep, budget, None if ran is None else ran[0],
+                        None if exit is None else float(exit.gamma))
     return Job(group=("classify",), run=state.run_classify, payload=work,
                rows=len(req.lines), length=max((len(ids) for ids, _ in rows), default=1),
                budget=ran, endpoint="classify")
 
 
 def run_classify(c: Any, report_compute: bool, jobs: list[Job]
-                 ) -> list[tuple[list[str | float | None], list[dict | None]]]:
+                 ) -> list[tuple[list[str | float | None], list[dict | None],
+                                 list[int | None] | None]]:
     """One batch: every job's rows classified together, each at its job's budget (per-row
-    control ids and calibrated offsets), exactly as :meth:`Classifier.classify` does ->
-    per job a label (or score) per line and each line's realized compute (None for an
-    empty line, or every line with ``report_compute`` off)."""
+    control ids and calibrated offsets) and exit threshold (per-row γ of an adaptive-depth
+    model), exactly as :meth:`Classifier.classify` does -> per job a label (or score) per
+    line, each line's realized compute (None for an empty line, or every line with
+    ``report_compute`` off) and, for an adaptive-depth model, the layers each line ran."""
     rows: list[Row] = []
     budgets: list[float | None] = []
+    gammas: list[float] = []
     for job in jobs:
         rows.extend(job.payload.rows)
         budgets.extend([job.payload.budget] * len(job.payload.rows))
+        gammas.extend([job.payload.gamma] * len(job.payload.rows))
     cct = c.config.model.cct is not None
-    realized = RealizedCompute() if report_compute and cct else None
-    values = c.classify_rows(rows, budgets, batch_size=max(len(rows), 1), compute=realized)
+    depth = c.config.model.depth is not None
+    realized = RealizedCompute() if (report_compute and cct) or depth else None
+    values = c.classify_rows(rows, budgets, batch_size=max(len(rows), 1), compute=realized,
+                             gamma=gammas if depth else None)
     compute: list[dict | None] = [None] * len(rows)
     if report_compute:
-        compute = list(encoder_compute_per_row(c.model, rows, realized))
+        compute = list(encoder_compute_per_row(c.model, rows, realized if cct else None))
     out, start = [], 0
     for job in jobs:
         work: ClassifyWork = job.payload
         labels: list[str | float | None] = [None] * job.rows
         computes: list[dict | None] = [None] * job.rows
+        layers: list[int | None] = [None] * job.rows
         for k, i in enumerate(work.keep):
             labels[i], computes[i] = values[start + k], compute[start + k]
-        out.append((labels, computes))
+            if depth:
+                layers[i] = int(realized.row_layers[start + k])
+        out.append((labels, computes, layers if depth else None))
         start += len(work.rows)
     return out
 
@@ -316,12 +330,14 @@ def encoder_compute_per_row(model: torch.nn.Module, rows: list[Row],
 
 def _answer_classify(state: ServeState, req: schemas.ClassifyRequest, job: Job,
                      result: Any) -> dict[str, Any]:
-    labels, compute = result
-    body: dict[str, Any] = {"budget": job.payload.ran, "degraded": False}
+    labels, compute, layers = result
+    body: dict[str, Any] = {"budget": job.payload.ran, "degraded": False,
+                            "gamma": job.payload.gamma}
     if req.text is not None:
-        body.update(label=labels[0], compute=compute[0])
+        body.update(label=labels[0], compute=compute[0],
+                    layers=None if layers is None else layers[0])
     else:
-        body.update(labels=labels, compute=compute)
+        body.update(labels=labels, compute=compute, layers=layers)
     return body
 
 

@@ -95,6 +95,9 @@ class ClassifyRequest(_Request):
     deadline_ms: float | None = Field(
         None, gt=0, description="refused for classification (no latency table): give "
                                 '"budget"')
+    gamma: float | None = Field(
+        None, description="exit threshold of an adaptive-depth classifier, in (0, 1): 0.1 "
+                          "slow and accurate ... 0.9 fast (default the run's depth.gamma)")
 
 
 class Compute(BaseModel):
@@ -134,6 +137,10 @@ class ClassifyResponse(_Response):
                                                         "task's score; null: an empty line)")
     labels: list[str | float | None] | None = None
     compute: Compute | list[Compute | None] | None = None
+    gamma: float | None = Field(None, description="the exit threshold that ran (adaptive "
+                                                  "depth; None: the model has none)")
+    layers: int | list[int | None] | None = Field(
+        None, description="adaptive depth: the layers each line ran (null: an empty line)")
 
     def model_dump(self, **kwargs: Any) -> dict[str, Any]:
         """As pydantic's, but a one-line answer keeps ``label`` when it is null (an empty

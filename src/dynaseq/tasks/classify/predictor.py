@@ -95,7 +95,7 @@ class RealizedCompute:
     row_tokens: ``(N,)`` long, each row's non-padding tokens.
 
     Adaptive-depth encoders (early exit): layers: layer applications over all rows, the
-    first group included; rows: the rows counted.
+    first group included; rows: the rows counted; row_layers: ``(N,)`` long, each row's.
     """
 
     ran: int = 0
@@ -106,12 +106,13 @@ class RealizedCompute:
     row_tokens: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     layers: int = 0
     rows: int = 0
+    row_layers: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     def start(self, n_rows: int) -> None:
         """Zero every count for ``n_rows`` rows."""
         self.ran = self.full = self.tokens = self.layers = self.rows = 0
-        self.row_ran, self.row_full, self.row_tokens = (
-            torch.zeros(n_rows, dtype=torch.long) for _ in range(3))
+        self.row_ran, self.row_full, self.row_tokens, self.row_layers = (
+            torch.zeros(n_rows, dtype=torch.long) for _ in range(4))
 
     def add(self, idx: list[int], tokens: Tensor, pad_id: int, ran: AuxOutputs,
             full: AuxOutputs) -> None:
@@ -126,10 +127,12 @@ class RealizedCompute:
         self.tokens += int(n.sum())
         self.row_tokens[index] = n
 
-    def add_depth(self, depth_run: Tensor, first_group: int) -> None:
-        """Count one batch of early exit: (B,) adaptive layers each row ran."""
-        self.layers += int(depth_run.sum()) + first_group * depth_run.numel()
-        self.rows += depth_run.numel()
+    def add_depth(self, idx: list[int], depth_run: Tensor, first_group: int) -> None:
+        """Count one batch of early exit: rows ``idx`` ran (B,) adaptive layers each."""
+        layers = depth_run.cpu() + first_group
+        self.layers += int(layers.sum())
+        self.rows += len(idx)
+        self.row_layers[torch.tensor(idx)] = layers
 
     @property
     def avg_layers(self) -> float:
@@ -185,7 +188,7 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                     full = model(tokens, segments, opened, layers=layers)
                     compute.add(idx, tokens, model.pad_id, res.aux, full.aux)
                 if DEPTH_RUN in res.aux.traces:
-                    compute.add_depth(res.aux.traces[DEPTH_RUN][0],
+                    compute.add_depth(idx, res.aux.traces[DEPTH_RUN][0],
                                       model.encoder.predictor.first_group)
             bar.update(len(idx))
     finally:
