@@ -14,6 +14,7 @@ from dynaseq.core.config import apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 from dynaseq.techniques.depth.config import DepthConfig
+from dynaseq.techniques.depth.multi_exit import ExitsConfig
 
 #: ``share_layers`` values: no sharing, one layer for every depth, or ``layer_groups``
 #: groups of consecutive depths sharing one layer each (ALBERT sec. 3.1 / 4.5).
@@ -36,7 +37,8 @@ class EncoderModelConfig:
     embeddings and residuals, ``attention_dropout`` on attention probabilities,
     ``classifier_dropout`` before the classification layer. ``cct``: the CCT's gated
     sub-layers (CCT-BERT). ``depth``: adaptive depth (ALBERTa: a structure predictor after
-    ``depth.first_group`` layers, early exit).
+    ``depth.first_group`` layers, early exit). ``exits``: an internal classifier after every
+    layer and per-layer exit rules (BranchyNet, Shallow-Deep, PABEE; classification only).
     """
 
     size: str | None = None
@@ -57,6 +59,7 @@ class EncoderModelConfig:
     classifier_dropout: float = 0.1
     cct: EncoderCCTConfig | None = None
     depth: DepthConfig | None = None
+    exits: ExitsConfig | None = None
 
     def __post_init__(self) -> None:
         apply_size(self)
@@ -88,6 +91,10 @@ class EncoderModelConfig:
         if self.depth is not None and self.depth.first_group >= self.layers:
             raise ConfigError(f"depth.first_group={self.depth.first_group} leaves no adaptive "
                               f"layer of model.layers={self.layers}")
+
+        if self.exits is not None and (self.depth is not None or self.cct is not None):
+            raise ConfigError("model.exits (internal classifiers) does not combine with "
+                              f"model.{'depth' if self.depth is not None else 'cct'}")
 
     @property
     def plan(self) -> list[int]:
