@@ -158,22 +158,22 @@ Threshold = float | list[float] | None
 """A per-layer exit threshold for every row, a list with one per row, or None."""
 
 
-def layer_exit_for(cfg: EncoderModelConfig, rule: str | None = None,
+def layer_exit_for(cfg: EncoderModelConfig, exit_rule: str | None = None,
                    threshold: Threshold = None, patience: int | list[int] | None = None,
                    n_rows: int | None = None) -> LayerExit | None:
-    """The ``exit`` argument of a call on a multi-exit encoder (``model.exits``): ``rule``
-    (default the run's ``exits.rule``) with its ``threshold`` (branchynet, shallow-deep) or
-    ``patience`` (pabee), default the run's; one for every row or a list, one per row. None
-    for an encoder without internal classifiers (which refuses them). Raises DynaseqError
-    with one line for bad input."""
-    given = {"exit-rule": rule, "threshold": threshold, "patience": patience}
+    """The ``exit`` argument of a call on a multi-exit encoder (``model.exits``):
+    ``exit_rule`` (default the run's ``exits.rule``) with its ``threshold`` (branchynet,
+    shallow-deep) or ``patience`` (pabee), default the run's; one for every row or a list,
+    one per row. None for an encoder without internal classifiers (which refuses them).
+    Raises DynaseqError with one line for bad input."""
+    given = {"exit-rule": exit_rule, "threshold": threshold, "patience": patience}
     if cfg.exits is None:
         flags = [f"--{k}" for k, v in given.items() if v is not None]
         if flags:
             raise DynaseqError(f"this encoder has no internal classifiers: {', '.join(flags)} "
                                "need a classification run trained with a model.exits section")
         return None
-    name = cfg.exits.rule if rule is None else rule
+    name = cfg.exits.rule if exit_rule is None else exit_rule
     try:
         r = rule_named(name)
         other = "patience" if r.takes == "threshold" else "threshold"

@@ -4,9 +4,9 @@ row at the first layer whose classifier is sure enough:
 
 * ``branchynet`` (Teerapittayanon et al. 2016): the normalized entropy of the layer's
   prediction ``H(softmax(z)) / ln C`` falls below ``threshold`` (in [0, 1]; 0: never exits
-  early, 1: every row leaves after the first layer);
+  early, 1: every row leaves after the first layer unless its prediction there is uniform);
 * ``shallow-deep`` (Kaya et al. 2019): its largest probability exceeds ``threshold`` (in
-  [0, 1]; 1: never exits early);
+  [0, 1]; 1: never exits early, 0: every row leaves after the first layer);
 * ``pabee`` (Zhou et al. 2020): the predicted label stayed the same for ``patience``
   consecutive layers (``patience`` + 1 classifiers agree; the counter of the authors' code).
 
