@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dynaseq.core.errors import ConfigError
+from dynaseq.metrics.encoder_profile import encoder_macs, flop_counter_encoder_macs
 from dynaseq.models.multi_exit import MultiExitEncoderModel
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
@@ -198,6 +199,17 @@ def test_mixed_parameters_in_a_batch_equal_each_alone():
             alone = model(tok[b:b + 1, :n], exit=LayerExit("pabee", patience=int(patience[b])))
             assert torch.allclose(mixed.logits[b], alone.logits[0], atol=1e-5)
             assert mixed.aux.traces[EXIT_LAYER][0][b] == alone.aux.traces[EXIT_LAYER][0][0]
+
+
+def test_the_analytic_count_covers_every_classifier():
+    model = _model()
+    tok = torch.randint(5, 100, (1, 16))
+    analytic = sum(encoder_macs(model, 16).values())
+    assert analytic == flop_counter_encoder_macs(model, tok)
+    assert analytic == flop_counter_encoder_macs(model, tok,
+                                                 exit=LayerExit("pabee", patience=LAYERS))
+    assert flop_counter_encoder_macs(model, tok, exit=LayerExit("shallow-deep",
+                                                                threshold=0.0)) < analytic / 5
 
 
 @pytest.mark.parametrize("kw, message", [
