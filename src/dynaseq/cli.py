@@ -112,7 +112,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
-    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
+    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification or multi-exit")
     _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
     if args.src is None or args.ref is None:
         raise DynaseqError("evaluate: --src and --ref are required for translation runs")
@@ -560,7 +560,7 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
     θ 0.016, λ 0.07 for a run without a cache)."""
     _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
-    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
+    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification or multi-exit")
     _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
     lm = _language_model(args)
     result = {"split": args.split,
@@ -600,7 +600,8 @@ def cmd_classify(args: argparse.Namespace) -> int:
     lines = _read_input(args.input)
     c = _classifier(args)
     out = c.classify(lines, budget=budget, batch_size=args.batch_size, progress=not args.quiet,
-                     gamma=args.gamma, depth=args.depth, keep_layers=args.keep_layers)
+                     gamma=args.gamma, depth=args.depth, keep_layers=args.keep_layers,
+                     **_layer_exit_args(args))
     _write_output(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
                    for v in out], args.output)
     return 0
@@ -625,7 +626,7 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
     c = _classifier(args)
     result = c.evaluate(args.data, budget=budget, batch_size=args.batch_size,
                         progress=not args.quiet, gamma=args.gamma, depth=args.depth,
-                        keep_layers=args.keep_layers)
+                        keep_layers=args.keep_layers, **_layer_exit_args(args))
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -634,11 +635,15 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
         if "realized_fraction" in result:
             extra = (f"  budget {result['budget']}  realized {result['realized_fraction']:.3f}"
                      f" ({result['realized_macs_per_token'] / 1e6:.3f} M MACs/token)")
-        if "keep_layers" in result:
-            extra += f"  layers run {result['keep_layers']} of {c.config.model.layers}"
+        if "exit_rule" in result:
+            takes = "patience" if "patience" in result else "threshold"
+            how = f"exit rule {result['exit_rule']} {takes} {result[takes]}"
+        elif "keep_layers" in result:
+            how = f"keep-layers {result['keep_layers']}"
         elif "avg_layers" in result:
             how = (f"gamma {result['gamma']}" if result["depth"] is None
                    else f"depth {result['depth']}")
+        if "avg_layers" in result:
             extra += f"  {how}  layers run {result['avg_layers']:.2f} of {c.config.model.layers}"
         print(f"{result['task']} {metrics}  ({result['n_examples']} examples, "
               f"{result['skipped']} skipped){extra}")
@@ -651,7 +656,7 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
     from dynaseq.tasks.mlm.predictor import MaskedLM
 
     _refuse_translation_args(args, "an MLM")
-    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification")
+    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification or multi-exit")
     _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
     budget = _encoder_budget(args)
     if args.split != "valid" and args.data is None:
@@ -695,7 +700,7 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
     (analytic and flop counter), latency at batch 1 and throughput at batch 32 for 32- and
     128-token inputs."""
     from dynaseq.metrics.encoder_profile import profile_encoder
-    from dynaseq.tasks.encoder.budget import control_for, exit_for, layers_for
+    from dynaseq.tasks.encoder.budget import control_for, exit_for, layer_exit_for, layers_for
 
     budget = _encoder_budget(args)
     calibrations = []
@@ -717,11 +722,14 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
     control = control_for(model_cfg, budget, 1, next(model.parameters()).device, calibrations)
     exit = exit_for(model_cfg, args.gamma, args.depth)
     layers = layers_for(model_cfg, args.keep_layers)
-    result = profile_encoder(model, lengths, (1, 32), args.repeats, control, exit=exit,
-                             layers=layers)
+    layer_exit = layer_exit_for(model_cfg, **_layer_exit_args(args))
+    result = profile_encoder(model, lengths, (1, 32), args.repeats, control,
+                             exit=exit if exit is not None else layer_exit, layers=layers)
     result["budget"] = budget
     if exit is not None:
         result.update(gamma=exit.gamma, depth=exit.depth)
+    if layer_exit is not None:
+        result.update(layer_exit.describe())
     if layers is not None:
         result.update(keep_layers=len(layers), layers_run=list(layers))
     if args.json:
@@ -824,14 +832,24 @@ def parse_budget(text: str) -> float | tuple[float, float]:
     raise argparse.ArgumentTypeError(f"a budget is F or ENC,DEC, got {text!r}")
 
 
-EXIT_ARGS = ("gamma", "depth")
-"""The early-exit options (adaptive-depth classifiers only)."""
+EXIT_ARGS = ("gamma", "depth", "exit_rule", "threshold", "patience")
+"""The early-exit options (adaptive-depth and multi-exit classifiers only)."""
 
 
 def _refuse_exit(args: argparse.Namespace) -> None:
-    if args.gamma is not None or args.depth is not None:
-        raise DynaseqError(f"{args.command}: --gamma and --depth are for adaptive-depth "
-                           "encoders")
+    given = [f"--{name.replace('_', '-')}" for name in EXIT_ARGS
+             if getattr(args, name, None) is not None]
+    if given:
+        raise DynaseqError(f"{args.command}: {', '.join(given)} "
+                           f"{'is' if len(given) == 1 else 'are'} for adaptive-depth and "
+                           "multi-exit encoders")
+
+
+def _layer_exit_args(args: argparse.Namespace) -> dict[str, object]:
+    """The per-layer exit options as keyword arguments (``exit_rule``, ``threshold``,
+    ``patience``)."""
+    return {"exit_rule": args.exit_rule, "threshold": args.threshold,
+            "patience": args.patience}
     if getattr(args, "keep_layers", None) is not None:
         raise DynaseqError(f"{args.command}: --keep-layers is for encoder runs")
 
@@ -853,6 +871,16 @@ def _add_exit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None,
                    help="adaptive-depth encoders: run this many adaptive layers for every "
                         "input instead (the model's maximum: no early exit)")
+    p.add_argument("--exit-rule", default=None, metavar="RULE",
+                   help="multi-exit encoders (model.exits): branchynet (entropy), "
+                        "shallow-deep (max probability) or pabee (patience); default the "
+                        "run's exits.rule")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="multi-exit encoders: branchynet's normalized-entropy or "
+                        "shallow-deep's max-probability threshold in [0, 1]")
+    p.add_argument("--patience", type=int, default=None,
+                   help="multi-exit encoders: pabee's patience (>= 1; exit once the label "
+                        "stayed the same over this many layers)")
 
 
 def _add_budget_arg(p: argparse.ArgumentParser) -> None:

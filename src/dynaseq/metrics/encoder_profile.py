@@ -11,7 +11,8 @@ Analytic MACs of one S-token input (every gate on for a CCT; what ran is measure
   instead), FFN 2·S·d·d_ff (CCT: plus its control nets);
 * head: classification pooler d² + classifier d·n_out per sequence; MLM d·E + E·V per token;
 * adaptive depth: the structure predictor's MLP per sequence, every layer counted (what ran
-  at an exit is measured); relative positions: (T + S)·(2R+1)·d_head per head and layer.
+  at an exit is measured); multi-exit models: every internal classifier too (per sequence);
+  relative positions: (T + S)·(2R+1)·d_head per head and layer.
 
 Per token = the input's total / S. LayerNorm, softmax, GELU/tanh and biases are not counted
 (nor does the counter count them).
@@ -50,6 +51,9 @@ def encoder_macs(model: nn.Module, n_tokens: int,
     if enc.predictor is not None:  # adaptive depth: the structure predictor, per sequence
         out["predictor"] = enc.predictor.macs()
     out.update({f"head.{k}": v for k, v in model.head.macs(s).items()})
+    for head in getattr(model, "exit_heads", ()):  # multi-exit: every internal classifier
+        for k, v in head.macs(s).items():
+            out[f"exit_heads.{k}"] = out.get(f"exit_heads.{k}", 0) + v
     return out
 
 

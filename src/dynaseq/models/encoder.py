@@ -153,6 +153,16 @@ class TransformerEncoder(nn.Module):
     def depth(self) -> int:
         return len(self.plan)
 
+    def embed(self, tokens: Tensor, segments: Tensor | None = None,
+              control: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The first layer's input (B, S, d) (embeddings, control symbol, dropout) and the
+        pad mask (B, S), True at padding."""
+        pad_mask = tokens.eq(self.embeddings.pad_id)
+        x = self.embeddings(tokens, segments)
+        if control is not None:
+            x = x + control
+        return self.dropout(x), pad_mask
+
     def forward(self, tokens: Tensor, segments: Tensor | None = None,
                 control: Tensor | None = None, gate_offset: Tensor | None = None,
                 aux: AuxOutputs | None = None,
@@ -164,11 +174,7 @@ class TransformerEncoder(nn.Module):
         gate_offset: (B,) per-row offsets of the gates (a calibrated budget); exit: early
         exit (adaptive depth; the hidden states of a row's padding are then zero);
         layers: the positions of ``plan`` to run (LayerDrop; None: all)."""
-        pad_mask = tokens.eq(self.embeddings.pad_id)
-        x = self.embeddings(tokens, segments)
-        if control is not None:
-            x = x + control
-        x = self.dropout(x)
+        x, pad_mask = self.embed(tokens, segments, control)
         mask = _attn_mask(pad_mask)
         if layers is not None:
             return self._run_subset(x, mask, layers, gate_offset, aux, exit), pad_mask

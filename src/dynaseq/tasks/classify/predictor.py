@@ -10,6 +10,7 @@ Example::
     c.classify(lines, budget=0.5)                              # CCT-BERT: a trained budget
     c.evaluate("dev.tsv", keep_layers=3)                       # LayerDrop: 3 layers kept
     c.evaluate("glue/SST-2/dev.tsv")                           # {"accuracy": ..., ...}
+    c.evaluate("dev.tsv", exit_rule="pabee", patience=2)       # a multi-exit model (PABEE)
 
 A budget is an argument of each call (one for every line, or a list with one per line),
 looked up per row and never written into the model.
@@ -39,9 +40,11 @@ from dynaseq.tasks.encoder.budget import (
     Budget,
     Budgets,
     Gamma,
+    Threshold,
     as_fraction,
     control_for,
     exit_for,
+    layer_exit_for,
     layers_for,
     nearest_trained,
     trained_budget,
@@ -53,6 +56,12 @@ from dynaseq.techniques.cct.calibration_file import read_calibrations, write_cal
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_layer, realized_macs_by_row
 from dynaseq.techniques.depth.exits import DEPTH_RUN, DepthExit
+from dynaseq.techniques.depth.multi_exit import EXIT_LAYER, LayerExit
+
+Exit = DepthExit | LayerExit | None
+"""A call's early exit: adaptive depth's (γ or depth), a multi-exit model's per-layer rule,
+or None."""
+Patience = int | list[int] | None
 
 Control = int | Tensor | BudgetControl | None
 """One control for every row (an id, or a :class:`BudgetControl` with float offsets), one per
@@ -68,10 +77,13 @@ def _rows_control(control: Control, idx: list[int], device: torch.device) -> Con
     return control
 
 
-def _rows_exit(exit: DepthExit | None, idx: list[int]) -> DepthExit | None:
-    """The exit of rows ``idx`` (a per-row γ or depth is indexed, one for all is kept)."""
+def _rows_exit(exit: Exit, idx: list[int]) -> Exit:
+    """The exit of rows ``idx`` (a per-row γ, depth, threshold or patience is indexed, one
+    for all is kept)."""
     if exit is None:
         return None
+    if isinstance(exit, LayerExit):
+        return exit.select(torch.tensor(idx))
     g, d = exit.gamma, exit.depth
     index = torch.tensor(idx)
     if isinstance(g, Tensor) and g.numel() > 1:
@@ -94,8 +106,9 @@ class RealizedCompute:
         included, whatever budgets the other rows ran at);
     row_tokens: ``(N,)`` long, each row's non-padding tokens.
 
-    Adaptive-depth encoders (early exit): layers: layer applications over all rows, the
-    first group included; rows: the rows counted; row_layers: ``(N,)`` long, each row's.
+    Adaptive-depth and multi-exit encoders (early exit): layers: layer applications over
+    all rows, the first group included; rows: the rows counted; row_layers: ``(N,)`` long,
+    each row's.
     """
 
     ran: int = 0
@@ -155,15 +168,16 @@ def _macs_per_row(aux: AuxOutputs, n_rows: int) -> Tensor:
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
                    compute: RealizedCompute | None = None, progress: bool = False,
-                   exit: DepthExit | None = None,
+                   exit: Exit = None,
                    layers: tuple[int, ...] | None = None) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
     ``compute``: receives what ran (:class:`RealizedCompute`): for CCT models the MACs the
     gated sub-layers executed and would execute with every gate on, over the same batches,
-    in total and per row; for an adaptive-depth model at an ``exit`` (early exit, one for
-    every row or per row) the layers its rows ran. ``layers``: the plan positions to run (a
-    model pruned to a fixed depth; None: all). ``progress``: a bar of rows on a terminal."""
+    in total and per row; for an adaptive-depth or multi-exit model at an ``exit`` (early
+    exit, one for every row or per row) the layers its rows ran. ``layers``: the plan
+    positions to run (a model pruned to a fixed depth; None: all). ``progress``: a bar of
+    rows on a terminal."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
@@ -190,6 +204,8 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                 if DEPTH_RUN in res.aux.traces:
                     compute.add_depth(idx, res.aux.traces[DEPTH_RUN][0],
                                       model.encoder.predictor.first_group)
+                if EXIT_LAYER in res.aux.traces:  # multi-exit: every layer a row ran
+                    compute.add_depth(idx, res.aux.traces[EXIT_LAYER][0], 0)
             bar.update(len(idx))
     finally:
         bar.close()
@@ -197,10 +213,14 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
     return out
 
 
-def depth_report(exit: DepthExit, compute: RealizedCompute, layers: int) -> dict[str, object]:
-    """What an adaptive-depth evaluation reports: its exit and the layers its rows ran."""
-    g, d = exit.gamma, exit.depth
+def depth_report(exit: DepthExit | LayerExit, compute: RealizedCompute,
+                 layers: int) -> dict[str, object]:
+    """What an early-exit evaluation reports: its exit (``gamma``/``depth``, or
+    ``exit_rule`` and its ``threshold``/``patience``) and the layers its rows ran."""
     avg = compute.avg_layers
+    if isinstance(exit, LayerExit):
+        return {**exit.describe(), "avg_layers": avg, "depth_fraction": avg / layers}
+    g, d = exit.gamma, exit.depth
     return {"gamma": g.tolist() if isinstance(g, Tensor) else g,
             "depth": d.tolist() if isinstance(d, Tensor) else d,
             "avg_layers": avg, "depth_fraction": avg / layers}
@@ -251,6 +271,13 @@ class Classifier:
         neither trained nor calibrated (naming those that are), or any budget of a dense
         model."""
         return trained_budget(self.config.model, budget, self.calibrations)
+
+    def _exit(self, gamma: Gamma, depth: int | None, rule: str | None, threshold: Threshold,
+              patience: Patience, n_rows: int) -> Exit:
+        cfg = self.config.model  # each refuses its arguments on a model without its exits
+        depth_exit = exit_for(cfg, gamma, depth, n_rows)
+        layer_exit = layer_exit_for(cfg, rule, threshold, patience, n_rows)
+        return depth_exit if depth_exit is not None else layer_exit
 
     @property
     def layout(self) -> TableLayout:
@@ -305,16 +332,19 @@ class Classifier:
     def classify_rows(self, rows: list[Row], budget: Budgets = None,
                       batch_size: int | None = None, progress: bool = False,
                       compute: RealizedCompute | None = None, gamma: Gamma = None,
-                      depth: int | None = None,
+                      depth: int | None = None, exit_rule: str | None = None,
+                      threshold: Threshold = None, patience: Patience = None,
                       keep_layers: int | None = None) -> list[str | float]:
         """A label (or a regression score) per encoded row (:meth:`encode`), in order.
 
         ``budget``: one for every row or a list, one per row (batched together whatever
         their budgets); ``gamma``/``depth``: an adaptive-depth model's exit (default the
-        run's γ), one or a list; ``keep_layers``: a fixed depth of a model without a
-        predictor; ``compute``: receives what ran (:class:`RealizedCompute`)."""
+        run's γ), one or a list; ``exit_rule`` with its ``threshold`` or ``patience``: a
+        multi-exit model's (default the run's), one or a list; ``keep_layers``: a fixed
+        depth of a model without a predictor; ``compute``: receives what ran
+        (:class:`RealizedCompute`)."""
         control = self._control(budget, len(rows))
-        exit = exit_for(self.config.model, gamma, depth, len(rows))
+        exit = self._exit(gamma, depth, exit_rule, threshold, patience, len(rows))
         layers = layers_for(self.config.model, keep_layers)
         if not rows:
             return []
@@ -324,40 +354,49 @@ class Classifier:
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
                  batch_size: int | None = None, progress: bool = False,
-                 gamma: Gamma = None, depth: int | None = None,
+                 gamma: Gamma = None, depth: int | None = None, exit_rule: str | None = None,
+                 threshold: Threshold = None, patience: Patience = None,
                  keep_layers: int | None = None) -> list[str | float | None]:
         """A label (or a regression score) per line, in order; None for an empty line.
 
         ``budget`` (CCT models): a trained budget for every line, or a list, one per line
         (the lines are batched together whatever their budgets). ``gamma`` (adaptive-depth
         models; default the run's): the exit threshold, one or a list, one per line;
-        ``depth``: a fixed number of adaptive layers instead. ``keep_layers`` (models
-        without a structure predictor, e.g. trained with LayerDrop): run N of the layers,
-        evenly spaced ("every other"). ``progress``: a bar on a terminal."""
+        ``depth``: a fixed number of adaptive layers instead. Multi-exit models
+        (``model.exits``): ``exit_rule`` (``branchynet``, ``shallow-deep``, ``pabee``;
+        default the run's) with its ``threshold`` or ``patience`` (default the run's; one, or
+        a list, one per line). ``keep_layers`` (models without a structure predictor, e.g.
+        trained with LayerDrop): run N of the layers, evenly spaced ("every other").
+        ``progress``: a bar on a terminal."""
         self._control(budget, len(lines))  # a bad budget is refused before the lines
-        exit_for(self.config.model, gamma, depth, len(lines))  # so is a bad exit
+        self._exit(gamma, depth, exit_rule, threshold, patience, len(lines))  # a bad exit too
         layers_for(self.config.model, keep_layers)
         rows, keep = self.encode(lines)
-        kept = [budget[i] for i in keep] if isinstance(budget, list) else budget
-        kept_gamma = [gamma[i] for i in keep] if isinstance(gamma, list) else gamma
+
+        def kept(per_line):
+            return [per_line[i] for i in keep] if isinstance(per_line, list) else per_line
+
         out: list[str | float | None] = [None] * len(lines)
-        for i, value in zip(keep, self.classify_rows(rows, kept, batch_size, progress,
-                                                     gamma=kept_gamma, depth=depth,
-                                                     keep_layers=keep_layers),
+        for i, value in zip(keep, self.classify_rows(
+                rows, kept(budget), batch_size, progress, gamma=kept(gamma), depth=depth,
+                exit_rule=exit_rule, threshold=kept(threshold), patience=kept(patience),
+                keep_layers=keep_layers),
                             strict=True):
             out[i] = value
         return out
 
     def evaluate(self, path: str | Path, budget: Budgets = None,
                  batch_size: int | None = None, progress: bool = False,
-                 gamma: Gamma = None, depth: int | None = None,
+                 gamma: Gamma = None, depth: int | None = None, exit_rule: str | None = None,
+                 threshold: Threshold = None, patience: Patience = None,
                  keep_layers: int | None = None) -> dict[str, object]:
         """The official metrics on a labelled file in the run's layout (GLUE dev.tsv), the
         rows skipped for an empty sentence; for a CCT model the budget and the compute its
         gated sub-layers really ran (``realized_fraction`` of all gates on,
         ``realized_macs_per_token`` over the non-padding tokens); for an adaptive-depth model
         the exit (``gamma`` or ``depth``) and the layers rows really ran (``avg_layers``,
-        first group included, and ``depth_fraction`` of the model's depth); pruned to
+        first group included, and ``depth_fraction`` of the model's depth); for a multi-exit
+        model the same with ``exit_rule`` and its ``threshold`` or ``patience``; pruned to
         ``keep_layers`` (see :meth:`classify`): ``keep_layers``, ``layers_run`` (the plan
         positions), ``avg_layers`` and ``depth_fraction``."""
         layout = self.layout
@@ -365,7 +404,7 @@ class Classifier:
         if not len(ex):
             raise DynaseqError(f"{path}: every row has an empty sentence")
         control = self._control(budget, len(ex))
-        exit = exit_for(self.config.model, gamma, depth, len(ex))
+        exit = self._exit(gamma, depth, exit_rule, threshold, patience, len(ex))
         layers = layers_for(self.config.model, keep_layers)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         compute = RealizedCompute()

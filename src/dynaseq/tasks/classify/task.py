@@ -15,9 +15,11 @@ refused before anything is written.
 
 Loss: cross-entropy (or squared error for a regression) summed over the sentences, plus each
 technique's term (CCT-BERT: budgets drawn per sentence, λ·L_c with the run's λ, scaled to
-the task loss; adaptive depth: λ_d times the expected depth). Validation: the task's
-official metrics at the largest trained budget (adaptive depth: early exit at the run's
-``depth.gamma``, with ``avg_layers``);
+the task loss; adaptive depth: λ_d times the expected depth). A multi-exit model
+(``model.exits``) is trained on the weighted sum of its internal classifiers' losses
+(``exits.weighting``). Validation: the task's official metrics at the largest trained budget
+(adaptive depth: early exit at the run's ``depth.gamma``, multi-exit: at its ``exits.rule``,
+with ``avg_layers``);
 ``best/`` keeps the first metric (CoLA: MCC, MRPC/QQP: F1, STS-B: Pearson, else accuracy).
 """
 
@@ -45,7 +47,7 @@ from dynaseq.tasks.classify.predictor import (
     predict_logits,
     task_metrics,
 )
-from dynaseq.tasks.encoder.budget import exit_for
+from dynaseq.tasks.encoder.budget import exit_for, layer_exit_for
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.tasks.encoder.training import (
@@ -56,6 +58,7 @@ from dynaseq.tasks.encoder.training import (
 )
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.tasks.protocol import LossTerms, Update
+from dynaseq.techniques.depth.multi_exit import EXIT_LOGITS, weighted_exit_loss
 
 #: The weights a pre-trained run gives a fine-tuned model (its MLM head is left behind).
 PRETRAINED_PREFIXES = ("encoder.", "control_embed.")
@@ -117,6 +120,9 @@ class ClassifyTask:
                 raise ConfigError(f"{cfg.data.train} holds one label only: nothing to learn")
             layout = cfg.data.layout()
         self.layout = layout
+        if cfg.model.exits is not None and layout.regression:
+            raise ConfigError("model.exits (internal classifiers with probability-based exit "
+                              f"rules) is for classification, and {layout.name} is a regression")
         self.valid_ex = None if cfg.data.valid is None else read_table(cfg.data.valid, layout)
         self.pretrained = (None if cfg.train.init_from is None
                            else check_pretrained(cfg.train.init_from, cfg.model))
@@ -198,14 +204,20 @@ class ClassifyTask:
     def forward(self, model: nn.Module, micro: ClassifyMicro) -> Any:
         return model(micro.tokens, micro.segments, micro.control, layers=micro.layers)
 
-    def loss(self, out: Any, micro: ClassifyMicro, step: int) -> LossTerms:
+    def _nll(self, logits: Tensor, micro: ClassifyMicro) -> Tensor:
         if self.layout.regression:
-            nll = nn.functional.mse_loss(out.logits[:, 0], micro.targets, reduction="sum")
-        else:
-            nll = nn.functional.cross_entropy(out.logits, micro.targets, reduction="sum",
-                                              label_smoothing=self.cfg.train.label_smoothing)
+            return nn.functional.mse_loss(logits[:, 0], micro.targets, reduction="sum")
+        return nn.functional.cross_entropy(logits, micro.targets, reduction="sum",
+                                           label_smoothing=self.cfg.train.label_smoothing)
+
+    def loss(self, out: Any, micro: ClassifyMicro, step: int) -> LossTerms:
+        nll = self._nll(out.logits, micro)  # the final classifier's (reported)
         n = micro.targets.numel()
         loss = nll
+        exit_logits = out.aux.traces.get(EXIT_LOGITS)
+        if exit_logits:  # model.exits: every internal classifier's loss, weighted
+            weights = self.cfg.model.exits.loss_weights(len(exit_logits))
+            loss = weighted_exit_loss(exit_logits, weights, lambda z: self._nll(z, micro))
         for aux_loss in out.aux.losses.values():
             loss = loss + aux_loss
         logs: dict[str, float] = {}
@@ -222,7 +234,8 @@ class ClassifyTask:
     def validate(self, model: nn.Module) -> dict[str, float]:
         if self.valid_ex is None or not len(self.valid_ex):
             return {}
-        exit = exit_for(self.cfg.model)  # adaptive depth: early exit at the run's γ
+        # adaptive depth: early exit at the run's γ; multi-exit: at the run's rule
+        exit = exit_for(self.cfg.model) or layer_exit_for(self.cfg.model)
         compute = RealizedCompute()
         logits = predict_logits(model, self.valid_rows, 64, self.device,
                                 largest_control(self.cfg.model), compute, exit=exit)

@@ -10,7 +10,8 @@ BudgetControl`); a trained one with its control symbol alone. Dense encoders tak
 An adaptive-depth encoder (``model.depth``) takes an exit instead (:func:`exit_for`): a
 threshold γ on its structure predictor (default the run's ``depth.gamma``; one, or one per
 row) or a fixed number of adaptive layers. An encoder without one can be pruned to a fixed
-depth instead (:func:`layers_for`: LayerDrop's "every other" layers).
+depth instead (:func:`layers_for`: LayerDrop's "every other" layers). A multi-exit encoder
+(``model.exits``) takes a per-layer exit rule (:func:`layer_exit_for`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dynaseq.techniques.cct.gating import BudgetControl
 from dynaseq.techniques.depth.config import check_gamma
 from dynaseq.techniques.depth.exits import DepthExit
 from dynaseq.techniques.depth.layerdrop import every_other
+from dynaseq.techniques.depth.multi_exit import LayerExit, rule_named
 
 Budget = float | None
 """One budget: a compute fraction in (0, 1] of a CCT encoder, or None (the largest)."""
@@ -170,3 +172,43 @@ def layers_for(cfg: EncoderModelConfig, keep_layers: int | None = None) -> tuple
         raise DynaseqError(f"keep-layers {keep_layers} is not in [1, {cfg.layers}] (the "
                            f"model's {cfg.layers} layers)")
     return every_other(cfg.layers, keep_layers)
+
+
+Threshold = float | list[float] | None
+"""A per-layer exit threshold for every row, a list with one per row, or None."""
+
+
+def layer_exit_for(cfg: EncoderModelConfig, exit_rule: str | None = None,
+                   threshold: Threshold = None, patience: int | list[int] | None = None,
+                   n_rows: int | None = None) -> LayerExit | None:
+    """The ``exit`` argument of a call on a multi-exit encoder (``model.exits``):
+    ``exit_rule`` (default the run's ``exits.rule``) with its ``threshold`` (branchynet,
+    shallow-deep) or ``patience`` (pabee), default the run's; one for every row or a list,
+    one per row. None for an encoder without internal classifiers (which refuses them).
+    Raises DynaseqError with one line for bad input."""
+    given = {"exit-rule": exit_rule, "threshold": threshold, "patience": patience}
+    if cfg.exits is None:
+        flags = [f"--{k}" for k, v in given.items() if v is not None]
+        if flags:
+            raise DynaseqError(f"this encoder has no internal classifiers: {', '.join(flags)} "
+                               "need a classification run trained with a model.exits section")
+        return None
+    name = cfg.exits.rule if exit_rule is None else exit_rule
+    try:
+        r = rule_named(name)
+        other = "patience" if r.takes == "threshold" else "threshold"
+        if given[other] is not None:
+            raise DynaseqError(f"the {name} rule takes --{r.takes}, not --{other}")
+        value = given[r.takes]
+        if value is None:
+            value = cfg.exits.default(name)
+        elif isinstance(value, list):
+            if n_rows is not None and len(value) != n_rows:
+                raise DynaseqError(f"{len(value)} values of {r.takes} for {n_rows} lines: give "
+                                   "one, or a list with one per line")
+            value = torch.tensor([r.check(v) for v in value])
+        else:
+            value = r.check(value)
+    except ConfigError as e:
+        raise DynaseqError(str(e)) from None
+    return LayerExit(name, **{r.takes: value})

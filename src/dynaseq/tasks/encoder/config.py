@@ -14,6 +14,7 @@ from dynaseq.core.config import apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 from dynaseq.techniques.depth.config import DepthConfig
+from dynaseq.techniques.depth.multi_exit import ExitsConfig
 
 #: ``share_layers`` values: no sharing, one layer for every depth, or ``layer_groups``
 #: groups of consecutive depths sharing one layer each (ALBERT sec. 3.1 / 4.5).
@@ -40,7 +41,9 @@ class EncoderModelConfig:
     training (Fan et al. 2019), each layer application skipped with probability p per
     micro-batch (prune to a fixed depth at inference: ``--keep-layers``). ``layer_heads``:
     the heads each distinct layer kept after head pruning (``dynaseq prune-heads``; None: all
-    ``n_heads``; each head keeps its width ``d_model / n_heads``).
+    ``n_heads``; each head keeps its width ``d_model / n_heads``). ``exits``: an internal
+    classifier after every layer and per-layer exit rules (BranchyNet, Shallow-Deep, PABEE;
+    classification only).
     """
 
     size: str | None = None
@@ -63,6 +66,7 @@ class EncoderModelConfig:
     depth: DepthConfig | None = None
     layerdrop: float = 0.0
     layer_heads: list[int] | None = None
+    exits: ExitsConfig | None = None
 
     def __post_init__(self) -> None:
         apply_size(self)
@@ -107,6 +111,13 @@ class EncoderModelConfig:
             if self.cct is not None:
                 raise ConfigError("layer_heads (pruned heads) is for dense attention, not with "
                                   "model.cct")
+
+        if self.exits is not None and (self.layerdrop or self.layer_heads is not None):
+            raise ConfigError("model.exits (internal classifiers) does not combine with "
+                              "model.layerdrop or layer_heads")
+        if self.exits is not None and (self.depth is not None or self.cct is not None):
+            raise ConfigError("model.exits (internal classifiers) does not combine with "
+                              f"model.{'depth' if self.depth is not None else 'cct'}")
 
     @property
     def plan(self) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from dynaseq.core.errors import ConfigError
 from dynaseq.models.encoder import (
     ClassificationHead,
     EncoderEmbeddings,
@@ -22,6 +23,7 @@ from dynaseq.models.encoder import (
     MLMHead,
     TransformerEncoder,
 )
+from dynaseq.models.multi_exit import MultiExitEncoderModel
 from dynaseq.nn import EncoderLayer, FeedForward, Sublayers, dense_attention
 from dynaseq.nn.layers import TransformerDims
 from dynaseq.nn.relative_scores import RelativeScores
@@ -62,7 +64,8 @@ def build_encoder_model(cfg: EncoderModelConfig, vocab_size: int, head: str | in
                         pad_id: int = 0) -> EncoderModel:
     """Wire an encoder from ``cfg`` with the MLM head (``head="mlm"``) or a classification
     head with ``head`` outputs (1: a regression). Shared layers (``cfg.share_layers``) are
-    built once and applied along ``cfg.plan``."""
+    built once and applied along ``cfg.plan``. ``cfg.exits``: a
+    :class:`~dynaseq.models.multi_exit.MultiExitEncoderModel` (a classifier per layer)."""
     chosen = [(make, getattr(cfg, name)) for name, make in TECHNIQUE_SUBLAYERS.items()
               if getattr(cfg, name) is not None]
     parts = chosen[0][0](chosen[0][1], cfg) if chosen else dense_sublayers(cfg)
@@ -82,7 +85,14 @@ def build_encoder_model(cfg: EncoderModelConfig, vocab_size: int, head: str | in
         out = ClassificationHead(d, head, cfg.classifier_dropout)
     else:
         raise ValueError(f"head must be 'mlm' or a number of outputs >= 1, got {head!r}")
-    model = EncoderModel(encoder, out, parts.control)
+    if cfg.exits is not None:  # BranchyNet / Shallow-Deep / PABEE: a classifier per layer
+        if head == MLM:
+            raise ConfigError("model.exits (internal classifiers) is for classification runs")
+        model: EncoderModel = MultiExitEncoderModel(
+            encoder, out, [ClassificationHead(d, head, cfg.classifier_dropout)
+                           for _ in range(len(plan) - 1)], parts.control)
+    else:
+        model = EncoderModel(encoder, out, parts.control)
     if parts.finish is not None:
         parts.finish(model)  # CCT: gate traces named "encoder.layers.0.ffn", ...
     return model
