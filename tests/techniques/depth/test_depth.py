@@ -184,3 +184,11 @@ def test_gamma_outside_the_open_interval_is_refused(gamma):
 def test_a_depth_above_the_model_is_refused():
     with pytest.raises(ValueError, match="above the model's 4 adaptive layers"):
         _model()(_tokens(), exit=DepthExit(depth=5))
+
+
+def test_the_depth_weight_ramps_in():
+    cfg = DepthConfig(depth_weight=0.4, depth_start_step=10, depth_ramp_steps=20)
+    assert [cfg.weight_at(s) for s in (0, 9, 10, 20, 30, 99)] == [0, 0, 0, 0.2, 0.4, 0.4]
+    assert DepthConfig(depth_weight=0.4).weight_at(0) == 0.4
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        DepthConfig(depth_ramp_steps=-1)

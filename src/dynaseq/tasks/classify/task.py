@@ -223,7 +223,7 @@ class ClassifyTask:
         logs: dict[str, float] = {}
         for t in self.techniques:
             extra, extra_logs = t.loss(out.aux, micro.tokens.ne(self.vocab.pad_id),
-                                       micro.control, n)
+                                       micro.control, n, step)
             loss = loss + extra
             logs.update(extra_logs)
         return LossTerms(loss, float(nll.detach()), n, logs)

@@ -24,8 +24,8 @@ class EncoderTechnique(Protocol):
 
     def controls(self, n_rows: int, step: int, micro: int) -> Tensor | None: ...
 
-    def loss(self, aux: Any, valid: Tensor, control: Tensor | None, n_units: int
-             ) -> tuple[Tensor, dict[str, float]]: ...
+    def loss(self, aux: Any, valid: Tensor, control: Tensor | None, n_units: int,
+             step: int) -> tuple[Tensor, dict[str, float]]: ...
 
 
 #: ``model.<section>`` -> the technique's training plug-in (from the section, the train

@@ -146,7 +146,7 @@ class MLMTask:
         logs: dict[str, float] = {}
         for t in self.techniques:
             extra, extra_logs = t.loss(out.aux, b.inputs.ne(self.vocab.pad_id), micro.control,
-                                       n)
+                                       n, step)
             loss = loss + extra
             logs.update(extra_logs)
         return LossTerms(loss, float(nll.detach()), n, logs)

@@ -116,7 +116,7 @@ class EncoderCCTTraining:
         return sample_controls(self.sampling_ids, n_rows, self.seed, step, micro,
                                self.cct.sampled_share(step))
 
-    def loss(self, aux, valid: Tensor, control: Tensor, n_units: int
+    def loss(self, aux, valid: Tensor, control: Tensor, n_units: int, step: int = 0
              ) -> tuple[Tensor, dict[str, float]]:
         """λ·L_c weighted by the micro-batch's loss units ``n_units`` (masked tokens, or
         sequences), so the loop's division by the update's units averages it; and its

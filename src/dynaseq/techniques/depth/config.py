@@ -31,24 +31,40 @@ class DepthConfig:
     one independent sigmoid per layer, not monotone. ``depth_weight`` λ_d: the compute term
     ``λ_d · E[adaptive layers run] / K`` per loss unit added to the task loss (the paper
     names none; without it the predictor learns to keep every layer, since a deeper model
-    scores better, and nothing exits). ``gamma``: the default exit threshold of inference
-    (0.1 slow and accurate ... 0.9 fast).
+    scores better, and nothing exits). ``depth_start_step`` / ``depth_ramp_steps`` (not in
+    the paper; 0 = off): λ_d is 0 before update ``depth_start_step`` and rises linearly to
+    ``depth_weight`` over ``depth_ramp_steps`` -- without it a short run from scratch drops
+    the adaptive layers before they have learned anything (their residual branches are
+    scaled by p ≈ 0, so they get no gradient and do not come back). ``gamma``: the default
+    exit threshold of inference (0.1 slow and accurate ... 0.9 fast).
     """
 
     first_group: int = 2
     predictor_hidden: int = 128
     revpc: bool = True
     depth_weight: float = 0.1
+    depth_start_step: int = 0
+    depth_ramp_steps: int = 0
     gamma: float = 0.5
 
     def __post_init__(self) -> None:
         check_positive(self, "first_group", "predictor_hidden")
-        if not self.depth_weight >= 0:
-            raise ConfigError(f"depth.depth_weight must be >= 0, got {self.depth_weight}")
+        if not min(self.depth_weight, self.depth_start_step, self.depth_ramp_steps) >= 0:
+            raise ConfigError("depth.depth_weight, depth_start_step and depth_ramp_steps must "
+                              "be >= 0")
         try:
             self.gamma = check_gamma(self.gamma)
         except ConfigError as e:
             raise ConfigError(f"depth.{e}") from None
+
+    def weight_at(self, step: int) -> float:
+        """λ_d at update ``step`` (0 before ``depth_start_step``, then a linear ramp)."""
+        if step < self.depth_start_step:
+            return 0.0
+        if self.depth_ramp_steps == 0:
+            return self.depth_weight
+        return self.depth_weight * min(1.0, (step - self.depth_start_step)
+                                       / self.depth_ramp_steps)
 
     def architecture(self) -> dict[str, object]:
         """What must match for weights to load (fine-tuning's init_from)."""

@@ -26,7 +26,7 @@ def expected_depth(aux: Any) -> Tensor:
 @dataclass
 class DepthTraining:
     """Adds ``λ_d · n_units · mean_rows(Σ_i p_i) / K`` to the task loss (``depth.depth_weight``
-    λ_d; K adaptive layers): the expected share of the adaptive layers a row keeps, weighted
+    λ_d, ramped in by :meth:`DepthConfig.weight_at`; K adaptive layers): the expected share of the adaptive layers a row keeps, weighted
     by the micro-batch's loss units (masked tokens, or sentences) so that the loop's division
     by the update's units makes it a per-unit average like the task loss. Logs
     ``expected_depth`` (adaptive layers, mean over rows) per unit."""
@@ -45,8 +45,8 @@ class DepthTraining:
     def controls(self, n_rows: int, step: int, micro: int) -> None:
         return None
 
-    def loss(self, aux: Any, valid: Tensor, control: Tensor | None, n_units: int
-             ) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, aux: Any, valid: Tensor, control: Tensor | None, n_units: int,
+             step: int = 0) -> tuple[Tensor, dict[str, float]]:
         e = expected_depth(aux).mean()
-        term = self.depth.depth_weight * n_units * e / self.n_adaptive
+        term = self.depth.weight_at(step) * n_units * e / self.n_adaptive
         return term, {"expected_depth": float(e.detach()) * n_units}
