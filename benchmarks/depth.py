@@ -1,0 +1,420 @@
+"""Benchmark `depth` (issue 25): ALBERTa (adaptive depth, paper 004) against ALBERT at fixed
+depth, LayerDrop, HeadPrune, BranchyNet, Shallow-Deep, PABEE and a static exit, on the same
+`tiny` encoder (12 layer applications) and data, SST-2 and CoLA dev. Three reports:
+
+* ``depth_glue``: each method's dev score and its wall-clock speed-up over ALBERT, measured
+  side by side in one process (interleaved rounds, medians) at batch 1 and batch 32; the
+  accuracy-time curves of each method's knob (batch 32); the static exit (every input the
+  same depth, ALBERTa's mean) and a shuffled exit (ALBERTa's depths given to other inputs),
+  to see whether the structure predictor knows which inputs are hard.
+* ``depth_ablation`` (SST-2): without early exit, γ in {0.1, 0.5, 0.9}, without RevPC,
+  without absolute or relative positions.
+* ``depth_speed`` (SST-2): ALBERTa's batch-1 speed-up by sentence length, and the depths it
+  chooses by length and by ALBERT's confidence (plots).
+
+    python benchmarks/depth.py [--rounds 3] [--timing-rows 300] [--report-only]
+
+Runs (benchmarks/variants/depth.yaml) live in runs/bench/depth/; a finished run is not
+trained again. Trained from scratch (no MLM pre-training: on 2 CPU cores a 12-layer
+pre-training does not fit the session; the code path is tested). Writes
+benchmarks/results/depth_{glue,ablation,speed}.{json,md} and .png. Run from the repository
+root, alone (timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import _lib
+import _plot
+
+ROOT = _lib.RUNS / "depth"
+
+
+def run_dir(task: str, run: str) -> Path:
+    return ROOT / f"{task}_{run}"
+
+
+def train_runs(v: dict[str, Any]) -> None:
+    from dynaseq.tasks.registry import load_config
+
+    todo = []
+    for name, spec in v["runs"].items():
+        spec = {**spec, "overrides": _flat(spec["overrides"])}
+        for task in spec["tasks"]:
+            t = v["tasks"][task]
+            run = run_dir(task, name)
+            if not _lib.finished(run) and not _stopped_on_time(run):
+                todo.append(load_config(t["config"], [
+                    f"run_dir={run}", *v["common"], f"train.max_steps={t['steps']}",
+                    *spec["overrides"], *_smoke(v, spec)]))
+    _lib.train_each(todo)
+
+
+def _flat(overrides: list) -> list[str]:
+    """The overrides with YAML-anchored lists (``[*alberta, ...]``) spliced in."""
+    return [o for x in overrides for o in (_flat(x) if isinstance(x, list) else [x])]
+
+
+def _smoke(v: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """The smoke overrides (the depth ones only for ALBERTa runs)."""
+    return [o for o in v.get("smoke", [])
+            if not o.startswith("model.depth.") or any(x.startswith("model.depth.")
+                                                       for x in spec["overrides"])]
+
+
+def _stopped_on_time(run: Path) -> bool:
+    return any(e.get("event") == "stop" and e.get("reason") == "max_minutes"
+               for e in _lib.read_log(run, missing_ok=True))
+
+
+def head_prune(v: dict[str, Any], task: str) -> None:
+    """The HeadPrune run: ALBERT with ``keep`` of its heads, by importance on training rows
+    (not the dev set the methods are scored on)."""
+    from dynaseq.workflows.head_prune import prune_heads_run
+
+    hp = v["head_prune"]
+    out = run_dir(task, f"{hp['run']}_heads{round(100 * hp['keep'])}")
+    if out.exists():
+        return
+    from dynaseq.tasks.registry import load_config
+
+    cfg = load_config(v["tasks"][task]["config"], [])
+    from dynaseq.data.datasets import resolve_data_path
+
+    rows = Path(resolve_data_path(cfg.data.train)).read_text().splitlines()
+    head = 1 if task == "sst2" else 0  # SST-2 has a header line, CoLA none
+    data = ROOT / f"{task}_importance.tsv"
+    _lib.write_atomic(data, "\n".join(rows[:head + hp["importance_rows"]]) + "\n")
+    prune_heads_run(run_dir(task, hp["run"]), out, data, hp["keep"])
+
+
+class Bench:
+    """The dev rows of one task and the loaded runs; scores and times method calls."""
+
+    def __init__(self, task: str, v: dict[str, Any]) -> None:
+        import dynaseq
+        from dynaseq.tasks.classify.glue import read_table
+
+        self.task, self.metric = task, v["tasks"][task]["metric"]
+        self.runs: dict[str, Any] = {}
+        for name in {m["run"] for section in ("methods", "sweeps") for m in v[section].values()}:
+            path = run_dir(task, name)
+            if path.exists():
+                self.runs[name] = dynaseq.load(path)
+        first = next(iter(self.runs.values()))
+        self.layout = first.layout
+        self.dev = read_table(first.config.data.valid, self.layout)
+        self.rows = {n: c.encode(list(self.dev.text_a))[0] for n, c in self.runs.items()}
+
+    def score(self, run: str, call: dict[str, Any]) -> dict[str, float]:
+        """The task metric (x 100) and the average layers run on the whole dev set."""
+        from dynaseq.tasks.classify.predictor import RealizedCompute, task_metrics
+
+        c = self.runs[run]
+        compute = RealizedCompute()
+        pred = c.classify_rows(self.rows[run], batch_size=32, compute=compute, **call)
+        metrics = task_metrics(self.layout, self.dev.targets(), pred)
+        layers = compute.avg_layers if compute.rows else float(
+            call.get("keep_layers", c.config.model.layers))
+        return {"score": round(100 * metrics[self.metric], 2), "avg_layers": round(layers, 3)}
+
+    def times(self, entries: dict[str, tuple[str, dict]], batch: int, n_rows: int,
+              rounds: int) -> dict[str, float]:
+        """Median seconds each entry takes to classify the first ``n_rows`` dev rows at
+        ``batch``, the entries interleaved in a new random order each round."""
+        order = list(entries)
+        got: dict[str, list[float]] = {k: [] for k in order}
+        rng = random.Random(0)
+        for name in order:  # warm-up
+            run, call = entries[name]
+            self.runs[run].classify_rows(self.rows[run][:batch], batch_size=batch, **call)
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for name in order:
+                run, call = entries[name]
+                c, rows = self.runs[run], self.rows[run][:n_rows]
+                got[name].append(_lib.timed(
+                    lambda c=c, rows=rows, call=call: c.classify_rows(rows, batch_size=batch,
+                                                                      **call)))
+        return {k: statistics.median(t) for k, t in got.items()}
+
+
+def static_calls(bench: Bench) -> dict[str, tuple[str, dict]]:
+    """The static exit at ALBERTa's mean depth (every input the same), rounded down and up."""
+    from dynaseq.tasks.classify.predictor import RealizedCompute
+
+    c = bench.runs["alberta"]
+    compute = RealizedCompute()
+    c.classify_rows(bench.rows["alberta"], batch_size=32, compute=compute, gamma=0.5)
+    mean = compute.avg_layers - c.config.model.depth.first_group
+    lo = int(mean)
+    return {f"static exit (depth {k})": ("alberta", {"depth": k}) for k in sorted({lo, lo + 1})
+            if k <= c.config.model.layers - c.config.model.depth.first_group}
+
+
+def shuffled_score(bench: Bench, seed: int = 0) -> dict[str, float]:
+    """ALBERTa with its own depths (at γ = 0.5) given to other inputs: the same compute, no
+    knowledge of which input needs which depth."""
+    from dynaseq.tasks.classify.predictor import (
+        RealizedCompute,
+        decide,
+        predict_logits,
+        task_metrics,
+    )
+    from dynaseq.techniques.depth.exits import DepthExit
+
+    c = bench.runs["alberta"]
+    compute = RealizedCompute()
+    c.classify_rows(bench.rows["alberta"], batch_size=32, compute=compute, gamma=0.5)
+    first = c.config.model.depth.first_group
+    depths = compute.row_layers - first
+    perm = torch.randperm(len(depths), generator=torch.Generator().manual_seed(seed))
+    logits = predict_logits(c.model, bench.rows["alberta"], 32, c.device,
+                            exit=DepthExit(depth=depths[perm]))
+    metrics = task_metrics(bench.layout, bench.dev.targets(), decide(logits, bench.layout))
+    return {"score": round(100 * metrics[bench.metric], 2),
+            "avg_layers": round(float(depths.float().mean()) + first, 3)}
+
+
+def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -> dict:
+    out: dict[str, Any] = {"rows": [], "curves": {}}
+    for task in tasks:
+        bench = Bench(task, v)
+        methods = {k: (m["run"], m["call"]) for k, m in v["methods"].items()
+                   if m["run"] in bench.runs}
+        methods.update(static_calls(bench))
+        scores = {k: bench.score(run, call) for k, (run, call) in methods.items()}
+        scores["shuffled exit"] = shuffled_score(bench)
+        t1 = bench.times(methods, 1, args.timing_rows, args.rounds)
+        t32 = bench.times(methods, 32, len(bench.rows["albert"]), args.rounds)
+        for k in [*methods, "shuffled exit"]:
+            row = {"task": task, "method": k, **scores[k]}
+            if k in methods:
+                row.update(speedup_b1=round(t1["ALBERT"] / t1[k], 3),
+                           speedup_b32=round(t32["ALBERT"] / t32[k], 3),
+                           ms_per_row_b1=round(1000 * t1[k] / args.timing_rows, 3),
+                           ms_per_row_b32=round(1000 * t32[k] / len(bench.rows["albert"]), 3))
+            out["rows"].append(row)
+        sweep_calls, labels = {}, {}
+        for name, s in v["sweeps"].items():
+            if s["run"] not in bench.runs:
+                continue
+            for value in s["values"]:
+                key = f"{name} {s['knob']}={value}"
+                sweep_calls[key] = (s["run"], {**s.get("fixed", {}), s["knob"]: value})
+                labels[key] = (name, value)
+        sweep_calls["ALBERT"] = ("albert", {})
+        labels["ALBERT"] = ("ALBERT", None)
+        st = bench.times(sweep_calls, 32, len(bench.rows["albert"]), args.rounds)
+        curves: dict[str, list] = {}
+        for key, (run, call) in sweep_calls.items():
+            name, value = labels[key]
+            curves.setdefault(name, []).append(
+                {"value": value, **bench.score(run, call),
+                 "speedup_b32": round(st["ALBERT"] / st[key], 3)})
+        out["curves"][task] = curves
+    return out
+
+
+def ablation_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
+    bench = Bench("sst2", {**v, "methods": v["ablation"]})
+    entries = {k: (m["run"], m["call"]) for k, m in v["ablation"].items() if m["run"] in bench.runs}
+    t1 = bench.times(entries, 1, args.timing_rows, args.rounds)
+    t32 = bench.times(entries, 32, len(bench.rows["albert"]), args.rounds)
+    return {"rows": [{"variant": k, **bench.score(*entries[k]),
+                      "speedup_b1": round(t1["ALBERT"] / t1[k], 3),
+                      "speedup_b32": round(t32["ALBERT"] / t32[k], 3)} for k in entries]}
+
+
+def speed_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
+    """Batch-1 speed-up by length bucket; chosen depths by length and by ALBERT's confidence."""
+    from dynaseq.tasks.classify.predictor import RealizedCompute, predict_logits
+
+    bench = Bench("sst2", v)
+    ab, al = bench.runs["albert"], bench.runs["alberta"]
+    rows_ab, rows_al = bench.rows["albert"], bench.rows["alberta"]
+    lengths = [len(ids) for ids, _ in rows_al]
+    edges = [0, 10, 20, 30, 40, 1000]
+    buckets = []
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        idx = [i for i, n in enumerate(lengths) if lo < n <= hi][:args.timing_rows // 3]
+        if not idx:
+            continue
+        entries = {"ALBERT": ("albert", {}), "ALBERTa": ("alberta", {"gamma": 0.5})}
+        sub = _Subset(bench, idx)
+        t = sub.times(entries, 1, len(idx), args.rounds)
+        buckets.append({"tokens": f"{lo + 1}-{hi}" if hi < 1000 else f">{lo}", "rows": len(idx),
+                        "speedup_b1": round(t["ALBERT"] / t["ALBERTa"], 3)})
+    compute = RealizedCompute()
+    al.classify_rows(rows_al, batch_size=32, compute=compute, gamma=0.5)
+    depth = compute.row_layers.tolist()
+    probs = predict_logits(ab.model, rows_ab, 32, ab.device).softmax(-1).max(-1).values
+    conf = probs.tolist()
+    order = sorted(range(len(conf)), key=lambda i: conf[i])
+    third = len(order) // 3
+    by_conf = {"hard (lowest ALBERT confidence third)": order[:third],
+               "easy (highest third)": order[-third:]}
+    by_len = {"short (shortest third)": sorted(range(len(lengths)), key=lambda i: lengths[i])[:third],
+              "long (longest third)": sorted(range(len(lengths)), key=lambda i: lengths[i])[-third:]}
+    groups = {name: {"mean_layers": round(statistics.mean(depth[i] for i in idx), 3),
+                     "histogram": _histogram([depth[i] for i in idx])}
+              for name, idx in {**by_len, **by_conf}.items()}
+    corr_len = _spearman(lengths, depth)
+    corr_conf = _spearman(conf, depth)
+    return {"length_buckets": buckets, "groups": groups,
+            "spearman_depth_vs_length": corr_len, "spearman_depth_vs_confidence": corr_conf,
+            "depth_histogram": _histogram(depth)}
+
+
+class _Subset(Bench):
+    """A Bench restricted to some dev rows (for timing by length)."""
+
+    def __init__(self, bench: Bench, idx: list[int]) -> None:
+        self.__dict__.update(bench.__dict__)
+        self.rows = {n: [r[i] for i in idx] for n, r in bench.rows.items()}
+
+
+def _histogram(values: list[int]) -> dict[str, int]:
+    return {str(k): values.count(k) for k in sorted(set(values))}
+
+
+def _spearman(a: list[float], b: list[float]) -> float | None:
+    from scipy.stats import spearmanr
+
+    r = spearmanr(a, b).statistic
+    return None if r != r else round(float(r), 3)  # NaN: one of them is constant
+
+
+def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | None,
+                  args: argparse.Namespace) -> None:
+    head = {"command": _lib.command(), "date": time.strftime("%Y-%m-%d"),
+            "machine": _lib.machine(processor=True), "provenance": _lib.provenance(),
+            "setup": "tiny encoder (d=128, 4 heads, ffn 512), 12 layer applications, from "
+                     "scratch; ALBERT: one shared layer; ALBERTa: 4 shared groups, predictor "
+                     "after 2 layers, absolute + relative positions (R=16); speed-ups: ALBERT's "
+                     "time / the method's, interleaved rounds in one process, medians"}
+    targets = ("Targets (issue 25): ALBERTa >= 1.6x ALBERT at batch 1 and 32 scoring no lower; "
+               "PABEE batched >= 1.3x; ALBERTa's accuracy-time curve above every baseline's.")
+    if glue is not None:
+        data = {"benchmark": "depth_glue", **head, **glue}
+        lines = _lib.md_head("Adaptive depth on GLUE dev (the paper's table, small scale)",
+                             data["command"], f"Machine: {data['machine']}. Date {data['date']}.",
+                             data["setup"] + ".", targets)
+        lines += _lib.md_table(
+            ["task", "method", "score", "avg layers", "speed-up b1", "speed-up b32",
+             "ms/row b1", "ms/row b32"], "llrrrrrr",
+            [[r["task"], r["method"], r["score"], r["avg_layers"], r.get("speedup_b1", "-"),
+              r.get("speedup_b32", "-"), r.get("ms_per_row_b1", "-"),
+              r.get("ms_per_row_b32", "-")] for r in glue["rows"]])
+        lines += ["", "Score: SST-2 accuracy, CoLA MCC (x 100), whole dev set. Shuffled exit: "
+                      "ALBERTa's depths at γ=0.5 given to other inputs (same compute). Curves "
+                      "(batch 32): `depth_glue.json` -> `curves`, plot `depth_glue.png`."]
+        _lib.write_results(args.results, "depth_glue", data, lines)
+        plot_curves(glue["curves"], args.results / "depth_glue.png")
+        print("\n".join(lines))
+    if abl is not None:
+        data = {"benchmark": "depth_ablation", **head, **abl}
+        lines = _lib.md_head("ALBERTa ablation (SST-2 dev)", data["command"],
+                             f"Machine: {data['machine']}. Date {data['date']}.",
+                             data["setup"] + ".")
+        lines += _lib.md_table(["variant", "accuracy", "avg layers", "speed-up b1",
+                                "speed-up b32"], "lrrrr",
+                               [[r["variant"], r["score"], r["avg_layers"], r["speedup_b1"],
+                                 r["speedup_b32"]] for r in abl["rows"]])
+        _lib.write_results(args.results, "depth_ablation", data, lines)
+        print("\n".join(lines))
+    if speed is not None:
+        data = {"benchmark": "depth_speed", **head, **speed}
+        lines = _lib.md_head("ALBERTa: speed-up by length and depths chosen (SST-2 dev)",
+                             data["command"], f"Machine: {data['machine']}. Date {data['date']}.",
+                             data["setup"] + ".")
+        lines += _lib.md_table(["tokens", "rows", "speed-up b1"], "lrr",
+                               [[b["tokens"], b["rows"], b["speedup_b1"]]
+                                for b in speed["length_buckets"]])
+        lines += ["", *_lib.md_table(["inputs", "mean layers", "layers: rows"], "lrl",
+                                     [[k, g["mean_layers"], g["histogram"]]
+                                      for k, g in speed["groups"].items()]),
+                  "", f"Spearman correlation of the depth with the length: "
+                      f"{speed['spearman_depth_vs_length']}, with ALBERT's confidence: "
+                      f"{speed['spearman_depth_vs_confidence']}. Plot `depth_speed.png`."]
+        _lib.write_results(args.results, "depth_speed", data, lines)
+        plot_speed(speed, args.results / "depth_speed.png")
+        print("\n".join(lines))
+
+
+def plot_curves(curves: dict[str, dict[str, list]], path: Path) -> None:
+    plt = _plot.pyplot()
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
+    for ax, (task, methods) in zip(axes[0], curves.items(), strict=True):
+        for name, pts in methods.items():
+            pts = sorted(pts, key=lambda p: p["speedup_b32"])
+            ax.plot([p["speedup_b32"] for p in pts], [p["score"] for p in pts],
+                    marker="o" if name != "ALBERT" else "*", label=name)
+        ax.set_title(f"{task} dev: score vs speed-up over ALBERT (batch 32)")
+        ax.set_xlabel("speed-up")
+        ax.set_ylabel("score x 100")
+        ax.legend(fontsize=7)
+    _plot.save(fig, path)
+
+
+def plot_speed(speed: dict, path: Path) -> None:
+    plt = _plot.pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    buckets = speed["length_buckets"]
+    a.bar([x["tokens"] for x in buckets], [x["speedup_b1"] for x in buckets])
+    a.set_title("ALBERTa speed-up over ALBERT by length (batch 1)")
+    a.set_xlabel("tokens")
+    for name, g in speed["groups"].items():
+        ks = sorted(int(k) for k in g["histogram"])
+        total = sum(g["histogram"].values())
+        b.plot(ks, [g["histogram"][str(k)] / total for k in ks], marker="o", label=name)
+    b.set_title("layers run (γ = 0.5)")
+    b.set_xlabel("layers")
+    b.set_ylabel("share of inputs")
+    b.legend(fontsize=7)
+    _plot.save(fig, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--timing-rows", type=int, default=300,
+                   help="dev rows timed at batch 1 (batch 32: the whole dev set)")
+    p.add_argument("--tasks", nargs="+", default=["sst2", "cola"])
+    p.add_argument("--only", nargs="+", default=["glue", "ablation", "speed"],
+                   choices=["glue", "ablation", "speed"])
+    p.add_argument("--report-only", action="store_true", help="train nothing")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check of the script: 3 updates per run in runs/bench/depth_smoke")
+    _lib.add_results_arg(p)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    v = _lib.variants_file("depth")
+    if args.smoke:
+        global ROOT
+        ROOT = _lib.RUNS / "depth_smoke"
+        v["smoke"] = ["train.max_steps=3", "train.valid_every=3", "train.save_every=3",
+                      "train.warmup_steps=1", "model.depth.depth_start_step=0"]
+        v["head_prune"]["importance_rows"] = 50
+    if not args.report_only:
+        train_runs(v)
+        for task in args.tasks:
+            if run_dir(task, v["head_prune"]["run"]).exists():
+                head_prune(v, task)
+    with torch.no_grad():
+        glue = glue_report(v, args.tasks, args) if "glue" in args.only else None
+        abl = ablation_report(v, args) if "ablation" in args.only else None
+        speed = speed_report(v, args) if "speed" in args.only else None
+    write_reports(v, glue, abl, speed, args)
+
+
+if __name__ == "__main__":
+    main()
