@@ -56,3 +56,15 @@ def read_events(run: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def padded_tokens(lengths: list[int], vocab: int = 100, seed: int = 1):
+    """(B, max(lengths)) random token ids in [5, vocab), row b right-padded with 0 after
+    ``lengths[b]`` tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    tok = torch.randint(5, vocab, (len(lengths), max(lengths)), generator=gen)
+    for b, n in enumerate(lengths):
+        tok[b, n:] = 0
+    return tok

@@ -15,6 +15,8 @@ from dynaseq.techniques.depth.config import DepthConfig
 from dynaseq.techniques.depth.exits import DEPTH_RUN, LAYER_ROWS, DepthExit
 from dynaseq.techniques.depth.predictor import StructurePredictor, exit_depths, revpc
 
+from encoder_helpers import padded_tokens
+
 LENGTHS = [12, 3, 7, 9, 5, 1]
 
 
@@ -28,11 +30,7 @@ def _model(**kw):
 
 
 def _tokens() -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1)
-    tok = torch.randint(5, 100, (len(LENGTHS), max(LENGTHS)), generator=gen)
-    for b, n in enumerate(LENGTHS):
-        tok[b, n:] = 0
-    return tok
+    return padded_tokens(LENGTHS)
 
 
 def test_revpc_matches_a_hand_computed_example():

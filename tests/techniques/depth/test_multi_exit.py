@@ -25,6 +25,8 @@ from dynaseq.techniques.depth.multi_exit import (
     weighted_exit_loss,
 )
 
+from encoder_helpers import padded_tokens
+
 LENGTHS = [12, 3, 7, 9, 5, 1, 10, 4]
 LAYERS = 6
 
@@ -46,11 +48,7 @@ def _model(share: str = "none", **kw) -> MultiExitEncoderModel:
 
 
 def _tokens() -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1)
-    tok = torch.randint(5, 100, (len(LENGTHS), max(LENGTHS)), generator=gen)
-    for b, n in enumerate(LENGTHS):
-        tok[b, n:] = 0
-    return tok
+    return padded_tokens(LENGTHS)
 
 
 def _history(*labels_per_layer: list[int], c: int = 3) -> torch.Tensor:
