@@ -1,5 +1,7 @@
 """The ``dynaseq`` command: train, translate, evaluate, profile, average, demo; for language
-models also generate, prune, quantize (QAT), cache-search and distill-data.
+models also generate, prune, quantize (QAT), cache-search and distill-data; for encoders
+classify, calibrate and prune-heads (early exit: ``--gamma``/``--depth`` of an
+adaptive-depth run, ``--exit-rule`` of a multi-exit one, ``--keep-layers``); serve.
 
 Language-model pipeline (MicroNet), each step a new run directory::
 
