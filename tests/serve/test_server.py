@@ -237,9 +237,14 @@ def test_sigterm_answers_the_requests_in_flight_then_exits(serve_run, lines, tmp
 def test_access_log_is_json_lines(server):
     server.post("/v1/translate", json={"text": "a", "budget": 0.5})
     server.post("/v1/translate", json={"text": "a", "budget": 0.9})
-    records = [json.loads(x) for x in server.log_text().splitlines()]
-    ok = [r for r in records if r.get("status") == 200 and r.get("budget") == [0.5, 0.5]]
-    bad = [r for r in records if r.get("status") == 422 and "0.9" in r.get("error", "")]
+    deadline = time.monotonic() + 10  # a request's line is written once its answer is sent
+    while True:
+        records = [json.loads(x) for x in server.log_text().splitlines()]
+        ok = [r for r in records if r.get("status") == 200 and r.get("budget") == [0.5, 0.5]]
+        bad = [r for r in records if r.get("status") == 422 and "0.9" in r.get("error", "")]
+        if (ok and bad) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert ok and bad
     assert {"ts", "method", "path", "latency_ms", "lines", "batch_lines"} <= set(ok[-1])
 
