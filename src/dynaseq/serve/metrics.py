@@ -41,8 +41,6 @@ class ServerMetrics:
                                  "realized compute of each served line (fraction of every "
                                  "gate on)", ["endpoint", "budget"], buckets=COMPUTE_BUCKETS,
                                  registry=r)
-        self.macs = Counter("dynaseq_realized_macs", "MACs the gated sub-layers ran for "
-                            "served lines", ["endpoint"], registry=r)
         self.queue_rows = Gauge("dynaseq_queue_depth_lines", "lines waiting for a batch",
                                 registry=r)
         self.batch_rows = Histogram("dynaseq_batch_lines", "lines per batch run",
