@@ -80,17 +80,7 @@ def _rows_control(control: Control, idx: list[int], device: torch.device) -> Con
 def _rows_exit(exit: Exit, idx: list[int]) -> Exit:
     """The exit of rows ``idx`` (a per-row γ, depth, threshold or patience is indexed, one
     for all is kept)."""
-    if exit is None:
-        return None
-    if isinstance(exit, LayerExit):
-        return exit.select(torch.tensor(idx))
-    g, d = exit.gamma, exit.depth
-    index = torch.tensor(idx)
-    if isinstance(g, Tensor) and g.numel() > 1:
-        return DepthExit(gamma=g.index_select(0, index.to(g.device)))
-    if isinstance(d, Tensor) and d.numel() > 1:
-        return DepthExit(depth=d.index_select(0, index.to(d.device)))
-    return exit
+    return None if exit is None else exit.select(torch.tensor(idx))
 
 
 @dataclass

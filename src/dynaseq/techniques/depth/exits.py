@@ -45,6 +45,14 @@ class DepthExit:
         elif bool((torch.as_tensor(self.depth) < 0).any()):
             raise ValueError(f"depth must be >= 0, got {self.depth}")
 
+    def select(self, index: Tensor) -> DepthExit:
+        """The exit of rows ``index`` (a per-row γ or depth is indexed, one for all kept)."""
+        for name in ("gamma", "depth"):
+            v = getattr(self, name)
+            if isinstance(v, Tensor) and v.numel() > 1:
+                return DepthExit(**{name: v.index_select(0, index.to(v.device))})
+        return self
+
     def depths(self, p: Tensor, n_adaptive: int) -> Tensor:
         """(B, K) keep probabilities -> (B,) long adaptive layers per row, in [0, K]."""
         b = p.size(0)
