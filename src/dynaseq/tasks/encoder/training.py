@@ -28,17 +28,16 @@ class EncoderTechnique(Protocol):
              step: int) -> tuple[Tensor, dict[str, float]]: ...
 
 
-#: ``model.<section>`` -> the technique's training plug-in (from the section, the train
-#: config and the model's depth), built when the section is set.
-TECHNIQUE_TRAINING: dict[str, Callable[[Any, TrainConfig, int], EncoderTechnique]] = {
-    "cct": lambda cct, train, layers: EncoderCCTTraining.from_config(cct, train),
+#: ``model.<section>`` -> the technique's training plug-in, built when the section is set.
+TECHNIQUE_TRAINING: dict[str, Callable[[Any, TrainConfig], EncoderTechnique]] = {
+    "cct": EncoderCCTTraining.from_config,
     "depth": DepthTraining.from_config,
 }
 
 
 def techniques_for(model: EncoderModelConfig, train: TrainConfig) -> list[EncoderTechnique]:
-    return [make(getattr(model, name), train, model.layers)
-            for name, make in TECHNIQUE_TRAINING.items() if getattr(model, name) is not None]
+    return [make(getattr(model, name), train) for name, make in TECHNIQUE_TRAINING.items()
+            if getattr(model, name) is not None]
 
 
 def draw_controls(techniques: list[EncoderTechnique], n_rows: int, step: int,

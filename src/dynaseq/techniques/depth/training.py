@@ -15,12 +15,12 @@ from dynaseq.techniques.depth.config import DepthConfig
 from dynaseq.techniques.depth.exits import DEPTH_PROBS
 
 
-def expected_depth(aux: Any) -> Tensor:
+def expected_depth(aux: Any) -> tuple[Tensor, int]:
     """(B,) E[adaptive layers run] = Σ_i p_i of each row of the call's keep probabilities
-    (concatenated over the calls recorded in ``aux``)."""
+    (concatenated over the calls recorded in ``aux``), and K, the adaptive layers."""
     probs = aux.traces.get(DEPTH_PROBS, [])
     assert probs, "an adaptive-depth model records its keep probabilities in training"
-    return torch.cat([p.sum(-1) for p in probs])
+    return torch.cat([p.sum(-1) for p in probs]), probs[0].size(-1)
 
 
 @dataclass
@@ -32,12 +32,10 @@ class DepthTraining:
     ``expected_depth`` (adaptive layers, mean over rows) per unit."""
 
     depth: DepthConfig
-    n_adaptive: int
 
     @classmethod
-    def from_config(cls, depth: DepthConfig, train: TrainConfig,
-                    layers: int) -> DepthTraining:
-        return cls(depth, layers - depth.first_group)
+    def from_config(cls, depth: DepthConfig, train: TrainConfig) -> DepthTraining:
+        return cls(depth)
 
     def before_update(self, model: nn.Module, step: int) -> None:
         pass
@@ -47,6 +45,7 @@ class DepthTraining:
 
     def loss(self, aux: Any, valid: Tensor, control: Tensor | None, n_units: int,
              step: int = 0) -> tuple[Tensor, dict[str, float]]:
-        e = expected_depth(aux).mean()
-        term = self.depth.weight_at(step) * n_units * e / self.n_adaptive
+        rows, k = expected_depth(aux)
+        e = rows.mean()
+        term = self.depth.weight_at(step) * n_units * e / k
         return term, {"expected_depth": float(e.detach()) * n_units}
