@@ -114,8 +114,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
-    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification or multi-exit")
-    _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
+    _refuse_classify_exits(args)
     if args.src is None or args.ref is None:
         raise DynaseqError("evaluate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -562,8 +561,7 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
     θ 0.016, λ 0.07 for a run without a cache)."""
     _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
-    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification or multi-exit")
-    _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
+    _refuse_classify_exits(args)
     lm = _language_model(args)
     result = {"split": args.split,
               **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
@@ -658,8 +656,7 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
     from dynaseq.tasks.mlm.predictor import MaskedLM
 
     _refuse_translation_args(args, "an MLM")
-    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification or multi-exit")
-    _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
+    _refuse_classify_exits(args)
     budget = _encoder_budget(args)
     if args.split != "valid" and args.data is None:
         raise DynaseqError("evaluate: an MLM run's config has a valid file only; give "
@@ -836,6 +833,12 @@ def parse_budget(text: str) -> float | tuple[float, float]:
 
 EXIT_ARGS = ("gamma", "depth", "exit_rule", "threshold", "patience")
 """The early-exit options (adaptive-depth and multi-exit classifiers only)."""
+
+
+def _refuse_classify_exits(args: argparse.Namespace) -> None:
+    """``evaluate`` of a run that is not a classifier: refuse the early-exit options."""
+    _refuse_given(args, EXIT_ARGS, "adaptive-depth classification or multi-exit")
+    _refuse_given(args, KEEP_LAYERS_ARGS, "classification")
 
 
 def _refuse_exit(args: argparse.Namespace) -> None:
