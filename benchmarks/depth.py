@@ -113,6 +113,18 @@ class Bench:
         self.layout = first.layout
         self.dev = read_table(first.config.data.valid, self.layout)
         self.rows = {n: c.encode(list(self.dev.text_a))[0] for n, c in self.runs.items()}
+        self._alberta_layers: torch.Tensor | None = None
+
+    def alberta_layers(self) -> torch.Tensor:
+        """(N,) long: the layers ALBERTa runs for each dev row at γ = 0.5 (measured once)."""
+        from dynaseq.tasks.classify.predictor import RealizedCompute
+
+        if self._alberta_layers is None:
+            compute = RealizedCompute()
+            self.runs["alberta"].classify_rows(self.rows["alberta"], batch_size=32,
+                                               compute=compute, gamma=0.5)
+            self._alberta_layers = compute.row_layers
+        return self._alberta_layers
 
     def score(self, run: str, call: dict[str, Any]) -> dict[str, float]:
         """The task metric (x 100) and the average layers run on the whole dev set."""
@@ -127,9 +139,10 @@ class Bench:
         return {"score": round(100 * metrics[self.metric], 2), "avg_layers": round(layers, 3)}
 
     def times(self, entries: dict[str, tuple[str, dict]], batch: int, n_rows: int,
-              rounds: int) -> dict[str, float]:
-        """Median seconds each entry takes to classify the first ``n_rows`` dev rows at
-        ``batch``, the entries interleaved in a new random order each round."""
+              rounds: int, subset: list[int] | None = None) -> dict[str, float]:
+        """Median seconds each entry takes to classify the first ``n_rows`` dev rows (of
+        ``subset``, default all) at ``batch``, the entries interleaved in a new random order
+        each round."""
         order = list(entries)
         got: dict[str, list[float]] = {k: [] for k in order}
         rng = random.Random(0)
@@ -140,7 +153,8 @@ class Bench:
             rng.shuffle(order)
             for name in order:
                 run, call = entries[name]
-                c, rows = self.runs[run], self.rows[run][:n_rows]
+                rows = self.rows[run] if subset is None else [self.rows[run][i] for i in subset]
+                c, rows = self.runs[run], rows[:n_rows]
                 got[name].append(_lib.timed(
                     lambda c=c, rows=rows, call=call: c.classify_rows(rows, batch_size=batch,
                                                                       **call)))
@@ -149,12 +163,8 @@ class Bench:
 
 def static_calls(bench: Bench) -> dict[str, tuple[str, dict]]:
     """The static exit at ALBERTa's mean depth (every input the same), rounded down and up."""
-    from dynaseq.tasks.classify.predictor import RealizedCompute
-
     c = bench.runs["alberta"]
-    compute = RealizedCompute()
-    c.classify_rows(bench.rows["alberta"], batch_size=32, compute=compute, gamma=0.5)
-    mean = compute.avg_layers - c.config.model.depth.first_group
+    mean = float(bench.alberta_layers().float().mean()) - c.config.model.depth.first_group
     lo = int(mean)
     return {f"static exit (depth {k})": ("alberta", {"depth": k}) for k in sorted({lo, lo + 1})
             if k <= c.config.model.layers - c.config.model.depth.first_group}
@@ -163,19 +173,12 @@ def static_calls(bench: Bench) -> dict[str, tuple[str, dict]]:
 def shuffled_score(bench: Bench, seed: int = 0) -> dict[str, float]:
     """ALBERTa with its own depths (at γ = 0.5) given to other inputs: the same compute, no
     knowledge of which input needs which depth."""
-    from dynaseq.tasks.classify.predictor import (
-        RealizedCompute,
-        decide,
-        predict_logits,
-        task_metrics,
-    )
+    from dynaseq.tasks.classify.predictor import decide, predict_logits, task_metrics
     from dynaseq.techniques.depth.exits import DepthExit
 
     c = bench.runs["alberta"]
-    compute = RealizedCompute()
-    c.classify_rows(bench.rows["alberta"], batch_size=32, compute=compute, gamma=0.5)
     first = c.config.model.depth.first_group
-    depths = compute.row_layers - first
+    depths = bench.alberta_layers() - first
     perm = torch.randperm(len(depths), generator=torch.Generator().manual_seed(seed))
     logits = predict_logits(c.model, bench.rows["alberta"], 32, c.device,
                             exit=DepthExit(depth=depths[perm]))
@@ -236,12 +239,11 @@ def ablation_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
 
 def speed_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     """Batch-1 speed-up by length bucket; chosen depths by length and by ALBERT's confidence."""
-    from dynaseq.tasks.classify.predictor import RealizedCompute, predict_logits
+    from dynaseq.tasks.classify.predictor import predict_logits
 
     bench = Bench("sst2", v)
-    ab, al = bench.runs["albert"], bench.runs["alberta"]
-    rows_ab, rows_al = bench.rows["albert"], bench.rows["alberta"]
-    lengths = [len(ids) for ids, _ in rows_al]
+    ab = bench.runs["albert"]
+    lengths = [len(ids) for ids, _ in bench.rows["alberta"]]
     edges = [0, 10, 20, 30, 40, 1000]
     buckets = []
     for lo, hi in zip(edges, edges[1:], strict=False):
@@ -249,21 +251,19 @@ def speed_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
         if not idx:
             continue
         entries = {"ALBERT": ("albert", {}), "ALBERTa": ("alberta", {"gamma": 0.5})}
-        sub = _Subset(bench, idx)
-        t = sub.times(entries, 1, len(idx), args.rounds)
+        t = bench.times(entries, 1, len(idx), args.rounds, subset=idx)
         buckets.append({"tokens": f"{lo + 1}-{hi}" if hi < 1000 else f">{lo}", "rows": len(idx),
                         "speedup_b1": round(t["ALBERT"] / t["ALBERTa"], 3)})
-    compute = RealizedCompute()
-    al.classify_rows(rows_al, batch_size=32, compute=compute, gamma=0.5)
-    depth = compute.row_layers.tolist()
-    probs = predict_logits(ab.model, rows_ab, 32, ab.device).softmax(-1).max(-1).values
+    depth = bench.alberta_layers().tolist()
+    probs = predict_logits(ab.model, bench.rows["albert"], 32, ab.device).softmax(-1).max(-1).values
     conf = probs.tolist()
     order = sorted(range(len(conf)), key=lambda i: conf[i])
     third = len(order) // 3
     by_conf = {"hard (lowest ALBERT confidence third)": order[:third],
                "easy (highest third)": order[-third:]}
-    by_len = {"short (shortest third)": sorted(range(len(lengths)), key=lambda i: lengths[i])[:third],
-              "long (longest third)": sorted(range(len(lengths)), key=lambda i: lengths[i])[-third:]}
+    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    by_len = {"short (shortest third)": by_length[:third],
+              "long (longest third)": by_length[-third:]}
     groups = {name: {"mean_layers": round(statistics.mean(depth[i] for i in idx), 3),
                      "histogram": _histogram([depth[i] for i in idx])}
               for name, idx in {**by_len, **by_conf}.items()}
@@ -272,14 +272,6 @@ def speed_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     return {"length_buckets": buckets, "groups": groups,
             "spearman_depth_vs_length": corr_len, "spearman_depth_vs_confidence": corr_conf,
             "depth_histogram": _histogram(depth)}
-
-
-class _Subset(Bench):
-    """A Bench restricted to some dev rows (for timing by length)."""
-
-    def __init__(self, bench: Bench, idx: list[int]) -> None:
-        self.__dict__.update(bench.__dict__)
-        self.rows = {n: [r[i] for i in idx] for n, r in bench.rows.items()}
 
 
 def _histogram(values: list[int]) -> dict[str, int]:
