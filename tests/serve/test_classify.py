@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dynaseq
+from dynaseq.metrics.encoder_profile import encoder_macs
 from dynaseq.serve.app import build_state
 from dynaseq.serve.config import ServeConfig
 from dynaseq.serve.endpoints import CLASSIFY
@@ -237,8 +238,16 @@ def test_adaptive_depth_requests_at_mixed_gammas_share_a_batch(depth_clf_run):
     jobs = [CLASSIFY.plan(state, CLASSIFY.request(texts=SENTENCES, gamma=g)) for g in GAMMAS]
     mixed = state.run_classify(jobs)
     depths = set()
-    for job, gamma, (labels, _, layers) in zip(jobs, GAMMAS, mixed, strict=True):
+    rows = offline.encode(SENTENCES)[0]
+    for job, gamma, (labels, compute, layers) in zip(jobs, GAMMAS, mixed, strict=True):
         assert (labels, layers) == state.run_classify([job])[0][::2]
+        # the compute reported is that of the layers the line ran, not of the whole model
+        ran = [n for n in layers if n is not None]
+        for (ids, _), n, c in zip(rows, ran, [c for c in compute if c], strict=True):
+            full = sum(encoder_macs(offline.model, len(ids)).values())
+            part = sum(encoder_macs(offline.model, len(ids), range(n)).values())
+            assert c["fraction"]["total"] == pytest.approx(part / full)
+            assert (c["fraction"]["total"] < 1) == (n < 4)
         assert labels == offline.classify(SENTENCES, gamma=gamma)
         assert layers[4] is None and all(1 <= n <= 4 for n in layers if n is not None)
         depths.update(n for n in layers if n is not None)

@@ -293,7 +293,9 @@ def run_classify(c: Any, report_compute: bool, jobs: list[Job]
                              gamma=gammas if depth else None)
     compute: list[dict | None] = [None] * len(rows)
     if report_compute:
-        compute = list(encoder_compute_per_row(c.model, rows, realized if cct else None))
+        compute = list(encoder_compute_per_row(
+            c.model, rows, realized if cct else None,
+            realized.row_layers if depth and not cct else None))
     out, start = [], 0
     for job in jobs:
         work: ClassifyWork = job.payload
@@ -310,16 +312,22 @@ def run_classify(c: Any, report_compute: bool, jobs: list[Job]
 
 
 def encoder_compute_per_row(model: torch.nn.Module, rows: list[Row],
-                            realized: RealizedCompute | None) -> list[dict]:
+                            realized: RealizedCompute | None,
+                            row_layers: torch.Tensor | None = None) -> list[dict]:
     """Each row's compute in the shape of translation's (:func:`realized_per_row`): for a
     CCT encoder, the MACs its gated sub-layers ran per token of the row and their fraction
     of every gate on (``realized``, from the batch that classified the rows: the row's
     padded positions count, as they ran); for a dense encoder (``realized`` None) the
-    analytic count (:func:`encoder_macs`), fraction 1."""
+    analytic count (:func:`encoder_macs`), fraction 1, or with ``row_layers`` ((N,) layers
+    each row ran: adaptive depth's early exit) the count of those first layers and its
+    fraction of every layer."""
     out = []
     for i, (ids, _) in enumerate(rows):
         if realized is None:
-            per, frac = sum(encoder_macs(model, len(ids)).values()) / len(ids), 1.0
+            full = sum(encoder_macs(model, len(ids)).values())
+            ran = full if row_layers is None else sum(
+                encoder_macs(model, len(ids), range(int(row_layers[i]))).values())
+            per, frac = ran / len(ids), ran / full
         else:
             ran, full = int(realized.row_ran[i]), int(realized.row_full[i])
             per, frac = ran / int(realized.row_tokens[i]), ran / full if full else 1.0
