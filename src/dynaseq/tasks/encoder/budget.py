@@ -17,7 +17,8 @@ depth instead (:func:`layers_for`: LayerDrop's "every other" layers). A multi-ex
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -147,13 +148,20 @@ def exit_for(cfg: EncoderModelConfig, gamma: Gamma = None, depth: int | None = N
         return DepthExit(gamma=cfg.depth.gamma)
     try:
         if isinstance(gamma, list):
-            if n_rows is not None and len(gamma) != n_rows:
-                raise DynaseqError(f"{len(gamma)} gammas for {n_rows} lines: give one, or a "
-                                   "list with one per line")
-            return DepthExit(gamma=torch.tensor([check_gamma(g) for g in gamma]))
+            return DepthExit(gamma=_per_row(gamma, n_rows, "gammas", check_gamma))
         return DepthExit(gamma=check_gamma(gamma))
     except ConfigError as e:
         raise DynaseqError(str(e)) from None
+
+
+def _per_row(values: list, n_rows: int | None, what: str,
+             check: Callable[[Any], float | int]) -> torch.Tensor:
+    """(N,) a call's per-line setting, each value checked (ConfigError); DynaseqError when
+    the list does not have one per line."""
+    if n_rows is not None and len(values) != n_rows:
+        raise DynaseqError(f"{len(values)} {what} for {n_rows} lines: give one, or a list "
+                           "with one per line")
+    return torch.tensor([check(v) for v in values])
 
 
 def layers_for(cfg: EncoderModelConfig, keep_layers: int | None = None) -> tuple[int, ...] | None:
@@ -203,10 +211,7 @@ def layer_exit_for(cfg: EncoderModelConfig, exit_rule: str | None = None,
         if value is None:
             value = cfg.exits.default(name)
         elif isinstance(value, list):
-            if n_rows is not None and len(value) != n_rows:
-                raise DynaseqError(f"{len(value)} values of {r.takes} for {n_rows} lines: give "
-                                   "one, or a list with one per line")
-            value = torch.tensor([r.check(v) for v in value])
+            value = _per_row(value, n_rows, f"values of {r.takes}", r.check)
         else:
             value = r.check(value)
     except ConfigError as e:
