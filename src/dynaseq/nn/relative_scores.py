@@ -45,8 +45,9 @@ class RelativeScores(nn.Module):
         nn.init.normal_(self.embedding.weight, std=0.02 / math.sqrt(d_head))
         pos = torch.arange(max_positions)
         index = (pos[:, None] - pos[None, :]).clamp(-max_distance, max_distance) + max_distance
-        # (P, P) long: the row of E_R for query i, key j
+        # (P, P) long: row of E_R for query i, key j; and its transpose for the keys' term
         self.register_buffer("index", index, persistent=False)
+        self.register_buffer("index_t", index.t().contiguous(), persistent=False)
 
     def forward(self, q: Tensor, k: Tensor) -> Tensor:
         b, h, t, _ = q.shape
@@ -55,7 +56,7 @@ class RelativeScores(nn.Module):
             raise ValueError(f"{max(t, s)} positions exceed max_positions={self.index.size(0)}")
         e = self.embedding.weight.t()  # (hd, 2R+1)
         rqs = (q @ e).gather(-1, self.index[:t, :s].expand(b, h, t, s))  # q_i · E_R(i−j)
-        rks = (k @ e).gather(-1, self.index[:t, :s].t().expand(b, h, s, t))  # k_j · E_R(i−j)
+        rks = (k @ e).gather(-1, self.index_t[:s, :t].expand(b, h, s, t))  # k_j · E_R(i−j)
         return rqs + rks.transpose(-1, -2)  # (B, H, T, S)
 
     def macs(self, n_queries: int, n_keys: int, n_heads: int) -> int:
