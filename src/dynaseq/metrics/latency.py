@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import beam_search, greedy_search
 
 
@@ -38,12 +39,14 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
 @torch.no_grad()
 def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
                       batch: int = 1, repeats: int = 5, seed: int = 0,
-                      control: int | None = None) -> float:
+                      control: int | None = None, lean: bool = False) -> float:
     """Median wall time (ms) to translate ``batch`` sentences of ``src_len`` tokens into
     exactly ``tgt_len`` tokens (eos is forbidden before, forced after), after one warm-up.
 
     Fixing the output length makes models comparable whatever they would generate.
-    ``control``: the control-symbol id (trained budget) of a CCT model.
+    ``control``: the control-symbol id (trained budget) of a CCT model. ``lean``: decode
+    through :class:`~dynaseq.models.lean.LeanDecoder` (prepared once, outside the timing);
+    a model it cannot run is refused.
     """
     device = next(model.parameters()).device
     vocab = model.decoder.output_proj.out_features
@@ -55,9 +58,13 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     kwargs = {"max_len_a": 0.0, "max_len_b": tgt_len + 1, "min_len": tgt_len,
               "max_positions": model.decoder.positions.max_positions, "control": control}
 
+    searcher = LeanDecoder.prepare(model) if lean else model
+    if searcher is None:
+        raise ValueError("lean decoding runs dense models only")
+
     def run() -> None:
-        out = (greedy_search(model, src, **kwargs) if beam == 1
-               else beam_search(model, src, beam=beam, **kwargs))
+        out = (greedy_search(searcher, src, **kwargs) if beam == 1
+               else beam_search(searcher, src, beam=beam, **kwargs))
         assert all(len(o) == tgt_len for o in out), "fixed-length decoding"
 
     return median_ms(model, run, repeats)

@@ -160,7 +160,8 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]
     src = t.tokenizer.encode([lines[i] for i in keep])
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
-                         batch_size=max(len(src), 1), device=t.device, control=control)
+                         batch_size=max(len(src), 1), device=t.device, control=control,
+                         lean=t.lean_decoder())
     texts = [""] * len(lines)
     for i, text in zip(keep, t.tokenizer.decode(hyps), strict=True):
         texts[i] = text

@@ -60,7 +60,8 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
                 out = decode_corpus(teacher.model, [ids[j] for j in chunk], beam=beam,
                                     length_penalty=d.length_penalty, max_len_a=d.max_len_a,
                                     max_len_b=d.max_len_b, batch_size=batch,
-                                    device=teacher.device, control=control)
+                                    device=teacher.device, control=control,
+                                    lean=teacher.lean_decoder())
                 for j, h in zip(chunk, out, strict=True):
                     hyps[j] = h
                 if bar is not None:

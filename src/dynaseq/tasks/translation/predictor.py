@@ -32,6 +32,7 @@ from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import open_run
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
+from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
@@ -74,12 +75,17 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   length_penalty: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
                   batch_size: int = 64, min_len: int = 0,
                   device: torch.device | None = None,
-                  control: Control = None, progress: bool = False) -> list[list[int]]:
+                  control: Control = None, progress: bool = False,
+                  lean: LeanDecoder | None = None) -> list[list[int]]:
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); a batch
     may mix sentences at different budgets. ``progress``: a bar of sentences on a terminal.
+    ``lean``: :meth:`LeanDecoder.prepare` of ``model`` (dense models), whose decoding step
+    the searches then run instead of the model's general one (same tokens, less work).
     """
+    assert lean is None or lean.model is model, "a lean decoder of this model"
+    searcher = model if lean is None else lean
     device = device or next(model.parameters()).device
     max_pos = model.encoder.positions.max_positions
     order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
@@ -94,9 +100,10 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                                  model.pad_id, model.eos_id).to(device)
             rows = _batch_control(control, len(src_ids), idx, device)
             if beam == 1:
-                hyps = greedy_search(model, src, max_len_a, max_len_b, min_len, max_pos, rows)
+                hyps = greedy_search(searcher, src, max_len_a, max_len_b, min_len, max_pos,
+                                     rows)
             else:
-                hyps = beam_search(model, src, beam, length_penalty, max_len_a, max_len_b,
+                hyps = beam_search(searcher, src, beam, length_penalty, max_len_a, max_len_b,
                                    min_len, max_pos, rows)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
@@ -225,6 +232,10 @@ class Translator:
     Budgets are arguments of each call (``budget=0.5``, or a list with one per line), looked
     up per row and passed to the model with the call (:meth:`control_for`); the model is
     never modified, so threads may translate at different budgets on one Translator.
+
+    ``fast_decode``: dense models decode through a :class:`~dynaseq.models.lean.LeanDecoder`
+    (prepared on first use, and again whenever the model's weights changed since); False
+    runs the model's general decoding step (same tokens, for tests and timings).
     """
 
     #: the run files an exported model carries besides config and weights (the tokenizer)
@@ -236,6 +247,19 @@ class Translator:
     device: torch.device
     checkpoint: Path
     calibrations: list[BudgetCalibration] = field(default_factory=list)
+    fast_decode: bool = True
+    _lean: LeanDecoder | None = field(default=None, init=False, repr=False, compare=False)
+
+    def lean_decoder(self) -> LeanDecoder | None:
+        """The lean decoder translation runs with (None: the model's general step, for
+        models that are not dense or with ``fast_decode`` off); prepared once and reused
+        while the model's weights stay as they were."""
+        if not self.fast_decode:
+            return None
+        lean = self._lean
+        if lean is None or not lean.is_current():
+            lean = self._lean = LeanDecoder.prepare(self.model)
+        return lean
 
     def budget_setting(self, budget: Budget = None) -> tuple[int | None, BudgetCalibration | None]:
         """The control-symbol id a budget runs with, and its calibration (None if none).
@@ -347,7 +371,7 @@ class Translator:
             max_len_a=d.max_len_a if max_len_a is None else max_len_a,
             max_len_b=d.max_len_b if max_len_b is None else max_len_b,
             batch_size=batch_size or d.batch_size, device=self.device, control=control,
-            progress=progress)
+            progress=progress, lean=self.lean_decoder())
         out = [""] * len(lines)
         for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
             out[i] = text

@@ -1,0 +1,151 @@
+"""The lean decoding step (models/lean.py) decodes exactly as the general step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dynaseq.compress.int8 import quantize_int8
+from dynaseq.models.lean import LeanDecoder, is_dense
+from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+from dynaseq.techniques.branching.config import DMBConfig
+from dynaseq.techniques.cct.config import CCTConfig
+
+EOS = 3
+
+
+def model(seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=4, encoder_layers=1, decoder_layers=2,
+                      dropout=0.0, **kw)
+    m = build_seq2seq(cfg, vocab_size=30).eval()
+    with torch.no_grad():  # peaky outputs, and eos likely enough that lengths vary
+        m.decoder.output_proj.weight.mul_(4)
+        m.decoder.output_proj.weight[EOS] *= 1.5
+    return m
+
+
+def sources(n: int = 7, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, 30, (n, 8), generator=g)
+    for i in range(n):
+        src[i, 8 - (i % 5):] = 0
+        src[i, 7 - (i % 5)] = EOS
+    return src
+
+
+def test_greedy_and_beam_give_the_general_steps_tokens_with_rows_finishing_apart():
+    m = model()
+    lean = LeanDecoder.prepare(m)
+    src = sources()
+    greedy = greedy_search(m, src, max_len_b=40)
+    assert len({len(h) for h in greedy}) > 2, "rows finish at different steps"
+    assert greedy_search(lean, src, max_len_b=40) == greedy
+    for k in (2, 4):
+        assert beam_search(lean, src, beam=k, max_len_b=40) == beam_search(m, src, beam=k,
+                                                                           max_len_b=40)
+
+
+def test_batched_equals_one_at_a_time():
+    m = model(seed=3)
+    lean = LeanDecoder.prepare(m)
+    src = sources(seed=4)
+    batched = greedy_search(lean, src, max_len_b=30)
+    for i in range(src.size(0)):
+        row = src[i: i + 1, : int(src[i].ne(0).sum())]
+        assert greedy_search(lean, row, max_len_b=30) == [batched[i]]
+        assert beam_search(lean, row, beam=3, max_len_b=30) == beam_search(m, row, beam=3,
+                                                                           max_len_b=30)
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 32])
+def test_each_steps_logits_equal_the_general_step_across_cache_growth(capacity):
+    m = model(seed=5)
+    lean = LeanDecoder.prepare(m)
+    src = sources(n=3, seed=6)
+    enc = m.encode(src)
+    general, fast = m.init_state(), lean.init_state(capacity)
+    tokens = torch.full((3, 1), m.bos_id)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _ in range(12):  # capacity 1 and 2 double several times
+            want = m.decode_step(tokens, enc, general)
+            got = lean.decode_step(tokens, enc, fast)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            tokens = torch.randint(4, 30, (3, 1), generator=g)
+    assert fast.step == general.step == 12
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_concatenates_nothing_and_projects_the_encoder_output_once():
+    m = model()
+    lean = LeanDecoder.prepare(m)
+    src = sources(n=2)
+    enc = m.encode(src)
+    state = lean.init_state(capacity=64)
+    tokens = torch.full((2, 1), m.bos_id)
+    counts = []
+    for _ in range(5):
+        with _CountOps() as ops:
+            lean.decode_step(tokens, enc, state)
+        counts.append(ops.names)
+    assert all("cat.default" not in names for names in counts)
+    linears = [sum(n in ("addmm.default", "mm.default") for n in names) for names in counts]
+    # per layer: fused qkv, self out, cross q, cross out, fc1, fc2; then the output layer;
+    # the first step also projects the encoder output to each layer's keys and values
+    assert linears == [2 * 6 + 1 + 2 * 2] + [2 * 6 + 1] * 4
+
+
+def test_techniques_and_int8_keep_the_general_step():
+    assert is_dense(model())
+    assert LeanDecoder.prepare(model(cct=CCTConfig(ffn_pieces=2, control_hidden=8))) is None
+    assert LeanDecoder.prepare(model(dmb=DMBConfig(n_branches=2))) is None
+    assert LeanDecoder.prepare(quantize_int8(model())) is None
+
+
+def test_a_changed_weight_or_module_makes_it_stale():
+    m = model()
+    lean = LeanDecoder.prepare(m)
+    assert lean.is_current()
+    with torch.no_grad():
+        m.decoder.layers[1].self_attn.v_proj.bias.add_(0.5)
+    assert not lean.is_current()
+    lean = LeanDecoder.prepare(m)
+    m.decoder.layers[0].ffn.fc1 = torch.nn.Linear(32, 64)
+    assert not lean.is_current()
+    src = sources()
+    assert greedy_search(LeanDecoder.prepare(m), src) == greedy_search(m, src)
+
+
+def test_translator_decodes_the_same_with_and_without_the_lean_step(trained_run,
+                                                                      synthetic_paths):
+    from dynaseq.tasks.translation.predictor import Translator
+
+    t = Translator.load(trained_run)
+    lines = synthetic_paths["test.src"].read_text().splitlines()[:20]
+    fast = t.translate(lines, beam=1), t.translate(lines, beam=3)
+    assert t.lean_decoder() is not None and t.lean_decoder() is t.lean_decoder()
+    t.fast_decode = False
+    assert t.lean_decoder() is None
+    assert (t.translate(lines, beam=1), t.translate(lines, beam=3)) == fast
+    t.fast_decode = True
+    before = t.lean_decoder()
+    with torch.no_grad():  # training it further: the next call prepares a new lean step
+        t.model.decoder.layers[0].self_attn.q_proj.weight.mul_(1.5)
+    assert t.lean_decoder() is not before
+    t.fast_decode = False
+    general = t.translate(lines, beam=1)
+    t.fast_decode = True
+    assert t.translate(lines, beam=1) == general
