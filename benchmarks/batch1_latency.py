@@ -1,0 +1,386 @@
+"""Benchmark `batch1_latency`: dense decoding against CTranslate2 and the machine's limits,
+DMB / MoE against dense (issue 28).
+
+Every cell translates ``batch`` random 30-token sentences into exactly 30 tokens (eos is
+forbidden before and forced after, :func:`dynaseq.metrics.latency.decode_latency_ms`), greedy
+and beam 4, at batch 1, 8 and 32, on ``--threads`` threads. The systems of one row take turns
+round by round (the machine's noise then hits them alike); a cell is the median of the
+per-round medians, and every ratio is of two cells measured in the same rounds.
+
+* **dense** ``tiny`` (d=128, 3+3 layers), ``small`` (256, 6+6), ``base`` (512, 6+6), vocabulary
+  8000, random weights (seed 0): dynaseq's general decoding step, its lean step
+  (:class:`dynaseq.models.lean.LeanDecoder`), and CTranslate2 (float32, the same weights
+  converted: fused q/k/v, the same sinusoid table; ``pip install ctranslate2``, a
+  benchmark-only extra) with ``intra_threads`` = ``--threads``. Before timing, the greedy
+  tokens of the converted model are compared with dynaseq's on a model with peaked outputs.
+* **limits** (measured in the same run): the weight-reading limit of a batch-1 step (bytes of
+  decoder and output weights a step must read ÷ the read rate of a large matrix-vector
+  product) and the SGEMM rate of a large float32 matrix product; each dense cell at batch 1
+  is reported against the first, each at batch 32 against the second (FLOPs of the decode
+  from the analytic MAC count, :func:`dynaseq.metrics.macs.count_macs`).
+* **dmb / moe**: ``configs/multi30k_dmb_tiny.yaml`` and ``multi30k_moe_tiny.yaml`` (and the
+  same at ``small``), untrained, shared parts merged, against the dense model of their size
+  (lean step), batch 1.
+
+    python benchmarks/batch1_latency.py [--sizes tiny small base] [--batches 1 8 32]
+        [--rounds 3] [--repeats 1] [--threads 2] [--no-ct2] [--no-branching]
+
+Writes benchmarks/results/batch1_latency.{json,md}. Run from the repository root, alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from dynaseq.metrics.latency import decode_latency_ms
+from dynaseq.metrics.macs import count_macs
+from dynaseq.models.lean import LeanDecoder
+from dynaseq.models.search import greedy_search
+from dynaseq.tasks.registry import load_config
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+from dynaseq.techniques.branching import merge_shared_
+
+import _lib
+
+VOCAB = 8000
+SRC_LEN = TGT_LEN = 30
+LAYERS = {"tiny": 3, "small": 6, "base": 6}
+BEAMS = {"greedy": 1, "beam4": 4}
+BRANCHING = {"dmb": "configs/multi30k_dmb_{size}.yaml", "moe": "configs/multi30k_moe_{size}.yaml"}
+
+
+def dense(size: str, seed: int = 0) -> torch.nn.Module:
+    """An untrained dense model of ``size`` (3+3 layers at tiny, 6+6 above), eval mode."""
+    torch.manual_seed(seed)
+    n = LAYERS[size]
+    cfg = ModelConfig(size=size, encoder_layers=n, decoder_layers=n, dropout=0.0)
+    return build_seq2seq(cfg, VOCAB).eval()
+
+
+def branched(kind: str, size: str) -> torch.nn.Module:
+    """The untrained DMB or MoE model of the shipped tiny config at ``size``, shared parts
+    merged (as :meth:`Translator.load` does), eval mode."""
+    torch.manual_seed(0)
+    overrides = [] if size == "tiny" else [f"model.size={size}", "model.d_model=null",
+                                           "model.ffn_dim=null", "model.n_heads=null"]
+    cfg = load_config(BRANCHING[kind].format(size="tiny"), overrides).model
+    model = build_seq2seq(cfg, VOCAB)
+    merge_shared_(model)
+    return model.eval()
+
+
+# ------------------------------------------------------------------ CTranslate2 conversion
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().contiguous().numpy()
+
+
+def _linear(spec, *mods: torch.nn.Linear) -> None:
+    """One CTranslate2 linear spec from one or several (fused, stacked) ``nn.Linear``."""
+    spec.weight = np.concatenate([_np(m.weight) for m in mods])
+    if mods[0].bias is not None:
+        spec.bias = np.concatenate([_np(m.bias) for m in mods])
+
+
+def _norm(spec, norm: torch.nn.LayerNorm) -> None:
+    spec.gamma, spec.beta = _np(norm.weight), _np(norm.bias)
+
+
+def _layer(spec, layer, cross: bool) -> None:
+    sa = layer.self_attn
+    _norm(spec.self_attention.layer_norm, layer.self_attn_norm)
+    _linear(spec.self_attention.linear[0], sa.q_proj, sa.k_proj, sa.v_proj)
+    _linear(spec.self_attention.linear[1], sa.out_proj)
+    if cross:
+        ca = layer.cross_attn
+        _norm(spec.attention.layer_norm, layer.cross_attn_norm)
+        _linear(spec.attention.linear[0], ca.q_proj)
+        _linear(spec.attention.linear[1], ca.k_proj, ca.v_proj)
+        _linear(spec.attention.linear[2], ca.out_proj)
+    _norm(spec.ffn.layer_norm, layer.ffn_norm)
+    _linear(spec.ffn.linear_0, layer.ffn.fc1)
+    _linear(spec.ffn.linear_1, layer.ffn.fc2)
+
+
+def to_ctranslate2(model: torch.nn.Module, out_dir: str, threads: int):
+    """A ``ctranslate2.Translator`` running the same weights as the dense ``model``, and its
+    vocabulary (token ``i`` is ``vocab[i]``)."""
+    import ctranslate2
+    from ctranslate2.specs import transformer_spec
+
+    enc, dec = model.encoder, model.decoder
+    n_heads = enc.layers[0].self_attn.n_heads
+    spec = transformer_spec.TransformerSpec.from_config(
+        (len(enc.layers), len(dec.layers)), n_heads, pre_norm=True)
+    spec.encoder.embeddings[0].weight = _np(enc.embed.weight)
+    spec.encoder.position_encodings.encodings = _np(enc.positions.table)
+    _norm(spec.encoder.layer_norm, enc.norm)
+    for s, layer in zip(spec.encoder.layer, enc.layers, strict=True):
+        _layer(s, layer, cross=False)
+    spec.decoder.embeddings.weight = _np(dec.embed.weight)
+    spec.decoder.position_encodings.encodings = _np(dec.positions.table)
+    _norm(spec.decoder.layer_norm, dec.norm)
+    spec.decoder.projection.weight = _np(dec.output_proj.weight)
+    for s, layer in zip(spec.decoder.layer, dec.layers, strict=True):
+        _layer(s, layer, cross=True)
+    vocab = ["<blank>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(4, VOCAB)]
+    assert (model.pad_id, model.bos_id, model.eos_id) == (0, 2, 3), "ids of the vocabulary"
+    spec.register_source_vocabulary(vocab)
+    spec.register_target_vocabulary(vocab)
+    spec.validate()
+    spec.optimize(quantization=None)
+    spec.save(out_dir)
+    return ctranslate2.Translator(out_dir, device="cpu", compute_type="float32",
+                                  inter_threads=1, intra_threads=threads), vocab
+
+
+def sources(batch: int, seed: int = 0) -> torch.Tensor:
+    """``batch`` random sentences of ``SRC_LEN`` tokens, the last one eos."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, VOCAB, (batch, SRC_LEN), generator=gen)
+    src[:, -1] = 3
+    return src
+
+
+def ct2_runner(translator, vocab: list[str], batch: int, beam: int) -> Callable[[], None]:
+    """One fixed-length decode of ``batch`` sentences by CTranslate2 (30 tokens, then eos:
+    the 31 decoder steps dynaseq's fixed-length decode runs)."""
+    tokens = [[vocab[i] for i in row] for row in sources(batch).tolist()]
+
+    def run() -> None:
+        out = translator.translate_batch(tokens, beam_size=beam, min_decoding_length=TGT_LEN,
+                                         max_decoding_length=TGT_LEN + 1)
+        assert all(len(r.hypotheses[0]) == TGT_LEN for r in out), "fixed-length decoding"
+    return run
+
+
+def agreement(threads: int) -> dict[str, float]:
+    """Share of greedy tokens CTranslate2 and dynaseq agree on, for a ``tiny`` model whose
+    outputs are made peaked (scaled output layer), 8 sentences."""
+    model = dense("tiny", seed=1)
+    with torch.no_grad():
+        model.decoder.output_proj.weight.mul_(8)
+    with tempfile.TemporaryDirectory() as tmp:
+        translator, vocab = to_ctranslate2(model, tmp, threads)
+        src = sources(8, seed=1)
+        ours = greedy_search(model, src, max_len_a=0, max_len_b=TGT_LEN + 1, min_len=TGT_LEN)
+        out = translator.translate_batch([[vocab[i] for i in row] for row in src.tolist()],
+                                         beam_size=1, min_decoding_length=TGT_LEN,
+                                         max_decoding_length=TGT_LEN + 1)
+        theirs = [[vocab.index(t) for t in r.hypotheses[0]] for r in out]
+    same = sum(a == b for x, y in zip(ours, theirs, strict=True)
+               for a, b in zip(x, y, strict=True))
+    return {"tokens": same / (8 * TGT_LEN), "distinct_tokens": len({t for x in ours for t in x})}
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+def read_rate_gbs(rounds: int) -> float:
+    """GB/s a large float32 matrix-vector product reads its matrix at (best of ``rounds``;
+    a 64 MB matrix, larger than the caches)."""
+    w = torch.randn(8192, 2048)
+    x = torch.randn(2048)
+    best = min(_lib.timed(lambda: [torch.mv(w, x) for _ in range(10)]) / 10
+               for _ in range(rounds))
+    wt = w.t().contiguous()
+    best_t = min(_lib.timed(lambda: [x @ wt for _ in range(10)]) / 10 for _ in range(rounds))
+    return w.numel() * 4 / min(best, best_t) / 1e9
+
+
+def sgemm_gflops(rounds: int) -> float:
+    """GFLOP/s of a 2048 × 2048 × 2048 float32 matrix product (best of ``rounds``)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = min(_lib.timed(lambda: a @ b) for _ in range(rounds))
+    return 2 * 2048 ** 3 / best / 1e9
+
+
+def step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one batch-1 decoder step must read: every decoder layer's except the
+    cross-attention keys/values (projected once per sentence), and the output layer."""
+    dec = model.decoder
+    skip = {id(p) for layer in dec.layers
+            for p in (*layer.cross_attn.k_proj.parameters(), *layer.cross_attn.v_proj.parameters())}
+    params = [p for p in dec.layers.parameters() if id(p) not in skip]
+    params += [dec.output_proj.weight]
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def decode_flops(model: torch.nn.Module, batch: int, beam: int) -> float:
+    """FLOPs of the fixed-length decode of ``batch`` sentences (2 × the analytic MACs of a
+    30 → 30 pair, decoder steps counted per beam; the first beam step runs once)."""
+    macs = count_macs(model, SRC_LEN, TGT_LEN + 1)
+    return 2.0 * batch * (macs["encoder"] + beam * macs["decoder"])
+
+
+# ------------------------------------------------------------------------------- timing
+
+
+def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Median over rounds of each system's per-round time (ms), the systems taking turns."""
+    per: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(rounds):
+        for name, run in systems.items():
+            per[name].append(run())
+    return {name: round(statistics.median(v), 2) for name, v in per.items()}
+
+
+def ms_of(run: Callable[[], None], repeats: int) -> Callable[[], float]:
+    """A system for :func:`interleaved`: the median ms of ``repeats`` calls of ``run``."""
+    def measure() -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return 1000.0 * statistics.median(times)
+    run()  # warm-up
+    return measure
+
+
+def dense_rows(args, rates: dict[str, float]) -> list[dict]:
+    """One row per (size, batch, search): general, lean and CTranslate2 ms and ratios."""
+    rows = []
+    for size in args.sizes:
+        model = dense(size)
+        tmp = tempfile.TemporaryDirectory()
+        ct2 = None if args.no_ct2 else to_ctranslate2(model, tmp.name, args.threads)
+        for batch in args.batches:
+            for search, beam in BEAMS.items():
+                def ours(lean: bool, batch=batch, beam=beam) -> Callable[[], float]:
+                    return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam,
+                                                     batch=batch, repeats=args.repeats,
+                                                     lean=lean)
+                systems = {"general": ours(False), "lean": ours(True)}
+                if ct2 is not None:
+                    systems["ctranslate2"] = ms_of(ct2_runner(*ct2, batch, beam), args.repeats)
+                ms = interleaved(systems, args.rounds)
+                row = {"size": size, "batch": batch, "search": search, "ms": ms,
+                       "lean_vs_general": round(ms["lean"] / ms["general"], 3)}
+                if ct2 is not None:
+                    row["lean_vs_ct2"] = round(ms["lean"] / ms["ctranslate2"], 3)
+                    row["general_vs_ct2"] = round(ms["general"] / ms["ctranslate2"], 3)
+                if batch == 1:
+                    limit = step_bytes(model) / (rates["read_gbs"] * 1e9) * 1000 * (TGT_LEN + 1)
+                    row["weight_read_limit_ms"] = round(limit * (1 if beam == 1 else 1), 2)
+                    row["lean_vs_limit"] = round(ms["lean"] / limit, 3)
+                row["lean_gflops"] = round(decode_flops(model, batch, beam)
+                                           / (ms["lean"] / 1000) / 1e9, 1)
+                row["lean_share_of_sgemm"] = round(row["lean_gflops"] / rates["sgemm_gflops"], 3)
+                rows.append(row)
+                print(f"{size} b{batch} {search}: {ms}", flush=True)
+        tmp.cleanup()
+    return rows
+
+
+def branching_rows(args) -> list[dict]:
+    """DMB and MoE ÷ the dense model of their size (lean and general step), batch 1."""
+    rows = []
+    for size in [s for s in args.sizes if s in ("tiny", "small")]:
+        base = build_dense_like(size)
+        models = {kind: branched(kind, size) for kind in BRANCHING}
+        for search, beam in BEAMS.items():
+            def t(model, lean=False, beam=beam) -> Callable[[], float]:
+                return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam, batch=1,
+                                                 repeats=args.repeats, lean=lean)
+            systems = {"dense lean": t(base, True), "dense general": t(base),
+                       **{kind: t(m) for kind, m in models.items()}}
+            ms = interleaved(systems, args.rounds)
+            row = {"size": size, "search": search, "ms": ms}
+            for kind in BRANCHING:
+                row[f"{kind}_vs_dense_lean"] = round(ms[kind] / ms["dense lean"], 3)
+                row[f"{kind}_vs_dense_general"] = round(ms[kind] / ms["dense general"], 3)
+            rows.append(row)
+            print(f"branching {size} {search}: {ms}", flush=True)
+    return rows
+
+
+def build_dense_like(size: str) -> torch.nn.Module:
+    """The dense model of the DMB / MoE configs' shape (3+3 layers) at ``size``."""
+    torch.manual_seed(0)
+    cfg = load_config("configs/multi30k_tiny.yaml", [] if size == "tiny" else [
+        f"model.size={size}", "model.d_model=null", "model.ffn_dim=null",
+        "model.n_heads=null"]).model
+    return build_seq2seq(cfg, VOCAB).eval()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small", "base"], choices=LAYERS)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    p.add_argument("--repeats", type=int, default=1, help="timed decodes per system and round")
+    p.add_argument("--threads", type=int, default=2, help="torch and CTranslate2 threads")
+    p.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
+    p.add_argument("--no-branching", action="store_true", help="skip DMB / MoE")
+    _lib.add_results_arg(p)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rates = {"read_gbs": round(read_rate_gbs(5), 2), "sgemm_gflops": round(sgemm_gflops(5), 1)}
+    print(f"limits: {rates}", flush=True)
+    out = {"benchmark": "batch1_latency", **_lib.provenance(),
+           "machine": _lib.machine(processor=True), "rounds": args.rounds,
+           "repeats": args.repeats, "limits": rates}
+    if not args.no_ct2:
+        import ctranslate2
+
+        out["ctranslate2"] = {"version": ctranslate2.__version__,
+                              "agreement": agreement(args.threads)}
+    out["dense"] = dense_rows(args, rates)
+    if not args.no_branching:
+        out["branching"] = branching_rows(args)
+    lines = markdown(out)
+    _lib.write_results(args.results, "batch1_latency", out, lines, json_newline=True)
+    print("\n".join(lines))
+
+
+def markdown(out: dict) -> list[str]:
+    """The lines of batch1_latency.md for the results ``out``."""
+    code = (out["commit"] or "no git checkout")[:12] + (
+        " (with uncommitted changes)" if out["dirty"] else "")
+    lines = _lib.md_head(
+        "batch1_latency: fixed-length 30 → 30 decoding against CTranslate2 and the limits",
+        out["command"], f"Code: {code} ({out['date']} UTC)", f"Machine: {out['machine']}",
+        f"{out['rounds']} interleaved rounds of {out['repeats']} timed decode(s) per system "
+        "(after a warm-up), the median of the per-round medians. Untrained models, "
+        f"vocabulary {VOCAB}. Limits measured in this run: a large matrix-vector product "
+        f"reads {out['limits']['read_gbs']} GB/s, a large SGEMM runs at "
+        f"{out['limits']['sgemm_gflops']} GFLOP/s.")
+    if "ctranslate2" in out:
+        a = out["ctranslate2"]["agreement"]
+        lines += [f"CTranslate2 {out['ctranslate2']['version']} runs the same weights: greedy "
+                  f"tokens agree {a['tokens']:.1%} with dynaseq's ({a['distinct_tokens']} "
+                  "distinct tokens, peaked tiny model).", ""]
+    lines += ["## Dense (ms; ratios of cells measured side by side)", "",
+              "Targets: lean ≤ 1.0× CTranslate2 everywhere; at batch 1 ≤ 1.5× the "
+              "weight-reading limit; at batch 32 ≥ 60% of the SGEMM rate.", ""]
+    header = ["size", "batch", "search", "general", "lean", "CTranslate2", "lean ÷ general",
+              "lean ÷ CT2", "general ÷ CT2", "limit ms", "lean ÷ limit", "share of SGEMM"]
+    rows = [[r["size"], r["batch"], r["search"], r["ms"]["general"], r["ms"]["lean"],
+             r["ms"].get("ctranslate2", "–"), r["lean_vs_general"], r.get("lean_vs_ct2", "–"),
+             r.get("general_vs_ct2", "–"), r.get("weight_read_limit_ms", "–"),
+             r.get("lean_vs_limit", "–"), r["lean_share_of_sgemm"]] for r in out["dense"]]
+    lines += _lib.md_table(header, "lrl" + "r" * 9, rows)
+    if out.get("branching"):
+        lines += ["", "## DMB and MoE against dense, batch 1 (ms)", "",
+                  "Target: DMB ≤ 1.05× the dense model, greedy and beam 4, tiny and small.", ""]
+        header = ["size", "search", "dense lean", "dense general", "dmb", "moe",
+                  "dmb ÷ dense lean", "dmb ÷ dense general", "moe ÷ dense lean"]
+        lines += _lib.md_table(header, "ll" + "r" * 7, [
+            [r["size"], r["search"], r["ms"]["dense lean"], r["ms"]["dense general"],
+             r["ms"]["dmb"], r["ms"]["moe"], r["dmb_vs_dense_lean"], r["dmb_vs_dense_general"],
+             r["moe_vs_dense_lean"]] for r in out["branching"]])
+    return lines
+
+
+if __name__ == "__main__":
+    main()
