@@ -6,16 +6,12 @@ another task refused), the vocabulary, the device, then for the checkpoint asked
 read is replaced by the next newest) the model is built, its weights are loaded and the
 predictor is made from the :class:`LoadedRun`.
 
-Example::
+Example (a predictor's ``load``; ``read_vocab``, ``build_model``: the task's own)::
 
-    @classmethod
-    def load(cls, run_dir, checkpoint="auto", device="auto") -> MaskedLM:
-        return load_predictor(
-            run_dir, checkpoint, device, {TASK: MLMRunConfig}, "MLM",
-            vocabulary=lambda run: EncoderVocab.load(run / SPM_FILE),
-            build=lambda cfg, vocab: build_encoder_model(cfg.model, vocab.size, MLM,
-                                                         vocab.pad_id),
-            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device))
+    return load_predictor(run_dir, checkpoint, device, {TASK: MLMRunConfig}, "MLM",
+                          vocabulary=read_vocab, build=build_model,
+                          make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint,
+                                             r.device))
 """
 
 from __future__ import annotations
