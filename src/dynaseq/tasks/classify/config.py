@@ -131,6 +131,4 @@ class ClassifyRunConfig:
 
     def __post_init__(self) -> None:
         check_task(self, TASK, "a fine-tuning")
-        if self.data.max_len > self.model.max_positions:
-            raise ConfigError(f"data.max_len={self.data.max_len} exceeds "
-                              f"model.max_positions={self.model.max_positions}")
+        self.model.check_input_length("data.max_len", self.data.max_len)

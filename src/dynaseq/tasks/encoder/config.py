@@ -120,6 +120,12 @@ class EncoderModelConfig:
             raise ConfigError("model.exits (internal classifiers) does not combine with "
                               f"model.{'depth' if self.depth is not None else 'cct'}")
 
+    def check_input_length(self, key: str, length: int) -> None:
+        """Raise :class:`ConfigError` if inputs of ``length`` tokens (the run config's ``key``,
+        e.g. ``data.max_len``) do not fit ``max_positions``."""
+        if length > self.max_positions:
+            raise ConfigError(f"{key}={length} exceeds model.max_positions={self.max_positions}")
+
     @property
     def plan(self) -> list[int]:
         """Which distinct layer runs at each depth (see ``share_layers``)."""

@@ -87,6 +87,4 @@ class MLMRunConfig:
 
     def __post_init__(self) -> None:
         check_task(self, TASK, "an MLM")
-        if self.data.block_len > self.model.max_positions:
-            raise ConfigError(f"data.block_len={self.data.block_len} exceeds "
-                              f"model.max_positions={self.model.max_positions}")
+        self.model.check_input_length("data.block_len", self.data.block_len)
