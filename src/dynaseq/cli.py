@@ -60,6 +60,13 @@ def _check_output(out: str | None, *inputs: str | None) -> None:
             raise DynaseqError(f"the output {out} is the input {inp}: choose another file")
 
 
+def _print_result(args: argparse.Namespace, result: object, text: Callable[[], str]) -> int:
+    """A command's report on stdout: ``result`` as indented JSON with ``--json``, else
+    ``text()``, the human-readable lines. Returns the exit status, 0."""
+    print(json.dumps(result, indent=1) if args.json else text())
+    return 0
+
+
 def _write_output(lines: list[str], path: str | None) -> None:
     """Standard output, or ``path`` written atomically (a failure leaves the old file)."""
     if path is None or path == "-":
@@ -126,12 +133,9 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     result = t.evaluate(src, ref, beam=args.beam, length_penalty=args.length_penalty,
                         batch_size=args.batch_size, budget=args.budget,
                         progress=not args.quiet)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print(f"BLEU {result['bleu']:.2f}  loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
-              f"PTR {result['ptr']:.2f}  ({result['n_sentences']} sentences)\n"
-              f"{result['signature']}")
+    _print_result(args, result, lambda: (
+        f"BLEU {result['bleu']:.2f}  loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
+        f"PTR {result['ptr']:.2f}  ({result['n_sentences']} sentences)\n{result['signature']}"))
     if result.get("collapsed"):
         from dynaseq.techniques.branching.usage import COLLAPSE_SHARE
 
@@ -206,24 +210,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
     with budget_ctx as control:
         result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
                                control=control)
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return 0
-    mpt, fc = result["macs_per_token"], result["macs_per_token_flop_counter"]
-    print(f"params            {result['params']:,}")
-    # dense models: the counter confirms the analytic count; CCT models: the analytic count is
-    # the all-gates-on maximum and the counter measures what ran at this budget
-    label = "ran at this budget" if model.n_controls else "flop counter"
-    for part in ("encoder", "decoder", "total"):
-        print(f"MACs/token {part:<8} {mpt[part] / 1e6:9.3f} M  ({label} "
-              f"{fc[part] / 1e6:.3f} M)")
-    pair = result["macs_pair"]
-    print(f"MACs {pair['src_tokens']}->{pair['tgt_tokens']} pair   {pair['total'] / 1e6:9.3f} M  "
-          "(DMB paper convention: whole pass, output layer included)")
-    lat = result["latency_ms"]
-    print(f"latency {args.src_len}->{args.tgt_len} tokens, batch {lat['batch']}: "
-          f"greedy {lat['greedy']:.1f} ms, beam 4 {lat['beam4']:.1f} ms")
-    return 0
+
+    def text() -> str:
+        mpt, fc = result["macs_per_token"], result["macs_per_token_flop_counter"]
+        # dense models: the counter confirms the analytic count; CCT models: the analytic
+        # count is the all-gates-on maximum and the counter measures what ran at this budget
+        label = "ran at this budget" if model.n_controls else "flop counter"
+        pair, lat = result["macs_pair"], result["latency_ms"]
+        return "\n".join([
+            f"params            {result['params']:,}",
+            *(f"MACs/token {part:<8} {mpt[part] / 1e6:9.3f} M  ({label} {fc[part] / 1e6:.3f} M)"
+              for part in ("encoder", "decoder", "total")),
+            f"MACs {pair['src_tokens']}->{pair['tgt_tokens']} pair   {pair['total'] / 1e6:9.3f} M"
+            "  (DMB paper convention: whole pass, output layer included)",
+            f"latency {args.src_len}->{args.tgt_len} tokens, batch {lat['batch']}: "
+            f"greedy {lat['greedy']:.1f} ms, beam 4 {lat['beam4']:.1f} ms"])
+
+    return _print_result(args, result, text)
 
 
 def _profile_latency_table(args: argparse.Namespace) -> int:
@@ -262,16 +265,17 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
                                   sources=sources, max_len_a=d.max_len_a,
                                   max_len_b=d.max_len_b, progress=not args.quiet)
     path = table.save(target / LATENCY_TABLE_FILE)
-    if args.json:
-        print(json.dumps(table.to_json(), indent=1))
-    else:
-        print(f"service ms (beam {beam}, {table.threads} threads), batch x source length:")
-        print("budget".ljust(12) + "".join(f"{f'b{b} L{n}':>10}" for b in table.batch_sizes
-                                           for n in table.lengths))
-        for pair in table.budgets:
-            rows = table.service_ms[f"{pair[0]:g},{pair[1]:g}"]
-            print(f"({pair[0]:g}, {pair[1]:g})".ljust(12)
-                  + "".join(f"{v:>10.1f}" for r in rows for v in r))
+
+    def text() -> str:
+        head = "budget".ljust(12) + "".join(f"{f'b{b} L{n}':>10}" for b in table.batch_sizes
+                                            for n in table.lengths)
+        rows = [f"({p[0]:g}, {p[1]:g})".ljust(12)
+                + "".join(f"{v:>10.1f}" for r in table.service_ms[f"{p[0]:g},{p[1]:g}"]
+                          for v in r) for p in table.budgets]
+        return "\n".join([f"service ms (beam {beam}, {table.threads} threads), batch x "
+                          "source length:", head, *rows])
+
+    _print_result(args, table.to_json(), text)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -471,16 +475,13 @@ def cmd_prune_heads(args: argparse.Namespace) -> int:
     rep = prune_heads_run(args.run_dir, args.out, args.data, args.keep,
                           checkpoint=args.checkpoint, batch_size=args.batch_size,
                           normalize=not args.no_normalize, device=args.device)
-    if args.json:
-        print(json.dumps(rep, indent=1))
-        return 0
     scores = "  ".join(f"{m} {rep['before'][m]:.4f} -> {rep['after'][m]:.4f}"
                        for m in rep["before"])
-    print(f"pruned run written to {args.out}: heads {rep['heads_before']} -> "
-          f"{rep['heads_after']} (per layer {rep['layer_heads']}), params "
-          f"{rep['params_before']:,} -> {rep['params_after']:,}; on {args.data}: {scores} "
-          f"(report: {REPORT_FILE})")
-    return 0
+    return _print_result(args, rep, lambda: (
+        f"pruned run written to {args.out}: heads {rep['heads_before']} -> "
+        f"{rep['heads_after']} (per layer {rep['layer_heads']}), params "
+        f"{rep['params_before']:,} -> {rep['params_after']:,}; on {args.data}: {scores} "
+        f"(report: {REPORT_FILE})"))
 
 
 def cmd_cache_search(args: argparse.Namespace) -> int:
@@ -567,15 +568,15 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
               **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
                             progress=not args.quiet),
               "checkpoint": str(lm.checkpoint)}
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
+
+    def text() -> str:
         c = result["cache"]
-        print(f"{args.split} ppl {result['ppl']:.2f}  ppl_cache {result['ppl_cache']:.2f}  "
-              f"loss {result['loss']:.4f}  ({result['tokens']:,} tokens, "
-              f"{result['checkpoint']}; cache {c['source']}: n {c['n_cache']}, "
-              f"theta {c['theta']:.4g}, lambda {c['lam']:.4g})")
-    return 0
+        return (f"{args.split} ppl {result['ppl']:.2f}  ppl_cache {result['ppl_cache']:.2f}  "
+                f"loss {result['loss']:.4f}  ({result['tokens']:,} tokens, "
+                f"{result['checkpoint']}; cache {c['source']}: n {c['n_cache']}, "
+                f"theta {c['theta']:.4g}, lambda {c['lam']:.4g})")
+
+    return _print_result(args, result, text)
 
 
 def _encoder_budget(args: argparse.Namespace) -> float | None:
@@ -627,9 +628,8 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
     result = c.evaluate(args.data, budget=budget, batch_size=args.batch_size,
                         progress=not args.quiet, gamma=args.gamma, depth=args.depth,
                         keep_layers=args.keep_layers, **_layer_exit_args(args))
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
+
+    def text() -> str:
         metrics = "  ".join(f"{m} {result[m]:.4f}" for m in c.layout.metrics)
         extra = ""
         if "realized_fraction" in result:
@@ -645,9 +645,10 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
                    else f"depth {result['depth']}")
         if "avg_layers" in result:
             extra += f"  {how}  layers run {result['avg_layers']:.2f} of {c.config.model.layers}"
-        print(f"{result['task']} {metrics}  ({result['n_examples']} examples, "
-              f"{result['skipped']} skipped){extra}")
-    return 0
+        return (f"{result['task']} {metrics}  ({result['n_examples']} examples, "
+                f"{result['skipped']} skipped){extra}")
+
+    return _print_result(args, result, text)
 
 
 def _evaluate_mlm(args: argparse.Namespace) -> int:
@@ -664,12 +665,9 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
     m = MaskedLM.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
     result = m.evaluate(args.data or "valid", budget=budget, batch_size=args.batch_size,
                         progress=not args.quiet)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print(f"MLM loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy "
-              f"{result['accuracy']:.4f}  ({result['n_masked']:,} masked tokens)")
-    return 0
+    return _print_result(args, result, lambda: (
+        f"MLM loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy "
+        f"{result['accuracy']:.4f}  ({result['n_masked']:,} masked tokens)"))
 
 
 def _calibrate_classify(args: argparse.Namespace) -> int:
@@ -731,17 +729,14 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
         result.update(layer_exit.describe())
     if layers is not None:
         result.update(keep_layers=len(layers), layers_run=list(layers))
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return 0
-    print(f"params            {result['params']:,}")
     label = "ran at this budget" if model_cfg.cct is not None else "flop counter"
-    for s, row in result["lengths"].items():
-        print(f"{s:>4} tokens: MACs/token {row['macs_per_token'] / 1e6:.3f} M ({label} "
-              f"{row['macs_per_token_flop_counter'] / 1e6:.3f} M); latency batch 1 "
-              f"{row['latency_ms_b1']:.2f} ms; batch 32 {row['latency_ms_b32']:.1f} ms = "
-              f"{row['sentences_per_s_b32']:.0f} sentences/s")
-    return 0
+    return _print_result(args, result, lambda: "\n".join([
+        f"params            {result['params']:,}",
+        *(f"{s:>4} tokens: MACs/token {row['macs_per_token'] / 1e6:.3f} M ({label} "
+          f"{row['macs_per_token_flop_counter'] / 1e6:.3f} M); latency batch 1 "
+          f"{row['latency_ms_b1']:.2f} ms; batch 32 {row['latency_ms_b32']:.1f} ms = "
+          f"{row['sentences_per_s_b32']:.0f} sentences/s"
+          for s, row in result["lengths"].items())]))
 
 
 def dynaseq_load(args: argparse.Namespace):
@@ -784,38 +779,40 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
         vocab = Vocab.build(read_lm_lines(cfg.data.train))
         model = build_lm(cfg.model, len(vocab)).eval()
     result = profile_lm(model, steps=max(args.repeats, 5) * 4)
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return 0
-    macs = result["macs_per_token"]
-    print(f"params            {result['params']:,}")
-    print(f"MACs/token        {macs['total'] / 1e6:9.3f} M  (incremental, context "
-          f"{result['context']}, full softmax)")
-    for pos, ms in result["ms_per_token"].items():
-        print(f"ms/token at position {int(pos):>6,}: {ms:.3f}")
-    print(f"ratio (last / first position): {result['ratio_last_first']:.3f}")
-    mn = result["micronet"]
-    ops = mn["ops_per_token"]
-    print(f"MicroNet: storage {mn['params_storage'] / 1e6:.4f} M params (32-bit), ops/token "
-          f"{ops['total'] / 1e6:.4f} M ({ops['mults'] / 1e6:.4f} M mults + "
-          f"{ops['adds'] / 1e6:.4f} M adds), score {mn['score']:.5f}")
-    return 0
+
+    def text() -> str:
+        macs, mn = result["macs_per_token"], result["micronet"]
+        ops = mn["ops_per_token"]
+        return "\n".join([
+            f"params            {result['params']:,}",
+            f"MACs/token        {macs['total'] / 1e6:9.3f} M  (incremental, context "
+            f"{result['context']}, full softmax)",
+            *(f"ms/token at position {int(pos):>6,}: {ms:.3f}"
+              for pos, ms in result["ms_per_token"].items()),
+            f"ratio (last / first position): {result['ratio_last_first']:.3f}",
+            f"MicroNet: storage {mn['params_storage'] / 1e6:.4f} M params (32-bit), ops/token "
+            f"{ops['total'] / 1e6:.4f} M ({ops['mults'] / 1e6:.4f} M mults + "
+            f"{ops['adds'] / 1e6:.4f} M adds), score {mn['score']:.5f}"])
+
+    return _print_result(args, result, text)
 
 
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}"
-                                         ) from None
+def _number_list(kind: type, what: str) -> Callable[[str], list]:
+    """An argparse ``type``: a comma-separated list of ``kind`` (``what``: its name in the
+    error)."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma-separated list of {what}: {text!r}"
+                                             ) from None
+
+    return parse
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}"
-                                         ) from None
+_float_list = _number_list(float, "numbers")
+_int_list = _number_list(int, "integers")
 
 
 def parse_budget(text: str) -> float | tuple[float, float]:

@@ -65,6 +65,13 @@ def check_fraction(obj: Any, *names: str) -> None:
             raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
 
 
+def check_task(cfg: Any, task: str, what: str) -> None:
+    """Raise :class:`ConfigError` unless the run config ``cfg`` (``what``: e.g. "an MLM")
+    names ``task`` in its ``task`` field: a task's run config parses only its own runs."""
+    if cfg.task != task:
+        raise ConfigError(f"task must be {task!r} for {what} config, got {cfg.task!r}")
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and bookkeeping. ``lr`` is the peak of the learning-rate ``schedule``:

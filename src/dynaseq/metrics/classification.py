@@ -49,18 +49,27 @@ def _label_metric(name: str) -> Callable[[Sequence[str], Sequence[str], str | No
     return {"accuracy": accuracy, "f1": f1, "mcc": mcc}[name]
 
 
+def _check_scored(gold: Sequence, pred: Sequence, names: Sequence[str], known: Sequence[str],
+                  what: str, least: int) -> None:
+    """Raise ValueError unless ``gold`` and ``pred`` are equally long with at least ``least``
+    (1 or 2) entries and every name is one of the ``known`` ``what`` metrics (``what``:
+    "label" or "score")."""
+    if len(gold) != len(pred) or len(gold) < least:
+        raise ValueError(f"need equally many gold and predicted {what}s, at least "
+                         f"{('one', 'two')[least - 1]}; got {len(gold)} and {len(pred)}")
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown {what} metric {name!r}; known: {', '.join(known)}")
+
+
 def classification_metrics(gold: Sequence[str], pred: Sequence[str],
                            names: Sequence[str] = ("accuracy",),
                            positive: str | None = None) -> dict[str, float]:
     """Each named label metric of predictions ``pred`` against ``gold`` (equal lengths, not
     empty); ``positive`` is F1's positive label."""
-    if len(gold) != len(pred) or not gold:
-        raise ValueError(f"need equally many gold and predicted labels, at least one; got "
-                         f"{len(gold)} and {len(pred)}")
+    _check_scored(gold, pred, names, LABEL_METRICS, "label", 1)
     out = {}
     for name in names:
-        if name not in LABEL_METRICS:
-            raise ValueError(f"unknown label metric {name!r}; known: {', '.join(LABEL_METRICS)}")
         if name == "f1" and positive is None:
             raise ValueError("f1 needs the positive label")
         out[name] = _label_metric(name)(list(gold), list(pred), positive)
@@ -72,13 +81,9 @@ def regression_metrics(gold: Sequence[float], pred: Sequence[float],
     """Pearson's r and/or Spearman's rho of ``pred`` against ``gold`` (>= 2 pairs)."""
     from scipy import stats
 
-    if len(gold) != len(pred) or len(gold) < 2:
-        raise ValueError(f"need equally many gold and predicted scores, at least two; got "
-                         f"{len(gold)} and {len(pred)}")
+    _check_scored(gold, pred, names, SCORE_METRICS, "score", 2)
     out = {}
     for name in names:
-        if name not in SCORE_METRICS:
-            raise ValueError(f"unknown score metric {name!r}; known: {', '.join(SCORE_METRICS)}")
         if len(set(pred)) < 2 or len(set(gold)) < 2:
             out[name] = 0.0  # undefined for constant input
             continue

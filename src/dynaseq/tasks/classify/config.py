@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dynaseq.core.config import TrainConfig, check_positive
+from dynaseq.core.config import check_positive, check_task
 from dynaseq.core.errors import ConfigError
 from dynaseq.metrics.classification import LABEL_METRICS, SCORE_METRICS
 from dynaseq.tasks.classify.glue import GLUE_TASKS, TableLayout
-from dynaseq.tasks.encoder.config import EncoderModelConfig
+from dynaseq.tasks.encoder.config import EncoderModelConfig, EncoderTrainConfig
 
 #: The ``task:`` of a fine-tuning config.
 TASK = "classify"
@@ -102,21 +102,16 @@ class ClassifyDataConfig:
 
 
 @dataclass
-class ClassifyTrainConfig(TrainConfig):
-    """:class:`TrainConfig` with fine-tuning defaults (BERT sec. 4: lr of a few 1e-4 for
-    small models, short warm-up, linear-ish decay via cosine, no label smoothing).
+class ClassifyTrainConfig(EncoderTrainConfig):
+    """:class:`EncoderTrainConfig` with fine-tuning defaults (BERT sec. 4: lr of a few 1e-4
+    for small models, short warm-up, linear-ish decay via cosine, no label smoothing).
     ``init_from``: a pre-trained ``mlm`` run directory whose encoder (embeddings, layers,
     control symbols) initialises this model; its vocabulary is used and its model section
     must match this one's dimensions. None: train from scratch."""
 
     lr: float = 3e-4
     warmup_steps: int = 100
-    betas: tuple[float, float] = (0.9, 0.98)
-    adam_eps: float = 1e-6
-    label_smoothing: float = 0.0
-    schedule: str = "cosine"
     max_steps: int = 2000
-    log_every: int = 50
     valid_every: int = 200
     save_every: int = 200
     keep_last: int = 2
@@ -135,9 +130,5 @@ class ClassifyRunConfig:
     train: ClassifyTrainConfig = field(default_factory=ClassifyTrainConfig)
 
     def __post_init__(self) -> None:
-        if self.task != TASK:
-            raise ConfigError(f"task must be 'classify' for a fine-tuning config, got "
-                              f"{self.task!r}")
-        if self.data.max_len > self.model.max_positions:
-            raise ConfigError(f"data.max_len={self.data.max_len} exceeds "
-                              f"model.max_positions={self.model.max_positions}")
+        check_task(self, TASK, "a fine-tuning")
+        self.model.check_input_length("data.max_len", self.data.max_len)

@@ -25,11 +25,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
-from dynaseq.core.rundir import open_run
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
 from dynaseq.nn.outputs import AuxOutputs
@@ -51,6 +48,7 @@ from dynaseq.tasks.encoder.budget import (
 )
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
+from dynaseq.tasks.loading import load_predictor
 from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budget
 from dynaseq.techniques.cct.calibration_file import read_calibrations, write_calibrations
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
@@ -276,20 +274,17 @@ class Classifier:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> Classifier:
-        run, cfg = open_run(run_dir, {TASK: ClassifyRunConfig}, "classification")
-        vocab = EncoderVocab.load(run / SPM_FILE)
-        dev = pick_device(device)
-        layout = cfg.data.layout()
-        if layout.n_outputs < 1:
-            raise DynaseqError(f"{run}: the config has no label set")
+        def check(run: Path, cfg: ClassifyRunConfig) -> None:
+            if cfg.data.layout().n_outputs < 1:
+                raise DynaseqError(f"{run}: the config has no label set")
 
-        def from_checkpoint(path: Path) -> Classifier:
-            model = build_encoder_model(cfg.model, vocab.size, layout.n_outputs, vocab.pad_id)
-            ckpt.load_weights(model, path)
-            return cls(model.to(dev).eval(), vocab, cfg, path, dev,
-                       read_calibrations(run, path, model.n_controls))
-
-        return ckpt.load_resolved(run, checkpoint, from_checkpoint)
+        return load_predictor(
+            run_dir, checkpoint, device, {TASK: ClassifyRunConfig}, "classification",
+            vocabulary=lambda run: EncoderVocab.load(run / SPM_FILE), check=check,
+            build=lambda cfg, vocab: build_encoder_model(
+                cfg.model, vocab.size, cfg.data.layout().n_outputs, vocab.pad_id),
+            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device,
+                               read_calibrations(r.run, r.checkpoint, r.model.n_controls)))
 
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
         """Examples of the non-empty inputs and their indices. A pair task needs two

@@ -50,14 +50,14 @@ from dynaseq.tasks.classify.predictor import (
 from dynaseq.tasks.encoder.budget import exit_for, layer_exit_for
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
+from dynaseq.tasks.encoder.task import EncoderTask, EpochBatches
 from dynaseq.tasks.encoder.training import (
-    draw_controls,
-    draw_layers,
+    add_technique_losses,
     largest_control,
     techniques_for,
 )
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
-from dynaseq.tasks.protocol import LossTerms, Update
+from dynaseq.tasks.protocol import LossTerms
 from dynaseq.techniques.depth.multi_exit import EXIT_LOGITS, weighted_exit_loss
 
 #: The weights a pre-trained run gives a fine-tuned model (its MLM head is left behind).
@@ -98,7 +98,7 @@ def check_pretrained(init_from: str, model: EncoderModelConfig) -> tuple[Path, P
     return spm, ckpt.resolve_checkpoint(run, "auto")
 
 
-class ClassifyTask:
+class ClassifyTask(EncoderTask):
     """See the module doc. ``cfg``: a :class:`ClassifyRunConfig`; ``hooks`` must be None.
 
     Construction reads and checks the tables and the pre-trained run (nothing written)."""
@@ -156,7 +156,8 @@ class ClassifyTask:
             log.write("data", split="valid", examples=len(self.valid_rows),
                       skipped=self.valid_ex.skipped)
         self.device = device
-        self._order: tuple[int, Tensor] | None = None
+        self.batches = EpochBatches(len(self.rows), cfg.data.batch_size,
+                                    cfg.train.update_freq, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         model = build_encoder_model(cfg.model, self.vocab.size, self.layout.n_outputs,
                                     self.vocab.pad_id)
@@ -170,36 +171,14 @@ class ClassifyTask:
                       tensors=len(loaded))
         self.model = model.to(device)
 
-    def _epoch_order(self, epoch: int) -> Tensor:
-        if self._order is None or self._order[0] != epoch:
-            gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + epoch)
-            self._order = (epoch, torch.randperm(len(self.rows), generator=gen))
-        return self._order[1]
-
-    def n_updates(self, epoch: int) -> int:
-        per_update = self.cfg.data.batch_size * self.cfg.train.update_freq
-        return -(-len(self.rows) // per_update)
-
-    def update(self, epoch: int, pos: int, step: int, env: DistEnv) -> Update:
-        bs, f = self.cfg.data.batch_size, self.cfg.train.update_freq
-        order = self._epoch_order(epoch)
-        for t in self.techniques:
-            t.before_update(self.model, step)
-        micro, n_rows = [], 0
-        for i in range(f):
-            idx = order[(pos * f + i) * bs:(pos * f + i + 1) * bs]
-            if idx.numel() == 0:
-                break
-            n_rows += idx.numel()
-            control = draw_controls(self.techniques, idx.numel(), step, i)
-            mine = idx[env.rank::env.world_size].tolist()
-            tokens, segments = collate_rows([self.rows[j] for j in mine], self.vocab.pad_id)
-            if control is not None:
-                control = control[env.rank::env.world_size].to(self.device)
-            layers = draw_layers(self.cfg.model, self.cfg.train.seed, step, i)
-            micro.append(ClassifyMicro(tokens.to(self.device), segments.to(self.device),
-                                       self.targets[mine].to(self.device), control, layers))
-        return Update(micro, n_rows)
+    def micro_batch(self, idx: Tensor, step: int, micro: int, env: DistEnv,
+                    control: Tensor | None, layers: tuple[int, ...] | None
+                    ) -> tuple[ClassifyMicro, int]:
+        mine = idx[env.rank::env.world_size].tolist()
+        tokens, segments = collate_rows([self.rows[j] for j in mine], self.vocab.pad_id)
+        return (ClassifyMicro(tokens.to(self.device), segments.to(self.device),
+                              self.targets[mine].to(self.device), control, layers),
+                idx.numel())
 
     def forward(self, model: nn.Module, micro: ClassifyMicro) -> Any:
         return model(micro.tokens, micro.segments, micro.control, layers=micro.layers)
@@ -218,18 +197,10 @@ class ClassifyTask:
         if exit_logits:  # model.exits: every internal classifier's loss, weighted
             weights = self.cfg.model.exits.loss_weights(len(exit_logits))
             loss = weighted_exit_loss(exit_logits, weights, lambda z: self._nll(z, micro))
-        for aux_loss in out.aux.losses.values():
-            loss = loss + aux_loss
-        logs: dict[str, float] = {}
-        for t in self.techniques:
-            extra, extra_logs = t.loss(out.aux, micro.tokens.ne(self.vocab.pad_id),
-                                       micro.control, n, step)
-            loss = loss + extra
-            logs.update(extra_logs)
+        loss, logs = add_technique_losses(loss, self.techniques, out.aux,
+                                          micro.tokens.ne(self.vocab.pad_id), micro.control,
+                                          n, step)
         return LossTerms(loss, float(nll.detach()), n, logs)
-
-    def after_update(self, out: Any, micro: ClassifyMicro) -> None:
-        pass
 
     def validate(self, model: nn.Module) -> dict[str, float]:
         if self.valid_ex is None or not len(self.valid_ex):
@@ -247,9 +218,3 @@ class ClassifyTask:
     def score(self, metrics: dict[str, float]) -> float | None:
         main = self.layout.metrics[0]
         return metrics.get(main)
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_trainer_state(self, state: dict[str, Any]) -> None:
-        pass

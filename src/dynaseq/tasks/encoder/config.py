@@ -1,4 +1,5 @@
-"""The ``model`` section of an encoder run (``task: mlm`` or ``task: classify``).
+"""The sections every encoder run (``task: mlm`` or ``task: classify``) shares: the
+``model`` section and the training defaults both tasks start from.
 
 Example::
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynaseq.core.config import apply_size, check_fraction, check_positive
+from dynaseq.core.config import TrainConfig, apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 from dynaseq.techniques.depth.config import DepthConfig
@@ -119,6 +120,12 @@ class EncoderModelConfig:
             raise ConfigError("model.exits (internal classifiers) does not combine with "
                               f"model.{'depth' if self.depth is not None else 'cct'}")
 
+    def check_input_length(self, key: str, length: int) -> None:
+        """Raise :class:`ConfigError` if inputs of ``length`` tokens (the run config's ``key``,
+        e.g. ``data.max_len``) do not fit ``max_positions``."""
+        if length > self.max_positions:
+            raise ConfigError(f"{key}={length} exceeds model.max_positions={self.max_positions}")
+
     @property
     def plan(self) -> list[int]:
         """Which distinct layer runs at each depth (see ``share_layers``)."""
@@ -144,3 +151,14 @@ class EncoderModelConfig:
         arch["depth"] = None if self.depth is None else self.depth.architecture()
         arch["layer_heads"] = self.layer_heads
         return arch
+
+
+@dataclass
+class EncoderTrainConfig(TrainConfig):
+    """:class:`TrainConfig` with the defaults BERT-style training shares, pre-training and
+    fine-tuning alike: Adam's ``adam_eps`` 1e-6 (BERT), no label smoothing, the ``cosine``
+    schedule (linear warm-up, then decay). Each task sets its own lr and step counts."""
+
+    adam_eps: float = 1e-6
+    label_smoothing: float = 0.0
+    schedule: str = "cosine"

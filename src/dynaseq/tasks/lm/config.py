@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dynaseq.core.config import TrainConfig, check_fraction, check_positive
+from dynaseq.core.config import TrainConfig, check_fraction, check_positive, check_task
 from dynaseq.core.errors import ConfigError
 
 #: The ``task:`` of a language-model config.
@@ -155,7 +155,6 @@ class LMTrainConfig(TrainConfig):
 
     lr: float = 5e-4
     warmup_steps: int = 1000
-    betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-8
     label_smoothing: float = 0.0
     schedule: str = "cosine"
@@ -178,5 +177,4 @@ class LMRunConfig:
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
     def __post_init__(self) -> None:
-        if self.task != TASK:
-            raise ConfigError(f"task must be 'lm' for a language-model config, got {self.task!r}")
+        check_task(self, TASK, "a language-model")

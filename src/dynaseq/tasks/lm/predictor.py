@@ -28,17 +28,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.config import read_yaml
-from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
-from dynaseq.core.rundir import open_run
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
 from dynaseq.models.lm import LMState, TransformerLM
 from dynaseq.nn.neural_cache import NeuralCache
 from dynaseq.tasks.lm.config import TASK, LMCacheConfig, LMRunConfig
 from dynaseq.tasks.lm.model import build_lm
+from dynaseq.tasks.loading import load_predictor
 
 if TYPE_CHECKING:
     from dynaseq.compress.qat import QATConfig
@@ -155,18 +153,16 @@ class LanguageModel:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> LanguageModel:
-        run, cfg = open_run(run_dir, {TASK: LMRunConfig}, "language-model")
-        vocab = Vocab.load(run / VOCAB_FILE)
-        dev = pick_device(device)
-
-        def from_checkpoint(path: Path) -> LanguageModel:
+        def build(cfg: LMRunConfig, vocab: Vocab) -> TransformerLM:
             model = build_lm(cfg.model, len(vocab))
             if cfg.model.qat_bits is not None:
                 apply_qat_structure(model, cfg.model.qat_bits)
-            ckpt.load_weights(model, path)
-            return cls(model.to(dev).eval(), vocab, cfg, path, dev)
+            return model
 
-        return ckpt.load_resolved(run, checkpoint, from_checkpoint)
+        return load_predictor(
+            run_dir, checkpoint, device, {TASK: LMRunConfig}, "language-model",
+            vocabulary=lambda run: Vocab.load(run / VOCAB_FILE), build=build,
+            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device))
 
     def split_path(self, split: str) -> str:
         path = getattr(self.config.data, split, None) if split in ("train", "valid",

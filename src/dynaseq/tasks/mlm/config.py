@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dynaseq.core.config import TrainConfig, check_positive
+from dynaseq.core.config import check_positive, check_task
 from dynaseq.core.errors import ConfigError
-from dynaseq.tasks.encoder.config import EncoderModelConfig
+from dynaseq.tasks.encoder.config import EncoderModelConfig, EncoderTrainConfig
 
 #: The ``task:`` of an MLM config.
 TASK = "mlm"
@@ -65,17 +65,12 @@ class MLMDataConfig:
 
 
 @dataclass
-class MLMTrainConfig(TrainConfig):
-    """:class:`TrainConfig` with pre-training defaults (cosine schedule, no label
-    smoothing)."""
+class MLMTrainConfig(EncoderTrainConfig):
+    """:class:`EncoderTrainConfig` (cosine schedule, no label smoothing) with pre-training's
+    lr and step counts."""
 
     lr: float = 1e-3
     warmup_steps: int = 500
-    betas: tuple[float, float] = (0.9, 0.98)
-    adam_eps: float = 1e-6
-    label_smoothing: float = 0.0
-    schedule: str = "cosine"
-    log_every: int = 50
     valid_every: int = 500
     save_every: int = 500
 
@@ -91,8 +86,5 @@ class MLMRunConfig:
     train: MLMTrainConfig = field(default_factory=MLMTrainConfig)
 
     def __post_init__(self) -> None:
-        if self.task != TASK:
-            raise ConfigError(f"task must be 'mlm' for an MLM config, got {self.task!r}")
-        if self.data.block_len > self.model.max_positions:
-            raise ConfigError(f"data.block_len={self.data.block_len} exceeds "
-                              f"model.max_positions={self.model.max_positions}")
+        check_task(self, TASK, "an MLM")
+        self.model.check_input_length("data.block_len", self.data.block_len)

@@ -18,16 +18,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.distributed import pick_device
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
-from dynaseq.core.rundir import open_run
 from dynaseq.data.text import read_lines
 from dynaseq.models.encoder import EncoderModel
 from dynaseq.tasks.encoder.budget import Budget, control_id, trained_budget
 from dynaseq.tasks.encoder.model import MLM, build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
+from dynaseq.tasks.loading import load_predictor
 from dynaseq.tasks.mlm.config import TASK, MLMRunConfig
 from dynaseq.tasks.mlm.data import MaskSpec, mask_tokens, pack_blocks
 
@@ -86,16 +84,12 @@ class MaskedLM:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> MaskedLM:
-        run, cfg = open_run(run_dir, {TASK: MLMRunConfig}, "MLM")
-        vocab = EncoderVocab.load(run / SPM_FILE)
-        dev = pick_device(device)
-
-        def from_checkpoint(path: Path) -> MaskedLM:
-            model = build_encoder_model(cfg.model, vocab.size, MLM, vocab.pad_id)
-            ckpt.load_weights(model, path)
-            return cls(model.to(dev).eval(), vocab, cfg, path, dev)
-
-        return ckpt.load_resolved(run, checkpoint, from_checkpoint)
+        return load_predictor(
+            run_dir, checkpoint, device, {TASK: MLMRunConfig}, "MLM",
+            vocabulary=lambda run: EncoderVocab.load(run / SPM_FILE),
+            build=lambda cfg, vocab: build_encoder_model(cfg.model, vocab.size, MLM,
+                                                         vocab.pad_id),
+            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device))
 
     def blocks(self, split_or_path: str) -> Tensor:
         """(N, block_len) blocks of a split of the run's config (``valid``) or a text file."""

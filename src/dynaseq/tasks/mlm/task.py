@@ -30,9 +30,9 @@ from dynaseq.core.errors import ConfigError
 from dynaseq.core.runlog import RunLog
 from dynaseq.data.text import read_lines
 from dynaseq.tasks.encoder.model import MLM, build_encoder_model
+from dynaseq.tasks.encoder.task import EncoderTask, EpochBatches
 from dynaseq.tasks.encoder.training import (
-    draw_controls,
-    draw_layers,
+    add_technique_losses,
     largest_control,
     techniques_for,
 )
@@ -40,7 +40,7 @@ from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.tasks.mlm.config import MLMRunConfig
 from dynaseq.tasks.mlm.data import MaskedBatch, mask_tokens, pack_blocks
 from dynaseq.tasks.mlm.predictor import mask_spec, mlm_metrics
-from dynaseq.tasks.protocol import LossTerms, Update
+from dynaseq.tasks.protocol import LossTerms
 
 
 @dataclass
@@ -58,7 +58,7 @@ def mask_generator(seed: int, step: int, micro: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + micro + 7)
 
 
-class MLMTask:
+class MLMTask(EncoderTask):
     """See the module doc. ``cfg``: an :class:`MLMRunConfig`; ``hooks`` must be None."""
 
     def __init__(self, cfg: MLMRunConfig, hooks: None = None) -> None:
@@ -96,41 +96,19 @@ class MLMTask:
             log.write("data", split="valid", lines=len(valid_lines),
                       blocks=int(self.valid_blocks.size(0)))
         self.device = device
-        self._order: tuple[int, Tensor] | None = None
+        self.batches = EpochBatches(int(self.blocks.size(0)), d.batch_size,
+                                    cfg.train.update_freq, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         self.model = build_encoder_model(cfg.model, self.vocab.size, MLM,
                                          self.vocab.pad_id).to(device)
 
-    def _epoch_order(self, epoch: int) -> Tensor:
-        if self._order is None or self._order[0] != epoch:
-            gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + epoch)
-            self._order = (epoch, torch.randperm(self.blocks.size(0), generator=gen))
-        return self._order[1]
-
-    def n_updates(self, epoch: int) -> int:
-        per_update = self.cfg.data.batch_size * self.cfg.train.update_freq
-        return -(-self.blocks.size(0) // per_update)
-
-    def update(self, epoch: int, pos: int, step: int, env: DistEnv) -> Update:
-        bs, f = self.cfg.data.batch_size, self.cfg.train.update_freq
-        order = self._epoch_order(epoch)
-        for t in self.techniques:
-            t.before_update(self.model, step)
-        micro, n_tokens = [], 0
-        for i in range(f):
-            idx = order[(pos * f + i) * bs:(pos * f + i + 1) * bs]
-            if idx.numel() == 0:
-                break
-            full = mask_tokens(self.blocks[idx], self.vocab, self.spec,
-                               mask_generator(self.cfg.train.seed, step, i))
-            n_tokens += full.targets.numel()
-            control = draw_controls(self.techniques, idx.numel(), step, i)
-            if control is not None:
-                control = control[env.rank::env.world_size].to(self.device)
-            layers = draw_layers(self.cfg.model, self.cfg.train.seed, step, i)
-            micro.append(MLMMicro(full.shard(env.rank, env.world_size).to(self.device), control,
-                                  layers))
-        return Update(micro, n_tokens)
+    def micro_batch(self, idx: Tensor, step: int, micro: int, env: DistEnv,
+                    control: Tensor | None, layers: tuple[int, ...] | None
+                    ) -> tuple[MLMMicro, int]:
+        full = mask_tokens(self.blocks[idx], self.vocab, self.spec,
+                           mask_generator(self.cfg.train.seed, step, micro))
+        return (MLMMicro(full.shard(env.rank, env.world_size).to(self.device), control, layers),
+                full.targets.numel())
 
     def forward(self, model: nn.Module, micro: MLMMicro) -> Any:
         b = micro.batch
@@ -140,19 +118,10 @@ class MLMTask:
         b = micro.batch
         nll = nn.functional.cross_entropy(out.logits, b.targets, reduction="sum")
         n = b.targets.numel()
-        loss = nll
-        for aux_loss in out.aux.losses.values():
-            loss = loss + aux_loss
-        logs: dict[str, float] = {}
-        for t in self.techniques:
-            extra, extra_logs = t.loss(out.aux, b.inputs.ne(self.vocab.pad_id), micro.control,
-                                       n, step)
-            loss = loss + extra
-            logs.update(extra_logs)
+        loss, logs = add_technique_losses(nll, self.techniques, out.aux,
+                                          b.inputs.ne(self.vocab.pad_id), micro.control, n,
+                                          step)
         return LossTerms(loss, float(nll.detach()), n, logs)
-
-    def after_update(self, out: Any, micro: MLMMicro) -> None:
-        pass
 
     def validate(self, model: nn.Module) -> dict[str, float]:
         if self.valid_blocks is None or self.valid_blocks.numel() == 0:
@@ -163,9 +132,3 @@ class MLMTask:
 
     def score(self, metrics: dict[str, float]) -> float | None:
         return -metrics["loss"] if "loss" in metrics else None
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_trainer_state(self, state: dict[str, Any]) -> None:
-        pass

@@ -25,16 +25,15 @@ import sacrebleu
 import torch
 from torch import nn
 
-from dynaseq.core.checkpoint import load_resolved, load_weights, read_meta
-from dynaseq.core.distributed import pick_device
+from dynaseq.core.checkpoint import load_weights, read_meta
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
-from dynaseq.core.rundir import open_run
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.tasks.loading import load_predictor
 from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
@@ -325,28 +324,28 @@ class Translator:
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
              device: str = "auto") -> Translator:
-        run, cfg = open_run(run_dir, {TASK: RunConfig}, "translation")
-        tok = Tokenizer.load(run / "spm.model")
-        dev = pick_device(device)
-
-        def from_checkpoint(ckpt: Path) -> Translator:
-            meta = read_meta(ckpt)
-            model = build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
-            if meta.get("quantization") == "int8":  # written by `dynaseq quantize`
+        def weights(model: nn.Module, ckpt: Path,
+                    dev: torch.device) -> tuple[nn.Module, torch.device]:
+            if read_meta(ckpt).get("quantization") == "int8":  # written by `dynaseq quantize`
                 from dynaseq.compress.int8 import load_int8
 
                 if dev.type != "cpu" and device != "auto":
                     raise DynaseqError("an int8 model runs on the CPU only (use --device cpu)")
-                return cls(load_int8(model, ckpt), tok, cfg, torch.device("cpu"), ckpt,
-                           read_calibrations(run, ckpt, model.n_controls, parts=2))
+                return load_int8(model, ckpt), torch.device("cpu")
             load_weights(model, ckpt)
             # DMB: checkpoints keep θ_S and θ_Pk apart (training resumes from them); inference
             # folds θ_S into every branch (same outputs, no shared parameters left to add)
             merge_shared_(model)
-            return cls(model.to(dev).eval(), tok, cfg, dev, ckpt,
-                       read_calibrations(run, ckpt, model.n_controls, parts=2))
+            return model.to(dev).eval(), dev
 
-        return load_resolved(run, checkpoint, from_checkpoint)
+        return load_predictor(
+            run_dir, checkpoint, device, {TASK: RunConfig}, "translation",
+            vocabulary=lambda run: Tokenizer.load(run / "spm.model"), weights=weights,
+            build=lambda cfg, tok: build_seq2seq(cfg.model, tok.vocab_size, tok.pad_id,
+                                                 tok.bos_id, tok.eos_id),
+            make=lambda r: cls(r.model, r.vocab, r.config, r.device, r.checkpoint,
+                               read_calibrations(r.run, r.checkpoint, r.model.n_controls,
+                                                 parts=2)))
 
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,

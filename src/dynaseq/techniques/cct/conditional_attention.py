@@ -76,14 +76,7 @@ from torch import Tensor, nn
 from dynaseq.nn.attention import KVCache
 from dynaseq.nn.int8 import Int8Linear
 from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
-from dynaseq.techniques.cct.gating import (
-    GATE_TRACE,
-    ControlNet,
-    Gate,
-    GateTrace,
-    NoiseSchedule,
-    control_trace,
-)
+from dynaseq.techniques.cct.gating import ControlNet, Gate, NoiseSchedule, trace_gate
 from dynaseq.techniques.cct.packing import Packing, scatter_rows
 
 
@@ -439,14 +432,12 @@ class ConditionalAttention(nn.Module):
             keys_seen = allowed.float().mean(1).sum(-1).expand(g_q.shape[:2])  # (B, T)
         per_query = _linear_macs(self.q_proj, 1) + _linear_macs(self.out_proj, 1)
         cost_q = (per_query + 2 * self.d_model * keys_seen)[..., None].to(g_q.dtype)
-        aux.add_trace(GATE_TRACE, GateTrace(self.name, "q", g_q, cost_q, "input"))
-        aux.add_trace(GATE_TRACE, control_trace(self.name, self.q_control, g_q, "input"))
+        trace_gate(aux, self.name, "q", g_q, cost_q, self.q_control)
         if g_kv is not None:
             per_kv = _linear_macs(self.k_proj, 1) + _linear_macs(self.v_proj, 1)
             cost_kv = torch.tensor(float(per_kv), dtype=g_kv.dtype, device=g_kv.device)
             stream = "memory" if cross else "input"
-            aux.add_trace(GATE_TRACE, GateTrace(self.name, "kv", g_kv, cost_kv, stream))
-            aux.add_trace(GATE_TRACE, control_trace(self.name, self.kv_control, g_kv, stream))
+            trace_gate(aux, self.name, "kv", g_kv, cost_kv, self.kv_control, stream)
 
     def new_cache(self, static: bool = False) -> GatedKVCache:
         """An empty :class:`GatedKVCache` (``static``: cross-attention)."""

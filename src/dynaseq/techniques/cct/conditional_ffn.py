@@ -22,14 +22,7 @@ from torch import Tensor, nn
 
 from dynaseq.nn.feedforward import FeedForward
 from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
-from dynaseq.techniques.cct.gating import (
-    GATE_TRACE,
-    ControlNet,
-    Gate,
-    GateTrace,
-    NoiseSchedule,
-    control_trace,
-)
+from dynaseq.techniques.cct.gating import ControlNet, Gate, NoiseSchedule, trace_gate
 
 
 class FeedForwardPiece(nn.Module):
@@ -86,9 +79,8 @@ class ConditionalFeedForward(nn.Module):
         else:
             out = self._forward_hard(x, g.bool())
         if aux is not None:
-            aux.add_trace(GATE_TRACE, GateTrace(self.name, "ffn", self.gate.for_budget(logits, g),
-                                                self._piece_costs(g), "input"))
-            aux.add_trace(GATE_TRACE, control_trace(self.name, self.control, g, "input"))
+            trace_gate(aux, self.name, "ffn", self.gate.for_budget(logits, g),
+                       self._piece_costs(g), self.control)
             if not self.training:
                 on = g.bool()
                 aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(on),

@@ -8,23 +8,49 @@ from dynaseq.core.config import check_positive
 from dynaseq.core.errors import ConfigError
 
 
-def check_gate_settings(cfg: CCTConfig | EncoderCCTConfig) -> None:
-    """The checks every CCT section shares: pieces, control width, noise, λ, curriculum,
-    budget estimate and control-symbol scale (raises :class:`ConfigError`)."""
-    check_positive(cfg, "ffn_pieces", "control_hidden")
-    if not cfg.control_init_std >= 0:
-        raise ConfigError(f"control_init_std must be >= 0, got {cfg.control_init_std}")
-    if min(cfg.alpha_max, cfg.noise_ramp_steps, cfg.budget_weight,
-           cfg.budget_start_step, cfg.budget_ramp_steps) < 0:
-        raise ConfigError("alpha_max, noise_ramp_steps, budget_weight, budget_start_step "
-                          "and budget_ramp_steps must be >= 0")
-    if cfg.budget_estimate not in ("soft", "hard"):
-        raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
-                          f"{cfg.budget_estimate!r}")
+@dataclass
+class GateSettings:
+    """The settings every CCT section shares (:class:`CCTConfig`, :class:`EncoderCCTConfig`),
+    documented with :class:`CCTConfig`: pieces M and control width, the gate noise ramp,
+    λ and its curriculum, the budget estimate, the control symbols' scale, the output
+    LayerNorms and the inference fast paths. Its checks raise :class:`ConfigError`."""
+
+    ffn_pieces: int = 4
+    control_hidden: int = 128
+    alpha_max: float = 5.0
+    noise_ramp_steps: int = 10_000
+    budget_weight: float = 1.0
+    budget_start_step: int = 0
+    budget_ramp_steps: int = 0
+    budget_estimate: str = "soft"
+    control_init_std: float = 1.0
+    output_norms: bool = True
+    fast_paths: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive(self, "ffn_pieces", "control_hidden")
+        if not self.control_init_std >= 0:
+            raise ConfigError(f"control_init_std must be >= 0, got {self.control_init_std}")
+        if min(self.alpha_max, self.noise_ramp_steps, self.budget_weight,
+               self.budget_start_step, self.budget_ramp_steps) < 0:
+            raise ConfigError("alpha_max, noise_ramp_steps, budget_weight, budget_start_step "
+                              "and budget_ramp_steps must be >= 0")
+        if self.budget_estimate not in ("soft", "hard"):
+            raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
+                              f"{self.budget_estimate!r}")
+
+    def sampled_share(self, step: int) -> float:
+        """The share of sequences that draw a budget at ``step`` (the rest: the first
+        control, the full or largest budget)."""
+        if step < self.budget_start_step:
+            return 0.0
+        if self.budget_ramp_steps == 0:
+            return 1.0
+        return min((step - self.budget_start_step) / self.budget_ramp_steps, 1.0)
 
 
 @dataclass
-class CCTConfig:
+class CCTConfig(GateSettings):
     """Conditional Computation Transformer (Bapna et al. 2020) settings.
 
     ``budgets`` lists (encoder, decoder) compute fractions; every training sequence draws
@@ -75,23 +101,12 @@ class CCTConfig:
     the general path for every call (same outputs; for tests and benchmarks).
     """
 
-    ffn_pieces: int = 4
-    control_hidden: int = 128
-    alpha_max: float = 5.0
-    noise_ramp_steps: int = 10_000
     budgets: list[tuple[float, float]] = field(default_factory=lambda: [(1.0, 1.0)])
     budget_grid: list[float] | None = None
-    budget_weight: float = 1.0
-    budget_start_step: int = 0
-    budget_ramp_steps: int = 0
-    budget_estimate: str = "soft"
-    control_init_std: float = 1.0
-    output_norms: bool = True
     distill_weight: float = 0.0
-    fast_paths: bool = True
 
     def __post_init__(self) -> None:
-        check_gate_settings(self)
+        super().__post_init__()
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ConfigError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
         if self.budget_grid is not None:
@@ -120,14 +135,6 @@ class CCTConfig:
         """The control id of the largest trained budget (the first of equal sums)."""
         return max(range(len(self.controls)), key=lambda i: (sum(self.controls[i]), -i))
 
-    def sampled_share(self, step: int) -> float:
-        """The share of sequences that draw a budget at ``step`` (the rest: full budget)."""
-        if step < self.budget_start_step:
-            return 0.0
-        if self.budget_ramp_steps == 0:
-            return 1.0
-        return min((step - self.budget_start_step) / self.budget_ramp_steps, 1.0)
-
     @property
     def controls(self) -> list[tuple[float, float]]:
         """The distinct (encoder, decoder) budgets in first-seen order: control symbol i
@@ -146,7 +153,7 @@ P_BERT = [0.8, 0.8, 0.8, 0.5, 0.33, 0.2]
 
 
 @dataclass
-class EncoderCCTConfig:
+class EncoderCCTConfig(GateSettings):
     """A CCT in an encoder-only model (CCT-BERT, Bapna et al. 2020 sec. 5): the ``model.cct``
     section of an ``mlm`` or ``classify`` run.
 
@@ -162,21 +169,11 @@ class EncoderCCTConfig:
     (the curriculum gives the largest budget, the first entry, before the ramp).
     """
 
-    ffn_pieces: int = 4
-    control_hidden: int = 128
-    alpha_max: float = 5.0
-    noise_ramp_steps: int = 10_000
-    budgets: list[float] = field(default_factory=lambda: list(P_BERT))
     budget_weight: float = 0.3
-    budget_start_step: int = 0
-    budget_ramp_steps: int = 0
-    budget_estimate: str = "soft"
-    control_init_std: float = 1.0
-    output_norms: bool = True
-    fast_paths: bool = True
+    budgets: list[float] = field(default_factory=lambda: list(P_BERT))
 
     def __post_init__(self) -> None:
-        check_gate_settings(self)
+        super().__post_init__()
         if not self.budgets or not all(0.0 < b <= 1.0 for b in self.budgets):
             raise ConfigError(f"budgets must list fractions in (0, 1], got {self.budgets}")
         self.budgets = [float(b) for b in self.budgets]
@@ -197,7 +194,3 @@ class EncoderCCTConfig:
         """The control id of the largest trained budget."""
         c = self.controls
         return max(range(len(c)), key=lambda i: (c[i], -i))
-
-    def sampled_share(self, step: int) -> float:
-        """The share of sequences that draw a budget at ``step`` (the rest: control 0)."""
-        return CCTConfig.sampled_share(self, step)  # the same curriculum

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from dynaseq.nn.int8 import KEEP_FLOAT, register_int8
-from dynaseq.nn.outputs import MACS_TRACE, MacsRecord  # noqa: F401  (re-exported)
+from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord  # noqa: F401  (re-exported)
 
 GATE_TRACE = "cct.gates"
 """``AuxOutputs.traces`` key of the :class:`GateTrace` entries."""
@@ -313,6 +313,15 @@ def control_trace(layer: str, control: ControlNet, gates: Tensor, stream: str) -
     ones = gates.new_ones(gates.shape[:-1] + (1,)).detach()
     cost = torch.tensor(float(control.macs(1)), dtype=gates.dtype, device=gates.device)
     return GateTrace(layer, "control", ones, cost, stream)
+
+
+def trace_gate(aux: AuxOutputs, layer: str, gate: str, values: Tensor, cost: Tensor,
+               control: ControlNet, stream: str = "input") -> None:
+    """Record under :data:`GATE_TRACE` of ``aux`` what gate ``gate`` of sub-layer ``layer``
+    did (``values`` ``(B, T, G)``, ``cost`` per open gate and token, see :class:`GateTrace`)
+    and the always-on cost of the ``control`` net that decided it (:func:`control_trace`)."""
+    aux.add_trace(GATE_TRACE, GateTrace(layer, gate, values, cost, stream))
+    aux.add_trace(GATE_TRACE, control_trace(layer, control, values, stream))
 
 
 # a control net decides which gates are on: int8 rounding could flip a decision

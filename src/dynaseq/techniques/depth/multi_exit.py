@@ -63,24 +63,27 @@ class ExitRule(Protocol):
         ...
 
 
-def _check_unit(name: str, value: float | int) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"the {name} threshold is in [0, 1], got {value!r}") from None
-    if not 0 <= v <= 1:  # NaN too
-        raise ConfigError(f"the {name} threshold is in [0, 1], got {v:g}")
-    return v
-
-
-class EntropyRule:
-    """BranchyNet: finish when ``H(softmax(z_k)) / ln C < threshold``."""
+class _ThresholdRule:
+    """A rule whose parameter is a threshold in [0, 1]; ``what`` names it in errors."""
 
     takes = "threshold"
-    default_field = "entropy_threshold"
+    what = ""
 
     def check(self, value: float | int) -> float:
-        return _check_unit("branchynet (normalized entropy)", value)
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"the {self.what} threshold is in [0, 1], got {value!r}") from None
+        if not 0 <= v <= 1:  # NaN too
+            raise ConfigError(f"the {self.what} threshold is in [0, 1], got {v:g}")
+        return v
+
+
+class EntropyRule(_ThresholdRule):
+    """BranchyNet: finish when ``H(softmax(z_k)) / ln C < threshold``."""
+
+    default_field = "entropy_threshold"
+    what = "branchynet (normalized entropy)"
 
     def done(self, history: Tensor, value: Tensor) -> Tensor:
         logp = torch.log_softmax(history[:, -1].float(), -1)  # (R, C)
@@ -88,14 +91,11 @@ class EntropyRule:
         return entropy < value
 
 
-class MaxProbRule:
+class MaxProbRule(_ThresholdRule):
     """Shallow-Deep: finish when ``max softmax(z_k) > threshold``."""
 
-    takes = "threshold"
     default_field = "max_prob_threshold"
-
-    def check(self, value: float | int) -> float:
-        return _check_unit("shallow-deep (max probability)", value)
+    what = "shallow-deep (max probability)"
 
     def done(self, history: Tensor, value: Tensor) -> Tensor:
         return torch.softmax(history[:, -1].float(), -1).amax(-1) > value

@@ -1,0 +1,92 @@
+"""How every task's Predictor loads a run: :func:`load_predictor`.
+
+One path for all of them: the run directory and its config (:func:`open_run`, a run of
+another task refused), the vocabulary, the device, then for the checkpoint asked for
+(:func:`load_resolved`: with ``auto``/``latest`` a checkpoint that vanishes while it is
+read is replaced by the next newest) the model is built, its weights are loaded and the
+predictor is made from the :class:`LoadedRun`.
+
+Example (a predictor's ``load``; ``read_vocab``, ``build_model``: the task's own)::
+
+    return load_predictor(run_dir, checkpoint, device, {TASK: MLMRunConfig}, "MLM",
+                          vocabulary=read_vocab, build=build_model,
+                          make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint,
+                                             r.device))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from dynaseq.core.checkpoint import load_resolved, load_weights
+from dynaseq.core.distributed import pick_device
+from dynaseq.core.rundir import open_run
+
+V = TypeVar("V")
+P = TypeVar("P")
+
+#: ``weights(model, checkpoint_dir, device)`` -> the loaded model and the device it is on.
+Weights = Callable[[nn.Module, Path, torch.device], tuple[nn.Module, torch.device]]
+
+
+@dataclass(frozen=True)
+class LoadedRun(Generic[V]):
+    """What a predictor is made from: the run directory, its parsed ``config``, its
+    vocabulary, the ``model`` with the weights of ``checkpoint`` (eval mode, on
+    ``device``)."""
+
+    run: Path
+    config: Any
+    vocab: V
+    model: nn.Module
+    checkpoint: Path
+    device: torch.device
+
+
+def place_weights(model: nn.Module, path: Path, device: torch.device
+                  ) -> tuple[nn.Module, torch.device]:
+    """The default weights step: the checkpoint's weights (checksums and dtypes checked by
+    :func:`load_weights`), the model in eval mode on ``device``."""
+    load_weights(model, path)
+    return model.to(device).eval(), device
+
+
+def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
+                   configs: Mapping[str, type], what: str, *,
+                   vocabulary: Callable[[Path], V],
+                   build: Callable[[Any, V], nn.Module],
+                   make: Callable[[LoadedRun[V]], P],
+                   weights: Weights = place_weights,
+                   check: Callable[[Path, Any], None] | None = None) -> P:
+    """Load a predictor from ``run_dir`` at ``checkpoint`` (``auto``, ``latest``, ``best``,
+    ``averaged`` or a step) on ``device`` (``auto``, ``cpu``, ``cuda``).
+
+    ``configs``: the task's ``{task: run config type}``; ``what``: what a run of it is
+    called (a run of another task is refused as "not a {what} run"). ``vocabulary(run)``
+    reads the run's vocabulary, ``check(run, config)`` (optional) refuses a run before any
+    checkpoint is read, ``build(config, vocab)`` makes the model with fresh weights,
+    ``weights`` loads the checkpoint into it (default :func:`place_weights`) and
+    ``make(loaded)`` returns the predictor.
+
+    Raises:
+        CheckpointError: no run directory, config or checkpoint; corrupt weights.
+        ConfigError: a config that does not parse.
+        DynaseqError: a run of another task.
+    """
+    run, cfg = open_run(run_dir, configs, what)
+    vocab = vocabulary(run)
+    dev = pick_device(device)
+    if check is not None:
+        check(run, cfg)
+
+    def from_checkpoint(path: Path) -> P:
+        model, placed = weights(build(cfg, vocab), path, dev)
+        return make(LoadedRun(run, cfg, vocab, model, path, placed))
+
+    return load_resolved(run, checkpoint, from_checkpoint)
