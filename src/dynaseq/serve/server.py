@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -143,10 +144,15 @@ def worker_app() -> Any:
     run named by :data:`WORKER_ENV`. A failure is one line on stderr and uvicorn's
     start-up failure status, which stops the parent (it would fail again on a restart)."""
     import torch
+    from tqdm import tqdm
     from uvicorn.config import STARTUP_FAILURE
 
     from dynaseq.serve.app import build_app
 
+    # a spawned worker's default multiprocessing context is spawn, where tqdm's default
+    # lock is a named semaphore that a worker ending by SIGTERM leaves to the resource
+    # tracker ("leaked semaphore objects"); the decoder's (hidden) bars need a thread lock
+    tqdm.set_lock(threading.RLock())
     try:
         spec = json.loads(os.environ[WORKER_ENV])
         fields = spec["config"]
