@@ -138,6 +138,8 @@ def test_sigterm_drains_every_worker_then_exits_0(serve_run, lines, tmp_path):
         events = [r.get("event") or r["status"] for r in log if r["pid"] == pid]
         assert events[0] == "ready" and events[-1] == "stopped", events
     assert not metrics_dirs(s)
+    # nothing but the JSON lines: no traceback, no semaphore left to the resource tracker
+    assert [x for x in s.log_text().splitlines() if not x.startswith("{")] == []
     for cs in by_pid.values():
         for c in cs:
             c.close()
