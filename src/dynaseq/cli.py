@@ -291,7 +291,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_lines=args.max_lines,
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
         overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
-        access_log=not args.no_access_log, default_budget=args.default_budget)
+        access_log=not args.no_access_log, default_budget=args.default_budget,
+        workers=args.workers)
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
                  latency_table=args.latency_table, threads=args.threads)
 
@@ -1071,7 +1072,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the smallest budget")
     p.add_argument("--slack", type=float, default=0.9,
                    help="plan deadline requests to finish within SLACK x deadline")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes on the one port, each loading the model (default "
+                        "1); /metrics sums them")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per process (default: torch's; with --workers N, "
+                        "the cores / N)")
     p.add_argument("--no-compute", action="store_true",
                    help="do not measure each line's realized compute")
     p.add_argument("--no-access-log", action="store_true")

@@ -5,7 +5,7 @@ One module per concept: :mod:`~dynaseq.serve.config` (settings), :mod:`~dynaseq.
 :mod:`~dynaseq.serve.batcher` (dynamic batching with mixed budgets, one worker thread),
 :mod:`~dynaseq.serve.policy` (deadline -> budget from the run's latency table),
 :mod:`~dynaseq.serve.metrics` (Prometheus), :mod:`~dynaseq.serve.app` (the FastAPI app) and
-:mod:`~dynaseq.serve.server` (uvicorn, graceful drain). See ``docs/serving.md``.
+:mod:`~dynaseq.serve.server` (uvicorn, graceful drain, ``--workers``). See ``docs/serving.md``.
 """
 
 from dynaseq.serve.config import ServeConfig

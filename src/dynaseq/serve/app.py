@@ -6,8 +6,8 @@ line count, line or token count over its limit, 422 a wrong type, an unknown fie
 untrained budget (naming the trained ones), a budget for a model without one, a deadline
 <= 0 or one this run cannot plan, a line the task cannot read, 503 with ``Retry-After``
 when the queue is full or no budget meets a deadline, 500 when the request's batch raised
-(the next batch runs). The server keeps no state between requests: replicas behind any
-load balancer serve alike.
+(the next batch runs). The server keeps no state between requests: worker processes on one
+port (``dynaseq serve --workers N``) or replicas behind any load balancer serve alike.
 
 Example::
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -47,16 +48,18 @@ from dynaseq.serve.schemas import ErrorResponse, one_line
 
 class AccessLog:
     """One JSON object per line (request id, time, method, path, status, latency, lines,
-    budget, degraded, error) on ``stream``; thread-safe."""
+    budget, degraded, error) on ``stream``; thread-safe. ``extra`` is added to every line
+    (a worker's ``pid`` when several serve one port)."""
 
-    def __init__(self, stream: TextIO | None) -> None:
+    def __init__(self, stream: TextIO | None, extra: dict[str, Any] | None = None) -> None:
         self.stream = stream
+        self.extra = extra or {}
         self._lock = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> None:
         if self.stream is None:
             return
-        line = json.dumps(record, separators=(",", ":"), default=str)
+        line = json.dumps({**record, **self.extra}, separators=(",", ":"), default=str)
         with self._lock:
             self.stream.write(line + "\n")
             self.stream.flush()
@@ -111,7 +114,7 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     if kind not in ep.TASK_ENDPOINTS:
         raise DynaseqError(f"no endpoints serve a {kind} run (served: "
                            f"{', '.join(ep.TASK_ENDPOINTS)})")
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(multiprocess=config.workers > 1)
     budgets = _trained_budgets(predictor) if kind in ep.BUDGET_RAN else []
     beam = config.beam or (predictor.config.decode.beam if kind == "seq2seq" else 1)
     default_budget = config_default_budget(predictor, kind, config)
@@ -138,9 +141,10 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
 
     batcher = Batcher(metrics, config.batch_window_ms, config.max_batch_rows,
                       config.max_queue_rows, estimate)
+    log = AccessLog(log_stream if config.access_log else None,
+                    {"pid": os.getpid()} if config.workers > 1 else None)
     state = ServeState(predictor, kind, config, metrics, batcher, policy, beam, default_budget,
-                       budgets, AccessLog(log_stream if config.access_log else None),
-                       run_dir=run_dir)
+                       budgets, log, run_dir=run_dir)
     if kind == "seq2seq":
         state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute)
     elif kind == "classify":
@@ -347,6 +351,7 @@ def build_app(state: ServeState) -> Any:
             if monitor is not None:
                 monitor.cancel()
             await asyncio.to_thread(state.batcher.stop)
+            state.metrics.process_exited()
             state.log.write({"ts": round(time.time(), 3), "event": "stopped"})
 
     app = FastAPI(title="dynaseq serve", lifespan=lifespan,

@@ -31,6 +31,9 @@ class ServeConfig:
     max_generate_tokens: largest ``tokens`` a generate request may ask for.
     default_budget: what a request with neither ``budget`` nor ``deadline_ms`` runs at
         (None: the largest trained budget).
+    workers: server processes answering on the one port (uvicorn's workers, each with its
+        own copy of the model and its own batcher); above 1, ``/metrics`` sums them and
+        each access-log line carries the ``pid`` of the worker that answered.
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +53,7 @@ class ServeConfig:
     access_log: bool = True
     max_generate_tokens: int = 512
     default_budget: float | tuple[float, float] | None = None
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -58,7 +62,7 @@ class ServeConfig:
             raise DynaseqError("--batch-window-ms must be >= 0")
         for name in ("max_batch_rows", "max_queue_rows", "max_body_bytes", "max_lines",
                      "max_line_chars", "max_tokens", "retry_after_min_s",
-                     "max_generate_tokens"):
+                     "max_generate_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise DynaseqError(f"--{name.replace('_', '-')} must be >= 1")
         if self.beam is not None and self.beam < 1:

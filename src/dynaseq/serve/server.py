@@ -2,39 +2,87 @@
 
 uvicorn's graceful shutdown stops accepting connections and waits for the requests in
 flight; the app's shutdown then drains the batcher (every queued batch still runs), so a
-SIGTERM answers everything already received before the process exits 0.
+SIGTERM answers everything already received; uvicorn then re-raises the signal, so one
+server process exits by it (status 143 for SIGTERM).
+
+``--workers N`` (N > 1): the parent checks the run and the options once (loading the model,
+then freeing it), binds the port, creates a ``PROMETHEUS_MULTIPROC_DIR`` and starts N
+uvicorn worker processes (:class:`uvicorn.supervisors.Multiprocess`, spawned) on the one
+socket; each builds its own app from :func:`worker_app`, reading what to serve from the
+environment variable :data:`WORKER_ENV`. uvicorn's supervisor restarts a worker that dies.
+On SIGTERM or SIGINT the parent passes SIGTERM to every worker, each drains as above, and
+once all have exited the parent removes the metrics directory and exits 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import json
+import os
+import shutil
 import sys
+import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 from dynaseq.core.errors import DynaseqError
 from dynaseq.serve.config import ServeConfig
 
+WORKER_ENV = "DYNASEQ_SERVE_WORKER"
+"""The environment variable that tells a worker process what to serve (JSON: the run,
+checkpoint, device, latency table, torch threads and the :class:`ServeConfig` fields)."""
 
-def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
-          device: str = "auto", latency_table: str | Path | None = None,
-          threads: int | None = None) -> int:
-    """Serve ``run_dir`` until stopped; returns the exit status (0 after a clean drain)."""
-    import torch
-    import uvicorn
+WORKER_HEALTHCHECK_S = 30
+"""How long uvicorn's supervisor waits for a worker to answer its liveness ping before it
+kills and replaces it (uvicorn's default, 5 s, is short for a CPU busy decoding)."""
 
-    from dynaseq.serve.app import _warn_checkpoint, build_app, build_state, load_table
+
+def default_threads(workers: int) -> int:
+    """Torch threads per worker when ``--threads`` is not given and ``workers`` > 1: the
+    cores this process may run on, shared out (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // workers)
+
+
+def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, device: str,
+                 latency_table: str | Path | None, warn: bool = True) -> Any:
+    """Load the run and build the server state (every check of the run and the options)."""
+    from dynaseq.serve.app import _warn_checkpoint, build_state, load_table
     from dynaseq.tasks.registry import load, run_kind
 
-    if threads is not None:
-        if threads < 1:
-            raise DynaseqError("--threads must be >= 1")
-        torch.set_num_threads(threads)
     kind = run_kind(run_dir)
     predictor = load(run_dir, checkpoint=checkpoint, device=device)
     table = load_table(run_dir, latency_table) if kind == "seq2seq" else None
     if latency_table is not None and kind != "seq2seq":
         raise DynaseqError("--latency-table is for translation runs")
-    _warn_checkpoint(table, predictor)
-    state = build_state(predictor, kind, config, table, run_dir=str(run_dir))
+    if warn:
+        _warn_checkpoint(table, predictor)
+    return build_state(predictor, kind, config, table, run_dir=str(run_dir))
+
+
+def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
+          device: str = "auto", latency_table: str | Path | None = None,
+          threads: int | None = None) -> int:
+    """Serve ``run_dir`` until stopped; returns the exit status (one process: it exits by
+    the signal once drained; ``config.workers`` > 1: 0 once every worker has drained)."""
+    import torch
+    import uvicorn
+
+    from dynaseq.serve.app import build_app
+
+    if threads is not None:
+        if threads < 1:
+            raise DynaseqError("--threads must be >= 1")
+        torch.set_num_threads(threads)
+    if config.workers > 1:
+        return _serve_workers(run_dir, config, checkpoint, device, latency_table,
+                              threads or default_threads(config.workers))
+    state = _build_state(run_dir, config, checkpoint, device, latency_table)
     app = build_app(state)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", access_log=False,
@@ -47,3 +95,74 @@ def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
         print(f"dynaseq: error: cannot serve on {config.host}:{config.port}", file=sys.stderr)
         return 2
     return 0
+
+
+def _serve_workers(run_dir: str | Path, config: ServeConfig, checkpoint: str, device: str,
+                   latency_table: str | Path | None, threads: int) -> int:
+    """``--workers N``: check once here, then N uvicorn worker processes on one socket."""
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    # every refusal of one server, here, before a worker starts (one line, exit 2)
+    _build_state(run_dir, dataclasses.replace(config, workers=1), checkpoint, device,
+                 latency_table)
+    gc.collect()  # the checked model is not kept: each worker loads its own
+    spec = {"run_dir": str(run_dir), "checkpoint": checkpoint, "device": device,
+            "latency_table": None if latency_table is None else str(latency_table),
+            "threads": threads, "config": dataclasses.asdict(config)}
+    uv = uvicorn.Config(
+        "dynaseq.serve.server:worker_app", factory=True, host=config.host, port=config.port,
+        workers=config.workers, log_level="warning", access_log=False, lifespan="on",
+        timeout_graceful_shutdown=None, timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
+    try:
+        sock = uv.bind_socket()
+    except SystemExit as e:  # uvicorn exits when it cannot bind
+        raise DynaseqError(f"cannot serve on {config.host}:{config.port}") from e
+    metrics_dir = tempfile.mkdtemp(prefix=f"dynaseq-metrics-{os.getpid()}-")
+    saved = {k: os.environ.get(k) for k in (WORKER_ENV, "PROMETHEUS_MULTIPROC_DIR")}
+    os.environ[WORKER_ENV] = json.dumps(spec)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the spawned workers
+    try:
+        supervisor = Multiprocess(uv, sockets=[sock])
+        supervisor.run()
+    finally:
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes):
+        raise DynaseqError("a worker process failed to start (its error is above)")
+    return 0
+
+
+def worker_app() -> Any:
+    """The app of one worker process (uvicorn's factory, called in the worker): loads the
+    run named by :data:`WORKER_ENV`. A failure is one line on stderr and uvicorn's
+    start-up failure status, which stops the parent (it would fail again on a restart)."""
+    import torch
+    from tqdm import tqdm
+    from uvicorn.config import STARTUP_FAILURE
+
+    from dynaseq.serve.app import build_app
+
+    # a spawned worker's default multiprocessing context is spawn, where tqdm's default
+    # lock is a named semaphore that a worker ending by SIGTERM leaves to the resource
+    # tracker ("leaked semaphore objects"); the decoder's (hidden) bars need a thread lock
+    tqdm.set_lock(threading.RLock())
+    try:
+        spec = json.loads(os.environ[WORKER_ENV])
+        fields = spec["config"]
+        if isinstance(fields.get("default_budget"), list):  # JSON has no tuples
+            fields["default_budget"] = tuple(fields["default_budget"])
+        torch.set_num_threads(spec["threads"])
+        state = _build_state(spec["run_dir"], ServeConfig(**fields), spec["checkpoint"],
+                             spec["device"], spec["latency_table"], warn=False)
+    except Exception as e:  # noqa: BLE001 -- any failure: one line, then stop the parent
+        print(f"dynaseq: error: worker {os.getpid()}: {' '.join(str(e).split())}",
+              file=sys.stderr, flush=True)
+        sys.exit(STARTUP_FAILURE)
+    return build_app(state)
