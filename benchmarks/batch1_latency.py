@@ -41,7 +41,6 @@ import torch
 
 from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.metrics.macs import count_macs
-from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import greedy_search
 from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.config import ModelConfig
@@ -54,14 +53,16 @@ VOCAB = 8000
 SRC_LEN = TGT_LEN = 30
 LAYERS = {"tiny": 3, "small": 6, "base": 6}
 BEAMS = {"greedy": 1, "beam4": 4}
+SETTLE_S = 0.3
 BRANCHING = {"dmb": "configs/multi30k_dmb_{size}.yaml", "moe": "configs/multi30k_moe_{size}.yaml"}
 
 
-def dense(size: str, seed: int = 0) -> torch.nn.Module:
-    """An untrained dense model of ``size`` (3+3 layers at tiny, 6+6 above), eval mode."""
+def dense(size: str, seed: int = 0, **kw) -> torch.nn.Module:
+    """An untrained dense model of ``size`` (3+3 layers at tiny, 6+6 above; ``kw``: more
+    :class:`ModelConfig` fields), eval mode."""
     torch.manual_seed(seed)
     n = LAYERS[size]
-    cfg = ModelConfig(size=size, encoder_layers=n, decoder_layers=n, dropout=0.0)
+    cfg = ModelConfig(size=size, encoder_layers=n, decoder_layers=n, dropout=0.0, **kw)
     return build_seq2seq(cfg, VOCAB).eval()
 
 
@@ -152,21 +153,23 @@ def sources(batch: int, seed: int = 0) -> torch.Tensor:
 
 
 def ct2_runner(translator, vocab: list[str], batch: int, beam: int) -> Callable[[], None]:
-    """One fixed-length decode of ``batch`` sentences by CTranslate2 (30 tokens, then eos:
-    the 31 decoder steps dynaseq's fixed-length decode runs)."""
+    """One fixed-length decode of ``batch`` sentences by CTranslate2: 31 tokens, 31 decoder
+    steps, as many as dynaseq's fixed-length decode runs (30 tokens, then eos; CTranslate2
+    counts no step for an eos it is forced to stop at)."""
     tokens = [[vocab[i] for i in row] for row in sources(batch).tolist()]
 
     def run() -> None:
-        out = translator.translate_batch(tokens, beam_size=beam, min_decoding_length=TGT_LEN,
+        out = translator.translate_batch(tokens, beam_size=beam,
+                                         min_decoding_length=TGT_LEN + 1,
                                          max_decoding_length=TGT_LEN + 1)
-        assert all(len(r.hypotheses[0]) == TGT_LEN for r in out), "fixed-length decoding"
+        assert all(len(r.hypotheses[0]) == TGT_LEN + 1 for r in out), "fixed-length decoding"
     return run
 
 
 def agreement(threads: int) -> dict[str, float]:
     """Share of greedy tokens CTranslate2 and dynaseq agree on, for a ``tiny`` model whose
-    outputs are made peaked (scaled output layer), 8 sentences."""
-    model = dense("tiny", seed=1)
+    outputs are made peaked (an untied output layer, scaled), 8 sentences."""
+    model = dense("tiny", seed=1, tie_output=False)
     with torch.no_grad():
         model.decoder.output_proj.weight.mul_(8)
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,7 +178,7 @@ def agreement(threads: int) -> dict[str, float]:
         ours = greedy_search(model, src, max_len_a=0, max_len_b=TGT_LEN + 1, min_len=TGT_LEN)
         out = translator.translate_batch([[vocab[i] for i in row] for row in src.tolist()],
                                          beam_size=1, min_decoding_length=TGT_LEN,
-                                         max_decoding_length=TGT_LEN + 1)
+                                         max_decoding_length=TGT_LEN)
         theirs = [[vocab.index(t) for t in r.hypotheses[0]] for r in out]
     same = sum(a == b for x, y in zip(ours, theirs, strict=True)
                for a, b in zip(x, y, strict=True))
@@ -219,17 +222,23 @@ def decode_flops(model: torch.nn.Module, batch: int, beam: int) -> float:
     """FLOPs of the fixed-length decode of ``batch`` sentences (2 × the analytic MACs of a
     30 → 30 pair, decoder steps counted per beam; the first beam step runs once)."""
     macs = count_macs(model, SRC_LEN, TGT_LEN + 1)
-    return 2.0 * batch * (macs["encoder"] + beam * macs["decoder"])
+    return 2.0 * batch * (macs.encoder_total + beam * macs.decoder_total)
 
 
 # ------------------------------------------------------------------------------- timing
 
 
 def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Median over rounds of each system's per-round time (ms), the systems taking turns."""
+    """Median over rounds of each system's per-round time (ms), the systems taking turns.
+
+    Each turn starts after a pause of :data:`SETTLE_S`: thread pools spin for a while after
+    their last task (Intel OpenMP's default block time, CTranslate2's, is 200 ms), and a
+    system that starts while the other's threads spin on the same two cores runs up to twice
+    as slow."""
     per: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(rounds):
         for name, run in systems.items():
+            time.sleep(SETTLE_S)
             per[name].append(run())
     return {name: round(statistics.median(v), 2) for name, v in per.items()}
 
@@ -256,7 +265,8 @@ def dense_rows(args, rates: dict[str, float]) -> list[dict]:
         ct2 = None if args.no_ct2 else to_ctranslate2(model, tmp.name, args.threads)
         for batch in args.batches:
             for search, beam in BEAMS.items():
-                def ours(lean: bool, batch=batch, beam=beam) -> Callable[[], float]:
+                def ours(lean: bool, model=model, batch=batch, beam=beam
+                         ) -> Callable[[], float]:
                     return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam,
                                                      batch=batch, repeats=args.repeats,
                                                      lean=lean)

@@ -48,27 +48,33 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
     limits = limits.clamp(min=min_len + 1)
     state = model.init_state()
     active = torch.arange(n, device=src.device)  # original row of each active row
-    out = torch.full((n, int(limits.max())), model.pad_id, dtype=torch.long, device=src.device)
-    lengths = torch.zeros(n, dtype=torch.long, device=src.device)
+    steps = int(limits.max())
+    out = torch.full((n, steps), model.pad_id, dtype=torch.long, device=src.device)
+    lengths = [steps] * n  # a row's length is set when it finishes
     tokens = torch.full((n, 1), model.bos_id, dtype=torch.long, device=src.device)
-    for step in range(int(limits.max())):
+    first_limit = int(limits.min())  # no row is at its length limit before this step
+    for step in range(steps):
         logits = model.decode_step(tokens, enc, state)  # (n_active, V)
         if step < min_len:
             logits[:, model.eos_id] = float("-inf")
-        _force_eos(logits, model.eos_id, step + 1 >= limits[active])
+        if step + 1 >= first_limit:
+            _force_eos(logits, model.eos_id, step + 1 >= limits[active])
         nxt = logits.argmax(-1)  # (n_active,)
-        done = nxt.eq(model.eos_id)
         out[active, step] = nxt
-        lengths[active] = step + 1 - done.long()
-        if done.all():
+        done = nxt.eq(model.eos_id)
+        n_done = int(done.sum())  # the step's one host sync
+        if n_done:
+            for row in active[done].tolist():
+                lengths[row] = step
+        if n_done == active.numel():
             break
-        if done.any():
+        if n_done:
             keep = (~done).nonzero().squeeze(1)
             active, nxt = active[keep], nxt[keep]
             enc = enc.index_select(keep)
             state.reorder(keep)
         tokens = nxt.unsqueeze(1)
-    return [out[i, : lengths[i]].tolist() for i in range(n)]
+    return [row[:length] for row, length in zip(out.tolist(), lengths, strict=True)]
 
 
 @torch.no_grad()
@@ -99,6 +105,7 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     enc = enc0  # one row per sentence for the first step, then k
     state = model.init_state()
     active = torch.arange(n, device=device)
+    active_list = list(range(n))  # the same sentences, for Python-side bookkeeping
     scores = torch.full((n, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # all beams start identical: expand only the first
     history = torch.full((n * k, 0), model.pad_id, dtype=torch.long, device=device)
@@ -124,7 +131,7 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         closing = is_eos.clone()
         closing[:, k:] = False
         for row, rank in closing.nonzero().tolist():
-            sent = int(active[row])
+            sent = active_list[row]
             if len(finished[sent]) >= k:
                 continue
             prev = row * k + int(top_beam[row, rank])
@@ -136,8 +143,10 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         live_scores, order = live_scores.topk(k, dim=1)  # (m, k)
         beams = top_beam.gather(1, order)
         toks = top_tok.gather(1, order)
-        done = torch.tensor([len(finished[int(s)]) >= k for s in active], device=device)
-        done |= ~torch.isfinite(live_scores[:, 0])
+        done = ~torch.isfinite(live_scores[:, 0])
+        full = [len(finished[s]) >= k for s in active_list]
+        if any(full):
+            done |= torch.tensor(full, device=device)
         if done.all():
             break
         keep = (~done).nonzero().squeeze(1)
@@ -150,6 +159,7 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
             enc = enc.index_select(first_beams)
             state.reorder_cross(first_beams)
         active = active[keep]
+        active_list = [active_list[i] for i in keep.tolist()]
         tokens = toks[keep].view(-1, 1)
     results = []
     for hyps in finished:
