@@ -71,7 +71,7 @@ def test_two_workers_answer_as_offline_spread_and_sum_their_metrics(serve_run, o
             pids = {x["pid"] for x in records(s) if x.get("path") == "/v1/translate"}
             if len(pids) > 1:
                 break
-            assert sent < 200, "every request went to one worker"
+            assert sent < 600, "every request went to one worker"
         assert s.post("/v1/translate", json={"text": 1}).status_code == 422
         # /metrics, whichever worker answers it, counts both workers' requests
         deadline = time.monotonic() + 10
@@ -95,7 +95,9 @@ def clients_per_worker(server: Server, k: int) -> dict[int, list[httpx.Client]]:
     """``k`` keep-alive clients connected to each of the two workers: a refused request on
     each new connection shows, in the access log, which worker accepted it."""
     by_pid: dict[int, list[httpx.Client]] = {}
-    for _ in range(100):
+    # the kernel hands a new connection to whichever worker wakes first; on a loaded machine
+    # one worker may take nearly all of them for a while, hence the many tries
+    for _ in range(600):
         client = httpx.Client(base_url=server.url, timeout=60)
         refused = len([r for r in records(server) if r.get("status") == 422])
         assert client.post("/v1/translate", json={"text": 1}).status_code == 422
