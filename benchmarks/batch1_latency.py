@@ -254,7 +254,6 @@ def ms_of(run: Callable[[], None], repeats: int) -> Callable[[], float]:
             run()
             times.append(time.perf_counter() - t0)
         return 1000.0 * statistics.median(times)
-    run()  # warm-up
     return measure
 
 
