@@ -149,3 +149,20 @@ def test_translator_decodes_the_same_with_and_without_the_lean_step(trained_run,
     general = t.translate(lines, beam=1)
     t.fast_decode = True
     assert t.translate(lines, beam=1) == general
+
+
+def test_latency_timing_decodes_as_translation_does(monkeypatch):
+    from dynaseq.metrics.latency import decode_latency_ms
+
+    cct = model(cct=CCTConfig(ffn_pieces=2, control_hidden=8))
+    with pytest.raises(ValueError, match="dense models only"):
+        decode_latency_ms(cct, 5, 5, repeats=1, control=0, lean=True)
+    assert decode_latency_ms(cct, 5, 5, repeats=1, control=0) > 0  # the general step
+    prepared = []
+    original = LeanDecoder.prepare
+    monkeypatch.setattr(LeanDecoder, "prepare",
+                        classmethod(lambda cls, m: prepared.append(m) or original(m)))
+    dense = model()
+    decode_latency_ms(dense, 5, 5, repeats=1)  # default: the lean step, prepared once
+    decode_latency_ms(dense, 5, 5, repeats=1, lean=False)
+    assert prepared == [dense]

@@ -39,14 +39,15 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
 @torch.no_grad()
 def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
                       batch: int = 1, repeats: int = 5, seed: int = 0,
-                      control: int | None = None, lean: bool = False) -> float:
+                      control: int | None = None, lean: bool | None = None) -> float:
     """Median wall time (ms) to translate ``batch`` sentences of ``src_len`` tokens into
     exactly ``tgt_len`` tokens (eos is forbidden before, forced after), after one warm-up.
 
     Fixing the output length makes models comparable whatever they would generate.
-    ``control``: the control-symbol id (trained budget) of a CCT model. ``lean``: decode
-    through :class:`~dynaseq.models.lean.LeanDecoder` (prepared once, outside the timing);
-    a model it cannot run is refused.
+    ``control``: the control-symbol id (trained budget) of a CCT model. ``lean``: None (the
+    default) decodes as translation does, through :class:`~dynaseq.models.lean.LeanDecoder`
+    for a dense model (prepared once, outside the timing) and the general step otherwise;
+    True requires the lean step (a model it cannot run is refused), False the general one.
     """
     device = next(model.parameters()).device
     vocab = model.decoder.output_proj.out_features
@@ -58,9 +59,11 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     kwargs = {"max_len_a": 0.0, "max_len_b": tgt_len + 1, "min_len": tgt_len,
               "max_positions": model.decoder.positions.max_positions, "control": control}
 
-    searcher = LeanDecoder.prepare(model) if lean else model
+    searcher = model if lean is False else LeanDecoder.prepare(model)
     if searcher is None:
-        raise ValueError("lean decoding runs dense models only")
+        if lean:
+            raise ValueError("lean decoding runs dense models only")
+        searcher = model
 
     def run() -> None:
         out = (greedy_search(searcher, src, **kwargs) if beam == 1

@@ -140,22 +140,24 @@ def free_decode_ms(model: nn.Module, src: torch.Tensor, beam: int, repeats: int,
                    control: Any = None, max_len_a: float = 1.2, max_len_b: int = 10) -> float:
     """Median wall time (ms) to decode the padded batch ``src`` (B, S) as a server would:
     until every row has produced eos or reached ``max_len_a · S + max_len_b`` tokens, after
-    one warm-up."""
+    one warm-up; a dense model through its lean decoding step, as the server decodes."""
+    from dynaseq.models.lean import lean_or_model
     from dynaseq.models.search import beam_search, greedy_search
 
     max_pos = model.decoder.positions.max_positions
     kwargs = {"max_len_a": max_len_a, "max_len_b": max_len_b, "max_positions": max_pos,
               "control": control}
     device = next(model.parameters()).device
+    searcher = lean_or_model(model)
     times = []
     for i in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if beam == 1:
-            greedy_search(model, src, **kwargs)
+            greedy_search(searcher, src, **kwargs)
         else:
-            beam_search(model, src, beam=beam, **kwargs)
+            beam_search(searcher, src, beam=beam, **kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i > 0:
