@@ -125,6 +125,9 @@ def test_a_changed_weight_or_module_makes_it_stale():
     lean = LeanDecoder.prepare(m)
     m.decoder.layers[0].ffn.fc1 = torch.nn.Linear(32, 64)
     assert not lean.is_current()
+    lean = LeanDecoder.prepare(m)
+    m.decoder.norm = torch.nn.LayerNorm(32)
+    assert not lean.is_current()
     src = sources()
     assert greedy_search(LeanDecoder.prepare(m), src) == greedy_search(m, src)
 
@@ -166,3 +169,8 @@ def test_latency_timing_decodes_as_translation_does(monkeypatch):
     decode_latency_ms(dense, 5, 5, repeats=1)  # default: the lean step, prepared once
     decode_latency_ms(dense, 5, 5, repeats=1, lean=False)
     assert prepared == [dense]
+
+
+def test_a_cache_of_no_steps_is_refused():
+    with pytest.raises(ValueError, match="at least one step"):
+        LeanDecoder.prepare(model()).init_state(capacity=0)

@@ -118,7 +118,8 @@ class LeanState:
     """
 
     def __init__(self, n_layers: int, capacity: int = 32) -> None:
-        assert capacity >= 1, "a cache holds at least one step"
+        if capacity < 1:
+            raise ValueError(f"a cache holds at least one step, got capacity={capacity}")
         self.capacity = capacity
         self.length = 0
         self.self_k: list[Tensor | None] = [None] * n_layers
@@ -190,6 +191,11 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
     return out
 
 
+def _decoder_modules(model: Seq2SeqTransformer) -> list[nn.Module]:
+    """The decoder modules a :class:`LeanDecoder` reads: its layers' and the final norm."""
+    return [*model.decoder.layers.modules(), model.decoder.norm]
+
+
 class LeanDecoder:
     """Decodes for a dense :class:`Seq2SeqTransformer`, through the search protocol
     (``encode``, ``init_state``, ``decode_step``, ``pad_id``/``bos_id``/``eos_id``): pass it
@@ -205,7 +211,7 @@ class LeanDecoder:
         self.final_norm = _Norm.of(model.decoder.norm)
         self._sources = sources
         self._versions = [t._version for t in sources]
-        self._modules = [m for layer in model.decoder.layers for m in layer.modules()]
+        self._modules = _decoder_modules(model)
         self.pad_id, self.bos_id, self.eos_id = model.pad_id, model.bos_id, model.eos_id
 
     @classmethod
@@ -234,10 +240,11 @@ class LeanDecoder:
         return cls(model, layers, output_t, sources)
 
     def is_current(self) -> bool:
-        """False once a copied weight was changed in place (training, ``load_state_dict``) or
-        a decoder module was replaced (e.g. by int8 quantization): prepare anew then."""
+        """False once a copied weight was changed in place (training, ``load_state_dict``:
+        each tensor's version counter, ``Tensor._version``, moves) or a decoder module was
+        replaced (e.g. by int8 quantization): prepare anew then."""
         model = self.model
-        return (self._modules == [m for layer in model.decoder.layers for m in layer.modules()]
+        return (self._modules == _decoder_modules(model)
                 and model.decoder.output_proj.weight is self._sources[-1]
                 and all(t._version == v for t, v in zip(self._sources, self._versions,
                                                           strict=True)))
