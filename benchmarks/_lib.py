@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -125,6 +126,12 @@ def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``repeats`` calls of ``fn``, after one untimed warm-up call."""
+    fn()
+    return 1000.0 * statistics.median(timed(fn) for _ in range(repeats))
 
 
 # ------------------------------------------------------------------------------- run logs

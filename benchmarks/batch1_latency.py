@@ -246,15 +246,7 @@ def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[st
 def ms_of(run: Callable[[], None], repeats: int) -> Callable[[], float]:
     """A system for :func:`interleaved`: the median ms of ``repeats`` calls of ``run``
     after one untimed call (as :func:`decode_latency_ms` times dynaseq's)."""
-    def measure() -> float:
-        run()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return 1000.0 * statistics.median(times)
-    return measure
+    return lambda: _lib.median_ms(run, repeats)
 
 
 def dense_rows(args, rates: dict[str, float]) -> list[dict]:

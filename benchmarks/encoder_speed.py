@@ -17,22 +17,11 @@ benchmarks/results/encoder_speed.{json,md}. Run from the repository root.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
 import _lib
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -61,8 +50,8 @@ def main() -> None:
                 x = torch.randint(7, args.vocab, (b, s))
                 seg = torch.zeros_like(x)
                 mask = torch.ones_like(x)
-                t_ours = median_ms(lambda x=x, seg=seg: ours(x, seg), args.repeats)
-                t_hf = median_ms(lambda x=x, seg=seg, mask=mask: theirs(
+                t_ours = _lib.median_ms(lambda x=x, seg=seg: ours(x, seg), args.repeats)
+                t_hf = _lib.median_ms(lambda x=x, seg=seg, mask=mask: theirs(
                     input_ids=x, token_type_ids=seg, attention_mask=mask), args.repeats)
                 rows.append({"tokens": s, "batch": b, "dynaseq_ms": round(t_ours, 3),
                              "hf_ms": round(t_hf, 3),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import dynaseq
 from dynaseq.techniques.cct.config import CCTConfig
 
 from helpers import lm_config, micro_config
@@ -123,3 +124,15 @@ def run_copy(serve_run, tmp_path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(serve_run, dst)
     return dst
+
+
+@pytest.fixture(scope="module")
+def offline(serve_run):
+    """The micro CCT translation run, loaded offline (what served answers must equal)."""
+    return dynaseq.load(serve_run)
+
+
+@pytest.fixture(scope="module")
+def lines(synthetic_paths) -> list[str]:
+    """Six test sentences of the synthetic task."""
+    return synthetic_paths["test.src"].read_text().splitlines()[:6]

@@ -12,20 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-import dynaseq
-
 from helpers import run_cli
 from serve_helpers import BUDGETS, Server
-
-
-@pytest.fixture(scope="module")
-def offline(serve_run):
-    return dynaseq.load(serve_run)
-
-
-@pytest.fixture(scope="module")
-def lines(synthetic_paths) -> list[str]:
-    return synthetic_paths["test.src"].read_text().splitlines()[:6]
 
 
 def test_translate_equals_offline_translate_at_each_budget(server, offline, lines):

@@ -14,8 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-import dynaseq
-
 from helpers import run_cli
 from serve_helpers import BUDGETS, Server
 
@@ -36,16 +34,6 @@ def start(run: Path, log: Path, *args: str) -> Server:
 
 def metrics_dirs(server: Server) -> list[Path]:
     return list(Path(tempfile.gettempdir()).glob(f"dynaseq-metrics-{server.proc.pid}-*"))
-
-
-@pytest.fixture(scope="module")
-def offline(serve_run):
-    return dynaseq.load(serve_run)
-
-
-@pytest.fixture(scope="module")
-def lines(synthetic_paths) -> list[str]:
-    return synthetic_paths["test.src"].read_text().splitlines()[:6]
 
 
 def test_two_workers_answer_as_offline_spread_and_sum_their_metrics(serve_run, offline, lines,
