@@ -264,8 +264,7 @@ class LeanDecoder:
             self._start(enc, state)
         b = tokens.size(0)
         dec = self.model.decoder
-        x = F.embedding(tokens, dec.embed.weight, dec.embed.pad_id) * dec.embed.scale
-        x = x + dec.positions(1, state.length)  # (B, 1, d)
+        x = dec.embed(tokens) + dec.positions(1, state.length)  # (B, 1, d)
         for i, w in enumerate(self.layers):
             h, d = w.n_heads, w.d_head
             qkv = F.linear(w.self_norm(x), w.qkv_weight, w.qkv_bias)  # (B, 1, 3·H·hd)
