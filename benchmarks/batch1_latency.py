@@ -219,8 +219,9 @@ def step_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_flops(model: torch.nn.Module, batch: int, beam: int) -> float:
-    """FLOPs of the fixed-length decode of ``batch`` sentences (2 × the analytic MACs of a
-    30 → 30 pair, decoder steps counted per beam; the first beam step runs once)."""
+    """FLOPs of the fixed-length decode of ``batch`` sentences: 2 × the analytic MACs of a
+    30 → 31 pair, the decoder's counted once per beam (beam search's first step runs one row
+    per sentence, so this counts 1/31 of the decoder work too much at beam 4)."""
     macs = count_macs(model, SRC_LEN, TGT_LEN + 1)
     return 2.0 * batch * (macs.encoder_total + beam * macs.decoder_total)
 
