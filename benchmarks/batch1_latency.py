@@ -21,9 +21,19 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
 * **dmb / moe**: ``configs/multi30k_dmb_tiny.yaml`` and ``multi30k_moe_tiny.yaml`` (and the
   same at ``small``), untrained, shared parts merged, against the dense model of their size
   (lean step), batch 1.
+* **cct**: ``configs/multi30k_cct_small.yaml`` untrained (control symbol 0) at fixed gate
+  patterns, lean and general step, against the dense model of its shape (``small``, 3+3):
+  every gate open with one offset of +inf (the decisions need no control network), every
+  gate open and every gate closed as the control networks decide (offsets ±10⁶), every gate
+  closed with -inf (the floor the ungated parts set: embeddings, the encoder's share, the
+  output layer). An untrained model has no trained budgets; its patterns bound what any
+  budget's mix of open and closed gates costs. ``--only cct`` re-measures this section and
+  keeps the others as committed (each section records the command, code and machine that
+  made it).
 
     python benchmarks/batch1_latency.py [--sizes tiny small base] [--batches 1 8 32]
-        [--rounds 3] [--repeats 1] [--threads 2] [--no-ct2] [--no-branching]
+        [--rounds 3] [--repeats 1] [--threads 2] [--no-ct2] [--no-branching] [--no-cct]
+        [--only cct]
 
 Writes benchmarks/results/batch1_latency.{json,md}. Run from the repository root, alone.
 """
@@ -31,6 +41,8 @@ Writes benchmarks/results/batch1_latency.{json,md}. Run from the repository root
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import tempfile
 import time
@@ -55,6 +67,10 @@ LAYERS = {"tiny": 3, "small": 6, "base": 6}
 BEAMS = {"greedy": 1, "beam4": 4}
 SETTLE_S = 0.3
 BRANCHING = {"dmb": "configs/multi30k_dmb_{size}.yaml", "moe": "configs/multi30k_moe_{size}.yaml"}
+CCT_CONFIG = "configs/multi30k_cct_small.yaml"
+# decoder and encoder gate offsets of each CCT pattern (see the module docstring)
+CCT_PATTERNS = {"open (+inf)": math.inf, "open by control": 1e6, "closed by control": -1e6,
+                "closed (-inf)": -math.inf}
 
 
 def dense(size: str, seed: int = 0, **kw) -> torch.nn.Module:
@@ -309,6 +325,39 @@ def branching_rows(args) -> list[dict]:
     return rows
 
 
+def cct_rows(args) -> list[dict]:
+    """The untrained CCT at each of :data:`CCT_PATTERNS`, lean and general step, against the
+    dense model of its shape; one row per (batch, search)."""
+    from dynaseq.techniques.cct.gating import BudgetControl
+
+    torch.manual_seed(0)
+    cct = build_seq2seq(load_config(CCT_CONFIG, ["model.dropout=0.0"]).model, VOCAB).eval()
+    base = build_dense_like("small")
+    rows = []
+    for batch in [b for b in args.batches if b <= 8]:
+        for search, beam in BEAMS.items():
+            def t(model, lean: bool, control=None, beam=beam, batch=batch
+                  ) -> Callable[[], float]:
+                return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam,
+                                                 batch=batch, repeats=args.repeats,
+                                                 control=control, lean=lean)
+            systems = {"dense lean": t(base, True), "dense general": t(base, False)}
+            for name, off in CCT_PATTERNS.items():
+                control = BudgetControl(0, {"encoder": off, "decoder": off})
+                systems[f"cct {name} lean"] = t(cct, True, control)
+                systems[f"cct {name} general"] = t(cct, False, control)
+            ms = interleaved(systems, args.rounds)
+            row = {"batch": batch, "search": search, "ms": ms}
+            for name in CCT_PATTERNS:
+                row[f"{name} lean_vs_dense_lean"] = round(
+                    ms[f"cct {name} lean"] / ms["dense lean"], 3)
+                row[f"{name} lean_vs_general"] = round(
+                    ms[f"cct {name} lean"] / ms[f"cct {name} general"], 3)
+            rows.append(row)
+            print(f"cct b{batch} {search}: {ms}", flush=True)
+    return rows
+
+
 def build_dense_like(size: str) -> torch.nn.Module:
     """The dense model of the DMB / MoE configs' shape (3+3 layers) at ``size``."""
     torch.manual_seed(0)
@@ -327,9 +376,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch and CTranslate2 threads")
     p.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
     p.add_argument("--no-branching", action="store_true", help="skip DMB / MoE")
+    p.add_argument("--no-cct", action="store_true", help="skip the CCT")
+    p.add_argument("--only", choices=["cct"],
+                   help="measure this section only; keep the others as committed")
     _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    made_by = {**_lib.provenance(), "machine": _lib.machine(processor=True),
+               "rounds": args.rounds, "repeats": args.repeats}
+    if args.only == "cct":
+        path = args.results / "batch1_latency.json"
+        out = json.loads(path.read_text()) if path.exists() else {}
+        out["cct"] = {"made_by": made_by, "rows": cct_rows(args)}
+        lines = markdown(out)
+        _lib.write_results(args.results, "batch1_latency", out, lines, json_newline=True)
+        print("\n".join(lines))
+        return
     rates = {"read_gbs": round(read_rate_gbs(5), 2), "sgemm_gflops": round(sgemm_gflops(5), 1)}
     print(f"limits: {rates}", flush=True)
     out = {"benchmark": "batch1_latency", **_lib.provenance(),
@@ -343,6 +405,8 @@ def main() -> None:
     out["dense"] = dense_rows(args, rates)
     if not args.no_branching:
         out["branching"] = branching_rows(args)
+    if not args.no_cct:
+        out["cct"] = {"made_by": made_by, "rows": cct_rows(args)}
     lines = markdown(out)
     _lib.write_results(args.results, "batch1_latency", out, lines, json_newline=True)
     print("\n".join(lines))
@@ -384,6 +448,28 @@ def markdown(out: dict) -> list[str]:
             [r["size"], r["search"], r["ms"]["dense lean"], r["ms"]["dense general"],
              r["ms"]["dmb"], r["ms"]["moe"], r["dmb_vs_dense_lean"], r["dmb_vs_dense_general"],
              r["moe_vs_dense_lean"]] for r in out["branching"]])
+    if out.get("cct"):
+        lines += cct_markdown(out["cct"])
+    return lines
+
+
+def cct_markdown(cct: dict) -> list[str]:
+    """The CCT section of batch1_latency.md."""
+    m = cct["made_by"]
+    code = (m["commit"] or "no git checkout")[:12] + (
+        " (with uncommitted changes)" if m["dirty"] else "")
+    lines = ["", "## CCT against dense (ms; untrained `multi30k_cct_small`, gate patterns)", "",
+             f"Command: `{m['command']}`; code {code} ({m['date']} UTC); machine "
+             f"{m['machine']}; {m['rounds']} interleaved rounds of {m['repeats']} decode(s).",
+             "", "Targets (for a trained model's budgets): budget 1 ≤ 1.05× the dense "
+             "model; a lower budget ≤ 0.05 above the floor that every gate closed sets.", ""]
+    names = list(CCT_PATTERNS)
+    header = ["batch", "search", "dense lean", "dense general",
+              *(f"{n} lean / general" for n in names), *(f"{n} ÷ dense lean" for n in names)]
+    lines += _lib.md_table(header, "ll" + "r" * (len(header) - 2), [
+        [r["batch"], r["search"], r["ms"]["dense lean"], r["ms"]["dense general"],
+         *(f"{r['ms'][f'cct {n} lean']} / {r['ms'][f'cct {n} general']}" for n in names),
+         *(r[f"{n} lean_vs_dense_lean"] for n in names)] for r in cct["rows"]])
     return lines
 
 

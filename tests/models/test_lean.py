@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.compress.int8 import quantize_int8
-from dynaseq.models.lean import LeanDecoder, is_dense
+from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
@@ -108,9 +108,9 @@ def test_a_step_concatenates_nothing_and_projects_the_encoder_output_once():
     assert linears == [2 * 6 + 1 + 2 * 2] + [2 * 6 + 1] * 4
 
 
-def test_techniques_and_int8_keep_the_general_step():
-    assert is_dense(model())
-    assert LeanDecoder.prepare(model(cct=CCTConfig(ffn_pieces=2, control_hidden=8))) is None
+def test_branching_and_int8_keep_the_general_step():
+    assert is_lean(model())
+    assert is_lean(model(cct=CCTConfig(ffn_pieces=2, control_hidden=8)))
     assert LeanDecoder.prepare(model(dmb=DMBConfig(n_branches=2))) is None
     assert LeanDecoder.prepare(quantize_int8(model())) is None
 
@@ -157,10 +157,10 @@ def test_translator_decodes_the_same_with_and_without_the_lean_step(trained_run,
 def test_latency_timing_decodes_as_translation_does(monkeypatch):
     from dynaseq.metrics.latency import decode_latency_ms
 
-    cct = model(cct=CCTConfig(ffn_pieces=2, control_hidden=8))
-    with pytest.raises(ValueError, match="dense models only"):
-        decode_latency_ms(cct, 5, 5, repeats=1, control=0, lean=True)
-    assert decode_latency_ms(cct, 5, 5, repeats=1, control=0) > 0  # the general step
+    dmb = model(dmb=DMBConfig(n_branches=2))
+    with pytest.raises(ValueError, match="no lean decoding step"):
+        decode_latency_ms(dmb, 5, 5, repeats=1, lean=True)
+    assert decode_latency_ms(dmb, 5, 5, repeats=1) > 0  # the general step
     prepared = []
     original = LeanDecoder.prepare
     monkeypatch.setattr(LeanDecoder, "prepare",

@@ -39,15 +39,17 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
 @torch.no_grad()
 def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
                       batch: int = 1, repeats: int = 5, seed: int = 0,
-                      control: int | None = None, lean: bool | None = None) -> float:
+                      control: object = None, lean: bool | None = None) -> float:
     """Median wall time (ms) to translate ``batch`` sentences of ``src_len`` tokens into
     exactly ``tgt_len`` tokens (eos is forbidden before, forced after), after one warm-up.
 
     Fixing the output length makes models comparable whatever they would generate.
-    ``control``: the control-symbol id (trained budget) of a CCT model. ``lean``: None (the
-    default) decodes as translation does, through :class:`~dynaseq.models.lean.LeanDecoder`
-    for a dense model (prepared once, outside the timing) and the general step otherwise;
-    True requires the lean step (a model it cannot run is refused), False the general one.
+    ``control``: the control-symbol id (trained budget) of a CCT model, or its
+    :class:`~dynaseq.techniques.cct.gating.BudgetControl`. ``lean``: None (the default)
+    decodes as translation does, through :class:`~dynaseq.models.lean.LeanDecoder` where the
+    model has one (dense and CCT; prepared once, outside the timing) and the general step
+    otherwise; True requires the lean step (a model without one is refused), False the
+    general one.
     """
     device = next(model.parameters()).device
     vocab = model.decoder.output_proj.out_features
@@ -62,7 +64,8 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     searcher = model if lean is False else LeanDecoder.prepare(model)
     if searcher is None:
         if lean:
-            raise ValueError("lean decoding runs dense models only")
+            raise ValueError("this model has no lean decoding step (DMB, MoE, int8 and "
+                             "relative-position models keep the general one)")
         searcher = model
 
     def run() -> None:

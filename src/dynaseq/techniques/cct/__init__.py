@@ -6,3 +6,5 @@ calibrated inference offsets; gated-off work is not executed. Import from the su
 ``layers`` (the gated encoder/decoder layers and the budget loss), ``gating``, ``budget``,
 ``conditional_attention``, ``conditional_ffn``, ``calibration``, ``self_distill``.
 """
+
+from dynaseq.techniques.cct import lean_step  # noqa: F401, E402  (registers the lean parts)

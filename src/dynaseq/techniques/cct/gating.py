@@ -145,18 +145,25 @@ class Gate(nn.Module):
         return self.schedule.alpha(self.step)
 
     def forward(self, logits: Tensor, offset: Tensor | float | None = None) -> Tensor:
-        if self.gate_override is not None:
-            value = self.gate_override if self.training else float(self.gate_override >= 0.5)
-            return torch.full_like(logits, value)
         if self.training:
+            if self.gate_override is not None:
+                return torch.full_like(logits, self.gate_override)
             alpha = self.alpha().to(logits.device, logits.dtype)
             return torch.sigmoid(logits + alpha * torch.randn_like(logits))
+        return self.hard(logits, offset).to(logits.dtype)
+
+    def hard(self, logits: Tensor, offset: Tensor | float | None = None) -> Tensor:
+        """The inference decision as a bool tensor of ``logits``' shape, in either mode:
+        ``G(x) + δ_b >= 0`` (eq. 2), or everywhere ``gate_override >= 0.5`` when pinned."""
+        if self.gate_override is not None:
+            return torch.full(logits.shape, self.gate_override >= 0.5, dtype=torch.bool,
+                              device=logits.device)
         if offset is None:
-            return (logits >= 0).to(logits.dtype)
+            return logits >= 0
         if isinstance(offset, Tensor):
             assert offset.shape == logits.shape[:1], "offset: one per row (B,)"
             offset = offset.view(-1, *(1,) * (logits.dim() - 1))  # (B, 1, ..., 1)
-        return (logits >= -offset).to(logits.dtype)  # g = 1[G(x) + δ_b >= 0] (eq. 2)
+        return logits >= -offset  # g = 1[G(x) + δ_b >= 0] (eq. 2)
 
     def for_budget(self, logits: Tensor, gates: Tensor) -> Tensor:
         """The gate values the budget loss counts, for ``gates = self(logits)``.

@@ -1,0 +1,203 @@
+"""The parts of a lean decoding step, and the table that says which sub-layer runs how.
+
+A decoder layer's step is ``x + SA(LN(x))``, ``x + CA(LN(x))``, ``x + FFN(LN(x))`` for one new
+token per row. :class:`~dynaseq.models.lean.LeanDecoder` runs it without module dispatch; the
+sub-layers' own arithmetic comes from a *lean part* per sub-layer, built once from the
+module by the factory its type registered here (:func:`register_lean`), as
+:mod:`dynaseq.nn.int8` does for quantization. So the decoder names no technique: the dense
+parts live in :mod:`dynaseq.nn.lean_dense`, the CCT's gated parts with the CCT.
+
+A part is inference only and runs on a decoding step's ``x`` ``(B, 1, d)`` (already the
+sub-layer's input LayerNorm) with ``offset``, the rows' gate offsets
+(:class:`~dynaseq.models.seq2seq.EncoderOutput`'s ``gate_offset``): a ``(B,)`` tensor, one
+float when every row has the same, or None. Its ``step`` returns the
+sub-layer's output ``(B, 1, d)``, or **None when the output is exactly zero for every row**
+(a gated sub-layer whose gates are all off): the residual is then left as it is and nothing
+of the sub-layer ran but its control network.
+
+* self-attention: ``step(x, cache, offset)`` with the layer's :class:`StepCache`;
+* cross-attention: ``start(memory, pad_mask, offset) -> CrossKeys`` once per batch,
+  ``step(x, keys, offset)`` every step;
+* feed-forward: ``step(x, offset)``.
+
+``sources`` lists the tensors a part copied (fused or folded weights): the decoder compares
+their version counters to know when its copies went stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A LayerNorm's tensors: ``F.layer_norm(x, (d,), weight, bias, eps)``."""
+
+    weight: Tensor
+    bias: Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, m: nn.Module) -> Norm | None:
+        """The norm of an ``nn.LayerNorm`` with affine weights, None for anything else."""
+        if type(m) is not nn.LayerNorm or m.weight is None or m.bias is None:
+            return None
+        return cls(m.weight, m.bias, m.eps)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+def linear_of(m: nn.Module) -> nn.Linear | None:
+    """``m`` if it is a plain ``nn.Linear`` with a bias (what the lean parts run), else None."""
+    return m if type(m) is nn.Linear and m.bias is not None else None
+
+
+class StepCache:
+    """One layer's self-attention keys and values, preallocated: ``k``/``v``
+    ``(B, H, capacity, d_head)``, the first :attr:`length` positions filled. A step writes in
+    place; a full cache doubles its capacity (so no step concatenates)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a cache holds at least one step, got capacity={capacity}")
+        self.capacity = capacity
+        self.length = 0
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one step's keys and values ``(B, H, 1, d_head)`` at position :attr:`length`;
+        return every filled position's, ``(B, H, length + 1, d_head)`` views."""
+        n = self.length
+        if self.k is None:
+            shape = (*k.shape[:2], self.capacity, k.size(3))
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        elif n >= self.k.size(2):  # full: double the capacity
+            self.k, self.v = _grow(self.k, n), _grow(self.v, n)
+        self.k[:, :, n: n + 1].copy_(k)
+        self.v[:, :, n: n + 1].copy_(v)
+        self.length = n + 1
+        return self.k[:, :, : n + 1], self.v[:, :, : n + 1]
+
+    def filled(self) -> tuple[Tensor, Tensor]:
+        """The filled positions' keys and values, ``(B, H, length, d_head)`` views."""
+        assert self.k is not None and self.v is not None, "nothing written yet"
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep/reorder batch rows (filled positions only are copied)."""
+        if self.k is not None:
+            self.k = _take_rows(self.k, index, self.length)
+            self.v = _take_rows(self.v, index, self.length)
+
+
+@dataclass
+class CrossKeys:
+    """A cross-attention's keys and values for every later step, projected once.
+
+    k, v: ``(B, H, W, d_head)``; mask: broadcastable to ``(B, H, 1, W)``, bool (True =
+    attend) or float (added to the scores), or None (every key attended).
+    """
+
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None = None
+
+    def index_select(self, index: Tensor) -> CrossKeys:
+        mask = None if self.mask is None else self.mask.index_select(0, index)
+        return CrossKeys(self.k.index_select(0, index), self.v.index_select(0, index), mask)
+
+
+Offset = Tensor | float | None
+"""The rows' gate offsets a part's step receives (see the module docstring)."""
+
+
+class LeanSelfAttention(Protocol):
+    sources: list[Tensor]
+
+    def step(self, x: Tensor, cache: StepCache, offset: Offset) -> Tensor | None: ...
+
+
+class LeanCrossAttention(Protocol):
+    sources: list[Tensor]
+
+    def start(self, memory: Tensor, pad_mask: Tensor, offset: Offset) -> CrossKeys: ...
+
+    def step(self, x: Tensor, keys: CrossKeys, offset: Offset) -> Tensor | None: ...
+
+
+class LeanFeedForward(Protocol):
+    sources: list[Tensor]
+
+    def step(self, x: Tensor, offset: Offset) -> Tensor | None: ...
+
+
+LeanFactory = Callable[[nn.Module, str], object | None]
+"""``factory(module, role)`` with role ``"self"``, ``"cross"`` or ``"ffn"``: the module's lean
+part for that role, or None when this module cannot run lean (then the model keeps the
+general step)."""
+
+LEAN_PARTS: dict[type[nn.Module], LeanFactory] = {}
+"""Module type (exact, not subclasses) -> its :data:`LeanFactory`."""
+
+ROLES = ("self", "cross", "ffn")
+
+
+def register_lean(module_type: type[nn.Module], factory: LeanFactory) -> None:
+    """Declare how sub-layers of ``module_type`` run in a lean decoding step (beside the
+    type's definition or its technique)."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_lean takes an nn.Module type, got {module_type!r}")
+    LEAN_PARTS[module_type] = factory
+
+
+def lean_part(module: nn.Module, role: str) -> object | None:
+    """The lean part of sub-layer ``module`` in ``role`` (:data:`ROLES`), or None when its type
+    registered none or its factory declines it."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    factory = LEAN_PARTS.get(type(module))
+    return None if factory is None else factory(module, role)
+
+
+def apply_linear(x: Tensor, m: nn.Linear) -> Tensor:
+    """``m(x)`` without the module call's hook dispatch."""
+    return F.linear(x, m.weight, m.bias)
+
+
+def split_heads(x: Tensor, n_heads: int) -> Tensor:
+    """``(B, T, H·hd)`` -> ``(B, H, T, hd)``."""
+    b, t, d = x.shape
+    return x.view(b, t, n_heads, d // n_heads).transpose(1, 2)
+
+
+def merge_heads(a: Tensor) -> Tensor:
+    """``(B, H, T, hd)`` -> ``(B, T, H·hd)``."""
+    b, h, t, d = a.shape
+    return a.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _grow(cache: Tensor, filled: int) -> Tensor:
+    """A cache of twice the capacity holding ``cache``'s first ``filled`` positions."""
+    bigger = cache.new_empty((*cache.shape[:2], 2 * cache.size(2), cache.size(3)))
+    bigger[:, :, :filled].copy_(cache[:, :, :filled])
+    return bigger
+
+
+def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
+    """Rows ``index`` of a cache, same capacity, its first ``filled`` positions copied."""
+    out = cache.new_empty((index.numel(), *cache.shape[1:]))
+    torch.index_select(cache[:, :, :filled], 0, index, out=out[:, :, :filled])
+    return out
+
+
+__all__ = ["LEAN_PARTS", "CrossKeys", "Offset", "LeanCrossAttention", "LeanFeedForward",
+           "LeanSelfAttention", "Norm", "StepCache", "apply_linear", "lean_part", "linear_of", "merge_heads",
+           "register_lean", "split_heads"]

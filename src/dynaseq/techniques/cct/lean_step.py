@@ -1,0 +1,332 @@
+"""Lean decoding-step parts of the CCT's gated sub-layers (see :mod:`dynaseq.nn.lean_step`).
+
+The same hard-gated computation as :class:`ConditionalAttention` and
+:class:`ConditionalFeedForward` at inference (gates ``1[G(x) + δ_b >= 0]``, eq. 2), for one
+new token per row, with what the arithmetic needs and nothing else. Each part first runs its
+control network(s) and reads the decisions with one host sync, then:
+
+* **self-attention** (eq. 12-13): the step's key and value are projected and normalised
+  only for the rows whose ``g_KV`` is on and written to the layer's cache (zero rows where
+  off: eq. 12's ``g_KV · LN(Y W_k)``, which enters the softmax with score 0 and adds
+  nothing, exactly as the module counts it); the query, attention, output LayerNorm and
+  projection run only for the rows whose ``g_q`` is on. All rows on: q/k/v come from one
+  fused ``(3d, d)`` product; every ``g_q`` off: the part returns None (the sub-layer's output
+  is 0, the residual stays as it is). The two control nets read the same input and run as
+  one fused product. Attention scores against an off key's zero row are computed
+  (``2·d`` multiply-adds per key and query, as padding would be); nothing else of it runs.
+* **cross-attention**: at ``start`` the encoder tokens whose ``g_KV`` is on (and that are
+  not padding) are projected once and packed to the left per row; the off ones become one
+  zero key slot whose score carries ``log n_off`` (``e^{0 + log n_off} = n_off`` zero rows
+  in the softmax, exactly the module's :func:`attend_with_zero_rows`), so every later step
+  attends over the on keys only. Queries as for self-attention.
+* **fixed decisions**: where every row has the same offset of +inf (every gate open, the
+  full network) or -inf, or the gates are pinned (``gate_override``), the decisions do not
+  depend on the control networks, and they do not run.
+* **feed-forward** (eq. 15): the M pieces' input LayerNorms share their normalisation, so
+  their affine weights are folded into the pieces' first layers, which run as one
+  ``(ffn_dim, d)`` product when every piece is open for every row, with the second layers
+  as one batched product and the output LayerNorms as one call. Otherwise piece i runs on
+  the rows where it is open (sliced from the folded weights); none open: None.
+
+Folding and fusing change float rounding only: outputs equal the modules' up to it (the
+tests compare every step's logits). Parts decline (the general step runs) for int8 or
+otherwise non-``nn.Linear`` projections, LayerNorms without affine weights, and pieces whose
+input norms differ in ``eps``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dynaseq.nn.lean_step import (
+    CrossKeys,
+    Norm,
+    Offset,
+    StepCache,
+    apply_linear,
+    linear_of,
+    merge_heads,
+    register_lean,
+    split_heads,
+)
+from dynaseq.techniques.cct.conditional_attention import ConditionalAttention, PackedKeys
+from dynaseq.techniques.cct.conditional_ffn import ConditionalFeedForward
+from dynaseq.techniques.cct.gating import ControlNet, Gate
+
+_IDENTITY = "identity"
+
+
+def _norm_or_identity(m: nn.Module) -> Norm | str | None:
+    """A LayerNorm's :class:`Norm`, :data:`_IDENTITY` for ``nn.Identity``, None otherwise."""
+    return _IDENTITY if type(m) is nn.Identity else Norm.of(m)
+
+
+def _apply(norm: Norm | str, x: Tensor) -> Tensor:
+    return x if norm == _IDENTITY else norm(x)
+
+
+def _control_ok(c: nn.Module) -> bool:
+    return (type(c) is ControlNet and linear_of(c.w1) is not None
+            and type(c.w2) is nn.Linear and c.w2.bias is None)
+
+
+class _Controls:
+    """One or more :class:`ControlNet` that read the same input, as one fused product:
+    ``(B, 1, d)`` -> logits ``(B, 1, n)``, the nets' gates side by side."""
+
+    def __init__(self, nets: list[ControlNet]) -> None:
+        self.w1 = torch.cat([c.w1.weight for c in nets])  # (Σ hidden, d)
+        self.b1 = torch.cat([c.w1.bias for c in nets])
+        self.w2 = torch.block_diag(*(c.w2.weight for c in nets))  # (Σ gates, Σ hidden)
+        self.sources = [t for c in nets for t in (c.w1.weight, c.w1.bias, c.w2.weight)]
+        self.n_gates = self.w2.size(0)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(F.linear(x, self.w1, self.b1).relu_(), self.w2)
+
+
+def _fixed(gate: Gate, offset: Offset) -> bool | None:
+    """Every gate's decision where it does not depend on the control network: pinned by the
+    gate's override, or one offset of ±inf for every row (``1[G(x) ± inf >= 0]`` for any
+    finite logit); None where the control network decides."""
+    if gate.gate_override is not None:
+        return gate.gate_override >= 0.5
+    if isinstance(offset, float) and math.isinf(offset):
+        return offset > 0
+    return None
+
+
+def _decide(gate: Gate, controls: _Controls, x: Tensor,
+            offset: Offset) -> tuple[Tensor | None, list[int]]:
+    """Hard gates ``(B, n)`` bool of the rows ``x`` ``(B, 1, d)`` and the open rows per gate
+    (the one host sync of a part's step). Decisions fixed by :func:`_fixed` run no control
+    network and give no mask (every count is then 0 or B)."""
+    fixed = _fixed(gate, offset)
+    if fixed is not None:
+        return None, [x.size(0) if fixed else 0] * controls.n_gates
+    on = gate.hard(controls(x)[:, 0], offset)  # (B, n)
+    return on, on.sum(0).tolist()
+
+
+def _rows(on: Tensor) -> Tensor:
+    """``(N,)`` indices of the True entries of ``on`` ``(B,)``."""
+    return on.nonzero().squeeze(1)
+
+
+class _GatedAttention:
+    """What the self- and cross-attention parts share: projections, norms, gate, queries."""
+
+    def __init__(self, m: ConditionalAttention, norms: tuple[Norm | str, ...]) -> None:
+        self.k_norm, self.v_norm, self.out_norm = norms
+        self.q, self.k, self.v, self.out = m.q_proj, m.k_proj, m.v_proj, m.out_proj
+        self.gate = m.gate
+        self.n_heads, self.d = m.n_heads, m.d_model
+        with torch.no_grad():  # rows [q; k; v]: k/v alone are the slice [d:]
+            self.qkv_weight = torch.cat([p.weight for p in (m.q_proj, m.k_proj, m.v_proj)])
+            self.qkv_bias = torch.cat([p.bias for p in (m.q_proj, m.k_proj, m.v_proj)])
+        self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj) for t in (p.weight, p.bias)]
+
+    def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """LN(x W_k), LN(x W_v) of rows ``x`` ``(N, ..., d)``."""
+        kv = F.linear(x, self.qkv_weight[self.d:], self.qkv_bias[self.d:])
+        return _apply(self.k_norm, kv[..., : self.d]), _apply(self.v_norm, kv[..., self.d:])
+
+    def _output(self, a: Tensor) -> Tensor:
+        """LN(a) W_o of merged attention outputs ``a`` ``(N, 1, d)``."""
+        return apply_linear(_apply(self.out_norm, a), self.out)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q ``(N, 1, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, 1, d)``."""
+        q = split_heads(q, self.n_heads)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self._output(merge_heads(a))
+
+
+class GatedSelfAttention(_GatedAttention):
+    """CCT self-attention of one new token per row (see the module docstring)."""
+
+    def __init__(self, m: ConditionalAttention, norms: tuple[Norm | str, ...]) -> None:
+        super().__init__(m, norms)
+        self.controls = _Controls([m.q_control, m.kv_control])  # logits [q, kv]
+        self.sources += self.controls.sources
+
+    def step(self, x: Tensor, cache: StepCache, offset: Offset) -> Tensor | None:
+        """x ``(B, 1, d)`` -> ``(B, 1, d)`` or None (every ``g_q`` off); appends this step's
+        keys and values (zero rows where ``g_KV`` is off) to ``cache``."""
+        b, d = x.size(0), self.d
+        on, (n_q, n_kv) = _decide(self.gate, self.controls, x, offset)  # on: (B, 2)
+        q = None
+        if n_q == b and n_kv == b:  # everything open: one fused product
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            q = qkv[..., :d]
+            k = _apply(self.k_norm, qkv[..., d: 2 * d])
+            v = _apply(self.v_norm, qkv[..., 2 * d:])
+        elif n_kv == b:
+            k, v = self._kv(x)
+        else:
+            k, v = x.new_zeros(b, 1, d), x.new_zeros(b, 1, d)
+            if n_kv:
+                rows = _rows(on[:, 1])
+                kr, vr = self._kv(x.index_select(0, rows))
+                k.index_copy_(0, rows, kr)
+                v.index_copy_(0, rows, vr)
+        keys, values = cache.append(split_heads(k, self.n_heads), split_heads(v, self.n_heads))
+        if n_q == 0:
+            return None
+        if n_q == b:
+            q = apply_linear(x, self.q) if q is None else q
+            return self._attend(q, keys, values, None)
+        rows = _rows(on[:, 0])
+        y = self._attend(apply_linear(x.index_select(0, rows), self.q),
+                         keys.index_select(0, rows), values.index_select(0, rows), None)
+        return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
+
+
+class GatedCrossAttention(_GatedAttention):
+    """CCT cross-attention of one new token per row over the encoder output's on keys,
+    packed once by :meth:`start` (see the module docstring)."""
+
+    def __init__(self, m: ConditionalAttention, norms: tuple[Norm | str, ...]) -> None:
+        super().__init__(m, norms)
+        self.q_control = _Controls([m.q_control])
+        self.kv_control = _Controls([m.kv_control])
+        self.sources += self.q_control.sources + self.kv_control.sources
+
+    def start(self, memory: Tensor, pad_mask: Tensor, offset: Offset) -> CrossKeys:
+        """memory ``(B, S, d)``, pad_mask ``(B, S)`` bool (True at padding) -> the on keys
+        of every row packed to the left, behind one zero slot that stands for the row's off
+        keys (score bias ``log n_off``; ``-inf`` when none is off)."""
+        b, s, d = memory.shape
+        fixed = _fixed(self.gate, offset)
+        if fixed is None:
+            on = self.gate.hard(self.kv_control(memory)[..., 0], offset) & ~pad_mask  # (B, S)
+        else:
+            on = ~pad_mask if fixed else torch.zeros_like(pad_mask)
+        n_on = int(on.sum())
+        if n_on == b * s:  # nothing off, no padding: every key as it is
+            k, v = self._kv(memory)
+            return CrossKeys(split_heads(k, self.n_heads), split_heads(v, self.n_heads))
+        k, v = memory.new_zeros(b, s, d), memory.new_zeros(b, s, d)
+        if n_on:
+            flat = on.reshape(-1).nonzero().squeeze(1)
+            kr, vr = self._kv(memory.reshape(b * s, d).index_select(0, flat))
+            k.view(b * s, d).index_copy_(0, flat, kr)
+            v.view(b * s, d).index_copy_(0, flat, vr)
+        allowed = (~pad_mask)[:, None, None, :]
+        packed = PackedKeys.of(k, v, on, allowed, lambda t: split_heads(t, self.n_heads))
+        zero = packed.k.new_zeros(b, self.n_heads, 1, packed.k.size(-1))
+        bias = torch.where(packed.n_off > 0, packed.n_off.log(),
+                           torch.full_like(packed.n_off, -math.inf))  # (B,)
+        slots = torch.zeros(packed.valid.shape, dtype=k.dtype, device=k.device)
+        slots.masked_fill_(~packed.valid, -math.inf)  # (B, W)
+        mask = torch.cat([bias[:, None], slots], 1)[:, None, None, :]  # (B, 1, 1, 1 + W)
+        return CrossKeys(torch.cat([zero, packed.k], 2), torch.cat([zero, packed.v], 2), mask)
+
+    def step(self, x: Tensor, keys: CrossKeys, offset: Offset) -> Tensor | None:
+        """x ``(B, 1, d)`` -> ``(B, 1, d)`` or None (every ``g_q`` off)."""
+        b = x.size(0)
+        on, (n_q,) = _decide(self.gate, self.q_control, x, offset)  # on: (B, 1)
+        if n_q == 0:
+            return None
+        if n_q == b:
+            return self._attend(apply_linear(x, self.q), keys.k, keys.v, keys.mask)
+        rows = _rows(on[:, 0])
+        sel = keys.index_select(rows)
+        y = self._attend(apply_linear(x.index_select(0, rows), self.q), sel.k, sel.v, sel.mask)
+        return x.new_zeros(b, 1, self.d).index_copy_(0, rows, y)
+
+
+class GatedFeedForward:
+    """CCT feed-forward of one new token per row (eq. 15; see the module docstring)."""
+
+    def __init__(self, m: ConditionalFeedForward, eps: float,
+                 out_norms: list[Norm] | None) -> None:
+        pieces = list(m.pieces)
+        self.gate, self.eps, self.m = m.gate, eps, len(pieces)
+        self.width = pieces[0].ffn.fc1.out_features
+        self.control = _Controls([m.control])
+        with torch.no_grad():  # fold LN_in_i's affine into fc1_i: W1 diag(w), W1 b + c
+            self.w1 = torch.cat([p.ffn.fc1.weight * p.in_norm.weight for p in pieces])
+            self.b1 = torch.cat([p.ffn.fc1.weight @ p.in_norm.bias + p.ffn.fc1.bias
+                                 for p in pieces])
+            self.w2 = torch.stack([p.ffn.fc2.weight.t() for p in pieces])  # (M, f, d)
+            self.b2 = torch.stack([p.ffn.fc2.bias for p in pieces])[:, None]  # (M, 1, d)
+        self.out_norms = out_norms
+        if out_norms is not None:
+            self.out_w = torch.stack([n.weight for n in out_norms])[:, None]  # (M, 1, d)
+            self.out_b = torch.stack([n.bias for n in out_norms]).sum(0)  # (d,)
+            self.out_eps = out_norms[0].eps
+        self.sources = [t for p in pieces for t in (p.ffn.fc1.weight, p.ffn.fc1.bias,
+                                                     p.in_norm.weight, p.in_norm.bias,
+                                                     p.ffn.fc2.weight, p.ffn.fc2.bias)]
+        self.sources += self.control.sources + [t for n in out_norms or () for t in
+                                                (n.weight, n.bias)]
+
+    def _piece(self, i: int, n: Tensor) -> Tensor:
+        """Piece i on normalised rows ``n`` ``(N, 1, d)`` -> ``(N, 1, d)``."""
+        f = self.width
+        h = F.linear(n, self.w1[i * f: (i + 1) * f], self.b1[i * f: (i + 1) * f]).relu_()
+        y = torch.addmm(self.b2[i], h[:, 0], self.w2[i])[:, None]
+        return y if self.out_norms is None else self.out_norms[i](y)
+
+    def step(self, x: Tensor, offset: Offset) -> Tensor | None:
+        """x ``(B, 1, d)`` -> ``(B, 1, d)``, or None when no piece is open for any row."""
+        b, d = x.size(0), x.size(-1)
+        on, counts = _decide(self.gate, self.control, x, offset)  # on: (B, M)
+        if not any(counts):
+            return None
+        n = F.layer_norm(x, (d,), None, None, self.eps)  # LN_in without its affine
+        if all(c == b for c in counts):  # every piece for every row: fused products
+            h = F.linear(n[:, 0], self.w1, self.b1).relu_()  # (B, M·f)
+            h = h.view(b, self.m, self.width).transpose(0, 1)  # (M, B, f)
+            y = torch.baddbmm(self.b2, h, self.w2)  # (M, B, d)
+            if self.out_norms is None:
+                return y.sum(0)[:, None]
+            y = F.layer_norm(y, (d,), None, None, self.out_eps)
+            return ((y * self.out_w).sum(0) + self.out_b)[:, None]
+        out = x.new_zeros(b, 1, d)
+        for i, c in enumerate(counts):
+            if c == b:
+                out += self._piece(i, n)
+            elif c:
+                rows = _rows(on[:, i])
+                out.index_add_(0, rows, self._piece(i, n.index_select(0, rows)))
+        return out
+
+
+def _attention_part(m: nn.Module, role: str) -> GatedSelfAttention | GatedCrossAttention | None:
+    assert isinstance(m, ConditionalAttention)
+    norms = tuple(_norm_or_identity(n) for n in (m.k_norm, m.v_norm, m.out_norm))
+    if (role == "ffn" or None in norms
+            or any(linear_of(p) is None for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
+            or not (_control_ok(m.q_control) and _control_ok(m.kv_control))):
+        return None
+    return GatedSelfAttention(m, norms) if role == "self" else GatedCrossAttention(m, norms)
+
+
+def _ffn_part(m: nn.Module, role: str) -> GatedFeedForward | None:
+    assert isinstance(m, ConditionalFeedForward)
+    pieces = list(m.pieces)
+    in_norms = [Norm.of(p.in_norm) for p in pieces]
+    outs = [_norm_or_identity(p.out_norm) for p in pieces]
+    if (role != "ffn" or not _control_ok(m.control) or None in in_norms or None in outs
+            or len({n.eps for n in in_norms}) != 1
+            or any(linear_of(p.ffn.fc1) is None or linear_of(p.ffn.fc2) is None
+                   for p in pieces)
+            or len({p.ffn.fc1.out_features for p in pieces}) != 1):
+        return None
+    if all(o == _IDENTITY for o in outs):
+        out_norms = None
+    elif _IDENTITY in outs or len({o.eps for o in outs}) != 1:
+        return None
+    else:
+        out_norms = outs
+    return GatedFeedForward(m, in_norms[0].eps, out_norms)
+
+
+register_lean(ConditionalAttention, _attention_part)
+register_lean(ConditionalFeedForward, _ffn_part)

@@ -1,0 +1,153 @@
+"""The CCT's lean decoding step (techniques/cct/lean_step.py) decodes as the general step:
+every step's logits, greedy and beam tokens, with every gate on, off, mixed within a row
+and across the rows of one batch; gated-off sub-layers are not entered."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dynaseq.models.lean import LeanDecoder, is_lean
+from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+from dynaseq.techniques.cct.config import CCTConfig
+from dynaseq.techniques.cct.gating import BudgetControl, force_gates
+
+EOS, V = 3, 30
+ON, OFF = math.inf, -math.inf
+
+
+def cct_model(seed: int = 0, **cct):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=4, encoder_layers=1, decoder_layers=2,
+                      dropout=0.0, cct=CCTConfig(**{"ffn_pieces": 4, "control_hidden": 8,
+                                                    **cct}))
+    m = build_seq2seq(cfg, vocab_size=V).eval()
+    with torch.no_grad():
+        for p in m.parameters():  # LayerNorms and biases away from their 1 / 0 init
+            p.add_(0.1 * torch.randn_like(p))
+        m.decoder.output_proj.weight.mul_(4)  # peaky outputs, eos likely enough that
+        m.decoder.output_proj.weight[EOS] *= 1.5  # lengths vary
+    return m
+
+
+def sources(n: int = 6, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, V, (n, 8), generator=g)
+    for i in range(n):  # rows of different lengths: padding in the cross-attention
+        src[i, 8 - (i % 4):] = 0
+        src[i, 7 - (i % 4)] = EOS
+    return src
+
+
+def control(offsets, n: int) -> BudgetControl:
+    """Control id 0 with decoder offsets: one for every row, or one per row."""
+    off = torch.tensor([float(o) for o in offsets]) if isinstance(offsets, list) else offsets
+    return BudgetControl(torch.zeros(n, dtype=torch.long), {"decoder": off, "encoder": 0.0})
+
+
+# every gate on, every gate off, the control nets' own decisions (mixed within rows), and
+# rows of one batch at different offsets
+OFFSETS = {"on": ON, "off": OFF, "zero": 0.0, "rows": [ON, 0.0, OFF, 0.5, -0.5, 0.0]}
+
+
+@pytest.mark.parametrize("name", list(OFFSETS))
+@pytest.mark.parametrize("capacity", [1, 32])
+def test_each_steps_logits_equal_the_general_step(name, capacity):
+    m = cct_model()
+    lean = LeanDecoder.prepare(m)
+    src = sources()
+    enc = m.encode(src, control(OFFSETS[name], src.size(0)))
+    general, fast = m.init_state(), lean.init_state(capacity)
+    tokens = torch.full((src.size(0), 1), m.bos_id)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _ in range(10):
+            want = m.decode_step(tokens, enc, general)
+            got = lean.decode_step(tokens, enc, fast)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            tokens = torch.randint(4, V, (src.size(0), 1), generator=g)
+
+
+@pytest.mark.parametrize("cct", [{}, {"output_norms": False}])
+def test_greedy_and_beam_give_the_general_steps_tokens(cct):
+    m = cct_model(seed=2, **cct)
+    lean = LeanDecoder.prepare(m)
+    src = sources(seed=3)
+    for offsets in OFFSETS.values():
+        c = control(offsets, src.size(0))
+        want = greedy_search(m, src, max_len_b=30, control=c)
+        assert greedy_search(lean, src, max_len_b=30, control=c) == want
+        assert beam_search(lean, src, beam=3, max_len_b=30, control=c) == \
+            beam_search(m, src, beam=3, max_len_b=30, control=c)
+
+
+def test_mixed_budgets_in_a_batch_equal_each_budget_alone():
+    m = cct_model(seed=4)
+    lean = LeanDecoder.prepare(m)
+    src = sources(seed=5)
+    offsets = OFFSETS["rows"]
+    batched = greedy_search(lean, src, max_len_b=30, control=control(offsets, src.size(0)))
+    for i, off in enumerate(offsets):
+        row = src[i: i + 1, : int(src[i].ne(0).sum())]
+        assert greedy_search(lean, row, max_len_b=30, control=control([off], 1)) == [batched[i]]
+
+
+def test_pinned_gates_are_honoured():
+    m = cct_model(seed=6)
+    src = sources(seed=7)
+    c = control(0.0, src.size(0))
+    for value in (0.0, 1.0):
+        with force_gates(m, value):
+            lean = LeanDecoder.prepare(m)
+            assert greedy_search(lean, src, max_len_b=20, control=c) == \
+                greedy_search(m, src, max_len_b=20, control=c)
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matrix products (``mm``/``addmm``/``bmm``/``baddbmm``) that run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm")
+        return func(*args, **(kwargs or {}))
+
+
+def _step_matmuls(m, offset: float) -> int:
+    """Matrix products of one batch-1 step after the first (the cross keys are packed)."""
+    lean = LeanDecoder.prepare(m)
+    src = sources(n=1)[:, :5]
+    enc = m.encode(src, control([offset], 1))
+    state = lean.init_state()
+    tokens = torch.full((1, 1), m.bos_id)
+    lean.decode_step(tokens, enc, state)
+    with _Matmuls() as ops:
+        lean.decode_step(tokens, enc, state)
+    return ops.n
+
+
+def test_a_gated_off_sub_layer_is_not_entered_and_an_open_one_runs_fused():
+    m = cct_model(seed=8)
+    layers = len(m.decoder.layers)
+    controls = 3 * 2  # per layer: three control nets (self-attention's q and kv fused), 2 each
+    fused = 6  # per layer: q/k/v, self out, cross q, cross out, fc1, fc2 (the 4 pieces batched)
+    # gates closed by the control nets: they run, no projection, attention or piece does
+    assert _step_matmuls(m, -1e6) == layers * controls + 1  # + the output layer
+    assert _step_matmuls(m, 1e6) == layers * (controls + fused) + 1
+    # one offset of ±inf for every row fixes the decisions: no control net runs either
+    assert _step_matmuls(m, OFF) == 1
+    assert _step_matmuls(m, ON) == layers * fused + 1
+
+
+def test_int8_and_norm_free_attention_fall_back_or_run():
+    from dynaseq.compress.int8 import quantize_int8
+
+    assert is_lean(cct_model())
+    assert not is_lean(quantize_int8(cct_model()))
