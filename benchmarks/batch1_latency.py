@@ -27,13 +27,18 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
   gate open and every gate closed as the control networks decide (offsets ±10⁶), every gate
   closed with -inf (the floor the ungated parts set: embeddings, the encoder's share, the
   output layer). An untrained model has no trained budgets; its patterns bound what any
-  budget's mix of open and closed gates costs. ``--only cct`` re-measures this section and
-  keeps the others as committed (each section records the command, code and machine that
-  made it).
+  budget's mix of open and closed gates costs; "mixed (offset 0)" lets its untrained
+  control nets decide (about half of the gates, differing by row). With ``--cct-run RUN`` (a
+  trained CCT, e.g. ``runs/bench/cct_quality_cct`` of ``cct_quality.py``), that model at each
+  of its (b, b) budgets as ``translate --budget b`` runs it (calibrated offsets where the run
+  has them), and with every gate closed (the floor), against the same dense model: each
+  budget's time ÷ budget 1's beside the estimate ``floor + b·(1 − floor)``, and budget 1 ÷
+  the dense model. ``--only cct`` re-measures this section and keeps the others as committed
+  (each section records the command, code and machine that made it).
 
     python benchmarks/batch1_latency.py [--sizes tiny small base] [--batches 1 8 32]
         [--rounds 3] [--repeats 1] [--threads 2] [--no-ct2] [--no-branching] [--no-cct]
-        [--only cct]
+        [--only cct] [--cct-run RUN]
 
 Writes benchmarks/results/batch1_latency.{json,md}. Run from the repository root, alone.
 """
@@ -69,8 +74,8 @@ SETTLE_S = 0.3
 BRANCHING = {"dmb": "configs/multi30k_dmb_{size}.yaml", "moe": "configs/multi30k_moe_{size}.yaml"}
 CCT_CONFIG = "configs/multi30k_cct_small.yaml"
 # decoder and encoder gate offsets of each CCT pattern (see the module docstring)
-CCT_PATTERNS = {"open (+inf)": math.inf, "open by control": 1e6, "closed by control": -1e6,
-                "closed (-inf)": -math.inf}
+CCT_PATTERNS = {"open (+inf)": math.inf, "open by control": 1e6, "mixed (offset 0)": 0.0,
+                "closed by control": -1e6, "closed (-inf)": -math.inf}
 
 
 def dense(size: str, seed: int = 0, **kw) -> torch.nn.Module:
@@ -325,6 +330,15 @@ def branching_rows(args) -> list[dict]:
     return rows
 
 
+def cct_section(args, made_by: dict) -> dict:
+    """The CCT section: untrained gate patterns, and a trained run's budgets if given."""
+    out = {"made_by": made_by, "rows": cct_rows(args)}
+    if args.cct_run:
+        out["trained_run"] = args.cct_run
+        out["trained"] = trained_cct_rows(args)
+    return out
+
+
 def cct_rows(args) -> list[dict]:
     """The untrained CCT at each of :data:`CCT_PATTERNS`, lean and general step, against the
     dense model of its shape; one row per (batch, search)."""
@@ -334,7 +348,7 @@ def cct_rows(args) -> list[dict]:
     cct = build_seq2seq(load_config(CCT_CONFIG, ["model.dropout=0.0"]).model, VOCAB).eval()
     base = build_dense_like("small")
     rows = []
-    for batch in [b for b in args.batches if b <= 8]:
+    for batch in args.batches:
         for search, beam in BEAMS.items():
             def t(model, lean: bool, control=None, beam=beam, batch=batch
                   ) -> Callable[[], float]:
@@ -358,6 +372,38 @@ def cct_rows(args) -> list[dict]:
     return rows
 
 
+def trained_cct_rows(args) -> list[dict]:
+    """The trained CCT ``args.cct_run`` at each of its (b, b) budgets and with every gate
+    closed, lean step, against the dense model of its shape; one row per (batch, search)."""
+    from dynaseq.tasks.translation.predictor import Translator
+    from dynaseq.techniques.cct.gating import BudgetControl
+
+    t = Translator.load(args.cct_run, device="cpu")
+    budgets = sorted({e for e, d in t.config.model.cct.controls if e == d}, reverse=True)
+    assert budgets[0] == 1.0, "a budget-1 control symbol"
+    base = build_dense_like("small")
+    closed = BudgetControl(0, {"encoder": -math.inf, "decoder": -math.inf})
+    rows = []
+    for batch in args.batches:
+        for search, beam in BEAMS.items():
+            def ms(model, control=None, beam=beam, batch=batch) -> Callable[[], float]:
+                return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam,
+                                                 batch=batch, repeats=args.repeats,
+                                                 control=control)
+            systems = {"dense lean": ms(base), "floor": ms(t.model, closed),
+                       **{f"b={b:g}": ms(t.model, t.control_for(b)) for b in budgets}}
+            got = interleaved(systems, args.rounds)
+            full, floor = got["b=1"], got["floor"] / got["b=1"]
+            row = {"batch": batch, "search": search, "ms": got,
+                   "budget1_vs_dense_lean": round(full / got["dense lean"], 3),
+                   "floor": round(floor, 3),
+                   "ratio": {f"{b:g}": round(got[f"b={b:g}"] / full, 3) for b in budgets},
+                   "estimate": {f"{b:g}": round(floor + b * (1 - floor), 3) for b in budgets}}
+            rows.append(row)
+            print(f"trained cct b{batch} {search}: {got}", flush=True)
+    return rows
+
+
 def build_dense_like(size: str) -> torch.nn.Module:
     """The dense model of the DMB / MoE configs' shape (3+3 layers) at ``size``."""
     torch.manual_seed(0)
@@ -377,6 +423,7 @@ def main() -> None:
     p.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
     p.add_argument("--no-branching", action="store_true", help="skip DMB / MoE")
     p.add_argument("--no-cct", action="store_true", help="skip the CCT")
+    p.add_argument("--cct-run", help="a trained CCT run: time its budgets too")
     p.add_argument("--only", choices=["cct"],
                    help="measure this section only; keep the others as committed")
     _lib.add_results_arg(p)
@@ -387,7 +434,7 @@ def main() -> None:
     if args.only == "cct":
         path = args.results / "batch1_latency.json"
         out = json.loads(path.read_text()) if path.exists() else {}
-        out["cct"] = {"made_by": made_by, "rows": cct_rows(args)}
+        out["cct"] = cct_section(args, made_by)
         lines = markdown(out)
         _lib.write_results(args.results, "batch1_latency", out, lines, json_newline=True)
         print("\n".join(lines))
@@ -406,7 +453,7 @@ def main() -> None:
     if not args.no_branching:
         out["branching"] = branching_rows(args)
     if not args.no_cct:
-        out["cct"] = {"made_by": made_by, "rows": cct_rows(args)}
+        out["cct"] = cct_section(args, made_by)
     lines = markdown(out)
     _lib.write_results(args.results, "batch1_latency", out, lines, json_newline=True)
     print("\n".join(lines))
@@ -470,6 +517,19 @@ def cct_markdown(cct: dict) -> list[str]:
         [r["batch"], r["search"], r["ms"]["dense lean"], r["ms"]["dense general"],
          *(f"{r['ms'][f'cct {n} lean']} / {r['ms'][f'cct {n} general']}" for n in names),
          *(r[f"{n} lean_vs_dense_lean"] for n in names)] for r in cct["rows"]])
+    if cct.get("trained"):
+        rows = cct["trained"]
+        budgets = list(rows[0]["ratio"])
+        lines += ["", f"Trained CCT `{cct['trained_run']}`, lean step, each (b, b) budget as "
+                  "`translate --budget b` runs it: time ÷ budget 1's (estimate from the floor "
+                  "in brackets: floor + b·(1 − floor), the floor being every gate closed), and "
+                  "budget 1 ÷ the dense model's lean step.", ""]
+        header = ["batch", "search", "dense lean ms", "budget 1 ms", "budget 1 ÷ dense",
+                  "floor", *(f"b={b}" for b in budgets[1:])]
+        lines += _lib.md_table(header, "ll" + "r" * (len(header) - 2), [
+            [r["batch"], r["search"], r["ms"]["dense lean"], r["ms"]["b=1"],
+             r["budget1_vs_dense_lean"], r["floor"],
+             *(f"{r['ratio'][b]} ({r['estimate'][b]})" for b in budgets[1:])] for r in rows])
     return lines
 
 

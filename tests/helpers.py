@@ -32,6 +32,22 @@ def micro_config(run_dir: Path, paths: dict[str, Path], **train_kw) -> RunConfig
     )
 
 
+def load_benchmark(name: str):
+    """The module of ``benchmarks/NAME.py`` (with ``benchmarks/`` on the path while it
+    loads, for its ``import _lib``)."""
+    import importlib.util
+
+    where = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(where))
+    try:
+        spec = importlib.util.spec_from_file_location(name, where / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(where))
+    return module
+
+
 def free_port() -> str:
     """A TCP port free on 127.0.0.1 now (for torchrun's rendezvous: a fixed port hangs when
     two test runs share the machine)."""

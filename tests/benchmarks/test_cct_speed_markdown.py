@@ -3,26 +3,11 @@ against the dense model), the floor's figure named an estimate, not a limit."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports _lib
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+from helpers import load_benchmark
 
 
 def test_each_ratio_sits_beside_its_own_target():
-    cct_speed = _load("cct_speed")
+    cct_speed = load_benchmark("cct_speed")
     sec = {"score": 1.0, "beam4": 2.0, "beam4_fixed": 3.0}
     rows = [{"system": "cct 1,1", "seconds": sec, "budget": [1.0, 1.0],
              "ratio_to_cct_budget_1": {"score": 1.0, "beam4": 1.0, "beam4_fixed": 1.0},

@@ -3,26 +3,11 @@ unless the key says ``_cache``; relative costs between perplexities without the 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load_micronet():
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports _lib and _plot
-    try:
-        spec = importlib.util.spec_from_file_location("micronet", BENCHMARKS / "micronet.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+from helpers import load_benchmark
 
 
 def test_prune_quant_target_keeps_with_and_without_cache_apart():
-    micronet = _load_micronet()
+    micronet = load_benchmark("micronet")
     rows = [{"name": "core", "test_ppl": 200.0, "test_ppl_cache": 140.0,
              "ms_per_token": {}, "gen_ratio": 1.0},
             {"name": "prune", "pruned_from": "core", "test_ppl": 210.0, "test_ppl_cache": 150.0},

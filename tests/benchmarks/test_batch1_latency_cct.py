@@ -1,0 +1,36 @@
+"""benchmarks/batch1_latency.py's trained-CCT rows: every trained (b, b) budget timed as
+``translate --budget b`` runs it, beside the floor's estimate, and the markdown shows them."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+
+from helpers import load_benchmark
+
+
+def test_trained_cct_rows_time_each_budget_against_budget_1(cct_run, monkeypatch):
+    b1 = load_benchmark("batch1_latency")
+    monkeypatch.setattr(b1, "SRC_LEN", 4)
+    monkeypatch.setattr(b1, "TGT_LEN", 3)
+    monkeypatch.setattr(b1, "SETTLE_S", 0.0)
+    dense = build_seq2seq(ModelConfig(d_model=16, ffn_dim=32, n_heads=2, encoder_layers=1,
+                                      decoder_layers=1), 40).eval()
+    monkeypatch.setattr(b1, "build_dense_like", lambda size: dense)
+    run, _ = cct_run
+    args = Namespace(cct_run=str(run), batches=[1], rounds=1, repeats=1)
+    rows = b1.trained_cct_rows(args)
+    assert [(r["batch"], r["search"]) for r in rows] == [(1, "greedy"), (1, "beam4")]
+    for r in rows:  # the run's (b, b) budgets: 1 and 0.5 ((1, 0.33) is not one)
+        assert set(r["ms"]) == {"dense lean", "floor", "b=1", "b=0.5"}
+        assert r["ratio"]["1"] == 1.0 and r["estimate"]["1"] == 1.0
+        assert r["estimate"]["0.5"] == round(r["floor"] + 0.5 * (1 - r["floor"]), 3)
+    made_by = {"command": "c", "commit": "abc", "dirty": False, "date": "d", "machine": {},
+               "rounds": 1, "repeats": 1}
+    lines = b1.cct_markdown({"made_by": made_by, "rows": [], "trained_run": str(run),
+                             "trained": rows})
+    table = [line for line in lines if line.startswith("| 1 |")]
+    assert len(table) == 2 and all(f"{r['ratio']['0.5']} ({r['estimate']['0.5']})" in line
+                                   for r, line in zip(rows, table, strict=True))
