@@ -11,7 +11,7 @@ import torch
 import dynaseq
 from dynaseq.core.errors import DynaseqError
 from dynaseq.techniques.cct.calibration import _solve, calibrate_budget, nearest_control
-from dynaseq.techniques.cct.gating import BudgetControl, Gate
+from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl, Gate
 from dynaseq.techniques.cct.layers import force_gates, realized_fraction
 
 from helpers import lm_config, run_cli
@@ -127,8 +127,13 @@ def test_calibrated_budgets_are_saved_reloaded_and_used(run_copy, synthetic_path
     with again.at_budget((1.0, 0.33)) as control:  # the offsets travel with the call
         assert control.ids == 2
         assert control.offsets["decoder"] == fitted[1].offsets["decoder"]
-    assert again.control_for((1.0, 0.33)) == BudgetControl(2, fitted[1].offsets)
+    # the encoder's budget of 1 opens every encoder gate, whatever its fitted offset
+    assert again.control_for((1.0, 0.33)) == BudgetControl(
+        2, {"encoder": ALL_GATES_ON, "decoder": fitted[1].offsets["decoder"]})
     assert again.budget_setting(0.5) == (1, None)  # trained, not calibrated: no offsets
+    assert again.control_for(0.5) == 1
+    assert again.control_for(1.0) == again.control_for() == BudgetControl(
+        0, {"encoder": ALL_GATES_ON, "decoder": ALL_GATES_ON})
     with pytest.raises(DynaseqError, match=r"was not trained; .*calibrated: \(0.7, 0.7\)"):
         again.translate(lines, budget=0.9)
     # the evaluation reports what it ran with

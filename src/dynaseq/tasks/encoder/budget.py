@@ -5,7 +5,8 @@ A budget is an argument of each call, one for every row or a list with one per r
 looked up per row and passed to the model (never written into it), so one batch may hold
 rows at different budgets. A calibrated budget (``dynaseq calibrate``, trained or not) runs
 with its control symbol and its gate offset (:class:`~dynaseq.techniques.cct.gating.
-BudgetControl`); a trained one with its control symbol alone. Dense encoders take no budget.
+BudgetControl`); a trained one with its control symbol alone; a budget of 1 opens every
+gate (its control networks have nothing to decide). Dense encoders take no budget.
 
 An adaptive-depth encoder (``model.depth``) takes an exit instead (:func:`exit_for`): a
 threshold γ on its structure predictor (default the run's ``depth.gamma``; one, or one per
@@ -25,7 +26,7 @@ import torch
 from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.techniques.cct.calibration import BudgetCalibration
-from dynaseq.techniques.cct.gating import BudgetControl
+from dynaseq.techniques.cct.gating import BudgetControl, full_budget_offsets
 from dynaseq.techniques.depth.config import check_gamma
 from dynaseq.techniques.depth.exits import DepthExit
 from dynaseq.techniques.depth.layerdrop import every_other
@@ -92,18 +93,29 @@ def control_for(cfg: EncoderModelConfig, budget: Budgets, n_rows: int, device: t
     per-row offsets when one is calibrated); None for a dense model."""
     if not isinstance(budget, list):
         control, cal = budget_setting(cfg, budget, calibrations)
-        return control if cal is None else cal.control_for()
+        offsets = _offsets(cfg, control, cal)
+        return BudgetControl(control, offsets) if offsets else control
     if len(budget) != n_rows:
         raise DynaseqError(f"{len(budget)} budgets for {n_rows} lines: give one budget, or a "
                            "list with one per line")
     settings = [budget_setting(cfg, b, calibrations) for b in budget]
     if cfg.cct is None:
         return None
-    if all(cal is None for _, cal in settings):
+    offsets = [_offsets(cfg, c, cal) for c, cal in settings]
+    if not any(offsets):
         return torch.tensor([c for c, _ in settings], dtype=torch.long, device=device)
-    return BudgetControl.per_row([c for c, _ in settings],
-                                 [None if cal is None else cal.offsets for _, cal in settings],
-                                 device=device)
+    return BudgetControl.per_row([c for c, _ in settings], offsets, device=device)
+
+
+def _offsets(cfg: EncoderModelConfig, control: int | None,
+             cal: BudgetCalibration | None) -> dict[str, float]:
+    """A budget's gate offsets: the calibration's, with every gate open where the budget is
+    1 (:func:`~dynaseq.techniques.cct.gating.full_budget_offsets`); none for a dense model."""
+    if control is None:
+        return {}
+    budget = cal.budget if cal is not None else (cfg.cct.controls[control],)
+    return {**(cal.offsets if cal is not None else {}),
+            **full_budget_offsets(budget, ("encoder",))}
 
 
 def trained_budget(cfg: EncoderModelConfig, budget: Budget,

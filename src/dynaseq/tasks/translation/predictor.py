@@ -42,7 +42,7 @@ from dynaseq.techniques.cct.calibration_file import (
     read_calibrations,
     write_calibrations,
 )
-from dynaseq.techniques.cct.gating import BudgetControl
+from dynaseq.techniques.cct.gating import BudgetControl, full_budget_offsets
 
 Control = int | torch.Tensor | BudgetControl | None
 """A corpus call's control: one for every sentence (an id, or a :class:`BudgetControl` with
@@ -286,16 +286,19 @@ class Translator:
     def control_for(self, budget: Budgets = None, n_rows: int | None = None) -> Control:
         """The ``control`` argument that runs a call at ``budget``.
 
-        One budget: its control-symbol id, or, when calibrated, a :class:`BudgetControl`
-        with that id and the calibration's offsets (every row alike). A list: one budget per
-        row (``n_rows`` of them, if given), as a :class:`BudgetControl` with ``(N,)`` ids and
-        offsets, each budget looked up once. Dense models: None. Raises
+        One budget: its control-symbol id, or, when calibrated or 1 for a sub-network, a
+        :class:`BudgetControl` with that id and the offsets (every row alike): the
+        calibration's, and every gate open where the budget is 1
+        (:func:`full_budget_offsets`). A list: one budget per row (``n_rows`` of them, if
+        given), as a :class:`BudgetControl` with ``(N,)`` ids and offsets, each budget
+        looked up once. Dense models: None. Raises
         :class:`DynaseqError` for a budget neither trained nor calibrated, out of (0, 1], or
         a list of the wrong length.
         """
         if not isinstance(budget, list):
             control, cal = self.budget_setting(budget)
-            return control if cal is None else cal.control_for()
+            offsets = self._offsets(control, cal)
+            return BudgetControl(control, offsets) if offsets else control
         if n_rows is not None and len(budget) != n_rows:
             raise DynaseqError(f"{len(budget)} budgets for {n_rows} lines: give one budget, "
                                "or a list with one per line")
@@ -311,8 +314,16 @@ class Translator:
                 settings[key] = self.budget_setting(b)
             rows.append(settings[key])
         return BudgetControl.per_row([c for c, _ in rows],
-                                     [None if cal is None else cal.offsets for _, cal in rows],
+                                     [self._offsets(c, cal) for c, cal in rows],
                                      device=self.device)
+
+    def _offsets(self, control: int | None, cal: BudgetCalibration | None) -> dict[str, float]:
+        """The gate offsets of a budget's calls: the calibration's, with every gate open in a
+        sub-network whose budget is 1 (:func:`full_budget_offsets`). Dense models: none."""
+        if control is None:
+            return {}
+        budget = cal.budget if cal is not None else self.config.model.cct.controls[control]
+        return {**(cal.offsets if cal is not None else {}), **full_budget_offsets(budget)}
 
     @contextlib.contextmanager
     def at_budget(self, budget: Budgets = None) -> Iterator[Control]:

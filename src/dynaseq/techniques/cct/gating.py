@@ -216,6 +216,17 @@ ALL_GATES_ON = math.inf
 """The offset that opens every gate: ``1[G(x) + inf >= 0]`` is 1 (the full network)."""
 
 
+def full_budget_offsets(budget: Sequence[float],
+                        subnetworks: Sequence[str] = GATE_SUBNETWORKS) -> dict[str, float]:
+    """:data:`ALL_GATES_ON` for each sub-network whose budget fraction is 1.
+
+    A budget of 1 runs every gated MAC of its sub-network, so no gate there has a decision to
+    make: every gate opens, whatever its control network would say (and a lean decoding step
+    does not run those control networks). A budget's calls add these to its offsets (they
+    replace a calibrated offset, which can only approach 1)."""
+    return {s: ALL_GATES_ON for s, b in zip(subnetworks, budget, strict=True) if b >= 1.0}
+
+
 @dataclass(frozen=True)
 class BudgetControl:
     """The budget of every row of one call: its control symbol and its gate offsets.
