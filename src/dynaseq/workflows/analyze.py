@@ -124,7 +124,7 @@ def _side(translator: Translator, ids: torch.Tensor, fraction: torch.Tensor,
 def summarize(translator: Translator, stats: GateStats, budget: tuple[float, float],
               bins: int = HISTOGRAM_BINS) -> dict[str, object]:
     """The JSON record of one budget (see :func:`analyze` for the keys)."""
-    control, cal = translator.budget_setting(budget)
+    control, _ = translator.budget_setting(budget)
     steps: dict[str, object] = {}
     for kind in ("self_attn", "cross_attn"):
         u = usage_by_step(stats, kind)
@@ -134,7 +134,7 @@ def summarize(translator: Translator, stats: GateStats, budget: tuple[float, flo
     return {
         "budget": list(budget),
         "control": control,
-        "gate_offsets": None if cal is None else cal.offsets,
+        "gate_offsets": translator.budget_report(budget)[1],
         "n_sentences": stats.n_sentences,
         "gated_fraction": {"encoder": stats.total_fraction("encoder"),
                            "decoder": stats.total_fraction("decoder")},

@@ -170,6 +170,10 @@ def test_calibrate_refuses_a_language_model_run(tmp_path, synthetic_paths):
             in proc.stderr)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"not JSON: {name}")
+
+
 def test_calibrate_command(run_copy, synthetic_paths, trained_run):
     src, ref = str(synthetic_paths["valid.src"]), str(synthetic_paths["valid.tgt"])
     proc = run_cli("calibrate", str(run_copy), "--src", src, "--ref", ref, "--lines", "20",
@@ -184,6 +188,11 @@ def test_calibrate_command(run_copy, synthetic_paths, trained_run):
                    "--beam", "1", "--budget", "0.5")
     assert proc.returncode == 0, proc.stderr.decode()
     assert json.loads(proc.stdout)["gate_offsets"] == payload["budgets"][1]["offsets"]
+    proc = run_cli("evaluate", str(run_copy), "--src", src, "--ref", ref, "--json",
+                   "--beam", "1", "--budget", "1")
+    assert proc.returncode == 0, proc.stderr.decode()  # strict JSON: a budget of 1 is open
+    assert json.loads(proc.stdout, parse_constant=_no_constant)["gate_offsets"] == {
+        "encoder": "+inf", "decoder": "+inf"}
     for args, message in (
             ([str(trained_run)], b"this is a dense model, which has no compute-budget knob"),
             ([str(run_copy), "--budgets", "1.5"], b"a budget is a fraction in (0, 1]"),

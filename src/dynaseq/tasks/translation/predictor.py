@@ -416,11 +416,11 @@ class Translator:
                   "macs_pair": macs, "ptr": ptr(score, macs)}
         if self.config.model.cct is not None:
             if isinstance(budget, list):
-                reports = [self._budget_report(b) for b in budget]
+                reports = [self.budget_report(b) for b in budget]
                 result["budget"] = [r[0] for r in reports]
                 result["gate_offsets"] = [r[1] for r in reports]
             else:
-                result["budget"], result["gate_offsets"] = self._budget_report(budget)
+                result["budget"], result["gate_offsets"] = self.budget_report(budget)
             compute = self.realized_compute(src, ref, budget)
             result["realized_fraction"] = compute["fraction"]
             result["realized_macs_per_token"] = compute["macs_per_token"]
@@ -431,12 +431,14 @@ class Translator:
             result["collapsed"] = collapsed(result["branch_usage"])
         return result
 
-    def _budget_report(self, budget: Budget) -> tuple[list[float], dict[str, float] | None]:
-        """``([enc, dec], offsets or None)`` that a budget of a CCT model runs at."""
+    def budget_report(self, budget: Budget) -> tuple[list[float], dict[str, object] | None]:
+        """``([enc, dec], offsets or None)`` that a budget of a CCT model runs at; an offset
+        that opens every gate (a budget of 1) reads ``"+inf"`` (JSON has no infinity)."""
         control, cal = self.budget_setting(budget)
-        if cal is not None:
-            return list(cal.budget), cal.offsets
-        return list(self.config.model.cct.controls[control]), None
+        pair = cal.budget if cal is not None else self.config.model.cct.controls[control]
+        offsets = self._offsets(control, cal)
+        return list(pair), {k: "+inf" if v == math.inf else v
+                            for k, v in offsets.items()} or None
 
     def branch_usage(self, src: list[str], ref: list[str]) -> dict[str, list[float]]:
         """DMB / MoE models: share of the tokens each branch ran per gating unit, teacher
