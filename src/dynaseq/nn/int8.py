@@ -96,17 +96,6 @@ class Int8Packed(NamedTuple):
 ONEDNN_MIN_MACS = 1 << 25
 
 
-def _probe_onednn() -> bool:
-    """Whether this torch has oneDNN's int8 prepack (probed once, at import)."""
-    try:
-        torch.ops.onednn.qlinear_prepack(torch.zeros(2, 4, dtype=torch.int8), None)
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-#: oneDNN's int8 matmul is available (decided at import; no call changes it).
-ONEDNN_AVAILABLE = _probe_onednn()
 
 
 def pack_int8(weight_int8: Tensor, weight_scale: Tensor) -> Int8Packed:
@@ -177,6 +166,30 @@ def _onednn(xq: Tensor, w: Tensor, packed: Int8Packed) -> Tensor:
 
 
 _MATMULS = {"int_mm": _int_mm, "onednn": _onednn}
+
+
+def _probe_onednn() -> bool:
+    """Whether this torch has oneDNN's int8 matmul *and* it computes exact int32 sums on this
+    CPU (probed once, at import, on a 4 x 64 x 16 product of ±127 values checked against the
+    exact sums). Exactness is not a given: on CPUs without VNNI (AVX2 only, e.g. the AMD EPYC
+    a session ran on) oneDNN multiplies the unsigned activations by the signed weights with an
+    instruction that saturates pairs of products at int16, and its outputs came out off by up
+    to 60x the quantization error; ``torch._int_mm`` is exact everywhere and then runs
+    every call."""
+    gen = torch.Generator().manual_seed(0)
+    xq = (torch.randint(0, 2, (4, 64), generator=gen) * 254 - 127).to(torch.int8)
+    w = (torch.randint(0, 2, (16, 64), generator=gen) * 254 - 127).to(torch.int8)
+    try:
+        packed = Int8Packed(torch.ones(16), torch.ops.onednn.qlinear_prepack(w, None),
+                            torch.zeros(16, dtype=torch.int32), w.t())
+        got = _onednn(xq.clone(), w, packed)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return torch.equal(got, xq.double().matmul(w.double().t()).float())  # sums < 2^24: exact
+
+
+#: oneDNN's int8 matmul is available and exact here (decided at import; no call changes it).
+ONEDNN_AVAILABLE = _probe_onednn()
 
 
 class Int8Linear(nn.Module):
