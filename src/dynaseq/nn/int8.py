@@ -96,8 +96,6 @@ class Int8Packed(NamedTuple):
 ONEDNN_MIN_MACS = 1 << 25
 
 
-
-
 def pack_int8(weight_int8: Tensor, weight_scale: Tensor) -> Int8Packed:
     """The :class:`Int8Packed` of an ``(out, in)`` int8 weight and its ``(out,)`` scales."""
     scale127 = (weight_scale.float() / 127).contiguous()
