@@ -25,8 +25,8 @@ import torch
 
 from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.tasks.encoder.config import EncoderModelConfig
-from dynaseq.techniques.cct.calibration import BudgetCalibration
-from dynaseq.techniques.cct.gating import BudgetControl, full_budget_offsets
+from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets
+from dynaseq.techniques.cct.gating import BudgetControl
 from dynaseq.techniques.depth.config import check_gamma
 from dynaseq.techniques.depth.exits import DepthExit
 from dynaseq.techniques.depth.layerdrop import every_other
@@ -110,12 +110,11 @@ def control_for(cfg: EncoderModelConfig, budget: Budgets, n_rows: int, device: t
 def _offsets(cfg: EncoderModelConfig, control: int | None,
              cal: BudgetCalibration | None) -> dict[str, float]:
     """A budget's gate offsets: the calibration's, with every gate open where the budget is
-    1 (:func:`~dynaseq.techniques.cct.gating.full_budget_offsets`); none for a dense model."""
+    1 (:func:`~dynaseq.techniques.cct.calibration.budget_offsets`); none for a dense model."""
     if control is None:
         return {}
     budget = cal.budget if cal is not None else (cfg.cct.controls[control],)
-    return {**(cal.offsets if cal is not None else {}),
-            **full_budget_offsets(budget, ("encoder",))}
+    return budget_offsets(budget, cal, ("encoder",))
 
 
 def trained_budget(cfg: EncoderModelConfig, budget: Budget,

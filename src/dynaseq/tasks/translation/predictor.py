@@ -37,12 +37,12 @@ from dynaseq.tasks.loading import load_predictor
 from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
-from dynaseq.techniques.cct.calibration import BudgetCalibration
+from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets
 from dynaseq.techniques.cct.calibration_file import (
     read_calibrations,
     write_calibrations,
 )
-from dynaseq.techniques.cct.gating import BudgetControl, full_budget_offsets
+from dynaseq.techniques.cct.gating import BudgetControl
 
 Control = int | torch.Tensor | BudgetControl | None
 """A corpus call's control: one for every sentence (an id, or a :class:`BudgetControl` with
@@ -289,9 +289,9 @@ class Translator:
         One budget: its control-symbol id, or, when calibrated or 1 for a sub-network, a
         :class:`BudgetControl` with that id and the offsets (every row alike): the
         calibration's, and every gate open where the budget is 1
-        (:func:`full_budget_offsets`). A list: one budget per row (``n_rows`` of them, if
-        given), as a :class:`BudgetControl` with ``(N,)`` ids and offsets, each budget
-        looked up once. Dense models: None. Raises
+        (:func:`~dynaseq.techniques.cct.calibration.budget_offsets`). A list: one budget
+        per row (``n_rows`` of them, if given), as a :class:`BudgetControl` with ``(N,)``
+        ids and offsets, each budget looked up once. Dense models: None. Raises
         :class:`DynaseqError` for a budget neither trained nor calibrated, out of (0, 1], or
         a list of the wrong length.
         """
@@ -319,11 +319,11 @@ class Translator:
 
     def _offsets(self, control: int | None, cal: BudgetCalibration | None) -> dict[str, float]:
         """The gate offsets of a budget's calls: the calibration's, with every gate open in a
-        sub-network whose budget is 1 (:func:`full_budget_offsets`). Dense models: none."""
+        sub-network whose budget is 1 (:func:`budget_offsets`). Dense models: none."""
         if control is None:
             return {}
         budget = cal.budget if cal is not None else self.config.model.cct.controls[control]
-        return {**(cal.offsets if cal is not None else {}), **full_budget_offsets(budget)}
+        return budget_offsets(budget, cal)
 
     @contextlib.contextmanager
     def at_budget(self, budget: Budgets = None) -> Iterator[Control]:

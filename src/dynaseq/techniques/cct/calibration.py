@@ -39,6 +39,7 @@ from dynaseq.techniques.cct.gating import (
     ALL_GATES_ON,
     GATE_SUBNETWORKS,
     BudgetControl,
+    full_budget_offsets,
 )
 from dynaseq.techniques.cct.layers import realized_macs_by_layer
 
@@ -77,6 +78,16 @@ class BudgetCalibration:
                    offsets={k: float(v) for k, v in d["offsets"].items()},
                    realized={k: float(v) for k, v in d["realized"].items()},
                    uncalibrated={k: float(v) for k, v in d["uncalibrated"].items()})
+
+
+
+def budget_offsets(budget: tuple[float, ...], cal: BudgetCalibration | None,
+                   subnetworks: tuple[str, ...] = SUBNETWORKS) -> dict[str, float]:
+    """The gate offsets a budget's calls run with: the calibration ``cal``'s (None: none),
+    with every gate open in a sub-network whose budget fraction is 1
+    (:func:`~dynaseq.techniques.cct.gating.full_budget_offsets`)."""
+    return {**(cal.offsets if cal is not None else {}),
+            **full_budget_offsets(budget, subnetworks)}
 
 
 class _Meter:
