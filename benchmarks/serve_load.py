@@ -55,9 +55,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Path) -> Path:
+def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Path,
+                threads: int, cores: set[int] | None) -> Path:
     """``run`` if it has a latency table, else a copy of it (config, tokenizer, checkpoint
-    folders) in ``work`` with one measured there (free decoding of ``table_src``)."""
+    folders) in ``work`` with one measured there (free decoding of ``table_src``), with the
+    server's torch ``threads`` on the server's ``cores`` (None: not pinned)."""
     if (run / "latency_table.json").is_file():
         return run
     dst = work / "run"
@@ -68,20 +70,36 @@ def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Pa
         subprocess.run([sys.executable, "-m", "dynaseq", "profile", str(dst), "--latency-table",
                         "--beam", "1", "--repeats", "3", "--table-batches", batches,
                         "--table-lengths", lengths, "--table-src", str(table_src)],
-                       check=True)
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                       preexec_fn=None if cores is None else (
+                           lambda: os.sched_setaffinity(0, cores)))
     return dst
 
 
+def split_cores(server_cores: int) -> tuple[set[int], set[int]] | None:
+    """(the server's cores, the load generator's) out of this process's, the server taking
+    the first ``server_cores``; None when there are too few to give each side its own."""
+    cores = sorted(os.sched_getaffinity(0))
+    if server_cores <= 0 or len(cores) <= server_cores:
+        return None
+    return set(cores[:server_cores]), set(cores[server_cores:])
+
+
 class ServerProc:
-    def __init__(self, run: Path, threads: int, window_ms: float, max_batch: int) -> None:
+    """``dynaseq serve`` in a child process, pinned to ``cores`` (None: not pinned); its
+    threads (event loop, batcher, torch's) inherit the pinning."""
+
+    def __init__(self, run: Path, threads: int, window_ms: float, max_batch: int,
+                 cores: set[int] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynaseq", "serve", str(run), "--port", str(self.port),
              "--beam", "1", "--threads", str(threads), "--batch-window-ms", str(window_ms),
              "--max-batch-lines", str(max_batch), "--max-lines", str(max_batch),
-             "--no-access-log"], env=env)
+             "--no-access-log"], env=env, preexec_fn=pin)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -250,6 +268,9 @@ def main() -> None:
                    help="deadline = this x one full-budget request's median latency")
     p.add_argument("--timeout-s", type=float, default=10.0, help="client timeout")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument("--server-cores", type=int, default=1,
+                   help="pin the server to this many cores and the load generator to the "
+                        "rest (0: no pinning; also none when there are no cores left over)")
     p.add_argument("--window-ms", type=float, default=5.0)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--table-src", type=Path, default=Path("runs/demo/data/valid.src"),
@@ -264,9 +285,13 @@ def main() -> None:
     ref = args.ref.read_text().splitlines()
     pairs = [(s, r) for s, r in zip(src, ref, strict=True) if s.strip()]
     lines = [s for s, _ in pairs]
+    split = split_cores(args.server_cores)
     run = prepare_run(args.run, args.work, args.table_batches, args.table_lengths,
-                      args.table_src)
-    server = ServerProc(run, args.threads, args.window_ms, args.max_batch)
+                      args.table_src, args.threads, None if split is None else split[0])
+    if split is not None:
+        os.sched_setaffinity(0, split[1])
+    server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
+                        None if split is None else split[0])
     started = time.time()
     try:
         budgets = server.info["budgets"]
@@ -305,6 +330,8 @@ def main() -> None:
     data = {
         "command": command(), "machine": machine(processor=True, server_threads=args.threads,
                                                  cores=os.cpu_count()),
+        "pinning": (None if split is None else
+                    {"server_cores": sorted(split[0]), "client_cores": sorted(split[1])}),
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "run": str(args.run), "run_with_table": str(run),
         "test_set": f"{args.src} / {args.ref} ({len(pairs)} sentences, drawn at random)",
@@ -327,7 +354,10 @@ def main() -> None:
         f"Machine: {data['machine']}  ",
         f"Run: `{args.run}` (latency table in `{run}`); test set {data['test_set']}; "
         f"greedy; batching window {args.window_ms} ms, at most {args.max_batch} lines a "
-        f"batch; server torch threads {args.threads}; client and server share the machine.  ",
+        f"batch; server torch threads {args.threads}; "
+        + ("client and server share the machine's cores.  " if split is None else
+           f"server pinned to cores {sorted(split[0])}, the load generator to "
+           f"{sorted(split[1])}.  "),
         f"Saturation (closed loop, {args.clients} clients): full budget {sat['full']} req/s, "
         f"smallest {smallest} {sat['smallest']} req/s, half and half mixed in the same "
         f"batches {sat['mixed']} req/s = {data['mixed_over_segregated']}x the same requests "

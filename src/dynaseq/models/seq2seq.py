@@ -167,7 +167,10 @@ class Decoder(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tgt_in: Tensor, enc: EncoderOutput, state: DecoderState | None = None,
-                aux: AuxOutputs | None = None) -> Tensor:
+                aux: AuxOutputs | None = None, project: bool = True) -> Tensor:
+        """tgt_in (B, T) -> logits (B, T, V); ``project=False``: the last layer's output
+        (B, T, d) instead, before the final norm and the output layer (for a caller that
+        wants only what ``aux`` records)."""
         offset = 0 if state is None else state.step
         x = self.embed(tgt_in) + self.positions(tgt_in.size(1), offset)
         if enc.control is not None:
@@ -181,7 +184,7 @@ class Decoder(nn.Module):
                       gate_offset=enc.gate_offset)
         if state is not None:
             state.step += tgt_in.size(1)
-        return self.output_proj(self.norm(x))
+        return self.output_proj(self.norm(x)) if project else x
 
 
 class Seq2SeqTransformer(nn.Module):

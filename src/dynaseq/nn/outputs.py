@@ -26,11 +26,16 @@ class MacsRecord:
     per_row: ``(B,)`` long, the MACs each row's own tokens ran (all matrices): what the row
         costs run alone (batch 1) with the same padded input, whatever else shares its
         batch. ``None`` where a sub-layer does not count per row.
+    per_row_full: ``(B,)`` long, what ``per_row`` would be with every gate of the call open
+        (the same input; the denominator of a realized fraction, so no second call with
+        every gate on is needed). ``None`` where the sub-layer cannot tell (keys read
+        from a cache).
     """
 
     layer: str
     macs: dict[str, int]
     per_row: Tensor | None = None
+    per_row_full: Tensor | None = None
 
 
 @dataclass

@@ -34,13 +34,14 @@ from dynaseq.data import collate_source
 from dynaseq.metrics.encoder_profile import encoder_macs
 from dynaseq.metrics.latency_table import Pair
 from dynaseq.metrics.macs import count_macs
+from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
 from dynaseq.tasks.translation.predictor import budget_pair, decode_corpus
-from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS, BudgetControl
+from dynaseq.techniques.cct.gating import GATE_SUBNETWORKS, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_row
 
 if TYPE_CHECKING:
@@ -179,11 +180,11 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]
 @torch.no_grad()
 def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: list[list[int]],
                      control: Any) -> list[dict]:
-    """Each line's realized compute: its source and its own output run teacher forced (the
-    same gates fire as in the decode, which fed the same prefixes), once at the line's
-    budget and once with every gate on; per-row MACs of the gated sub-layers
-    (:func:`realized_macs_by_row`) per token and as a fraction. Dense models: the analytic
-    count, fraction 1."""
+    """Each line's realized compute: its source and its own output run teacher forced once
+    at the line's budget (the same gates fire as in the decode, which fed the same
+    prefixes; the output layer does not run); per-row MACs of the gated sub-layers
+    (:func:`realized_macs_by_row`), and what every gate open would have run, per token and
+    as a fraction. Dense models: the analytic count, fraction 1."""
     max_pos = model.encoder.positions.max_positions
     device = next(model.parameters()).device
     src = collate_source([s[: max_pos - 1] for s in src_ids], model.pad_id,
@@ -202,14 +203,13 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
             out.append({"fraction": {"encoder": 1.0, "decoder": 1.0, "total": 1.0},
                         "macs_per_token": per})
         return out
-    ids = control.ids if isinstance(control, BudgetControl) else control
-    opened = BudgetControl(ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
+    aux = AuxOutputs()
+    model.decoder(tgt, model.encode(src, control, aux), aux=aux, project=False)
     parts = []
-    for setting in (control, opened):
-        by_layer = realized_macs_by_row(model(src, tgt, setting).aux)
+    for all_on in (False, True):
         sums = {sub: torch.zeros(len(rows), dtype=torch.long, device=device)
                 for sub in GATE_SUBNETWORKS}
-        for layer, per_row in by_layer.items():
+        for layer, per_row in realized_macs_by_row(aux, all_on).items():
             sums[layer.split(".")[0]] += per_row
         parts.append({k: v.tolist() for k, v in sums.items()})
     ran, full = parts

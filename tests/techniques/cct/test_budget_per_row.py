@@ -11,6 +11,7 @@ import torch
 import dynaseq
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate, make_corpus
+from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS
 from dynaseq.techniques.cct.layers import (
     BudgetControl,
     Gate,
@@ -130,6 +131,53 @@ def test_per_row_macs_are_what_the_row_costs_alone(calibrated):
                                            control.select(torch.tensor([i]))).aux)
             for layer, counts in rec.items():
                 assert per_row[layer][i] == sum(counts.values()), (i, layer)
+
+
+def test_all_on_counts_of_one_call_are_those_of_a_call_with_every_gate_open(calibrated):
+    """``per_row_full`` (recorded by the call at the rows' budgets) equals the per-row
+    MACs of the same batch run again with every gate open, sub-layer by sub-layer."""
+    t, lines, refs = calibrated
+    m = t.model
+    corpus, _ = make_corpus(t.tokenizer.encode(lines), t.tokenizer.encode(refs),
+                            t.config.data.max_len, long_lines="truncate")
+    b = collate(corpus, list(range(len(corpus))), m.pad_id, m.bos_id, m.eos_id)
+    control = t.control_for(_interleaved(BUDGETS, 2), len(corpus))
+    opened = BudgetControl(control.ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
+    with torch.no_grad():
+        at_budget = m(b.src, b.tgt_in, control).aux
+        full = realized_macs_by_row(m(b.src, b.tgt_in, opened).aux)
+    one_call = realized_macs_by_row(at_budget, all_on=True)
+    assert one_call.keys() == full.keys()
+    for layer, per_row in full.items():
+        assert torch.equal(one_call[layer], per_row), layer
+    ran = realized_macs_by_row(at_budget)
+    assert any(bool((ran[k] < full[k]).any()) for k in full)  # the budgets closed gates
+
+
+def test_served_compute_is_the_two_call_count(calibrated):
+    """The server's compute of a line (one teacher-forced call, no output layer) equals
+    the count of two calls: at the line's budget, and with every gate open."""
+    from dynaseq.serve.endpoints import realized_per_row
+
+    t, lines, _ = calibrated
+    m = t.model
+    budgets = _interleaved(BUDGETS, 2)
+    src = t.tokenizer.encode(lines)
+    hyps = t.tokenizer.encode(t.translate(lines, budget=budgets))
+    for i, (s, h) in enumerate(zip(src, hyps, strict=True)):
+        control = t.control_for([budgets[i]], 1)
+        [got] = realized_per_row(m, [s], [h], control)
+        opened = BudgetControl(control.ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
+        x, y = torch.tensor([[*s, m.eos_id]]), torch.tensor([[m.bos_id, *h]])
+        per = {}
+        for name, setting in (("ran", control), ("full", opened)):
+            with torch.no_grad():
+                counts = realized_macs_by_row(m(x, y, setting).aux)
+            per[name] = {sub: sum(int(v[0]) for k, v in counts.items()
+                                  if k.split(".")[0] == sub) for sub in GATE_SUBNETWORKS}
+        for sub, n in (("encoder", x.size(1)), ("decoder", y.size(1))):
+            assert got["macs_per_token"][sub] == per["ran"][sub] / n, (i, sub)
+            assert got["fraction"][sub] == pytest.approx(per["ran"][sub] / per["full"][sub])
 
 
 def test_threads_at_different_budgets_on_one_model_match_running_one_after_the_other(

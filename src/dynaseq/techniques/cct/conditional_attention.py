@@ -344,7 +344,8 @@ class ConditionalAttention(nn.Module):
                         allowed, s, memory is not None)
             aux.add_trace(MACS_TRACE, MacsRecord(
                 self.name, self.realized_macs(q_on, kv_ran, key_on, key_width=key_width),
-                self.realized_macs_per_row(q_on, kv_ran, key_on)))
+                self.realized_macs_per_row(q_on, kv_ran, key_on),
+                None if cache is not None else self._all_on_per_row(q_on, attn_mask, s)))
         return out.view(b, t, d)
 
     def _attend_packed_queries(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
@@ -525,6 +526,16 @@ class ConditionalAttention(nn.Module):
             per_kv = _linear_macs(self.k_proj, 1) + _linear_macs(self.v_proj, 1)
             ran = ran + kv_on.sum(1) * per_kv + kv_on.size(1) * self.kv_control.macs(1)
         return ran
+
+    def _all_on_per_row(self, q_on: Tensor, attn_mask: Tensor | None, n_keys: int) -> Tensor:
+        """``(B,)`` long: :meth:`realized_macs_per_row` of a call without a cache whose gates
+        are all open (offset :data:`~dynaseq.techniques.cct.gating.ALL_GATES_ON`): every
+        query on, every key that some query may attend on. ``q_on`` ``(B, T)`` gives the
+        shape only."""
+        b = q_on.size(0)
+        keys = (torch.ones(b, n_keys, dtype=torch.bool, device=q_on.device)
+                if attn_mask is None else _attendable(attn_mask, b, n_keys))
+        return self.realized_macs_per_row(torch.ones_like(q_on), keys, keys)
 
 
 def _attendable(attn_mask: Tensor, batch: int, n_keys: int) -> Tensor:

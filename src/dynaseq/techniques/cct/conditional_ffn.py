@@ -83,8 +83,9 @@ class ConditionalFeedForward(nn.Module):
                        self._piece_costs(g), self.control)
             if not self.training:
                 on = g.bool()
-                aux.add_trace(MACS_TRACE, MacsRecord(self.name, self.realized_macs(on),
-                                                     self.realized_macs_per_row(on)))
+                aux.add_trace(MACS_TRACE, MacsRecord(
+                    self.name, self.realized_macs(on), self.realized_macs_per_row(on),
+                    self.realized_macs_per_row(torch.ones_like(on))))
         return out
 
     def _forward_hard(self, x: Tensor, on: Tensor) -> Tensor:

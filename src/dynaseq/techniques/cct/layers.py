@@ -120,18 +120,21 @@ def realized_macs_by_layer(aux: AuxOutputs) -> dict[str, dict[str, int]]:
     return {layer: dict(counts) for layer, counts in out.items()}
 
 
-def realized_macs_by_row(aux: AuxOutputs) -> dict[str, Tensor]:
+def realized_macs_by_row(aux: AuxOutputs, all_on: bool = False) -> dict[str, Tensor]:
     """Sum the per-row counts of the :class:`MacsRecord` entries of ``aux`` per sub-layer
     name: ``{layer: (B,) long}``, the MACs each row's own tokens ran in that sub-layer (a
-    row costs this run alone at batch 1, whatever budgets the other rows ran at).
+    row costs this run alone at batch 1, whatever budgets the other rows ran at);
+    ``all_on``: what they would have run with every gate open (``per_row_full``).
 
     For one teacher-forced call (a decode reorders and drops rows between calls).
     """
     out: dict[str, Tensor] = {}
     for rec in aux.traces.get(MACS_TRACE, []):
-        if rec.per_row is None:
-            raise ValueError(f"sub-layer {rec.layer!r} does not count its MACs per row")
-        out[rec.layer] = out[rec.layer] + rec.per_row if rec.layer in out else rec.per_row
+        per_row = rec.per_row_full if all_on else rec.per_row
+        if per_row is None:
+            raise ValueError(f"sub-layer {rec.layer!r} does not count its MACs per row"
+                             + (" with every gate open" if all_on else ""))
+        out[rec.layer] = out[rec.layer] + per_row if rec.layer in out else per_row
     return out
 
 
