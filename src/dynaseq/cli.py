@@ -259,11 +259,18 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
 
         sources = t.tokenizer.encode([x for x in read_lines(args.table_src) if x.strip()])
     d = t.config.decode
+    after, timed = None, "decode"
+    if not args.no_compute:  # time what dynaseq serve runs: the decode, then each line's
+        from dynaseq.serve.endpoints import compute_after_decode  # realized compute
+
+        after = compute_after_decode(t.model)
+        timed = "decode + realized compute per line (dynaseq serve's default)"
     table = measure_latency_table(t.model, controls, sorted(set(args.table_batches)),
                                   sorted(set(args.table_lengths)), beam=beam,
                                   repeats=args.repeats, checkpoint=str(t.checkpoint),
                                   sources=sources, max_len_a=d.max_len_a,
-                                  max_len_b=d.max_len_b, progress=not args.quiet)
+                                  max_len_b=d.max_len_b, progress=not args.quiet,
+                                  after=after, timed=timed)
     path = table.save(target / LATENCY_TABLE_FILE)
 
     def text() -> str:
@@ -1027,6 +1034,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--latency-table: time real sentences of this file (those nearest "
                         "each length), decoded freely, instead of random fixed-length ones "
                         "(recommended: a budget's outputs may run longer)")
+    p.add_argument("--no-compute", action="store_true",
+                   help="--latency-table: time the decode alone, for a server run with "
+                        "--no-compute (default: the decode and each line's realized "
+                        "compute, as dynaseq serve runs them)")
     _add_budget_arg(p)
     _add_exit_args(p)
     _add_keep_layers_arg(p)

@@ -108,6 +108,31 @@ def test_fixed_length_table_without_sentences(serve_run):
         measure_latency_table(t.model, {(1.0, 1.0): 0}, [1], [4], sources=[[]])
 
 
+def test_table_times_what_runs_after_each_decode(serve_run, synthetic_paths):
+    """``after`` runs once per timed decode and its warm-up, with the batch's hypotheses;
+    the table names what it timed; the server's compute report fits the hook."""
+    from dynaseq.metrics.latency_table import measure_latency_table
+    from dynaseq.serve.endpoints import compute_after_decode
+
+    t = dynaseq.load(serve_run)
+    calls = []
+    report = compute_after_decode(t.model)
+
+    def after(src, hyps, control):
+        calls.append((src.size(0), len(hyps)))
+        report(src, hyps, control)
+
+    sources = t.tokenizer.encode(synthetic_paths["valid.src"].read_text().splitlines()[:20])
+    for sentences in (None, sources):
+        calls.clear()
+        table = measure_latency_table(t.model, {(1.0, 1.0): 0, (0.5, 0.5): 1}, [1, 3], [4],
+                                      repeats=2, sources=sentences, after=after,
+                                      timed="decode + compute")
+        assert table.extra["timed"] == "decode + compute"
+        # 2 budgets x 2 batch sizes x 1 length, each 1 warm-up + 2 timed
+        assert sorted(calls) == [(1, 1)] * 6 + [(3, 3)] * 6
+
+
 def test_profile_latency_table_refusals(serve_run, lm_run):
     r = run_cli("profile", str(lm_run), "--latency-table")
     assert r.returncode == 2 and b"not a translation run" in r.stderr

@@ -5,9 +5,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import beam_search, greedy_search
@@ -36,10 +37,17 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
     return 1000.0 * statistics.median(times)
 
 
+AfterDecode = Callable[[Tensor, list[list[int]], Any], object]
+"""What a server does with each decoded batch besides decoding, timed with it:
+``after(src (B, S) padded with eos, hypotheses (no bos/eos), control)`` (e.g. the realized
+compute of each line)."""
+
+
 @torch.no_grad()
 def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
                       batch: int = 1, repeats: int = 5, seed: int = 0,
-                      control: object = None, lean: bool | None = None) -> float:
+                      control: object = None, lean: bool | None = None,
+                      after: AfterDecode | None = None) -> float:
     """Median wall time (ms) to translate ``batch`` sentences of ``src_len`` tokens into
     exactly ``tgt_len`` tokens (eos is forbidden before, forced after), after one warm-up.
 
@@ -49,7 +57,7 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     decodes as translation does, through :class:`~dynaseq.models.lean.LeanDecoder` where the
     model has one (dense and CCT; prepared once, outside the timing) and the general step
     otherwise; True requires the lean step (a model without one is refused), False the
-    general one.
+    general one. ``after``: work timed with each decode (:data:`AfterDecode`).
     """
     device = next(model.parameters()).device
     vocab = model.decoder.output_proj.out_features
@@ -72,5 +80,7 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
         out = (greedy_search(searcher, src, **kwargs) if beam == 1
                else beam_search(searcher, src, beam=beam, **kwargs))
         assert all(len(o) == tgt_len for o in out), "fixed-length decoding"
+        if after is not None:
+            after(src, out, control)
 
     return median_ms(model, run, repeats)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import statistics
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +36,7 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, read_text
 from dynaseq.core.progress import progress_bar
 from dynaseq.data import collate_source
-from dynaseq.metrics.latency import decode_latency_ms
+from dynaseq.metrics.latency import AfterDecode, decode_latency_ms, median_ms
 
 LATENCY_TABLE_FILE = "latency_table.json"
 """Written into a run directory by ``dynaseq profile RUN --latency-table``."""
@@ -137,32 +135,28 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
 
 @torch.no_grad()
 def free_decode_ms(model: nn.Module, src: torch.Tensor, beam: int, repeats: int,
-                   control: Any = None, max_len_a: float = 1.2, max_len_b: int = 10) -> float:
+                   control: Any = None, max_len_a: float = 1.2, max_len_b: int = 10,
+                   after: AfterDecode | None = None) -> float:
     """Median wall time (ms) to decode the padded batch ``src`` (B, S) as a server would:
     until every row has produced eos or reached ``max_len_a · S + max_len_b`` tokens, after
-    one warm-up; a dense model through its lean decoding step, as the server decodes."""
+    one warm-up; through the model's lean decoding step where it has one, as the server
+    decodes; ``after``: what the server does with each decoded batch besides, timed with it
+    (:data:`~dynaseq.metrics.latency.AfterDecode`)."""
     from dynaseq.models.lean import lean_or_model
     from dynaseq.models.search import beam_search, greedy_search
 
     max_pos = model.decoder.positions.max_positions
     kwargs = {"max_len_a": max_len_a, "max_len_b": max_len_b, "max_positions": max_pos,
               "control": control}
-    device = next(model.parameters()).device
     searcher = lean_or_model(model)
-    times = []
-    for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if beam == 1:
-            greedy_search(searcher, src, **kwargs)
-        else:
-            beam_search(searcher, src, beam=beam, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i > 0:
-            times.append(time.perf_counter() - t0)
-    return 1000.0 * statistics.median(times)
+
+    def run() -> None:
+        hyps = (greedy_search(searcher, src, **kwargs) if beam == 1
+                else beam_search(searcher, src, beam=beam, **kwargs))
+        if after is not None:
+            after(src, hyps, control)
+
+    return median_ms(model, run, repeats)
 
 
 def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
@@ -170,7 +164,8 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                           repeats: int = 3, checkpoint: str = "",
                           sources: Sequence[Sequence[int]] | None = None,
                           max_len_a: float = 1.2, max_len_b: int = 10,
-                          progress: bool = False) -> LatencyTable:
+                          progress: bool = False, after: AfterDecode | None = None,
+                          timed: str = "decode") -> LatencyTable:
     """Measure :class:`LatencyTable` for ``model`` (a Seq2SeqTransformer).
 
     ``controls``: budget pair -> the ``control`` argument that runs it (a control-symbol id,
@@ -182,7 +177,9 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     (:func:`~dynaseq.metrics.latency.decode_latency_ms`), the same steps at every budget.
     With ``sources`` (token ids of real sentences, no eos): the ``b`` sentences whose
     lengths are nearest ``L``, decoded freely (:func:`free_decode_ms`), so a budget whose
-    outputs run longer (or stop sooner) is timed as it will serve. ``progress``: a bar of
+    outputs run longer (or stop sooner) is timed as it will serve. ``after``: what the
+    server does with each batch besides decoding (e.g. the realized compute of each line),
+    timed with it and named by ``timed`` in the table's ``extra``. ``progress``: a bar of
     cells on a terminal.
     """
     max_pos = model.decoder.positions.max_positions
@@ -210,9 +207,10 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                 for pair in budgets:
                     service[budget_key(pair)][i][j] = (
                         decode_latency_ms(model, length, length, beam, b, repeats,
-                                          control=controls[pair]) if src is None else
+                                          control=controls[pair], after=after)
+                        if src is None else
                         free_decode_ms(model, src, beam, repeats, controls[pair], max_len_a,
-                                       max_len_b))
+                                       max_len_b, after))
                     bar.update(1)
     finally:
         bar.close()
@@ -221,6 +219,7 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
              if not pool else {"decoding": f"free: real sentences ({len(pool)}) nearest "
                                             f"each length, max_len {max_len_a} x S + "
                                             f"{max_len_b}"})
+    extra["timed"] = timed
     return LatencyTable(budgets, list(batch_sizes), list(lengths), service, beam=beam,
                         device=str(device), threads=torch.get_num_threads(),
                         checkpoint=checkpoint, extra=extra)

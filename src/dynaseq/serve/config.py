@@ -25,8 +25,8 @@ class ServeConfig:
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
     slack: a deadline request's predicted completion must be within ``slack × deadline``.
     retry_after_min_s: the smallest ``Retry-After`` sent.
-    report_compute: measure each translated line's realized compute (two teacher-forced
-        passes over the batch's outputs; off: responses carry no ``compute``).
+    report_compute: measure each translated line's realized compute (one teacher-forced
+        pass over the batch's outputs; off: responses carry no ``compute``).
     access_log: write one JSON line per request to stderr.
     max_generate_tokens: largest ``tokens`` a generate request may ask for.
     default_budget: what a request with neither ``budget`` nor ``deadline_ms`` runs at

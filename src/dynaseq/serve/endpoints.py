@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate_source
 from dynaseq.metrics.encoder_profile import encoder_macs
+from dynaseq.metrics.latency import AfterDecode
 from dynaseq.metrics.latency_table import Pair
 from dynaseq.metrics.macs import count_macs
 from dynaseq.nn.outputs import AuxOutputs
@@ -222,6 +223,18 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
         per["total"] = per["encoder"] + per["decoder"]
         out.append({"fraction": frac, "macs_per_token": per})
     return out
+
+
+def compute_after_decode(model: torch.nn.Module) -> AfterDecode:
+    """:func:`realized_per_row` in the shape a latency table times after each decode
+    (:data:`~dynaseq.metrics.latency.AfterDecode`), so the table holds what the server
+    runs per batch."""
+
+    def after(src: torch.Tensor, hyps: list[list[int]], control: Any) -> None:
+        rows = [r[r.ne(model.pad_id)][:-1].tolist() for r in src]  # no padding, no eos
+        realized_per_row(model, rows, hyps, control)
+
+    return after
 
 
 def _answer_translate(state: ServeState, req: schemas.TranslateRequest, job: Job,
