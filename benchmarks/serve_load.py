@@ -258,7 +258,7 @@ def main() -> None:
     p.add_argument("--ref", type=Path, default=Path("runs/demo/data/test.tgt"))
     p.add_argument("--work", type=Path, default=Path("runs/bench/serve_load"),
                    help="where a copy of the run gets its latency table, if it has none")
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0],
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 4.0],
                    help="multiples of the full-budget saturation rate")
     p.add_argument("--seconds", type=float, default=6.0, help="open-loop seconds per cell")
     p.add_argument("--saturation-seconds", type=float, default=5.0)

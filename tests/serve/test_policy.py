@@ -158,3 +158,19 @@ def test_overhead_is_added_to_every_prediction():
     assert p.decide(13, 1, 10, overhead_ms=4.0).budget == HALF
     d = p.decide(9, 1, 10, overhead_ms=4.0)
     assert d.reject and d.predicted_ms == 10.0
+
+
+def test_lines_expected_to_join_the_batch_count_in_its_completion():
+    """Lines arriving while the running batch ends join the request's batch, which ends
+    when its last line does: 400 lines/s x 20 ms = 8 joiners, a batch of 9 lines."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    assert p.predict_ms(FULL, 1, 10, running_ms=20.0) == 30.0
+    assert p.joiners(1, [], 20.0, 400.0) == pytest.approx(8.0)
+    assert p.predict_ms(FULL, 1, 10, running_ms=20.0, arrival_rate=400.0) == pytest.approx(
+        20 + 10 + 40 * 8 / 9)
+    assert p.joiners(1, [], 20.0, 4000.0) == 9.0  # no more than the batch has room for
+    assert p.predict_ms(FULL, 1, 10, running_ms=20.0, arrival_rate=4000.0) == 70.0
+    assert p.joiners(1, [Work(FULL, 12, 10)], 20.0, 400.0) == 0.0  # a later batch
+    d = p.decide(60, 1, 10, running_ms=20.0, arrival_rate=400.0)
+    assert d.budget == HALF and d.predicted_ms == pytest.approx(20 + 6 + 24 * 8 / 9)
+    assert p.decide(60, 1, 10, running_ms=20.0).budget == FULL

@@ -29,6 +29,23 @@ BudgetParts = tuple[float, ...]
 translation, ``(encoder,)`` for classification."""
 
 
+@dataclass(frozen=True)
+class Load:
+    """The queue as a deadline request finds it.
+
+    ahead: the queued work, oldest first.
+    running_ms: what the running batch still needs (ms, scaled; None when none runs).
+    scale: :attr:`Batcher.scale`; overhead_ms: :attr:`Batcher.overhead_ms` plus the event
+    loop's lag; arrival_rate: lines submitted per second lately.
+    """
+
+    ahead: list[Work]
+    running_ms: float | None
+    scale: float
+    overhead_ms: float
+    arrival_rate: float
+
+
 class QueueFull(Exception):
     """The queue holds ``max_queue_rows`` lines already."""
 
@@ -74,18 +91,24 @@ class Batcher:
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
     exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
     :data:`SCALE_RANGE`), so predictions from a latency table measured on the bare model
-    include what the server adds around it; :attr:`overhead_ms` follows how much later
-    than predicted requests were answered (:meth:`observe`, weight
-    :data:`OVERHEAD_WEIGHT`, never below 0): the time a request spends outside the queue
-    and the batches (parsing, the event loop), which grows when the loop is saturated. It
-    decays with time constant :data:`OVERHEAD_TAU_S` between observations, so a server that
-    rejected everything while it was high admits requests again once they stop coming.
+    include what the server adds around it. :attr:`overhead_ms` is the
+    :data:`OVERHEAD_QUANTILE` quantile of how much later than predicted the last
+    :data:`OVERHEAD_WINDOW` requests were answered (:meth:`observe`; early answers count
+    0): what a prediction misses (time outside the queue and the batches, a batch that
+    ran long, lines that joined a batch later), as a margin that keeps that share of
+    requests within their predictions. Each error decays with time constant
+    :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
+    while it was high admits requests again once they stop coming.
+    :attr:`arrival_rate` follows the lines submitted per second (decaying with time
+    constant :data:`ARRIVAL_TAU_S`): how many lines will join a batch before it starts.
     """
 
     SCALE_WEIGHT = 0.2
     SCALE_RANGE = (0.5, 4.0)
-    OVERHEAD_WEIGHT = 0.1
-    OVERHEAD_TAU_S = 1.0
+    OVERHEAD_QUANTILE = 0.95
+    OVERHEAD_WINDOW = 200
+    OVERHEAD_TAU_S = 2.0
+    ARRIVAL_TAU_S = 1.0
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
@@ -101,7 +124,8 @@ class Batcher:
         self._running: tuple[float, float] | None = None  # (start, predicted ms)
         self._thread: threading.Thread | None = None
         self.scale = 1.0
-        self._overhead = (0.0, time.perf_counter())  # (value ms, when)
+        self._errors: deque[tuple[float, float]] = deque()  # (ms late, when observed)
+        self._arrivals = (0.0, time.perf_counter())  # (lines per second, when)
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
 
     # -- event loop side ------------------------------------------------------------------
@@ -118,10 +142,8 @@ class Batcher:
         with self._cond:
             return sum(j.rows for j in self._queue)
 
-    def snapshot(self) -> tuple[list[Work], float | None, float, float]:
-        """The queued work (oldest first), what the running batch still needs (ms, scaled;
-        None when no batch runs), :attr:`scale` and the overhead (:attr:`overhead_ms` +
-        :attr:`loop_lag_ms`), for the deadline policy."""
+    def snapshot(self) -> Load:
+        """What the deadline policy plans a request against (:class:`Load`)."""
         with self._cond:
             ahead = [Work(j.budget or (1.0, 1.0), j.rows, j.length) for j in self._queue]
             running = None
@@ -129,21 +151,34 @@ class Batcher:
                 start, predicted = self._running
                 running = max(0.0, self.scale * predicted
                               - 1000.0 * (time.perf_counter() - start))
-            return ahead, running, self.scale, self.overhead_ms + self.loop_lag_ms
+            return Load(ahead, running, self.scale, self.overhead_ms + self.loop_lag_ms,
+                        self.arrival_rate)
 
     @property
     def overhead_ms(self) -> float:
-        """The measured overhead now (decayed since the last observation)."""
-        value, when = self._overhead
-        return value * math.exp(-(time.perf_counter() - when) / self.OVERHEAD_TAU_S)
+        """The margin now: the :data:`OVERHEAD_QUANTILE` quantile of the recent errors,
+        each decayed since it was observed."""
+        now = time.perf_counter()
+        with self._cond:
+            late = sorted(e * math.exp(-(now - when) / self.OVERHEAD_TAU_S)
+                          for e, when in self._errors)
+        if not late:
+            return 0.0
+        return late[min(len(late) - 1, int(self.OVERHEAD_QUANTILE * len(late)))]
+
+    @property
+    def arrival_rate(self) -> float:
+        """Lines submitted per second lately (decayed since the last submission)."""
+        value, when = self._arrivals
+        return value * math.exp(-(time.perf_counter() - when) / self.ARRIVAL_TAU_S)
 
     def observe(self, predicted_ms: float, latency_ms: float) -> None:
         """A request predicted (without overhead) to take ``predicted_ms`` was answered in
-        ``latency_ms``: update :attr:`overhead_ms`."""
-        w = self.OVERHEAD_WEIGHT
+        ``latency_ms``: one more error for :attr:`overhead_ms`."""
         with self._cond:
-            value = max(0.0, (1 - w) * self.overhead_ms + w * (latency_ms - predicted_ms))
-            self._overhead = (value, time.perf_counter())
+            self._errors.append((max(0.0, latency_ms - predicted_ms), time.perf_counter()))
+            while len(self._errors) > self.OVERHEAD_WINDOW:
+                self._errors.popleft()
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
@@ -157,6 +192,8 @@ class Batcher:
             if queued + job.rows > self.max_queue_rows:
                 raise QueueFull(f"{queued} lines are queued (limit {self.max_queue_rows})")
             job.enqueued = time.perf_counter()
+            rate = self.arrival_rate
+            self._arrivals = (rate + job.rows / self.ARRIVAL_TAU_S, job.enqueued)
             self._queue.append(job)
             self.metrics.queue_rows.set(queued + job.rows)
             self._cond.notify()

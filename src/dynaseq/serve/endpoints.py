@@ -120,11 +120,11 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     if req.deadline_ms is not None and state.policy is None:
         raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
                            "RUN --latency-table), which this server has not loaded")
-    snapshot = state.batcher.snapshot() if state.policy is not None else None
+    load = state.batcher.snapshot() if state.policy is not None else None
     if req.deadline_ms is not None:
-        ahead, running, scale, overhead = snapshot
-        d = state.policy.decide(req.deadline_ms, len(lines), length, ahead, running, scale,
-                                overhead)
+        d = state.policy.decide(req.deadline_ms, len(lines), length, load.ahead,
+                                load.running_ms, load.scale, load.overhead_ms,
+                                load.arrival_rate)
         if d.reject:
             raise Overloaded(f"no budget can answer within {req.deadline_ms:g} ms now "
                              f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
@@ -135,10 +135,10 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     pair = state.budget_ran(budget)  # DynaseqError (422) for an untrained budget
     work = TranslateWork(lines, ids, budget, pair, degraded)
     predicted = None
-    if snapshot is not None and state.policy.table.has(pair or (1.0, 1.0)):
-        ahead, running, scale, _ = snapshot
-        predicted = state.policy.predict_ms(pair or (1.0, 1.0), len(lines), length, ahead,
-                                            running, scale)
+    if load is not None and state.policy.table.has(pair or (1.0, 1.0)):
+        predicted = state.policy.predict_ms(pair or (1.0, 1.0), len(lines), length,
+                                            load.ahead, load.running_ms, load.scale,
+                                            arrival_rate=load.arrival_rate)
     return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
                rows=len(lines), length=length, budget=pair, endpoint="translate",
                predicted_ms=predicted)

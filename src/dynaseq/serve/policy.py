@@ -101,39 +101,57 @@ class DeadlinePolicy:
         return running_ms + scale * sum(w.rows * self.row_ms(w.budget, w.length, batch)
                                         for w in ahead)
 
+    def joiners(self, rows: int, ahead: Sequence[Work], running_ms: float | None,
+                arrival_rate: float) -> float:
+        """Lines expected to join the batch of a request of ``rows`` lines before that
+        batch starts: ``arrival_rate`` (lines per second) times the wait for the running
+        batch (the batching window when none runs), as far as the batch has room."""
+        start_ms = self.window_ms if running_ms is None else running_ms
+        room = self.max_batch_rows - sum(w.rows for w in ahead) - rows
+        return max(0.0, min(float(room), arrival_rate * start_ms / 1000.0))
+
     def predict_ms(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work] = (),
                    running_ms: float | None = None, scale: float = 1.0,
-                   overhead_ms: float = 0.0) -> float:
+                   overhead_ms: float = 0.0, arrival_rate: float = 0.0) -> float:
         """Predicted completion (ms from now) of a request of ``rows`` lines at ``budget``
         behind ``ahead`` (see :meth:`decide`)."""
-        wait = self._wait(rows, ahead, running_ms, scale, overhead_ms)
-        batch = max(1, min(sum(w.rows for w in ahead) + rows, self.max_batch_rows))
-        return wait + scale * rows * self.row_ms(budget, length, batch)
+        return self._predict(budget, rows, length, ahead, running_ms, scale, overhead_ms,
+                             arrival_rate)[0]
 
-    def _wait(self, rows: int, ahead: Sequence[Work], running_ms: float | None, scale: float,
-              overhead_ms: float) -> float:
-        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=rows, scale=scale)
+    def _predict(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work],
+                 running_ms: float | None, scale: float, overhead_ms: float,
+                 arrival_rate: float) -> tuple[float, float]:
+        """(predicted completion, the wait before the request's own lines) at ``budget``.
+        The batch it runs in ends when its last line does: the lines ahead, its own and the
+        expected :meth:`joiners` (at the same budget and length as its own)."""
+        extra = rows + self.joiners(rows, ahead, running_ms, arrival_rate)
+        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=math.ceil(extra),
+                               scale=scale)
         if not ahead and running_ms is None:  # idle: the batching window
             wait += self.window_ms
-        return wait + overhead_ms
+        wait += overhead_ms
+        batch = max(1, min(sum(w.rows for w in ahead) + math.ceil(extra),
+                           self.max_batch_rows))
+        return wait + scale * extra * self.row_ms(budget, length, batch), wait
 
     def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
                running_ms: float | None = None, scale: float = 1.0,
-               overhead_ms: float = 0.0) -> Decision:
+               overhead_ms: float = 0.0, arrival_rate: float = 0.0) -> Decision:
         """The budget for a request of ``rows`` lines (longest ``length`` tokens) with
         ``deadline_ms``, given the queued ``ahead`` and the running batch's remaining
         ``running_ms`` (None: no batch is running).
 
         ``scale`` multiplies the table's service times (the server's measured ratio of real
         batch time to predicted: what it runs besides the decode, load on the machine);
-        ``overhead_ms`` is added to every prediction (the server's measured latency beyond
-        the queue and the batches: request parsing, the event loop's own queue)."""
-        wait = self._wait(rows, ahead, running_ms, scale, overhead_ms)
-        batch = max(1, min(sum(w.rows for w in ahead) + rows, self.max_batch_rows))
+        ``overhead_ms`` is added to every prediction (the server's margin for what
+        predictions miss: request parsing, the event loop's own queue, batches that run
+        long); ``arrival_rate`` (lines per second) says how many lines will join the
+        request's batch before it starts (:meth:`joiners`)."""
         limit = self.slack * deadline_ms
-        predicted = math.inf
+        predicted, wait = math.inf, 0.0
         for budget in self.budgets:
-            predicted = wait + scale * rows * self.row_ms(budget, length, batch)
+            predicted, wait = self._predict(budget, rows, length, ahead, running_ms, scale,
+                                            overhead_ms, arrival_rate)
             if predicted <= limit:
                 return Decision(budget, budget != self.largest, False, predicted)
         if self.overload == "smallest":
