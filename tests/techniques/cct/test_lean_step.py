@@ -8,14 +8,17 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.nn.lean_step import lean_part
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.cct.config import CCTConfig
 from dynaseq.techniques.cct.gating import BudgetControl, force_gates
+from dynaseq.techniques.cct.lean_step import GatedFeedForward
 
 EOS, V = 3, 30
 ON, OFF = math.inf, -math.inf
@@ -57,7 +60,11 @@ OFFSETS = {"on": ON, "off": OFF, "zero": 0.0, "rows": [ON, 0.0, OFF, 0.5, -0.5, 
 
 @pytest.mark.parametrize("name", list(OFFSETS))
 @pytest.mark.parametrize("capacity", [1, 32])
-def test_each_steps_logits_equal_the_general_step(name, capacity):
+@pytest.mark.parametrize("fuse_waste", [0.0, GatedFeedForward.FUSE_WASTE, math.inf])
+def test_each_steps_logits_equal_the_general_step(name, capacity, fuse_waste, monkeypatch):
+    """fuse_waste: mixed FFN gates always per piece (0), as shipped, always fused and
+    masked (inf)."""
+    monkeypatch.setattr(GatedFeedForward, "FUSE_WASTE", fuse_waste)
     m = cct_model()
     lean = LeanDecoder.prepare(m)
     src = sources()
@@ -71,6 +78,27 @@ def test_each_steps_logits_equal_the_general_step(name, capacity):
             got = lean.decode_step(tokens, enc, fast)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             tokens = torch.randint(4, V, (src.size(0), 1), generator=g)
+
+
+@pytest.mark.parametrize("out_norms", [True, False])
+def test_mixed_ffn_gates_fused_and_masked_equal_each_piece_on_its_rows(out_norms):
+    """The FFN part's three ways with mixed gates (fused over every row, fused over the
+    rows with an open piece, each piece on its own rows) give the module's output."""
+    m = cct_model(seed=6, output_norms=out_norms)
+    ffn = m.decoder.layers[0].ffn
+    part = lean_part(ffn, "ffn")  # the registered part, as the lean decoder builds it
+    x = torch.randn(6, 1, 32, generator=torch.Generator().manual_seed(3))
+    on = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1], [1, 1, 1, 1],
+                       [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    with torch.no_grad():
+        n = F.layer_norm(x, (32,), None, None, part.eps)
+        want = sum(on[:, i, None, None] * p(x) for i, p in enumerate(ffn.pieces))
+        torch.testing.assert_close(part._fused(n, on), want, rtol=1e-5, atol=1e-5)
+        rows = on.any(1).nonzero().squeeze(1)
+        torch.testing.assert_close(part._fused(n[rows], on[rows]), want[rows],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(part._fused(n), sum(p(x) for p in ffn.pieces),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cct", [{}, {"output_norms": False}])

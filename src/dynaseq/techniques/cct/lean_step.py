@@ -145,6 +145,22 @@ class _GatedAttention:
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._output(merge_heads(a))
 
+    def _attend_rows(self, x: Tensor, rows: Tensor, k: Tensor, v: Tensor,
+                     mask: Tensor | None) -> Tensor:
+        """The open queries of rows ``rows`` of ``x`` ``(B, 1, d)`` over every row's keys
+        and values ``(B, H, W, hd)`` -> ``(B, 1, d)``, zero where the query is off.
+
+        Every row attends (the off rows with a zero query), so the keys and values are
+        not gathered per step: a row's scores cost ``2·d·W`` multiply-adds, far less than
+        copying its keys and values; the projections and norms run for the open rows
+        only."""
+        b, d = x.size(0), self.d
+        q = x.new_zeros(b, 1, d).index_copy_(0, rows, apply_linear(x.index_select(0, rows),
+                                                                   self.q))
+        a = F.scaled_dot_product_attention(split_heads(q, self.n_heads), k, v, attn_mask=mask)
+        y = self._output(merge_heads(a).index_select(0, rows))
+        return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
+
 
 class GatedSelfAttention(_GatedAttention):
     """CCT self-attention of one new token per row (see the module docstring)."""
@@ -180,10 +196,7 @@ class GatedSelfAttention(_GatedAttention):
         if n_q == b:
             q = apply_linear(x, self.q) if q is None else q
             return self._attend(q, keys, values, None)
-        rows = _rows(on[:, 0])
-        y = self._attend(apply_linear(x.index_select(0, rows), self.q),
-                         keys.index_select(0, rows), values.index_select(0, rows), None)
-        return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
+        return self._attend_rows(x, _rows(on[:, 0]), keys, values, None)
 
 
 class GatedCrossAttention(_GatedAttention):
@@ -234,10 +247,7 @@ class GatedCrossAttention(_GatedAttention):
             return None
         if n_q == b:
             return self._attend(apply_linear(x, self.q), keys.k, keys.v, keys.mask)
-        rows = _rows(on[:, 0])
-        sel = keys.index_select(rows)
-        y = self._attend(apply_linear(x.index_select(0, rows), self.q), sel.k, sel.v, sel.mask)
-        return x.new_zeros(b, 1, self.d).index_copy_(0, rows, y)
+        return self._attend_rows(x, _rows(on[:, 0]), keys.k, keys.v, keys.mask)
 
 
 class GatedFeedForward:
@@ -258,7 +268,8 @@ class GatedFeedForward:
         self.out_norms = out_norms
         if out_norms is not None:
             self.out_w = torch.stack([n.weight for n in out_norms])[:, None]  # (M, 1, d)
-            self.out_b = torch.stack([n.bias for n in out_norms]).sum(0)  # (d,)
+            self.out_bs = torch.stack([n.bias for n in out_norms])[:, None]  # (M, 1, d)
+            self.out_b = self.out_bs.sum((0, 1))  # (d,)
             self.out_eps = out_norms[0].eps
         self.sources = [t for p in pieces for t in (p.ffn.fc1.weight, p.ffn.fc1.bias,
                                                      p.in_norm.weight, p.in_norm.bias,
@@ -273,21 +284,51 @@ class GatedFeedForward:
         y = torch.addmm(self.b2[i], h[:, 0], self.w2[i])[:, None]
         return y if self.out_norms is None else self.out_norms[i](y)
 
+    def _fused(self, n: Tensor, on: Tensor | None = None) -> Tensor:
+        """Every piece on normalised rows ``n`` ``(N, 1, d)`` as fused products ->
+        ``(N, 1, d)``: the sum of the pieces' outputs, each times its gate ``on`` ``(N, M)``
+        (None: every gate open)."""
+        b, d = n.size(0), n.size(-1)
+        h = F.linear(n[:, 0], self.w1, self.b1).relu_()  # (N, M·f)
+        h = h.view(b, self.m, self.width).transpose(0, 1)  # (M, N, f)
+        y = torch.baddbmm(self.b2, h, self.w2)  # (M, N, d)
+        if self.out_norms is not None:
+            y = F.layer_norm(y, (d,), None, None, self.out_eps)
+            if on is None:
+                return ((y * self.out_w).sum(0) + self.out_b)[:, None]
+            y = torch.addcmul(self.out_bs, y, self.out_w)
+        if on is not None:
+            y = y * on.t()[:, :, None].to(y.dtype)
+        return y.sum(0)[:, None]
+
+    FUSE_WASTE = 2.0
+    """Mixed gates run the fused products over the rows with any piece open (the closed
+    pieces' outputs multiplied by 0) when that computes at most this many times the open
+    pieces' work; otherwise each piece runs on its own open rows. One fused pass costs a
+    few operations where the pieces cost a few each, which at decoding's small batches
+    outweighs some wasted arithmetic (a mixed-budget batch: rows at budget 1 open every
+    piece, the others few)."""
+
     def step(self, x: Tensor, offset: Offset) -> Tensor | None:
         """x ``(B, 1, d)`` -> ``(B, 1, d)``, or None when no piece is open for any row."""
         b, d = x.size(0), x.size(-1)
-        on, counts = _decide(self.gate, self.control, x, offset)  # on: (B, M)
-        if not any(counts):
+        fixed = _fixed(self.gate, offset)
+        if fixed is not None:
+            on, counts, n_any = None, [b if fixed else 0] * self.m, b if fixed else 0
+        else:  # the part's one host sync: open rows per piece, rows with any piece open
+            on = self.gate.hard(self.control(x)[:, 0], offset)  # (B, M)
+            *counts, n_any = torch.cat([on.sum(0), on.any(1).sum().view(1)]).tolist()
+        if not n_any:
             return None
         n = F.layer_norm(x, (d,), None, None, self.eps)  # LN_in without its affine
-        if all(c == b for c in counts):  # every piece for every row: fused products
-            h = F.linear(n[:, 0], self.w1, self.b1).relu_()  # (B, M·f)
-            h = h.view(b, self.m, self.width).transpose(0, 1)  # (M, B, f)
-            y = torch.baddbmm(self.b2, h, self.w2)  # (M, B, d)
-            if self.out_norms is None:
-                return y.sum(0)[:, None]
-            y = F.layer_norm(y, (d,), None, None, self.out_eps)
-            return ((y * self.out_w).sum(0) + self.out_b)[:, None]
+        if all(c == b for c in counts):  # every piece for every row
+            return self._fused(n)
+        if n_any * self.m <= self.FUSE_WASTE * sum(counts):
+            if n_any == b:
+                return self._fused(n, on)
+            rows = _rows(on.any(1))
+            y = self._fused(n.index_select(0, rows), on.index_select(0, rows))
+            return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
         out = x.new_zeros(b, 1, d)
         for i, c in enumerate(counts):
             if c == b:
