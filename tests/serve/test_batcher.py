@@ -102,3 +102,29 @@ def test_arrival_rate_follows_submitted_lines():
     assert 100 < b.arrival_rate < 260  # asyncio.sleep runs late, not early
     time.sleep(1.5)
     assert b.arrival_rate < 15
+
+
+def test_a_batch_is_replanned_before_it_runs():
+    """The first job's ``replan`` sees the whole batch (and the scale) before ``run``, and
+    the budgets it sets are those the batch runs at."""
+    seen = []
+
+    def replan(jobs, scale):
+        seen.append(([j.rows for j in jobs], scale))
+        for j in jobs:
+            j.budget = (0.5, 0.5)
+
+    async def go():
+        batches = []
+        b = Batcher(ServerMetrics(), window_ms=50, max_batch_rows=8, max_queue_rows=100)
+        jobs = [make_job("a", n, batches) for n in (1, 2, 3)]
+        jobs[0].replan = replan
+        futs = [b.submit(j) for j in jobs]
+        b.start()
+        await asyncio.gather(*futs)
+        b.stop()
+        return batches
+
+    batches = asyncio.run(go())
+    assert seen == [([1, 2, 3], 1.0)]
+    assert [[budget for _, _, budget in batch] for batch in batches] == [[(0.5, 0.5)] * 3]

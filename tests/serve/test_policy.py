@@ -174,3 +174,16 @@ def test_lines_expected_to_join_the_batch_count_in_its_completion():
     d = p.decide(60, 1, 10, running_ms=20.0, arrival_rate=400.0)
     assert d.budget == HALF and d.predicted_ms == pytest.approx(20 + 6 + 24 * 8 / 9)
     assert p.decide(60, 1, 10, running_ms=20.0).budget == FULL
+
+
+def test_a_batch_about_to_run_gives_its_deadline_lines_one_budget():
+    """The largest budget whose batch time fits the time left; lines with a budget of
+    their own count at theirs (a budget the table lacks at the largest)."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    flexible = [Work(HALF, 2, 10), Work(FULL, 3, 10)]
+    fixed = [Work(FULL, 5, 10)]  # 10 lines: 5 ms a line at full, 3 at half
+    assert p.batch_budget(fixed, flexible, left_ms=50.0) == FULL  # 25 + 25
+    assert p.batch_budget(fixed, flexible, left_ms=49.0) == HALF  # 25 + 15
+    assert p.batch_budget(fixed, flexible, left_ms=10.0) == HALF  # none fits: the smallest
+    assert p.batch_budget(fixed, flexible, left_ms=80.0, scale=2.0) == HALF  # 2 x 40
+    assert p.batch_budget([Work((0.2, 0.2), 5, 10)], flexible, left_ms=50.0) == FULL

@@ -185,6 +185,39 @@ def test_deadlines_choose_budgets_from_the_latency_table(server, serve_run, line
     assert server.post("/v1/translate", json={"text": lines[0]}).status_code == 200
 
 
+def test_concurrent_deadline_requests_get_the_budget_they_report(server, serve_run, offline,
+                                                                  lines):
+    """Deadline requests batched together are planned again when their batch is taken;
+    whatever budget each ends at, its translation is the offline one at that budget and a
+    batch's deadline lines share one budget."""
+    want = {b: offline.translate(lines, beam=1, budget=b) for b in BUDGETS}
+    before = server.metric("dynaseq_batch_distinct_budgets_bucket", endpoint="translate",
+                           le="1.0")
+    batches_before = server.metric("dynaseq_batch_distinct_budgets_count",
+                                   endpoint="translate")
+
+    table = json.loads((serve_run / "latency_table.json").read_text())
+    deadline = 2 * max(v for rows in table["service_ms"].values() for r in rows for v in r)
+
+    def ask(i):
+        r = httpx.post(server.url + "/v1/translate",
+                       json={"text": lines[i % len(lines)], "deadline_ms": deadline},
+                       timeout=60)
+        return i, r
+
+    with ThreadPoolExecutor(12) as pool:
+        results = [(i, r) for i, r in pool.map(ask, range(12)) if r.status_code != 503]
+    assert results
+    for i, r in results:
+        assert r.status_code == 200, r.text
+        budget = tuple(r.json()["budget"])
+        assert r.json()["translation"] == want[budget][i % len(lines)]
+    batches = server.metric("dynaseq_batch_distinct_budgets_count", endpoint="translate")
+    single = server.metric("dynaseq_batch_distinct_budgets_bucket", endpoint="translate",
+                           le="1.0")
+    assert single - before == batches - batches_before  # one budget in every batch
+
+
 def test_a_deadline_without_a_latency_table_is_refused(run_copy, lines):
     (run_copy / "latency_table.json").unlink()
     s = Server(run_copy, "--beam", "1")

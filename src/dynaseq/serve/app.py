@@ -256,6 +256,8 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
                            retry=state.config.retry_after_min_s, reason="draining")
         try:
             job = endpoint.plan(state, body)
+            if job.deadline_ms is not None:
+                job.due = t0 + state.config.slack * job.deadline_ms / 1000.0
             fut = state.batcher.submit(job)
         except ep.Overloaded as e:
             return _refuse(state, endpoint, log, 503, str(e), retry=e.retry_after_s,

@@ -60,6 +60,11 @@ class Job:
     rows, length, budget: its lines, the longest line's tokens and its budget
         (:data:`BudgetParts`; ``None`` for models without one), for the queue's latency
         prediction (translation) and the metrics.
+    deadline_ms: the request's deadline (None: it named its budget or took the default);
+        due: when its answer is due (``time.perf_counter()`` seconds), set on arrival.
+    replan: ``replan(jobs, scale)``, called in the worker thread with a batch just taken
+        (the first job's), before it runs: may choose again the budgets of the jobs that
+        carry a deadline, now that the batch is known.
     """
 
     group: Hashable
@@ -76,6 +81,9 @@ class Job:
     batch_rows: int = 0
     cancelled: bool = False
     predicted_ms: float | None = None  # the policy's completion estimate, overhead excluded
+    deadline_ms: float | None = None
+    due: float | None = None
+    replan: Callable[[list[Job], float], None] | None = None
 
     def cancel(self) -> None:
         """The client went away: drop the job if it has not started."""
@@ -233,6 +241,8 @@ class Batcher:
                 self._queue.remove(job)
                 batch.append(job)
                 rows += job.rows
+            if batch[0].replan is not None:
+                batch[0].replan(batch, self.scale)
             predicted = self.estimate_ms(batch) if self.estimate_ms is not None else 0.0
             self._running = (time.perf_counter(), predicted)
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))

@@ -22,8 +22,10 @@ a pair as a list and a single fraction as a number (:func:`budget_json`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +40,7 @@ from dynaseq.metrics.macs import count_macs
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job
+from dynaseq.serve.policy import Work
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
@@ -141,7 +144,29 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
                                             arrival_rate=load.arrival_rate)
     return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
                rows=len(lines), length=length, budget=pair, endpoint="translate",
-               predicted_ms=predicted)
+               predicted_ms=predicted, deadline_ms=req.deadline_ms,
+               replan=None if req.deadline_ms is None else partial(replan_translate, state))
+
+
+def replan_translate(state: ServeState, jobs: list[Job], scale: float) -> None:
+    """A batch is about to run (in the batcher's thread): its deadline jobs all take the
+    budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget` chooses for the time
+    left to the earliest of them (the event loop's lag kept aside)."""
+    policy = state.policy
+    flexible = [j for j in jobs if j.due is not None and j.budget is not None]
+    if policy is None or not flexible:
+        return
+    left_ms = (1000.0 * (min(j.due for j in flexible) - time.perf_counter())
+               - state.batcher.loop_lag_ms)
+    fixed = [Work(j.budget or policy.largest, j.rows, j.length) for j in jobs
+             if j not in flexible]
+    budget = policy.batch_budget(fixed, [Work(j.budget, j.rows, j.length) for j in flexible],
+                                 left_ms, scale)
+    for j in flexible:
+        if j.budget != budget:
+            j.budget = budget
+            j.payload = replace(j.payload, budget=budget, pair=budget,
+                                degraded=budget != policy.largest)
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]

@@ -1,6 +1,9 @@
 """Deadline -> budget: the largest budget whose predicted completion meets the deadline.
 
-A request that carries ``deadline_ms`` is planned when it arrives. Its predicted completion
+A request that carries ``deadline_ms`` is planned when it arrives (admitted or refused,
+and a first budget), and again when its batch is taken (:meth:`DeadlinePolicy.
+batch_budget`: one budget for every deadline line of the batch, the largest that answers
+the earliest due in time). Its predicted completion
 is the time the work ahead of it still needs (the rest of the batch now running, then
 every queued line at its own budget) plus its own lines at the candidate budget, each line
 costing ``service(budget, n, length) / n`` of a batch of ``n`` lines
@@ -158,3 +161,20 @@ class DeadlinePolicy:
             return Decision(self.smallest, True, False, predicted)
         retry = max(self.retry_after_min_s, math.ceil(wait / 1000.0))
         return Decision(None, True, True, predicted, retry)
+
+    def batch_budget(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: float,
+                     scale: float = 1.0) -> Pair:
+        """The one budget for the ``flexible`` lines of a batch about to run (those that
+        carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
+        whose predicted batch time, ``scale`` times the table's, is within ``left_ms`` (the
+        time left to the earliest answer due); the smallest when none is. One budget for
+        all of them keeps the batch's gates alike, which a mixed batch would not be."""
+        rows = max(1, min(sum(w.rows for w in (*fixed, *flexible)), self.max_batch_rows))
+        base = sum(w.rows * self.row_ms(w.budget if self.table.has(w.budget) else self.largest,
+                                        w.length, rows) for w in fixed)
+        for budget in self.budgets:
+            batch_ms = scale * (base + sum(w.rows * self.row_ms(budget, w.length, rows)
+                                           for w in flexible))
+            if batch_ms <= left_ms:
+                return budget
+        return self.smallest
