@@ -2,7 +2,7 @@
 
 Starts ``dynaseq serve`` on a translation run (its ``latency_table.json``, measured here by
 ``dynaseq profile --latency-table`` on a copy of the run if it has none) and drives it with
-real HTTP clients over loopback (httpx + asyncio, one process):
+real HTTP clients over loopback (aiohttp + asyncio, one process, on cores of its own):
 
 1. saturation: closed-loop throughput (``--clients`` requests always in flight) at the full
    budget, at the smallest, and with the two mixed half and half in the same batches
@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import sacrebleu
 
@@ -136,20 +137,29 @@ def body_for(policy: str, line: str, smallest: list[float], deadline_ms: float) 
     return {"text": line, "deadline_ms": deadline_ms}
 
 
+def session(url: str, timeout_s: float) -> aiohttp.ClientSession:
+    """The load generator's HTTP client: aiohttp (a fraction of httpx's CPU per request,
+    which matters when one core must send hundreds a second), no connection limit."""
+    return aiohttp.ClientSession(base_url=url,
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
 async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
                       seconds: float) -> float:
     """Requests per second with ``clients`` always in flight (budgets taken in turn)."""
     done = 0
     stop_at = time.perf_counter() + seconds
-    async with httpx.AsyncClient(base_url=url, timeout=60,
-                                 limits=httpx.Limits(max_connections=clients + 8)) as c:
+    async with session(url, 60) as c:
         async def worker(k: int) -> None:
             nonlocal done
             i = k
             while time.perf_counter() < stop_at:
-                r = await c.post("/v1/translate", json={"text": lines[i % len(lines)],
-                                                        "budget": budgets[i % len(budgets)]})
-                r.raise_for_status()
+                async with c.post("/v1/translate",
+                                  json={"text": lines[i % len(lines)],
+                                        "budget": budgets[i % len(budgets)]}) as r:
+                    r.raise_for_status()
+                    await r.read()
                 done += 1
                 i += clients
 
@@ -161,12 +171,13 @@ async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
 async def one_at_a_time(url: str, lines: list[str], n: int) -> float:
     """Median latency (ms) of ``n`` full-budget requests sent one after another."""
     times = []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+    async with session(url, 60) as c:
         for i in range(n):
             t0 = time.perf_counter()
-            r = await c.post("/v1/translate", json={"text": lines[i % len(lines)],
-                                                    "budget": 1.0})
-            r.raise_for_status()
+            async with c.post("/v1/translate", json={"text": lines[i % len(lines)],
+                                                     "budget": 1.0}) as r:
+                r.raise_for_status()
+                await r.read()
             times.append(1000 * (time.perf_counter() - t0))
     return statistics.median(times[2:])
 
@@ -177,22 +188,21 @@ async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: f
     """Poisson arrivals at ``rate``/s for ``seconds``; one record per request."""
     rng = random.Random(seed)
     records: list[dict] = []
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s,
-                                 limits=httpx.Limits(max_connections=2000)) as c:
+    async with session(url, timeout_s) as c:
         async def send(src: str, ref: str) -> None:
             t0 = time.perf_counter()
             rec = {"ref": ref}
             try:
-                r = await c.post("/v1/translate", json=body_for(policy, src, smallest,
-                                                                deadline_ms))
-                rec["status"] = r.status_code
-                if r.status_code == 200:
-                    b = r.json()
+                async with c.post("/v1/translate",
+                                  json=body_for(policy, src, smallest, deadline_ms)) as r:
+                    rec["status"] = r.status
+                    b = await r.json()
+                if rec["status"] == 200:
                     rec.update(hyp=b["translation"], budget=b["budget"],
                                degraded=b["degraded"], server_ms=b["latency_ms"])
-            except httpx.TimeoutException:
+            except TimeoutError:
                 rec["status"] = "timeout"
-            except httpx.TransportError:  # the connection was refused or reset
+            except aiohttp.ClientError:  # the connection was refused or reset
                 rec["status"] = "conn_error"
             rec["ms"] = 1000 * (time.perf_counter() - t0)
             records.append(rec)

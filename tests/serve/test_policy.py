@@ -187,3 +187,17 @@ def test_a_batch_about_to_run_gives_its_deadline_lines_one_budget():
     assert p.batch_budget(fixed, flexible, left_ms=10.0) == HALF  # none fits: the smallest
     assert p.batch_budget(fixed, flexible, left_ms=80.0, scale=2.0) == HALF  # 2 x 40
     assert p.batch_budget([Work((0.2, 0.2), 5, 10)], flexible, left_ms=50.0) == FULL
+
+
+def test_a_batch_takes_the_time_of_its_longest_line():
+    """Rows are padded to the batch's longest source: a batch of a 10- and a 20-token line
+    costs a 2-line batch at length 20, and so does a 10-token request behind a 20-token
+    one."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    two = 20 + 80 / 9  # 2 lines at length 20
+    assert p.batch_ms([Work(FULL, 1, 10), Work(FULL, 1, 20)]) == pytest.approx(two)
+    assert p.batch_ms([Work(FULL, 1, 10), Work(FULL, 1, 20)], HALF) == pytest.approx(
+        12 + 48 / 9)
+    assert p.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(two)
+    assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], two) == FULL
+    assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], two - 1) == HALF

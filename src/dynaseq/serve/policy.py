@@ -94,14 +94,27 @@ class DeadlinePolicy:
         """Predicted milliseconds one line adds to a batch of ``batch`` lines."""
         return self.table.predict_ms(budget, batch, length) / batch
 
+    def batch_ms(self, works: Sequence[Work], budget: Pair | None = None) -> float:
+        """Predicted milliseconds of one batch of ``works`` (each at its own budget, or all
+        at ``budget``): each line's share of a batch of that many lines at the batch's
+        longest source, which every row is padded to and which decides how long it
+        decodes."""
+        if not works:
+            return 0.0
+        batch = max(1, min(sum(w.rows for w in works), self.max_batch_rows))
+        length = max(w.length for w in works)
+        return sum(w.rows * self.row_ms(budget or w.budget, length, batch) for w in works)
+
     def backlog_ms(self, ahead: Sequence[Work], running_ms: float = 0.0,
-                   extra_rows: int = 0, scale: float = 1.0) -> float:
+                   extra_rows: int = 0, scale: float = 1.0, length: int = 1) -> float:
         """Predicted milliseconds until the work ``ahead`` is done: ``running_ms`` (what the
-        batch now running still needs) plus each queued line's share of its batch, times
-        ``scale``."""
+        batch now running still needs) plus each queued line's share of its batch, every
+        line counted at the longest of ``length`` and the queued lines' (the batches ahead
+        are not formed yet), times ``scale``."""
         rows = sum(w.rows for w in ahead) + extra_rows
         batch = max(1, min(rows, self.max_batch_rows))
-        return running_ms + scale * sum(w.rows * self.row_ms(w.budget, w.length, batch)
+        longest = max([length, *(w.length for w in ahead)])
+        return running_ms + scale * sum(w.rows * self.row_ms(w.budget, longest, batch)
                                         for w in ahead)
 
     def joiners(self, rows: int, ahead: Sequence[Work], running_ms: float | None,
@@ -128,8 +141,9 @@ class DeadlinePolicy:
         The batch it runs in ends when its last line does: the lines ahead, its own and the
         expected :meth:`joiners` (at the same budget and length as its own)."""
         extra = rows + self.joiners(rows, ahead, running_ms, arrival_rate)
+        length = max([length, *(w.length for w in ahead)])  # its batch's longest, at most
         wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=math.ceil(extra),
-                               scale=scale)
+                               scale=scale, length=length)
         if not ahead and running_ms is None:  # idle: the batching window
             wait += self.window_ms
         wait += overhead_ms
@@ -169,12 +183,10 @@ class DeadlinePolicy:
         whose predicted batch time, ``scale`` times the table's, is within ``left_ms`` (the
         time left to the earliest answer due); the smallest when none is. One budget for
         all of them keeps the batch's gates alike, which a mixed batch would not be."""
-        rows = max(1, min(sum(w.rows for w in (*fixed, *flexible)), self.max_batch_rows))
-        base = sum(w.rows * self.row_ms(w.budget if self.table.has(w.budget) else self.largest,
-                                        w.length, rows) for w in fixed)
+        fixed = [w if self.table.has(w.budget) else Work(self.largest, w.rows, w.length)
+                 for w in fixed]
         for budget in self.budgets:
-            batch_ms = scale * (base + sum(w.rows * self.row_ms(budget, w.length, rows)
-                                           for w in flexible))
-            if batch_ms <= left_ms:
+            works = [*fixed, *(Work(budget, w.rows, w.length) for w in flexible)]
+            if scale * self.batch_ms(works) <= left_ms:
                 return budget
         return self.smallest
