@@ -109,15 +109,15 @@ def test_a_batch_is_replanned_before_it_runs():
     the budgets it sets are those the batch runs at."""
     seen = []
 
-    def replan(jobs, scale):
-        seen.append(([j.rows for j in jobs], scale))
+    def replan(jobs, scale, behind):
+        seen.append(([j.rows for j in jobs], scale, [j.rows for j in behind]))
         for j in jobs:
             j.budget = (0.5, 0.5)
 
     async def go():
         batches = []
         b = Batcher(ServerMetrics(), window_ms=50, max_batch_rows=8, max_queue_rows=100)
-        jobs = [make_job("a", n, batches) for n in (1, 2, 3)]
+        jobs = [make_job("a", n, batches) for n in (1, 2, 3, 4)]
         jobs[0].replan = replan
         futs = [b.submit(j) for j in jobs]
         b.start()
@@ -126,5 +126,5 @@ def test_a_batch_is_replanned_before_it_runs():
         return batches
 
     batches = asyncio.run(go())
-    assert seen == [([1, 2, 3], 1.0)]
-    assert [[budget for _, _, budget in batch] for batch in batches] == [[(0.5, 0.5)] * 3]
+    assert seen == [([1, 2, 3], 1.0, [4])]  # the 4 lines wait for the next batch
+    assert [[budget for _, _, budget in batch] for batch in batches][0] == [(0.5, 0.5)] * 3

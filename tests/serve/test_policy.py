@@ -201,3 +201,23 @@ def test_a_batch_takes_the_time_of_its_longest_line():
     assert p.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(two)
     assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], two) == FULL
     assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], two - 1) == HALF
+
+
+def test_a_batch_leaves_the_time_that_later_requests_were_admitted_on():
+    """A batch takes a larger budget only if the lines queued behind it still answer in
+    time, their flexible lines at the smallest budget; admission counts queued flexible
+    lines at the budget it tries."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    mine = [Work(FULL, 1, 10)]
+    assert p.batch_budget([], mine, 100.0) == FULL  # 10 ms
+    assert p.batch_budget([], mine, 100.0, behind=[(Work(FULL, 1, 10, True), 17.0)]) == FULL
+    assert p.batch_budget([], mine, 100.0, behind=[(Work(FULL, 1, 10, True), 15.0)]) == HALF
+    assert p.batch_budget([], mine, 100.0, behind=[(Work(FULL, 1, 10), None)]) == FULL
+    # 12 lines behind: two batches (10 lines, then 2), the second one due at 60 ms
+    behind = [(Work(FULL, 10, 10, True), 100.0), (Work(FULL, 2, 10, True), 60.0)]
+    assert p.batch_budget([], mine, 100.0, behind=behind) == FULL  # 10 + 30 + 8.7 ≤ 60
+    behind[1] = (Work(FULL, 2, 10, True), 48.0)
+    assert p.batch_budget([], mine, 100.0, behind=behind) == HALF  # 6 + 30 + 8.7 ≤ 48
+    flexible_ahead = [Work(FULL, 9, 10, True)]
+    assert p.predict_ms(HALF, 1, 10, flexible_ahead) == 30.0  # the 10 lines at half
+    assert p.predict_ms(HALF, 1, 10, [Work(FULL, 9, 10)]) == pytest.approx(45 + 3)

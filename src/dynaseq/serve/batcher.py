@@ -62,9 +62,10 @@ class Job:
         prediction (translation) and the metrics.
     deadline_ms: the request's deadline (None: it named its budget or took the default);
         due: when its answer is due (``time.perf_counter()`` seconds), set on arrival.
-    replan: ``replan(jobs, scale)``, called in the worker thread with a batch just taken
-        (the first job's), before it runs: may choose again the budgets of the jobs that
-        carry a deadline, now that the batch is known.
+    replan: ``replan(jobs, scale, behind)``, called in the worker thread with a batch just
+        taken (the first job's) and the jobs still queued, before it runs: may choose
+        again the budgets of the batch's jobs that carry a deadline, now that the batch
+        is known.
     """
 
     group: Hashable
@@ -83,7 +84,7 @@ class Job:
     predicted_ms: float | None = None  # the policy's completion estimate, overhead excluded
     deadline_ms: float | None = None
     due: float | None = None
-    replan: Callable[[list[Job], float], None] | None = None
+    replan: Callable[[list[Job], float, list[Job]], None] | None = None
 
     def cancel(self) -> None:
         """The client went away: drop the job if it has not started."""
@@ -153,7 +154,8 @@ class Batcher:
     def snapshot(self) -> Load:
         """What the deadline policy plans a request against (:class:`Load`)."""
         with self._cond:
-            ahead = [Work(j.budget or (1.0, 1.0), j.rows, j.length) for j in self._queue]
+            ahead = [Work(j.budget or (1.0, 1.0), j.rows, j.length, j.due is not None)
+                     for j in self._queue]
             running = None
             if self._running is not None:
                 start, predicted = self._running
@@ -242,7 +244,7 @@ class Batcher:
                 batch.append(job)
                 rows += job.rows
             if batch[0].replan is not None:
-                batch[0].replan(batch, self.scale)
+                batch[0].replan(batch, self.scale, list(self._queue))
             predicted = self.estimate_ms(batch) if self.estimate_ms is not None else 0.0
             self._running = (time.perf_counter(), predicted)
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))

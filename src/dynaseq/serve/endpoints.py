@@ -148,20 +148,27 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
                replan=None if req.deadline_ms is None else partial(replan_translate, state))
 
 
-def replan_translate(state: ServeState, jobs: list[Job], scale: float) -> None:
+def replan_translate(state: ServeState, jobs: list[Job], scale: float,
+                     behind: list[Job]) -> None:
     """A batch is about to run (in the batcher's thread): its deadline jobs all take the
     budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget` chooses for the time
-    left to the earliest of them (the event loop's lag kept aside)."""
+    left to the earliest of them and to the translation jobs queued ``behind`` (the event
+    loop's lag kept aside)."""
     policy = state.policy
     flexible = [j for j in jobs if j.due is not None and j.budget is not None]
     if policy is None or not flexible:
         return
-    left_ms = (1000.0 * (min(j.due for j in flexible) - time.perf_counter())
-               - state.batcher.loop_lag_ms)
+    now, lag = time.perf_counter(), state.batcher.loop_lag_ms
+
+    def left(j: Job) -> float | None:
+        return None if j.due is None else 1000.0 * (j.due - now) - lag
+
     fixed = [Work(j.budget or policy.largest, j.rows, j.length) for j in jobs
              if j not in flexible]
+    queued = [(Work(j.budget or policy.largest, j.rows, j.length, j.due is not None), left(j))
+              for j in behind if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [Work(j.budget, j.rows, j.length) for j in flexible],
-                                 left_ms, scale)
+                                 min(left(j) for j in flexible), scale, queued)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget

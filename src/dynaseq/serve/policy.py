@@ -33,11 +33,14 @@ from dynaseq.metrics.latency_table import LatencyTable, Pair
 
 @dataclass(frozen=True)
 class Work:
-    """Lines waiting in the queue: their budget, how many, their longest source (tokens)."""
+    """Lines waiting in the queue: their budget, how many, their longest source (tokens);
+    ``flexible``: they carry a deadline, so their batch may still run them at another
+    budget (:meth:`DeadlinePolicy.batch_budget`)."""
 
     budget: Pair
     rows: int
     length: int
+    flexible: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class DeadlinePolicy:
         expected :meth:`joiners` (at the same budget and length as its own)."""
         extra = rows + self.joiners(rows, ahead, running_ms, arrival_rate)
         length = max([length, *(w.length for w in ahead)])  # its batch's longest, at most
+        ahead = [Work(budget, w.rows, w.length, True) if w.flexible else w for w in ahead]
         wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=math.ceil(extra),
                                scale=scale, length=length)
         if not ahead and running_ms is None:  # idle: the batching window
@@ -177,16 +181,44 @@ class DeadlinePolicy:
         return Decision(None, True, True, predicted, retry)
 
     def batch_budget(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: float,
-                     scale: float = 1.0) -> Pair:
+                     scale: float = 1.0,
+                     behind: Sequence[tuple[Work, float | None]] = ()) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
         whose predicted batch time, ``scale`` times the table's, is within ``left_ms`` (the
-        time left to the earliest answer due); the smallest when none is. One budget for
-        all of them keeps the batch's gates alike, which a mixed batch would not be."""
-        fixed = [w if self.table.has(w.budget) else Work(self.largest, w.rows, w.length)
-                 for w in fixed]
+        time left to the earliest answer due) and leaves the work queued ``behind`` it
+        (``(work, ms left to its due answer or None)``, oldest first) able to answer in
+        time with its flexible lines at the smallest budget, batch after batch; the
+        smallest when none is. One budget for all of them keeps the batch's gates alike,
+        which a mixed batch would not be; looking behind keeps a batch from spending time
+        that later requests were admitted on."""
+        fixed = [self._tabled(w) for w in fixed]
         for budget in self.budgets:
             works = [*fixed, *(Work(budget, w.rows, w.length) for w in flexible)]
-            if scale * self.batch_ms(works) <= left_ms:
+            spent = scale * self.batch_ms(works)
+            if spent <= left_ms and self._behind_in_time(spent, behind, scale):
                 return budget
         return self.smallest
+
+    def _tabled(self, w: Work) -> Work:
+        """``w``, at the largest budget when the table lacks its own."""
+        return w if self.table.has(w.budget) else Work(self.largest, w.rows, w.length)
+
+    def _behind_in_time(self, start_ms: float, behind: Sequence[tuple[Work, float | None]],
+                        scale: float) -> bool:
+        """Whether the queued ``behind``, run in batches of at most ``max_batch_rows`` lines
+        from ``start_ms`` on (flexible lines at the smallest budget), answers each flexible
+        one by its time left."""
+        t, chunk, rows = start_ms, [], 0
+        for k, (w, left) in enumerate(behind):
+            chunk.append((w, left))
+            rows += w.rows
+            if rows < self.max_batch_rows and k + 1 < len(behind):
+                continue
+            t += scale * self.batch_ms([self._tabled(Work(self.smallest, w.rows, w.length)
+                                                     if w.flexible else w)
+                                        for w, _ in chunk])
+            if any(left is not None and t > left for _, left in chunk):
+                return False
+            chunk, rows = [], 0
+        return True
