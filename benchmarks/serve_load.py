@@ -13,7 +13,7 @@ real HTTP clients over loopback (aiohttp + asyncio, one process, on cores of its
 3. open loop: Poisson arrivals at each ``--rates`` multiple of the full-budget saturation
    rate for ``--seconds`` each, one test sentence per request (seeded), for three policies
    side by side: always the full budget, always the smallest, deadline-aware
-   (``deadline_ms``). Per cell: p50/p95/p99 latency of the answered requests, SLO
+   (``deadline_ms``), each cell on a freshly started server. Per cell: p50/p95/p99 latency of the answered requests, SLO
    attainment (answered within the deadline / sent), goodput (answered within the
    deadline per second), mean budget served, the share served at the full budget, 503s,
    and the BLEU of the returned translations against their references.
@@ -169,7 +169,8 @@ async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
 
 
 async def one_at_a_time(url: str, lines: list[str], n: int) -> float:
-    """Median latency (ms) of ``n`` full-budget requests sent one after another."""
+    """Median latency (ms) of ``n`` full-budget requests sent one after another (the
+    first two not counted)."""
     times = []
     async with session(url, 60) as c:
         for i in range(n):
@@ -272,6 +273,8 @@ def main() -> None:
                    help="multiples of the full-budget saturation rate")
     p.add_argument("--seconds", type=float, default=6.0, help="open-loop seconds per cell")
     p.add_argument("--saturation-seconds", type=float, default=5.0)
+    p.add_argument("--saturation-rounds", type=int, default=3,
+                   help="interleaved closed-loop rounds of each mix (medians reported)")
     p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
     p.add_argument("--deadline-ms", type=float, default=None)
     p.add_argument("--deadline-factor", type=float, default=3.0,
@@ -308,22 +311,32 @@ def main() -> None:
         smallest = min(budgets, key=lambda b: (b[0] + b[1], b[1]))
         solo_ms = asyncio.run(one_at_a_time(server.url, lines, 22))
         deadline = args.deadline_ms or round(args.deadline_factor * solo_ms, 1)
-        sat, sat_cpu = {}, {}
-        for name, bs in (("full", [1.0]), ("smallest", [smallest]),
-                         ("mixed", [1.0, smallest])):
-            wait_idle(server)
-            cpu0, own0 = server.cpu_s(), time.process_time()
-            sat[name] = round(asyncio.run(closed_loop(server.url, lines, bs, args.clients,
-                                                      args.saturation_seconds)), 2)
-            sat_cpu[name] = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
-                             "client_cpu_s": round(time.process_time() - own0, 2)}
-            print(f"saturation {name}: {sat[name]} req/s", file=sys.stderr)
+        rounds: dict[str, list[float]] = {"full": [], "smallest": [], "mixed": []}
+        sat_cpu: dict[str, dict[str, float]] = {}
+        for _ in range(args.saturation_rounds):  # interleaved: drifts hit all three alike
+            for name, bs in (("full", [1.0]), ("smallest", [smallest]),
+                             ("mixed", [1.0, smallest])):
+                wait_idle(server)
+                cpu0, own0 = server.cpu_s(), time.process_time()
+                rounds[name].append(round(asyncio.run(closed_loop(
+                    server.url, lines, bs, args.clients, args.saturation_seconds)), 2))
+                cpu = sat_cpu.setdefault(name, {"server_cpu_s": 0.0, "client_cpu_s": 0.0})
+                cpu["server_cpu_s"] = round(cpu["server_cpu_s"] + server.cpu_s() - cpu0, 2)
+                cpu["client_cpu_s"] = round(cpu["client_cpu_s"] + time.process_time() - own0,
+                                            2)
+                print(f"saturation {name}: {rounds[name][-1]} req/s", file=sys.stderr)
+        sat = {name: statistics.median(v) for name, v in rounds.items()}
         segregated = 2 / (1 / sat["full"] + 1 / sat["smallest"])
         rows = []
         for mult in args.rates:
             rate = mult * sat["full"]
             for policy in POLICIES:
-                wait_idle(server)
+                # a fresh server per cell: nothing one cell leaves (a backlog of abandoned
+                # requests, the measured scale and margin) reaches the next
+                server.stop()
+                server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
+                                    None if split is None else split[0])
+                asyncio.run(one_at_a_time(server.url, lines, 4))  # warm-up
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
                                              deadline, smallest, args.timeout_s,
@@ -351,7 +364,7 @@ def main() -> None:
         "latency_table": {k: table[k] for k in ("batch_sizes", "lengths", "service_ms",
                                                 "extra")},
         "solo_full_ms": round(solo_ms, 2), "deadline_ms": deadline,
-        "saturation_rps": sat, "saturation_cpu": sat_cpu,
+        "saturation_rps": sat, "saturation_rounds_rps": rounds, "saturation_cpu": sat_cpu,
         "saturation_seconds": args.saturation_seconds,
         "segregated_rps": round(segregated, 2),
         "mixed_over_segregated": round(sat["mixed"] / segregated, 3),
@@ -368,7 +381,9 @@ def main() -> None:
         + ("client and server share the machine's cores.  " if split is None else
            f"server pinned to cores {sorted(split[0])}, the load generator to "
            f"{sorted(split[1])}.  "),
-        f"Saturation (closed loop, {args.clients} clients): full budget {sat['full']} req/s, "
+        f"Saturation (closed loop, {args.clients} clients, medians of "
+        f"{args.saturation_rounds} interleaved rounds of {args.saturation_seconds} s): full "
+        f"budget {sat['full']} req/s, "
         f"smallest {smallest} {sat['smallest']} req/s, half and half mixed in the same "
         f"batches {sat['mixed']} req/s = {data['mixed_over_segregated']}x the same requests "
         f"in single-budget batches ({data['segregated_rps']} req/s).  ",

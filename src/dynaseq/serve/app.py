@@ -302,7 +302,12 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
         out.update(latency_ms=round(1000 * latency, 3),
                    queue_ms=round(1000 * ((job.started or done) - job.enqueued), 3),
                    batch_lines=job.batch_rows)
-        log.update(degraded=bool(out.get("degraded")), batch_lines=job.batch_rows)
+        log.update(degraded=bool(out.get("degraded")), batch_lines=job.batch_rows,
+                   queue_ms=out["queue_ms"])
+        if job.budget is not None:  # the budget that ran (a deadline's batch may re-plan it)
+            log["budget"] = ep.budget_json(job.budget)
+        if job.predicted_ms is not None:
+            log["predicted_ms"] = round(job.predicted_ms, 1)
         data = endpoint.response(**out).model_dump(exclude_none=True)
         data.setdefault("budget", None)  # None: the model has no budget knob
         return JSONResponse(data)
