@@ -13,10 +13,11 @@ real HTTP clients over loopback (aiohttp + asyncio, one process, on cores of its
 3. open loop: Poisson arrivals at each ``--rates`` multiple of the full-budget saturation
    rate for ``--seconds`` each, one test sentence per request (seeded), for three policies
    side by side: always the full budget, always the smallest, deadline-aware
-   (``deadline_ms``), each cell on a freshly started server. Per cell: p50/p95/p99 latency of the answered requests, SLO
-   attainment (answered within the deadline / sent), goodput (answered within the
-   deadline per second), mean budget served, the share served at the full budget, 503s,
-   and the BLEU of the returned translations against their references.
+   (``deadline_ms``), each cell on a freshly started server. Per cell: p50/p95/p99
+   latency of the answered requests, SLO attainment (answered within the deadline /
+   sent), goodput (answered within the deadline per second), mean budget served, the
+   share served at the full budget, 503s, and the BLEU of the returned translations
+   against their references.
 
 Example (a few minutes on 2 CPU cores; take the shared lock)::
 
@@ -276,6 +277,7 @@ def main() -> None:
     p.add_argument("--saturation-rounds", type=int, default=3,
                    help="interleaved closed-loop rounds of each mix (medians reported)")
     p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--deadline-ms", type=float, default=None)
     p.add_argument("--deadline-factor", type=float, default=3.0,
                    help="deadline = this x one full-budget request's median latency")
@@ -330,7 +332,7 @@ def main() -> None:
         rows = []
         for mult in args.rates:
             rate = mult * sat["full"]
-            for policy in POLICIES:
+            for policy in args.policies:
                 # a fresh server per cell: nothing one cell leaves (a backlog of abandoned
                 # requests, the measured scale and margin) reaches the next
                 server.stop()

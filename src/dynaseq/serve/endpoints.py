@@ -153,12 +153,13 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
     """A batch is about to run (in the batcher's thread): its deadline jobs all take the
     budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget` chooses for the time
     left to the earliest of them and to the translation jobs queued ``behind`` (the event
-    loop's lag kept aside)."""
+    loop's lag and the margin that admission planned with kept aside)."""
     policy = state.policy
     flexible = [j for j in jobs if j.due is not None and j.budget is not None]
     if policy is None or not flexible:
         return
-    now, lag = time.perf_counter(), state.batcher.loop_lag_ms
+    now = time.perf_counter()
+    lag = state.batcher.loop_lag_ms + state.batcher.overhead_ms
 
     def left(j: Job) -> float | None:
         return None if j.due is None else 1000.0 * (j.due - now) - lag
