@@ -128,3 +128,17 @@ def test_a_batch_is_replanned_before_it_runs():
     batches = asyncio.run(go())
     assert seen == [([1, 2, 3], 1.0, [4])]  # the 4 lines wait for the next batch
     assert [[budget for _, _, budget in batch] for batch in batches][0] == [(0.5, 0.5)] * 3
+
+
+def test_the_scale_follows_the_first_batches_at_once_then_moves_slowly():
+    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
+    b._update_scale(2.0)  # the first batch sets it
+    assert b.scale == 2.0
+    b._update_scale(3.0)  # the second: their mean
+    assert b.scale == 2.5
+    for _ in range(10):
+        b._update_scale(2.5)
+    b._update_scale(1.5)  # later: weight SCALE_WEIGHT
+    assert b.scale == pytest.approx(2.5 - b.SCALE_WEIGHT)
+    b._update_scale(100.0)
+    assert b.scale == b.SCALE_RANGE[1]  # clamped

@@ -221,3 +221,15 @@ def test_a_batch_leaves_the_time_that_later_requests_were_admitted_on():
     flexible_ahead = [Work(FULL, 9, 10, True)]
     assert p.predict_ms(HALF, 1, 10, flexible_ahead) == 30.0  # the 10 lines at half
     assert p.predict_ms(HALF, 1, 10, [Work(FULL, 9, 10)]) == pytest.approx(45 + 3)
+
+
+def test_the_queue_ahead_runs_in_the_batches_the_batcher_will_form():
+    """Each batch ahead at its own longest source; the request joins the last if it has
+    room, else it starts the next."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    ahead = [Work(FULL, 6, 20), Work(FULL, 4, 10), Work(FULL, 5, 10)]
+    assert [[w.rows for w in b] for b in p.batches(ahead)] == [[6, 4], [5]]
+    # 10 lines at length 20 (100 ms), then 5 + 1 lines at length 10
+    assert p.predict_ms(FULL, 1, 10, ahead) == pytest.approx(100 + 10 + 40 * 5 / 9)
+    assert p.predict_ms(FULL, 1, 10, [Work(FULL, 10, 10)]) == pytest.approx(50 + 10)
+    assert p.batches([]) == []

@@ -99,8 +99,9 @@ class Batcher:
 
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
     exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
-    :data:`SCALE_RANGE`), so predictions from a latency table measured on the bare model
-    include what the server adds around it. :attr:`overhead_ms` is the
+    :data:`SCALE_RANGE`; the first batches weigh more, :meth:`_update_scale`), so
+    predictions from a latency table measured on the bare model include what the server
+    adds around it. :attr:`overhead_ms` is the
     :data:`OVERHEAD_QUANTILE` quantile of how much later than predicted the last
     :data:`OVERHEAD_WINDOW` requests were answered (:meth:`observe`; early answers count
     0): what a prediction misses (time outside the queue and the batches, a batch that
@@ -133,6 +134,7 @@ class Batcher:
         self._running: tuple[float, float] | None = None  # (start, predicted ms)
         self._thread: threading.Thread | None = None
         self.scale = 1.0
+        self._scale_batches = 0
         self._errors: deque[tuple[float, float]] = deque()  # (ms late, when observed)
         self._arrivals = (0.0, time.perf_counter())  # (lines per second, when)
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
@@ -269,10 +271,18 @@ class Batcher:
                     start, predicted = self._running or (0.0, 0.0)
                     if live and predicted > 0:
                         ratio = 1000.0 * (time.perf_counter() - start) / predicted
-                        lo, hi = self.SCALE_RANGE
-                        w = self.SCALE_WEIGHT
-                        self.scale = min(hi, max(lo, (1 - w) * self.scale + w * ratio))
+                        self._update_scale(ratio)
                     self._running = None
+
+    def _update_scale(self, ratio: float) -> None:
+        """One more batch ran ``ratio`` times its estimate. The moving average weighs the
+        k-th batch ``max(SCALE_WEIGHT, 1 / k)``: the first batches set the scale at once
+        (a fresh server does not plan its first seconds at a scale of 1), later ones
+        move it by :data:`SCALE_WEIGHT`."""
+        self._scale_batches += 1
+        w = max(self.SCALE_WEIGHT, 1.0 / self._scale_batches)
+        lo, hi = self.SCALE_RANGE
+        self.scale = min(hi, max(lo, (1 - w) * self.scale + w * ratio))
 
     def _run(self, batch: list[Job]) -> None:
         now = time.perf_counter()

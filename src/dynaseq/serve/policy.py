@@ -140,20 +140,39 @@ class DeadlinePolicy:
     def _predict(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work],
                  running_ms: float | None, scale: float, overhead_ms: float,
                  arrival_rate: float) -> tuple[float, float]:
-        """(predicted completion, the wait before the request's own lines) at ``budget``.
-        The batch it runs in ends when its last line does: the lines ahead, its own and the
-        expected :meth:`joiners` (at the same budget and length as its own)."""
-        extra = rows + self.joiners(rows, ahead, running_ms, arrival_rate)
-        length = max([length, *(w.length for w in ahead)])  # its batch's longest, at most
+        """(predicted completion, the time the queue ahead needs) at ``budget``.
+
+        The queue ahead runs as the batcher forms its batches (:meth:`batches`), each at
+        its longest source; the request's batch is the last of them if it has room, and
+        ends when its last line does: the lines in it, the request's own and the expected
+        :meth:`joiners` (at the request's budget and length), at the batch's longest."""
         ahead = [Work(budget, w.rows, w.length, True) if w.flexible else w for w in ahead]
-        wait = self.backlog_ms(ahead, running_ms or 0.0, extra_rows=math.ceil(extra),
-                               scale=scale, length=length)
+        batches = self.batches(ahead)
+        last = batches.pop() if batches and (sum(w.rows for w in batches[-1]) + rows
+                                             <= self.max_batch_rows) else []
+        wait = (running_ms or 0.0) + scale * sum(self.batch_ms(b) for b in batches)
         if not ahead and running_ms is None:  # idle: the batching window
             wait += self.window_ms
-        wait += overhead_ms
-        batch = max(1, min(sum(w.rows for w in ahead) + math.ceil(extra),
-                           self.max_batch_rows))
-        return wait + scale * extra * self.row_ms(budget, length, batch), wait
+        extra = rows + self.joiners(rows, last, None if running_ms is None and not batches
+                                    else wait, arrival_rate)
+        n = max(1, min(sum(w.rows for w in last) + math.ceil(extra), self.max_batch_rows))
+        longest = max([length, *(w.length for w in last)])
+        wait += overhead_ms + scale * sum(w.rows * self.row_ms(w.budget, longest, n)
+                                          for w in last)
+        return wait + scale * extra * self.row_ms(budget, longest, n), wait
+
+    def batches(self, works: Sequence[Work]) -> list[list[Work]]:
+        """``works`` (oldest first) cut into batches as the batcher takes them: in order,
+        at most ``max_batch_rows`` lines each, a request's lines never split."""
+        out: list[list[Work]] = []
+        rows = 0
+        for w in works:
+            if not out or (out[-1] and rows + w.rows > self.max_batch_rows):
+                out.append([])
+                rows = 0
+            out[-1].append(w)
+            rows += w.rows
+        return out
 
     def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
                running_ms: float | None = None, scale: float = 1.0,
