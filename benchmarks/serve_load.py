@@ -278,6 +278,9 @@ def main() -> None:
                    help="interleaved closed-loop rounds of each mix (medians reported)")
     p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--base-rps", type=float, default=None,
+                   help="the rate the --rates multiply (default: the measured full-budget "
+                        "saturation), e.g. to compare two versions at the same arrivals")
     p.add_argument("--deadline-ms", type=float, default=None)
     p.add_argument("--deadline-factor", type=float, default=3.0,
                    help="deadline = this x one full-budget request's median latency")
@@ -331,7 +334,7 @@ def main() -> None:
         segregated = 2 / (1 / sat["full"] + 1 / sat["smallest"])
         rows = []
         for mult in args.rates:
-            rate = mult * sat["full"]
+            rate = mult * (args.base_rps or sat["full"])
             for policy in args.policies:
                 # a fresh server per cell: nothing one cell leaves (a backlog of abandoned
                 # requests, the measured scale and margin) reaches the next

@@ -65,7 +65,7 @@ def test_idle_server_gives_the_largest_budget_that_makes_the_deadline():
 def test_queued_work_degrades_budgets_before_latency_grows():
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     ahead = [Work(FULL, 9, 10)]  # 9 lines: with ours, one batch of 10 -> 5 ms a full line
-    assert p.backlog_ms(ahead, extra_rows=1) == 45.0
+    assert p.predict_ms(FULL, 1, 10, ahead) == 50.0  # the batch of 10 lines
     assert p.decide(50, 1, 10, ahead).budget == FULL  # 45 + 5
     d = p.decide(49, 1, 10, ahead)  # 45 + 3 at half
     assert (d.budget, d.degraded, d.predicted_ms) == (HALF, True, 48.0)
@@ -145,7 +145,7 @@ def test_profile_latency_table_refusals(serve_run, lm_run):
 def test_scale_multiplies_the_table():
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     ahead = [Work(FULL, 9, 10)]
-    assert p.backlog_ms(ahead, running_ms=7.0, extra_rows=1, scale=2.0) == 97.0
+    assert p.predict_ms(FULL, 1, 10, ahead, running_ms=7.0, scale=2.0) == 107.0
     d = p.decide(100, 1, 10, ahead, scale=2.0)  # 90 + 10 full, 90 + 6 half
     assert (d.budget, d.predicted_ms) == (FULL, 100.0)
     assert p.decide(99, 1, 10, ahead, scale=2.0).budget == HALF

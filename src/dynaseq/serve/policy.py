@@ -3,16 +3,18 @@
 A request that carries ``deadline_ms`` is planned when it arrives (admitted or refused,
 and a first budget), and again when its batch is taken (:meth:`DeadlinePolicy.
 batch_budget`: one budget for every deadline line of the batch, the largest that answers
-the earliest due in time). Its predicted completion
-is the time the work ahead of it still needs (the rest of the batch now running, then
-every queued line at its own budget) plus its own lines at the candidate budget, each line
-costing ``service(budget, n, length) / n`` of a batch of ``n`` lines
-(:class:`~dynaseq.metrics.latency_table.LatencyTable`), ``n`` being the batch size the
-queue will run at. The first budget, largest first, whose completion is within ``slack ×
-deadline`` runs; so under light load every request gets the full budget, and as the queue
-grows budgets degrade before latency does. When even the smallest budget cannot make it,
-the request is rejected (503 with ``Retry-After``: the seconds the queue ahead needs) or,
-with ``overload="smallest"``, run at the smallest budget.
+the earliest due in time without making the deadline lines queued behind late). On
+arrival its predicted completion is the rest of the batch now running, then the queued
+lines in the batches the batcher will form (deadline lines at the candidate budget, the
+others at their own), then the batch it joins with its own lines and those expected to
+arrive before that batch starts, each batch costing the
+:class:`~dynaseq.metrics.latency_table.LatencyTable`'s ``service(budget, n, length)`` at
+its longest source, shared by its ``n`` lines. The first budget, largest first, whose
+completion is within ``slack × deadline`` is the request's first budget; so under light
+load every request gets the full budget, and as the queue grows budgets degrade before
+latency does. When even the smallest budget cannot make it, the request is rejected (503
+with ``Retry-After``: the seconds the queue ahead needs) or, with ``overload="smallest"``,
+run at the smallest budget.
 
 Example::
 
@@ -107,18 +109,6 @@ class DeadlinePolicy:
         batch = max(1, min(sum(w.rows for w in works), self.max_batch_rows))
         length = max(w.length for w in works)
         return sum(w.rows * self.row_ms(budget or w.budget, length, batch) for w in works)
-
-    def backlog_ms(self, ahead: Sequence[Work], running_ms: float = 0.0,
-                   extra_rows: int = 0, scale: float = 1.0, length: int = 1) -> float:
-        """Predicted milliseconds until the work ``ahead`` is done: ``running_ms`` (what the
-        batch now running still needs) plus each queued line's share of its batch, every
-        line counted at the longest of ``length`` and the queued lines' (the batches ahead
-        are not formed yet), times ``scale``."""
-        rows = sum(w.rows for w in ahead) + extra_rows
-        batch = max(1, min(rows, self.max_batch_rows))
-        longest = max([length, *(w.length for w in ahead)])
-        return running_ms + scale * sum(w.rows * self.row_ms(w.budget, longest, batch)
-                                        for w in ahead)
 
     def joiners(self, rows: int, ahead: Sequence[Work], running_ms: float | None,
                 arrival_rate: float) -> float:
@@ -225,19 +215,14 @@ class DeadlinePolicy:
 
     def _behind_in_time(self, start_ms: float, behind: Sequence[tuple[Work, float | None]],
                         scale: float) -> bool:
-        """Whether the queued ``behind``, run in batches of at most ``max_batch_rows`` lines
-        from ``start_ms`` on (flexible lines at the smallest budget), answers each flexible
-        one by its time left."""
-        t, chunk, rows = start_ms, [], 0
-        for k, (w, left) in enumerate(behind):
-            chunk.append((w, left))
-            rows += w.rows
-            if rows < self.max_batch_rows and k + 1 < len(behind):
-                continue
+        """Whether the queued ``behind``, run in the batches the batcher will form
+        (:meth:`batches`) from ``start_ms`` on, flexible lines at the smallest budget,
+        answers each flexible one by its time left."""
+        t, k = start_ms, 0
+        for batch in self.batches([w for w, _ in behind]):
             t += scale * self.batch_ms([self._tabled(Work(self.smallest, w.rows, w.length)
-                                                     if w.flexible else w)
-                                        for w, _ in chunk])
-            if any(left is not None and t > left for _, left in chunk):
+                                                     if w.flexible else w) for w in batch])
+            if any(left is not None and t > left for _, left in behind[k: k + len(batch)]):
                 return False
-            chunk, rows = [], 0
+            k += len(batch)
         return True
