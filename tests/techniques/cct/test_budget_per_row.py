@@ -117,13 +117,18 @@ def test_rows_at_different_budgets_score_and_count_macs_per_row_as_alone(calibra
         assert mixed[part] == pytest.approx(sum(a[part] for a in alone) / k, rel=1e-9)
 
 
-def test_per_row_macs_are_what_the_row_costs_alone(calibrated):
+def _mixed_batch(calibrated):
+    """The model, the test lines as one teacher-forced batch, and rows at BUDGETS in turn."""
     t, lines, refs = calibrated
     m = t.model
     corpus, _ = make_corpus(t.tokenizer.encode(lines), t.tokenizer.encode(refs),
                             t.config.data.max_len, long_lines="truncate")
     b = collate(corpus, list(range(len(corpus))), m.pad_id, m.bos_id, m.eos_id)
-    control = t.control_for(_interleaved(BUDGETS, 2), len(corpus))
+    return m, b, t.control_for(_interleaved(BUDGETS, 2), len(corpus))
+
+
+def test_per_row_macs_are_what_the_row_costs_alone(calibrated):
+    m, b, control = _mixed_batch(calibrated)
     with torch.no_grad():
         per_row = realized_macs_by_row(m(b.src, b.tgt_in, control).aux)
         for i in range(b.src.size(0)):  # the same padded row, alone in its batch
@@ -136,12 +141,7 @@ def test_per_row_macs_are_what_the_row_costs_alone(calibrated):
 def test_all_on_counts_of_one_call_are_those_of_a_call_with_every_gate_open(calibrated):
     """``per_row_full`` (recorded by the call at the rows' budgets) equals the per-row
     MACs of the same batch run again with every gate open, sub-layer by sub-layer."""
-    t, lines, refs = calibrated
-    m = t.model
-    corpus, _ = make_corpus(t.tokenizer.encode(lines), t.tokenizer.encode(refs),
-                            t.config.data.max_len, long_lines="truncate")
-    b = collate(corpus, list(range(len(corpus))), m.pad_id, m.bos_id, m.eos_id)
-    control = t.control_for(_interleaved(BUDGETS, 2), len(corpus))
+    m, b, control = _mixed_batch(calibrated)
     opened = BudgetControl(control.ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
     with torch.no_grad():
         at_budget = m(b.src, b.tgt_in, control).aux
