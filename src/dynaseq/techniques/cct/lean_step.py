@@ -8,12 +8,14 @@ control network(s) and reads the decisions with one host sync, then:
 * **self-attention** (eq. 12-13): the step's key and value are projected and normalised
   only for the rows whose ``g_KV`` is on and written to the layer's cache (zero rows where
   off: eq. 12's ``g_KV · LN(Y W_k)``, which enters the softmax with score 0 and adds
-  nothing, exactly as the module counts it); the query, attention, output LayerNorm and
-  projection run only for the rows whose ``g_q`` is on. All rows on: q/k/v come from one
-  fused ``(3d, d)`` product; every ``g_q`` off: the part returns None (the sub-layer's output
-  is 0, the residual stays as it is). The two control nets read the same input and run as
-  one fused product. Attention scores against an off key's zero row are computed
-  (``2·d`` multiply-adds per key and query, as padding would be); nothing else of it runs.
+  nothing, exactly as the module counts it); the query, output LayerNorm and projection
+  run only for the rows whose ``g_q`` is on (the attention itself for every row, the off
+  ones with a zero query, which costs less than gathering their cache). All rows on:
+  q/k/v come from one fused ``(3d, d)`` product; every ``g_q`` off: the part returns None
+  (the sub-layer's output is 0, the residual stays as it is). The two control nets read
+  the same input and run as one fused product. Attention scores against an off key's zero
+  row are computed (``2·d`` multiply-adds per key and query, as padding would be); nothing
+  else of it runs.
 * **cross-attention**: at ``start`` the encoder tokens whose ``g_KV`` is on (and that are
   not padding) are projected once and packed to the left per row; the off ones become one
   zero key slot whose score carries ``log n_off`` (``e^{0 + log n_off} = n_off`` zero rows
@@ -25,8 +27,11 @@ control network(s) and reads the decisions with one host sync, then:
 * **feed-forward** (eq. 15): the M pieces' input LayerNorms share their normalisation, so
   their affine weights are folded into the pieces' first layers, which run as one
   ``(ffn_dim, d)`` product when every piece is open for every row, with the second layers
-  as one batched product and the output LayerNorms as one call. Otherwise piece i runs on
-  the rows where it is open (sliced from the folded weights); none open: None.
+  as one batched product and the output LayerNorms as one call. Mixed: the same fused
+  products over the rows with an open piece, each closed piece's output times 0, when
+  that computes at most :attr:`GatedFeedForward.FUSE_WASTE` times the open pieces' work;
+  otherwise piece i runs on the rows where it is open (sliced from the folded weights);
+  none open: None.
 
 Folding and fusing change float rounding only: outputs equal the modules' up to it (the
 tests compare every step's logits). Parts decline (the general step runs) for int8 or
