@@ -73,9 +73,14 @@ def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Pa
                         "--beam", "1", "--repeats", "3", "--table-batches", batches,
                         "--table-lengths", lengths, "--table-src", str(table_src)],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-                       preexec_fn=None if cores is None else (
-                           lambda: os.sched_setaffinity(0, cores)))
+                       preexec_fn=pin_to(cores))
     return dst
+
+
+def pin_to(cores: set[int] | None):
+    """A child process's ``preexec_fn`` that pins it (and the threads it starts) to
+    ``cores``; None (no pinning) for None."""
+    return None if cores is None else (lambda: os.sched_setaffinity(0, cores))
 
 
 def split_cores(server_cores: int) -> tuple[set[int], set[int]] | None:
@@ -96,12 +101,11 @@ class ServerProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynaseq", "serve", str(run), "--port", str(self.port),
              "--beam", "1", "--threads", str(threads), "--batch-window-ms", str(window_ms),
              "--max-batch-lines", str(max_batch), "--max-lines", str(max_batch),
-             "--no-access-log"], env=env, preexec_fn=pin)
+             "--no-access-log"], env=env, preexec_fn=pin_to(cores))
         deadline = time.monotonic() + 120
         while True:
             try:

@@ -42,7 +42,7 @@ from dynaseq.serve import endpoints as ep
 from dynaseq.serve.batcher import Batcher, BudgetParts, Job, QueueFull
 from dynaseq.serve.config import ServeConfig
 from dynaseq.serve.metrics import ServerMetrics
-from dynaseq.serve.policy import DeadlinePolicy, Work
+from dynaseq.serve.policy import DeadlinePolicy
 from dynaseq.serve.schemas import ErrorResponse, one_line
 
 
@@ -135,8 +135,8 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     def estimate(jobs: list[Job]) -> float:
         if policy is None:
             return 0.0
-        return policy.batch_ms([Work(j.budget or (1.0, 1.0), j.rows, j.length) for j in jobs
-                                if policy.table.has(j.budget or (1.0, 1.0))])
+        works = [j.work() for j in jobs]
+        return policy.batch_ms([w for w in works if policy.table.has(w.budget)])
 
     batcher = Batcher(metrics, config.batch_window_ms, config.max_batch_rows,
                       config.max_queue_rows, estimate)

@@ -90,6 +90,11 @@ class Job:
         """The client went away: drop the job if it has not started."""
         self.cancelled = True
 
+    def work(self, default: tuple[float, float] = (1.0, 1.0)) -> Work:
+        """The job as the deadline policy counts it: its budget (``default`` when it has
+        none), lines, longest source, and whether it carries a deadline."""
+        return Work(self.budget or default, self.rows, self.length, self.due is not None)
+
 
 class Batcher:
     """The queue and its worker thread (see the module doc).
@@ -156,8 +161,7 @@ class Batcher:
     def snapshot(self) -> Load:
         """What the deadline policy plans a request against (:class:`Load`)."""
         with self._cond:
-            ahead = [Work(j.budget or (1.0, 1.0), j.rows, j.length, j.due is not None)
-                     for j in self._queue]
+            ahead = [j.work() for j in self._queue]
             running = None
             if self._running is not None:
                 start, predicted = self._running
@@ -172,7 +176,7 @@ class Batcher:
         each decayed since it was observed."""
         now = time.perf_counter()
         with self._cond:
-            late = sorted(e * math.exp(-(now - when) / self.OVERHEAD_TAU_S)
+            late = sorted(_decayed(e, when, self.OVERHEAD_TAU_S, now)
                           for e, when in self._errors)
         if not late:
             return 0.0
@@ -181,8 +185,7 @@ class Batcher:
     @property
     def arrival_rate(self) -> float:
         """Lines submitted per second lately (decayed since the last submission)."""
-        value, when = self._arrivals
-        return value * math.exp(-(time.perf_counter() - when) / self.ARRIVAL_TAU_S)
+        return _decayed(*self._arrivals, self.ARRIVAL_TAU_S, time.perf_counter())
 
     def observe(self, predicted_ms: float, latency_ms: float) -> None:
         """A request predicted (without overhead) to take ``predicted_ms`` was answered in
@@ -304,6 +307,12 @@ class Batcher:
             return
         for job, result in zip(batch, results, strict=True):
             _deliver(job, result=result)
+
+
+def _decayed(value: float, when: float, tau_s: float, now: float) -> float:
+    """``value`` observed at ``when``, decayed exponentially (time constant ``tau_s``) to
+    ``now`` (``time.perf_counter()`` seconds)."""
+    return value * math.exp(-(now - when) / tau_s)
 
 
 def _deliver(job: Job, result: Any = None, exc: BaseException | None = None) -> None:

@@ -40,7 +40,6 @@ from dynaseq.metrics.macs import count_macs
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job
-from dynaseq.serve.policy import Work
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
@@ -164,11 +163,9 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
     def left(j: Job) -> float | None:
         return None if j.due is None else 1000.0 * (j.due - now) - lag
 
-    fixed = [Work(j.budget or policy.largest, j.rows, j.length) for j in jobs
-             if j not in flexible]
-    queued = [(Work(j.budget or policy.largest, j.rows, j.length, j.due is not None), left(j))
-              for j in behind if j.group == jobs[0].group]
-    budget = policy.batch_budget(fixed, [Work(j.budget, j.rows, j.length) for j in flexible],
+    fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
+    queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
+    budget = policy.batch_budget(fixed, [j.work() for j in flexible],
                                  min(left(j) for j in flexible), scale, queued)
     for j in flexible:
         if j.budget != budget:

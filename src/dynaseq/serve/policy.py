@@ -124,24 +124,24 @@ class DeadlinePolicy:
                    overhead_ms: float = 0.0, arrival_rate: float = 0.0) -> float:
         """Predicted completion (ms from now) of a request of ``rows`` lines at ``budget``
         behind ``ahead`` (see :meth:`decide`)."""
-        return self._predict(budget, rows, length, ahead, running_ms, scale, overhead_ms,
-                             arrival_rate)[0]
+        return self._predict(budget, rows, length, self.batches(ahead), running_ms, scale,
+                             overhead_ms, arrival_rate)[0]
 
-    def _predict(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work],
+    def _predict(self, budget: Pair, rows: int, length: int, batches: list[list[Work]],
                  running_ms: float | None, scale: float, overhead_ms: float,
                  arrival_rate: float) -> tuple[float, float]:
         """(predicted completion, the time the queue ahead needs) at ``budget``.
 
-        The queue ahead runs as the batcher forms its batches (:meth:`batches`), each at
-        its longest source; the request's batch is the last of them if it has room, and
-        ends when its last line does: the lines in it, the request's own and the expected
-        :meth:`joiners` (at the request's budget and length), at the batch's longest."""
-        ahead = [Work(budget, w.rows, w.length, True) if w.flexible else w for w in ahead]
-        batches = self.batches(ahead)
+        The queue ahead runs in ``batches``, as the batcher will form them
+        (:meth:`batches`), each at its longest source, its flexible lines at ``budget``;
+        the request's batch is the last of them if it has room, and ends when its last
+        line does: the lines in it, the request's own and the expected :meth:`joiners` (at
+        the request's budget and length), at the batch's longest."""
+        batches = [_flexible_at(b, budget) for b in batches]
         last = batches.pop() if batches and (sum(w.rows for w in batches[-1]) + rows
                                              <= self.max_batch_rows) else []
         wait = (running_ms or 0.0) + scale * sum(self.batch_ms(b) for b in batches)
-        if not ahead and running_ms is None:  # idle: the batching window
+        if not batches and not last and running_ms is None:  # idle: the batching window
             wait += self.window_ms
         extra = rows + self.joiners(rows, last, None if running_ms is None and not batches
                                     else wait, arrival_rate)
@@ -179,8 +179,9 @@ class DeadlinePolicy:
         request's batch before it starts (:meth:`joiners`)."""
         limit = self.slack * deadline_ms
         predicted, wait = math.inf, 0.0
+        batches = self.batches(ahead)  # the same at every budget
         for budget in self.budgets:
-            predicted, wait = self._predict(budget, rows, length, ahead, running_ms, scale,
+            predicted, wait = self._predict(budget, rows, length, batches, running_ms, scale,
                                             overhead_ms, arrival_rate)
             if predicted <= limit:
                 return Decision(budget, budget != self.largest, False, predicted)
@@ -220,9 +221,14 @@ class DeadlinePolicy:
         answers each flexible one by its time left."""
         t, k = start_ms, 0
         for batch in self.batches([w for w, _ in behind]):
-            t += scale * self.batch_ms([self._tabled(Work(self.smallest, w.rows, w.length)
-                                                     if w.flexible else w) for w in batch])
+            t += scale * self.batch_ms([self._tabled(w)
+                                        for w in _flexible_at(batch, self.smallest)])
             if any(left is not None and t > left for _, left in behind[k: k + len(batch)]):
                 return False
             k += len(batch)
         return True
+
+
+def _flexible_at(works: Sequence[Work], budget: Pair) -> list[Work]:
+    """``works`` with their flexible lines (those with a deadline) at ``budget``."""
+    return [Work(budget, w.rows, w.length, True) if w.flexible else w for w in works]
