@@ -20,7 +20,9 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
   from the analytic MAC count, :func:`dynaseq.metrics.macs.count_macs`).
 * **dmb / moe**: ``configs/multi30k_dmb_tiny.yaml`` and ``multi30k_moe_tiny.yaml`` (and the
   same at ``small``), untrained, shared parts merged, against the dense model of their size
-  (lean step), batch 1.
+  (lean step), batch 1: DMB with its lean step (the branch each router picks,
+  :mod:`dynaseq.techniques.branching.lean_step`) and its general step; MoE has only the
+  general step.
 * **cct**: ``configs/multi30k_cct_small.yaml`` untrained (control symbol 0) at fixed gate
   patterns, lean and general step, against the dense model of its shape (``small``, 3+3):
   every gate open with one offset of +inf (the decisions need no control network), every
@@ -33,12 +35,12 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
   of its (b, b) budgets as ``translate --budget b`` runs it (calibrated offsets where the run
   has them), and with every gate closed (the floor), against the same dense model: each
   budget's time ÷ budget 1's beside the estimate ``floor + b·(1 − floor)``, and budget 1 ÷
-  the dense model. ``--only cct`` re-measures this section and keeps the others as committed
-  (each section records the command, code and machine that made it).
+  the dense model. ``--only cct`` (or ``--only branching``) re-measures that section and keeps
+  the others as committed (each section records the command, code and machine that made it).
 
     python benchmarks/batch1_latency.py [--sizes tiny small base] [--batches 1 8 32]
         [--rounds 3] [--repeats 1] [--threads 2] [--no-ct2] [--no-branching] [--no-cct]
-        [--only cct] [--cct-run RUN]
+        [--only cct|branching] [--cct-run RUN]
 
 Writes benchmarks/results/batch1_latency.{json,md}. Run from the repository root, alone.
 """
@@ -309,7 +311,7 @@ def dense_rows(args, rates: dict[str, float]) -> list[dict]:
 
 
 def branching_rows(args) -> list[dict]:
-    """DMB and MoE ÷ the dense model of their size (lean and general step), batch 1."""
+    """DMB (lean and general step) and MoE ÷ the dense model of their size, batch 1."""
     rows = []
     for size in [s for s in args.sizes if s in ("tiny", "small")]:
         base = build_dense_like(size)
@@ -319,12 +321,15 @@ def branching_rows(args) -> list[dict]:
                 return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam, batch=1,
                                                  repeats=args.repeats, lean=lean)
             systems = {"dense lean": t(base, True), "dense general": t(base),
-                       **{kind: t(m) for kind, m in models.items()}}
+                       "dmb lean": t(models["dmb"], True), "dmb general": t(models["dmb"]),
+                       "moe": t(models["moe"])}
             ms = interleaved(systems, args.rounds)
-            row = {"size": size, "search": search, "ms": ms}
-            for kind in BRANCHING:
-                row[f"{kind}_vs_dense_lean"] = round(ms[kind] / ms["dense lean"], 3)
-                row[f"{kind}_vs_dense_general"] = round(ms[kind] / ms["dense general"], 3)
+            row = {"size": size, "search": search, "ms": ms,
+                   "dmb_lean_vs_dense_lean": round(ms["dmb lean"] / ms["dense lean"], 3),
+                   "dmb_general_vs_dense_general": round(ms["dmb general"]
+                                                         / ms["dense general"], 3),
+                   "dmb_lean_vs_general": round(ms["dmb lean"] / ms["dmb general"], 3),
+                   "moe_vs_dense_lean": round(ms["moe"] / ms["dense lean"], 3)}
             rows.append(row)
             print(f"branching {size} {search}: {ms}", flush=True)
     return rows
@@ -424,17 +429,18 @@ def main() -> None:
     p.add_argument("--no-branching", action="store_true", help="skip DMB / MoE")
     p.add_argument("--no-cct", action="store_true", help="skip the CCT")
     p.add_argument("--cct-run", help="a trained CCT run: time its budgets too")
-    p.add_argument("--only", choices=["cct"],
+    p.add_argument("--only", choices=["cct", "branching"],
                    help="measure this section only; keep the others as committed")
     _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     made_by = {**_lib.provenance(), "machine": _lib.machine(processor=True),
                "rounds": args.rounds, "repeats": args.repeats}
-    if args.only == "cct":
+    if args.only:
         path = args.results / "batch1_latency.json"
         out = json.loads(path.read_text()) if path.exists() else {}
-        out["cct"] = cct_section(args, made_by)
+        out[args.only] = (cct_section(args, made_by) if args.only == "cct"
+                          else {"made_by": made_by, "rows": branching_rows(args)})
         lines = markdown(out)
         _lib.write_results(args.results, "batch1_latency", out, lines, json_newline=True)
         print("\n".join(lines))
@@ -451,7 +457,7 @@ def main() -> None:
                               "agreement": agreement(args.threads)}
     out["dense"] = dense_rows(args, rates)
     if not args.no_branching:
-        out["branching"] = branching_rows(args)
+        out["branching"] = {"made_by": made_by, "rows": branching_rows(args)}
     if not args.no_cct:
         out["cct"] = cct_section(args, made_by)
     lines = markdown(out)
@@ -487,28 +493,39 @@ def markdown(out: dict) -> list[str]:
              r.get("lean_vs_limit", "–"), r["lean_share_of_sgemm"]] for r in out["dense"]]
     lines += _lib.md_table(header, "lrl" + "r" * 9, rows)
     if out.get("branching"):
-        lines += ["", "## DMB and MoE against dense, batch 1 (ms)", "",
-                  "Target: DMB ≤ 1.05× the dense model, greedy and beam 4, tiny and small.", ""]
-        header = ["size", "search", "dense lean", "dense general", "dmb", "moe",
-                  "dmb ÷ dense lean", "dmb ÷ dense general", "moe ÷ dense lean"]
-        lines += _lib.md_table(header, "ll" + "r" * 7, [
-            [r["size"], r["search"], r["ms"]["dense lean"], r["ms"]["dense general"],
-             r["ms"]["dmb"], r["ms"]["moe"], r["dmb_vs_dense_lean"], r["dmb_vs_dense_general"],
-             r["moe_vs_dense_lean"]] for r in out["branching"]])
+        lines += branching_markdown(out["branching"])
     if out.get("cct"):
         lines += cct_markdown(out["cct"])
     return lines
 
 
-def cct_markdown(cct: dict) -> list[str]:
-    """The CCT section of batch1_latency.md."""
-    m = cct["made_by"]
+def _made_by(m: dict) -> str:
+    """A section's provenance line: its command, code, machine and rounds."""
     code = (m["commit"] or "no git checkout")[:12] + (
         " (with uncommitted changes)" if m["dirty"] else "")
+    return (f"Command: `{m['command']}`; code {code} ({m['date']} UTC); machine "
+            f"{m['machine']}; {m['rounds']} interleaved rounds of {m['repeats']} decode(s).")
+
+
+def branching_markdown(section: dict) -> list[str]:
+    """The DMB / MoE section of batch1_latency.md."""
+    lines = ["", "## DMB and MoE against dense, batch 1 (ms)", "", _made_by(section["made_by"]),
+             "", "Target: DMB ≤ 1.05× the dense model (lean step against lean step), greedy "
+             "and beam 4, tiny and small.", ""]
+    header = ["size", "search", "dense lean", "dense general", "dmb lean", "dmb general", "moe",
+              "dmb lean ÷ dense lean", "dmb general ÷ dense general", "dmb lean ÷ general",
+              "moe ÷ dense lean"]
+    return lines + _lib.md_table(header, "ll" + "r" * 9, [
+        [r["size"], r["search"], *(r["ms"][k] for k in ("dense lean", "dense general",
+                                                          "dmb lean", "dmb general", "moe")),
+         r["dmb_lean_vs_dense_lean"], r["dmb_general_vs_dense_general"],
+         r["dmb_lean_vs_general"], r["moe_vs_dense_lean"]] for r in section["rows"]])
+
+
+def cct_markdown(cct: dict) -> list[str]:
+    """The CCT section of batch1_latency.md."""
     lines = ["", "## CCT against dense (ms; untrained `multi30k_cct_small`, gate patterns)", "",
-             f"Command: `{m['command']}`; code {code} ({m['date']} UTC); machine "
-             f"{m['machine']}; {m['rounds']} interleaved rounds of {m['repeats']} decode(s).",
-             "", "Targets (for a trained model's budgets): budget 1 ≤ 1.05× the dense "
+             _made_by(cct["made_by"]), "", "Targets (for a trained model's budgets): budget 1 ≤ 1.05× the dense "
              "model; a lower budget ≤ 0.05 above the floor that every gate closed sets.", ""]
     names = list(CCT_PATTERNS)
     header = ["batch", "search", "dense lean", "dense general",

@@ -108,10 +108,10 @@ def test_a_step_concatenates_nothing_and_projects_the_encoder_output_once():
     assert linears == [2 * 6 + 1 + 2 * 2] + [2 * 6 + 1] * 4
 
 
-def test_branching_and_int8_keep_the_general_step():
+def test_dense_cct_and_dmb_get_a_lean_step_and_int8_keeps_the_general_one():
     assert is_lean(model())
     assert is_lean(model(cct=CCTConfig(ffn_pieces=2, control_hidden=8)))
-    assert LeanDecoder.prepare(model(dmb=DMBConfig(n_branches=2))) is None
+    assert is_lean(model(dmb=DMBConfig(n_branches=2)))  # tests/techniques/branching/
     assert LeanDecoder.prepare(quantize_int8(model())) is None
 
 
@@ -157,10 +157,10 @@ def test_translator_decodes_the_same_with_and_without_the_lean_step(trained_run,
 def test_latency_timing_decodes_as_translation_does(monkeypatch):
     from dynaseq.metrics.latency import decode_latency_ms
 
-    dmb = model(dmb=DMBConfig(n_branches=2))
+    int8 = quantize_int8(model())
     with pytest.raises(ValueError, match="no lean decoding step"):
-        decode_latency_ms(dmb, 5, 5, repeats=1, lean=True)
-    assert decode_latency_ms(dmb, 5, 5, repeats=1) > 0  # the general step
+        decode_latency_ms(int8, 5, 5, repeats=1, lean=True)
+    assert decode_latency_ms(int8, 5, 5, repeats=1) > 0  # the general step
     prepared = []
     original = LeanDecoder.prepare
     monkeypatch.setattr(LeanDecoder, "prepare",

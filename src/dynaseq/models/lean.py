@@ -12,14 +12,15 @@ arithmetic needs and nothing else:
   factory its module type registered: dense attention fuses its q/k/v projections and projects
   the encoder output's keys and values once (:mod:`dynaseq.nn.lean_dense`); the CCT's gated
   sub-layers run only what their gates open and return None when every row's gate is off,
-  so the residual is not even touched (:mod:`dynaseq.techniques.cct.lean_step`);
+  so the residual is not even touched (:mod:`dynaseq.techniques.cct.lean_step`); DMB
+  sub-layers run the branch their router picks (:mod:`dynaseq.techniques.branching.lean_step`);
 * key/value caches preallocated per layer (:class:`~dynaseq.nn.lean_step.StepCache`): a step
   writes its key and value in place; a cache doubles its capacity when full;
 * layer norms, residuals and projections called as functions on the model's own tensors (no
   module dispatch), and the output layer as ``x @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)`` once.
 
 A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a lean part
-(:func:`is_lean`: dense and CCT models; DMB, MoE, int8 and relative-position models not) gets
+(:func:`is_lean`: dense, CCT and DMB models; MoE, int8 and relative-position models not) gets
 one; the others keep the general step. Outputs equal the general step's up to float rounding
 (the same operations, some fused); the tests decode with both and compare tokens and
 logits. ``torch.compile`` of this step was measured (``benchmarks/batch1_latency.py``) and is
@@ -32,7 +33,7 @@ with stale copies. The other weights are the model's own tensors.
 
 Example::
 
-    lean = LeanDecoder.prepare(model)          # None for a DMB / MoE / int8 model
+    lean = LeanDecoder.prepare(model)          # None for an MoE / int8 model
     hyps = greedy_search(lean or model, src)   # same tokens as greedy_search(model, src)
 """
 
@@ -165,8 +166,8 @@ class LeanDecoder:
 
     @classmethod
     def prepare(cls, model: nn.Module) -> LeanDecoder | None:
-        """The lean decoder of ``model``, or None when :func:`is_lean` is False (DMB, MoE,
-        int8, relative-position and head-pruned-to-nothing models keep the general step)."""
+        """The lean decoder of ``model``, or None when :func:`is_lean` is False (MoE, int8,
+        relative-position and head-pruned-to-nothing models keep the general step)."""
         with torch.no_grad():
             layers = _lean_layers(model)
             if layers is None:

@@ -16,6 +16,8 @@ while holding N times the parameters. The pieces, one concept per module:
   projections (eq. 25-30), with the plain key/value cache;
 * :mod:`~dynaseq.techniques.branching.moe` — noisy top-k mixture of experts (eq. 6-9, Shazeer 2017) for
   the FFN and the attention projections;
+* :mod:`~dynaseq.techniques.branching.lean_step` — the DMB sub-layers' parts of the lean
+  decoding step (:mod:`dynaseq.models.lean`);
 * :mod:`~dynaseq.techniques.branching.traces` / :mod:`~dynaseq.techniques.branching.losses` — per-call route
   records and the auxiliary losses built from them (eq. 17-20, 31; importance and load),
   with padding excluded.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dynaseq.techniques.branching import lean_step  # noqa: F401, E402  (registers the lean parts)
 from dynaseq.techniques.branching.branched_linear import BranchedLinear, merge_shared_
 from dynaseq.techniques.branching.dmb_attention import BranchedAttention, dmb_attention
 from dynaseq.techniques.branching.dmb_ffn import BranchedFeedForward, dmb_feedforward

@@ -1,0 +1,145 @@
+"""The DMB sub-layers' lean decoding-step parts (``techniques/branching/lean_step.py``): each
+step's logits, greedy and beam tokens equal the general step's, with shared parts unmerged or
+merged, with and without fast paths, with rows of one step in different branches; a batch-1
+step runs one plain matmul per projection and router; MoE and int8 keep the general step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dynaseq.compress.int8 import quantize_int8
+from dynaseq.models.lean import LeanDecoder
+from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+from dynaseq.techniques.branching import merge_shared_
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
+
+EOS = 3
+LAYERS = 2
+
+
+def model(seed: int = 0, merged: bool = True, **dmb):
+    """A DMB model with 4 branches whose shared parts hold values (so merging matters), eos
+    likely enough that rows finish apart, and routers that spread tokens over branches."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=4, encoder_layers=1,
+                      decoder_layers=LAYERS, dropout=0.0, dmb=DMBConfig(n_branches=4, **dmb))
+    m = build_seq2seq(cfg, vocab_size=30).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "shared" in name:
+                p.normal_(0, 0.05)
+            if "router" in name and name.endswith("weight"):
+                p.mul_(8)
+        m.decoder.output_proj.weight.mul_(4)
+        m.decoder.output_proj.weight[EOS] *= 1.5
+    if merged:
+        merge_shared_(m)
+    return m
+
+
+def sources(n: int = 7, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, 30, (n, 8), generator=g)
+    for i in range(n):
+        src[i, 8 - (i % 5):] = 0
+        src[i, 7 - (i % 5)] = EOS
+    return src
+
+
+CASES = [dict(merged=True), dict(merged=False), dict(merged=True, fast_paths=False),
+         dict(merged=True, attention=False)]
+IDS = ["merged", "unmerged", "no-fast-paths", "ffn-only"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_greedy_and_beam_give_the_general_steps_tokens(case):
+    m = model(**case)
+    lean = LeanDecoder.prepare(m)
+    assert lean is not None
+    src = sources()
+    greedy = greedy_search(m, src, max_len_b=30)
+    assert len({len(h) for h in greedy}) > 2, "rows finish at different steps"
+    assert greedy_search(lean, src, max_len_b=30) == greedy
+    for k in (1, 3):
+        assert beam_search(lean, src, beam=k, max_len_b=30) == beam_search(m, src, beam=k,
+                                                                           max_len_b=30)
+    row = src[2:3, : int(src[2].ne(0).sum())]  # batch 1: every step runs one branch
+    assert greedy_search(lean, row, max_len_b=30) == [greedy[2]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branches(case):
+    m = model(seed=5, **case)
+    lean = LeanDecoder.prepare(m)
+    src = sources(n=5, seed=6)
+    enc = m.encode(src)
+    general, fast = m.init_state(), lean.init_state(2)  # the cache doubles on the way
+    tokens = torch.full((5, 1), m.bos_id)
+    g = torch.Generator().manual_seed(7)
+    router = m.decoder.layers[0].ffn.router
+    mixed = 0
+    with torch.no_grad():
+        for _ in range(10):
+            want = m.decode_step(tokens, enc, general)
+            got = lean.decode_step(tokens, enc, fast)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            x = m.decoder.embed(tokens) + m.decoder.positions(1, general.step - 1)
+            mixed += len(set(router(x).branch.flatten().tolist())) > 1
+            tokens = torch.randint(4, 30, (5, 1), generator=g)
+    assert mixed > 0, "the rows of some step chose different branches"
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_1_step_runs_one_plain_matmul_per_projection_and_router():
+    m = model()
+    lean = LeanDecoder.prepare(m)
+    src = sources(n=1)[:, :8]
+    enc = m.encode(src)
+    state = lean.init_state(capacity=64)
+    tokens = torch.full((1, 1), m.bos_id)
+    counts = []
+    for _ in range(4):
+        with _CountOps() as ops:
+            lean.decode_step(tokens, enc, state)
+        counts.append(ops.names)
+    for names in counts[1:]:  # (the first also projects the memory, its tokens grouped)
+        assert not {"cat.default", "sort.default", "_grouped_mm.default",
+                    "index_select.default"} & set(names), names
+    linears = [sum(n in ("addmm.default", "mm.default") for n in names) for names in counts]
+    # per layer: fused qkv, self out, cross q, cross out, fc1, fc2 and three routers; then
+    # the output layer; the first step also routes the encoder output in each layer and
+    # projects its keys and values, one grouped product over its tokens' branches
+    assert linears == [LAYERS * 10 + 1] + [LAYERS * 9 + 1] * 3
+    assert counts[0].count("_grouped_mm.default") == LAYERS
+
+
+def test_a_changed_projection_makes_the_fused_copy_stale():
+    m = model()
+    lean = LeanDecoder.prepare(m)
+    assert lean.is_current()
+    with torch.no_grad():
+        m.decoder.layers[1].cross_attn.k_proj.weight.add_(0.1)
+    assert not lean.is_current()
+    src = sources()
+    assert greedy_search(LeanDecoder.prepare(m), src) == greedy_search(m, src)
+
+
+def test_moe_and_int8_dmb_keep_the_general_step():
+    assert LeanDecoder.prepare(quantize_int8(model())) is None
+    torch.manual_seed(0)
+    moe = build_seq2seq(ModelConfig(d_model=32, ffn_dim=64, n_heads=4, encoder_layers=1,
+                                    decoder_layers=1, moe=MoEConfig(n_experts=4, k=2)), 30)
+    assert LeanDecoder.prepare(moe.eval()) is None
