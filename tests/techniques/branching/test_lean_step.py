@@ -16,6 +16,7 @@ from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
+from dynaseq.techniques.branching.lean_step import ROW_RUNS
 
 EOS = 3
 LAYERS = 2
@@ -71,14 +72,15 @@ def test_greedy_and_beam_give_the_general_steps_tokens(case):
     assert greedy_search(lean, row, max_len_b=30) == [greedy[2]]
 
 
+@pytest.mark.parametrize("rows", [5, ROW_RUNS + 3])  # runs of rows; grouped by branch
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branches(case):
+def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branches(case, rows):
     m = model(seed=5, **case)
     lean = LeanDecoder.prepare(m)
-    src = sources(n=5, seed=6)
+    src = sources(n=rows, seed=6)
     enc = m.encode(src)
     general, fast = m.init_state(), lean.init_state(2)  # the cache doubles on the way
-    tokens = torch.full((5, 1), m.bos_id)
+    tokens = torch.full((rows, 1), m.bos_id)
     g = torch.Generator().manual_seed(7)
     router = m.decoder.layers[0].ffn.router
     mixed = 0
@@ -89,7 +91,7 @@ def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branche
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             x = m.decoder.embed(tokens) + m.decoder.positions(1, general.step - 1)
             mixed += len(set(router(x).branch.flatten().tolist())) > 1
-            tokens = torch.randint(4, 30, (5, 1), generator=g)
+            tokens = torch.randint(4, 30, (rows, 1), generator=g)
     assert mixed > 0, "the rows of some step chose different branches"
 
 

@@ -13,11 +13,14 @@ parts of :mod:`dynaseq.nn.lean_dense` do, through the router's decision:
   with one fused ``(2·d, d)`` k/v matrix per branch;
 * feed-forward (:class:`BranchedFeedForward`): ``fc2_k(relu(fc1_k(x)))`` of the token's branch.
 
-Routing goes through the router's own :meth:`~dynaseq.techniques.branching.routing.Router.dispatch`,
-so its ``fast_paths`` hold here too: when every row of a step chose one branch (always at
-batch 1 greedy) that branch's plain matmul runs, with one host read for the decision; rows
-that chose different branches are grouped by branch, and each group runs its own branch only.
-Outputs equal the modules' up to float rounding (the same operations, q/k/v fused).
+A small step (up to :data:`ROW_RUNS` rows: batch 1, greedy or beam 4) scores the branches with
+the router's weights, reads the decisions on the host once and runs each run of consecutive
+rows that chose one branch as that branch's plain matmul, with each branch's weights kept as
+views (copies while a shared part θ_S is unmerged). Larger steps go through the router's own
+:meth:`~dynaseq.techniques.branching.routing.Router.dispatch`: rows grouped by branch, each
+group through its own branch only. A router built with ``fast_paths=False`` takes the grouped
+path at every size. Outputs equal the modules' up to float rounding (the same
+operations, q/k/v fused).
 
 The MoE baseline (top-k, outputs mixed by the gate) and int8 DMB layers have no lean part:
 their models keep the general step.
@@ -25,7 +28,10 @@ their models keep the general step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.nn.attention import padding_to_attn_mask
@@ -50,8 +56,54 @@ def _fused(projections: tuple[BranchedLinear, ...]) -> BranchedLinear:
     return fused.requires_grad_(False)
 
 
+def _branches(p: BranchedLinear) -> list[tuple[Tensor, Tensor]]:
+    """Per branch, ``(weight (out, in), bias (out,))`` of ``p``: views of a merged layer's
+    parameters; copies of ``θ_S + θ_Pk`` while a shared part exists."""
+    with torch.no_grad():
+        weight, bias = p.branch_parameters()
+    assert bias is not None, "lean parts take projections with biases"
+    return list(zip(weight.unbind(0), bias.unbind(0), strict=True))
+
+
+ROW_RUNS = 8
+"""Steps of up to this many rows (batch 1, beam 4 at batch 1) run each run of consecutive
+rows that chose one branch as one plain matmul against that branch; larger steps are grouped
+by branch (:meth:`Router.dispatch`). At beam 4, runs measured 0.6x the grouped path's time
+per sub-layer on this project's 2-core CPU (tiny and small)."""
+
+
+class _Pick:
+    """A router's decisions for a small step: ``__call__(x)`` with x ``(B, 1, d)`` -> the
+    branch of each row (one host read), or None for more than :data:`ROW_RUNS` rows or a
+    router without fast paths (the grouped dispatch runs then)."""
+
+    def __init__(self, router: Router) -> None:
+        self.weight, self.bias = router.proj.weight, router.proj.bias
+        self.fast = router.fast_paths
+
+    def __call__(self, x: Tensor) -> list[int] | None:
+        b = x.size(0)
+        if b > ROW_RUNS or not self.fast:
+            return None
+        logits = F.linear(x.view(b, -1), self.weight, self.bias)  # (B, N)
+        return [int(logits.argmax())] if b == 1 else logits.argmax(-1).tolist()
+
+
+def _runs(rows: Tensor, picks: list[int], fn: Callable[[Tensor, int], Tensor]) -> Tensor:
+    """``fn(part, k)`` over each run of consecutive ``rows`` ``(B, in)`` whose branch ``picks``
+    is k (slices: no copies), concatenated back in row order; one call when all agree."""
+    if len(picks) == 1 or all(k == picks[0] for k in picks):
+        return fn(rows, picks[0])
+    parts, start = [], 0
+    for i in range(1, len(picks) + 1):
+        if i == len(picks) or picks[i] != picks[start]:
+            parts.append(fn(rows[start:i], picks[start]))
+            start = i
+    return torch.cat(parts)
+
+
 def _sources(*projections: BranchedLinear) -> list[Tensor]:
-    """The tensors a fused copy was made from (their version counters tell it went stale)."""
+    """The tensors a part copied or viewed (their version counters tell it went stale)."""
     return [t for p in projections for t in (p.weight, p.bias, p.shared_weight, p.shared_bias)
             if t is not None]
 
@@ -62,20 +114,27 @@ class DMBSelfAttention:
 
     def __init__(self, m: BranchedAttention) -> None:
         self.router: Router = m.router
-        self.qkv = _fused((m.q_proj, m.k_proj, m.v_proj))
-        self.sources = _sources(m.q_proj, m.k_proj, m.v_proj)
-        self.out = m.out_proj
+        self.pick = _Pick(m.router)
+        self.qkv, self.out = _fused((m.q_proj, m.k_proj, m.v_proj)), m.out_proj
+        self.qkv_k, self.out_k = _branches(self.qkv), _branches(m.out_proj)
+        self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
 
     def step(self, x: Tensor, cache: StepCache, offset: object) -> Tensor:
         """x ``(B, 1, d)`` -> ``(B, 1, d)``; appends this step's keys and values to ``cache``."""
         b, h, d = x.size(0), self.n_heads, self.d_head
-        route = self.router.dispatch(x)
-        qkv = route.project(self.qkv, route.input_rows())  # (B, 3·H·hd), token order
-        q, k, v = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
-        keys, values = cache.append(k, v)  # (B, H, t+1, hd)
-        a = torch.nn.functional.scaled_dot_product_attention(q, keys, values)  # (B, H, 1, hd)
-        return route.project(self.out, route.gather(a.reshape(b, h * d))).view(b, 1, h * d)
+        picks = self.pick(x)
+        if picks is None:
+            route = self.router.dispatch(x)
+            qkv = route.project(self.qkv, route.input_rows())  # (B, 3·H·hd), token order
+        else:
+            qkv = _runs(x.view(b, -1), picks, lambda r, k: F.linear(r, *self.qkv_k[k]))
+        q, key, value = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
+        keys, values = cache.append(key, value)  # (B, H, t+1, hd)
+        a = F.scaled_dot_product_attention(q, keys, values).reshape(b, h * d)  # (B, H·hd)
+        if picks is not None:
+            return _runs(a, picks, lambda r, k: F.linear(r, *self.out_k[k])).view(b, 1, h * d)
+        return route.project(self.out, route.gather(a)).view(b, 1, h * d)
 
 
 class DMBCrossAttention:
@@ -84,9 +143,11 @@ class DMBCrossAttention:
 
     def __init__(self, m: BranchedAttention) -> None:
         self.router: Router = m.router
+        self.pick = _Pick(m.router)
         self.q, self.out = m.q_proj, m.out_proj
+        self.q_k, self.out_k = _branches(m.q_proj), _branches(m.out_proj)
         self.kv = _fused((m.k_proj, m.v_proj))
-        self.sources = _sources(m.k_proj, m.v_proj)
+        self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
 
     def start(self, memory: Tensor, pad_mask: Tensor, offset: object) -> CrossKeys:
@@ -99,25 +160,39 @@ class DMBCrossAttention:
 
     def step(self, x: Tensor, keys: CrossKeys, offset: object) -> Tensor:
         b, h, d = x.size(0), self.n_heads, self.d_head
-        route = self.router.dispatch(x)
-        q = route.project(self.q, route.input_rows()).view(b, h, 1, d)
-        a = torch.nn.functional.scaled_dot_product_attention(q, keys.k, keys.v,
-                                                             attn_mask=keys.mask)
-        return route.project(self.out, route.gather(a.reshape(b, h * d))).view(b, 1, h * d)
+        picks = self.pick(x)
+        if picks is None:
+            route = self.router.dispatch(x)
+            q = route.project(self.q, route.input_rows())
+        else:
+            q = _runs(x.view(b, -1), picks, lambda r, k: F.linear(r, *self.q_k[k]))
+        a = F.scaled_dot_product_attention(q.view(b, h, 1, d), keys.k, keys.v,
+                                           attn_mask=keys.mask).reshape(b, h * d)
+        if picks is not None:
+            return _runs(a, picks, lambda r, k: F.linear(r, *self.out_k[k])).view(b, 1, h * d)
+        return route.project(self.out, route.gather(a)).view(b, 1, h * d)
 
 
 class DMBFeedForward:
     """``fc2_k(relu(fc1_k(x)))`` with k each row's branch."""
 
     def __init__(self, m: BranchedFeedForward) -> None:
-        self.sources: list[Tensor] = []
+        self.sources = _sources(m.fc1, m.fc2)
         self.router: Router = m.router
+        self.pick = _Pick(m.router)
         self.fc1, self.fc2 = m.fc1, m.fc2
+        self.fc1_k, self.fc2_k = _branches(m.fc1), _branches(m.fc2)
 
     def step(self, x: Tensor, offset: object) -> Tensor:
+        picks = self.pick(x)
+        if picks is not None:
+            return _runs(x.view(x.size(0), -1), picks, self._branch).view(x.shape)
         route = self.router.dispatch(x)
         hidden = route.run(self.fc1, route.input_rows()).relu_()  # (B, ffn_dim), grouped
         return route.combine(route.run(self.fc2, hidden)).view(x.shape)
+
+    def _branch(self, rows: Tensor, k: int) -> Tensor:
+        return F.linear(F.linear(rows, *self.fc1_k[k]).relu_(), *self.fc2_k[k])
 
 
 def _attention_part(m: nn.Module, role: str) -> DMBSelfAttention | DMBCrossAttention | None:
