@@ -11,7 +11,7 @@ from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
-from dynaseq.techniques.branching.config import DMBConfig
+from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.cct.config import CCTConfig
 
 EOS = 3
@@ -108,11 +108,32 @@ def test_a_step_concatenates_nothing_and_projects_the_encoder_output_once():
     assert linears == [2 * 6 + 1 + 2 * 2] + [2 * 6 + 1] * 4
 
 
-def test_dense_cct_and_dmb_get_a_lean_step_and_int8_keeps_the_general_one():
+def test_which_models_get_a_lean_step():
     assert is_lean(model())
+    assert is_lean(quantize_int8(model()))
     assert is_lean(model(cct=CCTConfig(ffn_pieces=2, control_hidden=8)))
     assert is_lean(model(dmb=DMBConfig(n_branches=2)))  # tests/techniques/branching/
-    assert LeanDecoder.prepare(quantize_int8(model())) is None
+    assert LeanDecoder.prepare(model(moe=MoEConfig(n_experts=2, k=1))) is None
+
+
+def test_an_int8_model_decodes_as_its_general_step():
+    """int8 projections run their own kernel in the lean step; the fused q/k/v stacks the
+    int8 rows, which equals the three products exactly (the input is quantized per row)."""
+    m = quantize_int8(model(seed=2))
+    lean = LeanDecoder.prepare(m)
+    src = sources(seed=3)
+    enc = m.encode(src)
+    general, fast = m.init_state(), lean.init_state(2)
+    tokens = torch.full((src.size(0), 1), m.bos_id)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(8):
+            torch.testing.assert_close(lean.decode_step(tokens, enc, fast),
+                                       m.decode_step(tokens, enc, general), rtol=0, atol=2e-5)
+            tokens = torch.randint(4, 30, (src.size(0), 1), generator=g)
+    assert greedy_search(lean, src, max_len_b=30) == greedy_search(m, src, max_len_b=30)
+    assert beam_search(lean, src, beam=3, max_len_b=30) == beam_search(m, src, beam=3,
+                                                                       max_len_b=30)
 
 
 def test_a_changed_weight_or_module_makes_it_stale():
@@ -157,10 +178,10 @@ def test_translator_decodes_the_same_with_and_without_the_lean_step(trained_run,
 def test_latency_timing_decodes_as_translation_does(monkeypatch):
     from dynaseq.metrics.latency import decode_latency_ms
 
-    int8 = quantize_int8(model())
+    moe = model(moe=MoEConfig(n_experts=2, k=1))
     with pytest.raises(ValueError, match="no lean decoding step"):
-        decode_latency_ms(int8, 5, 5, repeats=1, lean=True)
-    assert decode_latency_ms(int8, 5, 5, repeats=1) > 0  # the general step
+        decode_latency_ms(moe, 5, 5, repeats=1, lean=True)
+    assert decode_latency_ms(moe, 5, 5, repeats=1) > 0  # the general step
     prepared = []
     original = LeanDecoder.prepare
     monkeypatch.setattr(LeanDecoder, "prepare",

@@ -72,7 +72,7 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     searcher = model if lean is False else LeanDecoder.prepare(model)
     if searcher is None:
         if lean:
-            raise ValueError("this model has no lean decoding step (MoE, int8 and "
+            raise ValueError("this model has no lean decoding step (MoE, int8 CCT and "
                              "relative-position models keep the general one)")
         searcher = model
 

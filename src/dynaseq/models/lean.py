@@ -20,7 +20,8 @@ arithmetic needs and nothing else:
   module dispatch), and the output layer as ``x @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)`` once.
 
 A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a lean part
-(:func:`is_lean`: dense, CCT and DMB models; MoE, int8 and relative-position models not) gets
+(:func:`is_lean`: dense, CCT and DMB models, the dense and DMB ones float or int8; MoE, int8
+CCT and relative-position models not) gets
 one; the others keep the general step. Outputs equal the general step's up to float rounding
 (the same operations, some fused); the tests decode with both and compare tokens and
 logits. ``torch.compile`` of this step was measured (``benchmarks/batch1_latency.py``) and is
@@ -33,7 +34,7 @@ with stale copies. The other weights are the model's own tensors.
 
 Example::
 
-    lean = LeanDecoder.prepare(model)          # None for an MoE / int8 model
+    lean = LeanDecoder.prepare(model)          # None for an MoE model
     hyps = greedy_search(lean or model, src)   # same tokens as greedy_search(model, src)
 """
 
@@ -46,7 +47,15 @@ from torch import Tensor, nn
 
 import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lean parts)
 from dynaseq.models.seq2seq import DecoderLayer, EncoderOutput, Seq2SeqTransformer
-from dynaseq.nn.lean_step import CrossKeys, Norm, StepCache, lean_part
+from dynaseq.nn.lean_step import (
+    CrossKeys,
+    LinearFn,
+    Norm,
+    StepCache,
+    lean_part,
+    linear_fn,
+    linear_tensors,
+)
 
 
 @dataclass(frozen=True)
@@ -80,18 +89,32 @@ def _lean_layer(layer: nn.Module) -> _Layer | None:
 def _lean_layers(model: nn.Module) -> list[_Layer] | None:
     if not isinstance(model, Seq2SeqTransformer):
         return None
-    dec = model.decoder
-    if type(dec.output_proj) is not nn.Linear or dec.output_proj.bias is not None:
+    proj = model.decoder.output_proj
+    if getattr(proj, "bias", None) is not None or linear_fn(proj, bias=False) is None:
         return None
-    layers = [_lean_layer(layer) for layer in dec.layers]
+    layers = [_lean_layer(layer) for layer in model.decoder.layers]
     return None if any(la is None for la in layers) else layers
+
+
+def _output_layer(proj: nn.Module) -> LinearFn:
+    """The output layer as a function: a float one as ``h @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)``
+    (a copy; a matrix-vector product reads that layout about three times as fast as the
+    tied ``(V, d)`` embedding), an int8 one through its kernel."""
+    if type(proj) is nn.Linear:
+        with torch.no_grad():
+            output_t = proj.weight.detach().t().contiguous()
+        return lambda h: h @ output_t
+    fn = linear_fn(proj, bias=False)
+    assert fn is not None, "checked by _lean_layers"
+    return fn
 
 
 def is_lean(model: nn.Module) -> bool:
     """Whether :class:`LeanDecoder` can run ``model``: a :class:`Seq2SeqTransformer` whose
     decoder layers are :class:`DecoderLayer` with LayerNorms and sub-layers that have a lean
-    part (:func:`~dynaseq.nn.lean_step.lean_part`), and an ``nn.Linear`` output layer without
-    bias. Building the parts copies weights; :meth:`LeanDecoder.prepare` keeps them."""
+    part (:func:`~dynaseq.nn.lean_step.lean_part`), and an output layer without bias, float
+    ``nn.Linear`` or int8. Building the parts copies weights; :meth:`LeanDecoder.prepare`
+    keeps them."""
     return _lean_layers(model) is not None
 
 
@@ -141,8 +164,9 @@ def _uniform(offset: Tensor | None) -> Tensor | float | None:
 
 
 def _decoder_modules(model: Seq2SeqTransformer) -> list[nn.Module]:
-    """The decoder modules a :class:`LeanDecoder` reads: its layers' and the final norm."""
-    return [*model.decoder.layers.modules(), model.decoder.norm]
+    """The decoder modules a :class:`LeanDecoder` reads: its layers', the final norm and the
+    output layer."""
+    return [*model.decoder.layers.modules(), model.decoder.norm, model.decoder.output_proj]
 
 
 class LeanDecoder:
@@ -152,11 +176,11 @@ class LeanDecoder:
     the model. Build it with :meth:`prepare`; inference only (``decode_step`` runs without
     autograd and ignores dropout)."""
 
-    def __init__(self, model: Seq2SeqTransformer, layers: list[_Layer], output_t: Tensor,
+    def __init__(self, model: Seq2SeqTransformer, layers: list[_Layer], output: LinearFn,
                  sources: list[Tensor]) -> None:
         self.model = model
         self.layers = layers
-        self.output_t = output_t  # (d, V) contiguous copy of the output layer's weight
+        self.output = output  # (B, d) -> (B, V)
         self.final_norm = Norm(model.decoder.norm.weight, model.decoder.norm.bias,
                                model.decoder.norm.eps)
         self._sources = sources
@@ -166,24 +190,25 @@ class LeanDecoder:
 
     @classmethod
     def prepare(cls, model: nn.Module) -> LeanDecoder | None:
-        """The lean decoder of ``model``, or None when :func:`is_lean` is False (MoE, int8,
+        """The lean decoder of ``model``, or None when :func:`is_lean` is False (MoE, int8 CCT,
         relative-position and head-pruned-to-nothing models keep the general step)."""
         with torch.no_grad():
             layers = _lean_layers(model)
             if layers is None:
                 return None
-            weight = model.decoder.output_proj.weight
-            output_t = weight.detach().t().contiguous()
+        proj = model.decoder.output_proj
         sources = [t for layer in layers for t in layer.sources]
-        return cls(model, layers, output_t, [*sources, weight])
+        return cls(model, layers, _output_layer(proj), [*sources, *linear_tensors(proj)])
 
     def is_current(self) -> bool:
         """False once a copied weight was changed in place (training, ``load_state_dict``:
         each tensor's version counter, ``Tensor._version``, moves) or a decoder module was
         replaced (e.g. by int8 quantization): prepare anew then."""
         model = self.model
+        output = linear_tensors(model.decoder.output_proj)
         return (self._modules == _decoder_modules(model)
-                and model.decoder.output_proj.weight is self._sources[-1]
+                and all(a is b for a, b in zip(output, self._sources[-len(output):],
+                                               strict=True))
                 and all(t._version == v for t, v in zip(self._sources, self._versions,
                                                           strict=True)))
 
@@ -219,7 +244,7 @@ class LeanDecoder:
             if h is not None:
                 x = x + h
         state.length += 1
-        return self.final_norm(x[:, 0]) @ self.output_t  # (B, V)
+        return self.output(self.final_norm(x[:, 0]))  # (B, V)
 
 
 def lean_or_model(model: nn.Module) -> nn.Module | LeanDecoder:

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from dynaseq.nn.int8 import Int8Linear
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,47 @@ class Norm:
 def linear_of(m: nn.Module) -> nn.Linear | None:
     """``m`` if it is a plain ``nn.Linear`` with a bias (what the lean parts run), else None."""
     return m if type(m) is nn.Linear and m.bias is not None else None
+
+
+LinearFn = Callable[[Tensor], Tensor]
+"""A projection as a function: ``(..., in)`` -> ``(..., out)``."""
+
+
+def linear_fn(m: nn.Module, bias: bool = True) -> LinearFn | None:
+    """``m``'s map without the module call's hook dispatch, for a plain ``nn.Linear`` (float
+    weights) or an :class:`~dynaseq.nn.int8.Int8Linear` (its int8 kernel); None for anything
+    else, or when ``bias`` asks for a bias that ``m`` lacks."""
+    if type(m) is nn.Linear and (m.bias is not None or not bias):
+        return partial(F.linear, weight=m.weight, bias=m.bias)
+    if type(m) is Int8Linear and (m.bias is not None or not bias):
+        return m.forward
+    return None
+
+
+def linear_tensors(m: nn.Module) -> list[Tensor]:
+    """The tensors of a projection :func:`linear_fn` accepts (their version counters tell a
+    lean part that copied or bound them that they changed)."""
+    names = ("weight", "bias") if type(m) is nn.Linear else ("weight_int8", "weight_scale",
+                                                                 "bias")
+    return [t for t in (getattr(m, n) for n in names) if t is not None]
+
+
+def fused_linear(mods: tuple[nn.Module, ...]) -> LinearFn | None:
+    """One function for several projections of the same input, stacked along the outputs
+    (a copy): float ``nn.Linear`` weights concatenated, or int8 rows and their per-channel
+    scales concatenated (the input is quantized per row, so the stacked product equals the
+    separate ones exactly). None unless all are float, or all int8, with biases."""
+    if all(type(m) is nn.Linear and m.bias is not None for m in mods):
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in mods])
+            bias = torch.cat([m.bias for m in mods])
+        return partial(F.linear, weight=weight, bias=bias)
+    if all(type(m) is Int8Linear and m.bias is not None for m in mods):
+        fused = Int8Linear(torch.cat([m.weight_int8 for m in mods]),
+                           torch.cat([m.weight_scale for m in mods]),
+                           torch.cat([m.bias for m in mods]))
+        return fused.forward
+    return None
 
 
 class StepCache:
@@ -198,6 +242,7 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
     return out
 
 
-__all__ = ["LEAN_PARTS", "CrossKeys", "Offset", "LeanCrossAttention", "LeanFeedForward",
-           "LeanSelfAttention", "Norm", "StepCache", "apply_linear", "lean_part", "linear_of", "merge_heads",
-           "register_lean", "split_heads"]
+__all__ = ["LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanFeedForward",
+           "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache", "apply_linear",
+           "fused_linear", "lean_part", "linear_fn", "linear_of", "linear_tensors",
+           "merge_heads", "register_lean", "split_heads"]

@@ -22,30 +22,58 @@ group through its own branch only. A router built with ``fast_paths=False`` take
 path at every size. Outputs equal the modules' up to float rounding (the same
 operations, q/k/v fused).
 
-The MoE baseline (top-k, outputs mixed by the gate) and int8 DMB layers have no lean part:
-their models keep the general step.
+Projections may be float or int8 (:class:`Int8BranchedLinear`, ``dynaseq quantize``); the
+router stays float, as quantization keeps it. The MoE baseline (top-k, outputs mixed by the
+gate) has no lean part: its models keep the general step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.nn.attention import padding_to_attn_mask
-from dynaseq.nn.lean_step import CrossKeys, StepCache, register_lean, split_heads
-from dynaseq.techniques.branching.branched_linear import BranchedLinear
+from dynaseq.nn.int8 import Int8Linear
+from dynaseq.nn.lean_step import (
+    CrossKeys,
+    LinearFn,
+    StepCache,
+    linear_tensors,
+    register_lean,
+    split_heads,
+)
+from dynaseq.techniques.branching.branched_linear import BranchedLinear, Int8BranchedLinear
 from dynaseq.techniques.branching.dmb_attention import BranchedAttention
 from dynaseq.techniques.branching.dmb_ffn import BranchedFeedForward
 from dynaseq.techniques.branching.routing import Router
 
+Projection = BranchedLinear | Int8BranchedLinear
+"""A DMB projection the lean parts run: float, or quantized by ``dynaseq quantize``."""
 
-def _fused(projections: tuple[BranchedLinear, ...]) -> BranchedLinear:
-    """One :class:`BranchedLinear` whose branch k is branch k of every projection stacked
-    along the outputs (a copy of their effective ``θ_S + θ_Pk``; no shared part)."""
+
+def _usable(p: nn.Module) -> bool:
+    """A float or int8 branched projection with a bias in every branch."""
+    if type(p) is BranchedLinear:
+        return p.bias is not None
+    return type(p) is Int8BranchedLinear and all(b.bias is not None for b in p.branches)
+
+
+def _fused(projections: tuple[Projection, ...]) -> Projection:
+    """One projection whose branch k is branch k of every one of ``projections`` stacked
+    along the outputs (a copy): float ``θ_S + θ_Pk`` concatenated (no shared part), or each
+    branch's int8 rows and scales concatenated (one int8 product equals the separate ones
+    exactly: the input is quantized per row)."""
     first = projections[0]
+    if type(first) is Int8BranchedLinear:
+        return Int8BranchedLinear([
+            Int8Linear(torch.cat([p.branches[k].weight_int8 for p in projections]),
+                       torch.cat([p.branches[k].weight_scale for p in projections]),
+                       torch.cat([p.branches[k].bias for p in projections]))
+            for k in range(first.n_branches)])
     weights, biases = zip(*(p.branch_parameters() for p in projections), strict=True)
     fused = BranchedLinear(first.in_features, sum(p.out_features for p in projections),
                            first.n_branches, shared=False)
@@ -56,13 +84,17 @@ def _fused(projections: tuple[BranchedLinear, ...]) -> BranchedLinear:
     return fused.requires_grad_(False)
 
 
-def _branches(p: BranchedLinear) -> list[tuple[Tensor, Tensor]]:
-    """Per branch, ``(weight (out, in), bias (out,))`` of ``p``: views of a merged layer's
-    parameters; copies of ``θ_S + θ_Pk`` while a shared part exists."""
+def _branches(p: Projection) -> list[LinearFn]:
+    """Per branch of ``p``, its map as a function: float weights as views of a merged layer's
+    parameters (copies of ``θ_S + θ_Pk`` while a shared part exists), int8 ones through
+    their kernel."""
+    if type(p) is Int8BranchedLinear:
+        return [b.forward for b in p.branches]
     with torch.no_grad():
         weight, bias = p.branch_parameters()
     assert bias is not None, "lean parts take projections with biases"
-    return list(zip(weight.unbind(0), bias.unbind(0), strict=True))
+    return [partial(F.linear, weight=w, bias=b)
+            for w, b in zip(weight.unbind(0), bias.unbind(0), strict=True)]
 
 
 ROW_RUNS = 8
@@ -102,10 +134,11 @@ def _runs(rows: Tensor, picks: list[int], fn: Callable[[Tensor, int], Tensor]) -
     return torch.cat(parts)
 
 
-def _sources(*projections: BranchedLinear) -> list[Tensor]:
+def _sources(*projections: Projection) -> list[Tensor]:
     """The tensors a part copied or viewed (their version counters tell it went stale)."""
-    return [t for p in projections for t in (p.weight, p.bias, p.shared_weight, p.shared_bias)
-            if t is not None]
+    return [t for p in projections for t in (
+        [u for b in p.branches for u in linear_tensors(b)] if type(p) is Int8BranchedLinear
+        else (p.weight, p.bias, p.shared_weight, p.shared_bias)) if t is not None]
 
 
 class DMBSelfAttention:
@@ -128,12 +161,12 @@ class DMBSelfAttention:
             route = self.router.dispatch(x)
             qkv = route.project(self.qkv, route.input_rows())  # (B, 3·H·hd), token order
         else:
-            qkv = _runs(x.view(b, -1), picks, lambda r, k: F.linear(r, *self.qkv_k[k]))
+            qkv = _runs(x.view(b, -1), picks, lambda r, k: self.qkv_k[k](r))
         q, key, value = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
         keys, values = cache.append(key, value)  # (B, H, t+1, hd)
         a = F.scaled_dot_product_attention(q, keys, values).reshape(b, h * d)  # (B, H·hd)
         if picks is not None:
-            return _runs(a, picks, lambda r, k: F.linear(r, *self.out_k[k])).view(b, 1, h * d)
+            return _runs(a, picks, lambda r, k: self.out_k[k](r)).view(b, 1, h * d)
         return route.project(self.out, route.gather(a)).view(b, 1, h * d)
 
 
@@ -165,11 +198,11 @@ class DMBCrossAttention:
             route = self.router.dispatch(x)
             q = route.project(self.q, route.input_rows())
         else:
-            q = _runs(x.view(b, -1), picks, lambda r, k: F.linear(r, *self.q_k[k]))
+            q = _runs(x.view(b, -1), picks, lambda r, k: self.q_k[k](r))
         a = F.scaled_dot_product_attention(q.view(b, h, 1, d), keys.k, keys.v,
                                            attn_mask=keys.mask).reshape(b, h * d)
         if picks is not None:
-            return _runs(a, picks, lambda r, k: F.linear(r, *self.out_k[k])).view(b, 1, h * d)
+            return _runs(a, picks, lambda r, k: self.out_k[k](r)).view(b, 1, h * d)
         return route.project(self.out, route.gather(a)).view(b, 1, h * d)
 
 
@@ -192,22 +225,21 @@ class DMBFeedForward:
         return route.combine(route.run(self.fc2, hidden)).view(x.shape)
 
     def _branch(self, rows: Tensor, k: int) -> Tensor:
-        return F.linear(F.linear(rows, *self.fc1_k[k]).relu_(), *self.fc2_k[k])
+        return self.fc2_k[k](self.fc1_k[k](rows).relu_())
 
 
 def _attention_part(m: nn.Module, role: str) -> DMBSelfAttention | DMBCrossAttention | None:
     assert isinstance(m, BranchedAttention)
-    if role == "ffn" or type(m.router) is not Router or any(
-            type(p) is not BranchedLinear or p.bias is None
-            for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj)):
+    projections = (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
+    if (role == "ffn" or type(m.router) is not Router or not all(map(_usable, projections))
+            or len({type(p) for p in projections}) > 1):
         return None
     return DMBSelfAttention(m) if role == "self" else DMBCrossAttention(m)
 
 
 def _ffn_part(m: nn.Module, role: str) -> DMBFeedForward | None:
     assert isinstance(m, BranchedFeedForward)
-    ok = (role == "ffn" and type(m.router) is Router
-          and all(type(p) is BranchedLinear for p in (m.fc1, m.fc2)))
+    ok = role == "ffn" and type(m.router) is Router and _usable(m.fc1) and _usable(m.fc2)
     return DMBFeedForward(m) if ok else None
 
 
