@@ -108,17 +108,31 @@ def made_by_lines(rows: Iterable[dict], key: str) -> list[str]:
 
 def machine(*, processor: bool = False, torch_threads: bool = True,
             **extra: Any) -> dict[str, Any]:
-    """What a result records of the machine: platform, (processor,) torch version, (torch's
-    thread count,) then ``extra`` in the order given."""
+    """What a result records of the machine: platform, (processor: its name, as
+    ``platform.processor()`` or else Linux's ``/proc/cpuinfo`` gives it, and the vector
+    instructions torch's CPU kernels use, e.g. ``AVX2`` or ``AVX512``,) torch version,
+    (torch's thread count,) then ``extra`` in the order given."""
     import torch
 
     out: dict[str, Any] = {"platform": platform.platform()}
     if processor:
-        out["processor"] = platform.processor()
+        out["processor"] = platform.processor() or _cpu_model()
+        out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     out["torch"] = torch.__version__
     if torch_threads:
         out["threads"] = torch.get_num_threads()
     return {**out, **extra}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("" where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    names = [line.split(":", 1)[1].strip() for line in text.splitlines()
+             if line.startswith("model name") and ":" in line]
+    return names[0] if names else ""
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -14,7 +14,11 @@ called in turn, so their weights come from memory as in a model): fp32, ``torch.
 quantized tensor is created, the only route to fbgemm's kernel outside ``torch.ao``.
 
     python benchmarks/int8_latency.py [--sizes tiny,small,base] [--rounds 3] [--repeats 3]
-                                      [--layer-rows 1,4,32]
+                                      [--layer-rows 1,4,32] [--tag NAME]
+
+``--tag NAME`` writes ``results/int8_latency_NAME.*`` instead (another machine's numbers
+beside the committed ones). The dynaseq int8 model decodes through the lean step where it
+has one (``dynaseq.models.lean``), as ``translate`` does; so does fp32.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layer-rows", default="1,4,32",
                    help="rows (tokens x beams) of the single-layer table; empty: skip it")
+    p.add_argument("--tag", default="", help="suffix of the result files, e.g. `avx2`")
     _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -157,7 +162,8 @@ def main() -> None:
         lines += ["", "torch creating a quantized tensor (what calling fbgemm's "
                   f"`quantized::linear_prepack` directly needs) warns: "
                   f"\"{results['quantized_tensor_warning']}\""]
-    _lib.write_results(args.results, "int8_latency", results, lines)
+    _lib.write_results(args.results, "int8_latency" + (f"_{args.tag}" if args.tag else ""),
+                       results, lines)
     print("\n".join(lines))
 
 
