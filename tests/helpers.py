@@ -218,3 +218,64 @@ def assert_ddp_matches_one_process(single: Path, double: Path, steps: int, lr: f
     for name in wa:
         bound = steps * lr if name.endswith(ZERO_GRADIENT_PARAMETERS) else 1e-3 * lr
         assert float((wa[name] - wb[name]).abs().max()) <= bound, name
+
+
+def padded_sources(n: int = 7, seed: int = 1, eos: int = 3, vocab: int = 30,
+                   width: int = 8):
+    """``(n, width)`` source ids in ``[4, vocab)``, row i ending in ``eos`` and padded (0)
+    over its last ``i % 5`` positions: rows of different lengths, for decoding tests."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, vocab, (n, width), generator=g)
+    for i in range(n):
+        src[i, width - (i % 5):] = 0
+        src[i, width - 1 - (i % 5)] = eos
+    return src
+
+
+def count_ops():
+    """A ``TorchDispatchMode`` that lists the name of every aten op run inside it
+    (``with count_ops() as ops: ...; ops.names``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return CountOps()
+
+
+def step_ops(lean, src, steps: int) -> list[list[str]]:
+    """The aten ops of each of ``steps`` lean decoding steps (``lean``: a ``LeanDecoder``)
+    from BOS over the sources ``src``, one list per step."""
+    import torch
+
+    enc = lean.encode(src)
+    state = lean.init_state(capacity=64)
+    tokens = torch.full((src.size(0), 1), lean.bos_id)
+    counts = []
+    for _ in range(steps):
+        with count_ops() as ops:
+            lean.decode_step(tokens, enc, state)
+        counts.append(ops.names)
+    return counts
+
+
+def assert_same_searches(model, lean, src, beams: tuple[int, ...], max_len_b: int) -> list:
+    """Greedy and beam search (each of ``beams``) through ``lean`` give ``model``'s tokens,
+    with rows finishing at different steps; returns the greedy hypotheses."""
+    from dynaseq.models.search import beam_search, greedy_search
+
+    greedy = greedy_search(model, src, max_len_b=max_len_b)
+    assert len({len(h) for h in greedy}) > 2, "rows finish at different steps"
+    assert greedy_search(lean, src, max_len_b=max_len_b) == greedy
+    for k in beams:
+        assert (beam_search(lean, src, beam=k, max_len_b=max_len_b)
+                == beam_search(model, src, beam=k, max_len_b=max_len_b))
+    return greedy

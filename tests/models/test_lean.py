@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.compress.int8 import quantize_int8
 from dynaseq.models.lean import LeanDecoder, is_lean
@@ -13,6 +12,8 @@ from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.cct.config import CCTConfig
+
+from helpers import assert_same_searches, padded_sources, step_ops
 
 EOS = 3
 
@@ -29,24 +30,13 @@ def model(seed: int = 0, **kw):
 
 
 def sources(n: int = 7, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, 30, (n, 8), generator=g)
-    for i in range(n):
-        src[i, 8 - (i % 5):] = 0
-        src[i, 7 - (i % 5)] = EOS
-    return src
+    return padded_sources(n, seed, eos=EOS)
 
 
 def test_greedy_and_beam_give_the_general_steps_tokens_with_rows_finishing_apart():
     m = model()
     lean = LeanDecoder.prepare(m)
-    src = sources()
-    greedy = greedy_search(m, src, max_len_b=40)
-    assert len({len(h) for h in greedy}) > 2, "rows finish at different steps"
-    assert greedy_search(lean, src, max_len_b=40) == greedy
-    for k in (2, 4):
-        assert beam_search(lean, src, beam=k, max_len_b=40) == beam_search(m, src, beam=k,
-                                                                           max_len_b=40)
+    assert_same_searches(m, lean, sources(), beams=(2, 4), max_len_b=40)
 
 
 def test_batched_equals_one_at_a_time():
@@ -79,28 +69,9 @@ def test_each_steps_logits_equal_the_general_step_across_cache_growth(capacity):
     assert fast.step == general.step == 12
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
 
 def test_a_step_concatenates_nothing_and_projects_the_encoder_output_once():
-    m = model()
-    lean = LeanDecoder.prepare(m)
-    src = sources(n=2)
-    enc = m.encode(src)
-    state = lean.init_state(capacity=64)
-    tokens = torch.full((2, 1), m.bos_id)
-    counts = []
-    for _ in range(5):
-        with _CountOps() as ops:
-            lean.decode_step(tokens, enc, state)
-        counts.append(ops.names)
+    counts = step_ops(LeanDecoder.prepare(model()), sources(n=2), steps=5)
     assert all("cat.default" not in names for names in counts)
     linears = [sum(n in ("addmm.default", "mm.default") for n in names) for names in counts]
     # per layer: fused qkv, self out, cross q, cross out, fc1, fc2; then the output layer;

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.compress.int8 import quantize_int8
 from dynaseq.models.lean import LeanDecoder
-from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.models.search import greedy_search
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.branching.lean_step import ROW_RUNS
+
+from helpers import assert_same_searches, padded_sources, step_ops
 
 EOS = 3
 LAYERS = 2
@@ -45,12 +46,7 @@ def model(seed: int = 0, merged: bool = True, int8: bool = False, **dmb):
 
 
 def sources(n: int = 7, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, 30, (n, 8), generator=g)
-    for i in range(n):
-        src[i, 8 - (i % 5):] = 0
-        src[i, 7 - (i % 5)] = EOS
-    return src
+    return padded_sources(n, seed, eos=EOS)
 
 
 CASES = [dict(merged=True), dict(merged=False), dict(merged=True, fast_paths=False),
@@ -65,12 +61,7 @@ def test_greedy_and_beam_give_the_general_steps_tokens(case):
     lean = LeanDecoder.prepare(m)
     assert lean is not None
     src = sources()
-    greedy = greedy_search(m, src, max_len_b=30)
-    assert len({len(h) for h in greedy}) > 2, "rows finish at different steps"
-    assert greedy_search(lean, src, max_len_b=30) == greedy
-    for k in (1, 3):
-        assert beam_search(lean, src, beam=k, max_len_b=30) == beam_search(m, src, beam=k,
-                                                                           max_len_b=30)
+    greedy = assert_same_searches(m, lean, src, beams=(1, 3), max_len_b=30)
     row = src[2:3, : int(src[2].ne(0).sum())]  # batch 1: every step runs one branch
     assert greedy_search(lean, row, max_len_b=30) == [greedy[2]]
 
@@ -98,28 +89,9 @@ def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branche
     assert mixed > 0, "the rows of some step chose different branches"
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
 
 def test_a_batch_1_step_runs_one_plain_matmul_per_projection_and_router():
-    m = model()
-    lean = LeanDecoder.prepare(m)
-    src = sources(n=1)[:, :8]
-    enc = m.encode(src)
-    state = lean.init_state(capacity=64)
-    tokens = torch.full((1, 1), m.bos_id)
-    counts = []
-    for _ in range(4):
-        with _CountOps() as ops:
-            lean.decode_step(tokens, enc, state)
-        counts.append(ops.names)
+    counts = step_ops(LeanDecoder.prepare(model()), sources(n=1), steps=4)
     for names in counts[1:]:  # (the first also projects the memory, its tokens grouped)
         assert not {"cat.default", "sort.default", "_grouped_mm.default",
                     "index_select.default"} & set(names), names
