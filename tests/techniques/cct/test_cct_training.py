@@ -181,3 +181,26 @@ def test_two_process_ddp_trains_a_cct_as_one_process(tmp_path, synthetic_paths):
     one, two = train_one_and_two_processes(single, double)
     assert_ddp_matches_one_process(one, two, 6, single.train.lr,
                                    ("loss", "nll", "budget_loss"))
+
+
+def test_best_is_kept_only_once_every_sequence_draws_its_budget(tmp_path, synthetic_paths):
+    """Before the budget curriculum is complete the lower budgets are untrained, while the
+    full budget's validation score (what best/ compares) can be at its highest: best/ waits
+    for the first validation after budget_start_step + budget_ramp_steps."""
+    from dynaseq.train.loop import train
+
+    cfg = micro_config(tmp_path / "run", synthetic_paths, max_steps=12, log_every=1,
+                       valid_every=2, save_every=4, valid_bleu_lines=4)
+    cfg.model.cct = CCTConfig(ffn_pieces=2, control_hidden=8, noise_ramp_steps=4,
+                              budgets=[(1.0, 1.0), (0.5, 0.5)], budget_start_step=4,
+                              budget_ramp_steps=4)
+    train(cfg, progress=False)
+    events = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
+    valid = [e["step"] for e in events if e["event"] == "valid"]
+    best = [e["step"] for e in events if e["event"] == "best"]
+    assert valid == [2, 4, 6, 8, 10, 12]
+    # update k (0-based) draws a budget for a share (k - 4) / 4 of its sequences: all from
+    # update 8 on, which ends at step 9, so step 10 is the first validation that may be kept
+    assert best and best[0] == 10 and set(best) <= {10, 12}
+    meta = json.loads((tmp_path / "run" / "best" / "meta.json").read_text())
+    assert meta["step"] == best[-1]

@@ -55,6 +55,8 @@ class TechniqueTraining(Protocol):
 
     def before_update(self, model: nn.Module, step: int) -> None: ...
 
+    def keeps_best(self, step: int) -> bool: ...
+
     def controls(self, n_rows: int, step: int, micro: int) -> Tensor | None: ...
 
     def loss(self, model: nn.Module, out: Any, src: Tensor, tgt_in: Tensor, tgt_out: Tensor,
@@ -94,6 +96,7 @@ class TranslationTask:
         self.run_dir = Path(cfg.run_dir)
         self.techniques = [make(getattr(cfg.model, name), cfg.train) for name, make in
                            TECHNIQUE_TRAINING.items() if getattr(cfg.model, name) is not None]
+        self._step = 0  # the last update's step (set by update)
         self.model: nn.Module | None = None
 
     def prepare(self, env: DistEnv, device: torch.device, log: RunLog) -> None:
@@ -146,6 +149,7 @@ class TranslationTask:
                 for idx in self._batches(epoch)[pos * f:(pos + 1) * f]]
         for t in self.techniques:
             t.before_update(model, step)
+        self._step = step  # what best-keeping asks the techniques about (score)
         micro = []
         for i, b in enumerate(full):
             control = None
@@ -198,6 +202,10 @@ class TranslationTask:
         return result
 
     def score(self, metrics: dict[str, float]) -> float | None:
+        """Validation BLEU (else minus the loss); None while a technique holds best-keeping
+        back at the last update (the CCT before its budgets are all in: ``keeps_best``)."""
+        if not all(t.keeps_best(self._step) for t in self.techniques):
+            return None
         if "bleu" in metrics:
             return metrics["bleu"]
         if "loss" in metrics:

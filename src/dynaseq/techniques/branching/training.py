@@ -36,6 +36,10 @@ class RoutingTraining:
     def before_update(self, model: nn.Module, step: int) -> None:
         pass
 
+    def keeps_best(self, step: int) -> bool:
+        """Routing has no curriculum: any validated model may become ``best/``."""
+        return True
+
     def controls(self, n_rows: int, step: int, micro: int) -> None:
         return None
 
