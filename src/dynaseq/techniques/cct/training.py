@@ -118,13 +118,6 @@ class EncoderCCTTraining:
     def before_update(self, model: nn.Module, step: int) -> None:
         set_gate_step(model, step)
 
-    def keeps_best(self, step: int) -> bool:
-        """Whether the model after update ``step`` may become the run's ``best/``: only once
-        every sequence draws its budget (``budget_start_step + budget_ramp_steps``). Before,
-        the lower budgets are untrained, while the full budget's validation score, which
-        best-keeping compares, is often at its highest."""
-        return self.cct.sampled_share(step) >= 1.0
-
     def controls(self, n_rows: int, step: int, micro: int) -> Tensor:
         """(n_rows,) control ids of micro-batch ``micro`` of update ``step``."""
         return sample_controls(self.sampling_ids, n_rows, self.seed, step, micro,
