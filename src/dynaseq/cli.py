@@ -324,7 +324,8 @@ def cmd_average(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dynaseq.workflows.demo import run_demo
 
-    run_demo(args.out, minutes=args.minutes, seed=args.seed, progress=not args.quiet)
+    run_demo(args.out, train_new=args.train, minutes=args.minutes, steps=args.steps,
+             seed=args.seed, progress=not args.quiet)
     return 0
 
 
@@ -1098,8 +1099,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("-k", type=int, default=5)
 
-    p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")
-    p.add_argument("--minutes", type=float, default=5.0, help="training time budget")
+    p = sub.add_parser("demo", help="show one CCT at four budgets on the built-in synthetic "
+                       "task: the shipped model, or one trained anew (--train)")
+    p.add_argument("--train", action="store_true",
+                   help="train a new demo model (default: evaluate the shipped one)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="with --train: training time budget (default 5)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="with --train: train for this many updates instead (reproducible)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
@@ -1302,7 +1309,7 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if getattr(args, "minutes", 1) <= 0:
+    if getattr(args, "minutes", None) is not None and args.minutes <= 0:
         parser.error("--minutes must be > 0")
     if getattr(args, "tol", 1) <= 0:
         parser.error("--tol must be > 0")

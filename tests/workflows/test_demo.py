@@ -2,10 +2,18 @@ import json
 
 import pytest
 
+from dynaseq.cli import main
+from dynaseq.core.errors import DynaseqError
 from dynaseq.data import read_lines
 from dynaseq.tasks.translation.predictor import Translator
 from dynaseq.techniques.cct.layers import force_gates
-from dynaseq.workflows.demo import DEMO_BUDGETS, hard_easy_compute, run_demo, token_accuracy
+from dynaseq.workflows.demo import (
+    DEMO_BUDGETS,
+    DEMO_MODEL,
+    hard_easy_compute,
+    run_demo,
+    token_accuracy,
+)
 
 
 @pytest.mark.slow  # the whole demo end to end (~20 s on 2 cores): `make test-slow`
@@ -15,7 +23,7 @@ def test_demo_writes_data_run_and_summary(tmp_path):
     stale = out / "run" / "checkpoints" / "step_00000200"
     stale.mkdir(parents=True)
     (out / "run" / "config.yaml").write_text("model: {size: tiny}\n")
-    summary = run_demo(out, minutes=0.05, progress=False, eval_lines=40)
+    summary = run_demo(out, train_new=True, minutes=0.05, progress=False, eval_lines=40)
     assert not stale.exists()
     for split, n in (("train", 20000), ("valid", 500), ("test", 2000)):
         for side in ("src", "tgt"):
@@ -44,3 +52,42 @@ def test_token_accuracy_counts_hard_and_easy_words():
     acc = token_accuracy(["gide = 1 2"], ref, src)
     assert acc == {"exact_match": 0.0, "hard_token_acc": 0.5, "easy_token_acc": 1.0}
     assert token_accuracy(["gide ="], ref, src)["easy_token_acc"] == 0.0
+
+
+def test_the_shipped_model_is_evaluated_without_training(tmp_path):
+    """`make demo` evaluates the shipped model (no training, nothing under out/run): its
+    budgets are met, quality falls with the budget, and (.5, .5) keeps at least 80% of the
+    full budget's BLEU (issue 28 item 3; what it does not show is said in the README)."""
+    out = tmp_path / "demo"
+    summary = run_demo(out, progress=False, eval_lines=300)
+    assert not (out / "run").exists() and not summary["trained_here"]
+    assert summary["checkpoint"] == "dynaseq/workflows/demo_model"  # not this machine's path
+    assert DEMO_MODEL.is_dir() and summary["train_steps"] == 9000
+    assert summary["command"] == f"dynaseq demo --out {out} --seed 0"
+    rows = {tuple(r["budget"]): r for r in summary["rows"]}
+    assert list(rows) == DEMO_BUDGETS
+    for budget, r in rows.items():
+        assert abs(r["realized_fraction"] - budget[0]) < 0.02, (budget, r)
+    bleus = [r["bleu_greedy"] for r in rows.values()]
+    assert bleus == sorted(bleus, reverse=True) and bleus[0] > 90, bleus
+    assert rows[(0.5, 0.5)]["bleu_greedy"] >= 0.8 * bleus[0]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--minutes", "3"], "--minutes and --steps go with --train"),
+    (["--steps", "30"], "--minutes and --steps go with --train"),
+    (["--train", "--minutes", "3", "--steps", "30"], "give --minutes or --steps, not both"),
+    (["--train", "--steps", "0"], "--steps must be >= 1, got 0"),
+])
+def test_bad_demo_options_are_refused_before_anything_is_written(tmp_path, capsys, argv,
+                                                                  message):
+    assert main(["demo", "--out", str(tmp_path / "demo"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dynaseq: error: {message}"), err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_a_missing_demo_model_is_named(tmp_path):
+    with pytest.raises(DynaseqError, match="no demo model at .*dynaseq demo --train"):
+        run_demo(tmp_path / "demo", model=tmp_path / "nowhere", progress=False)
+    assert not (tmp_path / "demo").exists()

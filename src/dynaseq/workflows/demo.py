@@ -1,15 +1,25 @@
-"""``dynaseq demo``: one CCT trained on the built-in synthetic task, shown at several budgets.
+"""``dynaseq demo``: one CCT on the built-in synthetic task, shown at several budgets.
 
 "One model, many budgets" on one screen: per budget, the compute that really ran, the
-quality (BLEU, accuracy on hard and easy target words) and the decoding latency.
+quality (BLEU, accuracy on hard and easy target words) and the decoding latency at batch 1.
+
+By default the demo evaluates the model shipped with dynaseq (:data:`DEMO_MODEL`, a
+``dynaseq export`` directory of a few MB): the table appears in well under a minute. With
+``train=True`` (``dynaseq demo --train``) it trains a new CCT first, for ``minutes`` of wall
+time or a fixed number of ``steps`` (reproducible on one machine). The shipped model is made
+by ``make demo-model``::
+
+    dynaseq demo --train --steps 9000 --out runs/demo_model
+    dynaseq export runs/demo_model/run --out src/dynaseq/workflows/demo_model
 
 Leaves under ``out``: ``data/{train,valid,test}.{src,tgt}`` (the generated task),
-``run/`` (a normal run directory) and ``summary.json`` (the printed table).
+``run/`` (a normal run directory, with ``train`` only) and ``summary.json`` (the table).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,6 +29,7 @@ import torch
 
 from dynaseq.analysis.gates import sentence_traces, token_compute
 from dynaseq.core.config import TrainConfig
+from dynaseq.core.errors import DynaseqError
 from dynaseq.core.run_lock import clear_run_dir
 from dynaseq.data import hard_token_mask, read_lines, write_task
 from dynaseq.metrics.profile import count_params
@@ -30,12 +41,19 @@ from dynaseq.train.loop import train
 DEMO_BUDGETS = [(1.0, 1.0), (0.5, 0.5), (0.33, 0.33), (0.2, 0.2)]
 """The demo's trained (encoder, decoder) budgets, one control symbol each."""
 
+DEMO_MODEL = Path(__file__).with_name("demo_model")
+"""The shipped demo model: a ``dynaseq export`` directory made by ``make demo-model``."""
 
-def demo_config(out: Path, paths: dict[str, Path], minutes: float, seed: int,
-                cct: CCTConfig | None = None) -> RunConfig:
+UPDATES_PER_MINUTE = 360.0
+"""Updates a minute of demo training makes on 2 cores (~6/s): sets a timed run's schedule."""
+
+
+def demo_config(out: Path, paths: dict[str, Path], seed: int, cct: CCTConfig | None = None,
+                minutes: float | None = None, steps: int = 1_000_000) -> RunConfig:
     """A tiny (d=128) 2+2-layer model with small batches: many updates in a few CPU minutes.
 
-    ``cct``: make it a Conditional Computation Transformer with these settings.
+    ``cct``: make it a Conditional Computation Transformer with these settings. Training
+    stops after ``minutes`` of wall time (None: no limit) or ``steps`` updates.
     """
     return RunConfig(
         run_dir=str(out / "run"),
@@ -45,19 +63,19 @@ def demo_config(out: Path, paths: dict[str, Path], minutes: float, seed: int,
                         valid_src=str(paths["valid.src"]), valid_tgt=str(paths["valid.tgt"]),
                         vocab_size=400, max_tokens=2000, max_len=64),
         train=TrainConfig(seed=seed, lr=2e-3, warmup_steps=200, max_minutes=minutes,
-                          max_steps=1_000_000, log_every=50, valid_every=200, save_every=200,
+                          max_steps=steps, log_every=50, valid_every=200, save_every=200,
                           keep_last=3, valid_bleu_lines=200, label_smoothing=0.1),
         decode=DecodeConfig(beam=4, batch_size=128),
     )
 
 
-def demo_cct(minutes: float, updates_per_minute: float = 360.0) -> CCTConfig:
-    """The demo's CCT: M=4 FFN pieces, the :data:`DEMO_BUDGETS` (full budget drawn twice as
-    often). For a run of about ``minutes · updates_per_minute`` updates (~6/s on 2 cores):
-    noise at its maximum after 30% of them; every sequence at the full budget for the first
-    35%, then budgets drawn from the list, ramping in over 10%; the budget loss counts the
-    gates inference will open (``budget_estimate="hard"``; see ``CCTConfig``)."""
-    steps = max(int(minutes * updates_per_minute), 10)
+def demo_cct(steps: int) -> CCTConfig:
+    """The demo's CCT for a run of about ``steps`` updates: M=4 FFN pieces, the
+    :data:`DEMO_BUDGETS` (full budget drawn twice as often); noise at its maximum after 30%
+    of the updates; every sequence at the full budget for the first 35%, then budgets drawn
+    from the list, ramping in over 10%; the budget loss counts the gates inference will
+    open (``budget_estimate="hard"``; see ``CCTConfig``)."""
+    steps = max(steps, 10)
     return CCTConfig(ffn_pieces=4, control_hidden=64, noise_ramp_steps=int(0.3 * steps),
                      budget_start_step=int(0.35 * steps), budget_ramp_steps=int(0.1 * steps),
                      budget_estimate="hard",
@@ -83,29 +101,48 @@ def token_accuracy(hyps: list[str], refs: list[str], srcs: list[str]) -> dict[st
             "easy_token_acc": right[False] / max(total[False], 1)}
 
 
-def run_demo(out: str | Path, minutes: float = 5.0, seed: int = 0, progress: bool = True,
-             eval_lines: int | None = None) -> dict[str, Any]:
-    """Generate the task, train one CCT for ``minutes``, evaluate it at every trained budget
-    on the test split (its first ``eval_lines`` lines if given), print the table and write
-    ``summary.json`` (one row per budget)."""
+def run_demo(out: str | Path, train_new: bool = False, minutes: float | None = None,
+             steps: int | None = None, seed: int = 0, progress: bool = True,
+             eval_lines: int | None = None, model: str | Path = DEMO_MODEL) -> dict[str, Any]:
+    """Generate the task (test split drawn with ``seed``), then evaluate the demo model at
+    every trained budget on the test split (its first ``eval_lines`` lines if given), print
+    the table and write ``summary.json`` (one row per budget).
+
+    The model is ``model`` (default: the shipped one) unless ``train_new``: then a new CCT
+    is trained in ``out/run`` for ``steps`` updates, or ``minutes`` of wall time (default 5).
+
+    Raises:
+        DynaseqError: ``minutes`` or ``steps`` without ``train_new``, both together,
+            ``steps`` < 1, or a ``model`` directory that does not exist.
+    """
     out = Path(out)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    say = _reporter(progress)
+    if not train_new and (minutes is not None or steps is not None):
+        raise DynaseqError("--minutes and --steps go with --train (the shipped model is "
+                           "already trained)")
+    if minutes is not None and steps is not None:
+        raise DynaseqError("give --minutes or --steps, not both")
+    if steps is not None and steps < 1:
+        raise DynaseqError(f"--steps must be >= 1, got {steps}")
+    if not train_new and not Path(model).is_dir():
+        raise DynaseqError(f"no demo model at {model}: train one with `dynaseq demo --train`")
     say(f"[demo] writing the synthetic task to {out / 'data'}")
     paths = write_task(out / "data", seed=seed)
-    cfg = demo_config(out, paths, minutes, seed, demo_cct(minutes))
-    if Path(cfg.run_dir).exists():  # the demo's own scratch run: a fresh model every time
-        say(f"[demo] removing the previous demo run {cfg.run_dir}")
-        clear_run_dir(Path(cfg.run_dir))
-    say(f"[demo] training one tiny CCT for {len(DEMO_BUDGETS)} budgets, up to {minutes:g} min, "
-        f"in {cfg.run_dir}")
-    result = train(cfg, progress=progress)
-    t = Translator.load(cfg.run_dir)
+    if train_new:
+        model = _train_demo(out, paths, seed, minutes, steps, progress)
+    else:
+        say(f"[demo] evaluating the shipped model {model}")
+    # a new run's last checkpoint: best/ is kept by the full budget's validation BLEU, which
+    # can peak before the budgets are trained (the first 35% of the updates train the full
+    # budget alone, see demo_cct)
+    t = Translator.load(model, checkpoint="latest" if train_new else "auto")
     src, ref = read_lines(paths["test.src"]), read_lines(paths["test.tgt"])
     if eval_lines is not None:
         src, ref = src[:eval_lines], ref[:eval_lines]
     n_small = min(len(src), 200)
+    ms = greedy_ms_by_budget(t, src[:50], DEMO_BUDGETS)
     rows = []
-    for budget in DEMO_BUDGETS:
+    for budget, ms_per_sentence in zip(DEMO_BUDGETS, ms, strict=True):
         say(f"[demo] evaluating budget {budget}")
         hyps = t.translate(src, beam=1, budget=budget)
         score, signature = bleu(hyps, ref)
@@ -116,18 +153,48 @@ def run_demo(out: str | Path, minutes: float = 5.0, seed: int = 0, progress: boo
                      "realized_fraction": round(compute["fraction"]["total"], 3),
                      "realized_macs_per_token": round(sum(compute["macs_per_token"].values())),
                      **{k: round(v, 3) for k, v in by_word.items()},
-                     "ms_per_sentence": round(_greedy_ms(t, src[:50], budget), 2)})
+                     "ms_per_sentence": round(ms_per_sentence, 2)})
+    meta = json.loads((t.checkpoint / "meta.json").read_text(encoding="utf-8"))
+    how = ([] if not train_new else [f"--train --steps {steps}"] if steps is not None
+           else [f"--train --minutes {minutes if minutes is not None else 5.0:g}"])
     summary = {
         "task": "synthetic (dynaseq.data.synthetic)", "model": "CCT tiny 2+2 layers, M=4",
         "test_sentences": len(src), "compute_sentences": n_small,
-        "train_steps": result.state.step, "train_minutes": round(result.state.elapsed / 60, 2),
-        "params": count_params(t.model), "checkpoint": str(t.checkpoint),
+        "train_steps": meta.get("step"), "trained_here": train_new,
+        "params": count_params(t.model),
+        "checkpoint": str(t.checkpoint if train_new or Path(model) != DEMO_MODEL
+                          else DEMO_MODEL.relative_to(DEMO_MODEL.parents[2])),
         "signature": signature, "rows": rows,
-        "command": f"dynaseq demo --out {out} --minutes {minutes:g}",
+        "command": " ".join(["dynaseq demo", *how, f"--out {out} --seed {seed}"]),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(format_table(summary))
     return summary
+
+
+def _reporter(progress: bool) -> Any:
+    """A function that prints a progress line to stderr, or does nothing."""
+    return (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda m: None)
+
+
+def _train_demo(out: Path, paths: dict[str, Path], seed: int, minutes: float | None,
+                steps: int | None, progress: bool) -> Path:
+    """Train a new demo CCT in ``out/run`` (see :func:`run_demo`); return the run dir."""
+    say = _reporter(progress)
+    if steps is None:
+        minutes = 5.0 if minutes is None else minutes
+        cfg = demo_config(out, paths, seed, demo_cct(int(minutes * UPDATES_PER_MINUTE)),
+                          minutes=minutes)
+    else:
+        cfg = demo_config(out, paths, seed, demo_cct(steps), steps=steps)
+    if Path(cfg.run_dir).exists():  # the demo's own scratch run: a fresh model every time
+        say(f"[demo] removing the previous demo run {cfg.run_dir}")
+        clear_run_dir(Path(cfg.run_dir))
+    limit = f"{steps} updates" if steps is not None else f"{minutes:g} min"
+    say(f"[demo] training one tiny CCT for {len(DEMO_BUDGETS)} budgets, {limit}, in "
+        f"{cfg.run_dir}")
+    train(cfg, progress=progress)
+    return Path(cfg.run_dir)
 
 
 def hard_easy_compute(t: Translator, src: list[str], ref: list[str],
@@ -166,18 +233,27 @@ def _count_sentence(t: Translator, line: str, target: str, control: int,
         count[h] += 1
 
 
-def _greedy_ms(t: Translator, src: list[str], budget: tuple[float, float]) -> float:
-    """Mean wall time of greedy-decoding one sentence at a time (batch 1), in ms."""
-    t.translate(src[:2], beam=1, batch_size=1, budget=budget)  # warm-up
-    t0 = time.perf_counter()
-    t.translate(src, beam=1, batch_size=1, budget=budget)
-    return (time.perf_counter() - t0) * 1000 / max(len(src), 1)
+def greedy_ms_by_budget(t: Translator, src: list[str], budgets: list[tuple[float, float]],
+                        rounds: int = 3) -> list[float]:
+    """Per budget, the median over ``rounds`` of the mean wall time of greedy-decoding
+    ``src`` one sentence at a time (batch 1), in ms. The budgets take turns within each
+    round, so a slow spell of a noisy machine falls on all of them alike."""
+    for budget in budgets:  # warm-up
+        t.translate(src[:2], beam=1, batch_size=1, budget=budget)
+    times: list[list[float]] = [[] for _ in budgets]
+    for _ in range(rounds):
+        for i, budget in enumerate(budgets):
+            t0 = time.perf_counter()
+            t.translate(src, beam=1, batch_size=1, budget=budget)
+            times[i].append((time.perf_counter() - t0) * 1000 / max(len(src), 1))
+    return [statistics.median(x) for x in times]
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    lines = [f"synthetic task, {summary['test_sentences']} test sentences; one CCT, "
-             f"{summary['params']:,} params, {summary['train_steps']} updates in "
-             f"{summary['train_minutes']} min; greedy decoding",
+    made = "trained here" if summary["trained_here"] else "the shipped model"
+    lines = [f"synthetic task, {summary['test_sentences']} test sentences; one CCT "
+             f"({made}), {summary['params']:,} params, {summary['train_steps']} updates; "
+             "greedy decoding",
              f"{'budget':<12} {'compute':>7} {'MACs/tok':>9} {'BLEU':>6} {'exact':>6} "
              f"{'hard acc':>8} {'easy acc':>8} {'dec hard':>8} {'dec easy':>8} {'ms/sent':>8}"]
     for r in summary["rows"]:
@@ -189,5 +265,6 @@ def format_table(summary: dict[str, Any]) -> str:
                      f"{r['decoder_compute_easy']:>8.3f} {r['ms_per_sentence']:>8.2f}")
     lines.append("compute: MACs the gated layers ran (teacher forced) over their all-on "
                  "maximum; dec hard/easy: the decoder's compute fraction on the words that are "
-                 "sum results / all other words; ms/sent: greedy, batch 1")
+                 "sum results / all other words; ms/sent: greedy, batch 1 (median of interleaved "
+                 "rounds)")
     return "\n".join(lines)
