@@ -103,10 +103,12 @@ def token_accuracy(hyps: list[str], refs: list[str], srcs: list[str]) -> dict[st
 
 def run_demo(out: str | Path, train_new: bool = False, minutes: float | None = None,
              steps: int | None = None, seed: int = 0, progress: bool = True,
-             eval_lines: int | None = None, model: str | Path = DEMO_MODEL) -> dict[str, Any]:
+             eval_lines: int | None = None, model: str | Path = DEMO_MODEL,
+             timing_lines: int = 50) -> dict[str, Any]:
     """Generate the task (test split drawn with ``seed``), then evaluate the demo model at
     every trained budget on the test split (its first ``eval_lines`` lines if given), print
-    the table and write ``summary.json`` (one row per budget).
+    the table and write ``summary.json`` (one row per budget). The batch-1 timing decodes
+    the first ``timing_lines`` test sentences.
 
     The model is ``model`` (default: the shipped one) unless ``train_new``: then a new CCT
     is trained in ``out/run`` for ``steps`` updates, or ``minutes`` of wall time (default 5).
@@ -140,7 +142,7 @@ def run_demo(out: str | Path, train_new: bool = False, minutes: float | None = N
     if eval_lines is not None:
         src, ref = src[:eval_lines], ref[:eval_lines]
     n_small = min(len(src), 200)
-    ms = greedy_ms_by_budget(t, src[:50], DEMO_BUDGETS)
+    ms = greedy_ms_by_budget(t, src[:timing_lines], DEMO_BUDGETS)
     rows = []
     for budget, ms_per_sentence in zip(DEMO_BUDGETS, ms, strict=True):
         say(f"[demo] evaluating budget {budget}")
