@@ -19,10 +19,9 @@ arithmetic needs and nothing else:
 * layer norms, residuals and projections called as functions on the model's own tensors (no
   module dispatch), and the output layer as ``x @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)`` once.
 
-A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a lean part
-(:func:`is_lean`: dense, CCT and DMB models, the dense and DMB ones float or int8; MoE, int8
-CCT and relative-position models not) gets
-one; the others keep the general step. Outputs equal the general step's up to float rounding
+A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a lean part gets
+one (:func:`is_lean`: dense, CCT and DMB models, the dense and DMB ones float or int8; MoE,
+int8 CCT and relative-position models not); the others keep the general step. Outputs equal the general step's up to float rounding
 (the same operations, some fused); the tests decode with both and compare tokens and
 logits. ``torch.compile`` of this step was measured (``benchmarks/batch1_latency.py``) and is
 not used: on 2 CPU cores it cost seconds of compilation and saved nothing at batch 1.

@@ -15,7 +15,7 @@ from dynaseq.tasks.mlm.data import MaskSpec, mask_tokens, pack_blocks
 from dynaseq.tasks.mlm.predictor import MaskedLM
 from dynaseq.train.loop import train
 
-from encoder_helpers import mlm_config
+from encoder_helpers import mlm_config, read_events
 from helpers import run_cli
 
 
@@ -152,3 +152,18 @@ def test_two_process_ddp_mlm_matches_one_process(tmp_path, text_corpus):
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(one) == len(two) == 4
     assert two == pytest.approx(one, rel=1e-4)
+
+
+def test_cct_mlm_keeps_best_only_once_every_sequence_draws_its_budget(tmp_path, text_corpus):
+    """As for translation: best/ waits for the budget curriculum (validations every 2
+    updates; update k draws a budget for a share (k - 2) / 4 of its sequences, all from
+    update 6 on, so step 8 is the first validation that may be kept)."""
+    cfg = mlm_config(tmp_path / "run", text_corpus, "train.valid_every=2", "train.save_every=4",
+                     "model.cct.ffn_pieces=2", "model.cct.control_hidden=8",
+                     "model.cct.noise_ramp_steps=4", "model.cct.budget_start_step=2",
+                     "model.cct.budget_ramp_steps=4")
+    train(cfg, progress=False)
+    events = read_events(tmp_path / "run")
+    assert [e["step"] for e in events if e["event"] == "valid"] == [2, 4, 6, 8, 10, 12]
+    best = [e["step"] for e in events if e["event"] == "best"]
+    assert best and best[0] == 8 and set(best) <= {8, 10, 12}

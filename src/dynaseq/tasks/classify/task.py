@@ -217,4 +217,4 @@ class ClassifyTask(EncoderTask):
 
     def score(self, metrics: dict[str, float]) -> float | None:
         main = self.layout.metrics[0]
-        return metrics.get(main)
+        return metrics.get(main) if self.keeps_best() else None

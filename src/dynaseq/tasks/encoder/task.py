@@ -65,9 +65,18 @@ class EncoderTask:
         and the loss units it holds over all ranks (tokens, sentences)."""
         raise NotImplementedError
 
+    last_step = 0  # the last update's step (set by update), for keeps_best
+
+    def keeps_best(self) -> bool:
+        """Whether the model after the last update may become ``best/`` (a task's ``score``
+        is None otherwise): every technique agrees (the CCT: only once every sequence draws
+        its budget)."""
+        return all(t.keeps_best(self.last_step) for t in self.techniques)
+
     def update(self, epoch: int, pos: int, step: int, env: DistEnv) -> Update:
         for t in self.techniques:
             t.before_update(self.model, step)
+        self.last_step = step
         micro, n_units = [], 0
         for i, idx in enumerate(self.batches.update(epoch, pos)):
             control = draw_controls(self.techniques, idx.numel(), step, i, env, self.device)

@@ -131,4 +131,4 @@ class MLMTask(EncoderTask):
         return {"loss": r["loss"], "ppl": r["ppl"], "accuracy": r["accuracy"]}
 
     def score(self, metrics: dict[str, float]) -> float | None:
-        return -metrics["loss"] if "loss" in metrics else None
+        return -metrics["loss"] if "loss" in metrics and self.keeps_best() else None

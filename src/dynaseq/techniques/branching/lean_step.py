@@ -5,7 +5,7 @@ projections, as a dense model runs its own (eq. 24-30). The parts here do what t
 parts of :mod:`dynaseq.nn.lean_dense` do, through the router's decision:
 
 * self-attention (:class:`BranchedAttention`): each branch's q/k/v projections fused into one
-  ``(3·d, d)`` matrix per branch (a copy, listed in ``sources``), so a step's token runs one
+  ``(3·d, d)`` matrix per branch (a copy; ``sources`` lists what it copies), so a token runs one
   product for its q, k and v; keys and values go into the layer's preallocated
   :class:`~dynaseq.nn.lean_step.StepCache`;
 * cross-attention: the encoder output's keys and values projected once, at ``start``, each

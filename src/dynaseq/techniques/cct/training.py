@@ -118,6 +118,8 @@ class EncoderCCTTraining:
     def before_update(self, model: nn.Module, step: int) -> None:
         set_gate_step(model, step)
 
+    keeps_best = CCTTraining.keeps_best
+
     def controls(self, n_rows: int, step: int, micro: int) -> Tensor:
         """(n_rows,) control ids of micro-batch ``micro`` of update ``step``."""
         return sample_controls(self.sampling_ids, n_rows, self.seed, step, micro,

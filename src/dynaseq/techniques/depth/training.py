@@ -40,6 +40,11 @@ class DepthTraining:
     def before_update(self, model: nn.Module, step: int) -> None:
         pass
 
+    def keeps_best(self, step: int) -> bool:
+        """The compute term only ramps the depth down: any validated model may become
+        ``best/``."""
+        return True
+
     def controls(self, n_rows: int, step: int, micro: int) -> None:
         return None
 
