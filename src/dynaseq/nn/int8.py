@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -245,6 +245,14 @@ class Int8Linear(nn.Module):
         q, scale = quantize_rows(mod.weight)
         bias = None if mod.bias is None else mod.bias.detach().float().clone()
         return cls(q, scale, bias)
+
+    @classmethod
+    def stacked(cls, mods: Sequence[Int8Linear]) -> Int8Linear:
+        """One layer whose outputs are those of ``mods`` (same input width, biases) one after
+        another: their int8 rows, scales and biases concatenated (copies). Its product equals
+        theirs exactly, as the input is quantized per row whatever the weight."""
+        return cls(torch.cat([m.weight_int8 for m in mods]),
+                   torch.cat([m.weight_scale for m in mods]), torch.cat([m.bias for m in mods]))
 
     def dequantized_weight(self) -> Tensor:
         """The float ``(out, in)`` weight these int8 values stand for."""

@@ -96,10 +96,7 @@ def fused_linear(mods: tuple[nn.Module, ...]) -> LinearFn | None:
             bias = torch.cat([m.bias for m in mods])
         return partial(F.linear, weight=weight, bias=bias)
     if all(type(m) is Int8Linear and m.bias is not None for m in mods):
-        fused = Int8Linear(torch.cat([m.weight_int8 for m in mods]),
-                           torch.cat([m.weight_scale for m in mods]),
-                           torch.cat([m.bias for m in mods]))
-        return fused.forward
+        return Int8Linear.stacked(mods).forward
     return None
 
 

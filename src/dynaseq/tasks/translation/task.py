@@ -96,7 +96,7 @@ class TranslationTask:
         self.run_dir = Path(cfg.run_dir)
         self.techniques = [make(getattr(cfg.model, name), cfg.train) for name, make in
                            TECHNIQUE_TRAINING.items() if getattr(cfg.model, name) is not None]
-        self._step = 0  # the last update's step (set by update)
+        self.last_step = 0  # the last update's step (set by update), for keeps_best
         self.model: nn.Module | None = None
 
     def prepare(self, env: DistEnv, device: torch.device, log: RunLog) -> None:
@@ -149,7 +149,7 @@ class TranslationTask:
                 for idx in self._batches(epoch)[pos * f:(pos + 1) * f]]
         for t in self.techniques:
             t.before_update(model, step)
-        self._step = step  # what best-keeping asks the techniques about (score)
+        self.last_step = step
         micro = []
         for i, b in enumerate(full):
             control = None
@@ -204,7 +204,7 @@ class TranslationTask:
     def score(self, metrics: dict[str, float]) -> float | None:
         """Validation BLEU (else minus the loss); None while a technique holds best-keeping
         back at the last update (the CCT before its budgets are all in: ``keeps_best``)."""
-        if not all(t.keeps_best(self._step) for t in self.techniques):
+        if not all(t.keeps_best(self.last_step) for t in self.techniques):
             return None
         if "bleu" in metrics:
             return metrics["bleu"]

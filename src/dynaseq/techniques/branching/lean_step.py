@@ -69,11 +69,8 @@ def _fused(projections: tuple[Projection, ...]) -> Projection:
     exactly: the input is quantized per row)."""
     first = projections[0]
     if type(first) is Int8BranchedLinear:
-        return Int8BranchedLinear([
-            Int8Linear(torch.cat([p.branches[k].weight_int8 for p in projections]),
-                       torch.cat([p.branches[k].weight_scale for p in projections]),
-                       torch.cat([p.branches[k].bias for p in projections]))
-            for k in range(first.n_branches)])
+        return Int8BranchedLinear([Int8Linear.stacked([p.branches[k] for p in projections])
+                                   for k in range(first.n_branches)])
     weights, biases = zip(*(p.branch_parameters() for p in projections), strict=True)
     fused = BranchedLinear(first.in_features, sum(p.out_features for p in projections),
                            first.n_branches, shared=False)
