@@ -100,10 +100,106 @@ def made_by_lines(rows: Iterable[dict], key: str) -> list[str]:
             lines.append(f"- {', '.join(names)}: made before result rows recorded their command "
                          "and commit.")
             continue
+        if m.get("reconstructed"):
+            lines.append(f"- {', '.join(names)}: `{m['command']}` (reconstructed from git "
+                         f"history: the row as it is now was first committed in commit "
+                         f"{m['commit'][:12]}, {m['date']} UTC; the state of the tree it ran "
+                         "in is not known)")
+            continue
         code = "no git checkout" if m["commit"] is None else (
             f"commit {m['commit'][:12]}" + (" with uncommitted changes" if m["dirty"] else ""))
         lines.append(f"- {', '.join(names)}: `{m['command']}` ({code}, {m['date']} UTC)")
     return lines
+
+
+def made_by_from_git(path: Path, key: str, script: str,
+                     report_args: Callable[[dict], list[str]]) -> dict[str, Any]:
+    """The committed results file ``path`` with each row that has no ``made_by`` given one
+    reconstructed from the file's git history (the caller writes it, with its Markdown).
+
+    Rows measured before :func:`provenance` existed say nothing of what made them; git still
+    knows when each reached the file. For each such row (named by ``row[key]``) this walks the
+    commits that changed ``path``, newest first, while the row there agrees with the row now:
+    every field both hold, ``made_by`` and ``measured`` aside, is equal (a report that carried
+    the row over may have dropped a field, such as latencies that belong to another run, or
+    added the ``measured`` date). The oldest such commit is where the row as it is now was
+    first committed, with the script that made it. The record is ``{"command", "commit",
+    "dirty": None, "date", "reconstructed": "git"}``: the command is ``python script
+    report_args(row)`` (without its ``--only ...`` where the script at that commit had no
+    ``--only`` for ``report``), the date the commit's (UTC), and ``dirty`` None because
+    whether the tree had uncommitted changes when the row was measured is not known.
+
+    Raises ``ValueError`` when a row without ``made_by`` is not in ``path`` as committed at
+    HEAD (measure it again instead: the report stamps what it measures)."""
+    import subprocess
+
+    path = Path(path).resolve()
+    root = subprocess.run(["git", "-C", str(path.parent), "rev-parse", "--show-toplevel"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                              check=True).stdout
+
+    rel = path.relative_to(root).as_posix()
+    history = [line.split("\t") for line in
+               git("log", "--format=%H\t%ct", "--", rel).splitlines()]
+    data = json.loads(path.read_text())
+    cache: dict[str, dict[str, dict]] = {}
+
+    def rows_at(commit: str) -> dict[str, dict]:
+        if commit not in cache:
+            try:
+                old = json.loads(git("show", f"{commit}:{rel}"))
+            except (subprocess.CalledProcessError, json.JSONDecodeError):
+                old = {}
+            cache[commit] = {str(r[key]): r for r in old.get("rows", [])
+                             if isinstance(r, dict) and key in r}
+        return cache[commit]
+
+    def agrees(old: dict | None, row: dict) -> bool:
+        shared = (set(old or {}) & set(row)) - {"made_by", "measured", key}
+        return old is not None and bool(shared) and all(old[k] == row[k] for k in shared)
+
+    for row in data["rows"]:
+        if "made_by" in row:
+            continue
+        first = None
+        for commit, when in history:
+            if not agrees(rows_at(commit).get(str(row[key])), row):
+                break
+            first = (commit, int(when))
+        if first is None:
+            raise ValueError(f"{path}: row {row[key]!r} differs from the file's last commit: "
+                             "measure it again")
+        commit, when = first
+        args = report_args(row)
+        if "--only" in args and not _report_has_only(git("show", f"{commit}:{script}")):
+            args = args[:args.index("--only")]
+        row["made_by"] = {"command": command([script, *args]), "commit": commit,
+                          "dirty": None,
+                          "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(when)),
+                          "reconstructed": "git"}
+    return data
+
+
+def add_made_by_command(sub: Any, func: Callable[[argparse.Namespace], None]) -> None:
+    """Add the ``made-by-from-git`` subcommand (running ``func``, with ``--results``) to a
+    script's subparsers ``sub``: see :func:`made_by_from_git`."""
+    g = sub.add_parser("made-by-from-git", help="record in each row measured before rows "
+                       "recorded it what made it, reconstructed from git history")
+    add_results_arg(g)
+    g.set_defaults(func=func)
+
+
+def _report_has_only(script_text: str) -> bool:
+    """Whether the benchmark script ``script_text`` gives its ``report`` subcommand an
+    ``--only`` option (the lines from ``add_parser("report")`` to the next ``add_parser``)."""
+    start = script_text.find('add_parser("report")')
+    if start < 0:
+        return False
+    end = script_text.find("add_parser(", start + 1)
+    return '"--only"' in script_text[start:end if end > 0 else None]
 
 
 def machine(*, processor: bool = False, torch_threads: bool = True,
@@ -250,6 +346,12 @@ def md_head(title: str, command: str, *lines: str) -> list[str]:
     Markdown line breaks between them), then a blank line."""
     body = [f"Command: `{command}`", *lines]
     return [f"# {title}", "", *(f"{x}  " for x in body[:-1]), body[-1], ""]
+
+
+def recipe_lines(out: dict) -> list[str]:
+    """The head line naming the commands that build every run and row of results ``out``
+    (its ``recipe``); none for results written before they recorded one."""
+    return [f"Recipe (all runs and rows): `{out['recipe']}`"] if out.get("recipe") else []
 
 
 def md_table(header: Iterable[str], aligns: str, rows: Iterable[Iterable[object]]) -> list[str]:

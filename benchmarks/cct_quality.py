@@ -205,12 +205,33 @@ def cmd_report(args: argparse.Namespace) -> None:
     plot(rows, args.results / "cct_quality.png")
 
 
+def cmd_made_by_from_git(args: argparse.Namespace) -> None:
+    """Rows measured before rows recorded ``made_by`` get one reconstructed from git history
+    (:func:`_lib.made_by_from_git`); cct_quality.json and .md are written again, nothing
+    re-measured."""
+    out = _lib.made_by_from_git(args.results / "cct_quality.json", "system",
+                                "benchmarks/cct_quality.py", report_only)
+    _lib.write_results(args.results, "cct_quality", out, quality_md(out))
+
+
+def report_only(row: dict) -> list[str]:
+    """The ``report`` arguments that re-measure ``row`` of cct_quality.json: ``--only`` its
+    variant, ``cct`` (every row of the configured CCT) or its dense baseline."""
+    if row.get("variant"):
+        return ["report", "--only", row["variant"]]
+    if row["system"].startswith("CCT ("):
+        return ["report", "--only", "cct"]
+    name = next((n for n, spec in BASELINES.items() if row["system"] == f"dense {spec['label']}"),
+                None)
+    return ["report"] if name is None else ["report", "--only", name]
+
+
 def quality_md(out: dict) -> list[str]:
     """The lines of cct_quality.md for the results ``out``."""
     full = next(r for r in out["rows"] if r["system"].startswith("dense small"))
     lines = _lib.md_head(
         "cct_quality: one CCT at several budgets vs MAC-matched dense models", out["command"],
-        f"Recipe (all runs and rows): `{out.get('recipe', '')}`",
+        *_lib.recipe_lines(out),
         f"Machine: {out['machine']}", f"Test set: {out['test_set']}")
     lines += ["Layer MACs/token: attention + FFN (+ control nets for the CCT) per source token "
               "plus per target token, teacher forced over the test pairs, batch 1; embeddings "
@@ -377,6 +398,7 @@ def main() -> None:
                    help="validation pairs the budget calibration runs on")
     _lib.add_results_arg(r)
     r.set_defaults(func=cmd_report)
+    _lib.add_made_by_command(sub, cmd_made_by_from_git)
     args = p.parse_args()
     args.func(args)
 

@@ -243,6 +243,15 @@ def cmd_report(args: argparse.Namespace) -> None:
     plot(rows, args.results / "dmb.png")
 
 
+def cmd_made_by_from_git(args: argparse.Namespace) -> None:
+    """Rows measured before rows recorded ``made_by`` get one reconstructed from git history
+    (:func:`_lib.made_by_from_git`; an int8 row is re-measured with its float system); dmb.json
+    and .md are written again, nothing re-measured."""
+    out = _lib.made_by_from_git(args.results / "dmb.json", "name", "benchmarks/dmb.py",
+                                lambda r: ["report", "--only", r["name"].removesuffix("_int8")])
+    _lib.write_results(args.results, "dmb", out, markdown(out))
+
+
 def merge_committed(rows: list[dict], disk: dict, path: Path) -> tuple[list[dict], dict]:
     """``rows`` re-measured by ``report --only`` merged into the committed results ``path``
     (dmb.json): the other systems keep their committed BLEU/MACs rows (without their latency,
@@ -385,7 +394,7 @@ def markdown(out: dict) -> list[str]:
     dense = rows.get("dense")
     lines = _lib.md_head(
         "dmb: Transformer vs Transformer-MoE vs Transformer-DMB (tiny, Multi30k en→de)",
-        out["command"], f"Recipe (all runs and rows): `{out.get('recipe', '')}`",
+        out["command"], *_lib.recipe_lines(out),
         f"Machine: {out['machine']}",
         f"Test set: {out['test_set']}; every model {out['updates']} updates with the same "
         "data, batch size, schedule and seed.")
@@ -458,6 +467,7 @@ def main() -> None:
                    help="BLEU, MACs, params and disk size only (time with report-latency)")
     _lib.add_results_arg(r)
     r.set_defaults(func=cmd_report)
+    _lib.add_made_by_command(sub, cmd_made_by_from_git)
     long = sub.add_parser("report-long")
     _lib.add_results_arg(long)
     long.set_defaults(func=cmd_report_long)

@@ -162,6 +162,16 @@ def cmd_report(args: argparse.Namespace) -> None:
     plot(rows, args.results / "micronet.png")
 
 
+def cmd_made_by_from_git(args: argparse.Namespace) -> None:
+    """Rows measured before rows recorded ``made_by`` get one reconstructed from git history
+    (:func:`_lib.made_by_from_git`); micronet.json and .md are written again, nothing
+    re-measured."""
+    out = _lib.made_by_from_git(args.results / "micronet.json", "name",
+                                "benchmarks/micronet.py",
+                                lambda r: ["report", "--only", r["name"]])
+    _lib.write_results(args.results, "micronet", out, markdown(out))
+
+
 def targets(rows: list[dict]) -> dict:
     """The issue's three targets, from the rows that measure them."""
     by = {r["name"]: r for r in rows}
@@ -223,7 +233,7 @@ def targets(rows: list[dict]) -> dict:
 def markdown(out: dict) -> list[str]:
     """The lines of micronet.md for the results ``out``."""
     lines = _lib.md_head("micronet: the MicroNet pipeline on WikiText-2 (word level)",
-                         out["command"], f"Recipe (all runs and rows): `{out.get('recipe', '')}`",
+                         out["command"], *_lib.recipe_lines(out),
                          f"Machine: {out['machine']}", f"Data: {out['data']}")
     lines += ["Storage: parameters weighted by bit width / 32, sparse matrices by the challenge "
               "rules. Ops/token: multiplies + adds with tokens fed one at a time (full softmax, "
@@ -265,6 +275,7 @@ def main() -> None:
                    help="measure only these runs; the others' committed rows are carried")
     _lib.add_results_arg(r)
     r.set_defaults(func=cmd_report)
+    _lib.add_made_by_command(sub, cmd_made_by_from_git)
     args = p.parse_args()
     args.func(args)
 

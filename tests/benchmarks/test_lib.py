@@ -159,3 +159,81 @@ def test_made_by_lines_name_each_rows_command_commit_and_date():
         "- q, r: `python benchmarks/x.py report --only q r` (commit 0123456789ab with "
         "uncommitted changes, 2026-11-25 10:00 UTC)",
         "- old: made before result rows recorded their command and commit."]
+
+
+def _commit(repo: Path, files: dict[str, str], when: int) -> str:
+    """Write ``files`` in git repository ``repo`` and commit them at UTC time ``when``."""
+    import subprocess
+
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    env = {"GIT_AUTHOR_DATE": f"{when} +0000", "GIT_COMMITTER_DATE": f"{when} +0000",
+           "PATH": "/usr/bin:/bin"}
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "."], check=True, env=env)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True, env=env)
+    return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_made_by_from_git_finds_the_commit_each_row_reached_its_value(tmp_path):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "-C", str(repo), "init", "-q"], check=True)
+    old_script = 'sub.add_parser("train")\nt.add_argument("--only")\nsub.add_parser("report")\n'
+    new_script = old_script + 'r.add_argument("--only")\n'
+
+    def results(rows, script=new_script):
+        return {"benchmarks/x.py": script,
+                "benchmarks/results/x.json": json.dumps({"rows": rows}, indent=1)}
+
+    one = _commit(repo, results([{"name": "a", "v": 1},
+                                 {"name": "b", "v": 1, "ms": 9.0, "measured": "2023-11-13"},
+                                 {"name": "gone", "v": 0}], old_script), 1_700_000_000)
+    # a re-measured; b carried over: its latency dropped and its date rewritten, values kept
+    two = _commit(repo, results([{"name": "a", "v": 2}, {"name": "b", "v": 1,
+                                                        "measured": "2023-11-14"}]),
+                  1_700_003_600)
+    stamped = {"command": "python benchmarks/x.py report --only c", "commit": two,
+               "dirty": False, "date": "2023-11-15 00:00"}
+    three = _commit(repo, results([{"name": "a", "v": 2}, {"name": "b", "v": 1,
+                                                          "measured": "2023-11-14"},
+                                   {"name": "c", "v": 3, "made_by": stamped}]),
+                    1_700_090_000)
+    path = repo / "benchmarks/results/x.json"
+    out = lib.made_by_from_git(path, "name", "benchmarks/x.py",
+                               lambda r: ["report", "--only", r["name"]])
+    a, b, c = out["rows"]
+    assert a["made_by"] == {"command": "python benchmarks/x.py report --only a", "commit": two,
+                            "dirty": None, "date": "2023-11-14 23:13", "reconstructed": "git"}
+    # b has not changed since commit one, whose report had no --only
+    assert b["made_by"] == {"command": "python benchmarks/x.py report", "commit": one,
+                            "dirty": None, "date": "2023-11-14 22:13", "reconstructed": "git"}
+    assert c["made_by"] == stamped and three != two
+    assert {k: v for k, v in a.items() if k != "made_by"} == {"name": "a", "v": 2}
+    assert json.loads(path.read_text())["rows"][0] == {"name": "a", "v": 2}  # not written
+    assert lib.made_by_lines(out["rows"], "name")[2] == (
+        "- a: `python benchmarks/x.py report --only a` (reconstructed from git history: the "
+        f"row as it is now was first committed in commit {two[:12]}, 2023-11-14 23:13 UTC; "
+        "the state of the tree it ran in is not known)")
+    # a row changed since the last commit has no history to reconstruct: measure it again
+    path.write_text(json.dumps({"rows": [{"name": "a", "v": 5}]}))
+    with pytest.raises(ValueError, match="row 'a' differs from the file's last commit"):
+        lib.made_by_from_git(path, "name", "benchmarks/x.py", lambda r: ["report"])
+
+
+@pytest.mark.parametrize("stem,key", [("cct_quality", "system"), ("dmb", "name"),
+                                      ("micronet", "name")])
+def test_every_committed_row_records_what_made_it(stem, key):
+    rows = json.loads((BENCHMARKS / "results" / f"{stem}.json").read_text())["rows"]
+    missing = [r[key] for r in rows if "made_by" not in r]
+    assert not missing, f"{stem}.json rows without made_by: {missing}"
+    for r in rows:
+        m = r["made_by"]
+        assert m["command"].startswith(f"python benchmarks/{stem}.py report"), m
+        assert len(m["commit"]) == 40 and len(m["date"]) == len("2026-11-25 13:45"), m
+    md = (BENCHMARKS / "results" / f"{stem}.md").read_text()
+    assert "made before result rows recorded" not in md
