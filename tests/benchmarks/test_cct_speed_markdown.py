@@ -36,3 +36,37 @@ def test_each_ratio_sits_beside_its_own_target():
     assert table[2] == ("| cct 0.5,0.5 | 0.674 | 0.6 | 0.713 | 0.8 | 0.75 | 0.7 | 0.75 | 0.66 "
                         "| 1.0 | 2.0 | 3.0 |")
     assert "It is an estimate, not a bound" in text
+
+
+def test_results_written_before_the_targets_were_named_are_upgraded_without_new_values():
+    cct_speed = load_benchmark("cct_speed")
+    sec = {"score": 1.0, "beam4": 2.0, "beam4_fixed": 3.0}
+    old = {"rows": [
+        {"system": "cct 1,1", "seconds": sec, "budget": [1.0, 1.0],
+         "target": {"score": 1.1, "beam4": 1.25}, "amdahl_limit": {"score": 1.0}},
+        {"system": "cct 0.33,0.33", "seconds": sec, "budget": [0.33, 0.33],
+         "target": {"score": 0.43, "beam4": 0.58}, "amdahl_limit": {"score": 0.6}},
+        {"system": "cct_x5 1,1", "seconds": sec, "budget": [1.0, 1.0],
+         "target": {"score": 1.1, "beam4": 1.25}},
+        {"system": "dense small", "seconds": sec}],
+        "cct_budget_1_time_over_dense": {"score": 1.17},
+        "variant_budget_1_time_over_dense": {"cct_x5": {"score": 1.2}}}
+    cct, low, x5, dense = cct_speed.upgrade(old)["rows"]
+    assert cct == {"system": "cct 1,1", "seconds": sec, "budget": [1.0, 1.0],
+                   "target": {"vs_dense": 1.10}, "floor_estimate": {"score": 1.0},
+                   "ratio_to_dense": {"score": 1.17}}
+    assert low["target"] == {"score": 0.43, "beam4": 0.58, "beam4_fixed": 0.58}
+    assert low["floor_estimate"] == {"score": 0.6} and "amdahl_limit" not in low
+    assert x5["ratio_to_dense"] == {"score": 1.2} and x5["target"] == {"vs_dense": 1.10}
+    assert dense == {"system": "dense small", "seconds": sec}
+    assert cct_speed.upgrade(old)["rows"] == [cct, low, x5, dense]  # a second pass changes nothing
+
+
+def test_committed_speed_results_name_the_estimate_and_each_target():
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    for name in ("cct_speed", "cct_speed_base", "cct_speed_big"):
+        text = (results / f"{name}.md").read_text()
+        assert "Amdahl" not in text and "estimate from floor" in text, name
+        assert "amdahl" not in (results / f"{name}.json").read_text(), name
