@@ -50,8 +50,8 @@ alone.
 from __future__ import annotations
 
 import argparse
-import json
 import contextlib
+import json
 import statistics
 import sys
 from math import nan
