@@ -207,11 +207,24 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 def cmd_made_by_from_git(args: argparse.Namespace) -> None:
     """Rows measured before rows recorded ``made_by`` get one reconstructed from git history
-    (:func:`_lib.made_by_from_git`); cct_quality.json and .md are written again, nothing
-    re-measured."""
+    (:func:`_lib.made_by_from_git`); cct_quality's and cct_adherence's .json and .md are
+    written again, nothing re-measured."""
     out = _lib.made_by_from_git(args.results / "cct_quality.json", "system",
                                 "benchmarks/cct_quality.py", report_only)
     _lib.write_results(args.results, "cct_quality", out, quality_md(out))
+    # the adherence rows again, with their systems' made_by, under the machine and command
+    # the committed file records (the report that last wrote both may have run elsewhere)
+    old = json.loads((args.results / "cct_adherence.json").read_text())
+    adherence = {**adherence_results(out), "command": old["command"],
+                 "machine": old["machine"]}
+    measured = [{k: v for k, v in r.items() if k not in ("system", "made_by")}
+                for r in adherence["rows"]]
+    if measured != [{k: v for k, v in r.items() if k not in ("system", "made_by")}
+                    for r in old["rows"]]:
+        raise ValueError("cct_adherence.json does not hold cct_quality.json's CCT rows: "
+                         "run the report again")
+    _lib.write_results(args.results, "cct_adherence", adherence,
+                       adherence_md(adherence, out["calibration"]))
 
 
 def report_only(row: dict) -> list[str]:
@@ -279,7 +292,7 @@ def variants_table(rows: list[dict]) -> list[str]:
 
 def adherence_results(out: dict) -> dict:
     """cct_adherence.json: the realized fraction of each CCT budget row of ``out`` against its
-    budget."""
+    budget, with the quality row's ``system`` and ``made_by`` (what measured it)."""
     rows = []
     for r in out["rows"]:
         if "budget" not in r or r.get("variant"):
@@ -287,7 +300,8 @@ def adherence_results(out: dict) -> dict:
         enc, dec = r["budget"]
         f = r["realized_fraction"]
         err = {"encoder": round(f["encoder"] - enc, 3), "decoder": round(f["decoder"] - dec, 3)}
-        rows.append({"budget": r["budget"], "calibrated": bool(r.get("gate_offsets")),
+        rows.append({"system": r["system"], "made_by": r.get("made_by"),
+                     "budget": r["budget"], "calibrated": bool(r.get("gate_offsets")),
                      "gate_offsets": r.get("gate_offsets"), "realized_fraction": f,
                      "error": err, "within_0.05": all(abs(v) <= 0.05 for v in err.values())})
     return {"benchmark": "cct_adherence", "command": out["command"], "machine": out["machine"],
@@ -316,7 +330,9 @@ def adherence_md(res: dict, calibration: str = "validation") -> list[str]:
     return lines + _lib.md_table(
         ["budget (enc, dec)", "calibrated", "offsets (enc, dec)", "realized enc",
          "realized dec", "error enc", "error dec", "within ±0.05"], "llrrrrrl",
-        (cells(r) for r in res["rows"]))
+        (cells(r) for r in res["rows"])) + [
+        "", "Each row is measured with the cct_quality row of its system.", "",
+        *_lib.made_by_lines(res["rows"], "system")]
 
 
 def plot(rows: list[dict], path: Path) -> None:

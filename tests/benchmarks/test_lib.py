@@ -225,15 +225,17 @@ def test_made_by_from_git_finds_the_commit_each_row_reached_its_value(tmp_path):
         lib.made_by_from_git(path, "name", "benchmarks/x.py", lambda r: ["report"])
 
 
-@pytest.mark.parametrize("stem,key", [("cct_quality", "system"), ("dmb", "name"),
-                                      ("micronet", "name")])
-def test_every_committed_row_records_what_made_it(stem, key):
+@pytest.mark.parametrize("stem,key,script", [("cct_quality", "system", "cct_quality"),
+                                             ("cct_adherence", "system", "cct_quality"),
+                                             ("dmb", "name", "dmb"),
+                                             ("micronet", "name", "micronet")])
+def test_every_committed_row_records_what_made_it(stem, key, script):
     rows = json.loads((BENCHMARKS / "results" / f"{stem}.json").read_text())["rows"]
-    missing = [r[key] for r in rows if "made_by" not in r]
+    missing = [r[key] for r in rows if not r.get("made_by")]
     assert not missing, f"{stem}.json rows without made_by: {missing}"
     for r in rows:
         m = r["made_by"]
-        assert m["command"].startswith(f"python benchmarks/{stem}.py report"), m
+        assert m["command"].startswith(f"python benchmarks/{script}.py report"), m
         assert len(m["commit"]) == 40 and len(m["date"]) == len("2026-11-25 13:45"), m
     md = (BENCHMARKS / "results" / f"{stem}.md").read_text()
     assert "made before result rows recorded" not in md
