@@ -238,6 +238,19 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds of each of ``fns`` over ``rounds`` rounds, the calls taking turns
+    within each round (these machines are noisy: only side-by-side times compare), after
+    one untimed warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
     """Median milliseconds of ``repeats`` calls of ``fn``, after one untimed warm-up call."""
     fn()

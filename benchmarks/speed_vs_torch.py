@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 from torch import nn
@@ -84,17 +83,6 @@ def logits_of(model, src, tgt_in):
     """The logits of either model (dynaseq's returns an output with ``.logits``)."""
     out = model(src, tgt_in)
     return out.logits if hasattr(out, "logits") else out
-
-
-def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, float]:
-    """Median seconds of each fn, calls interleaved, after one warm-up each."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(_lib.timed(fn))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -167,7 +155,7 @@ def main() -> None:
     n_tok = sum(b.n_tgt_tokens for b in batches)
     for label, maker in (("train_step", train_fn), ("scoring", score_fn),
                          ("greedy_decode_30tok", decode_fn)):
-        t = interleaved({k: maker(k) for k in models}, args.repeats)
+        t = _lib.interleaved_seconds({k: maker(k) for k in models}, args.repeats)
         results[label] = {
             "dynaseq_s": round(t["dynaseq"], 4), "torch_s": round(t["torch.nn.Transformer"], 4),
             "dynaseq_speed_vs_torch": round(t["torch.nn.Transformer"] / t["dynaseq"], 3)}

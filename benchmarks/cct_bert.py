@@ -1,0 +1,311 @@
+"""Benchmark `cct_bert`: one CCT-BERT at budgets {.8 (full), .5, .33, .2} against dense
+encoders shrunk in depth and in width to about the same MACs, each MLM-pre-trained on
+WikiText-2 and fine-tuned on SST-2 and CoLA with the same updates (Bapna et al. 2020, sec. 5
+and fig. 6), and the classification wall time at each budget.
+
+Issue 24's targets: the full budget (.8) within 1 point of the dense encoder of its size; at
+.5 and .33 above the shrunk encoders of equal realized MACs; wall time at each budget, batch
+1 and batch 32, as a ratio to the full budget in one run.
+
+Every encoder (benchmarks/variants/cct_bert.yaml) is pre-trained `--pretrain-steps` updates
+with configs/wikitext2_mlm_small.yaml and fine-tuned `--finetune-steps` updates per task with
+configs/{sst2,cola}_small.yaml (the CCT with its section added, λ 0.05 when fine-tuning), the
+same data, schedule and seed. A finished run is not trained again.
+
+Scores are on each task's whole dev set (batches of 32), from the run's kept checkpoint
+(``dynaseq.load``: the best validation). The CCT runs each budget two ways: with its trained
+control symbol as is, and calibrated (one gate offset per budget fitted on the first
+`--calibration-rows` rows of the task's *training* set, batch 1, so that the realized
+compute meets the budget). Its realized fraction is measured on the first `--fraction-rows`
+dev rows one at a time (no padding in the count).
+
+Layer MACs per token: attention (q/k/v/out, scores and values) and FFN, plus the CCT's
+control nets, from :func:`dynaseq.metrics.encoder_profile.encoder_macs` summed over the dev
+rows at their own lengths and divided by their tokens; embeddings and heads excluded (the same
+for every encoder of a width). For the CCT, that count with every gate on times the realized
+fraction (the MACs its gated sub-layers really ran).
+
+Wall time: `Classifier.classify_rows` on the first `--time-rows` dev rows one at a time
+(batch 1) and on every dev row in batches of 32, each budget and the dense encoder taking
+turns in `--rounds` rounds (medians), as ratios to the full budget's time.
+
+    python benchmarks/cct_bert.py [--pretrain-steps 800] [--finetune-steps 600] [--rounds 3]
+                                  [--only cct dense ...] [--tasks sst2 cola] [--report-only]
+
+Runs: runs/bench/cct_bert/{model}_mlm and {model}_{task}. Writes
+benchmarks/results/cct_bert.{json,md,png}. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _lib
+import _plot
+
+GLUE = Path("../shared/data/glue")
+TASKS = {"sst2": {"config": "configs/sst2_small.yaml", "metric": "accuracy",
+                  "dir": "SST-2", "header": True},
+         "cola": {"config": "configs/cola_small.yaml", "metric": "mcc", "dir": "CoLA",
+                  "header": False}}
+MODELS: dict[str, dict] = _lib.registry("cct_bert", "models", ("label", "family", "overrides"))
+CCT_SECTION: str = _lib.variants_file("cct_bert")["cct_section"]
+BUDGETS = [0.8, 0.5, 0.33, 0.2]
+FULL = BUDGETS[0]
+RUNS = _lib.RUNS / "cct_bert"
+
+
+def run_dir(model: str, stage: str, root: Path = RUNS) -> Path:
+    """``stage``: ``mlm`` (pre-training) or a task name (fine-tuning)."""
+    return Path(root) / f"{model}_{stage}"
+
+
+def model_overrides(name: str) -> list[str]:
+    spec = MODELS[name]
+    return [*([CCT_SECTION] if spec["family"] == "cct" else []), *spec["overrides"]]
+
+
+def configs(models: list[str], tasks: list[str], args: argparse.Namespace):
+    """Each model's pre-training, then its fine-tunings, in ``models`` order."""
+    from dynaseq.tasks.registry import load_config
+
+    for name in models:
+        model, mlm = model_overrides(name), run_dir(name, "mlm", args.runs)
+        yield load_config("configs/wikitext2_mlm_small.yaml", [
+            f"run_dir={mlm}", f"train.max_steps={args.pretrain_steps}",
+            "train.max_minutes=600", *model])
+        for task in tasks:
+            yield load_config(TASKS[task]["config"], [
+                f"run_dir={run_dir(name, task, args.runs)}", f"train.init_from={mlm}",
+                f"train.max_steps={args.finetune_steps}", "train.max_minutes=600", *model,
+                *MODELS[name].get("finetune", [])])
+
+
+def layer_macs(model: Any, lengths: list[int]) -> float:
+    """Attention + FFN MACs per token (every gate on) over rows of ``lengths`` tokens."""
+    from dynaseq.metrics.encoder_profile import encoder_macs
+
+    total = 0
+    for s, n in _counts(lengths).items():
+        parts = encoder_macs(model, s)
+        total += n * sum(v for k, v in parts.items() if k.startswith(("self_attn.", "ffn.")))
+    return total / sum(lengths)
+
+
+def _counts(values: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict:
+    """Scores, layer MACs and training cost of every finished run of ``task``, and the
+    interleaved wall times of the CCT's budgets and the dense encoder."""
+    import dynaseq
+    from dynaseq.tasks.classify.glue import read_table
+
+    metric, dev = TASKS[task]["metric"], GLUE / TASKS[task]["dir"] / "dev.tsv"
+    train_tsv = GLUE / TASKS[task]["dir"] / "train.tsv"
+    tmp = tempfile.TemporaryDirectory()
+    head = Path(tmp.name) / "dev_head.tsv"  # the first dev rows, for the batch-1 fraction
+    rows, loaded = [], {}
+    for name in models:
+        run = run_dir(name, task, args.runs)
+        if not _lib.finished(run):
+            print(f"-- {name} {task}: no finished run at {run}, skipped", flush=True)
+            continue
+        c = dynaseq.load(run)
+        loaded[name] = c
+        lengths = [len(ids) for ids, _ in c.encode(list(read_table(dev, c.layout).text_a))[0]]
+        full_macs = layer_macs(c.model, lengths)
+        spec = MODELS[name]
+        base = {"model": name, "label": spec["label"], "family": spec["family"],
+                "params": sum(p.numel() for p in c.model.parameters()),
+                "pretrain": _lib.throughput(run_dir(name, "mlm", args.runs)),
+                "finetune": _lib.throughput(run)}
+        if spec["family"] != "cct":
+            res = c.evaluate(dev, batch_size=32)
+            rows.append({**base, "score": round(100 * res[metric], 2),
+                         "layer_macs_per_token": round(full_macs)})
+            continue
+        dev_lines = dev.read_text(encoding="utf-8").splitlines(keepends=True)
+        header = 1 if TASKS[task]["header"] else 0
+        _lib.write_atomic(head, "".join(dev_lines[:header + args.fraction_rows]))
+        for calibrated in (False, True):
+            if calibrated:
+                c.calibrate(train_tsv, BUDGETS, lines=args.calibration_rows)
+            else:
+                c.calibrations = []
+            for b in BUDGETS:
+                res = c.evaluate(dev, budget=b, batch_size=32)
+                frac = float(c.evaluate(head, budget=b, batch_size=1)["realized_fraction"])
+                rows.append({**base, "budget": b, "calibrated": calibrated,
+                             "score": round(100 * res[metric], 2),
+                             "realized_fraction": round(frac, 4),
+                             "layer_macs_per_token": round(full_macs * frac)})
+    tmp.cleanup()
+    timing = time_budgets(loaded, dev, args) if {"cct", "dense"} <= set(loaded) else {}
+    return {"metric": metric, "rows": rows, "timing": timing}
+
+
+def time_budgets(loaded: dict[str, Any], dev: Path, args: argparse.Namespace) -> dict:
+    """Median seconds of the calibrated CCT at each budget and of the dense encoder, batch 1
+    (the first ``--time-rows`` dev rows one at a time) and batch 32 (every dev row), the
+    systems taking turns; and each as a ratio to the full budget."""
+    from dynaseq.tasks.classify.glue import read_table
+
+    out = {}
+    for batch in (1, 32):
+        fns = {}
+        for name in ("cct", "dense"):
+            c = loaded[name]
+            rows = c.encode(list(read_table(dev, c.layout).text_a))[0]
+            rows = rows[:args.time_rows] if batch == 1 else rows
+            for b in (BUDGETS if name == "cct" else [None]):
+                fns[f"cct {b:g}" if b else "dense"] = (
+                    lambda c=c, rows=rows, b=b, n=batch: c.classify_rows(rows, budget=b,
+                                                                          batch_size=n))
+        sec = _lib.interleaved_seconds(fns, args.rounds)
+        full = sec[f"cct {FULL:g}"]
+        out[f"batch_{batch}"] = {k: {"seconds": round(v, 4), "ratio_to_full": round(v / full, 3)}
+                                 for k, v in sec.items()}
+    return out
+
+
+def targets(task: dict) -> dict:
+    """Issue 24's quality targets for one task's rows (calibrated CCT budgets)."""
+    cct = {r["budget"]: r for r in task["rows"] if r["family"] == "cct" and r["calibrated"]}
+    dense = next((r for r in task["rows"] if r["family"] == "dense"), None)
+    out: dict[str, Any] = {}
+    if FULL in cct and dense:
+        gap = round(cct[FULL]["score"] - dense["score"], 2)
+        out["full_within_1_of_dense"] = {"cct": cct[FULL]["score"], "dense": dense["score"],
+                                         "difference": gap, "met": gap >= -1.0}
+    for b in (0.5, 0.33):
+        if b not in cct:
+            continue
+        mine = cct[b]
+        for family in ("depth", "width"):
+            shrunk = [r for r in task["rows"] if r["family"] == family]
+            if not shrunk:
+                continue
+            near = min(shrunk, key=lambda r: abs(r["layer_macs_per_token"]
+                                                 - mine["layer_macs_per_token"]))
+            out[f"{b:g}_above_{family}"] = {
+                "cct": mine["score"], "shrunk": near["model"], "shrunk_score": near["score"],
+                "macs_ratio_cct_over_shrunk": round(mine["layer_macs_per_token"]
+                                                    / near["layer_macs_per_token"], 3),
+                "met": mine["score"] > near["score"]}
+    return out
+
+
+def markdown(out: dict) -> list[str]:
+    lines = _lib.md_head(
+        "cct_bert: one CCT-BERT at several budgets vs dense encoders shrunk in depth and "
+        "width (SST-2, CoLA dev)", out["command"],
+        f"Machine: {out['machine']}. Date {out['date']}.",
+        f"Training: every encoder {out['pretrain_steps']} MLM updates on WikiText-2 "
+        f"(configs/wikitext2_mlm_small.yaml), then {out['finetune_steps']} fine-tuning "
+        "updates per task (configs/{sst2,cola}_small.yaml); same data, schedule and seed.",
+        "Targets (issue 24): CCT at the full budget (.8) within 1 point of the dense encoder; "
+        "at .5 and .33 above the shrunk encoder of the nearest layer MACs, in depth and in "
+        "width.")
+    for task, res in out["tasks"].items():
+        lines += ["", f"## {task} (dev, {res['metric']} x 100)", ""]
+        lines += _lib.md_table(
+            ["encoder", "budget", "calibrated", "score", "realized fraction",
+             "layer MACs/token", "÷ dense", "params", "pre-train min", "fine-tune min"],
+            "llllrrrrrr",
+            [[r["label"], r.get("budget", ""), {True: "yes", False: "no"}.get(
+                r.get("calibrated"), ""), r["score"], r.get("realized_fraction", ""),
+              f"{r['layer_macs_per_token'] / 1e3:.1f}K",
+              _ratio(r, res["rows"]), f"{r['params']:,}", r["pretrain"]["train_minutes"],
+              r["finetune"]["train_minutes"]] for r in res["rows"]])
+        if res["targets"]:
+            lines += ["", "Targets:", ""]
+            lines += [f"- `{k}`: {v}" for k, v in res["targets"].items()]
+        for batch, t in res["timing"].items():
+            lines += ["", f"Wall time, {batch.replace('_', ' ')} (interleaved, median of "
+                      f"{out['rounds']} rounds; ratio to the CCT at {FULL:g}): "
+                      + ", ".join(f"{k} {v['ratio_to_full']} ({v['seconds']} s)"
+                                  for k, v in t.items())]
+    return lines
+
+
+def _ratio(row: dict, rows: list[dict]) -> str:
+    dense = next((r for r in rows if r["family"] == "dense"), None)
+    return f"{row['layer_macs_per_token'] / dense['layer_macs_per_token']:.3f}" if dense else ""
+
+
+def plot(out: dict, path: Path) -> None:
+    """Score against realized layer MACs per token, one panel per task (fig. 6's axes)."""
+    plt = _plot.pyplot()
+    fig, axes = plt.subplots(1, len(out["tasks"]), figsize=(5 * len(out["tasks"]), 4),
+                             squeeze=False)
+    for ax, (task, res) in zip(axes[0], out["tasks"].items(), strict=True):
+        series = {"CCT-BERT (calibrated)": [r for r in res["rows"] if r.get("calibrated")],
+                  "CCT-BERT (trained symbols)": [r for r in res["rows"]
+                                                 if r.get("calibrated") is False],
+                  "shrunk in depth": [r for r in res["rows"] if r["family"] == "depth"],
+                  "shrunk in width": [r for r in res["rows"] if r["family"] == "width"],
+                  "dense": [r for r in res["rows"] if r["family"] == "dense"]}
+        for label, pts in series.items():
+            pts = sorted(pts, key=lambda r: r["layer_macs_per_token"])
+            if pts:
+                ax.plot([r["layer_macs_per_token"] / 1e3 for r in pts],
+                        [r["score"] for r in pts], marker="o", label=label)
+        ax.set_title(f"{task} dev")
+        ax.set_xlabel("layer MACs per token (thousands; CCT: realized)")
+        ax.set_ylabel(f"{res['metric']} x 100")
+        ax.legend(fontsize=7)
+    _plot.save(fig, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pretrain-steps", type=int, default=800)
+    p.add_argument("--finetune-steps", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calibration-rows", type=int, default=300,
+                   help="training rows each CCT budget's gate offset is fitted on")
+    p.add_argument("--fraction-rows", type=int, default=300,
+                   help="dev rows the CCT's realized fraction is measured on, one at a time")
+    p.add_argument("--time-rows", type=int, default=100,
+                   help="dev rows classified one at a time for the batch-1 wall time")
+    p.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS),
+                   help="train and report these encoders only")
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    p.add_argument("--report-only", action="store_true", help="train nothing")
+    p.add_argument("--runs", type=Path, default=RUNS, help=f"where the runs live ({RUNS})")
+    _lib.add_results_arg(p)
+    args = p.parse_args()
+    if not args.report_only:
+        _lib.train_each(c for c in configs(args.only, args.tasks, args)
+                        if not _lib.finished(Path(c.run_dir), args.pretrain_steps
+                                             if c.run_dir.endswith("_mlm")
+                                             else args.finetune_steps))
+    tasks = {}
+    for task in args.tasks:
+        res = measure_task(task, args.only, args)
+        tasks[task] = {**res, "targets": targets(res)}
+    out = {"benchmark": "cct_bert", "command": _lib.command(),
+           "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(processor=True),
+           "provenance": _lib.provenance(), "pretrain_steps": args.pretrain_steps,
+           "finetune_steps": args.finetune_steps, "rounds": args.rounds,
+           "calibration": f"first {args.calibration_rows} rows of each task's train.tsv, "
+                          "batch 1",
+           "realized_fraction": f"first {args.fraction_rows} dev rows, batch 1",
+           "tasks": tasks}
+    lines = markdown(out)
+    _lib.write_results(args.results, "cct_bert", out, lines)
+    print("\n".join(lines))
+    plot(out, args.results / "cct_bert.png")
+
+
+if __name__ == "__main__":
+    main()

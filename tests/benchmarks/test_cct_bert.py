@@ -1,0 +1,41 @@
+"""benchmarks/cct_bert.py's target checks: the full budget against the dense encoder, and
+each lower budget against the shrunk encoder of each family nearest in layer MACs."""
+
+from __future__ import annotations
+
+from helpers import load_benchmark
+
+
+def _row(model, family, score, macs, **extra):
+    return {"model": model, "label": model, "family": family, "score": score,
+            "layer_macs_per_token": macs, "params": 1,
+            "pretrain": {"train_minutes": 1.0}, "finetune": {"train_minutes": 0.5}, **extra}
+
+
+def test_targets_hold_each_budget_against_the_nearest_shrunk_encoder():
+    cct_bert = load_benchmark("cct_bert")
+    rows = [_row("cct", "cct", 80.0, 900, budget=0.8, calibrated=False),  # raw: not judged
+            _row("cct", "cct", 78.5, 800, budget=0.8, calibrated=True),
+            _row("cct", "cct", 77.0, 510, budget=0.5, calibrated=True),
+            _row("cct", "cct", 75.0, 330, budget=0.33, calibrated=True),
+            _row("dense", "dense", 79.0, 1000),
+            _row("depth_2", "depth", 76.0, 500), _row("depth_1", "depth", 76.5, 250),
+            _row("width_180", "width", 78.0, 490), _row("width_148", "width", 74.0, 340)]
+    t = cct_bert.targets({"rows": rows})
+    assert t["full_within_1_of_dense"] == {"cct": 78.5, "dense": 79.0, "difference": -0.5,
+                                           "met": True}
+    assert t["0.5_above_depth"]["shrunk"] == "depth_2" and t["0.5_above_depth"]["met"]
+    assert t["0.5_above_width"] == {"cct": 77.0, "shrunk": "width_180", "shrunk_score": 78.0,
+                                    "macs_ratio_cct_over_shrunk": 1.041, "met": False}
+    assert t["0.33_above_depth"]["shrunk"] == "depth_1" and not t["0.33_above_depth"]["met"]
+    assert t["0.33_above_width"]["shrunk"] == "width_148" and t["0.33_above_width"]["met"]
+    rows[1]["score"] = 77.9  # 1.1 below the dense encoder
+    assert not cct_bert.targets({"rows": rows})["full_within_1_of_dense"]["met"]
+    out = {"command": "python benchmarks/cct_bert.py", "machine": {}, "date": "d",
+           "pretrain_steps": 8, "finetune_steps": 6, "rounds": 1,
+           "tasks": {"sst2": {"metric": "accuracy", "rows": rows, "targets": t,
+                              "timing": {"batch_1": {"cct 0.8": {"seconds": 1.0,
+                                                                 "ratio_to_full": 1.0}}}}}}
+    text = "\n".join(cct_bert.markdown(out))
+    assert "| CCT-BERT" not in text and "| cct | 0.5 | yes | 77.0 |" in text
+    assert "| dense | | | 79.0 |" not in text and "| dense |  |  | 79.0 |" in text
