@@ -129,8 +129,8 @@ def made_by_from_git(path: Path, key: str, script: str,
     ``--only`` for ``report``), the date the commit's (UTC), and ``dirty`` None because
     whether the tree had uncommitted changes when the row was measured is not known.
 
-    Raises ``ValueError`` when a row without ``made_by`` is not in ``path`` as committed at
-    HEAD (measure it again instead: the report stamps what it measures)."""
+    Raises ``ValueError`` when a row without ``made_by`` differs from the file as last
+    committed (measure it again instead: the report stamps what it measures)."""
     import subprocess
 
     path = Path(path).resolve()
@@ -147,11 +147,17 @@ def made_by_from_git(path: Path, key: str, script: str,
     data = json.loads(path.read_text())
     cache: dict[str, dict[str, dict]] = {}
 
+    def show(spec: str) -> str:  # "" where the commit has no such file
+        try:
+            return git("show", spec)
+        except subprocess.CalledProcessError:
+            return ""
+
     def rows_at(commit: str) -> dict[str, dict]:
         if commit not in cache:
             try:
-                old = json.loads(git("show", f"{commit}:{rel}"))
-            except (subprocess.CalledProcessError, json.JSONDecodeError):
+                old = json.loads(show(f"{commit}:{rel}") or "{}")
+            except json.JSONDecodeError:
                 old = {}
             cache[commit] = {str(r[key]): r for r in old.get("rows", [])
                              if isinstance(r, dict) and key in r}
@@ -174,7 +180,7 @@ def made_by_from_git(path: Path, key: str, script: str,
                              "measure it again")
         commit, when = first
         args = report_args(row)
-        if "--only" in args and not _report_has_only(git("show", f"{commit}:{script}")):
+        if "--only" in args and not _report_has_only(show(f"{commit}:{script}")):
             args = args[:args.index("--only")]
         row["made_by"] = {"command": command([script, *args]), "commit": commit,
                           "dirty": None,
