@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections import Counter
 import time
 from pathlib import Path
 from typing import Any
@@ -90,17 +91,10 @@ def layer_macs(model: Any, lengths: list[int]) -> float:
     from dynaseq.metrics.encoder_profile import encoder_macs
 
     total = 0
-    for s, n in _counts(lengths).items():
+    for s, n in Counter(lengths).items():
         parts = encoder_macs(model, s)
         total += n * sum(v for k, v in parts.items() if k.startswith(("self_attn.", "ffn.")))
     return total / sum(lengths)
-
-
-def _counts(values: list[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
 
 
 def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict:
