@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
