@@ -105,8 +105,6 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
 
     metric, dev = TASKS[task]["metric"], GLUE / TASKS[task]["dir"] / "dev.tsv"
     train_tsv = GLUE / TASKS[task]["dir"] / "train.tsv"
-    tmp = tempfile.TemporaryDirectory()
-    head = Path(tmp.name) / "dev_head.tsv"  # the first dev rows, for the batch-1 fraction
     rows, loaded = [], {}
     for name in models:
         run = run_dir(name, task, args.runs)
@@ -114,9 +112,9 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
             print(f"-- {name} {task}: no finished run at {run}, skipped", flush=True)
             continue
         c = dynaseq.load(run)
-        loaded[name] = c
-        lengths = [len(ids) for ids, _ in c.encode(list(read_table(dev, c.layout).text_a))[0]]
-        full_macs = layer_macs(c.model, lengths)
+        encoded = c.encode(list(read_table(dev, c.layout).text_a))[0]
+        loaded[name] = (c, encoded)
+        full_macs = layer_macs(c.model, [len(ids) for ids, _ in encoded])
         spec = MODELS[name]
         base = {"model": name, "label": spec["label"], "family": spec["family"],
                 "params": sum(p.numel() for p in c.model.parameters()),
@@ -129,36 +127,35 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
             continue
         dev_lines = dev.read_text(encoding="utf-8").splitlines(keepends=True)
         header = 1 if TASKS[task]["header"] else 0
-        _lib.write_atomic(head, "".join(dev_lines[:header + args.fraction_rows]))
-        for calibrated in (False, True):
-            if calibrated:
-                c.calibrate(train_tsv, BUDGETS, lines=args.calibration_rows)
-            else:
-                c.calibrations = []
-            for b in BUDGETS:
-                res = c.evaluate(dev, budget=b, batch_size=32)
-                frac = float(c.evaluate(head, budget=b, batch_size=1)["realized_fraction"])
-                rows.append({**base, "budget": b, "calibrated": calibrated,
-                             "score": round(100 * res[metric], 2),
-                             "realized_fraction": round(frac, 4),
-                             "layer_macs_per_token": round(full_macs * frac)})
-    tmp.cleanup()
-    timing = time_budgets(loaded, dev, args) if {"cct", "dense"} <= set(loaded) else {}
+        with tempfile.TemporaryDirectory() as tmp:
+            head = Path(tmp) / "dev_head.tsv"  # the first dev rows, for the batch-1 fraction
+            _lib.write_atomic(head, "".join(dev_lines[:header + args.fraction_rows]))
+            for calibrated in (False, True):
+                if calibrated:
+                    c.calibrate(train_tsv, BUDGETS, lines=args.calibration_rows)
+                else:
+                    c.calibrations = []
+                for b in BUDGETS:
+                    res = c.evaluate(dev, budget=b, batch_size=32)
+                    frac = float(c.evaluate(head, budget=b, batch_size=1)["realized_fraction"])
+                    rows.append({**base, "budget": b, "calibrated": calibrated,
+                                 "score": round(100 * res[metric], 2),
+                                 "realized_fraction": round(frac, 4),
+                                 "layer_macs_per_token": round(full_macs * frac)})
+    timing = time_budgets(loaded, args) if {"cct", "dense"} <= set(loaded) else {}
     return {"metric": metric, "rows": rows, "timing": timing}
 
 
-def time_budgets(loaded: dict[str, Any], dev: Path, args: argparse.Namespace) -> dict:
-    """Median seconds of the calibrated CCT at each budget and of the dense encoder, batch 1
-    (the first ``--time-rows`` dev rows one at a time) and batch 32 (every dev row), the
-    systems taking turns; and each as a ratio to the full budget."""
-    from dynaseq.tasks.classify.glue import read_table
-
+def time_budgets(loaded: dict[str, tuple[Any, list]], args: argparse.Namespace) -> dict:
+    """Median seconds of the calibrated CCT at each budget and of the dense encoder
+    (``loaded``: name -> (classifier, its encoded dev rows)), batch 1 (the first
+    ``--time-rows`` rows one at a time) and batch 32 (every row), the systems taking turns;
+    and each as a ratio to the full budget."""
     out = {}
     for batch in (1, 32):
         fns = {}
         for name in ("cct", "dense"):
-            c = loaded[name]
-            rows = c.encode(list(read_table(dev, c.layout).text_a))[0]
+            c, rows = loaded[name]
             rows = rows[:args.time_rows] if batch == 1 else rows
             for b in (BUDGETS if name == "cct" else [None]):
                 fns[f"cct {b:g}" if b else "dense"] = (

@@ -217,10 +217,10 @@ def cmd_made_by_from_git(args: argparse.Namespace) -> None:
     old = json.loads((args.results / "cct_adherence.json").read_text())
     adherence = {**adherence_results(out), "command": old["command"],
                  "machine": old["machine"]}
-    measured = [{k: v for k, v in r.items() if k not in ("system", "made_by")}
-                for r in adherence["rows"]]
-    if measured != [{k: v for k, v in r.items() if k not in ("system", "made_by")}
-                    for r in old["rows"]]:
+    def measured(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in ("system", "made_by")} for r in rows]
+
+    if measured(adherence["rows"]) != measured(old["rows"]):
         raise ValueError("cct_adherence.json does not hold cct_quality.json's CCT rows: "
                          "run the report again")
     _lib.write_results(args.results, "cct_adherence", adherence,
