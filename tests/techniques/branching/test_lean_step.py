@@ -103,6 +103,19 @@ def test_a_batch_1_step_runs_one_plain_matmul_per_projection_and_router():
     assert counts[0].count("_grouped_mm.default") == LAYERS
 
 
+def test_the_fused_copy_takes_the_models_dtype_and_device():
+    """The fused cross-attention keys/values projection is made where the model's weights
+    are: a float64 model decodes through it (before: float32 weights, a dtype error; on a
+    GPU, CPU weights)."""
+    m = model().double()
+    lean = LeanDecoder.prepare(m)
+    kv = lean.layers[0].cross_attn.kv
+    assert kv.weight.dtype == torch.float64
+    assert kv.weight.device == m.decoder.output_proj.weight.device
+    src = sources()
+    assert greedy_search(lean, src, max_len_b=20) == greedy_search(m, src, max_len_b=20)
+
+
 def test_a_changed_projection_makes_the_fused_copy_stale():
     m = model()
     lean = LeanDecoder.prepare(m)

@@ -73,7 +73,7 @@ def _fused(projections: tuple[Projection, ...]) -> Projection:
                                    for k in range(first.n_branches)])
     weights, biases = zip(*(p.branch_parameters() for p in projections), strict=True)
     fused = BranchedLinear(first.in_features, sum(p.out_features for p in projections),
-                           first.n_branches, shared=False)
+                           first.n_branches, shared=False).to(weights[0])  # device, dtype
     with torch.no_grad():
         fused.weight.copy_(torch.cat(weights, dim=1))  # (N, Σ out, in)
         assert fused.bias is not None and all(b is not None for b in biases)
