@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dynaseq.serve.batcher import Batcher, Job, QueueFull
+from dynaseq.serve.batcher import Batcher, Job, QueueFull, Shed
 from dynaseq.serve.metrics import ServerMetrics
 
 
@@ -118,7 +118,7 @@ def test_a_batch_is_replanned_before_it_runs():
         batches = []
         b = Batcher(ServerMetrics(), window_ms=50, max_batch_rows=8, max_queue_rows=100)
         jobs = [make_job("a", n, batches) for n in (1, 2, 3, 4)]
-        jobs[0].replan = replan
+        jobs[1].replan = replan  # the first job with a replan (a deadline) plans the batch
         futs = [b.submit(j) for j in jobs]
         b.start()
         await asyncio.gather(*futs)
@@ -142,3 +142,44 @@ def test_the_scale_follows_the_first_batches_at_once_then_moves_slowly():
     assert b.scale == pytest.approx(2.5 - b.SCALE_WEIGHT)
     b._update_scale(100.0)
     assert b.scale == b.SCALE_RANGE[1]  # clamped
+
+
+def test_jobs_shed_by_replan_get_their_exception_and_the_rest_run():
+    """A job ``replan`` marks ``shed`` does not run: its future gets the :class:`Shed`;
+    the batch runs without it (and a batch left empty runs nothing)."""
+    def replan(jobs, scale, behind):
+        for j in jobs:
+            if j.rows == 2:
+                j.shed = Shed("too late", 3)
+
+    async def go():
+        batches = []
+        b = Batcher(ServerMetrics(), window_ms=50, max_batch_rows=8, max_queue_rows=100)
+        jobs = [make_job("a", n, batches) for n in (1, 2, 3)]
+        jobs[0].replan = replan
+        lone = make_job("b", 2, batches)
+        lone.replan = replan
+        futs = [b.submit(j) for j in [*jobs, lone]]
+        b.start()
+        out = await asyncio.gather(*futs, return_exceptions=True)
+        b.stop()
+        return batches, out
+
+    batches, out = asyncio.run(go())
+    assert [[rows for _, rows, _ in batch] for batch in batches] == [[1, 3]]
+    assert isinstance(out[1], Shed) and out[1].retry_after_s == 3
+    assert isinstance(out[3], Shed)
+    assert out[0] == batches[0][0][0] and out[2] == batches[0][1][0]
+
+
+def test_the_fast_scale_is_a_low_quantile_of_recent_batches():
+    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
+    b._update_scale(2.0)
+    assert b.fast_scale == b.scale  # too few batches yet
+    for r in range(b.FAST_MIN_BATCHES - 1):
+        b._update_scale(1.0 + r / 10)
+    ratios = sorted([2.0, *(1.0 + r / 10 for r in range(b.FAST_MIN_BATCHES - 1))])
+    assert b.fast_scale == ratios[int(b.FAST_QUANTILE * len(ratios))]
+    for _ in range(b.RATIO_WINDOW):
+        b._update_scale(0.7)
+    assert b.fast_scale == 0.7  # only the last RATIO_WINDOW batches count

@@ -233,3 +233,23 @@ def test_the_queue_ahead_runs_in_the_batches_the_batcher_will_form():
     assert p.predict_ms(FULL, 1, 10, ahead) == pytest.approx(100 + 10 + 40 * 5 / 9)
     assert p.predict_ms(FULL, 1, 10, [Work(FULL, 10, 10)]) == pytest.approx(50 + 10)
     assert p.batches([]) == []
+
+
+def test_lines_that_cannot_answer_in_time_even_at_the_smallest_are_dropped():
+    """``late``: a flexible line is dropped when the batch at the smallest budget (scaled)
+    takes longer than its time left; dropping it shortens the batch, and the others are
+    checked again."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    fixed = [Work(FULL, 5, 10)]  # 25 ms of a 10-line batch
+    flexible = [Work(FULL, 5, 10, True)]  # 15 ms at half
+    assert p.late(fixed, flexible, [40.0]) == [False]  # 25 + 15
+    assert p.late(fixed, flexible, [39.0]) == [True]
+    assert p.late(fixed, flexible, [79.0], scale=2.0) == [True]
+    # two lines: in one 2-line batch at half (length 20) they take 12 + 48/9 ms; the
+    # 10-token line alone (the other dropped) takes 6, the 20-token one 12
+    two = [Work(FULL, 1, 20, True), Work(FULL, 1, 10, True)]
+    assert p.late([], two, [18.0, 18.0]) == [False, False]
+    assert p.late([], two, [17.0, 17.0]) == [True, False]  # the first in line goes first
+    assert p.late([], two, [17.0, 16.0]) == [False, True]  # the least time left goes first
+    assert p.late([], two, [11.0, 5.0]) == [True, True]  # 12 > 11 once the other is gone
+    assert p.late([], two, [12.0, 5.0]) == [False, True]

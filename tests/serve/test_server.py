@@ -218,6 +218,34 @@ def test_concurrent_deadline_requests_get_the_budget_they_report(server, serve_r
     assert single - before == batches - batches_before  # one budget in every batch
 
 
+def test_a_deadline_request_that_can_no_longer_answer_in_time_is_shed(run_copy, lines):
+    """Admitted on a prediction that turns out wrong (a latency table 1000 times too fast),
+    a deadline request whose batch starts after its deadline is dropped then with a 503
+    and ``Retry-After``, counted as rejected for lateness, while the request without a
+    deadline in the same batch is answered."""
+    path = run_copy / "latency_table.json"
+    table = json.loads(path.read_text())
+    table["service_ms"] = {k: [[v / 1000 for v in row] for row in rows]
+                           for k, rows in table["service_ms"].items()}
+    path.write_text(json.dumps(table))
+    s = Server(run_copy, "--beam", "1", "--batch-window-ms", "400")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(httpx.post, s.url + "/v1/translate",
+                                json={"text": lines[0]}, timeout=60)
+            deadline = time.monotonic() + 30
+            while s.metric("dynaseq_queue_depth_lines") < 1:  # it waits out the window
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            late = s.post("/v1/translate", json={"text": lines[1], "deadline_ms": 50})
+            assert plain.result().status_code == 200
+        assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1
+        assert "can no longer be met" in late.json()["error"]
+        assert s.metric("dynaseq_rejected_total", endpoint="translate", reason="late") == 1
+    finally:
+        s.stop()
+
+
 def test_a_deadline_without_a_latency_table_is_refused(run_copy, lines):
     (run_copy / "latency_table.json").unlink()
     s = Server(run_copy, "--beam", "1")

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dynaseq.core.errors import DynaseqError
 from dynaseq.metrics.latency_table import LatencyTable
 from dynaseq.serve import endpoints as ep
-from dynaseq.serve.batcher import Batcher, BudgetParts, Job, QueueFull
+from dynaseq.serve.batcher import Batcher, BudgetParts, Job, QueueFull, Shed
 from dynaseq.serve.config import ServeConfig
 from dynaseq.serve.metrics import ServerMetrics
 from dynaseq.serve.policy import DeadlinePolicy
@@ -277,6 +277,9 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
                 job.cancel()
                 return _refuse(state, endpoint, log, 499, "the client closed the connection")
             result = fut.result()
+        except Shed as e:  # dropped from its batch: it could no longer answer in time
+            return _refuse(state, endpoint, log, 503, str(e), retry=e.retry_after_s,
+                           reason="late")
         except Exception as e:  # the batch raised: this batch's requests fail, not the server
             msg = f"the batch failed: {type(e).__name__}: {e}"
             return _refuse(state, endpoint, log, 500, msg)
@@ -308,6 +311,8 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
             log["budget"] = ep.budget_json(job.budget)
         if job.predicted_ms is not None:
             log["predicted_ms"] = round(job.predicted_ms, 1)
+        if job.plan is not None:
+            log.update(job.plan)
         data = endpoint.response(**out).model_dump(exclude_none=True)
         data.setdefault("budget", None)  # None: the model has no budget knob
         return JSONResponse(data)

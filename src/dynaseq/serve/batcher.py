@@ -50,6 +50,15 @@ class QueueFull(Exception):
     """The queue holds ``max_queue_rows`` lines already."""
 
 
+class Shed(Exception):
+    """A queued job was dropped when its batch was formed: it could no longer answer by its
+    deadline (503 with ``Retry-After: retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(eq=False)
 class Job:
     """One request's work.
@@ -63,9 +72,10 @@ class Job:
     deadline_ms: the request's deadline (None: it named its budget or took the default);
         due: when its answer is due (``time.perf_counter()`` seconds), set on arrival.
     replan: ``replan(jobs, scale, behind)``, called in the worker thread with a batch just
-        taken (the first job's) and the jobs still queued, before it runs: may choose
+        taken (the first such job's) and the jobs still queued, before it runs: may choose
         again the budgets of the batch's jobs that carry a deadline, now that the batch
-        is known.
+        is known, and may shed some of them (:attr:`shed`).
+    shed: set by ``replan``: the job does not run; its request gets :class:`Shed`.
     """
 
     group: Hashable
@@ -82,9 +92,11 @@ class Job:
     batch_rows: int = 0
     cancelled: bool = False
     predicted_ms: float | None = None  # the policy's completion estimate, overhead excluded
+    plan: dict[str, float] | None = None  # what the estimate was made against (access log)
     deadline_ms: float | None = None
     due: float | None = None
     replan: Callable[[list[Job], float, list[Job]], None] | None = None
+    shed: Shed | None = None
 
     def cancel(self) -> None:
         """The client went away: drop the job if it has not started."""
@@ -124,6 +136,9 @@ class Batcher:
     OVERHEAD_WINDOW = 200
     OVERHEAD_TAU_S = 2.0
     ARRIVAL_TAU_S = 1.0
+    RATIO_WINDOW = 50
+    FAST_QUANTILE = 0.5
+    FAST_MIN_BATCHES = 10
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
@@ -140,6 +155,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self.scale = 1.0
         self._scale_batches = 0
+        self._ratios: deque[float] = deque()  # real ÷ estimated time of the last batches
         self._errors: deque[tuple[float, float]] = deque()  # (ms late, when observed)
         self._arrivals = (0.0, time.perf_counter())  # (lines per second, when)
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
@@ -248,8 +264,13 @@ class Batcher:
                 self._queue.remove(job)
                 batch.append(job)
                 rows += job.rows
-            if batch[0].replan is not None:
-                batch[0].replan(batch, self.scale, list(self._queue))
+            replan = next((j.replan for j in batch if j.replan is not None), None)
+            if replan is not None:  # a job with a deadline is in it
+                replan(batch, self.scale, list(self._queue))
+                for job in batch:
+                    if job.shed is not None:
+                        _deliver(job, exc=job.shed)
+                batch = [job for job in batch if job.shed is None]
             predicted = self.estimate_ms(batch) if self.estimate_ms is not None else 0.0
             self._running = (time.perf_counter(), predicted)
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
@@ -277,11 +298,26 @@ class Batcher:
                         self._update_scale(ratio)
                     self._running = None
 
+    @property
+    def fast_scale(self) -> float:
+        """The :data:`FAST_QUANTILE` quantile of the last :data:`RATIO_WINDOW` batches'
+        real ÷ estimated times (:attr:`scale` until :data:`FAST_MIN_BATCHES` have run): how
+        fast a batch runs when it runs fast. A job predicted late even at this scale is
+        late but for luck (what the deadline policy sheds)."""
+        with self._cond:
+            ratios = sorted(self._ratios)
+        if len(ratios) < self.FAST_MIN_BATCHES:
+            return self.scale
+        return ratios[int(self.FAST_QUANTILE * len(ratios))]
+
     def _update_scale(self, ratio: float) -> None:
         """One more batch ran ``ratio`` times its estimate. The moving average weighs the
         k-th batch ``max(SCALE_WEIGHT, 1 / k)``: the first batches set the scale at once
         (a fresh server does not plan its first seconds at a scale of 1), later ones
         move it by :data:`SCALE_WEIGHT`."""
+        self._ratios.append(ratio)
+        if len(self._ratios) > self.RATIO_WINDOW:
+            self._ratios.popleft()
         self._scale_batches += 1
         w = max(self.SCALE_WEIGHT, 1.0 / self._scale_batches)
         lo, hi = self.SCALE_RANGE

@@ -39,7 +39,7 @@ from dynaseq.metrics.latency_table import Pair
 from dynaseq.metrics.macs import count_macs
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
-from dynaseq.serve.batcher import BudgetParts, Job
+from dynaseq.serve.batcher import BudgetParts, Job, Shed
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
@@ -141,18 +141,24 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
         predicted = state.policy.predict_ms(pair or (1.0, 1.0), len(lines), length,
                                             load.ahead, load.running_ms, load.scale,
                                             arrival_rate=load.arrival_rate)
+    plan = None if load is None else {"margin_ms": round(load.overhead_ms, 1),
+                                      "scale": round(load.scale, 3),
+                                      "ahead_lines": sum(w.rows for w in load.ahead)}
     return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
                rows=len(lines), length=length, budget=pair, endpoint="translate",
-               predicted_ms=predicted, deadline_ms=req.deadline_ms,
+               predicted_ms=predicted, deadline_ms=req.deadline_ms, plan=plan,
                replan=None if req.deadline_ms is None else partial(replan_translate, state))
 
 
 def replan_translate(state: ServeState, jobs: list[Job], scale: float,
                      behind: list[Job]) -> None:
-    """A batch is about to run (in the batcher's thread): its deadline jobs all take the
-    budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget` chooses for the time
-    left to the earliest of them and to the translation jobs queued ``behind`` (the event
-    loop's lag and the margin that admission planned with kept aside)."""
+    """A batch is about to run (in the batcher's thread): its deadline jobs that can no
+    longer answer in time even at the smallest budget are shed (503, with the
+    ``"reject"`` overload policy: :meth:`~dynaseq.serve.policy.DeadlinePolicy.late`); the
+    others all take the budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget`
+    chooses for the time left to the earliest of them and to the translation jobs queued
+    ``behind`` (the event loop's lag and the margin that admission planned with kept
+    aside)."""
     policy = state.policy
     flexible = [j for j in jobs if j.due is not None and j.budget is not None]
     if policy is None or not flexible:
@@ -164,6 +170,18 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
         return None if j.due is None else 1000.0 * (j.due - now) - lag
 
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
+    if policy.overload == "reject":  # drop what would be late even if its batch ran fast
+        raw = [1000.0 * (j.due - now) - state.batcher.loop_lag_ms for j in flexible]
+        late = policy.late(fixed, [j.work() for j in flexible], raw,
+                           min(scale, state.batcher.fast_scale))
+        for j, is_late in zip(flexible, late, strict=True):
+            if is_late:
+                j.shed = Shed(f"the deadline of {j.deadline_ms:g} ms can no longer be met "
+                              "(the queue ran longer than predicted)",
+                              policy.retry_after_min_s)
+        flexible = [j for j in flexible if j.shed is None]
+        if not flexible:
+            return
     queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
                                  min(left(j) for j in flexible), scale, queued)

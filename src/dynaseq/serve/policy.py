@@ -3,7 +3,9 @@
 A request that carries ``deadline_ms`` is planned when it arrives (admitted or refused,
 and a first budget), and again when its batch is taken (:meth:`DeadlinePolicy.
 batch_budget`: one budget for every deadline line of the batch, the largest that answers
-the earliest due in time without making the deadline lines queued behind late). On
+the earliest due in time without making the deadline lines queued behind late; a line that
+cannot answer in time even at the smallest is dropped then, :meth:`DeadlinePolicy.late`,
+with a 503, rather than answered late). On
 arrival its predicted completion is the rest of the batch now running, then the queued
 lines in the batches the batcher will form (deadline lines at the candidate budget, the
 others at their own), then the batch it joins with its own lines and those expected to
@@ -209,6 +211,27 @@ class DeadlinePolicy:
             if spent <= left_ms and self._behind_in_time(spent, behind, scale):
                 return budget
         return self.smallest
+
+    def late(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: Sequence[float],
+             scale: float = 1.0) -> list[bool]:
+        """Which ``flexible`` lines of a batch about to run (``left_ms``: the time left to
+        each one's due answer) cannot answer in time even with every flexible line at the
+        smallest budget: the batch's predicted time, ``scale`` times the table's, is more
+        than their time left. The line with the least time left goes first; dropping it
+        shortens the batch for the others, so each next one is checked against the batch
+        without those dropped, until one answers in time (then all the rest do). (No
+        margin: a line is dropped when its answer is predicted late, not when it merely
+        might be.)"""
+        fixed = [self._tabled(w) for w in fixed]
+        out = [False] * len(flexible)
+        for i in sorted(range(len(flexible)), key=lambda i: left_ms[i]):
+            spent = scale * self.batch_ms(
+                [*fixed, *(Work(self.smallest, w.rows, w.length)
+                           for w, dropped in zip(flexible, out, strict=True) if not dropped)])
+            if left_ms[i] >= spent:
+                break
+            out[i] = True
+        return out
 
     def _tabled(self, w: Work) -> Work:
         """``w``, at the largest budget when the table lacks its own."""
