@@ -218,7 +218,8 @@ def machine(*, processor: bool = False, torch_threads: bool = True,
 
     out: dict[str, Any] = {"platform": platform.platform()}
     if processor:
-        out["processor"] = platform.processor() or _cpu_model()
+        name = platform.processor()  # some Linux builds say only the architecture
+        out["processor"] = _cpu_model() or name if name in ("", platform.machine()) else name
         out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     out["torch"] = torch.__version__
     if torch_threads:

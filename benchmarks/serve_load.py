@@ -46,7 +46,7 @@ import aiohttp
 import httpx
 import sacrebleu
 
-from _lib import add_results_arg, command, machine, md_head, md_table, write_results
+from _lib import add_results_arg, command, machine, md_head, md_table, provenance, write_results
 
 POLICIES = ("full", "smallest", "deadline")
 
@@ -363,8 +363,8 @@ def main() -> None:
         server.stop()
     table = json.loads((run / "latency_table.json").read_text())
     data = {
-        "command": command(), "machine": machine(processor=True, server_threads=args.threads,
-                                                 cores=os.cpu_count()),
+        "command": command(), "made_by": provenance(),
+        "machine": machine(processor=True, server_threads=args.threads, cores=os.cpu_count()),
         "pinning": (None if split is None else
                     {"server_cores": sorted(split[0]), "client_cores": sorted(split[1])}),
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
