@@ -7,10 +7,16 @@ module-level state. Dense sub-layers accept it and ignore it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
+
+RowCounter = Callable[[Tensor | None, Tensor | None, bool], Tensor]
+"""``rows(q_valid, k_valid, all_on) -> (B,)`` long: a call's MACs per row counting only the
+positions where ``q_valid`` ``(B, T)`` (the call's own tokens) and ``k_valid`` ``(B, S)`` (its
+keys' tokens) are True (None: every position); ``all_on``: with every gate open."""
 
 MACS_TRACE = "macs"
 """``AuxOutputs.traces`` key of the :class:`MacsRecord` entries (inference only)."""
@@ -30,12 +36,19 @@ class MacsRecord:
         (the same input; the denominator of a realized fraction, so no second call with
         every gate on is needed). ``None`` where the sub-layer cannot tell (keys read
         from a cache).
+    rows: the same per-row counts restricted to the positions a caller says are a row's
+        own (:data:`RowCounter`): what the row costs run alone, without the padding its
+        batch gave it. ``None`` where the sub-layer does not count per row.
+    keys_from_memory: the call's keys are the other stack's tokens (cross-attention), so
+        ``rows`` takes that stack's validity as ``k_valid``.
     """
 
     layer: str
     macs: dict[str, int]
     per_row: Tensor | None = None
     per_row_full: Tensor | None = None
+    rows: RowCounter | None = None
+    keys_from_memory: bool = False
 
 
 @dataclass

@@ -231,9 +231,10 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
                      control: Any) -> list[dict]:
     """Each line's realized compute: its source and its own output run teacher forced once
     at the line's budget (the same gates fire as in the decode, which fed the same
-    prefixes; the output layer does not run); per-row MACs of the gated sub-layers
-    (:func:`realized_macs_by_row`), and what every gate open would have run, per token and
-    as a fraction. Dense models: the analytic count, fraction 1."""
+    prefixes; the output layer does not run); per-row MACs of the gated sub-layers over the
+    line's own tokens (:func:`realized_macs_by_row`: what the line costs alone, whatever it
+    was batched with), and what every gate open would have run, per token and as a
+    fraction. Dense models: the analytic count, fraction 1."""
     max_pos = model.encoder.positions.max_positions
     device = next(model.parameters()).device
     src = collate_source([s[: max_pos - 1] for s in src_ids], model.pad_id,
@@ -254,11 +255,12 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
         return out
     aux = AuxOutputs()
     model.decoder(tgt, model.encode(src, control, aux), aux=aux, project=False)
+    valid = {"encoder": src.ne(model.pad_id), "decoder": tgt.ne(model.pad_id)}
     parts = []
     for all_on in (False, True):
         sums = {sub: torch.zeros(len(rows), dtype=torch.long, device=device)
                 for sub in GATE_SUBNETWORKS}
-        for layer, per_row in realized_macs_by_row(aux, all_on).items():
+        for layer, per_row in realized_macs_by_row(aux, all_on, valid).items():
             sums[layer.split(".")[0]] += per_row
         parts.append({k: v.tolist() for k, v in sums.items()})
     ran, full = parts
@@ -378,8 +380,8 @@ def encoder_compute_per_row(model: torch.nn.Module, rows: list[Row],
                             row_layers: torch.Tensor | None = None) -> list[dict]:
     """Each row's compute in the shape of translation's (:func:`realized_per_row`): for a
     CCT encoder, the MACs its gated sub-layers ran per token of the row and their fraction
-    of every gate on (``realized``, from the batch that classified the rows: the row's
-    padded positions count, as they ran); for a dense encoder (``realized`` None) the
+    of every gate on (``realized``, from the batch that classified the rows, over the
+    row's own tokens: what it costs alone); for a dense encoder (``realized`` None) the
     analytic count (:func:`encoder_macs`), fraction 1, or with ``row_layers`` ((N,) layers
     each row ran: adaptive depth's early exit) the count of those first layers and its
     fraction of every layer."""

@@ -16,7 +16,7 @@ from dynaseq.core.distributed import DistEnv
 from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.core.files import sha256_file
 from dynaseq.core.runlog import RunLog
-from dynaseq.tasks.classify.predictor import Classifier
+from dynaseq.tasks.classify.predictor import Classifier, RealizedCompute
 from dynaseq.tasks.classify.task import ClassifyTask
 from dynaseq.train.loop import train
 
@@ -194,6 +194,15 @@ def test_cct_bert_finetunes_and_reports_realized_compute(tmp_path, text_corpus, 
     mixed = c.classify(lines, budget=[0.8, 0.2, 0.5])
     assert mixed == [c.classify([line], budget=b)[0]
                      for line, b in zip(lines, [0.8, 0.2, 0.5], strict=True)]
+    # each line's realized compute is its own, whatever length its batch padded it to
+    rows, _ = c.encode(["a fine film that runs long and longer still", "bad"])
+    for budget in (0.8, 0.2):
+        both, alone = RealizedCompute(), RealizedCompute()
+        c.classify_rows(rows, budget, compute=both)
+        c.classify_rows(rows[1:], budget, compute=alone)
+        assert int(both.row_tokens[1]) < int(both.row_tokens[0])
+        assert (int(both.row_ran[1]), int(both.row_full[1])) == (int(alone.row_ran[0]),
+                                                                 int(alone.row_full[0]))
     proc = run_cli("profile", str(run), "--budget", "0.33", "--json", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr.decode()
     row = json.loads(proc.stdout)["lengths"]["32"]

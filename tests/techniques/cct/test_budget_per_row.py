@@ -138,6 +138,29 @@ def test_per_row_macs_are_what_the_row_costs_alone(calibrated):
                 assert per_row[layer][i] == sum(counts.values()), (i, layer)
 
 
+def test_a_rows_own_count_leaves_out_the_padding_its_batch_gave_it(calibrated):
+    """Given each stack's own positions, a row's MACs (at its budget, and with every gate
+    open) are those of the row run alone without padding, however long the other rows
+    are: encoder, decoder and cross-attention alike. Without them the padding counts."""
+    m, b, control = _mixed_batch(calibrated)
+    valid = {"encoder": b.src.ne(m.pad_id), "decoder": b.tgt_in.ne(m.pad_id)}
+    assert not bool(valid["encoder"].all()) and not bool(valid["decoder"].all())
+    with torch.no_grad():
+        aux = m(b.src, b.tgt_in, control).aux
+        for all_on in (False, True):
+            own = realized_macs_by_row(aux, all_on, valid)
+            padded = realized_macs_by_row(aux, all_on)
+            for i in range(b.src.size(0)):
+                s, t = (int(v[i].sum()) for v in (valid["encoder"], valid["decoder"]))
+                alone = realized_macs_by_row(m(b.src[i:i + 1, :s], b.tgt_in[i:i + 1, :t],
+                                               control.select(torch.tensor([i]))).aux, all_on)
+                assert alone.keys() == own.keys()
+                for layer, counts in alone.items():
+                    assert own[layer][i] == counts[0], (all_on, i, layer)
+            assert all(bool((padded[k] >= own[k]).all()) for k in own)
+            assert any(bool((padded[k] > own[k]).any()) for k in own)
+
+
 def test_all_on_counts_of_one_call_are_those_of_a_call_with_every_gate_open(calibrated):
     """``per_row_full`` (recorded by the call at the rows' budgets) equals the per-row
     MACs of the same batch run again with every gate open, sub-layer by sub-layer."""
@@ -178,6 +201,22 @@ def test_served_compute_is_the_two_call_count(calibrated):
         for sub, n in (("encoder", x.size(1)), ("decoder", y.size(1))):
             assert got["macs_per_token"][sub] == per["ran"][sub] / n, (i, sub)
             assert got["fraction"][sub] == pytest.approx(per["ran"][sub] / per["full"][sub])
+
+
+def test_a_served_lines_compute_does_not_depend_on_what_it_was_batched_with(calibrated):
+    """The server's compute of each line of a batch mixing budgets and lengths equals the
+    line's compute served alone."""
+    from dynaseq.serve.endpoints import realized_per_row
+
+    t, lines, _ = calibrated
+    budgets = _interleaved(BUDGETS, 2)
+    src = t.tokenizer.encode(lines)
+    assert len({len(x) for x in src}) > 1
+    hyps = t.tokenizer.encode(t.translate(lines, budget=budgets))
+    batched = realized_per_row(t.model, src, hyps, t.control_for(budgets, len(lines)))
+    for i, got in enumerate(batched):
+        [alone] = realized_per_row(t.model, [src[i]], [hyps[i]], t.control_for([budgets[i]], 1))
+        assert got == alone, i
 
 
 def test_threads_at_different_budgets_on_one_model_match_running_one_after_the_other(

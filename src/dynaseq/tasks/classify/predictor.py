@@ -89,9 +89,9 @@ class RealizedCompute:
     ran, full: MACs executed, and what every gate on would execute, over all batches
         (:func:`realized_macs_by_layer`: the packed layout's padding slots included);
     tokens: the non-padding tokens;
-    row_ran, row_full: ``(N,)`` long, in row order, the same per row
-        (:func:`realized_macs_by_row`: the row's positions in its padded batch, padding
-        included, whatever budgets the other rows ran at);
+    row_ran, row_full: ``(N,)`` long, in row order, the same per row over the row's own
+        tokens (:func:`realized_macs_by_row` with the batch's padding left out: what the row
+        costs alone, whatever budgets and lengths the other rows had);
     row_tokens: ``(N,)`` long, each row's non-padding tokens.
 
     Adaptive-depth and multi-exit encoders (early exit): layers: layer applications over
@@ -122,8 +122,9 @@ class RealizedCompute:
         index = torch.tensor(idx)
         self.ran += _macs_total(ran)
         self.full += _macs_total(full)
-        self.row_ran[index] = _macs_per_row(ran, len(idx))
-        self.row_full[index] = _macs_per_row(full, len(idx))
+        valid = {"encoder": tokens.ne(pad_id)}
+        self.row_ran[index] = _macs_per_row(ran, len(idx), valid)
+        self.row_full[index] = _macs_per_row(full, len(idx), valid)
         n = tokens.ne(pad_id).sum(1).cpu()  # (B,)
         self.tokens += int(n.sum())
         self.row_tokens[index] = n
@@ -144,10 +145,11 @@ def _macs_total(aux: AuxOutputs) -> int:
     return sum(sum(c.values()) for c in realized_macs_by_layer(aux).values())
 
 
-def _macs_per_row(aux: AuxOutputs, n_rows: int) -> Tensor:
-    """(B,) long on the CPU: each row's MACs over every gated sub-layer."""
+def _macs_per_row(aux: AuxOutputs, n_rows: int, valid: dict[str, Tensor]) -> Tensor:
+    """(B,) long on the CPU: each row's MACs over every gated sub-layer, of its own
+    (``valid``) positions."""
     total = torch.zeros(n_rows, dtype=torch.long)
-    for per_row in realized_macs_by_row(aux).values():
+    for per_row in realized_macs_by_row(aux, valid=valid).values():
         total += per_row.cpu()
     return total
 

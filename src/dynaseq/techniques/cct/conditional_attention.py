@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -345,7 +346,10 @@ class ConditionalAttention(nn.Module):
             aux.add_trace(MACS_TRACE, MacsRecord(
                 self.name, self.realized_macs(q_on, kv_ran, key_on, key_width=key_width),
                 self.realized_macs_per_row(q_on, kv_ran, key_on),
-                None if cache is not None else self._all_on_per_row(q_on, attn_mask, s)))
+                None if cache is not None else self._all_on_per_row(q_on, attn_mask, s),
+                rows=None if cache is not None else partial(
+                    self._valid_rows, q_on, kv_ran, attn_mask),
+                keys_from_memory=memory is not None))
         return out.view(b, t, d)
 
     def _attend_packed_queries(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
@@ -518,14 +522,43 @@ class ConditionalAttention(nn.Module):
             if kv_on is None:
                 raise ValueError("give key_on when kv_on is None (keys from a static cache)")
             key_on = kv_on
+        return self._per_row(q_on, kv_on, key_on, q_on.size(1),
+                             None if kv_on is None else kv_on.size(1))
+
+    def _per_row(self, q_on: Tensor, kv_on: Tensor | None, key_on: Tensor,
+                 q_tokens: Tensor | int, kv_tokens: Tensor | int | None) -> Tensor:
+        """:meth:`realized_macs_per_row` with the tokens each row's control networks ran on
+        (``q_tokens`` queries, ``kv_tokens`` key/value tokens: a number, or ``(B,)``)."""
         n_q = q_on.sum(1)  # (B,)
         per_query = _linear_macs(self.q_proj, 1) + _linear_macs(self.out_proj, 1)
         ran = n_q * (per_query + 2 * self.d_model * key_on.sum(1))
-        ran = ran + q_on.size(1) * self.q_control.macs(1)
+        ran = ran + q_tokens * self.q_control.macs(1)
         if kv_on is not None:
             per_kv = _linear_macs(self.k_proj, 1) + _linear_macs(self.v_proj, 1)
-            ran = ran + kv_on.sum(1) * per_kv + kv_on.size(1) * self.kv_control.macs(1)
+            ran = ran + kv_on.sum(1) * per_kv + kv_tokens * self.kv_control.macs(1)
         return ran
+
+    def _valid_rows(self, q_on: Tensor, kv_ran: Tensor, attn_mask: Tensor | None,
+                    q_valid: Tensor | None, k_valid: Tensor | None, all_on: bool) -> Tensor:
+        """:data:`~dynaseq.nn.outputs.RowCounter` of a call without a cache (its keys are
+        the tokens whose K/V it projected, ``kv_ran``): per row, the MACs of its own
+        queries (``q_valid``) over its own keys (``k_valid``), as the row alone would run
+        them: its keys are projected only if one of its own queries is open, and its
+        control networks run on its own tokens. ``all_on``: every gate open (every own
+        query, every own key that a query may attend)."""
+        b, s = kv_ran.shape
+        if all_on:
+            q_on = torch.ones_like(q_on)
+            kv_ran = (torch.ones_like(kv_ran) if attn_mask is None
+                      else _attendable(attn_mask, b, s))
+        if q_valid is not None:
+            q_on = q_on & q_valid
+        if k_valid is not None:
+            kv_ran = kv_ran & k_valid
+        kv_ran = kv_ran & q_on.any(1, keepdim=True)  # as the hard path: nobody else reads them
+        q_tokens = q_on.size(1) if q_valid is None else q_valid.sum(1)
+        kv_tokens = s if k_valid is None else k_valid.sum(1)
+        return self._per_row(q_on, kv_ran, kv_ran, q_tokens, kv_tokens)
 
     def _all_on_per_row(self, q_on: Tensor, attn_mask: Tensor | None, n_keys: int) -> Tensor:
         """``(B,)`` long: :meth:`realized_macs_per_row` of a call without a cache whose gates

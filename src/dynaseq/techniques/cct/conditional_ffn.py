@@ -17,6 +17,8 @@ piece i runs only on the tokens whose gate i is on (``index_select`` â†’ piece â
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor, nn
 
@@ -85,7 +87,8 @@ class ConditionalFeedForward(nn.Module):
                 on = g.bool()
                 aux.add_trace(MACS_TRACE, MacsRecord(
                     self.name, self.realized_macs(on), self.realized_macs_per_row(on),
-                    self.realized_macs_per_row(torch.ones_like(on))))
+                    self.realized_macs_per_row(torch.ones_like(on)),
+                    rows=partial(self._valid_rows, on)))
         return out
 
     def _forward_hard(self, x: Tensor, on: Tensor) -> Tensor:
@@ -152,6 +155,17 @@ class ConditionalFeedForward(nn.Module):
                              device=on.device)  # (M,) MACs of piece i on one token
         ran = (on.sum(1) * costs).sum(1)  # (B,)
         return ran + on.size(1) * self.control.macs(1)
+
+    def _valid_rows(self, on: Tensor, q_valid: Tensor | None, k_valid: Tensor | None,
+                    all_on: bool) -> Tensor:
+        """:data:`~dynaseq.nn.outputs.RowCounter`: :meth:`realized_macs_per_row` of the
+        tokens where ``q_valid`` ``(B, T)`` is True (``k_valid`` is not used: no keys)."""
+        if all_on:
+            on = torch.ones_like(on)
+        if q_valid is None:
+            return self.realized_macs_per_row(on)
+        return (self.realized_macs_per_row(on & q_valid[..., None])
+                - (on.size(1) - q_valid.sum(1)) * self.control.macs(1))
 
 
 def conditional_feedforward(d_model: int, ffn_dim: int, n_pieces: int = 4,

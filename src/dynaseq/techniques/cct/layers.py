@@ -120,20 +120,33 @@ def realized_macs_by_layer(aux: AuxOutputs) -> dict[str, dict[str, int]]:
     return {layer: dict(counts) for layer, counts in out.items()}
 
 
-def realized_macs_by_row(aux: AuxOutputs, all_on: bool = False) -> dict[str, Tensor]:
+def realized_macs_by_row(aux: AuxOutputs, all_on: bool = False,
+                         valid: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Sum the per-row counts of the :class:`MacsRecord` entries of ``aux`` per sub-layer
-    name: ``{layer: (B,) long}``, the MACs each row's own tokens ran in that sub-layer (a
-    row costs this run alone at batch 1, whatever budgets the other rows ran at);
-    ``all_on``: what they would have run with every gate open (``per_row_full``).
+    name: ``{layer: (B,) long}``, the MACs each row's tokens ran in that sub-layer, whatever
+    budgets the other rows ran at; ``all_on``: what they would have run with every gate open
+    (``per_row_full``).
+
+    ``valid``: each stack's own positions, ``{"encoder": (B, S) bool, "decoder": (B, T)
+    bool}`` (False at padding): the counts are then of each row's own tokens only, what the
+    row costs run alone (:attr:`MacsRecord.rows`), whatever lengths the other rows had; a
+    sub-layer's stack is the first part of its name. None: the padded positions the row had
+    in its batch count too, as they ran.
 
     For one teacher-forced call (a decode reorders and drops rows between calls).
     """
     out: dict[str, Tensor] = {}
     for rec in aux.traces.get(MACS_TRACE, []):
-        per_row = rec.per_row_full if all_on else rec.per_row
-        if per_row is None:
+        if valid is not None and rec.rows is not None:
+            q_valid = valid[rec.layer.split(".")[0]]
+            per_row = rec.rows(q_valid, valid["encoder"] if rec.keys_from_memory else q_valid,
+                               all_on)
+        else:
+            per_row = rec.per_row_full if all_on else rec.per_row
+        if per_row is None or (valid is not None and rec.rows is None):
             raise ValueError(f"sub-layer {rec.layer!r} does not count its MACs per row"
-                             + (" with every gate open" if all_on else ""))
+                             + (" with every gate open" if all_on else "")
+                             + (" over given positions" if valid is not None else ""))
         out[rec.layer] = out[rec.layer] + per_row if rec.layer in out else per_row
     return out
 
