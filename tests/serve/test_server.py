@@ -197,7 +197,8 @@ def test_concurrent_deadline_requests_get_the_budget_they_report(server, serve_r
                                    endpoint="translate")
 
     table = json.loads((serve_run / "latency_table.json").read_text())
-    deadline = 2 * max(v for rows in table["service_ms"].values() for r in rows for v in r)
+    # loose enough that a slow moment refuses or sheds few of them (a 503 is allowed)
+    deadline = 4 * max(v for rows in table["service_ms"].values() for r in rows for v in r)
 
     def ask(i):
         r = httpx.post(server.url + "/v1/translate",

@@ -234,7 +234,9 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
     prefixes; the output layer does not run); per-row MACs of the gated sub-layers over the
     line's own tokens (:func:`realized_macs_by_row`: what the line costs alone, whatever it
     was batched with), and what every gate open would have run, per token and as a
-    fraction. Dense models: the analytic count, fraction 1."""
+    fraction. A line whose every gate is open (a budget of 1 in both sub-networks: offsets
+    :data:`ALL_GATES_ON`) ran what every gate open runs: :func:`all_on_macs`, without a
+    pass. Dense models: the analytic count, fraction 1."""
     max_pos = model.encoder.positions.max_positions
     device = next(model.parameters()).device
     src = collate_source([s[: max_pos - 1] for s in src_ids], model.pad_id,
@@ -253,17 +255,29 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
             out.append({"fraction": {"encoder": 1.0, "decoder": 1.0, "total": 1.0},
                         "macs_per_token": per})
         return out
-    aux = AuxOutputs()
-    model.decoder(tgt, model.encode(src, control, aux), aux=aux, project=False)
-    valid = {"encoder": src.ne(model.pad_id), "decoder": tgt.ne(model.pad_id)}
-    parts = []
-    for all_on in (False, True):
-        sums = {sub: torch.zeros(len(rows), dtype=torch.long, device=device)
-                for sub in GATE_SUBNETWORKS}
-        for layer, per_row in realized_macs_by_row(aux, all_on, valid).items():
-            sums[layer.split(".")[0]] += per_row
-        parts.append({k: v.tolist() for k, v in sums.items()})
-    ran, full = parts
+    b = len(rows)
+    opened = control.all_open(b) if isinstance(control, BudgetControl) else [False] * b
+    ran = {sub: [0] * b for sub in GATE_SUBNETWORKS}
+    full = {sub: [0] * b for sub in GATE_SUBNETWORKS}
+    for i in (i for i in range(b) if opened[i]):  # every gate open: nothing to measure
+        for sub, n in all_on_macs(model, n_src[i], n_tgt[i]).items():
+            ran[sub][i] = full[sub][i] = n
+    gated = [i for i in range(b) if not opened[i]]
+    if gated:
+        index = torch.tensor(gated, device=device)
+        if isinstance(control, BudgetControl):
+            control = control.select(index)
+        elif isinstance(control, torch.Tensor) and control.dim() == 1:
+            control = control.index_select(0, index)
+        src = src.index_select(0, index)[:, : max(n_src[i] for i in gated)]
+        tgt = tgt.index_select(0, index)[:, : max(n_tgt[i] for i in gated)]
+        aux = AuxOutputs()
+        model.decoder(tgt, model.encode(src, control, aux), aux=aux, project=False)
+        valid = {"encoder": src.ne(model.pad_id), "decoder": tgt.ne(model.pad_id)}
+        for all_on, into in ((False, ran), (True, full)):
+            for layer, per_row in realized_macs_by_row(aux, all_on, valid).items():
+                for i, n in zip(gated, per_row.tolist(), strict=True):
+                    into[layer.split(".")[0]][i] += n
     out = []
     for i in range(len(rows)):
         per = {"encoder": ran["encoder"][i] / n_src[i], "decoder": ran["decoder"][i] / n_tgt[i]}
@@ -273,6 +287,22 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
         per["total"] = per["encoder"] + per["decoder"]
         out.append({"fraction": frac, "macs_per_token": per})
     return out
+
+
+def all_on_macs(model: torch.nn.Module, n_src: int, n_tgt: int) -> dict[str, int]:
+    """``{"encoder": MACs, "decoder": MACs}`` that a line of ``n_src`` source and ``n_tgt``
+    target tokens runs in the gated sub-layers of an encoder-decoder CCT with every gate
+    open, from the lengths alone (each sub-layer's ``all_on_row_macs``; sub-layers without
+    gates are not counted, as :func:`realized_macs_by_row` counts none of them)."""
+    def macs(m: torch.nn.Module, *lengths: int) -> int:
+        count = getattr(m, "all_on_row_macs", None)
+        return 0 if count is None else count(*lengths)
+
+    return {"encoder": sum(macs(layer.self_attn, n_src, n_src) + macs(layer.ffn, n_src)
+                           for layer in model.encoder.layers),
+            "decoder": sum(macs(layer.self_attn, n_tgt, n_tgt)
+                           + macs(layer.cross_attn, n_tgt, n_src) + macs(layer.ffn, n_tgt)
+                           for layer in model.decoder.layers)}
 
 
 def compute_after_decode(model: torch.nn.Module) -> AfterDecode:

@@ -219,6 +219,33 @@ def test_a_served_lines_compute_does_not_depend_on_what_it_was_batched_with(cali
         assert got == alone, i
 
 
+def test_all_on_counts_from_the_lengths_equal_those_the_pass_records(calibrated):
+    """A line at a budget of 1 in both sub-networks is reported without a forward pass
+    (:func:`all_on_macs`); that count equals the all-on count a teacher-forced pass
+    records for the line's own tokens, and the served report at budget 1 equals it."""
+    from dynaseq.serve.endpoints import all_on_macs, realized_per_row
+
+    m, b, control = _mixed_batch(calibrated)
+    valid = {"encoder": b.src.ne(m.pad_id), "decoder": b.tgt_in.ne(m.pad_id)}
+    with torch.no_grad():
+        recorded = realized_macs_by_row(m(b.src, b.tgt_in, control).aux, True, valid)
+    for i in range(b.src.size(0)):
+        s, t = (int(v[i].sum()) for v in (valid["encoder"], valid["decoder"]))
+        want = {sub: sum(int(v[i]) for k, v in recorded.items() if k.split(".")[0] == sub)
+                for sub in GATE_SUBNETWORKS}
+        assert all_on_macs(m, s, t) == want, i
+    tr, lines, _ = calibrated
+    src = tr.tokenizer.encode(lines)
+    hyps = tr.tokenizer.encode(tr.translate(lines, budget=1.0))
+    control = tr.control_for([1.0] * len(lines), len(lines))
+    assert all(control.all_open(len(lines)))
+    for row, s, h in zip(realized_per_row(m, src, hyps, control), src, hyps, strict=True):
+        counts = all_on_macs(m, len(s) + 1, len(h) + 1)
+        assert row["fraction"] == {"encoder": 1.0, "decoder": 1.0, "total": 1.0}
+        assert row["macs_per_token"]["encoder"] == counts["encoder"] / (len(s) + 1)
+        assert row["macs_per_token"]["decoder"] == counts["decoder"] / (len(h) + 1)
+
+
 def test_threads_at_different_budgets_on_one_model_match_running_one_after_the_other(
         calibrated):
     t, lines, refs = calibrated

@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch import nn
 
+from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
 from dynaseq.techniques.cct.layers import (
     ControlNet,
     Gate,
@@ -93,3 +94,13 @@ def test_hard_budget_counts_the_inference_decision_with_the_sigmoid_gradient():
     soft = Gate(NoiseSchedule(5.0, 0)).train()
     assert soft.for_budget(logits, g) is g  # the paper: the noisy training gates
     assert gate.eval().for_budget(logits, g) is g
+
+
+def test_all_open_is_every_sub_network_at_plus_infinity_per_row():
+    inf = ALL_GATES_ON
+    c = BudgetControl(torch.tensor([0, 1, 2]), {"encoder": torch.tensor([inf, inf, 0.5]),
+                                                "decoder": torch.tensor([inf, -1.0, inf])})
+    assert c.all_open(3) == [True, False, False]
+    assert BudgetControl(0, {"encoder": inf, "decoder": inf}).all_open(2) == [True, True]
+    assert BudgetControl(0, {"decoder": inf}).all_open(2) == [False, False]  # encoder: 0
+    assert BudgetControl(0, {"encoder": inf}).all_open(2, ("encoder",)) == [True, True]

@@ -522,21 +522,29 @@ class ConditionalAttention(nn.Module):
             if kv_on is None:
                 raise ValueError("give key_on when kv_on is None (keys from a static cache)")
             key_on = kv_on
-        return self._per_row(q_on, kv_on, key_on, q_on.size(1),
-                             None if kv_on is None else kv_on.size(1))
+        return self._row_macs(q_on.sum(1), key_on.sum(1),
+                              None if kv_on is None else kv_on.sum(1), q_on.size(1),
+                              None if kv_on is None else kv_on.size(1))
 
-    def _per_row(self, q_on: Tensor, kv_on: Tensor | None, key_on: Tensor,
-                 q_tokens: Tensor | int, kv_tokens: Tensor | int | None) -> Tensor:
-        """:meth:`realized_macs_per_row` with the tokens each row's control networks ran on
-        (``q_tokens`` queries, ``kv_tokens`` key/value tokens: a number, or ``(B,)``)."""
-        n_q = q_on.sum(1)  # (B,)
+    def _row_macs(self, n_q: Tensor | int, n_keys: Tensor | int, n_kv: Tensor | int | None,
+                  q_tokens: Tensor | int, kv_tokens: Tensor | int | None) -> Tensor | int:
+        """MACs of a row (numbers, or ``(B,)`` tensors, one per row) whose ``n_q`` open
+        queries each attend over ``n_keys`` on keys, ``n_kv`` key/value tokens projected
+        (None: keys from a cache), and whose control networks ran on ``q_tokens`` query and
+        ``kv_tokens`` key/value tokens."""
         per_query = _linear_macs(self.q_proj, 1) + _linear_macs(self.out_proj, 1)
-        ran = n_q * (per_query + 2 * self.d_model * key_on.sum(1))
-        ran = ran + q_tokens * self.q_control.macs(1)
-        if kv_on is not None:
+        ran = n_q * (per_query + 2 * self.d_model * n_keys) + q_tokens * self.q_control.macs(1)
+        if n_kv is not None:
             per_kv = _linear_macs(self.k_proj, 1) + _linear_macs(self.v_proj, 1)
-            ran = ran + kv_on.sum(1) * per_kv + kv_tokens * self.kv_control.macs(1)
+            ran = ran + n_kv * per_kv + kv_tokens * self.kv_control.macs(1)
         return ran
+
+    def all_on_row_macs(self, n_queries: int, n_keys: int) -> int:
+        """What one row of ``n_queries`` tokens over ``n_keys`` key tokens (its own: no
+        padding) runs with every gate open, as :meth:`realized_macs_per_row` counts it (keys
+        projected in the call: self-attention's own tokens, or cross-attention's memory).
+        Depends on the lengths only, so it needs no forward pass."""
+        return self._row_macs(n_queries, n_keys, n_keys, n_queries, n_keys)
 
     def _valid_rows(self, q_on: Tensor, kv_ran: Tensor, attn_mask: Tensor | None,
                     q_valid: Tensor | None, k_valid: Tensor | None, all_on: bool) -> Tensor:
@@ -558,7 +566,8 @@ class ConditionalAttention(nn.Module):
         kv_ran = kv_ran & q_on.any(1, keepdim=True)  # as the hard path: nobody else reads them
         q_tokens = q_on.size(1) if q_valid is None else q_valid.sum(1)
         kv_tokens = s if k_valid is None else k_valid.sum(1)
-        return self._per_row(q_on, kv_ran, kv_ran, q_tokens, kv_tokens)
+        n_kv = kv_ran.sum(1)
+        return self._row_macs(q_on.sum(1), n_kv, n_kv, q_tokens, kv_tokens)
 
     def _all_on_per_row(self, q_on: Tensor, attn_mask: Tensor | None, n_keys: int) -> Tensor:
         """``(B,)`` long: :meth:`realized_macs_per_row` of a call without a cache whose gates

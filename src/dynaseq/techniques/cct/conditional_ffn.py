@@ -151,10 +151,18 @@ class ConditionalFeedForward(nn.Module):
         hard gate pattern ``on`` ``(B, T, M)`` bool (they sum to its total)."""
         if on.size(-1) != self.n_pieces:
             raise ValueError(f"gate pattern has {on.size(-1)} gates, layer has {self.n_pieces}")
-        costs = torch.tensor([sum(p.ffn.macs(1).values()) for p in self.pieces],
-                             device=on.device)  # (M,) MACs of piece i on one token
+        costs = torch.tensor(self._token_macs(), device=on.device)  # (M,)
         ran = (on.sum(1) * costs).sum(1)  # (B,)
         return ran + on.size(1) * self.control.macs(1)
+
+    def _token_macs(self) -> list[int]:
+        """MACs of piece i on one token, per piece."""
+        return [sum(p.ffn.macs(1).values()) for p in self.pieces]
+
+    def all_on_row_macs(self, n_tokens: int) -> int:
+        """What one row of ``n_tokens`` tokens runs with every piece open
+        (:meth:`realized_macs_per_row`; no forward pass needed)."""
+        return n_tokens * (sum(self._token_macs()) + self.control.macs(1))
 
     def _valid_rows(self, on: Tensor, q_valid: Tensor | None, k_valid: Tensor | None,
                     all_on: bool) -> Tensor:

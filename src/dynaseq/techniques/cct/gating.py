@@ -294,6 +294,15 @@ class BudgetControl:
             out[sub] = value
         return out
 
+    def all_open(self, batch: int, subnetworks: tuple[str, ...] = GATE_SUBNETWORKS
+                 ) -> list[bool]:
+        """Per row, whether every gate of every sub-network is open whatever the control
+        networks say: its offset is :data:`ALL_GATES_ON` in each of ``subnetworks``."""
+        if any(sub not in self.offsets for sub in subnetworks):
+            return [False] * batch
+        rows = self.row_offsets(batch, torch.device("cpu"), subnetworks)
+        return torch.stack([v == ALL_GATES_ON for v in rows.values()]).all(0).tolist()
+
 
 @dataclass
 class GateTrace:
