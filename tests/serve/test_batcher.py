@@ -172,14 +172,14 @@ def test_jobs_shed_by_replan_get_their_exception_and_the_rest_run():
     assert out[0] == batches[0][0][0] and out[2] == batches[0][1][0]
 
 
-def test_the_fast_scale_is_a_low_quantile_of_recent_batches():
+def test_the_typical_scale_is_the_median_of_recent_batches():
     b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
     b._update_scale(2.0)
-    assert b.fast_scale == b.scale  # too few batches yet
-    for r in range(b.FAST_MIN_BATCHES - 1):
+    assert b.typical_scale == b.scale  # too few batches yet
+    for r in range(b.TYPICAL_MIN_BATCHES - 1):
         b._update_scale(1.0 + r / 10)
-    ratios = sorted([2.0, *(1.0 + r / 10 for r in range(b.FAST_MIN_BATCHES - 1))])
-    assert b.fast_scale == ratios[int(b.FAST_QUANTILE * len(ratios))]
+    ratios = sorted([2.0, *(1.0 + r / 10 for r in range(b.TYPICAL_MIN_BATCHES - 1))])
+    assert b.typical_scale == ratios[len(ratios) // 2] != b.scale
     for _ in range(b.RATIO_WINDOW):
         b._update_scale(0.7)
-    assert b.fast_scale == 0.7  # only the last RATIO_WINDOW batches count
+    assert b.typical_scale == 0.7  # only the last RATIO_WINDOW batches count

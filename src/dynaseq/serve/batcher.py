@@ -137,8 +137,7 @@ class Batcher:
     OVERHEAD_TAU_S = 2.0
     ARRIVAL_TAU_S = 1.0
     RATIO_WINDOW = 50
-    FAST_QUANTILE = 0.5
-    FAST_MIN_BATCHES = 10
+    TYPICAL_MIN_BATCHES = 10
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
@@ -299,16 +298,17 @@ class Batcher:
                     self._running = None
 
     @property
-    def fast_scale(self) -> float:
-        """The :data:`FAST_QUANTILE` quantile of the last :data:`RATIO_WINDOW` batches'
-        real ÷ estimated times (:attr:`scale` until :data:`FAST_MIN_BATCHES` have run): how
-        fast a batch runs when it runs fast. A job predicted late even at this scale is
-        late but for luck (what the deadline policy sheds)."""
+    def typical_scale(self) -> float:
+        """The median of the last :data:`RATIO_WINDOW` batches' real ÷ estimated times
+        (:attr:`scale` until :data:`TYPICAL_MIN_BATCHES` have run): how long a batch
+        typically runs against its estimate, unmoved by the outliers the moving average
+        carries. A job predicted late at this scale is more likely late than not: what the
+        deadline policy sheds."""
         with self._cond:
             ratios = sorted(self._ratios)
-        if len(ratios) < self.FAST_MIN_BATCHES:
+        if len(ratios) < self.TYPICAL_MIN_BATCHES:
             return self.scale
-        return ratios[int(self.FAST_QUANTILE * len(ratios))]
+        return ratios[len(ratios) // 2]
 
     def _update_scale(self, ratio: float) -> None:
         """One more batch ran ``ratio`` times its estimate. The moving average weighs the

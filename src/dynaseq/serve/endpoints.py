@@ -170,10 +170,10 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
         return None if j.due is None else 1000.0 * (j.due - now) - lag
 
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
-    if policy.overload == "reject":  # drop what would be late even if its batch ran fast
+    if policy.overload == "reject":  # drop what a typical batch would answer late
         raw = [1000.0 * (j.due - now) - state.batcher.loop_lag_ms for j in flexible]
         late = policy.late(fixed, [j.work() for j in flexible], raw,
-                           min(scale, state.batcher.fast_scale))
+                           min(scale, state.batcher.typical_scale))
         for j, is_late in zip(flexible, late, strict=True):
             if is_late:
                 j.shed = Shed(f"the deadline of {j.deadline_ms:g} ms can no longer be met "
@@ -235,7 +235,7 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
     line's own tokens (:func:`realized_macs_by_row`: what the line costs alone, whatever it
     was batched with), and what every gate open would have run, per token and as a
     fraction. A line whose every gate is open (a budget of 1 in both sub-networks: offsets
-    :data:`ALL_GATES_ON`) ran what every gate open runs: :func:`all_on_macs`, without a
+    :data:`~dynaseq.techniques.cct.gating.ALL_GATES_ON`) ran what every gate open runs: :func:`all_on_macs`, without a
     pass. Dense models: the analytic count, fraction 1."""
     max_pos = model.encoder.positions.max_positions
     device = next(model.parameters()).device
