@@ -8,6 +8,7 @@ import torch
 from dynaseq.compress.int8 import quantize_int8
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.nn.lean_step import StepTally
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
@@ -166,3 +167,35 @@ def test_latency_timing_decodes_as_translation_does(monkeypatch):
 def test_a_cache_of_no_steps_is_refused():
     with pytest.raises(ValueError, match="at least one step"):
         LeanDecoder.prepare(model()).init_state(capacity=0)
+
+
+def test_a_step_tally_keeps_each_rows_counts_as_rows_leave():
+    """Counts follow the active rows; a row that leaves keeps its counts under its original
+    index; one number adds to every active row; (B, M) counts keep their shape."""
+    tally = StepTally(3)
+    tally.add("a", torch.tensor([1, 2, 3]))
+    tally.add("m", torch.tensor([[1, 0], [0, 1], [1, 1]]))
+    tally.step()
+    tally.reorder(torch.tensor([0, 2]))  # row 1 finished
+    tally.add("a", 10)
+    tally.add("m", torch.tensor([[1, 1], [0, 0]]))
+    tally.step()
+    tally.reorder(torch.tensor([1]))  # row 0 finished; row 2 goes on alone
+    tally.add("a", torch.tensor([100]))
+    tally.step()
+    counts = tally.counts()
+    assert counts["a"].tolist() == [11, 2, 113]
+    assert counts["m"].tolist() == [[2, 1], [0, 1], [1, 1]]
+    assert counts["steps"].tolist() == [2, 1, 3]
+
+
+def test_greedy_search_counts_steps_only_through_a_lean_decoder():
+    m = model()
+    src = padded_sources(4, 1, eos=3)
+    lean = LeanDecoder.prepare(m)
+    tally = StepTally(src.size(0))
+    hyps = greedy_search(lean, src, max_len_b=12, tally=tally)
+    assert hyps == greedy_search(m, src, max_len_b=12)
+    assert tally.counts()["steps"].tolist() == [len(h) + 1 for h in hyps]  # eos's step too
+    with pytest.raises(ValueError, match="lean decoder"):
+        greedy_search(m, src, tally=StepTally(src.size(0)))

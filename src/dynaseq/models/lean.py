@@ -51,10 +51,12 @@ from dynaseq.nn.lean_step import (
     LinearFn,
     Norm,
     StepCache,
+    StepTally,
     lean_part,
     linear_fn,
     linear_tensors,
 )
+from dynaseq.nn.outputs import AuxOutputs
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class LeanState:
         self.cross: list[CrossKeys] = []
         self.length = 0
         self.offset: Tensor | float | None = None  # the rows' gate offsets (see _uniform)
+        self.tally: StepTally | None = None  # set by a caller that wants per-row counts
 
     @property
     def step(self) -> int:
@@ -139,9 +142,12 @@ class LeanState:
         return bool(self.cross)
 
     def reorder(self, index: Tensor) -> None:
-        """Keep/reorder batch rows of every cache."""
+        """Keep/reorder batch rows of every cache (and of the :attr:`tally`, whose rows
+        only leave: greedy search)."""
         self.reorder_self(index)
         self.reorder_cross(index)
+        if self.tally is not None:
+            self.tally.reorder(index)
 
     def reorder_self(self, index: Tensor) -> None:
         """Keep/reorder batch rows of the self-attention caches (filled positions only)."""
@@ -211,9 +217,11 @@ class LeanDecoder:
                 and all(t._version == v for t, v in zip(self._sources, self._versions,
                                                           strict=True)))
 
-    def encode(self, src: Tensor, control: object = None) -> EncoderOutput:
-        """src (B, S) -> the model's :class:`EncoderOutput` (``control``: as the model's)."""
-        return self.model.encode(src, control)
+    def encode(self, src: Tensor, control: object = None,
+               aux: AuxOutputs | None = None) -> EncoderOutput:
+        """src (B, S) -> the model's :class:`EncoderOutput` (``control``, ``aux``: as the
+        model's)."""
+        return self.model.encode(src, control, aux)
 
     def init_state(self, capacity: int = 32) -> LeanState:
         """Empty caches (``capacity`` steps before the first doubling)."""
@@ -224,25 +232,28 @@ class LeanDecoder:
         """tokens (B, 1) at position ``state.step`` -> next-token logits (B, V)."""
         if not state.started:  # project the encoder output once for every later step
             state.offset = _uniform(enc.gate_offset)
-            state.cross = [w.cross_attn.start(enc.out, enc.pad_mask, state.offset)
-                           for w in self.layers]
+            state.cross = [w.cross_attn.start(enc.out, enc.pad_mask, state.offset,
+                                              state.tally) for w in self.layers]
         # one offset for every row stays one as rows are dropped or copied (beam search)
         offset = state.offset if not isinstance(state.offset, Tensor) else enc.gate_offset
         dec = self.model.decoder
         x = dec.embed(tokens) + dec.positions(1, state.length)  # (B, 1, d)
         if enc.control is not None:
             x = x + enc.control
+        tally = state.tally
         for w, cache, keys in zip(self.layers, state.caches, state.cross, strict=True):
-            h = w.self_attn.step(w.self_norm(x), cache, offset)
+            h = w.self_attn.step(w.self_norm(x), cache, offset, tally)
             if h is not None:  # None: the sub-layer's output is 0 for every row
                 x = x + h
-            h = w.cross_attn.step(w.cross_norm(x), keys, offset)
+            h = w.cross_attn.step(w.cross_norm(x), keys, offset, tally)
             if h is not None:
                 x = x + h
-            h = w.ffn.step(w.ffn_norm(x), offset)
+            h = w.ffn.step(w.ffn_norm(x), offset, tally)
             if h is not None:
                 x = x + h
         state.length += 1
+        if tally is not None:
+            tally.step()
         return self.output(self.final_norm(x[:, 0]))  # (B, V)
 
 

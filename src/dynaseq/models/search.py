@@ -33,7 +33,8 @@ def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
 @torch.no_grad()
 def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 10,
                   min_len: int = 0, max_positions: int = 1024,
-                  control: Tensor | int | None = None) -> list[list[int]]:
+                  control: Tensor | int | None = None, aux: object = None,
+                  tally: object = None) -> list[list[int]]:
     """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos).
 
     ``min_len`` forbids eos before that many tokens (used to time fixed-length outputs).
@@ -41,12 +42,21 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
     id, or a :class:`~dynaseq.techniques.cct.gating.BudgetControl` (ids plus per-row calibrated
     gate offsets); rows may differ. It enters at ``encode``; the encoder output carries it
     to every step, and rows dropped or expanded keep theirs.
+    ``aux``: an :class:`~dynaseq.nn.outputs.AuxOutputs` the encoder records into;
+    ``tally``: a :class:`~dynaseq.nn.lean_step.StepTally` of ``B`` rows that the decoding
+    steps count into (a model whose state takes one: a lean decoder).
     """
-    enc = model.encode(src, control=control)
+    enc = model.encode(src, control=control) if aux is None else model.encode(
+        src, control=control, aux=aux)
     n = src.size(0)
     limits = max_lengths((~enc.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
     limits = limits.clamp(min=min_len + 1)
     state = model.init_state()
+    if tally is not None:
+        if not hasattr(state, "tally"):
+            raise ValueError("this model's decoding steps keep no tally: decode through "
+                             "its lean decoder")
+        state.tally = tally
     active = torch.arange(n, device=src.device)  # original row of each active row
     steps = int(limits.max())
     out = torch.full((n, steps), model.pad_id, dtype=torch.long, device=src.device)

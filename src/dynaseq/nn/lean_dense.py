@@ -27,6 +27,7 @@ from dynaseq.nn.lean_step import (
     CrossKeys,
     LinearFn,
     StepCache,
+    StepTally,
     fused_linear,
     linear_fn,
     linear_tensors,
@@ -44,7 +45,8 @@ class DenseSelfAttention:
         self.qkv, self.out = qkv, out  # (3·inner, d) fused copy; the output projection
         self.n_heads, self.d_head = m.n_heads, m.d_head
 
-    def step(self, x: Tensor, cache: StepCache, offset: Tensor | None) -> Tensor:
+    def step(self, x: Tensor, cache: StepCache, offset: Tensor | None,
+             tally: StepTally | None = None) -> Tensor:
         """x ``(B, 1, d)`` -> ``(B, 1, d)``; appends this step's keys and values to ``cache``."""
         b, h, d = x.size(0), self.n_heads, self.d_head
         qkv = self.qkv(x)  # (B, 1, 3·H·hd)
@@ -64,13 +66,15 @@ class DenseCrossAttention:
         self.q, self.k, self.v, self.out = fns
         self.n_heads, self.d_head = m.n_heads, m.d_head
 
-    def start(self, memory: Tensor, pad_mask: Tensor, offset: Tensor | None) -> CrossKeys:
+    def start(self, memory: Tensor, pad_mask: Tensor, offset: Tensor | None,
+              tally: StepTally | None = None) -> CrossKeys:
         """memory ``(B, S, d)``, pad_mask ``(B, S)`` bool (True at padding) -> the keys."""
         mask = padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
         return CrossKeys(split_heads(self.k(memory), self.n_heads),
                          split_heads(self.v(memory), self.n_heads), mask)
 
-    def step(self, x: Tensor, keys: CrossKeys, offset: Tensor | None) -> Tensor:
+    def step(self, x: Tensor, keys: CrossKeys, offset: Tensor | None,
+             tally: StepTally | None = None) -> Tensor:
         b, h, d = x.size(0), self.n_heads, self.d_head
         q = self.q(x).view(b, h, 1, d)
         a = F.scaled_dot_product_attention(q, keys.k, keys.v, attn_mask=keys.mask)
@@ -84,7 +88,8 @@ class DenseFeedForward:
         self.sources = [*linear_tensors(m.fc1), *linear_tensors(m.fc2)]
         self.fc1, self.fc2 = fc1, fc2
 
-    def step(self, x: Tensor, offset: Tensor | None) -> Tensor:
+    def step(self, x: Tensor, offset: Tensor | None, tally: StepTally | None = None
+             ) -> Tensor:
         return self.fc2(self.fc1(x).relu_())
 
 

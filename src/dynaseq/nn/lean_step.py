@@ -160,24 +160,83 @@ Offset = Tensor | float | None
 """The rows' gate offsets a part's step receives (see the module docstring)."""
 
 
+class StepTally:
+    """Per-row counts of what a decode's gated parts ran, added step by step: the decode's
+    realized compute, without running the sequences again teacher forced.
+
+    Written by hand: no library keeps per-row counters through a search that drops rows.
+    Rows follow the search's: :meth:`reorder` keeps and drops rows as the caches do (greedy
+    search: a finished row leaves), and a row's counts stay readable under its original
+    index (:meth:`counts`). Keys are chosen by the parts (e.g. ``"decoder.layers.0.ffn"``);
+    a part adds ``(B,)`` or ``(B, M)`` counts of the active rows, or one number for all.
+    :attr:`steps` counts the steps each row ran.
+    """
+
+    def __init__(self, n_rows: int, device: torch.device | str | None = None) -> None:
+        self.n_rows = n_rows
+        self._rows = torch.arange(n_rows, device=device)  # original row of each active row
+        self._active: dict[str, Tensor] = {}
+        self._final: dict[str, Tensor] = {}
+        self.add("steps", 0)
+
+    @property
+    def device(self) -> torch.device:
+        return self._rows.device
+
+    def add(self, key: str, counts: Tensor | int) -> None:
+        """Add ``counts`` (``(B, ...)`` per active row, or one number for each) to ``key``."""
+        b = self._rows.numel()
+        if not isinstance(counts, Tensor):
+            counts = torch.full((b,), int(counts), dtype=torch.long, device=self._rows.device)
+        assert counts.size(0) == b, f"{counts.size(0)} counts for {b} active rows"
+        now = self._active.get(key)
+        self._active[key] = counts.long() if now is None else now + counts.long()
+
+    def step(self) -> None:
+        """One more step for every active row."""
+        self._active["steps"] = self._active["steps"] + 1
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows ``index`` ``(B',)`` of the active ones (the others are done)."""
+        self._store()
+        self._rows = self._rows.index_select(0, index)
+        self._active = {k: v.index_select(0, index) for k, v in self._active.items()}
+
+    def counts(self) -> dict[str, Tensor]:
+        """``{key: (n_rows, ...) long}``, every row's counts in original row order."""
+        self._store()
+        return dict(self._final)
+
+    def _store(self) -> None:
+        for key, value in self._active.items():
+            final = self._final.get(key)
+            if final is None:
+                final = self._final[key] = value.new_zeros((self.n_rows, *value.shape[1:]))
+            final[self._rows] = value
+
+
 class LeanSelfAttention(Protocol):
     sources: list[Tensor]
 
-    def step(self, x: Tensor, cache: StepCache, offset: Offset) -> Tensor | None: ...
+    def step(self, x: Tensor, cache: StepCache, offset: Offset,
+             tally: StepTally | None = None) -> Tensor | None: ...
 
 
 class LeanCrossAttention(Protocol):
     sources: list[Tensor]
 
-    def start(self, memory: Tensor, pad_mask: Tensor, offset: Offset) -> CrossKeys: ...
+    def start(self, memory: Tensor, pad_mask: Tensor, offset: Offset,
+              tally: StepTally | None = None) -> CrossKeys: ...
 
-    def step(self, x: Tensor, keys: CrossKeys, offset: Offset) -> Tensor | None: ...
+    def step(self, x: Tensor, keys: CrossKeys, offset: Offset,
+             tally: StepTally | None = None) -> Tensor | None: ...
 
 
 class LeanFeedForward(Protocol):
     sources: list[Tensor]
 
-    def step(self, x: Tensor, offset: Offset) -> Tensor | None: ...
+    def step(self, x: Tensor, offset: Offset, tally: StepTally | None = None
+             ) -> Tensor | None: ...
 
 
 LeanFactory = Callable[[nn.Module, str], object | None]

@@ -110,6 +110,9 @@ class TranslateWork:
 
 Budget = float | tuple[float, float]
 
+LengthsT = int | torch.Tensor
+"""A token count, or ``(B,)`` long counts, one per line."""
+
 
 def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     t = state.predictor
@@ -208,16 +211,30 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]
     if isinstance(control, BudgetControl):
         control = control.select(torch.tensor(keep, dtype=torch.long, device=t.device))
     src = t.tokenizer.encode([lines[i] for i in keep])
+    lean = t.lean_decoder()
+    counted: dict[int, dict] = {}  # compute of the lines decoded with a tally
+
+    def on_batch(idx: list[int], rows: torch.Tensor, aux: AuxOutputs,
+                 counts: dict[str, torch.Tensor]) -> None:
+        for i, c in zip(idx, counted_per_row(t.model, rows, aux, counts), strict=True):
+            counted[i] = c
+
+    # the decode counts what it runs (greedy, lean, a CCT), unless every gate is open
+    # anyway: then the lengths tell (realized_per_row), and counting would cost more
+    tally = (report_compute and beam == 1 and lean is not None and t.model.n_controls > 0
+             and not (isinstance(control, BudgetControl) and all(control.all_open(len(src)))))
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
-                         lean=t.lean_decoder())
+                         lean=lean, on_batch=on_batch if tally else None)
     texts = [""] * len(lines)
     for i, text in zip(keep, t.tokenizer.decode(hyps), strict=True):
         texts[i] = text
     compute: list[dict | None] = [None] * len(lines)
     if report_compute and keep:
-        for i, c in zip(keep, realized_per_row(t.model, src, hyps, control), strict=True):
+        per_row = ([counted[j] for j in range(len(src))] if tally
+                   else realized_per_row(t.model, src, hyps, control))
+        for i, c in zip(keep, per_row, strict=True):
             compute[i] = c
     out, start = [], 0
     for job in jobs:
@@ -259,9 +276,13 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
     opened = control.all_open(b) if isinstance(control, BudgetControl) else [False] * b
     ran = {sub: [0] * b for sub in GATE_SUBNETWORKS}
     full = {sub: [0] * b for sub in GATE_SUBNETWORKS}
-    for i in (i for i in range(b) if opened[i]):  # every gate open: nothing to measure
-        for sub, n in all_on_macs(model, n_src[i], n_tgt[i]).items():
-            ran[sub][i] = full[sub][i] = n
+    open_rows = [i for i in range(b) if opened[i]]
+    if open_rows:  # every gate open: nothing to measure
+        counts = all_on_macs(model, torch.tensor([n_src[i] for i in open_rows]),
+                             torch.tensor([n_tgt[i] for i in open_rows]))
+        for sub, per_row in counts.items():
+            for i, n in zip(open_rows, per_row.tolist(), strict=True):
+                ran[sub][i] = full[sub][i] = n
     gated = [i for i in range(b) if not opened[i]]
     if gated:
         index = torch.tensor(gated, device=device)
@@ -278,10 +299,18 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
             for layer, per_row in realized_macs_by_row(aux, all_on, valid).items():
                 for i, n in zip(gated, per_row.tolist(), strict=True):
                     into[layer.split(".")[0]][i] += n
+    return _reports(ran, full, n_src, n_tgt)
+
+
+def _reports(ran: dict[str, list[int]], full: dict[str, list[int]], n_src: list[int],
+             n_tgt: list[int]) -> list[dict]:
+    """Per line, ``{"fraction", "macs_per_token"}`` from the MACs its sub-networks ran
+    (``ran``) and would run with every gate open (``full``), over its ``n_src`` source and
+    ``n_tgt`` target tokens."""
     out = []
-    for i in range(len(rows)):
-        per = {"encoder": ran["encoder"][i] / n_src[i], "decoder": ran["decoder"][i] / n_tgt[i]}
-        mx = {"encoder": full["encoder"][i] / n_src[i], "decoder": full["decoder"][i] / n_tgt[i]}
+    for i, (s, t) in enumerate(zip(n_src, n_tgt, strict=True)):
+        per = {"encoder": ran["encoder"][i] / s, "decoder": ran["decoder"][i] / t}
+        mx = {"encoder": full["encoder"][i] / s, "decoder": full["decoder"][i] / t}
         frac = {k: per[k] / mx[k] if mx[k] else 1.0 for k in per}
         frac["total"] = sum(per.values()) / max(sum(mx.values()), 1e-12)
         per["total"] = per["encoder"] + per["decoder"]
@@ -289,12 +318,43 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
     return out
 
 
-def all_on_macs(model: torch.nn.Module, n_src: int, n_tgt: int) -> dict[str, int]:
+def counted_per_row(model: torch.nn.Module, src: torch.Tensor, aux: AuxOutputs,
+                    counts: dict[str, torch.Tensor]) -> list[dict]:
+    """Each line's realized compute, as :func:`realized_per_row` reports it, from what its
+    greedy decode ran: the encoder's records (``aux``, over the line's own tokens of
+    ``src`` ``(B, S)``) and the decoding steps' per-row counts of open gates (``counts``,
+    :class:`~dynaseq.nn.lean_step.StepTally`), each gated decoder sub-layer's row MACs
+    formed from them as the teacher-forced pass counts them (a row's keys count only if
+    one of its queries was open); every gate open: :func:`all_on_macs`. No second pass."""
+    n_src = src.ne(model.pad_id).sum(1)
+    steps = counts["steps"]
+    ran = {"encoder": torch.zeros_like(steps), "decoder": torch.zeros_like(steps)}
+    for layer, per_row in realized_macs_by_row(aux, False,
+                                               {"encoder": src.ne(model.pad_id)}).items():
+        ran[layer.split(".")[0]] += per_row
+    for layer in model.decoder.layers:
+        for m, key, kv_tokens in ((layer.self_attn, "kv", steps),
+                                  (layer.cross_attn, "keys", n_src)):
+            if hasattr(m, "row_macs"):
+                n_q = counts[f"{m.name}.q"]
+                kv = counts[f"{m.name}.{key}"] * (n_q > 0)
+                ran["decoder"] += m.row_macs(n_q, kv, kv, steps, kv_tokens)
+        if hasattr(layer.ffn, "pieces_row_macs"):
+            ran["decoder"] += layer.ffn.pieces_row_macs(counts[f"{layer.ffn.name}.pieces"],
+                                                        steps)
+    full = all_on_macs(model, n_src, steps)
+    return _reports({k: v.tolist() for k, v in ran.items()},
+                    {k: v.tolist() for k, v in full.items()}, n_src.tolist(), steps.tolist())
+
+
+def all_on_macs(model: torch.nn.Module, n_src: LengthsT, n_tgt: LengthsT
+                ) -> dict[str, LengthsT]:
     """``{"encoder": MACs, "decoder": MACs}`` that a line of ``n_src`` source and ``n_tgt``
-    target tokens runs in the gated sub-layers of an encoder-decoder CCT with every gate
-    open, from the lengths alone (each sub-layer's ``all_on_row_macs``; sub-layers without
-    gates are not counted, as :func:`realized_macs_by_row` counts none of them)."""
-    def macs(m: torch.nn.Module, *lengths: int) -> int:
+    target tokens (numbers, or ``(B,)`` tensors: one per line) runs in the gated sub-layers
+    of an encoder-decoder CCT with every gate open, from the lengths alone (each
+    sub-layer's ``all_on_row_macs``; sub-layers without gates are not counted, as
+    :func:`realized_macs_by_row` counts none of them)."""
+    def macs(m: torch.nn.Module, *lengths: LengthsT) -> LengthsT:
         count = getattr(m, "all_on_row_macs", None)
         return 0 if count is None else count(*lengths)
 

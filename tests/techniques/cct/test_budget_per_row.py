@@ -246,6 +246,36 @@ def test_all_on_counts_from_the_lengths_equal_those_the_pass_records(calibrated)
         assert row["macs_per_token"]["decoder"] == counts["decoder"] / (len(h) + 1)
 
 
+def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrated):
+    """A greedy decode through the lean step counts each row's open gates step by step
+    (:class:`StepTally`, rows leaving as they finish); the compute formed from those counts
+    and the encoder's records equals the teacher-forced pass's, line by line, for a batch
+    mixing budgets (every gate open, calibrated, trained) and lengths."""
+    from dynaseq.serve.endpoints import counted_per_row, realized_per_row
+    from dynaseq.tasks.translation.predictor import decode_corpus
+
+    t, lines, _ = calibrated
+    budgets = _interleaved(BUDGETS, 2)
+    src = t.tokenizer.encode(lines)
+    control = t.control_for(budgets, len(lines))
+    counted: dict[int, dict] = {}
+    seen_steps = []
+
+    def on_batch(idx, rows, aux, counts):
+        seen_steps.extend(counts["steps"].tolist())
+        counted.update(zip(idx, counted_per_row(t.model, rows, aux, counts), strict=True))
+
+    hyps = decode_corpus(t.model, src, beam=1, batch_size=len(src), control=control,
+                         lean=t.lean_decoder(), on_batch=on_batch)
+    assert t.tokenizer.decode(hyps) == t.translate(lines, beam=1, budget=budgets)
+    assert len(set(seen_steps)) > 1  # rows left the batch at different steps
+    want = realized_per_row(t.model, src, hyps, control)
+    assert [counted[i] for i in range(len(src))] == want
+    with pytest.raises(ValueError, match="greedy decoding through a lean decoder"):
+        decode_corpus(t.model, src, beam=2, control=control, lean=t.lean_decoder(),
+                      on_batch=on_batch)
+
+
 def test_threads_at_different_budgets_on_one_model_match_running_one_after_the_other(
         calibrated):
     t, lines, refs = calibrated

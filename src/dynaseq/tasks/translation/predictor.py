@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -32,7 +32,9 @@ from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.nn.lean_step import StepTally
 from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.loading import load_predictor
 from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
 from dynaseq.tasks.translation.model import build_seq2seq
@@ -43,6 +45,11 @@ from dynaseq.techniques.cct.calibration_file import (
     write_calibrations,
 )
 from dynaseq.techniques.cct.gating import BudgetControl
+
+BatchCounts = Callable[[list[int], torch.Tensor, AuxOutputs, dict[str, torch.Tensor]], None]
+"""``on_batch(idx, src, aux, counts)`` of :func:`decode_corpus`: the input indices of a
+decoded batch, its source ``(B, S)`` as decoded, the encoder's records (``aux``) and each
+row's decoding counts (:meth:`~dynaseq.nn.lean_step.StepTally.counts`)."""
 
 Control = int | torch.Tensor | BudgetControl | None
 """A corpus call's control: one for every sentence (an id, or a :class:`BudgetControl` with
@@ -75,14 +82,19 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   batch_size: int = 64, min_len: int = 0,
                   device: torch.device | None = None,
                   control: Control = None, progress: bool = False,
-                  lean: LeanDecoder | None = None) -> list[list[int]]:
+                  lean: LeanDecoder | None = None,
+                  on_batch: BatchCounts | None = None) -> list[list[int]]:
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); a batch
     may mix sentences at different budgets. ``progress``: a bar of sentences on a terminal.
     ``lean``: :meth:`LeanDecoder.prepare` of ``model`` (dense models), whose decoding step
     the searches then run instead of the model's general one (same tokens, less work).
+    ``on_batch``: greedy decoding through ``lean`` only: called after each batch with what
+    its decode ran (:data:`BatchCounts`).
     """
+    if on_batch is not None and (beam != 1 or lean is None):
+        raise ValueError("per-batch counts come from greedy decoding through a lean decoder")
     assert lean is None or lean.model is model, "a lean decoder of this model"
     searcher = model if lean is None else lean
     device = device or next(model.parameters()).device
@@ -99,8 +111,12 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                                  model.pad_id, model.eos_id).to(device)
             rows = _batch_control(control, len(src_ids), idx, device)
             if beam == 1:
+                aux, tally = (None, None) if on_batch is None else (
+                    AuxOutputs(), StepTally(len(idx), device))
                 hyps = greedy_search(searcher, src, max_len_a, max_len_b, min_len, max_pos,
-                                     rows)
+                                     rows, aux, tally)
+                if on_batch is not None:
+                    on_batch(idx, src, aux, tally.counts())
             else:
                 hyps = beam_search(searcher, src, beam, length_penalty, max_len_a, max_len_b,
                                    min_len, max_pos, rows)

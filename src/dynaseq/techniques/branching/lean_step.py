@@ -42,6 +42,7 @@ from dynaseq.nn.lean_step import (
     CrossKeys,
     LinearFn,
     StepCache,
+    StepTally,
     linear_tensors,
     register_lean,
     split_heads,
@@ -150,7 +151,8 @@ class DMBSelfAttention:
         self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
 
-    def step(self, x: Tensor, cache: StepCache, offset: object) -> Tensor:
+    def step(self, x: Tensor, cache: StepCache, offset: object,
+             tally: StepTally | None = None) -> Tensor:
         """x ``(B, 1, d)`` -> ``(B, 1, d)``; appends this step's keys and values to ``cache``."""
         b, h, d = x.size(0), self.n_heads, self.d_head
         picks = self.pick(x)
@@ -180,7 +182,8 @@ class DMBCrossAttention:
         self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
 
-    def start(self, memory: Tensor, pad_mask: Tensor, offset: object) -> CrossKeys:
+    def start(self, memory: Tensor, pad_mask: Tensor, offset: object,
+              tally: StepTally | None = None) -> CrossKeys:
         """memory ``(B, S, d)``, pad_mask ``(B, S)`` bool (True at padding) -> the keys."""
         route = self.router.dispatch(memory)
         kv = route.project(self.kv, route.input_rows()).view(*memory.shape[:2], -1)
@@ -188,7 +191,8 @@ class DMBCrossAttention:
         mask = padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
         return CrossKeys(split_heads(k, self.n_heads), split_heads(v, self.n_heads), mask)
 
-    def step(self, x: Tensor, keys: CrossKeys, offset: object) -> Tensor:
+    def step(self, x: Tensor, keys: CrossKeys, offset: object,
+             tally: StepTally | None = None) -> Tensor:
         b, h, d = x.size(0), self.n_heads, self.d_head
         picks = self.pick(x)
         if picks is None:
@@ -213,7 +217,7 @@ class DMBFeedForward:
         self.fc1, self.fc2 = m.fc1, m.fc2
         self.fc1_k, self.fc2_k = _branches(m.fc1), _branches(m.fc2)
 
-    def step(self, x: Tensor, offset: object) -> Tensor:
+    def step(self, x: Tensor, offset: object, tally: StepTally | None = None) -> Tensor:
         picks = self.pick(x)
         if picks is not None:
             return _runs(x.view(x.size(0), -1), picks, self._branch).view(x.shape)

@@ -522,11 +522,11 @@ class ConditionalAttention(nn.Module):
             if kv_on is None:
                 raise ValueError("give key_on when kv_on is None (keys from a static cache)")
             key_on = kv_on
-        return self._row_macs(q_on.sum(1), key_on.sum(1),
+        return self.row_macs(q_on.sum(1), key_on.sum(1),
                               None if kv_on is None else kv_on.sum(1), q_on.size(1),
                               None if kv_on is None else kv_on.size(1))
 
-    def _row_macs(self, n_q: Tensor | int, n_keys: Tensor | int, n_kv: Tensor | int | None,
+    def row_macs(self, n_q: Tensor | int, n_keys: Tensor | int, n_kv: Tensor | int | None,
                   q_tokens: Tensor | int, kv_tokens: Tensor | int | None) -> Tensor | int:
         """MACs of a row (numbers, or ``(B,)`` tensors, one per row) whose ``n_q`` open
         queries each attend over ``n_keys`` on keys, ``n_kv`` key/value tokens projected
@@ -539,12 +539,13 @@ class ConditionalAttention(nn.Module):
             ran = ran + n_kv * per_kv + kv_tokens * self.kv_control.macs(1)
         return ran
 
-    def all_on_row_macs(self, n_queries: int, n_keys: int) -> int:
+    def all_on_row_macs(self, n_queries: int | Tensor, n_keys: int | Tensor) -> int | Tensor:
         """What one row of ``n_queries`` tokens over ``n_keys`` key tokens (its own: no
         padding) runs with every gate open, as :meth:`realized_macs_per_row` counts it (keys
-        projected in the call: self-attention's own tokens, or cross-attention's memory).
-        Depends on the lengths only, so it needs no forward pass."""
-        return self._row_macs(n_queries, n_keys, n_keys, n_queries, n_keys)
+        projected in the call: self-attention's own tokens, or cross-attention's memory;
+        numbers, or ``(B,)`` tensors, one per row). Depends on the lengths only, so it
+        needs no forward pass."""
+        return self.row_macs(n_queries, n_keys, n_keys, n_queries, n_keys)
 
     def _valid_rows(self, q_on: Tensor, kv_ran: Tensor, attn_mask: Tensor | None,
                     q_valid: Tensor | None, k_valid: Tensor | None, all_on: bool) -> Tensor:
@@ -567,7 +568,7 @@ class ConditionalAttention(nn.Module):
         q_tokens = q_on.size(1) if q_valid is None else q_valid.sum(1)
         kv_tokens = s if k_valid is None else k_valid.sum(1)
         n_kv = kv_ran.sum(1)
-        return self._row_macs(q_on.sum(1), n_kv, n_kv, q_tokens, kv_tokens)
+        return self.row_macs(q_on.sum(1), n_kv, n_kv, q_tokens, kv_tokens)
 
     def _all_on_per_row(self, q_on: Tensor, attn_mask: Tensor | None, n_keys: int) -> Tensor:
         """``(B,)`` long: :meth:`realized_macs_per_row` of a call without a cache whose gates

@@ -155,13 +155,20 @@ class ConditionalFeedForward(nn.Module):
         ran = (on.sum(1) * costs).sum(1)  # (B,)
         return ran + on.size(1) * self.control.macs(1)
 
+    def pieces_row_macs(self, piece_tokens: Tensor, n_tokens: Tensor) -> Tensor:
+        """``(B,)`` long: the MACs of rows whose pieces ran on ``piece_tokens`` ``(B, M)``
+        tokens each, over ``n_tokens`` ``(B,)`` tokens (the control network's), as
+        :meth:`realized_macs_per_row` counts them."""
+        costs = torch.tensor(self._token_macs(), device=piece_tokens.device)
+        return (piece_tokens * costs).sum(1) + n_tokens * self.control.macs(1)
+
     def _token_macs(self) -> list[int]:
         """MACs of piece i on one token, per piece."""
         return [sum(p.ffn.macs(1).values()) for p in self.pieces]
 
-    def all_on_row_macs(self, n_tokens: int) -> int:
-        """What one row of ``n_tokens`` tokens runs with every piece open
-        (:meth:`realized_macs_per_row`; no forward pass needed)."""
+    def all_on_row_macs(self, n_tokens: int | Tensor) -> int | Tensor:
+        """What one row of ``n_tokens`` tokens (a number, or ``(B,)``, one per row) runs with
+        every piece open (:meth:`realized_macs_per_row`; no forward pass needed)."""
         return n_tokens * (sum(self._token_macs()) + self.control.macs(1))
 
     def _valid_rows(self, on: Tensor, q_valid: Tensor | None, k_valid: Tensor | None,

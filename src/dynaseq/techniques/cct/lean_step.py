@@ -52,6 +52,7 @@ from dynaseq.nn.lean_step import (
     Norm,
     Offset,
     StepCache,
+    StepTally,
     apply_linear,
     linear_of,
     merge_heads,
@@ -117,6 +118,15 @@ def _decide(gate: Gate, controls: _Controls, x: Tensor,
     return on, on.sum(0).tolist()
 
 
+def _tally(tally: StepTally | None, key: str, on: Tensor | None, fixed_on: bool,
+           shape: tuple[int, ...]) -> None:
+    """Add to ``tally`` (if any) the open gates of each row: ``on`` ``shape`` bool, or, where
+    the decisions are fixed (``on`` None), ``fixed_on`` for every gate."""
+    if tally is not None:
+        tally.add(key, on if on is not None else torch.full(
+            shape, int(fixed_on), dtype=torch.long, device=tally.device))
+
+
 def _rows(on: Tensor) -> Tensor:
     """``(N,)`` indices of the True entries of ``on`` ``(B,)``."""
     return on.nonzero().squeeze(1)
@@ -128,7 +138,7 @@ class _GatedAttention:
     def __init__(self, m: ConditionalAttention, norms: tuple[Norm | str, ...]) -> None:
         self.k_norm, self.v_norm, self.out_norm = norms
         self.q, self.k, self.v, self.out = m.q_proj, m.k_proj, m.v_proj, m.out_proj
-        self.gate = m.gate
+        self.gate, self.name = m.gate, m.name
         self.n_heads, self.d = m.n_heads, m.d_model
         with torch.no_grad():  # rows [q; k; v]: k/v alone are the slice [d:]
             self.qkv_weight = torch.cat([p.weight for p in (m.q_proj, m.k_proj, m.v_proj)])
@@ -175,11 +185,15 @@ class GatedSelfAttention(_GatedAttention):
         self.controls = _Controls([m.q_control, m.kv_control])  # logits [q, kv]
         self.sources += self.controls.sources
 
-    def step(self, x: Tensor, cache: StepCache, offset: Offset) -> Tensor | None:
+    def step(self, x: Tensor, cache: StepCache, offset: Offset,
+             tally: StepTally | None = None) -> Tensor | None:
         """x ``(B, 1, d)`` -> ``(B, 1, d)`` or None (every ``g_q`` off); appends this step's
-        keys and values (zero rows where ``g_KV`` is off) to ``cache``."""
+        keys and values (zero rows where ``g_KV`` is off) to ``cache``; ``tally``: adds each
+        row's open query and key/value gates (keys ``NAME.q``, ``NAME.kv``)."""
         b, d = x.size(0), self.d
         on, (n_q, n_kv) = _decide(self.gate, self.controls, x, offset)  # on: (B, 2)
+        _tally(tally, f"{self.name}.q", None if on is None else on[:, 0], n_q == b, (b,))
+        _tally(tally, f"{self.name}.kv", None if on is None else on[:, 1], n_kv == b, (b,))
         q = None
         if n_q == b and n_kv == b:  # everything open: one fused product
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
@@ -214,16 +228,20 @@ class GatedCrossAttention(_GatedAttention):
         self.kv_control = _Controls([m.kv_control])
         self.sources += self.q_control.sources + self.kv_control.sources
 
-    def start(self, memory: Tensor, pad_mask: Tensor, offset: Offset) -> CrossKeys:
+    def start(self, memory: Tensor, pad_mask: Tensor, offset: Offset,
+              tally: StepTally | None = None) -> CrossKeys:
         """memory ``(B, S, d)``, pad_mask ``(B, S)`` bool (True at padding) -> the on keys
         of every row packed to the left, behind one zero slot that stands for the row's off
-        keys (score bias ``log n_off``; ``-inf`` when none is off)."""
+        keys (score bias ``log n_off``; ``-inf`` when none is off); ``tally``: adds each
+        row's on keys (key ``NAME.keys``)."""
         b, s, d = memory.shape
         fixed = _fixed(self.gate, offset)
         if fixed is None:
             on = self.gate.hard(self.kv_control(memory)[..., 0], offset) & ~pad_mask  # (B, S)
         else:
             on = ~pad_mask if fixed else torch.zeros_like(pad_mask)
+        if tally is not None:
+            tally.add(f"{self.name}.keys", on.sum(1))
         n_on = int(on.sum())
         if n_on == b * s:  # nothing off, no padding: every key as it is
             k, v = self._kv(memory)
@@ -244,10 +262,13 @@ class GatedCrossAttention(_GatedAttention):
         mask = torch.cat([bias[:, None], slots], 1)[:, None, None, :]  # (B, 1, 1, 1 + W)
         return CrossKeys(torch.cat([zero, packed.k], 2), torch.cat([zero, packed.v], 2), mask)
 
-    def step(self, x: Tensor, keys: CrossKeys, offset: Offset) -> Tensor | None:
-        """x ``(B, 1, d)`` -> ``(B, 1, d)`` or None (every ``g_q`` off)."""
+    def step(self, x: Tensor, keys: CrossKeys, offset: Offset,
+             tally: StepTally | None = None) -> Tensor | None:
+        """x ``(B, 1, d)`` -> ``(B, 1, d)`` or None (every ``g_q`` off); ``tally``: adds each
+        row's open query gate (key ``NAME.q``)."""
         b = x.size(0)
         on, (n_q,) = _decide(self.gate, self.q_control, x, offset)  # on: (B, 1)
+        _tally(tally, f"{self.name}.q", None if on is None else on[:, 0], n_q == b, (b,))
         if n_q == 0:
             return None
         if n_q == b:
@@ -261,7 +282,7 @@ class GatedFeedForward:
     def __init__(self, m: ConditionalFeedForward, eps: float,
                  out_norms: list[Norm] | None) -> None:
         pieces = list(m.pieces)
-        self.gate, self.eps, self.m = m.gate, eps, len(pieces)
+        self.gate, self.eps, self.m, self.name = m.gate, eps, len(pieces), m.name
         self.width = pieces[0].ffn.fc1.out_features
         self.control = _Controls([m.control])
         with torch.no_grad():  # fold LN_in_i's affine into fc1_i: W1 diag(w), W1 b + c
@@ -314,8 +335,10 @@ class GatedFeedForward:
     outweighs some wasted arithmetic (a mixed-budget batch: rows at budget 1 open every
     piece, the others few)."""
 
-    def step(self, x: Tensor, offset: Offset) -> Tensor | None:
-        """x ``(B, 1, d)`` -> ``(B, 1, d)``, or None when no piece is open for any row."""
+    def step(self, x: Tensor, offset: Offset, tally: StepTally | None = None
+             ) -> Tensor | None:
+        """x ``(B, 1, d)`` -> ``(B, 1, d)``, or None when no piece is open for any row;
+        ``tally``: adds each row's open pieces, ``(B, M)`` (key ``NAME.pieces``)."""
         b, d = x.size(0), x.size(-1)
         fixed = _fixed(self.gate, offset)
         if fixed is not None:
@@ -323,6 +346,7 @@ class GatedFeedForward:
         else:  # the part's one host sync: open rows per piece, rows with any piece open
             on = self.gate.hard(self.control(x)[:, 0], offset)  # (B, M)
             *counts, n_any = torch.cat([on.sum(0), on.any(1).sum().view(1)]).tolist()
+        _tally(tally, f"{self.name}.pieces", on, bool(fixed), (b, self.m))
         if not n_any:
             return None
         n = F.layer_norm(x, (d,), None, None, self.eps)  # LN_in without its affine
