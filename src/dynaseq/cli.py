@@ -261,9 +261,9 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
     d = t.config.decode
     after, timed = None, "decode"
     if not args.no_compute:  # time what dynaseq serve runs: the decode, then each line's
-        from dynaseq.serve.endpoints import compute_after_decode  # realized compute
+        from dynaseq.serve.endpoints import ServedCompute  # realized compute
 
-        after = compute_after_decode(t.model)
+        after = ServedCompute(t.model)
         timed = "decode + realized compute per line (dynaseq serve's default)"
     table = measure_latency_table(t.model, controls, sorted(set(args.table_batches)),
                                   sorted(set(args.table_lengths)), beam=beam,

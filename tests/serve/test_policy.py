@@ -109,28 +109,38 @@ def test_fixed_length_table_without_sentences(serve_run):
 
 
 def test_table_times_what_runs_after_each_decode(serve_run, synthetic_paths):
-    """``after`` runs once per timed decode and its warm-up, with the batch's hypotheses;
-    the table names what it timed; the server's compute report fits the hook."""
+    """``after`` runs once per timed decode and its warm-up, with the batch's hypotheses
+    and, where the server's decode counts what it runs (a gated budget, greedy, lean), what
+    it counted; the table names what it timed; the server's compute report fits the hook."""
     from dynaseq.metrics.latency_table import measure_latency_table
-    from dynaseq.serve.endpoints import compute_after_decode
+    from dynaseq.serve.endpoints import ServedCompute
 
     t = dynaseq.load(serve_run)
     calls = []
-    report = compute_after_decode(t.model)
+    report = ServedCompute(t.model)
 
-    def after(src, hyps, control):
-        calls.append((src.size(0), len(hyps)))
-        report(src, hyps, control)
+    class After:
+        def counts(self, control, n_rows):
+            return report.counts(control, n_rows)
+
+        def __call__(self, src, hyps, control, counted):
+            calls.append((src.size(0), len(hyps), counted is not None))
+            return report(src, hyps, control, counted)
+
+    after = After()
 
     sources = t.tokenizer.encode(synthetic_paths["valid.src"].read_text().splitlines()[:20])
     for sentences in (None, sources):
         calls.clear()
-        table = measure_latency_table(t.model, {(1.0, 1.0): 0, (0.5, 0.5): 1}, [1, 3], [4],
-                                      repeats=2, sources=sentences, after=after,
+        controls = {(1.0, 1.0): t.control_for(1.0), (0.5, 0.5): t.control_for(0.5)}
+        table = measure_latency_table(t.model, controls, [1, 3], [4], repeats=2,
+                                      sources=sentences, after=after,
                                       timed="decode + compute")
         assert table.extra["timed"] == "decode + compute"
-        # 2 budgets x 2 batch sizes x 1 length, each 1 warm-up + 2 timed
-        assert sorted(calls) == [(1, 1)] * 6 + [(3, 3)] * 6
+        # 2 budgets x 2 batch sizes x 1 length, each 1 warm-up + 2 timed; budget 1 opens
+        # every gate (nothing to count), 0.5 is counted while decoding
+        assert sorted(calls) == sorted([(b, b, counted) for b in (1, 3)
+                                        for counted in (False, True)] * 3)
 
 
 def test_profile_latency_table_refusals(serve_run, lm_run):

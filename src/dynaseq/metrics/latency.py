@@ -5,13 +5,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.nn.lean_step import StepTally
+from dynaseq.nn.outputs import AuxOutputs
 
 
 def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> float:
@@ -37,10 +39,38 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
     return 1000.0 * statistics.median(times)
 
 
-AfterDecode = Callable[[Tensor, list[list[int]], Any], object]
-"""What a server does with each decoded batch besides decoding, timed with it:
-``after(src (B, S) padded with eos, hypotheses (no bos/eos), control)`` (e.g. the realized
-compute of each line)."""
+Counted = tuple[AuxOutputs, dict[str, Tensor]]
+"""What a greedy decode through a lean decoder counted: the encoder's records and each
+row's decoding counts (:meth:`~dynaseq.nn.lean_step.StepTally.counts`)."""
+
+
+class AfterDecode(Protocol):
+    """What a server does with each decoded batch besides decoding, timed with it (e.g. the
+    realized compute of each line)."""
+
+    def counts(self, control: Any, n_rows: int) -> bool:
+        """Whether a greedy decode of ``n_rows`` rows at ``control`` through a lean decoder
+        should count what it runs (:data:`Counted`), as the server's does."""
+
+    def __call__(self, src: Tensor, hyps: list[list[int]], control: Any,
+                 counted: Counted | None) -> object:
+        """``src`` (B, S) padded with eos, the hypotheses (no bos/eos), ``control``, and
+        what the decode counted (None where it did not)."""
+
+
+def search(searcher: Any, src: Tensor, beam: int, after: AfterDecode | None,
+           **kwargs: Any) -> tuple[list[list[int]], Counted | None]:
+    """Greedy (``beam`` 1) or beam search of ``src`` with ``kwargs`` (the searches'), counting
+    what it runs when ``after`` asks for it (greedy, a lean decoder): the hypotheses and
+    the counts (or None)."""
+    if beam != 1:
+        return beam_search(searcher, src, beam=beam, **kwargs), None
+    if not (after is not None and isinstance(searcher, LeanDecoder)
+            and after.counts(kwargs.get("control"), src.size(0))):
+        return greedy_search(searcher, src, **kwargs), None
+    aux, tally = AuxOutputs(), StepTally(src.size(0), src.device)
+    hyps = greedy_search(searcher, src, aux=aux, tally=tally, **kwargs)
+    return hyps, (aux, tally.counts())
 
 
 @torch.no_grad()
@@ -57,7 +87,7 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     decodes as translation does, through :class:`~dynaseq.models.lean.LeanDecoder` where the
     model has one (dense and CCT; prepared once, outside the timing) and the general step
     otherwise; True requires the lean step (a model without one is refused), False the
-    general one. ``after``: work timed with each decode (:data:`AfterDecode`).
+    general one. ``after``: work timed with each decode (:class:`AfterDecode`).
     """
     device = next(model.parameters()).device
     vocab = model.decoder.output_proj.out_features
@@ -77,10 +107,9 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
         searcher = model
 
     def run() -> None:
-        out = (greedy_search(searcher, src, **kwargs) if beam == 1
-               else beam_search(searcher, src, beam=beam, **kwargs))
+        out, counted = search(searcher, src, beam, after, **kwargs)
         assert all(len(o) == tgt_len for o in out), "fixed-length decoding"
         if after is not None:
-            after(src, out, control)
+            after(src, out, control, counted)
 
     return median_ms(model, run, repeats)

@@ -141,9 +141,9 @@ def free_decode_ms(model: nn.Module, src: torch.Tensor, beam: int, repeats: int,
     until every row has produced eos or reached ``max_len_a · S + max_len_b`` tokens, after
     one warm-up; through the model's lean decoding step where it has one, as the server
     decodes; ``after``: what the server does with each decoded batch besides, timed with it
-    (:data:`~dynaseq.metrics.latency.AfterDecode`)."""
+    (:class:`~dynaseq.metrics.latency.AfterDecode`)."""
+    from dynaseq.metrics.latency import search
     from dynaseq.models.lean import lean_or_model
-    from dynaseq.models.search import beam_search, greedy_search
 
     max_pos = model.decoder.positions.max_positions
     kwargs = {"max_len_a": max_len_a, "max_len_b": max_len_b, "max_positions": max_pos,
@@ -151,10 +151,9 @@ def free_decode_ms(model: nn.Module, src: torch.Tensor, beam: int, repeats: int,
     searcher = lean_or_model(model)
 
     def run() -> None:
-        hyps = (greedy_search(searcher, src, **kwargs) if beam == 1
-                else beam_search(searcher, src, beam=beam, **kwargs))
+        hyps, counted = search(searcher, src, beam, after, **kwargs)
         if after is not None:
-            after(src, hyps, control)
+            after(src, hyps, control, counted)
 
     return median_ms(model, run, repeats)
 

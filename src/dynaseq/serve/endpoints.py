@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate_source
 from dynaseq.metrics.encoder_profile import encoder_macs
-from dynaseq.metrics.latency import AfterDecode
+from dynaseq.metrics.latency import Counted
 from dynaseq.metrics.latency_table import Pair
 from dynaseq.metrics.macs import count_macs
 from dynaseq.nn.outputs import AuxOutputs
@@ -219,10 +219,8 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]
         for i, c in zip(idx, counted_per_row(t.model, rows, aux, counts), strict=True):
             counted[i] = c
 
-    # the decode counts what it runs (greedy, lean, a CCT), unless every gate is open
-    # anyway: then the lengths tell (realized_per_row), and counting would cost more
-    tally = (report_compute and beam == 1 and lean is not None and t.model.n_controls > 0
-             and not (isinstance(control, BudgetControl) and all(control.all_open(len(src)))))
+    tally = (report_compute and beam == 1 and lean is not None
+             and counts_while_decoding(t.model, control, len(src)))
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
@@ -365,16 +363,32 @@ def all_on_macs(model: torch.nn.Module, n_src: LengthsT, n_tgt: LengthsT
                            for layer in model.decoder.layers)}
 
 
-def compute_after_decode(model: torch.nn.Module) -> AfterDecode:
-    """:func:`realized_per_row` in the shape a latency table times after each decode
-    (:data:`~dynaseq.metrics.latency.AfterDecode`), so the table holds what the server
-    runs per batch."""
+def counts_while_decoding(model: torch.nn.Module, control: Any, n_rows: int) -> bool:
+    """Whether a batch's greedy decode counts what it runs for its compute report
+    (:func:`counted_per_row`): a CCT, unless every gate of every row is open anyway (then
+    the lengths tell, :func:`realized_per_row`, and counting would cost more)."""
+    return model.n_controls > 0 and not (isinstance(control, BudgetControl)
+                                         and all(control.all_open(n_rows)))
 
-    def after(src: torch.Tensor, hyps: list[list[int]], control: Any) -> None:
-        rows = [r[r.ne(model.pad_id)][:-1].tolist() for r in src]  # no padding, no eos
-        realized_per_row(model, rows, hyps, control)
 
-    return after
+@dataclass(frozen=True)
+class ServedCompute:
+    """Each line's realized compute as ``dynaseq serve`` reports it, in the shape a latency
+    table times after each decode (:class:`~dynaseq.metrics.latency.AfterDecode`), so the
+    table holds what the server runs per batch."""
+
+    model: torch.nn.Module
+
+    def counts(self, control: Any, n_rows: int) -> bool:
+        return counts_while_decoding(self.model, control, n_rows)
+
+    def __call__(self, src: torch.Tensor, hyps: list[list[int]], control: Any,
+                 counted: Counted | None) -> list[dict]:
+        if counted is not None:
+            return counted_per_row(self.model, src, *counted)
+        m = self.model
+        rows = [r[r.ne(m.pad_id)][:-1].tolist() for r in src]  # no padding, no eos
+        return realized_per_row(m, rows, hyps, control)
 
 
 def _answer_translate(state: ServeState, req: schemas.TranslateRequest, job: Job,
