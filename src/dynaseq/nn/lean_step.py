@@ -169,7 +169,7 @@ class StepTally:
     search: a finished row leaves), and a row's counts stay readable under its original
     index (:meth:`counts`). Keys are chosen by the parts (e.g. ``"decoder.layers.0.ffn"``);
     a part adds ``(B,)`` or ``(B, M)`` counts of the active rows, or one number for all.
-    :attr:`steps` counts the steps each row ran.
+    The key ``"steps"`` counts the steps each row ran (the decoder's :meth:`step`).
     """
 
     def __init__(self, n_rows: int, device: torch.device | str | None = None) -> None:
