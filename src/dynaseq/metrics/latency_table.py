@@ -53,7 +53,9 @@ def budget_key(pair: Pair) -> str:
 class LatencyTable:
     """Measured service times: ``service_ms[budget_key][i][j]`` is the median milliseconds
     to decode a batch of ``batch_sizes[i]`` sentences of ``lengths[j]`` source tokens at that
-    budget (greedy for ``beam`` 1), on ``device`` with ``threads`` CPU threads."""
+    budget (greedy for ``beam`` 1), on ``device`` with ``threads`` CPU threads. A table is
+    not changed once made: its predictions are remembered (a server plans every request
+    with hundreds of them)."""
 
     budgets: list[Pair]
     batch_sizes: list[int]
@@ -66,6 +68,7 @@ class LatencyTable:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._predicted: dict[tuple[Pair, int, int], float] = {}  # not a field: not saved
         self.budgets = [(float(e), float(d)) for e, d in self.budgets]
         if not self.budgets or not self.batch_sizes or not self.lengths:
             raise ValueError("a latency table needs at least one budget, batch size and length")
@@ -91,6 +94,10 @@ class LatencyTable:
         """Predicted milliseconds to decode ``batch`` sentences of ``length`` source tokens
         at budget ``pair``: bilinear in (batch size, length) between the measured points,
         linear beyond them (never below the smallest measured time / 4)."""
+        key = (tuple(pair), batch, length)
+        known = self._predicted.get(key)
+        if known is not None:
+            return known
         rows = self.service_ms.get(budget_key(pair))
         if rows is None:
             raise KeyError(f"budget {budget_key(pair)} is not in the latency table "
@@ -98,7 +105,8 @@ class LatencyTable:
         by_batch = [_interp(self.lengths, r, max(length, 1)) for r in rows]
         value = _interp(self.batch_sizes, by_batch, max(batch, 1))
         floor = min(min(r) for r in rows) / 4
-        return max(value, floor)
+        self._predicted[key] = max(value, floor)
+        return self._predicted[key]
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -110,15 +110,24 @@ class DeadlinePolicy:
             return 0.0
         batch = max(1, min(sum(w.rows for w in works), self.max_batch_rows))
         length = max(w.length for w in works)
-        return sum(w.rows * self.row_ms(budget or w.budget, length, batch) for w in works)
+        rows: dict[Pair, int] = {}  # lines per budget: one prediction each
+        for w in works:
+            b = budget or w.budget
+            rows[b] = rows.get(b, 0) + w.rows
+        return sum(n * self.row_ms(b, length, batch) for b, n in rows.items())
 
     def joiners(self, rows: int, ahead: Sequence[Work], running_ms: float | None,
                 arrival_rate: float) -> float:
         """Lines expected to join the batch of a request of ``rows`` lines before that
         batch starts: ``arrival_rate`` (lines per second) times the wait for the running
         batch (the batching window when none runs), as far as the batch has room."""
+        return self._joiners(rows, sum(w.rows for w in ahead), running_ms, arrival_rate)
+
+    def _joiners(self, rows: int, queued: int, running_ms: float | None,
+                 arrival_rate: float) -> float:
+        """:meth:`joiners` with ``queued`` lines already in the batch."""
         start_ms = self.window_ms if running_ms is None else running_ms
-        room = self.max_batch_rows - sum(w.rows for w in ahead) - rows
+        room = self.max_batch_rows - queued - rows
         return max(0.0, min(float(room), arrival_rate * start_ms / 1000.0))
 
     def predict_ms(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work] = (),
@@ -126,10 +135,10 @@ class DeadlinePolicy:
                    overhead_ms: float = 0.0, arrival_rate: float = 0.0) -> float:
         """Predicted completion (ms from now) of a request of ``rows`` lines at ``budget``
         behind ``ahead`` (see :meth:`decide`)."""
-        return self._predict(budget, rows, length, self.batches(ahead), running_ms, scale,
-                             overhead_ms, arrival_rate)[0]
+        return self._predict(budget, rows, length, _summaries(self.batches(ahead)),
+                             running_ms, scale, overhead_ms, arrival_rate)[0]
 
-    def _predict(self, budget: Pair, rows: int, length: int, batches: list[list[Work]],
+    def _predict(self, budget: Pair, rows: int, length: int, batches: list[_Batch],
                  running_ms: float | None, scale: float, overhead_ms: float,
                  arrival_rate: float) -> tuple[float, float]:
         """(predicted completion, the time the queue ahead needs) at ``budget``.
@@ -139,19 +148,31 @@ class DeadlinePolicy:
         the request's batch is the last of them if it has room, and ends when its last
         line does: the lines in it, the request's own and the expected :meth:`joiners` (at
         the request's budget and length), at the batch's longest."""
-        batches = [_flexible_at(b, budget) for b in batches]
-        last = batches.pop() if batches and (sum(w.rows for w in batches[-1]) + rows
-                                             <= self.max_batch_rows) else []
-        wait = (running_ms or 0.0) + scale * sum(self.batch_ms(b) for b in batches)
-        if not batches and not last and running_ms is None:  # idle: the batching window
+        last = batches[-1] if batches and (batches[-1].rows + rows
+                                           <= self.max_batch_rows) else None
+        ahead = batches[:-1] if last is not None else batches
+        wait = (running_ms or 0.0) + scale * sum(self._summary_ms(b, budget) for b in ahead)
+        if not ahead and last is None and running_ms is None:  # idle: the batching window
             wait += self.window_ms
-        extra = rows + self.joiners(rows, last, None if running_ms is None and not batches
-                                    else wait, arrival_rate)
-        n = max(1, min(sum(w.rows for w in last) + math.ceil(extra), self.max_batch_rows))
-        longest = max([length, *(w.length for w in last)])
-        wait += overhead_ms + scale * sum(w.rows * self.row_ms(w.budget, longest, n)
-                                          for w in last)
+        queued = 0 if last is None else last.rows
+        start_ms = None if running_ms is None and not ahead else wait
+        extra = rows + self._joiners(rows, queued, start_ms, arrival_rate)
+        n = max(1, min(queued + math.ceil(extra), self.max_batch_rows))
+        longest = length if last is None else max(length, last.length)
+        if last is not None:
+            wait += scale * self._summary_ms(last, budget, longest, n)
+        wait += overhead_ms
         return wait + scale * extra * self.row_ms(budget, longest, n), wait
+
+    def _summary_ms(self, b: _Batch, budget: Pair, length: int | None = None,
+                    batch: int | None = None) -> float:
+        """:meth:`batch_ms` of the lines a :class:`_Batch` holds, its flexible ones at
+        ``budget``, each line's share of a batch of ``batch`` lines at ``length`` (default:
+        the summary's own)."""
+        length = b.length if length is None else length
+        batch = max(1, min(b.rows, self.max_batch_rows)) if batch is None else batch
+        fixed = sum(k * self.row_ms(p, length, batch) for p, k in b.fixed)
+        return fixed + b.flexible * self.row_ms(budget, length, batch)
 
     def batches(self, works: Sequence[Work]) -> list[list[Work]]:
         """``works`` (oldest first) cut into batches as the batcher takes them: in order,
@@ -181,7 +202,7 @@ class DeadlinePolicy:
         request's batch before it starts (:meth:`joiners`)."""
         limit = self.slack * deadline_ms
         predicted, wait = math.inf, 0.0
-        batches = self.batches(ahead)  # the same at every budget
+        batches = _summaries(self.batches(ahead))  # the same at every budget
         for budget in self.budgets:
             predicted, wait = self._predict(budget, rows, length, batches, running_ms, scale,
                                             overhead_ms, arrival_rate)
@@ -250,6 +271,32 @@ class DeadlinePolicy:
                 return False
             k += len(batch)
         return True
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch of queued lines as a prediction needs it: its lines, its longest source,
+    ``(budget, lines)`` of those with a budget of their own and the number of flexible ones
+    (a deadline's: their budget is the one being tried)."""
+
+    rows: int
+    length: int
+    fixed: tuple[tuple[Pair, int], ...]
+    flexible: int
+
+
+def _summaries(batches: list[list[Work]]) -> list[_Batch]:
+    """Each batch of :meth:`DeadlinePolicy.batches` as a :class:`_Batch`, made once for
+    every budget a request tries."""
+    out = []
+    for works in batches:
+        fixed: dict[Pair, int] = {}
+        for w in works:
+            if not w.flexible:
+                fixed[w.budget] = fixed.get(w.budget, 0) + w.rows
+        out.append(_Batch(sum(w.rows for w in works), max(w.length for w in works),
+                          tuple(fixed.items()), sum(w.rows for w in works if w.flexible)))
+    return out
 
 
 def _flexible_at(works: Sequence[Work], budget: Pair) -> list[Work]:
