@@ -523,11 +523,11 @@ class ConditionalAttention(nn.Module):
                 raise ValueError("give key_on when kv_on is None (keys from a static cache)")
             key_on = kv_on
         return self.row_macs(q_on.sum(1), key_on.sum(1),
-                              None if kv_on is None else kv_on.sum(1), q_on.size(1),
-                              None if kv_on is None else kv_on.size(1))
+                             None if kv_on is None else kv_on.sum(1), q_on.size(1),
+                             None if kv_on is None else kv_on.size(1))
 
     def row_macs(self, n_q: Tensor | int, n_keys: Tensor | int, n_kv: Tensor | int | None,
-                  q_tokens: Tensor | int, kv_tokens: Tensor | int | None) -> Tensor | int:
+                 q_tokens: Tensor | int, kv_tokens: Tensor | int | None) -> Tensor | int:
         """MACs of a row (numbers, or ``(B,)`` tensors, one per row) whose ``n_q`` open
         queries each attend over ``n_keys`` on keys, ``n_kv`` key/value tokens projected
         (None: keys from a cache), and whose control networks ran on ``q_tokens`` query and
