@@ -121,6 +121,31 @@ def test_cct_realized_compute_on_cuda_equals_the_cpu(cuda_run, synthetic_paths):
         assert a[key] == pytest.approx(b[key], rel=1e-3), key
 
 
+def test_cct_served_compute_counted_on_cuda_equals_the_cpu(cuda_run, synthetic_paths):
+    """The server's batch (greedy, lean step, compute counted while decoding) on CUDA gives
+    the CPU's translations and realized compute."""
+    kind, run = cuda_run
+    if kind != "cct":
+        pytest.skip("realized compute is the CCT's")
+    from dynaseq.serve.batcher import Job
+    from dynaseq.serve.endpoints import TranslateWork, run_translate
+
+    src, _ = _lines(synthetic_paths, 12)
+    budgets = [[1.0, 0.5, 0.33][i % 3] for i in range(len(src))]
+    outs = []
+    for device in ("cuda", "cpu"):
+        t = dynaseq.load(run, device=device)
+        jobs = [Job(group=("translate", 1), run=None, rows=1,
+                    payload=TranslateWork([line], t.tokenizer.encode([line]), b, None, False))
+                for line, b in zip(src, budgets, strict=True)]
+        outs.append(run_translate(t, 1, True, jobs))
+    gpu, cpu = outs
+    assert [texts for texts, _ in gpu] == [texts for texts, _ in cpu]
+    for (_, [a]), (_, [b]) in zip(gpu, cpu, strict=True):  # a gate at its threshold may
+        for key in ("fraction", "macs_per_token"):          # round the other way on a GPU
+            assert a[key] == pytest.approx(b[key], rel=1e-3), key
+
+
 def test_a_cuda_checkpoint_resumes_on_the_cpu(tmp_path, synthetic_paths):
     """A run trained on the GPU goes on on the CPU from its last checkpoint."""
     run = tmp_path / "run"
