@@ -132,3 +132,15 @@ def test_multi30k_val(tmp_path: Path, multi30k_dir: Path) -> None:
     # NFKC normalisation may change a rare character (one line has a no-break space)
     same = sum(a == b for a, b in zip(decoded, en + de, strict=True))
     assert same >= 0.99 * len(en + de)
+
+
+def test_few_lines_encode_one_by_one_as_many_encode_in_a_batch(tok: Tokenizer) -> None:
+    """Below ``BATCH_LINES`` lines are encoded one call each, from it on in one batched
+    call: the same ids either way, as lists of ints."""
+    lines = [f"the cat {i} sat on the mat {'again ' * (i % 4)}".strip() for i in range(70)]
+    assert len(lines) >= Tokenizer.BATCH_LINES
+    batched = tok.encode(lines)
+    one_by_one = [tok.encode([line])[0] for line in lines]
+    assert batched == one_by_one
+    assert all(type(ids) is list and all(type(i) is int for i in ids) for ids in one_by_one)
+    assert tok.encode(lines[:3]) == batched[:3]

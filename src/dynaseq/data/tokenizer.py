@@ -200,7 +200,15 @@ class Tokenizer:
         """
         if not lines:
             return []
+        if len(lines) < self.BATCH_LINES:  # one call per line: no thread pool to start
+            return [self._sp.encode(line, out_type=int) for line in lines]
         return [list(ids) for ids in self._sp.encode(list(lines), out_type=int)]
+
+    BATCH_LINES = 64
+    """From this many lines on, :meth:`encode` makes one batched SentencePiece call. A
+    batched call costs about 0.2-0.3 ms whatever its size (it starts a thread pool), one
+    short line alone about 5 µs; a served request is one line, encoded on the event loop
+    (measured: 0.27 ms against 4.4 µs; 1000 lines: 3.3 ms batched, 7.5 ms one by one)."""
 
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Text of each id sequence; pad, bos and eos ids are dropped first.
