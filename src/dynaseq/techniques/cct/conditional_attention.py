@@ -343,13 +343,13 @@ class ConditionalAttention(nn.Module):
             self._trace(aux, q_on[..., None].to(dtype),
                         None if kv_ran is None else kv_ran[..., None].to(dtype),
                         allowed, s, memory is not None)
+            rows = None if cache is not None else partial(self._valid_rows, q_on, kv_ran,
+                                                          attn_mask)
             aux.add_trace(MACS_TRACE, MacsRecord(
                 self.name, self.realized_macs(q_on, kv_ran, key_on, key_width=key_width),
                 self.realized_macs_per_row(q_on, kv_ran, key_on),
-                None if cache is not None else self._all_on_per_row(q_on, attn_mask, s),
-                rows=None if cache is not None else partial(
-                    self._valid_rows, q_on, kv_ran, attn_mask),
-                keys_from_memory=memory is not None))
+                None if rows is None else rows(None, None, True),
+                rows=rows, keys_from_memory=memory is not None))
         return out.view(b, t, d)
 
     def _attend_packed_queries(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None,
@@ -569,16 +569,6 @@ class ConditionalAttention(nn.Module):
         kv_tokens = s if k_valid is None else k_valid.sum(1)
         n_kv = kv_ran.sum(1)
         return self.row_macs(q_on.sum(1), n_kv, n_kv, q_tokens, kv_tokens)
-
-    def _all_on_per_row(self, q_on: Tensor, attn_mask: Tensor | None, n_keys: int) -> Tensor:
-        """``(B,)`` long: :meth:`realized_macs_per_row` of a call without a cache whose gates
-        are all open (offset :data:`~dynaseq.techniques.cct.gating.ALL_GATES_ON`): every
-        query on, every key that some query may attend on. ``q_on`` ``(B, T)`` gives the
-        shape only."""
-        b = q_on.size(0)
-        keys = (torch.ones(b, n_keys, dtype=torch.bool, device=q_on.device)
-                if attn_mask is None else _attendable(attn_mask, b, n_keys))
-        return self.realized_macs_per_row(torch.ones_like(q_on), keys, keys)
 
 
 def _attendable(attn_mask: Tensor, batch: int, n_keys: int) -> Tensor:
