@@ -29,7 +29,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dynaseq.metrics.latency_table import LatencyTable, Pair
@@ -108,13 +108,8 @@ class DeadlinePolicy:
         decodes."""
         if not works:
             return 0.0
-        batch = max(1, min(sum(w.rows for w in works), self.max_batch_rows))
-        length = max(w.length for w in works)
-        rows: dict[Pair, int] = {}  # lines per budget: one prediction each
-        for w in works:
-            b = budget or w.budget
-            rows[b] = rows.get(b, 0) + w.rows
-        return sum(n * self.row_ms(b, length, batch) for b, n in rows.items())
+        return self._summary_ms(_Batch.of(works, own=lambda w: budget is None),
+                                budget or self.largest)
 
     def joiners(self, rows: int, ahead: Sequence[Work], running_ms: float | None,
                 arrival_rate: float) -> float:
@@ -171,8 +166,8 @@ class DeadlinePolicy:
         the summary's own)."""
         length = b.length if length is None else length
         batch = max(1, min(b.rows, self.max_batch_rows)) if batch is None else batch
-        fixed = sum(k * self.row_ms(p, length, batch) for p, k in b.fixed)
-        return fixed + b.flexible * self.row_ms(budget, length, batch)
+        fixed = sum(k * self.row_ms(p, length, batch) for p, k in b.fixed)  # one per budget
+        return fixed + b.flexible * self.row_ms(budget, length, batch) if b.flexible else fixed
 
     def batches(self, works: Sequence[Work]) -> list[list[Work]]:
         """``works`` (oldest first) cut into batches as the batcher takes them: in order,
@@ -284,19 +279,25 @@ class _Batch:
     fixed: tuple[tuple[Pair, int], ...]
     flexible: int
 
+    @classmethod
+    def of(cls, works: Sequence[Work], own: Callable[[Work], bool]) -> _Batch:
+        """``works`` (at least one) summed up: those for which ``own`` is True at their own
+        budget, the others flexible."""
+        fixed: dict[Pair, int] = {}
+        flexible = 0
+        for w in works:
+            if own(w):
+                fixed[w.budget] = fixed.get(w.budget, 0) + w.rows
+            else:
+                flexible += w.rows
+        return cls(sum(w.rows for w in works), max(w.length for w in works),
+                   tuple(fixed.items()), flexible)
+
 
 def _summaries(batches: list[list[Work]]) -> list[_Batch]:
-    """Each batch of :meth:`DeadlinePolicy.batches` as a :class:`_Batch`, made once for
-    every budget a request tries."""
-    out = []
-    for works in batches:
-        fixed: dict[Pair, int] = {}
-        for w in works:
-            if not w.flexible:
-                fixed[w.budget] = fixed.get(w.budget, 0) + w.rows
-        out.append(_Batch(sum(w.rows for w in works), max(w.length for w in works),
-                          tuple(fixed.items()), sum(w.rows for w in works if w.flexible)))
-    return out
+    """Each batch of :meth:`DeadlinePolicy.batches` as a :class:`_Batch` (its lines with a
+    deadline flexible), made once for every budget a request tries."""
+    return [_Batch.of(works, own=lambda w: not w.flexible) for works in batches]
 
 
 def _flexible_at(works: Sequence[Work], budget: Pair) -> list[Work]:
