@@ -11,9 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from dynaseq.models.lean import LeanDecoder
-from dynaseq.models.search import beam_search, greedy_search
-from dynaseq.nn.lean_step import StepTally
-from dynaseq.nn.outputs import AuxOutputs
+from dynaseq.models.search import Counted, beam_search, counted_greedy_search, greedy_search
 
 
 def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> float:
@@ -37,11 +35,6 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
     finally:
         model.train(was_training)
     return 1000.0 * statistics.median(times)
-
-
-Counted = tuple[AuxOutputs, dict[str, Tensor]]
-"""What a greedy decode through a lean decoder counted: the encoder's records and each
-row's decoding counts (:meth:`~dynaseq.nn.lean_step.StepTally.counts`)."""
 
 
 class AfterDecode(Protocol):
@@ -68,9 +61,7 @@ def search(searcher: Any, src: Tensor, beam: int, after: AfterDecode | None,
     if not (after is not None and isinstance(searcher, LeanDecoder)
             and after.counts(kwargs.get("control"), src.size(0))):
         return greedy_search(searcher, src, **kwargs), None
-    aux, tally = AuxOutputs(), StepTally(src.size(0), src.device)
-    hyps = greedy_search(searcher, src, aux=aux, tally=tally, **kwargs)
-    return hyps, (aux, tally.counts())
+    return counted_greedy_search(searcher, src, **kwargs)
 
 
 @torch.no_grad()

@@ -15,6 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dynaseq.nn.lean_step import StepTally
+from dynaseq.nn.outputs import AuxOutputs
+
+Counted = tuple[AuxOutputs, dict[str, Tensor]]
+"""What a greedy decode through a lean decoder counted (:func:`counted_greedy_search`): the
+encoder's records and each row's decoding counts (:meth:`StepTally.counts`)."""
+
 
 def max_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int, cap: int) -> Tensor:
     """Per-sentence output budget ``a · src_len + b`` (tokens incl. eos), capped at ``cap``."""
@@ -85,6 +92,14 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
             state.reorder(keep)
         tokens = nxt.unsqueeze(1)
     return [row[:length] for row, length in zip(out.tolist(), lengths, strict=True)]
+
+
+def counted_greedy_search(model, src: Tensor, **kwargs) -> tuple[list[list[int]], Counted]:
+    """:func:`greedy_search` (``kwargs``: its) through a lean decoder, counting what it runs:
+    the hypotheses and :data:`Counted`."""
+    aux, tally = AuxOutputs(), StepTally(src.size(0), src.device)
+    hyps = greedy_search(model, src, aux=aux, tally=tally, **kwargs)
+    return hyps, (aux, tally.counts())
 
 
 @torch.no_grad()

@@ -34,9 +34,9 @@ from pydantic import BaseModel
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate_source
 from dynaseq.metrics.encoder_profile import encoder_macs
-from dynaseq.metrics.latency import Counted
 from dynaseq.metrics.latency_table import Pair
 from dynaseq.metrics.macs import count_macs
+from dynaseq.models.search import Counted
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job, Shed

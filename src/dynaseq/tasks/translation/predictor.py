@@ -31,8 +31,7 @@ from dynaseq.core.progress import progress_bar
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
-from dynaseq.models.search import beam_search, greedy_search
-from dynaseq.nn.lean_step import StepTally
+from dynaseq.models.search import beam_search, counted_greedy_search, greedy_search
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.loading import load_predictor
@@ -111,12 +110,13 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                                  model.pad_id, model.eos_id).to(device)
             rows = _batch_control(control, len(src_ids), idx, device)
             if beam == 1:
-                aux, tally = (None, None) if on_batch is None else (
-                    AuxOutputs(), StepTally(len(idx), device))
-                hyps = greedy_search(searcher, src, max_len_a, max_len_b, min_len, max_pos,
-                                     rows, aux, tally)
-                if on_batch is not None:
-                    on_batch(idx, src, aux, tally.counts())
+                kw = {"max_len_a": max_len_a, "max_len_b": max_len_b, "min_len": min_len,
+                      "max_positions": max_pos, "control": rows}
+                if on_batch is None:
+                    hyps = greedy_search(searcher, src, **kw)
+                else:
+                    hyps, counted = counted_greedy_search(searcher, src, **kw)
+                    on_batch(idx, src, *counted)
             else:
                 hyps = beam_search(searcher, src, beam, length_penalty, max_len_a, max_len_b,
                                    min_len, max_pos, rows)
