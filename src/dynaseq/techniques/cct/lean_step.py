@@ -123,13 +123,18 @@ def _decide(gate: Gate, controls: _Controls, x: Tensor,
     return on, on.sum(0).tolist()
 
 
-def _tally(tally: StepTally | None, key: str, on: Tensor | None, fixed_on: bool,
-           shape: tuple[int, ...]) -> None:
-    """Add to ``tally`` (if any) the open gates of each row: ``on`` ``shape`` bool, or, where
-    the decisions are fixed (``on`` None), ``fixed_on`` for every gate."""
-    if tally is not None:
-        tally.add(key, on if on is not None else torch.full(
-            shape, int(fixed_on), dtype=torch.long, device=tally.device))
+def _tally(tally: StepTally | None, name: str, gate: str, on: Tensor | None,
+           column: int | None, fixed_on: bool, shape: tuple[int, ...]) -> None:
+    """Add to ``tally`` (if any; nothing is built otherwise) each row's open gates under
+    ``name.gate``: column ``column`` of ``on`` (all of it for None), or, where the decisions
+    are fixed (``on`` None), ``fixed_on`` for every gate of ``shape``."""
+    if tally is None:
+        return
+    if on is None:
+        counts = torch.full(shape, int(fixed_on), dtype=torch.long, device=tally.device)
+    else:
+        counts = on if column is None else on[:, column]
+    tally.add(f"{name}.{gate}", counts)
 
 
 def _rows(on: Tensor) -> Tensor:
@@ -197,8 +202,8 @@ class GatedSelfAttention(_GatedAttention):
         row's open query and key/value gates (keys ``NAME.q``, ``NAME.kv``)."""
         b, d = x.size(0), self.d
         on, (n_q, n_kv) = _decide(self.gate, self.controls, x, offset)  # on: (B, 2)
-        _tally(tally, f"{self.name}.q", None if on is None else on[:, 0], n_q == b, (b,))
-        _tally(tally, f"{self.name}.kv", None if on is None else on[:, 1], n_kv == b, (b,))
+        _tally(tally, self.name, "q", on, 0, n_q == b, (b,))
+        _tally(tally, self.name, "kv", on, 1, n_kv == b, (b,))
         q = None
         if n_q == b and n_kv == b:  # everything open: one fused product
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
@@ -273,7 +278,7 @@ class GatedCrossAttention(_GatedAttention):
         row's open query gate (key ``NAME.q``)."""
         b = x.size(0)
         on, (n_q,) = _decide(self.gate, self.q_control, x, offset)  # on: (B, 1)
-        _tally(tally, f"{self.name}.q", None if on is None else on[:, 0], n_q == b, (b,))
+        _tally(tally, self.name, "q", on, 0, n_q == b, (b,))
         if n_q == 0:
             return None
         if n_q == b:
@@ -351,7 +356,7 @@ class GatedFeedForward:
         else:  # the part's one host sync: open rows per piece, rows with any piece open
             on = self.gate.hard(self.control(x)[:, 0], offset)  # (B, M)
             *counts, n_any = torch.cat([on.sum(0), on.any(1).sum().view(1)]).tolist()
-        _tally(tally, f"{self.name}.pieces", on, bool(fixed), (b, self.m))
+        _tally(tally, self.name, "pieces", on, None, bool(fixed), (b, self.m))
         if not n_any:
             return None
         n = F.layer_norm(x, (d,), None, None, self.eps)  # LN_in without its affine
