@@ -85,10 +85,10 @@ class ConditionalFeedForward(nn.Module):
                        self._piece_costs(g), self.control)
             if not self.training:
                 on = g.bool()
+                rows = partial(self._valid_rows, on)
                 aux.add_trace(MACS_TRACE, MacsRecord(
                     self.name, self.realized_macs(on), self.realized_macs_per_row(on),
-                    self.realized_macs_per_row(torch.ones_like(on)),
-                    rows=partial(self._valid_rows, on)))
+                    rows(None, None, True), rows=rows))
         return out
 
     def _forward_hard(self, x: Tensor, on: Tensor) -> Tensor:
