@@ -358,7 +358,7 @@ class EncoderModel(nn.Module):
     def n_controls(self) -> int:
         return 0 if self.control_embed is None else self.control_embed.num_embeddings
 
-    def _control(self, control: Control, batch: int,
+    def control_inputs(self, control: Control, batch: int,
                  device: torch.device) -> tuple[Tensor | None, Tensor | None]:
         """(B, 1, d) control embeddings and (B,) gate offsets (or None) of a call."""
         offsets: dict[str, Tensor] = {}
@@ -390,7 +390,7 @@ class EncoderModel(nn.Module):
                exit: DepthExit | None = None,
                layers: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         """(hidden (B, S, d), pad_mask (B, S))."""
-        emb, offset = self._control(control, tokens.size(0), tokens.device)
+        emb, offset = self.control_inputs(control, tokens.size(0), tokens.device)
         return self.encoder(tokens, segments, emb, offset, aux, exit, layers)
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,

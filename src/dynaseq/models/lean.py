@@ -55,6 +55,7 @@ from dynaseq.nn.lean_step import (
     lean_part,
     linear_fn,
     linear_tensors,
+    uniform_offset,
 )
 from dynaseq.nn.outputs import AuxOutputs
 
@@ -159,15 +160,6 @@ class LeanState:
         self.cross = [keys.index_select(index) for keys in self.cross]
 
 
-def _uniform(offset: Tensor | None) -> Tensor | float | None:
-    """The rows' gate offsets ``(B,)`` as one float when every row has the same (e.g. ±inf,
-    which fixes every gate without its control network), else as they are."""
-    if offset is None or offset.numel() == 0:
-        return None if offset is None else offset
-    first = offset[0]
-    return float(first) if bool((offset == first).all()) else offset
-
-
 def _decoder_modules(model: Seq2SeqTransformer) -> list[nn.Module]:
     """The decoder modules a :class:`LeanDecoder` reads: its layers', the final norm and the
     output layer."""
@@ -231,7 +223,7 @@ class LeanDecoder:
     def decode_step(self, tokens: Tensor, enc: EncoderOutput, state: LeanState) -> Tensor:
         """tokens (B, 1) at position ``state.step`` -> next-token logits (B, V)."""
         if not state.started:  # project the encoder output once for every later step
-            state.offset = _uniform(enc.gate_offset)
+            state.offset = uniform_offset(enc.gate_offset)
             state.cross = [w.cross_attn.start(enc.out, enc.pad_mask, state.offset,
                                               state.tally) for w in self.layers]
         # one offset for every row stays one as rows are dropped or copied (beam search)

@@ -4,7 +4,9 @@
   ``(3·inner, d)`` matrix (a copy), keys and values written into the layer's preallocated
   :class:`~dynaseq.nn.lean_step.StepCache`;
 * cross-attention: the encoder output's keys and values projected once, at ``start``;
-* feed-forward (:class:`~dynaseq.nn.FeedForward`): ``fc2(relu(fc1(x)))`` as two function calls.
+* feed-forward (:class:`~dynaseq.nn.FeedForward`): ``fc2(relu(fc1(x)))`` as two function calls;
+* an encoder's self-attention (role ``"encoder"``): the fused q/k/v product over whole
+  sequences, padding keys masked.
 
 Projections may be float ``nn.Linear`` or int8 :class:`~dynaseq.nn.int8.Int8Linear` (a
 quantized model, ``dynaseq quantize``): each runs through
@@ -81,6 +83,26 @@ class DenseCrossAttention:
         return self.out(a.reshape(b, 1, h * d))
 
 
+class DenseEncoderAttention:
+    """Bidirectional self-attention over whole sequences (an encoder layer)."""
+
+    def __init__(self, m: MultiHeadAttention, qkv: LinearFn, out: LinearFn) -> None:
+        self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
+                        for t in linear_tensors(p)]
+        self.qkv, self.out = qkv, out
+        self.n_heads, self.d_head = m.n_heads, m.d_head
+
+    def encode(self, x: Tensor, valid: Tensor | None, offset: Tensor | float | None
+               ) -> Tensor:
+        """x ``(B, S, d)``, valid ``(B, S)`` (None: no padding) -> ``(B, S, d)``."""
+        b, s, _ = x.shape
+        h, d = self.n_heads, self.d_head
+        q, k, v = self.qkv(x).view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B,H,S,hd)
+        mask = None if valid is None else valid[:, None, None, :]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, S, hd)
+        return self.out(a.transpose(1, 2).reshape(b, s, h * d))
+
+
 class DenseFeedForward:
     """``fc2(relu(fc1(x)))``."""
 
@@ -93,7 +115,8 @@ class DenseFeedForward:
         return self.fc2(self.fc1(x).relu_())
 
 
-def _attention_part(m: nn.Module, role: str) -> DenseSelfAttention | DenseCrossAttention | None:
+def _attention_part(m: nn.Module, role: str
+                    ) -> DenseSelfAttention | DenseCrossAttention | DenseEncoderAttention | None:
     assert isinstance(m, MultiHeadAttention)
     if role == "ffn" or m.position_scores is not None or m.n_heads == 0:
         return None
@@ -103,7 +126,9 @@ def _attention_part(m: nn.Module, role: str) -> DenseSelfAttention | DenseCrossA
     if role == "cross":
         return DenseCrossAttention(m, fns)
     qkv = fused_linear((m.q_proj, m.k_proj, m.v_proj))
-    return None if qkv is None else DenseSelfAttention(m, qkv, fns[3])
+    if qkv is None:
+        return None
+    return (DenseEncoderAttention if role == "encoder" else DenseSelfAttention)(m, qkv, fns[3])
 
 
 def _ffn_part(m: nn.Module, role: str) -> DenseFeedForward | None:

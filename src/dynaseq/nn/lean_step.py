@@ -18,7 +18,10 @@ of the sub-layer ran but its control network.
 * self-attention: ``step(x, cache, offset)`` with the layer's :class:`StepCache`;
 * cross-attention: ``start(memory, pad_mask, offset) -> CrossKeys`` once per batch,
   ``step(x, keys, offset)`` every step;
-* feed-forward: ``step(x, offset)``.
+* feed-forward: ``step(x, offset)``; it reads rows, so an encoder runs it on its valid
+  tokens, each a row ``(N, 1, d)`` with its row's offset;
+* an encoder's self-attention (role ``"encoder"``): ``encode(x, valid, offset)`` on whole
+  sequences ``(B, S, d)`` (:class:`~dynaseq.models.lean_encoder.LeanEncoder`).
 
 ``sources`` lists the tensors a part copied (fused or folded weights): the decoder compares
 their version counters to know when its copies went stale.
@@ -160,6 +163,15 @@ Offset = Tensor | float | None
 """The rows' gate offsets a part's step receives (see the module docstring)."""
 
 
+def uniform_offset(offset: Tensor | None) -> Offset:
+    """The rows' gate offsets ``(B,)`` as one float when every row has the same (e.g. ±inf,
+    which fixes every gate without its control network), else as they are."""
+    if offset is None or offset.numel() == 0:
+        return offset
+    first = offset[0]
+    return float(first) if bool((offset == first).all()) else offset
+
+
 class StepTally:
     """Per-row counts of what a decode's gated parts ran, added step by step: the decode's
     realized compute, without running the sequences again teacher forced.
@@ -239,15 +251,26 @@ class LeanFeedForward(Protocol):
              ) -> Tensor | None: ...
 
 
+class LeanEncoderAttention(Protocol):
+    sources: list[Tensor]
+
+    def encode(self, x: Tensor, valid: Tensor | None, offset: Offset) -> Tensor | None:
+        """x ``(B, S, d)`` (the layer's normalised input); ``valid`` ``(B, S)`` bool, False
+        at padding (None: no padding) -> ``(B, S, d)`` at the valid positions (padding
+        positions hold anything), or None when the output is 0 for every token."""
+
+
 LeanFactory = Callable[[nn.Module, str], object | None]
-"""``factory(module, role)`` with role ``"self"``, ``"cross"`` or ``"ffn"``: the module's lean
-part for that role, or None when this module cannot run lean (then the model keeps the
-general step)."""
+"""``factory(module, role)`` with a role of :data:`ROLES`: the module's lean part for that
+role, or None when this module cannot run lean (then the model keeps the general path)."""
 
 LEAN_PARTS: dict[type[nn.Module], LeanFactory] = {}
 """Module type (exact, not subclasses) -> its :data:`LeanFactory`."""
 
-ROLES = ("self", "cross", "ffn")
+ROLES = ("self", "cross", "ffn", "encoder")
+"""A part's role: a decoder's causal self-attention step, its cross-attention, a
+feed-forward sub-layer (decoder or encoder: it reads rows), or an encoder's
+bidirectional self-attention over whole sequences (:class:`LeanEncoderAttention`)."""
 
 
 def register_lean(module_type: type[nn.Module], factory: LeanFactory) -> None:
@@ -298,7 +321,7 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
     return out
 
 
-__all__ = ["LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanFeedForward",
-           "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache", "apply_linear",
-           "fused_linear", "lean_part", "linear_fn", "linear_of", "linear_tensors",
-           "merge_heads", "register_lean", "split_heads"]
+__all__ = ["LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
+           "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
+           "apply_linear", "fused_linear", "lean_part", "linear_fn", "linear_of", "linear_tensors",
+           "merge_heads", "register_lean", "split_heads", "uniform_offset"]

@@ -29,6 +29,7 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
+from dynaseq.models.lean_encoder import LeanEncoder
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
@@ -159,7 +160,8 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
                    compute: RealizedCompute | None = None, progress: bool = False,
                    exit: Exit = None,
-                   layers: tuple[int, ...] | None = None) -> Tensor:
+                   layers: tuple[int, ...] | None = None,
+                   lean: LeanEncoder | None = None) -> Tensor:
     """(N, n_out) logits of the rows, in batches of similar length (output in row order).
 
     ``compute``: receives what ran (:class:`RealizedCompute`): for CCT models the MACs the
@@ -167,7 +169,11 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
     in total and per row; for an adaptive-depth or multi-exit model at an ``exit`` (early
     exit, one for every row or per row) the layers its rows ran. ``layers``: the plan
     positions to run (a model pruned to a fixed depth; None: all). ``progress``: a bar of
-    rows on a terminal."""
+    rows on a terminal. ``lean``: :meth:`LeanEncoder.prepare` of ``model``, which runs the
+    batches where neither ``compute``, nor ``exit``, nor ``layers`` is asked for (those
+    read the general pass)."""
+    if compute is not None or exit is not None or layers is not None:
+        lean = None
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
@@ -181,6 +187,10 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
             tokens, segments = (t.to(device) for t in
                                 collate_rows([rows[j] for j in idx], model.pad_id))
             rows_control = _rows_control(control, idx, device)
+            if lean is not None:
+                out[torch.tensor(idx)] = lean(tokens, segments, rows_control).float().cpu()
+                bar.update(len(idx))
+                continue
             res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx),
                         layers=layers)
             out[torch.tensor(idx)] = res.logits.float().cpu()
@@ -251,6 +261,21 @@ class Classifier:
     checkpoint: Path
     device: torch.device
     calibrations: list[BudgetCalibration] = field(default_factory=list)
+    #: classify through :class:`LeanEncoder` where the model has one (False: always the
+    #: model's own forward pass; tests and benchmarks compare the two)
+    fast_encode: bool = True
+    _lean: LeanEncoder | None = field(default=None, init=False, repr=False, compare=False)
+
+    def lean_encoder(self) -> LeanEncoder | None:
+        """The lean encoder classification runs with (None: the model's own forward, for
+        models without one or with ``fast_encode`` off); prepared once and reused while the
+        model's weights and modules stay as they were."""
+        if not self.fast_encode:
+            return None
+        lean = self._lean
+        if lean is None or not lean.is_current():
+            lean = self._lean = LeanEncoder.prepare(self.model)
+        return lean
 
     def _control(self, budget: Budgets, n_rows: int) -> Control:
         return control_for(self.config.model, budget, n_rows, self.device, self.calibrations)
@@ -336,7 +361,8 @@ class Classifier:
         if not rows:
             return []
         logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute, progress, exit, layers)
+                                self.device, control, compute, progress, exit, layers,
+                                self.lean_encoder())
         return decide(logits, self.layout)
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,

@@ -21,6 +21,16 @@ control network(s) and reads the decisions with one host sync, then:
   zero key slot whose score carries ``log n_off`` (``e^{0 + log n_off} = n_off`` zero rows
   in the softmax, exactly the module's :func:`attend_with_zero_rows`), so every later step
   attends over the on keys only. Queries as for self-attention.
+* **encoder self-attention** (role ``"encoder"``, whole sequences, eq. 12-13): both
+  control nets as one product over every token, one host sync for the open queries and
+  keys/values. Queries and keys/values are limited to valid (non-padding) tokens, keys/values
+  also to rows with an open query (as the module does). Every token open and no padding:
+  one fused q/k/v product. Otherwise keys/values are projected and normalised for the open
+  tokens only (zero rows elsewhere, entering the softmax with score 0, eq. 12), and the
+  query, the output LayerNorm and projection run for the open queries only, packed per
+  sequence (:class:`~dynaseq.techniques.cct.packing.Packing`), attending over all of
+  their sequence's valid keys. Outputs at padding positions are left unspecified (nothing
+  reads them: padding keys are masked and the head reads the first token).
 * **fixed decisions**: where every row has the same offset of +inf (every gate open, the
   full network) or -inf, or the gates are pinned (``gate_override``), the decisions do not
   depend on the control networks, and they do not run.
@@ -67,6 +77,7 @@ from dynaseq.nn.lean_step import (
 from dynaseq.techniques.cct.conditional_attention import ConditionalAttention, PackedKeys
 from dynaseq.techniques.cct.conditional_ffn import ConditionalFeedForward
 from dynaseq.techniques.cct.gating import ControlNet, Gate
+from dynaseq.techniques.cct.packing import Packing
 
 _IDENTITY = "identity"
 
@@ -165,7 +176,7 @@ class _GatedAttention:
         return apply_linear(_apply(self.out_norm, a), self.out)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """q ``(N, 1, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, 1, d)``."""
+        """q ``(N, T, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, T, d)``."""
         q = split_heads(q, self.n_heads)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._output(merge_heads(a))
@@ -226,6 +237,64 @@ class GatedSelfAttention(_GatedAttention):
             q = apply_linear(x, self.q) if q is None else q
             return self._attend(q, keys, values, None)
         return self._attend_rows(x, _rows(on[:, 0]), keys, values, None)
+
+
+class GatedEncoderAttention(_GatedAttention):
+    """CCT self-attention of an encoder layer over whole sequences (see the module
+    docstring)."""
+
+    def __init__(self, m: ConditionalAttention, norms: tuple[Norm | str, ...]) -> None:
+        super().__init__(m, norms)
+        self.controls = _Controls([m.q_control, m.kv_control])  # logits [q, kv]
+        self.sources += self.controls.sources
+
+    def encode(self, x: Tensor, valid: Tensor | None, offset: Offset) -> Tensor | None:
+        """x ``(B, S, d)``, valid ``(B, S)`` (None: no padding) -> ``(B, S, d)`` (0 at gated-off
+        queries), or None when every query is off."""
+        b, s, d = x.shape
+        fixed = _fixed(self.gate, offset)
+        if fixed is False:
+            return None
+        q_on = kv_on = valid  # None: every token
+        if fixed is None:
+            on = self.gate.hard(self.controls(x), offset)  # (B, S, 2)
+            q_on, kv_on = on[..., 0], on[..., 1]
+            if valid is not None:
+                q_on, kv_on = q_on & valid, kv_on & valid
+        n_q = n_kv = b * s
+        if q_on is not None:  # keys no query reads are not projected
+            kv_on = kv_on & q_on.any(1, keepdim=True)
+            n_q, n_kv = torch.stack([q_on.sum(), kv_on.sum()]).tolist()  # one host sync
+        if n_q == 0:
+            return None
+        if n_q == n_kv == b * s:  # every token open, no padding: one fused product
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            k = _apply(self.k_norm, qkv[..., d: 2 * d])
+            v = _apply(self.v_norm, qkv[..., 2 * d:])
+            return self._attend(qkv[..., :d], split_heads(k, self.n_heads),
+                                split_heads(v, self.n_heads), None)
+        if n_kv == b * s:
+            k, v = self._kv(x)
+        else:
+            flat = x.reshape(b * s, d)
+            k, v = x.new_zeros(b * s, d), x.new_zeros(b * s, d)
+            if n_kv:
+                rows = _rows(kv_on.reshape(-1))
+                kr, vr = self._kv(flat.index_select(0, rows))
+                k.index_copy_(0, rows, kr)
+                v.index_copy_(0, rows, vr)
+        keys = split_heads(k.view(b, s, d), self.n_heads)  # (B, H, S, hd)
+        values = split_heads(v.view(b, s, d), self.n_heads)
+        mask = None if valid is None else valid[:, None, None, :]
+        if n_q == b * s:
+            return self._attend(apply_linear(x, self.q), keys, values, mask)
+        qp = Packing.of(q_on)  # the open queries, packed per sequence
+        q = apply_linear(x.reshape(b * s, d).index_select(0, qp.flat), self.q)  # (Nq, d)
+        if qp.n_rows < b:
+            keys, values = keys.index_select(0, qp.rows), values.index_select(0, qp.rows)
+            mask = None if mask is None else mask.index_select(0, qp.rows)
+        y = self._attend(qp.pack(q), keys, values, mask)  # (B', W, d)
+        return x.new_zeros(b * s, d).index_copy_(0, qp.flat, qp.unpack(y)).view(b, s, d)
 
 
 class GatedCrossAttention(_GatedAttention):
@@ -378,14 +447,17 @@ class GatedFeedForward:
         return out
 
 
-def _attention_part(m: nn.Module, role: str) -> GatedSelfAttention | GatedCrossAttention | None:
+def _attention_part(m: nn.Module, role: str
+                    ) -> GatedSelfAttention | GatedCrossAttention | GatedEncoderAttention | None:
     assert isinstance(m, ConditionalAttention)
     norms = tuple(_norm_or_identity(n) for n in (m.k_norm, m.v_norm, m.out_norm))
     if (role == "ffn" or None in norms
             or any(linear_of(p) is None for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
             or not (_control_ok(m.q_control) and _control_ok(m.kv_control))):
         return None
-    return GatedSelfAttention(m, norms) if role == "self" else GatedCrossAttention(m, norms)
+    kinds = {"self": GatedSelfAttention, "cross": GatedCrossAttention,
+             "encoder": GatedEncoderAttention}
+    return kinds[role](m, norms)
 
 
 def _ffn_part(m: nn.Module, role: str) -> GatedFeedForward | None:

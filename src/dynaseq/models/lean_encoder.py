@@ -1,0 +1,157 @@
+"""A lean forward pass for Transformer encoders (inference only): what classification runs.
+
+:class:`~dynaseq.models.encoder.TransformerEncoder` goes through every sub-layer module, so
+any technique fits; at batch 1 the per-operation overhead, not the arithmetic, sets the
+time of a small encoder, and a CCT-BERT's gated sub-layers (two control nets, three
+LayerNorms and four projections per attention, M pieces each with two LayerNorms per
+feed-forward) made the full-budget CCT take 2.4x the dense encoder's time at batch 1
+(``benchmarks/results/cct_bert.md``). :class:`LeanEncoder` runs the same computation
+through each sub-layer's *lean part* (:mod:`dynaseq.nn.lean_step`, role ``"encoder"`` for
+the self-attention, ``"ffn"`` for the feed-forward):
+
+* dense attention fuses its q/k/v projections (:mod:`dynaseq.nn.lean_dense`); the CCT's
+  gated attention runs both control nets as one product, projects keys/values and queries
+  of the open tokens only, fused when every token is open
+  (:mod:`dynaseq.techniques.cct.lean_step`);
+* feed-forward parts read rows: they run on the valid tokens only (padding is not
+  computed), each token a row with its row's gate offset; the CCT's M pieces run as fused
+  products with their input LayerNorms folded into the first layer;
+* a gated sub-layer whose gates are all off returns None: the residual is left as it is.
+
+Outputs at valid positions equal the module's forward pass up to float rounding (the tests
+compare logits and labels for dense and CCT encoders, with padding, at single, per-row and
+fixed budgets). Encoders with a structure predictor (adaptive depth), early exits or
+LayerDrop's layer subsets keep the general pass (:meth:`LeanEncoder.prepare` returns None
+for a predictor; callers pass exits and subsets to the model). Realized-compute accounting
+reads the general pass's traces, so a call that asks for it runs the model.
+
+Example::
+
+    lean = LeanEncoder.prepare(model)              # None: the model's own forward
+    logits = lean(tokens, segments, control)       # == model(tokens, segments, control).logits
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lean parts)
+from dynaseq.models.encoder import Control, EncoderModel
+from dynaseq.nn import EncoderLayer
+from dynaseq.nn.lean_step import Norm, lean_part, uniform_offset
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One encoder layer's input norms and its sub-layers' lean parts."""
+
+    attn_norm: Norm
+    attn: object  # LeanEncoderAttention
+    ffn_norm: Norm
+    ffn: object  # LeanFeedForward
+
+    @property
+    def sources(self) -> list[Tensor]:
+        return [*self.attn.sources, *self.ffn.sources]
+
+
+def _lean_layers(model: nn.Module) -> list[_Layer] | None:
+    """The lean parts of every layer of ``model``, or None when it is not an
+    :class:`EncoderModel` without a structure predictor whose layers are all
+    :class:`EncoderLayer` with LayerNorms and sub-layers that have a lean part."""
+    if not isinstance(model, EncoderModel) or model.encoder.predictor is not None:
+        return None
+    out = []
+    for layer in model.encoder.layers:
+        if type(layer) is not EncoderLayer:
+            return None
+        norms = [Norm.of(layer.self_attn_norm), Norm.of(layer.ffn_norm)]
+        parts = [lean_part(layer.self_attn, "encoder"), lean_part(layer.ffn, "ffn")]
+        if any(p is None for p in (*norms, *parts)):
+            return None
+        out.append(_Layer(norms[0], parts[0], norms[1], parts[1]))
+    return out
+
+
+def _modules(model: EncoderModel) -> list[nn.Module]:
+    """The modules whose replacement makes a :class:`LeanEncoder` stale."""
+    return [m for layer in model.encoder.layers
+            for m in (layer, layer.self_attn_norm, layer.self_attn, layer.ffn_norm, layer.ffn)]
+
+
+class LeanEncoder:
+    """The lean forward pass of an :class:`EncoderModel` (see the module docstring). Build it
+    with :meth:`prepare`; :meth:`is_current` says whether the model's weights or modules
+    changed since (then prepare anew)."""
+
+    def __init__(self, model: EncoderModel, layers: list[_Layer]) -> None:
+        self.model = model
+        self.layers = layers
+        self._sources = [t for layer in layers for t in layer.sources]
+        self._versions = [t._version for t in self._sources]
+        self._modules = _modules(model)
+
+    @classmethod
+    def prepare(cls, model: nn.Module) -> LeanEncoder | None:
+        """The lean encoder of ``model``, or None where it has none (adaptive depth, MoE or
+        DMB sub-layers, int8 CCT, relative positions: the model's own forward runs)."""
+        with torch.no_grad():
+            layers = _lean_layers(model)
+        return None if layers is None else cls(model, layers)
+
+    def is_current(self) -> bool:
+        """False once a copied weight changed in place (its version counter moved) or a
+        layer module was replaced."""
+        return (self._modules == _modules(self.model)
+                and all(t._version == v for t, v in zip(self._sources, self._versions,
+                                                          strict=True)))
+
+    @torch.no_grad()
+    def encode(self, tokens: Tensor, segments: Tensor | None = None,
+               control: Control = None) -> tuple[Tensor, Tensor]:
+        """tokens, segments ``(B, S)``; ``control``: as the model's -> (hidden ``(B, S, d)``,
+        pad_mask ``(B, S)``, True at padding). Hidden states at padding positions are not
+        computed past the embeddings (nothing reads them)."""
+        model = self.model
+        if model.training:
+            raise ValueError("LeanEncoder runs inference only: put the model in eval mode")
+        enc = model.encoder
+        emb, offsets = model.control_inputs(control, tokens.size(0), tokens.device)
+        x, pad_mask = enc.embed(tokens, segments, emb)  # (B, S, d)
+        b, s, d = x.shape
+        valid = idx = None
+        if bool(pad_mask.any()):
+            valid = ~pad_mask
+            idx = valid.reshape(-1).nonzero().squeeze(1)  # (N,) the valid tokens
+        offset = uniform_offset(offsets)
+        token_offset = offset  # the feed-forward's rows are tokens: each its row's offset
+        if isinstance(offset, Tensor):
+            token_offset = offset[:, None].expand(b, s).reshape(-1)
+            if idx is not None:
+                token_offset = token_offset.index_select(0, idx)
+        for i in enc.plan:
+            w = self.layers[i]
+            h = w.attn.encode(w.attn_norm(x), valid, offset)
+            if h is not None:  # None: the sub-layer's output is 0 for every token
+                x = x + h
+            rows = w.ffn_norm(x).reshape(b * s, 1, d)
+            if idx is not None:
+                rows = rows.index_select(0, idx)
+            h = w.ffn.step(rows, token_offset)
+            if h is not None:
+                x = (x + h.view(b, s, d) if idx is None
+                     else x.reshape(b * s, d).index_add(0, idx, h[:, 0]).view(b, s, d))
+        return enc.norm(x), pad_mask
+
+    def __call__(self, tokens: Tensor, segments: Tensor | None = None,
+                 control: Control = None) -> Tensor:
+        """The head's output (classification: ``(B, n_out)``), as the model's ``logits``."""
+        hidden, _ = self.encode(tokens, segments, control)
+        with torch.no_grad():
+            return self.model.head(hidden)
+
+
+__all__ = ["LeanEncoder"]
