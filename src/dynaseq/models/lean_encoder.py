@@ -16,14 +16,18 @@ the self-attention, ``"ffn"`` for the feed-forward):
 * feed-forward parts read rows: they run on the valid tokens only (padding is not
   computed), each token a row with its row's gate offset; the CCT's M pieces run as fused
   products with their input LayerNorms folded into the first layer;
-* a gated sub-layer whose gates are all off returns None: the residual is left as it is.
+* a gated sub-layer whose gates are all off returns None: the residual is left as it is;
+* realized compute without a second pass: given ``counts``, each layer application's gated
+  parts count every row's open gates (:class:`~dynaseq.nn.lean_step.StepTally`), and
+  :meth:`LeanEncoder.row_macs` forms each row's MACs from them with the sub-layers' own
+  ``row_macs``/``pieces_row_macs`` and, for every gate open, ``all_on_row_macs`` of the
+  row's length: the numbers the model's traces give per row (over the row's own tokens).
 
 Outputs at valid positions equal the module's forward pass up to float rounding (the tests
 compare logits and labels for dense and CCT encoders, with padding, at single, per-row and
 fixed budgets). Encoders with a structure predictor (adaptive depth), early exits or
 LayerDrop's layer subsets keep the general pass (:meth:`LeanEncoder.prepare` returns None
-for a predictor; callers pass exits and subsets to the model). Realized-compute accounting
-reads the general pass's traces, so a call that asks for it runs the model.
+for a predictor; callers pass exits and subsets to the model).
 
 Example::
 
@@ -41,7 +45,11 @@ from torch import Tensor, nn
 import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lean parts)
 from dynaseq.models.encoder import Control, EncoderModel
 from dynaseq.nn import EncoderLayer
-from dynaseq.nn.lean_step import Norm, lean_part, uniform_offset
+from dynaseq.nn.lean_step import Norm, StepTally, lean_part, uniform_offset
+
+Counts = dict[str, Tensor]
+"""One layer application's per-row counts of open gates: ``NAME.q``, ``NAME.kv`` ``(B,)``
+(attention), ``NAME.pieces`` ``(B, M)`` (feed-forward), keyed by the sub-layer's name."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +118,12 @@ class LeanEncoder:
                                                           strict=True)))
 
     @torch.no_grad()
-    def encode(self, tokens: Tensor, segments: Tensor | None = None,
-               control: Control = None) -> tuple[Tensor, Tensor]:
+    def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
+               counts: list[Counts] | None = None) -> tuple[Tensor, Tensor]:
         """tokens, segments ``(B, S)``; ``control``: as the model's -> (hidden ``(B, S, d)``,
         pad_mask ``(B, S)``, True at padding). Hidden states at padding positions are not
-        computed past the embeddings (nothing reads them)."""
+        computed past the embeddings (nothing reads them). ``counts``: receives one
+        :data:`Counts` per layer application, in the encoder's plan order."""
         model = self.model
         if model.training:
             raise ValueError("LeanEncoder runs inference only: put the model in eval mode")
@@ -132,26 +141,59 @@ class LeanEncoder:
             token_offset = offset[:, None].expand(b, s).reshape(-1)
             if idx is not None:
                 token_offset = token_offset.index_select(0, idx)
+        row_of = None  # the row of each feed-forward row (token), for its counts
+        if counts is not None:
+            row_of = torch.arange(b, device=x.device).repeat_interleave(s)
+            row_of = row_of if idx is None else row_of.index_select(0, idx)
         for i in enc.plan:
             w = self.layers[i]
-            h = w.attn.encode(w.attn_norm(x), valid, offset)
+            attn_tally = None if counts is None else StepTally(b, x.device)
+            h = w.attn.encode(w.attn_norm(x), valid, offset, attn_tally)
             if h is not None:  # None: the sub-layer's output is 0 for every token
                 x = x + h
             rows = w.ffn_norm(x).reshape(b * s, 1, d)
             if idx is not None:
                 rows = rows.index_select(0, idx)
-            h = w.ffn.step(rows, token_offset)
+            ffn_tally = None if counts is None else StepTally(rows.size(0), x.device)
+            h = w.ffn.step(rows, token_offset, ffn_tally)
             if h is not None:
                 x = (x + h.view(b, s, d) if idx is None
                      else x.reshape(b * s, d).index_add(0, idx, h[:, 0]).view(b, s, d))
+            if counts is not None:
+                got = {k: v for k, v in attn_tally.counts().items() if k != "steps"}
+                for key, v in ffn_tally.counts().items():  # per token -> per row
+                    if key != "steps":
+                        got[key] = v.new_zeros(b, *v.shape[1:]).index_add_(0, row_of, v)
+                counts.append(got)
         return enc.norm(x), pad_mask
 
     def __call__(self, tokens: Tensor, segments: Tensor | None = None,
-                 control: Control = None) -> Tensor:
-        """The head's output (classification: ``(B, n_out)``), as the model's ``logits``."""
-        hidden, _ = self.encode(tokens, segments, control)
+                 control: Control = None, counts: list[Counts] | None = None) -> Tensor:
+        """The head's output (classification: ``(B, n_out)``), as the model's ``logits``;
+        ``counts``: as :meth:`encode`."""
+        hidden, _ = self.encode(tokens, segments, control, counts)
         with torch.no_grad():
             return self.model.head(hidden)
+
+    def row_macs(self, counts: list[Counts], n_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's MACs in the gated sub-layers, ``(ran, every gate open)``, ``(B,)`` long
+        each, from the ``counts`` of a pass (:meth:`encode`) over rows of ``n_tokens``
+        ``(B,)`` tokens: what the model's traces count per row over its own tokens
+        (``realized_macs_by_row`` with the padding left out). Sub-layers without gates
+        (no ``row_macs``) count nothing, as there."""
+        enc = self.model.encoder
+        ran = torch.zeros_like(n_tokens)
+        full = torch.zeros_like(n_tokens)
+        for i, got in zip(enc.plan, counts, strict=True):
+            attn, ffn = enc.layers[i].self_attn, enc.layers[i].ffn
+            if hasattr(attn, "row_macs"):
+                kv = got[f"{attn.name}.kv"]
+                ran += attn.row_macs(got[f"{attn.name}.q"], kv, kv, n_tokens, n_tokens)
+                full += attn.all_on_row_macs(n_tokens, n_tokens)
+            if hasattr(ffn, "pieces_row_macs"):
+                ran += ffn.pieces_row_macs(got[f"{ffn.name}.pieces"], n_tokens)
+                full += ffn.all_on_row_macs(n_tokens)
+        return ran, full
 
 
 __all__ = ["LeanEncoder"]

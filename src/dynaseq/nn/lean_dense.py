@@ -92,8 +92,8 @@ class DenseEncoderAttention:
         self.qkv, self.out = qkv, out
         self.n_heads, self.d_head = m.n_heads, m.d_head
 
-    def encode(self, x: Tensor, valid: Tensor | None, offset: Tensor | float | None
-               ) -> Tensor:
+    def encode(self, x: Tensor, valid: Tensor | None, offset: Tensor | float | None,
+               tally: StepTally | None = None) -> Tensor:
         """x ``(B, S, d)``, valid ``(B, S)`` (None: no padding) -> ``(B, S, d)``."""
         b, s, _ = x.shape
         h, d = self.n_heads, self.d_head

@@ -254,10 +254,12 @@ class LeanFeedForward(Protocol):
 class LeanEncoderAttention(Protocol):
     sources: list[Tensor]
 
-    def encode(self, x: Tensor, valid: Tensor | None, offset: Offset) -> Tensor | None:
+    def encode(self, x: Tensor, valid: Tensor | None, offset: Offset,
+               tally: StepTally | None = None) -> Tensor | None:
         """x ``(B, S, d)`` (the layer's normalised input); ``valid`` ``(B, S)`` bool, False
         at padding (None: no padding) -> ``(B, S, d)`` at the valid positions (padding
-        positions hold anything), or None when the output is 0 for every token."""
+        positions hold anything), or None when the output is 0 for every token. A gated
+        part adds each row's open gates to ``tally`` (``(B,)`` counts)."""
 
 
 LeanFactory = Callable[[nn.Module, str], object | None]

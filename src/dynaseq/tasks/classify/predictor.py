@@ -88,7 +88,8 @@ class RealizedCompute:
 
     CCT encoders (sub-layers without gates are not counted):
     ran, full: MACs executed, and what every gate on would execute, over all batches
-        (:func:`realized_macs_by_layer`: the packed layout's padding slots included);
+        (:func:`realized_macs_by_layer`: the packed layout's padding slots included; from
+        the lean pass, :meth:`add_rows`, the sum of the rows');
     tokens: the non-padding tokens;
     row_ran, row_full: ``(N,)`` long, in row order, the same per row over the row's own
         tokens (:func:`realized_macs_by_row` with the batch's padding left out: what the row
@@ -130,6 +131,18 @@ class RealizedCompute:
         self.tokens += int(n.sum())
         self.row_tokens[index] = n
 
+    def add_rows(self, idx: list[int], n_tokens: Tensor, row_ran: Tensor,
+                 row_full: Tensor) -> None:
+        """Count one batch from its rows' own numbers (the lean pass's gate counts): rows
+        ``idx`` of ``n_tokens``, ``row_ran`` and ``row_full`` ``(B,)`` each; the totals
+        are their sums (no packing slots: that pass packs nothing it counts)."""
+        index = torch.tensor(idx)
+        self.row_ran[index], self.row_full[index] = row_ran, row_full
+        self.row_tokens[index] = n_tokens
+        self.ran += int(row_ran.sum())
+        self.full += int(row_full.sum())
+        self.tokens += int(n_tokens.sum())
+
     def add_depth(self, idx: list[int], depth_run: Tensor, first_group: int) -> None:
         """Count one batch of early exit: rows ``idx`` ran (B,) adaptive layers each."""
         layers = depth_run.cpu() + first_group
@@ -170,9 +183,10 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
     exit, one for every row or per row) the layers its rows ran. ``layers``: the plan
     positions to run (a model pruned to a fixed depth; None: all). ``progress``: a bar of
     rows on a terminal. ``lean``: :meth:`LeanEncoder.prepare` of ``model``, which runs the
-    batches where neither ``compute``, nor ``exit``, nor ``layers`` is asked for (those
-    read the general pass)."""
-    if compute is not None or exit is not None or layers is not None:
+    batches unless an ``exit`` or ``layers`` is asked for (the model's pass runs those);
+    it counts ``compute`` per row from its gates (:meth:`RealizedCompute.add_rows`), with
+    no second pass."""
+    if exit is not None or layers is not None:
         lean = None
     was_training = model.training
     model.eval()
@@ -188,7 +202,12 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                                 collate_rows([rows[j] for j in idx], model.pad_id))
             rows_control = _rows_control(control, idx, device)
             if lean is not None:
-                out[torch.tensor(idx)] = lean(tokens, segments, rows_control).float().cpu()
+                counts = [] if compute is not None and model.n_controls else None
+                logits = lean(tokens, segments, rows_control, counts)
+                out[torch.tensor(idx)] = logits.float().cpu()
+                if counts is not None:
+                    n = tokens.ne(model.pad_id).sum(1)
+                    compute.add_rows(idx, n.cpu(), *(t.cpu() for t in lean.row_macs(counts, n)))
                 bar.update(len(idx))
                 continue
             res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx),

@@ -248,12 +248,17 @@ class GatedEncoderAttention(_GatedAttention):
         self.controls = _Controls([m.q_control, m.kv_control])  # logits [q, kv]
         self.sources += self.controls.sources
 
-    def encode(self, x: Tensor, valid: Tensor | None, offset: Offset) -> Tensor | None:
+    def encode(self, x: Tensor, valid: Tensor | None, offset: Offset,
+               tally: StepTally | None = None) -> Tensor | None:
         """x ``(B, S, d)``, valid ``(B, S)`` (None: no padding) -> ``(B, S, d)`` (0 at gated-off
-        queries), or None when every query is off."""
+        queries), or None when every query is off. ``tally``: adds each row's open queries
+        and projected keys/values, ``(B,)`` each (keys ``NAME.q``, ``NAME.kv``)."""
         b, s, d = x.shape
         fixed = _fixed(self.gate, offset)
         if fixed is False:
+            if tally is not None:
+                tally.add(f"{self.name}.q", 0)
+                tally.add(f"{self.name}.kv", 0)
             return None
         q_on = kv_on = valid  # None: every token
         if fixed is None:
@@ -265,6 +270,9 @@ class GatedEncoderAttention(_GatedAttention):
         if q_on is not None:  # keys no query reads are not projected
             kv_on = kv_on & q_on.any(1, keepdim=True)
             n_q, n_kv = torch.stack([q_on.sum(), kv_on.sum()]).tolist()  # one host sync
+        if tally is not None:
+            tally.add(f"{self.name}.q", s if q_on is None else q_on.sum(1))
+            tally.add(f"{self.name}.kv", s if kv_on is None else kv_on.sum(1))
         if n_q == 0:
             return None
         if n_q == n_kv == b * s:  # every token open, no padding: one fused product
@@ -293,8 +301,10 @@ class GatedEncoderAttention(_GatedAttention):
         if qp.n_rows < b:
             keys, values = keys.index_select(0, qp.rows), values.index_select(0, qp.rows)
             mask = None if mask is None else mask.index_select(0, qp.rows)
-        y = self._attend(qp.pack(q), keys, values, mask)  # (B', W, d)
-        return x.new_zeros(b * s, d).index_copy_(0, qp.flat, qp.unpack(y)).view(b, s, d)
+        q = split_heads(qp.pack(q), self.n_heads)  # (B', H, W, hd)
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = self._output(qp.unpack(merge_heads(a)))  # (Nq, d): no product on packing slots
+        return x.new_zeros(b * s, d).index_copy_(0, qp.flat, y).view(b, s, d)
 
 
 class GatedCrossAttention(_GatedAttention):

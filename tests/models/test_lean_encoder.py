@@ -1,0 +1,187 @@
+"""The lean encoder pass (models/lean_encoder.LeanEncoder) against the model's own forward:
+dense and CCT encoders, padding, single, per-row and fixed budgets, gated-off work and
+padding not computed, staleness, and which models get one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaseq.models.lean_encoder import LeanEncoder
+from dynaseq.tasks.encoder.config import EncoderModelConfig
+from dynaseq.tasks.encoder.model import build_encoder_model
+from dynaseq.techniques.cct.config import EncoderCCTConfig
+from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
+from dynaseq.techniques.depth.config import DepthConfig
+
+from encoder_helpers import padded_tokens
+from helpers import count_ops
+
+V = 60
+LENGTHS = [9, 4, 12, 1, 7]
+
+
+def _model(cct: bool, seed: int = 0, **kw):
+    cfg = {"d_model": 32, "ffn_dim": 64, "n_heads": 4, "layers": 3, "max_positions": 64,
+           "dropout": 0.0, "attention_dropout": 0.0, "classifier_dropout": 0.0, **kw}
+    if cct:
+        cfg["cct"] = EncoderCCTConfig(ffn_pieces=4, control_hidden=8, budgets=[0.8, 0.5, 0.2],
+                                      alpha_max=0.0)
+    torch.manual_seed(seed)
+    model = build_encoder_model(EncoderModelConfig(**cfg), V, 3).eval()
+    if cct:  # control nets that open some gates and close others
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "control" in name and name.endswith("w2.weight"):
+                    p.normal_(0, 2.0)
+    return model
+
+
+def _inputs(lengths=LENGTHS, seed: int = 1):
+    tokens = padded_tokens(lengths, V, seed)
+    segments = (torch.arange(tokens.size(1)) >= 3).long().expand_as(tokens).clone()
+    return tokens, segments
+
+
+def _assert_same(model, lean, tokens, segments, control):
+    with torch.no_grad():
+        ref = model(tokens, segments, control)
+    hidden, pad = lean.encode(tokens, segments, control)
+    valid = ~ref.pad_mask
+    torch.testing.assert_close(hidden[valid], ref.hidden[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lean(tokens, segments, control), ref.logits, rtol=1e-5,
+                               atol=1e-5)
+    assert torch.equal(pad, ref.pad_mask)
+
+
+def test_dense_encoder_equals_the_model_with_padding_and_segments():
+    model = _model(cct=False)
+    lean = LeanEncoder.prepare(model)
+    assert lean is not None
+    _assert_same(model, lean, *_inputs(), None)
+    _assert_same(model, lean, *_inputs([6, 6]), None)  # no padding
+
+
+@pytest.mark.parametrize("control", [0, 1, 2, "mixed ids", "mixed offsets", "open", "closed"])
+def test_cct_encoder_equals_the_model_at_every_budget(control):
+    model = _model(cct=True)
+    tokens, segments = _inputs()
+    b = tokens.size(0)
+    ids = torch.tensor([0, 2, 1, 2, 0])
+    control = {"mixed ids": ids,
+               "mixed offsets": BudgetControl(ids, {"encoder": torch.tensor(
+                   [0.0, 0.4, -0.3, float("inf"), float("-inf")])}),
+               "open": BudgetControl(1, {"encoder": ALL_GATES_ON}),
+               "closed": BudgetControl(1, {"encoder": torch.full((b,), float("-inf"))}),
+               }.get(control, control)
+    lean = LeanEncoder.prepare(model)
+    assert lean is not None
+    _assert_same(model, lean, tokens, segments, control)
+    _assert_same(model, lean, *_inputs([8, 8, 8]), 1)  # no padding
+
+
+def test_batched_equals_one_row_at_a_time_with_mixed_budgets():
+    model = _model(cct=True)
+    lean = LeanEncoder.prepare(model)
+    tokens, segments = _inputs()
+    ids = torch.tensor([0, 2, 1, 2, 0])
+    both = lean(tokens, segments, ids)
+    for i, n in enumerate(LENGTHS):
+        alone = lean(tokens[i:i + 1, :n], segments[i:i + 1, :n], ids[i:i + 1])
+        torch.testing.assert_close(both[i:i + 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def _products(fn) -> list[tuple[int, ...]]:
+    """The shapes of the first operand of every matrix product ``fn`` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in ("mm", "addmm", "bmm", "baddbmm"):
+                self.shapes.append(tuple(args[1 if name in ("addmm", "baddbmm") else 0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with Shapes() as mode:
+        fn()
+    return mode.shapes
+
+
+def test_closed_gates_run_no_sublayer_and_padding_is_not_computed():
+    model = _model(cct=True)
+    lean = LeanEncoder.prepare(model)
+    tokens, segments = _inputs()
+    b, n_valid = tokens.size(0), sum(LENGTHS)
+    closed = BudgetControl(1, {"encoder": torch.full((b,), float("-inf"))})
+    # every gate closed: the control nets do not run either; only the head's two products
+    assert _products(lambda: lean(tokens, segments, closed)) == [(b, 32), (b, 32)]
+    # every gate open: per layer, the keys/values, the queries and the output projection of
+    # the valid tokens only (padding is not computed), the feed-forward's fused first layer
+    # over them, its 4 pieces' second layers as one batched product; then the head
+    opened = BudgetControl(1, {"encoder": ALL_GATES_ON})
+    shapes = _products(lambda: lean(tokens, segments, opened))
+    assert shapes == [(n_valid, 32)] * 4 + [(4, n_valid, 16)] + [(n_valid, 32)] * 4 + [
+        (4, n_valid, 16)] + [(n_valid, 32)] * 4 + [(4, n_valid, 16), (b, 32), (b, 32)]
+    # no padding and every gate open: one fused q/k/v product per layer
+    tokens, segments = _inputs([8, 8])
+    shapes = _products(lambda: lean(tokens, segments, opened))
+    assert shapes == [(16, 32), (16, 32), (16, 32), (4, 16, 16)] * 3 + [(2, 32), (2, 32)]
+    with count_ops() as ops:
+        lean(tokens, segments, opened)
+    assert "cat.default" not in ops.names
+
+
+def test_which_models_get_a_lean_encoder_and_staleness():
+    depth = DepthConfig(first_group=1)
+    assert LeanEncoder.prepare(_model(cct=False, layers=3, depth=depth,
+                                      share_layers="groups", layer_groups=3)) is None
+    assert LeanEncoder.prepare(torch.nn.Linear(2, 2)) is None
+    model = _model(cct=True)
+    lean = LeanEncoder.prepare(model)
+    assert lean.is_current()
+    with torch.no_grad():
+        model.encoder.layers[0].ffn.pieces[1].ffn.fc1.weight.add_(1.0)
+    assert not lean.is_current()
+    lean = LeanEncoder.prepare(model)
+    model.encoder.layers[1].ffn = _model(cct=True, seed=3).encoder.layers[1].ffn
+    assert not lean.is_current()
+    model.train()
+    with pytest.raises(ValueError, match="eval mode"):
+        lean.encode(*_inputs(), 0)
+
+
+@pytest.mark.parametrize("control", ["mixed", "open", "closed", 1])
+def test_counted_row_macs_equal_the_models_traces(control):
+    """Each row's realized and all-open MACs from the lean pass's gate counts equal what the
+    model's traces give per row over its own tokens (shared layers counted per application)."""
+    from dynaseq.techniques.cct.layers import realized_macs_by_row
+
+    model = _model(cct=True, layers=4, share_layers="groups", layer_groups=2)
+    tokens, segments = _inputs()
+    b = tokens.size(0)
+    ids = torch.tensor([0, 2, 1, 2, 0])
+    control = {"mixed": BudgetControl(ids, {"encoder": torch.tensor(
+                   [0.0, 0.4, -0.3, float("inf"), float("-inf")])}),
+               "open": BudgetControl(1, {"encoder": ALL_GATES_ON}),
+               "closed": BudgetControl(1, {"encoder": torch.full((b,), float("-inf"))}),
+               }.get(control, control)
+    lean = LeanEncoder.prepare(model)
+    counts: list = []
+    lean(tokens, segments, control, counts)
+    assert len(counts) == 4  # one per layer application
+    n = tokens.ne(model.pad_id).sum(1)
+    ran, full = lean.row_macs(counts, n)
+    valid = {"encoder": tokens.ne(model.pad_id)}
+    with torch.no_grad():
+        ref = realized_macs_by_row(model(tokens, segments, control).aux, False, valid)
+        ids_of = control.ids if isinstance(control, BudgetControl) else control
+        opened = model(tokens, segments, BudgetControl(ids_of, {"encoder": ALL_GATES_ON}))
+        ref_full = realized_macs_by_row(opened.aux, False, valid)
+    assert ran.tolist() == sum(ref.values()).tolist()
+    assert full.tolist() == sum(ref_full.values()).tolist()
+    if control == "closed":
+        assert ran.lt(full).all()
