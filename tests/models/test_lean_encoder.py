@@ -185,3 +185,18 @@ def test_counted_row_macs_equal_the_models_traces(control):
     assert full.tolist() == sum(ref_full.values()).tolist()
     if control == "closed":
         assert ran.lt(full).all()
+
+
+def test_profile_latency_times_the_lean_pass_unless_asked_otherwise(monkeypatch):
+    from dynaseq.metrics.encoder_profile import encoder_latency_ms
+
+    calls = []
+    real = LeanEncoder.__call__
+    monkeypatch.setattr(LeanEncoder, "__call__",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    model = _model(cct=True)
+    encoder_latency_ms(model, 8, 2, repeats=2, control=1)
+    assert len(calls) == 3  # warm-up and two timed calls
+    encoder_latency_ms(model, 8, 2, repeats=2, control=1, lean=False)
+    encoder_latency_ms(model, 8, 2, repeats=2, control=1, layers=(0, 2))
+    assert len(calls) == 3

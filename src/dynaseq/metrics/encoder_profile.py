@@ -1,6 +1,7 @@
 """``dynaseq profile`` for encoder runs (``mlm``, ``classify``): parameters, MACs per token
 (analytic, and measured by ``FlopCounterMode``), classification latency at batch 1 and
-throughput at batch 32.
+throughput at batch 32 (through the lean encoder pass, as classification runs, where the
+model has one and no exit or layer subset is asked: :mod:`dynaseq.models.lean_encoder`).
 
 Analytic MACs of one S-token input (every gate on for a CCT; what ran is measured):
 
@@ -29,6 +30,7 @@ from torch import nn
 from dynaseq.metrics.latency import median_ms
 from dynaseq.metrics.macs import _counter
 from dynaseq.metrics.profile import count_params
+from dynaseq.models.lean_encoder import LeanEncoder
 
 
 def encoder_macs(model: nn.Module, n_tokens: int,
@@ -76,14 +78,18 @@ def flop_counter_encoder_macs(model: nn.Module, tokens: torch.Tensor,
 @torch.no_grad()
 def encoder_latency_ms(model: nn.Module, n_tokens: int, batch: int, repeats: int = 5,
                        control: Any = None, seed: int = 0, exit: Any = None,
-                       layers: Sequence[int] | None = None) -> float:
+                       layers: Sequence[int] | None = None, lean: bool = True) -> float:
     """Median wall time (ms) of one eval forward pass over ``batch`` random inputs of
-    ``n_tokens`` tokens each (after one warm-up)."""
+    ``n_tokens`` tokens each (after one warm-up): the lean encoder pass where the model has
+    one, no ``exit`` or ``layers`` is asked and ``lean`` is on; else the model's forward."""
     device = next(model.parameters()).device
     vocab = model.encoder.embeddings.vocab_size
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(7, vocab, (batch, n_tokens), generator=gen).to(device)
     segments = torch.zeros_like(tokens)
+    fast = LeanEncoder.prepare(model) if lean and exit is None and layers is None else None
+    if fast is not None:
+        return median_ms(model, lambda: fast(tokens, segments, control), repeats)
     return median_ms(model, lambda: model(tokens, segments, control, exit=exit,
                                           layers=layers), repeats)
 
