@@ -39,3 +39,9 @@ def test_targets_hold_each_budget_against_the_nearest_shrunk_encoder():
     text = "\n".join(cct_bert.markdown(out))
     assert "| CCT-BERT" not in text and "| cct | 0.5 | yes | 77.0 |" in text
     assert "| dense | | | 79.0 |" not in text and "| dense |  |  | 79.0 |" in text
+    out["retimed"] = {"command": "python benchmarks/cct_bert.py --retime", "machine": {},
+                      "provenance": {"commit": "abc", "date": "2026-11-26 10:00"},
+                      "rounds": 7}
+    text = "\n".join(cct_bert.markdown(out))
+    assert "measured again by `python benchmarks/cct_bert.py --retime` (code abc" in text
+    assert "median of 7 rounds" in text and "median of 1 rounds" not in text
