@@ -69,7 +69,7 @@ class MultiExitEncoderModel(EncoderModel):
             raise ValueError("a multi-exit model exits by a per-layer rule (LayerExit); it has "
                              "no structure predictor")
         aux = AuxOutputs()
-        emb, offset = self._control(control, tokens.size(0), tokens.device)
+        emb, offset = self.control_inputs(control, tokens.size(0), tokens.device)
         x, pad_mask = self.encoder.embed(tokens, segments, emb)
         if exit is not None:
             return self._run_exits(x, pad_mask, offset, exit, aux)
