@@ -199,3 +199,33 @@ def test_greedy_search_counts_steps_only_through_a_lean_decoder():
     assert tally.counts()["steps"].tolist() == [len(h) + 1 for h in hyps]  # eos's step too
     with pytest.raises(ValueError, match="lean decoder"):
         greedy_search(m, src, tally=StepTally(src.size(0)))
+
+
+@pytest.mark.parametrize("kind", ["dense", "cct"])
+def test_the_source_is_encoded_through_the_lean_encoder_pass(kind):
+    """Equal to the model's encoder at every valid position; a call that asks for compute
+    traces (``aux``) gets the model's own pass; padding rows are not computed."""
+    from dynaseq.nn.outputs import AuxOutputs
+    from dynaseq.techniques.cct.gating import BudgetControl
+
+    kw = {"cct": CCTConfig(ffn_pieces=2, control_hidden=8)} if kind == "cct" else {}
+    m = model(**kw)
+    lean = LeanDecoder.prepare(m)
+    assert lean.encoder_layers is not None
+    src = sources()
+    assert bool(src.eq(m.pad_id).any())
+    control = None
+    if kind == "cct":
+        control = BudgetControl(torch.arange(src.size(0)) % m.n_controls,
+                                {"encoder": torch.linspace(-1, 1, src.size(0)),
+                                 "decoder": torch.linspace(1, -1, src.size(0))})
+    with torch.no_grad():
+        ref = m.encode(src, control)
+    got = lean.encode(src, control)
+    valid = ~ref.pad_mask
+    torch.testing.assert_close(got.out[valid], ref.out[valid], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.pad_mask, ref.pad_mask)
+    for a, b in ((got.control, ref.control), (got.gate_offset, ref.gate_offset)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    traced = lean.encode(src, control, aux=AuxOutputs())
+    torch.testing.assert_close(traced.out, ref.out, rtol=0, atol=0)

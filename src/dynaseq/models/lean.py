@@ -14,6 +14,8 @@ arithmetic needs and nothing else:
   sub-layers run only what their gates open and return None when every row's gate is off,
   so the residual is not even touched (:mod:`dynaseq.techniques.cct.lean_step`); DMB
   sub-layers run the branch their router picks (:mod:`dynaseq.techniques.branching.lean_step`);
+* the source encoded through the lean encoder pass (:mod:`dynaseq.models.lean_encoder`)
+  where every encoder layer has lean parts and no compute trace is asked for (``aux``);
 * key/value caches preallocated per layer (:class:`~dynaseq.nn.lean_step.StepCache`): a step
   writes its key and value in place; a cache doubles its capacity when full;
 * layer norms, residuals and projections called as functions on the model's own tensors (no
@@ -45,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lean parts)
+from dynaseq.models.lean_encoder import layer_modules, lean_layers, run_layers
 from dynaseq.models.seq2seq import DecoderLayer, EncoderOutput, Seq2SeqTransformer
 from dynaseq.nn.lean_step import (
     CrossKeys,
@@ -177,12 +180,16 @@ class LeanDecoder:
                  sources: list[Tensor]) -> None:
         self.model = model
         self.layers = layers
+        with torch.no_grad():  # None: the model's own encoder pass
+            self.encoder_layers = lean_layers(model.encoder.layers)
         self.output = output  # (B, d) -> (B, V)
         self.final_norm = Norm(model.decoder.norm.weight, model.decoder.norm.bias,
                                model.decoder.norm.eps)
         self._sources = sources
         self._versions = [t._version for t in sources]
-        self._modules = _decoder_modules(model)
+        self._enc_sources = [t for la in self.encoder_layers or () for t in la.sources]
+        self._enc_versions = [t._version for t in self._enc_sources]
+        self._modules = _decoder_modules(model) + layer_modules(model.encoder.layers)
         self.pad_id, self.bos_id, self.eos_id = model.pad_id, model.bos_id, model.eos_id
 
     @classmethod
@@ -203,17 +210,29 @@ class LeanDecoder:
         replaced (e.g. by int8 quantization): prepare anew then."""
         model = self.model
         output = linear_tensors(model.decoder.output_proj)
-        return (self._modules == _decoder_modules(model)
+        return (self._modules == _decoder_modules(model) + layer_modules(model.encoder.layers)
                 and all(a is b for a, b in zip(output, self._sources[-len(output):],
                                                strict=True))
-                and all(t._version == v for t, v in zip(self._sources, self._versions,
-                                                          strict=True)))
+                and all(t._version == v for t, v in zip(
+                    self._sources + self._enc_sources, self._versions + self._enc_versions,
+                    strict=True)))
 
     def encode(self, src: Tensor, control: object = None,
                aux: AuxOutputs | None = None) -> EncoderOutput:
         """src (B, S) -> the model's :class:`EncoderOutput` (``control``, ``aux``: as the
-        model's)."""
-        return self.model.encode(src, control, aux)
+        model's): through the lean encoder pass unless ``aux`` asks for compute traces, the
+        encoder has no lean parts or the model is training (then the model's own pass).
+        The states at padding positions are then not computed (every reader masks them)."""
+        model = self.model
+        if aux is not None or self.encoder_layers is None or model.training:
+            return model.encode(src, control, aux)
+        with torch.no_grad():
+            embedding, offsets = model.control_inputs(control, src.size(0), src.device)
+            x, pad_mask = model.encoder.embed_inputs(src, embedding)
+            x = run_layers(self.encoder_layers, range(len(self.encoder_layers)), x, pad_mask,
+                           offsets.get("encoder"))
+            return EncoderOutput(model.encoder.norm(x), pad_mask, embedding,
+                                 offsets.get("decoder"))
 
     def init_state(self, capacity: int = 32) -> LeanState:
         """Empty caches (``capacity`` steps before the first doubling)."""

@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +67,11 @@ class _Layer:
         return [*self.attn.sources, *self.ffn.sources]
 
 
-def _lean_layers(model: nn.Module) -> list[_Layer] | None:
-    """The lean parts of every layer of ``model``, or None when it is not an
-    :class:`EncoderModel` without a structure predictor whose layers are all
-    :class:`EncoderLayer` with LayerNorms and sub-layers that have a lean part."""
-    if not isinstance(model, EncoderModel) or model.encoder.predictor is not None:
-        return None
+def lean_layers(layers: Sequence[nn.Module]) -> list[_Layer] | None:
+    """The lean parts of ``layers`` (copies of fused or folded weights), or None unless every
+    one is an :class:`EncoderLayer` with LayerNorms and sub-layers that have a lean part."""
     out = []
-    for layer in model.encoder.layers:
+    for layer in layers:
         if type(layer) is not EncoderLayer:
             return None
         norms = [Norm.of(layer.self_attn_norm), Norm.of(layer.ffn_norm)]
@@ -84,10 +82,63 @@ def _lean_layers(model: nn.Module) -> list[_Layer] | None:
     return out
 
 
-def _modules(model: EncoderModel) -> list[nn.Module]:
-    """The modules whose replacement makes a :class:`LeanEncoder` stale."""
-    return [m for layer in model.encoder.layers
+def layer_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules whose replacement makes lean parts of ``layers`` stale."""
+    return [m for layer in layers
             for m in (layer, layer.self_attn_norm, layer.self_attn, layer.ffn_norm, layer.ffn)]
+
+
+def _lean_layers(model: nn.Module) -> list[_Layer] | None:
+    """:func:`lean_layers` of an :class:`EncoderModel` without a structure predictor; None
+    for anything else."""
+    if not isinstance(model, EncoderModel) or model.encoder.predictor is not None:
+        return None
+    return lean_layers(model.encoder.layers)
+
+
+def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, pad_mask: Tensor,
+               offsets: Tensor | None, counts: list[Counts] | None = None) -> Tensor:
+    """The layer applications ``plan`` (indices into ``layers``) on ``x`` ``(B, S, d)``
+    (the first layer's input), ``pad_mask`` ``(B, S)`` True at padding, ``offsets`` the rows'
+    gate offsets ``(B,)`` (or None) -> the last layer's output ``(B, S, d)`` at the valid
+    positions (padding positions are not computed past ``x``: nothing reads them);
+    ``counts``: receives one :data:`Counts` per application (see the module docstring)."""
+    b, s, d = x.shape
+    valid = idx = None
+    if bool(pad_mask.any()):
+        valid = ~pad_mask
+        idx = valid.reshape(-1).nonzero().squeeze(1)  # (N,) the valid tokens
+    offset = uniform_offset(offsets)
+    token_offset = offset  # the feed-forward's rows are tokens: each its row's offset
+    if isinstance(offset, Tensor):
+        token_offset = offset[:, None].expand(b, s).reshape(-1)
+        if idx is not None:
+            token_offset = token_offset.index_select(0, idx)
+    row_of = None  # the row of each feed-forward row (token), for its counts
+    if counts is not None:
+        row_of = torch.arange(b, device=x.device).repeat_interleave(s)
+        row_of = row_of if idx is None else row_of.index_select(0, idx)
+    for i in plan:
+        w = layers[i]
+        attn_tally = None if counts is None else StepTally(b, x.device)
+        h = w.attn.encode(w.attn_norm(x), valid, offset, attn_tally)
+        if h is not None:  # None: the sub-layer's output is 0 for every token
+            x = x + h
+        rows = w.ffn_norm(x).reshape(b * s, 1, d)
+        if idx is not None:
+            rows = rows.index_select(0, idx)
+        ffn_tally = None if counts is None else StepTally(rows.size(0), x.device)
+        h = w.ffn.step(rows, token_offset, ffn_tally)
+        if h is not None:
+            x = (x + h.view(b, s, d) if idx is None
+                 else x.reshape(b * s, d).index_add(0, idx, h[:, 0]).view(b, s, d))
+        if counts is not None:
+            got = {k: v for k, v in attn_tally.counts().items() if k != "steps"}
+            for key, v in ffn_tally.counts().items():  # per token -> per row
+                if key != "steps":
+                    got[key] = v.new_zeros(b, *v.shape[1:]).index_add_(0, row_of, v)
+            counts.append(got)
+    return x
 
 
 class LeanEncoder:
@@ -100,7 +151,7 @@ class LeanEncoder:
         self.layers = layers
         self._sources = [t for layer in layers for t in layer.sources]
         self._versions = [t._version for t in self._sources]
-        self._modules = _modules(model)
+        self._modules = layer_modules(model.encoder.layers)
 
     @classmethod
     def prepare(cls, model: nn.Module) -> LeanEncoder | None:
@@ -113,7 +164,7 @@ class LeanEncoder:
     def is_current(self) -> bool:
         """False once a copied weight changed in place (its version counter moved) or a
         layer module was replaced."""
-        return (self._modules == _modules(self.model)
+        return (self._modules == layer_modules(self.model.encoder.layers)
                 and all(t._version == v for t, v in zip(self._sources, self._versions,
                                                           strict=True)))
 
@@ -130,41 +181,7 @@ class LeanEncoder:
         enc = model.encoder
         emb, offsets = model.control_inputs(control, tokens.size(0), tokens.device)
         x, pad_mask = enc.embed(tokens, segments, emb)  # (B, S, d)
-        b, s, d = x.shape
-        valid = idx = None
-        if bool(pad_mask.any()):
-            valid = ~pad_mask
-            idx = valid.reshape(-1).nonzero().squeeze(1)  # (N,) the valid tokens
-        offset = uniform_offset(offsets)
-        token_offset = offset  # the feed-forward's rows are tokens: each its row's offset
-        if isinstance(offset, Tensor):
-            token_offset = offset[:, None].expand(b, s).reshape(-1)
-            if idx is not None:
-                token_offset = token_offset.index_select(0, idx)
-        row_of = None  # the row of each feed-forward row (token), for its counts
-        if counts is not None:
-            row_of = torch.arange(b, device=x.device).repeat_interleave(s)
-            row_of = row_of if idx is None else row_of.index_select(0, idx)
-        for i in enc.plan:
-            w = self.layers[i]
-            attn_tally = None if counts is None else StepTally(b, x.device)
-            h = w.attn.encode(w.attn_norm(x), valid, offset, attn_tally)
-            if h is not None:  # None: the sub-layer's output is 0 for every token
-                x = x + h
-            rows = w.ffn_norm(x).reshape(b * s, 1, d)
-            if idx is not None:
-                rows = rows.index_select(0, idx)
-            ffn_tally = None if counts is None else StepTally(rows.size(0), x.device)
-            h = w.ffn.step(rows, token_offset, ffn_tally)
-            if h is not None:
-                x = (x + h.view(b, s, d) if idx is None
-                     else x.reshape(b * s, d).index_add(0, idx, h[:, 0]).view(b, s, d))
-            if counts is not None:
-                got = {k: v for k, v in attn_tally.counts().items() if k != "steps"}
-                for key, v in ffn_tally.counts().items():  # per token -> per row
-                    if key != "steps":
-                        got[key] = v.new_zeros(b, *v.shape[1:]).index_add_(0, row_of, v)
-                counts.append(got)
+        x = run_layers(self.layers, enc.plan, x, pad_mask, offsets, counts)
         return enc.norm(x), pad_mask
 
     def __call__(self, tokens: Tensor, segments: Tensor | None = None,
@@ -196,4 +213,4 @@ class LeanEncoder:
         return ran, full
 
 
-__all__ = ["LeanEncoder"]
+__all__ = ["Counts", "LeanEncoder", "layer_modules", "lean_layers", "run_layers"]

@@ -141,15 +141,22 @@ class Encoder(nn.Module):
                 gate_offset: Tensor | None = None) -> EncoderOutput:
         """control: (B, 1, d) added to every token's input embedding (CCT control symbol);
         gate_offset: (B,) per-row offsets of the layers' gates (CCT calibrated budget)."""
-        pad_mask = src.eq(self.embed.pad_id)  # (B, S)
-        x = self.embed(src) + self.positions(src.size(1))
-        if control is not None:
-            x = x + control
-        x = self.dropout(x)
+        x, pad_mask = self.embed_inputs(src, control)
         mask = padding_to_attn_mask(pad_mask)
         for layer in self.layers:
             x = layer(x, mask, aux=aux, gate_offset=gate_offset)
         return EncoderOutput(self.norm(x), pad_mask, control)
+
+
+    def embed_inputs(self, src: Tensor, control: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
+        """The first layer's input (B, S, d) (embeddings, positions, control symbol,
+        dropout) and the pad mask (B, S), True at padding."""
+        pad_mask = src.eq(self.embed.pad_id)  # (B, S)
+        x = self.embed(src) + self.positions(src.size(1))
+        if control is not None:
+            x = x + control
+        return self.dropout(x), pad_mask
 
 
 class Decoder(nn.Module):
@@ -208,7 +215,7 @@ class Seq2SeqTransformer(nn.Module):
         """Number of control symbols (trained budgets); 0 for a model without them."""
         return 0 if self.control_embed is None else self.control_embed.num_embeddings
 
-    def _control(self, control: Control, batch: int,
+    def control_inputs(self, control: Control, batch: int,
                  device: torch.device) -> tuple[Tensor | None, dict[str, Tensor]]:
         """Control-symbol embeddings (B, 1, d) and per-row gate offsets {sub-network: (B,)}.
 
@@ -250,7 +257,7 @@ class Seq2SeqTransformer(nn.Module):
         """src (B, S) -> EncoderOutput, which carries the rows' control embeddings and
         decoder gate offsets to every later decoder call (``control`` as in :meth:`forward`).
         """
-        embedding, offsets = self._control(control, src.size(0), src.device)
+        embedding, offsets = self.control_inputs(control, src.size(0), src.device)
         enc = self.encoder(src, aux=aux, control=embedding, gate_offset=offsets.get("encoder"))
         enc.gate_offset = offsets.get("decoder")
         return enc
