@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +161,13 @@ class CrossKeys:
 
 Offset = Tensor | float | None
 """The rows' gate offsets a part's step receives (see the module docstring)."""
+
+
+def refreshed(held: Any, prepare: Callable[[nn.Module], Any], model: nn.Module) -> Any:
+    """``held`` (a lean decoder or encoder a predictor keeps) while it is current (its
+    ``is_current()``: no copied weight or module changed), else ``prepare(model)`` anew
+    (None where the model has none)."""
+    return held if held is not None and held.is_current() else prepare(model)
 
 
 def uniform_offset(offset: Tensor | None) -> Offset:
@@ -326,4 +333,4 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
 __all__ = ["LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
            "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
            "apply_linear", "fused_linear", "lean_part", "linear_fn", "linear_of", "linear_tensors",
-           "merge_heads", "register_lean", "split_heads", "uniform_offset"]
+           "merge_heads", "refreshed", "register_lean", "split_heads", "uniform_offset"]

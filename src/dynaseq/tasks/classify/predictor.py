@@ -30,6 +30,7 @@ from dynaseq.core.progress import progress_bar
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
 from dynaseq.models.lean_encoder import LeanEncoder
+from dynaseq.nn.lean_step import refreshed
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
@@ -291,10 +292,8 @@ class Classifier:
         model's weights and modules stay as they were."""
         if not self.fast_encode:
             return None
-        lean = self._lean
-        if lean is None or not lean.is_current():
-            lean = self._lean = LeanEncoder.prepare(self.model)
-        return lean
+        self._lean = refreshed(self._lean, LeanEncoder.prepare, self.model)
+        return self._lean
 
     def _control(self, budget: Budgets, n_rows: int) -> Control:
         return control_for(self.config.model, budget, n_rows, self.device, self.calibrations)

@@ -32,6 +32,7 @@ from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import beam_search, counted_greedy_search, greedy_search
+from dynaseq.nn.lean_step import refreshed
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.loading import load_predictor
@@ -271,10 +272,8 @@ class Translator:
         while the model's weights stay as they were."""
         if not self.fast_decode:
             return None
-        lean = self._lean
-        if lean is None or not lean.is_current():
-            lean = self._lean = LeanDecoder.prepare(self.model)
-        return lean
+        self._lean = refreshed(self._lean, LeanDecoder.prepare, self.model)
+        return self._lean
 
     def budget_setting(self, budget: Budget = None) -> tuple[int | None, BudgetCalibration | None]:
         """The control-symbol id a budget runs with, and its calibration (None if none).
