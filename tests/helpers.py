@@ -236,16 +236,22 @@ def padded_sources(n: int = 7, seed: int = 1, eos: int = 3, vocab: int = 30,
 
 def count_ops():
     """A ``TorchDispatchMode`` that lists the name of every aten op run inside it
-    (``with count_ops() as ops: ...; ops.names``)."""
+    (``with count_ops() as ops: ...; ops.names``) and the shape of the input operand of every
+    matrix product (``ops.products``: mm, addmm, bmm, baddbmm)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountOps(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.names: list[str] = []
+            self.products: list[tuple[int, ...]] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.names.append(func.__name__)
+            op = func.__name__.split(".")[0]
+            if op in ("mm", "addmm", "bmm", "baddbmm"):
+                self.products.append(tuple(args[1 if op.startswith(("addmm", "baddbmm"))
+                                                else 0].shape))
             return func(*args, **(kwargs or {}))
 
     return CountOps()

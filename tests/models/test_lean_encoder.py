@@ -92,23 +92,10 @@ def test_batched_equals_one_row_at_a_time_with_mixed_budgets():
 
 
 def _products(fn) -> list[tuple[int, ...]]:
-    """The shapes of the first operand of every matrix product ``fn`` runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Shapes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes: list[tuple[int, ...]] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if name in ("mm", "addmm", "bmm", "baddbmm"):
-                self.shapes.append(tuple(args[1 if name in ("addmm", "baddbmm") else 0].shape))
-            return func(*args, **(kwargs or {}))
-
-    with Shapes() as mode:
+    """The shapes of the input operand of every matrix product ``fn`` runs."""
+    with count_ops() as ops:
         fn()
-    return mode.shapes
+    return ops.products
 
 
 def test_closed_gates_run_no_sublayer_and_padding_is_not_computed():
