@@ -328,6 +328,12 @@ def finished(run: Path, steps: int = 0) -> bool:
                and e.get("step", 0) >= steps for e in read_log(run, missing_ok=True))
 
 
+def done(run: Path) -> bool:
+    """``run`` stopped on its update or time limit (not by a signal: that one resumes)."""
+    return any(e.get("event") == "stop" and e.get("reason") in ("max_steps", "max_minutes")
+               for e in read_log(run, missing_ok=True))
+
+
 def train_each(configs: Iterable[Any]) -> None:
     """Train each config in turn (``dynaseq.train.loop.train``, progress on stderr); stop after
     a run a signal stopped (its checkpoint is written: run the command again to resume)."""
@@ -337,6 +343,26 @@ def train_each(configs: Iterable[Any]) -> None:
         print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
         if train(cfg, progress=True).stopped_by_signal is not None:
             break
+
+
+UNLABELLED = RUNS / "glue_unlabelled.txt"
+
+
+def write_unlabelled(configs: dict[str, str]) -> Path:
+    """The training sentences of each GLUE task (name -> its fine-tuning config), both sides
+    of a pair, one a line, labels dropped, written atomically to :data:`UNLABELLED` (MLM
+    pre-training text; dev sentences are never read); returns its path."""
+    from dynaseq.core.files import atomic_write
+    from dynaseq.tasks.classify.glue import GLUE_TASKS, read_table
+    from dynaseq.tasks.registry import load_config
+
+    lines = []
+    for task, path in configs.items():
+        cfg = load_config(path, [])
+        ex = read_table(cfg.data.train, GLUE_TASKS[task], labelled=False)
+        lines += ex.text_a + (ex.text_b or [])
+    atomic_write(UNLABELLED, "\n".join(lines) + "\n")
+    return UNLABELLED
 
 
 # -------------------------------------------------------------------------------- results

@@ -12,13 +12,16 @@ depth, LayerDrop, HeadPrune, BranchyNet, Shallow-Deep, PABEE and a static exit, 
 * ``depth_speed`` (SST-2): ALBERTa's batch-1 speed-up by sentence length, and the depths it
   chooses by length and by ALBERT's confidence (plots).
 
-    python benchmarks/depth.py [--rounds 3] [--timing-rows 300] [--report-only]
+    python benchmarks/depth.py [--rounds 3] [--timing-rows 300] [--only glue ablation speed]
+                               [--train-only | --report-only]
 
 Runs (benchmarks/variants/depth.yaml) live in runs/bench/depth/; a finished run is not
-trained again. Trained from scratch (no MLM pre-training: on 2 CPU cores a 12-layer
-pre-training does not fit the session; the code path is tested). Writes
-benchmarks/results/depth_{glue,ablation,speed}.{json,md} and .png. Run from the repository
-root, alone (timings).
+trained again, and ``--only`` trains only the runs its reports read. The methods of
+``depth_glue`` and ``depth_speed`` are fine-tuned from MLM pre-trainings (one for ALBERT, its
+LayerDrop, HeadPrune and multi-exit variants, one for ALBERTa with its structure predictor),
+the same minutes each; the ablation's runs, and a reference row in ``depth_glue``, are
+trained from scratch. Writes benchmarks/results/depth_{glue,ablation,speed}.{json,md} and
+.png. Run from the repository root, alone (timings).
 """
 
 from __future__ import annotations
@@ -42,20 +45,44 @@ def run_dir(task: str, run: str) -> Path:
     return ROOT / f"{task}_{run}"
 
 
-def train_runs(v: dict[str, Any]) -> None:
+def train_runs(v: dict[str, Any], needed: set[str]) -> None:
+    """Train the ``needed`` runs of ``v["runs"]`` that are not finished, in the file's order,
+    each MLM pre-training just before the first run fine-tuned from it."""
     from dynaseq.tasks.registry import load_config
 
-    todo = []
+    todo, pre = [], v.get("pretrain", {})
     for name, spec in v["runs"].items():
-        spec = {**spec, "overrides": _flat(spec["overrides"])}
+        if name not in needed:
+            continue
+        overrides = _flat(spec["overrides"])
+        init = spec.get("init")
+        if init is not None:
+            mlm = ROOT / init
+            if not _lib.done(mlm) and all(c.run_dir != str(mlm) for c in todo):
+                text = _lib.write_unlabelled({t: v["tasks"][t]["config"]
+                                              for t in pre["glue_text"]})
+                pre_over = pre["runs"][init]
+                todo.append(load_config(pre["config"], [
+                    f"run_dir={mlm}", f"data.train=[$DATA/wikitext-2/train.txt,{text}]",
+                    *pre["common"], *pre_over, *_smoke(v, pre_over)]))
+            overrides.append(f"train.init_from={mlm}")
         for task in spec["tasks"]:
             t = v["tasks"][task]
             run = run_dir(task, name)
-            if not _lib.finished(run) and not _stopped_on_time(run):
+            if not _lib.done(run):
                 todo.append(load_config(t["config"], [
                     f"run_dir={run}", *v["common"], f"train.max_steps={t['steps']}",
-                    *spec["overrides"], *_smoke(v, spec)]))
+                    *overrides, *_smoke(v, overrides)]))
     _lib.train_each(todo)
+
+
+def needed_runs(v: dict[str, Any], reports: list[str]) -> set[str]:
+    """The runs the chosen reports read (HeadPrune's pruned run: its source run)."""
+    sections = {"glue": ("methods", "sweeps"), "ablation": ("ablation",),
+                "speed": ("methods", "sweeps")}
+    names = {m["run"] for r in reports for s in sections[r] for m in v[s].values()}
+    pruned = f"{v['head_prune']['run']}_heads{round(100 * v['head_prune']['keep'])}"
+    return (names - {pruned}) | ({v["head_prune"]["run"]} if pruned in names else set())
 
 
 def _flat(overrides: list) -> list[str]:
@@ -63,16 +90,11 @@ def _flat(overrides: list) -> list[str]:
     return [o for x in overrides for o in (_flat(x) if isinstance(x, list) else [x])]
 
 
-def _smoke(v: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+def _smoke(v: dict[str, Any], overrides: list[str]) -> list[str]:
     """The smoke overrides (the depth ones only for ALBERTa runs)."""
     return [o for o in v.get("smoke", [])
             if not o.startswith("model.depth.") or any(x.startswith("model.depth.")
-                                                       for x in spec["overrides"])]
-
-
-def _stopped_on_time(run: Path) -> bool:
-    return any(e.get("event") == "stop" and e.get("reason") == "max_minutes"
-               for e in _lib.read_log(run, missing_ok=True))
+                                                       for x in overrides)]
 
 
 def head_prune(v: dict[str, Any], task: str) -> None:
@@ -113,6 +135,7 @@ class Bench:
         self.layout = first.layout
         self.dev = read_table(first.config.data.valid, self.layout)
         self.rows = {n: c.encode(list(self.dev.text_a))[0] for n, c in self.runs.items()}
+        self.n_dev = len(self.dev.text_a)
         self._alberta_layers: torch.Tensor | None = None
 
     def alberta_layers(self) -> torch.Tensor:
@@ -197,14 +220,14 @@ def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -
         scores = {k: bench.score(run, call) for k, (run, call) in methods.items()}
         scores["shuffled exit"] = shuffled_score(bench)
         t1 = bench.times(methods, 1, args.timing_rows, args.rounds)
-        t32 = bench.times(methods, 32, len(bench.rows["albert"]), args.rounds)
+        t32 = bench.times(methods, 32, bench.n_dev, args.rounds)
         for k in [*methods, "shuffled exit"]:
             row = {"task": task, "method": k, **scores[k]}
             if k in methods:
                 row.update(speedup_b1=round(t1["ALBERT"] / t1[k], 3),
                            speedup_b32=round(t32["ALBERT"] / t32[k], 3),
                            ms_per_row_b1=round(1000 * t1[k] / args.timing_rows, 3),
-                           ms_per_row_b32=round(1000 * t32[k] / len(bench.rows["albert"]), 3))
+                           ms_per_row_b32=round(1000 * t32[k] / bench.n_dev, 3))
             out["rows"].append(row)
         sweep_calls, labels = {}, {}
         for name, s in v["sweeps"].items():
@@ -216,7 +239,7 @@ def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -
                 labels[key] = (name, value)
         sweep_calls["ALBERT"] = ("albert", {})
         labels["ALBERT"] = ("ALBERT", None)
-        st = bench.times(sweep_calls, 32, len(bench.rows["albert"]), args.rounds)
+        st = bench.times(sweep_calls, 32, bench.n_dev, args.rounds)
         curves: dict[str, list] = {}
         for key, (run, call) in sweep_calls.items():
             name, value = labels[key]
@@ -231,7 +254,7 @@ def ablation_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     bench = Bench("sst2", {**v, "methods": v["ablation"]})
     entries = {k: (m["run"], m["call"]) for k, m in v["ablation"].items() if m["run"] in bench.runs}
     t1 = bench.times(entries, 1, args.timing_rows, args.rounds)
-    t32 = bench.times(entries, 32, len(bench.rows["albert"]), args.rounds)
+    t32 = bench.times(entries, 32, bench.n_dev, args.rounds)
     return {"rows": [{"variant": k, **bench.score(*entries[k]),
                       "speedup_b1": round(t1["ALBERT"] / t1[k], 3),
                       "speedup_b32": round(t32["ALBERT"] / t32[k], 3)} for k in entries]}
@@ -289,17 +312,18 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
                   args: argparse.Namespace) -> None:
     head = {"command": _lib.command(), "date": time.strftime("%Y-%m-%d"),
             "machine": _lib.machine(processor=True), "provenance": _lib.provenance(),
-            "setup": "tiny encoder (d=128, 4 heads, ffn 512), 12 layer applications, from "
-                     "scratch; ALBERT: one shared layer; ALBERTa: 4 shared groups, predictor "
-                     "after 2 layers, absolute + relative positions (R=16); speed-ups: ALBERT's "
-                     "time / the method's, interleaved rounds in one process, medians"}
+            "setup": "tiny encoder (d=128, 4 heads, ffn 512), 12 layer applications; ALBERT: "
+                     "one shared layer; ALBERTa: 4 shared groups, predictor after 2 layers, "
+                     "absolute + relative positions (R=16); speed-ups: ALBERT's time / the "
+                     "method's, interleaved rounds in one process, medians",
+            "pretraining": pretraining(v)}
     targets = ("Targets (issue 25): ALBERTa >= 1.6x ALBERT at batch 1 and 32 scoring no lower; "
                "PABEE batched >= 1.3x; ALBERTa's accuracy-time curve above every baseline's.")
     if glue is not None:
         data = {"benchmark": "depth_glue", **head, **glue}
         lines = _lib.md_head("Adaptive depth on GLUE dev (the paper's table, small scale)",
                              data["command"], f"Machine: {data['machine']}. Date {data['date']}.",
-                             data["setup"] + ".", targets)
+                             data["setup"] + ".", pre_line(head["pretraining"]), targets)
         lines += _lib.md_table(
             ["task", "method", "score", "avg layers", "speed-up b1", "speed-up b32",
              "ms/row b1", "ms/row b32"], "llrrrrrr",
@@ -316,7 +340,7 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         data = {"benchmark": "depth_ablation", **head, **abl}
         lines = _lib.md_head("ALBERTa ablation (SST-2 dev)", data["command"],
                              f"Machine: {data['machine']}. Date {data['date']}.",
-                             data["setup"] + ".")
+                             data["setup"] + "; every run from scratch (no pre-training).")
         lines += _lib.md_table(["variant", "accuracy", "avg layers", "speed-up b1",
                                 "speed-up b32"], "lrrrr",
                                [[r["variant"], r["score"], r["avg_layers"], r["speedup_b1"],
@@ -327,7 +351,7 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         data = {"benchmark": "depth_speed", **head, **speed}
         lines = _lib.md_head("ALBERTa: speed-up by length and depths chosen (SST-2 dev)",
                              data["command"], f"Machine: {data['machine']}. Date {data['date']}.",
-                             data["setup"] + ".")
+                             data["setup"] + ".", pre_line(head["pretraining"]))
         lines += _lib.md_table(["tokens", "rows", "speed-up b1"], "lrr",
                                [[b["tokens"], b["rows"], b["speedup_b1"]]
                                 for b in speed["length_buckets"]])
@@ -340,6 +364,28 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         _lib.write_results(args.results, "depth_speed", data, lines)
         plot_speed(speed, args.results / "depth_speed.png")
         print("\n".join(lines))
+
+
+def pretraining(v: dict[str, Any]) -> dict[str, Any]:
+    """Each MLM pre-training's updates, minutes and last validation (masked-token loss and
+    accuracy)."""
+    out = {}
+    for name in v.get("pretrain", {}).get("runs", {}):
+        log = _lib.read_log(ROOT / name, missing_ok=True)
+        train = [r for r in log if r["event"] == "train"]
+        valid = [r for r in log if r["event"] == "valid"]
+        out[name] = {"updates": train[-1]["step"] if train else None,
+                     "minutes": round(train[-1]["elapsed_s"] / 60, 1) if train else None,
+                     "valid_loss": round(valid[-1]["loss"], 3) if valid else None,
+                     "valid_accuracy": round(100 * valid[-1]["accuracy"], 2) if valid else None}
+    return out
+
+
+def pre_line(pre: dict[str, Any]) -> str:
+    return ("MLM pre-training (WikiText-2 + SST-2/CoLA training sentences): " + "; ".join(
+        f"{k} {r['updates']} updates in {r['minutes']} min, valid loss {r['valid_loss']}, "
+        f"accuracy {r['valid_accuracy']}%" for k, r in pre.items())
+        + ". Runs marked 'from scratch' had none.")
 
 
 def plot_curves(curves: dict[str, dict[str, list]], path: Path) -> None:
@@ -384,6 +430,8 @@ def main() -> None:
     p.add_argument("--only", nargs="+", default=["glue", "ablation", "speed"],
                    choices=["glue", "ablation", "speed"])
     p.add_argument("--report-only", action="store_true", help="train nothing")
+    p.add_argument("--train-only", action="store_true",
+                   help="train the runs --only needs, measure nothing")
     p.add_argument("--smoke", action="store_true",
                    help="a check of the script: 3 updates per run in runs/bench/depth_smoke")
     _lib.add_results_arg(p)
@@ -397,10 +445,12 @@ def main() -> None:
                       "train.warmup_steps=1", "model.depth.depth_start_step=0"]
         v["head_prune"]["importance_rows"] = 50
     if not args.report_only:
-        train_runs(v)
+        train_runs(v, needed_runs(v, args.only))
         for task in args.tasks:
             if run_dir(task, v["head_prune"]["run"]).exists():
                 head_prune(v, task)
+    if args.train_only:
+        return
     with torch.no_grad():
         glue = glue_report(v, args.tasks, args) if "glue" in args.only else None
         abl = ablation_report(v, args) if "ablation" in args.only else None

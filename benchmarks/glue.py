@@ -14,7 +14,8 @@ each run flattens.
 ``--glue-text`` adds the unlabelled sentences of the SST-2 and CoLA *training* sets to the
 pre-training text (issue 24 allows it; BERT's domain gap between Wikipedia and movie
 reviews is what it closes): they are written, labels dropped, to
-``runs/bench/glue_unlabelled.txt``. Dev sentences are never read for pre-training.
+``runs/bench/glue_unlabelled.txt`` (``_lib.write_unlabelled``). Dev sentences are never
+read for pre-training.
 
 Runs: runs/bench/glue_mlm (configs/wikitext2_mlm_small.yaml), runs/bench/glue_{sst2,cola}_
 {scratch,pretrained} (configs/{sst2,cola}_small.yaml). A finished run is not trained again.
@@ -39,32 +40,14 @@ def run_dir(task: str, init: str) -> Path:
     return _lib.RUNS / f"glue_{task}_{init}"
 
 
-UNLABELLED = _lib.RUNS / "glue_unlabelled.txt"
-
-
-def write_unlabelled(tasks: list[str]) -> Path:
-    """The training sentences of ``tasks`` (both sides of a pair), one a line, labels dropped,
-    written atomically to :data:`UNLABELLED`; returns its path."""
-    from dynaseq.core.files import atomic_write
-    from dynaseq.tasks.classify.glue import GLUE_TASKS, read_table
-    from dynaseq.tasks.registry import load_config
-
-    lines = []
-    for task in tasks:
-        cfg = load_config(TASKS[task][0], [])
-        ex = read_table(cfg.data.train, GLUE_TASKS[task], labelled=False)
-        lines += ex.text_a + (ex.text_b or [])
-    atomic_write(UNLABELLED, "\n".join(lines) + "\n")
-    return UNLABELLED
-
-
 def configs(pretrain_minutes: float, finetune_minutes: float, tasks: list[str],
             pretrain_steps: int | None = None, glue_text: bool = False):
     from dynaseq.tasks.registry import load_config
 
     extra = [] if pretrain_steps is None else [f"train.max_steps={pretrain_steps}"]
     if glue_text:
-        extra.append(f"data.train=[$DATA/wikitext-2/train.txt,{write_unlabelled(tasks)}]")
+        text = _lib.write_unlabelled({t: TASKS[t][0] for t in tasks})
+        extra.append(f"data.train=[$DATA/wikitext-2/train.txt,{text}]")
     yield load_config("configs/wikitext2_mlm_small.yaml",
                       [f"run_dir={MLM}", f"train.max_minutes={pretrain_minutes}", *extra])
     for task in tasks:
@@ -73,11 +56,6 @@ def configs(pretrain_minutes: float, finetune_minutes: float, tasks: list[str],
             extra = [f"train.init_from={MLM}"] if init == "pretrained" else []
             yield load_config(path, [f"run_dir={run_dir(task, init)}",
                                      f"train.max_minutes={finetune_minutes}", *extra])
-
-
-def _done(run: Path) -> bool:
-    return any(e.get("event") == "stop" and e.get("reason") in ("max_steps", "max_minutes")
-               for e in _lib.read_log(run, missing_ok=True))
 
 
 def curve(run: Path, metric: str) -> list[dict[str, float]]:
@@ -117,7 +95,7 @@ def main() -> None:
     if not args.report_only:
         _lib.train_each(c for c in configs(args.pretrain_minutes, args.finetune_minutes,
                                            args.tasks, args.pretrain_steps, args.glue_text)
-                        if not _done(Path(c.run_dir)))
+                        if not _lib.done(Path(c.run_dir)))
     mlm = [{"step": r["step"], "minutes": round(r.get("elapsed_s", 0) / 60, 2)}
            for r in _lib.read_log(MLM, missing_ok=True) if r["event"] == "train"]
     mlm_valid = [{"step": r["step"], "loss": round(r["loss"], 4),

@@ -1,6 +1,7 @@
 """The lean encoder pass (models/lean_encoder.LeanEncoder) against the model's own forward:
 dense and CCT encoders, padding, single, per-row and fixed budgets, gated-off work and
-padding not computed, staleness, and which models get one."""
+padding not computed, staleness, and which models get one; early exits (ALBERTa with
+relative positions, per-layer rules) and LayerDrop subsets through the lean layers."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
+from dynaseq.tasks.classify.predictor import RealizedCompute, predict_logits
 from dynaseq.techniques.depth.config import DepthConfig
+from dynaseq.techniques.depth.exits import DEPTH_RUN, LAYER_ROWS, DepthExit
+from dynaseq.techniques.depth.multi_exit import EXIT_LAYER, ExitsConfig, LayerExit
 
 from encoder_helpers import padded_tokens
 from helpers import count_ops
@@ -123,9 +127,6 @@ def test_closed_gates_run_no_sublayer_and_padding_is_not_computed():
 
 
 def test_which_models_get_a_lean_encoder_and_staleness():
-    depth = DepthConfig(first_group=1)
-    assert LeanEncoder.prepare(_model(cct=False, layers=3, depth=depth,
-                                      share_layers="groups", layer_groups=3)) is None
     assert LeanEncoder.prepare(torch.nn.Linear(2, 2)) is None
     model = _model(cct=True)
     lean = LeanEncoder.prepare(model)
@@ -187,3 +188,97 @@ def test_profile_latency_times_the_lean_pass_unless_asked_otherwise(monkeypatch)
     encoder_latency_ms(model, 8, 2, repeats=2, control=1, lean=False)
     encoder_latency_ms(model, 8, 2, repeats=2, control=1, layers=(0, 2))
     assert len(calls) == 3
+
+
+def _alberta(seed: int = 0):
+    model = _model(cct=False, seed=seed, layers=6, share_layers="groups", layer_groups=3,
+                   relative_positions=4, depth=DepthConfig(first_group=2))
+    with torch.no_grad():  # a predictor that spreads depths over the batch
+        model.encoder.predictor.out.weight.normal_(0, 2.0)
+    return model
+
+
+def _assert_outputs_same(ref, got, traces=()):
+    valid = ~ref.pad_mask
+    torch.testing.assert_close(got.hidden[valid], ref.hidden[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    for key in traces:
+        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in
+                   zip(ref.aux.traces[key], got.aux.traces[key], strict=True)), key
+
+
+@pytest.mark.parametrize("exit", [DepthExit(gamma=0.5), DepthExit(gamma=0.1),
+                                  DepthExit(gamma=torch.tensor([.1, .9, .5, .3, .7])),
+                                  DepthExit(depth=torch.tensor([4, 0, 2, 1, 3]))])
+def test_adaptive_depth_with_relative_positions_exits_through_the_lean_layers(exit):
+    model = _alberta()
+    lean = LeanEncoder.prepare(model)
+    assert lean is not None
+    tokens, segments = _inputs()
+    with torch.no_grad():
+        ref = model(tokens, segments, exit=exit)
+        full = model(tokens, segments)
+    got = lean.output(tokens, segments, exit=exit)
+    _assert_outputs_same(ref, got, (DEPTH_RUN, LAYER_ROWS))
+    assert len(set(ref.aux.traces[DEPTH_RUN][0].tolist())) > 1  # the rows left at many depths
+    _assert_same(model, lean, tokens, segments, None)  # no exit: full depth, scaled by p
+    torch.testing.assert_close(lean(tokens, segments), full.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_lean_exit_computes_only_the_rows_and_tokens_still_running():
+    model = _alberta()
+    lean = LeanEncoder.prepare(model)
+    tokens, segments = _inputs()  # lengths 9 4 12 1 7
+    depths = DepthExit(depth=torch.tensor([4, 0, 2, 1, 3]))
+    assert lean.output(tokens, segments, exit=depths).aux.traces[LAYER_ROWS][0] == [4, 3, 2, 1]
+    shapes = _products(lambda: lean.output(tokens, segments, exit=depths))
+    after = list(zip(shapes, shapes[1:], strict=False))
+    # one fused q/k/v product per layer application (the one the relative scores follow):
+    # rows x width of the first group (5 x 12), then of the rows still running, cut to the
+    # longest of them: {0, 2, 3, 4} x 12, {0, 2, 4} x 12, {0, 4} x 9, {0} x 9
+    assert [a[0] for a, b in after if b[1] == 8 and a[1] == 32] == [60, 60, 48, 36, 18, 9]
+    # the feed-forward on those rows' own tokens only (no padding): 33, 33, 29, 28, 16, 9
+    assert [a[0] for a, b in after if b == (a[0], 64)] == [33, 33, 29, 28, 16, 9]
+
+
+@pytest.mark.parametrize("rule", [LayerExit("pabee", patience=2),
+                                  LayerExit("branchynet", threshold=0.5),
+                                  LayerExit("shallow-deep", threshold=0.6)])
+def test_per_layer_exit_rules_run_through_the_lean_layers(rule):
+    model = _model(cct=False, layers=6, share_layers="all",
+                   exits=ExitsConfig(weighting="pabee"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # confident, varied internal classifiers: rows exit at many layers
+        for k in range(6):
+            model.classifier(k).out.weight.copy_(3 * torch.randn(3, 32, generator=gen))
+    lean = LeanEncoder.prepare(model)
+    tokens, segments = _inputs()
+    with torch.no_grad():
+        ref = model(tokens, segments, exit=rule)
+    _assert_outputs_same(ref, lean.output(tokens, segments, exit=rule), (EXIT_LAYER, LAYER_ROWS))
+    _assert_same(model, lean, tokens, segments, None)
+
+
+def test_a_layer_subset_runs_through_the_lean_layers():
+    model = _model(cct=False, layers=4)
+    lean = LeanEncoder.prepare(model)
+    tokens, segments = _inputs()
+    with torch.no_grad():
+        ref = model(tokens, segments, layers=(0, 2))
+    _assert_outputs_same(ref, lean.output(tokens, segments, layers=(0, 2)))
+    assert len(_products(lambda: lean.output(tokens, segments, layers=(0, 2)))) == 2 * 4 + 2
+
+
+def test_classification_with_an_exit_takes_the_lean_layers_and_counts_the_same_depths():
+    model = _alberta()
+    lean = LeanEncoder.prepare(model)
+    rows = [(torch.randint(5, V, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+             [0] * n) for n in [9, 4, 12, 1, 7, 3, 5]]
+    got = {}
+    for name, fast in (("general", None), ("lean", lean)):
+        compute = RealizedCompute()
+        logits = predict_logits(model, rows, 3, torch.device("cpu"), compute=compute,
+                                exit=DepthExit(gamma=0.5), lean=fast)
+        got[name] = (logits, compute.row_layers)
+    torch.testing.assert_close(got["lean"][0], got["general"][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["lean"][1], got["general"][1])

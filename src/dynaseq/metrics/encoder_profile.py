@@ -1,7 +1,7 @@
 """``dynaseq profile`` for encoder runs (``mlm``, ``classify``): parameters, MACs per token
 (analytic, and measured by ``FlopCounterMode``), classification latency at batch 1 and
 throughput at batch 32 (through the lean encoder pass, as classification runs, where the
-model has one and no exit or layer subset is asked: :mod:`dynaseq.models.lean_encoder`).
+model has one: :mod:`dynaseq.models.lean_encoder`).
 
 Analytic MACs of one S-token input (every gate on for a CCT; what ran is measured):
 
@@ -81,17 +81,19 @@ def encoder_latency_ms(model: nn.Module, n_tokens: int, batch: int, repeats: int
                        layers: Sequence[int] | None = None, lean: bool = True) -> float:
     """Median wall time (ms) of one eval forward pass over ``batch`` random inputs of
     ``n_tokens`` tokens each (after one warm-up): the lean encoder pass where the model has
-    one, no ``exit`` or ``layers`` is asked and ``lean`` is on; else the model's forward."""
+    one and ``lean`` is on (with an ``exit`` or ``layers``, the model's pass through its lean
+    layers, as classification runs them); else the model's forward."""
     device = next(model.parameters()).device
     vocab = model.encoder.embeddings.vocab_size
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(7, vocab, (batch, n_tokens), generator=gen).to(device)
     segments = torch.zeros_like(tokens)
-    fast = LeanEncoder.prepare(model) if lean and exit is None and layers is None else None
-    if fast is not None:
+    fast = LeanEncoder.prepare(model) if lean else None
+    if fast is not None and exit is None and layers is None:
         return median_ms(model, lambda: fast(tokens, segments, control), repeats)
-    return median_ms(model, lambda: model(tokens, segments, control, exit=exit,
-                                          layers=layers), repeats)
+    run = model if fast is None else fast.output
+    return median_ms(model, lambda: run(tokens, segments, control, exit=exit, layers=layers),
+                     repeats)
 
 
 def profile_encoder(model: nn.Module, lengths: tuple[int, ...] = (32, 128),

@@ -31,7 +31,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,13 @@ ENCODER_SUBNETWORKS = ("encoder",)
 
 Control = Tensor | int | BudgetControl | None
 """A call's budget: (B,) control-symbol ids, one id, a :class:`BudgetControl`, or None."""
+
+LayerRun = Callable[..., Tensor]
+"""How a forward pass applies layer module ``i``: ``run(i, x, attn_mask, aux=, gate_offset=,
+scale=)`` with x ``(R, S, d)``, ``attn_mask`` ``(R, 1, 1, S)`` allowed keys or None, the rows'
+gate offsets ``(R,)`` and keep probabilities ``scale`` ``(R, 1, 1)`` (or None) -> ``(R, S, d)``
+(:meth:`TransformerEncoder.apply_layer`, the module; or
+:meth:`dynaseq.models.lean_encoder.LeanEncoder.apply_layer`, its lean parts)."""
 
 
 class EncoderEmbeddings(nn.Module):
@@ -167,20 +174,23 @@ class TransformerEncoder(nn.Module):
                 control: Tensor | None = None, gate_offset: Tensor | None = None,
                 aux: AuxOutputs | None = None,
                 exit: DepthExit | None = None,
-                layers: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+                layers: Sequence[int] | None = None,
+                run: LayerRun | None = None) -> tuple[Tensor, Tensor]:
         """Returns (hidden (B, S, d), pad_mask (B, S) bool, True at padding).
 
         control: (B, 1, d) control-symbol embedding added to every token's input (CCT);
         gate_offset: (B,) per-row offsets of the gates (a calibrated budget); exit: early
         exit (adaptive depth; the hidden states of a row's padding are then zero);
-        layers: the positions of ``plan`` to run (LayerDrop; None: all)."""
+        layers: the positions of ``plan`` to run (LayerDrop; None: all); run: how each
+        layer application runs (default :meth:`apply_layer`, the module)."""
+        run = self.apply_layer if run is None else run
         x, pad_mask = self.embed(tokens, segments, control)
         mask = _attn_mask(pad_mask)
         if layers is not None:
-            return self._run_subset(x, mask, layers, gate_offset, aux, exit), pad_mask
+            return self._run_subset(x, mask, layers, gate_offset, aux, exit, run), pad_mask
         first = self.depth if self.predictor is None else self.predictor.first_group
         for i in self.plan[:first]:
-            x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset)
+            x = run(i, x, mask, aux=aux, gate_offset=gate_offset)
         if self.predictor is None:
             if exit is not None:
                 raise ValueError("this encoder has no structure predictor (no adaptive depth) "
@@ -191,15 +201,19 @@ class TransformerEncoder(nn.Module):
             aux.add_trace(DEPTH_PROBS, p)
         if exit is not None:
             depths = exit.depths(p, self.predictor.n_adaptive)
-            return self._run_exits(x, pad_mask, p, depths, gate_offset, aux), pad_mask
+            return self._run_exits(x, pad_mask, p, depths, gate_offset, aux, run), pad_mask
         for k, i in enumerate(self.plan[first:]):
-            x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset,
-                               scale=p[:, k, None, None])
+            x = run(i, x, mask, aux=aux, gate_offset=gate_offset, scale=p[:, k, None, None])
         return self.norm(x), pad_mask
+
+    def apply_layer(self, i: int, x: Tensor, attn_mask: Tensor | None,
+                    **kw: Tensor | AuxOutputs | None) -> Tensor:
+        """Layer module ``i`` on x (the default :data:`LayerRun`)."""
+        return self.layers[i](x, attn_mask, **kw)
 
     def _run_subset(self, x: Tensor, mask: Tensor | None, layers: Sequence[int],
                     gate_offset: Tensor | None, aux: AuxOutputs | None,
-                    exit: DepthExit | None) -> Tensor:
+                    exit: DepthExit | None, run: LayerRun) -> Tensor:
         """LayerDrop: x (B, S, d) after the embeddings -> final hidden (B, S, d), running the
         plan positions ``layers`` only. In training, a layer module none of them runs adds
         ``0 · Σ its parameters`` to ``aux``'s losses, so that every parameter still takes part
@@ -212,8 +226,7 @@ class TransformerEncoder(nn.Module):
             raise ValueError(f"layers must be increasing positions in [0, {self.depth}), got "
                              f"{positions}")
         for j in positions:
-            i = self.plan[j]
-            x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset)
+            x = run(self.plan[j], x, mask, aux=aux, gate_offset=gate_offset)
         if self.training and aux is not None:
             ran = {self.plan[j] for j in positions}
             unused = [p for i, m in enumerate(self.layers) if i not in ran
@@ -223,7 +236,7 @@ class TransformerEncoder(nn.Module):
         return self.norm(x)
 
     def _run_exits(self, x: Tensor, pad_mask: Tensor, p: Tensor, depths: Tensor,
-                   gate_offset: Tensor | None, aux: AuxOutputs | None) -> Tensor:
+                   gate_offset: Tensor | None, aux: AuxOutputs | None, run: LayerRun) -> Tensor:
         """Batched early exit: x (B, S, d) after the first group, depths (B,) -> final
         hidden (B, S, d).
 
@@ -236,8 +249,7 @@ class TransformerEncoder(nn.Module):
             first, k = self.predictor.first_group, int(depths[0])
             mask = _attn_mask(pad_mask)
             for j, i in enumerate(self.plan[first:first + k]):
-                x = self.layers[i](x, mask, aux=aux, gate_offset=gate_offset,
-                                   scale=p[:, j, None, None])
+                x = run(i, x, mask, aux=aux, gate_offset=gate_offset, scale=p[:, j, None, None])
             if aux is not None:
                 aux.add_trace(DEPTH_RUN, depths)
                 aux.add_trace(LAYER_ROWS, [1] * k)
@@ -260,10 +272,8 @@ class TransformerEncoder(nn.Module):
                 break
             width = max(lengths[:n])
             x, pm = x[:n, :width], pm_sorted[:n, :width]
-            layer = self.layers[self.plan[first + k]]
-            x = layer(x, _attn_mask(pm), aux=aux,
-                      gate_offset=None if offset is None else offset[:n],
-                      scale=p[:n, k, None, None])
+            x = run(self.plan[first + k], x, _attn_mask(pm), aux=aux,
+                    gate_offset=None if offset is None else offset[:n], scale=p[:n, k, None, None])
             layer_rows.append(n)
             n_prev = n
         if aux is not None:
@@ -388,18 +398,21 @@ class EncoderModel(nn.Module):
     def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
                aux: AuxOutputs | None = None,
                exit: DepthExit | None = None,
-               layers: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+               layers: Sequence[int] | None = None,
+               run: LayerRun | None = None) -> tuple[Tensor, Tensor]:
         """(hidden (B, S, d), pad_mask (B, S))."""
         emb, offset = self.control_inputs(control, tokens.size(0), tokens.device)
-        return self.encoder(tokens, segments, emb, offset, aux, exit, layers)
+        return self.encoder(tokens, segments, emb, offset, aux, exit, layers, run)
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
                 select: Tensor | None = None,
                 exit: DepthExit | None = None,
-                layers: Sequence[int] | None = None) -> EncoderModelOutput:
+                layers: Sequence[int] | None = None,
+                run: LayerRun | None = None) -> EncoderModelOutput:
         """``exit``: early exit of an adaptive-depth encoder (its depth per row is then in
         ``aux.traces[DEPTH_RUN]``); ``layers``: the layer applications (positions of the
-        encoder's plan) to run, the others skipped (LayerDrop; None: all)."""
+        encoder's plan) to run, the others skipped (LayerDrop; None: all); ``run``: how
+        each layer application runs (:data:`LayerRun`; default the module)."""
         aux = AuxOutputs()
-        hidden, pad_mask = self.encode(tokens, segments, control, aux, exit, layers)
+        hidden, pad_mask = self.encode(tokens, segments, control, aux, exit, layers, run)
         return EncoderModelOutput(hidden, pad_mask, self.head(hidden, select), aux)

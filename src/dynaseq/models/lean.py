@@ -229,7 +229,8 @@ class LeanDecoder:
         with torch.no_grad():
             embedding, offsets = model.control_inputs(control, src.size(0), src.device)
             x, pad_mask = model.encoder.embed_inputs(src, embedding)
-            x = run_layers(self.encoder_layers, range(len(self.encoder_layers)), x, pad_mask,
+            valid = ~pad_mask if bool(pad_mask.any()) else None
+            x = run_layers(self.encoder_layers, range(len(self.encoder_layers)), x, valid,
                            offsets.get("encoder"))
             return EncoderOutput(model.encoder.norm(x), pad_mask, embedding,
                                  offsets.get("decoder"))

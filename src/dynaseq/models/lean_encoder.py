@@ -23,16 +23,22 @@ the self-attention, ``"ffn"`` for the feed-forward):
   ``row_macs``/``pieces_row_macs`` and, for every gate open, ``all_on_row_macs`` of the
   row's length: the numbers the model's traces give per row (over the row's own tokens).
 
+* dense attention with relative positions adds the module's position scores (ALBERTa);
+* early exits (adaptive depth's structure predictor, per-layer exit rules) and LayerDrop's
+  layer subsets run the model's own pass -- the regrouping by depth, the dropping of
+  finished rows -- with each layer application through the lean parts
+  (:meth:`LeanEncoder.output`, :meth:`LeanEncoder.apply_layer`, each row's keep
+  probability scaling its residual branches).
+
 Outputs at valid positions equal the module's forward pass up to float rounding (the tests
 compare logits and labels for dense and CCT encoders, with padding, at single, per-row and
-fixed budgets). Encoders with a structure predictor (adaptive depth), early exits or
-LayerDrop's layer subsets keep the general pass (:meth:`LeanEncoder.prepare` returns None
-for a predictor; callers pass exits and subsets to the model).
+fixed budgets, and the early exits' outputs and depths).
 
 Example::
 
     lean = LeanEncoder.prepare(model)              # None: the model's own forward
     logits = lean(tokens, segments, control)       # == model(tokens, segments, control).logits
+    out = lean.output(tokens, exit=DepthExit(gamma=0.5))   # == model(tokens, exit=...)
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ import torch
 from torch import Tensor, nn
 
 import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lean parts)
-from dynaseq.models.encoder import Control, EncoderModel
-from dynaseq.nn import EncoderLayer
+from dynaseq.models.encoder import Control, EncoderModel, EncoderModelOutput
+from dynaseq.nn import AuxOutputs, EncoderLayer
 from dynaseq.nn.lean_step import Norm, StepTally, lean_part, uniform_offset
 
 Counts = dict[str, Tensor]
@@ -89,47 +95,47 @@ def layer_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:
 
 
 def _lean_layers(model: nn.Module) -> list[_Layer] | None:
-    """:func:`lean_layers` of an :class:`EncoderModel` without a structure predictor; None
-    for anything else."""
-    if not isinstance(model, EncoderModel) or model.encoder.predictor is not None:
+    """:func:`lean_layers` of an :class:`EncoderModel`; None for anything else."""
+    if not isinstance(model, EncoderModel):
         return None
     return lean_layers(model.encoder.layers)
 
 
-def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, pad_mask: Tensor,
-               offsets: Tensor | None, counts: list[Counts] | None = None) -> Tensor:
+def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tensor | None,
+               offsets: Tensor | None, counts: list[Counts] | None = None,
+               scale: Tensor | None = None) -> Tensor:
     """The layer applications ``plan`` (indices into ``layers``) on ``x`` ``(B, S, d)``
-    (the first layer's input), ``pad_mask`` ``(B, S)`` True at padding, ``offsets`` the rows'
-    gate offsets ``(B,)`` (or None) -> the last layer's output ``(B, S, d)`` at the valid
-    positions (padding positions are not computed past ``x``: nothing reads them);
-    ``counts``: receives one :data:`Counts` per application (see the module docstring)."""
+    (the first layer's input), ``valid`` ``(B, S)`` True at the tokens (None: no padding),
+    ``offsets`` the rows' gate offsets ``(B,)`` (or None) -> the last layer's output
+    ``(B, S, d)`` at the valid positions (padding positions are not computed past ``x``:
+    nothing reads them); ``counts``: receives one :data:`Counts` per application (see the
+    module docstring); ``scale`` ``(B,)``: every residual branch of each row multiplied by
+    it (adaptive depth's keep probability, ``H + p·F(H)``; None: unscaled)."""
     b, s, d = x.shape
-    valid = idx = None
-    if bool(pad_mask.any()):
-        valid = ~pad_mask
-        idx = valid.reshape(-1).nonzero().squeeze(1)  # (N,) the valid tokens
+    idx = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # (N,) tokens
     offset = uniform_offset(offsets)
     token_offset = offset  # the feed-forward's rows are tokens: each its row's offset
     if isinstance(offset, Tensor):
-        token_offset = offset[:, None].expand(b, s).reshape(-1)
-        if idx is not None:
-            token_offset = token_offset.index_select(0, idx)
+        token_offset = _per_token(offset, s, idx)
+    token_scale = None if scale is None else _per_token(scale, s, idx)[:, None, None]
+    row_scale = None if scale is None else scale[:, None, None]
     row_of = None  # the row of each feed-forward row (token), for its counts
     if counts is not None:
-        row_of = torch.arange(b, device=x.device).repeat_interleave(s)
-        row_of = row_of if idx is None else row_of.index_select(0, idx)
+        row_of = _per_token(torch.arange(b, device=x.device), s, idx)
     for i in plan:
         w = layers[i]
         attn_tally = None if counts is None else StepTally(b, x.device)
         h = w.attn.encode(w.attn_norm(x), valid, offset, attn_tally)
         if h is not None:  # None: the sub-layer's output is 0 for every token
-            x = x + h
+            x = x + (h if row_scale is None else row_scale * h)
         rows = w.ffn_norm(x).reshape(b * s, 1, d)
         if idx is not None:
             rows = rows.index_select(0, idx)
         ffn_tally = None if counts is None else StepTally(rows.size(0), x.device)
         h = w.ffn.step(rows, token_offset, ffn_tally)
         if h is not None:
+            if token_scale is not None:
+                h = token_scale * h
             x = (x + h.view(b, s, d) if idx is None
                  else x.reshape(b * s, d).index_add(0, idx, h[:, 0]).view(b, s, d))
         if counts is not None:
@@ -139,6 +145,12 @@ def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, pad_mask: T
                     got[key] = v.new_zeros(b, *v.shape[1:]).index_add_(0, row_of, v)
             counts.append(got)
     return x
+
+
+def _per_token(row_values: Tensor, s: int, idx: Tensor | None) -> Tensor:
+    """(B,) one value per row -> (N,) one per token (B·S, or the ``idx`` tokens)."""
+    out = row_values.repeat_interleave(s)
+    return out if idx is None else out.index_select(0, idx)
 
 
 class LeanEncoder:
@@ -155,8 +167,8 @@ class LeanEncoder:
 
     @classmethod
     def prepare(cls, model: nn.Module) -> LeanEncoder | None:
-        """The lean encoder of ``model``, or None where it has none (adaptive depth, MoE or
-        DMB sub-layers, int8 CCT, relative positions: the model's own forward runs)."""
+        """The lean encoder of ``model``, or None where it has none (MoE or DMB sub-layers,
+        int8 CCT: the model's own forward runs)."""
         with torch.no_grad():
             layers = _lean_layers(model)
         return None if layers is None else cls(model, layers)
@@ -174,14 +186,19 @@ class LeanEncoder:
         """tokens, segments ``(B, S)``; ``control``: as the model's -> (hidden ``(B, S, d)``,
         pad_mask ``(B, S)``, True at padding). Hidden states at padding positions are not
         computed past the embeddings (nothing reads them). ``counts``: receives one
-        :data:`Counts` per layer application, in the encoder's plan order."""
-        model = self.model
-        if model.training:
-            raise ValueError("LeanEncoder runs inference only: put the model in eval mode")
-        enc = model.encoder
+        :data:`Counts` per layer application, in the encoder's plan order (not for an
+        adaptive-depth encoder, whose full depth runs through the model's pass with
+        :meth:`apply_layer`)."""
+        self._check_eval()
+        model, enc = self.model, self.model.encoder
+        if enc.predictor is not None:
+            if counts is not None:
+                raise ValueError("gate counts are for encoders without a structure predictor")
+            return model.encode(tokens, segments, control, run=self.apply_layer)
         emb, offsets = model.control_inputs(control, tokens.size(0), tokens.device)
         x, pad_mask = enc.embed(tokens, segments, emb)  # (B, S, d)
-        x = run_layers(self.layers, enc.plan, x, pad_mask, offsets, counts)
+        valid = ~pad_mask if bool(pad_mask.any()) else None
+        x = run_layers(self.layers, enc.plan, x, valid, offsets, counts)
         return enc.norm(x), pad_mask
 
     def __call__(self, tokens: Tensor, segments: Tensor | None = None,
@@ -191,6 +208,30 @@ class LeanEncoder:
         hidden, _ = self.encode(tokens, segments, control, counts)
         with torch.no_grad():
             return self.model.head(hidden)
+
+    @torch.no_grad()
+    def output(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
+               **kw: object) -> EncoderModelOutput:
+        """The model's forward pass with every layer application through its lean part
+        (:meth:`apply_layer`): ``kw`` as the model's (an early ``exit``, a ``layers``
+        subset), its traces (the depths rows ran) in ``aux``; the gated sub-layers record
+        no gate traces here (count them with :meth:`encode`)."""
+        self._check_eval()
+        return self.model(tokens, segments, control, run=self.apply_layer, **kw)
+
+    def apply_layer(self, i: int, x: Tensor, attn_mask: Tensor | None,
+                    aux: AuxOutputs | None = None, gate_offset: Tensor | None = None,
+                    scale: Tensor | None = None) -> Tensor:
+        """Layer module ``i``'s lean parts on x ``(R, S, d)`` (a
+        :data:`~dynaseq.models.encoder.LayerRun`: what the model's pass calls for each
+        layer application, early exits included); ``aux`` is not written."""
+        valid = None if attn_mask is None else attn_mask[:, 0, 0, :]
+        return run_layers(self.layers, [i], x, valid, gate_offset,
+                          scale=None if scale is None else scale.reshape(-1))
+
+    def _check_eval(self) -> None:
+        if self.model.training:
+            raise ValueError("LeanEncoder runs inference only: put the model in eval mode")
 
     def row_macs(self, counts: list[Counts], n_tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's MACs in the gated sub-layers, ``(ran, every gate open)``, ``(B,)`` long

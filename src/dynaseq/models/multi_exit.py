@@ -25,6 +25,7 @@ from dynaseq.models.encoder import (
     Control,
     EncoderModel,
     EncoderModelOutput,
+    LayerRun,
     TransformerEncoder,
     _attn_mask,
 )
@@ -60,7 +61,8 @@ class MultiExitEncoderModel(EncoderModel):
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
                 select: Tensor | None = None, exit: LayerExit | None = None,
-                layers: tuple[int, ...] | None = None) -> EncoderModelOutput:
+                layers: tuple[int, ...] | None = None,
+                run: LayerRun | None = None) -> EncoderModelOutput:
         """As :meth:`EncoderModel.forward`; ``layers`` (a fixed subset of the plan) must be
         None: every internal classifier reads its own layer."""
         if layers is not None:
@@ -69,23 +71,24 @@ class MultiExitEncoderModel(EncoderModel):
             raise ValueError("a multi-exit model exits by a per-layer rule (LayerExit); it has "
                              "no structure predictor")
         aux = AuxOutputs()
+        run = self.encoder.apply_layer if run is None else run
         emb, offset = self.control_inputs(control, tokens.size(0), tokens.device)
         x, pad_mask = self.encoder.embed(tokens, segments, emb)
         if exit is not None:
-            return self._run_exits(x, pad_mask, offset, exit, aux)
+            return self._run_exits(x, pad_mask, offset, exit, aux, run)
         enc = self.encoder
         mask = _attn_mask(pad_mask)
         for k, i in enumerate(enc.plan[:-1]):
-            x = enc.layers[i](x, mask, aux=aux, gate_offset=offset)
+            x = run(i, x, mask, aux=aux, gate_offset=offset)
             aux.add_trace(EXIT_LOGITS, self.exit_heads[k](enc.norm(x[:, :1])))  # (B, C)
-        x = enc.layers[enc.plan[-1]](x, mask, aux=aux, gate_offset=offset)
+        x = run(enc.plan[-1], x, mask, aux=aux, gate_offset=offset)
         hidden = enc.norm(x)
         logits = self.head(hidden)
         aux.add_trace(EXIT_LOGITS, logits)
         return EncoderModelOutput(hidden, pad_mask, logits, aux)
 
     def _run_exits(self, x: Tensor, pad_mask: Tensor, offset: Tensor | None, exit: LayerExit,
-                   aux: AuxOutputs) -> EncoderModelOutput:
+                   aux: AuxOutputs, run: LayerRun) -> EncoderModelOutput:
         """Batched per-layer exit: x (B, S, d) the first layer's input.
 
         After each layer the rows still running go through that layer's classifier; the
@@ -111,7 +114,7 @@ class MultiExitEncoderModel(EncoderModel):
         x, pm = x[:, :width], pad_mask[:, :width]
         for k, i in enumerate(enc.plan):
             layer_rows.append(len(rows))
-            x = enc.layers[i](x, _attn_mask(pm), aux=aux, gate_offset=offset)
+            x = run(i, x, _attn_mask(pm), aux=aux, gate_offset=offset)
             z = self.classifier(k)(enc.norm(x[:, :1]))  # (R, C)
             history = torch.cat([history, z[:, None]], 1)
             if k == enc.depth - 1:  # the last layer: every row still running finishes

@@ -6,16 +6,17 @@
 * cross-attention: the encoder output's keys and values projected once, at ``start``;
 * feed-forward (:class:`~dynaseq.nn.FeedForward`): ``fc2(relu(fc1(x)))`` as two function calls;
 * an encoder's self-attention (role ``"encoder"``): the fused q/k/v product over whole
-  sequences, padding keys masked.
+  sequences, padding keys masked, and the attention's position scores (relative positions)
+  added as the module adds them.
 
 Projections may be float ``nn.Linear`` or int8 :class:`~dynaseq.nn.int8.Int8Linear` (a
 quantized model, ``dynaseq quantize``): each runs through
 :func:`~dynaseq.nn.lean_step.linear_fn`, the fused q/k/v through
 :func:`~dynaseq.nn.lean_step.fused_linear` (int8 rows stacked: exactly the separate
 products, as the input is quantized per row). The same operations as the modules' forward
-passes, some fused: outputs equal them up to float rounding (int8: exactly). Attention with
-position scores (relative positions) or pruned to no head declines (the general step runs
-it).
+passes, some fused: outputs equal them up to float rounding (int8: exactly). Attention
+pruned to no head, or with position scores in a decoding step, declines (the general step
+runs it).
 """
 
 from __future__ import annotations
@@ -84,13 +85,16 @@ class DenseCrossAttention:
 
 
 class DenseEncoderAttention:
-    """Bidirectional self-attention over whole sequences (an encoder layer)."""
+    """Bidirectional self-attention over whole sequences (an encoder layer), with the
+    module's ``position_scores`` (relative positions; the module itself, not a copy) added
+    to the scores as in :meth:`MultiHeadAttention.forward`."""
 
     def __init__(self, m: MultiHeadAttention, qkv: LinearFn, out: LinearFn) -> None:
         self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
                         for t in linear_tensors(p)]
         self.qkv, self.out = qkv, out
         self.n_heads, self.d_head = m.n_heads, m.d_head
+        self.position_scores = m.position_scores
 
     def encode(self, x: Tensor, valid: Tensor | None, offset: Tensor | float | None,
                tally: StepTally | None = None) -> Tensor:
@@ -99,6 +103,9 @@ class DenseEncoderAttention:
         h, d = self.n_heads, self.d_head
         q, k, v = self.qkv(x).view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B,H,S,hd)
         mask = None if valid is None else valid[:, None, None, :]
+        if self.position_scores is not None:
+            bias = self.position_scores(q, k)  # (B, H, S, S)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, S, hd)
         return self.out(a.transpose(1, 2).reshape(b, s, h * d))
 
@@ -118,7 +125,7 @@ class DenseFeedForward:
 def _attention_part(m: nn.Module, role: str
                     ) -> DenseSelfAttention | DenseCrossAttention | DenseEncoderAttention | None:
     assert isinstance(m, MultiHeadAttention)
-    if role == "ffn" or m.position_scores is not None or m.n_heads == 0:
+    if role == "ffn" or m.n_heads == 0 or (m.position_scores is not None and role != "encoder"):
         return None
     fns = [linear_fn(p) for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj)]
     if any(f is None for f in fns):

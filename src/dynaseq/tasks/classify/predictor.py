@@ -184,11 +184,14 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
     exit, one for every row or per row) the layers its rows ran. ``layers``: the plan
     positions to run (a model pruned to a fixed depth; None: all). ``progress``: a bar of
     rows on a terminal. ``lean``: :meth:`LeanEncoder.prepare` of ``model``, which runs the
-    batches unless an ``exit`` or ``layers`` is asked for (the model's pass runs those);
-    it counts ``compute`` per row from its gates (:meth:`RealizedCompute.add_rows`), with
-    no second pass."""
+    batches; it counts ``compute`` per row from its gates (:meth:`RealizedCompute.add_rows`),
+    with no second pass. With an ``exit`` or ``layers`` the model's pass runs through its
+    lean layers (:meth:`LeanEncoder.output`), unless gated compute is to be counted."""
+    lean_layers = lean  # the model's pass through the lean layers (exits, layer subsets)
     if exit is not None or layers is not None:
         lean = None
+        if compute is not None and model.n_controls:
+            lean_layers = None  # the gate traces of the model's pass are counted
     was_training = model.training
     model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
@@ -211,8 +214,8 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                     compute.add_rows(idx, n.cpu(), *(t.cpu() for t in lean.row_macs(counts, n)))
                 bar.update(len(idx))
                 continue
-            res = model(tokens, segments, rows_control, exit=_rows_exit(exit, idx),
-                        layers=layers)
+            res = (model if lean_layers is None else lean_layers.output)(
+                tokens, segments, rows_control, exit=_rows_exit(exit, idx), layers=layers)
             out[torch.tensor(idx)] = res.logits.float().cpu()
             if compute is not None:
                 if model.n_controls:
