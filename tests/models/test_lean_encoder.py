@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from dynaseq.models.lean_encoder import LeanEncoder
+from dynaseq.tasks.classify.predictor import RealizedCompute, predict_logits
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
-from dynaseq.tasks.classify.predictor import RealizedCompute, predict_logits
 from dynaseq.techniques.depth.config import DepthConfig
 from dynaseq.techniques.depth.exits import DEPTH_RUN, LAYER_ROWS, DepthExit
 from dynaseq.techniques.depth.multi_exit import EXIT_LAYER, ExitsConfig, LayerExit
