@@ -39,6 +39,9 @@ import _lib
 import _plot
 
 ROOT = _lib.RUNS / "depth"
+GENERAL = ":general"
+"""A method's run name ending in it: the run classifying through the model's own pass
+(``Classifier.fast_encode = False``), not the lean encoder layers."""
 
 
 def run_dir(task: str, run: str) -> Path:
@@ -80,7 +83,8 @@ def needed_runs(v: dict[str, Any], reports: list[str]) -> set[str]:
     """The runs the chosen reports read (HeadPrune's pruned run: its source run)."""
     sections = {"glue": ("methods", "sweeps"), "ablation": ("ablation",),
                 "speed": ("methods", "sweeps")}
-    names = {m["run"] for r in reports for s in sections[r] for m in v[s].values()}
+    names = {m["run"].removesuffix(GENERAL) for r in reports for s in sections[r]
+             for m in v[s].values()}
     pruned = f"{v['head_prune']['run']}_heads{round(100 * v['head_prune']['keep'])}"
     return (names - {pruned}) | ({v["head_prune"]["run"]} if pruned in names else set())
 
@@ -128,9 +132,10 @@ class Bench:
         self.task, self.metric = task, v["tasks"][task]["metric"]
         self.runs: dict[str, Any] = {}
         for name in {m["run"] for section in ("methods", "sweeps") for m in v[section].values()}:
-            path = run_dir(task, name)
+            path = run_dir(task, name.removesuffix(GENERAL))
             if path.exists():
                 self.runs[name] = dynaseq.load(path)
+                self.runs[name].fast_encode = not name.endswith(GENERAL)
         first = next(iter(self.runs.values()))
         self.layout = first.layout
         self.dev = read_table(first.config.data.valid, self.layout)
