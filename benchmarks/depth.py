@@ -19,8 +19,9 @@ Runs (benchmarks/variants/depth.yaml) live in runs/bench/depth/; a finished run 
 trained again, and ``--only`` trains only the runs its reports read. The methods of
 ``depth_glue`` and ``depth_speed`` are fine-tuned from MLM pre-trainings (one for ALBERT, its
 LayerDrop, HeadPrune and multi-exit variants, one for ALBERTa with its structure predictor),
-the same updates each; the ablation's runs are trained from scratch. Writes benchmarks/results/depth_{glue,ablation,speed}.{json,md} and
-.png. Run from the repository root, alone (timings).
+the same updates each; the ablation's runs are trained from scratch. Writes
+benchmarks/results/depth_{glue,ablation,speed}.{json,md} and .png. Run from the repository
+root, alone (timings).
 """
 
 from __future__ import annotations
