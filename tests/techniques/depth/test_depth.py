@@ -188,5 +188,8 @@ def test_the_depth_weight_ramps_in():
     cfg = DepthConfig(depth_weight=0.4, depth_start_step=10, depth_ramp_steps=20)
     assert [cfg.weight_at(s) for s in (0, 9, 10, 20, 30, 99)] == [0, 0, 0, 0.2, 0.4, 0.4]
     assert DepthConfig(depth_weight=0.4).weight_at(0) == 0.4
-    with pytest.raises(ConfigError, match="must be >= 0"):
-        DepthConfig(depth_ramp_steps=-1)
+    keep = DepthConfig(depth_weight=0.4, keep_steps=5, keep_weight=2.0, depth_start_step=10)
+    assert [keep.weight_at(s) for s in (0, 4, 5, 9, 10)] == [-2.0, -2.0, 0, 0, 0.4]
+    for bad in ({"depth_ramp_steps": -1}, {"keep_steps": -1}, {"keep_weight": -0.5}):
+        with pytest.raises(ConfigError, match="must be >= 0"):
+            DepthConfig(**bad)

@@ -26,8 +26,9 @@ def expected_depth(aux: Any) -> tuple[Tensor, int]:
 @dataclass
 class DepthTraining:
     """Adds ``λ_d · n_units · mean_rows(Σ_i p_i) / K`` to the task loss (``depth.depth_weight``
-    λ_d, ramped in by :meth:`DepthConfig.weight_at`; K adaptive layers): the expected share of the adaptive layers a row keeps, weighted
-    by the micro-batch's loss units (masked tokens, or sentences) so that the loop's division
+    λ_d, ramped in by :meth:`DepthConfig.weight_at`, negative while ``depth.keep_steps``
+    hold the layers at full depth; K adaptive layers): the expected share of the adaptive
+    layers a row keeps, weighted by the micro-batch's loss units (masked tokens, or sentences) so that the loop's division
     by the update's units makes it a per-unit average like the task loss. Logs
     ``expected_depth`` (adaptive layers, mean over rows) per unit."""
 
