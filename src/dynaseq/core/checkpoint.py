@@ -316,10 +316,10 @@ def load_resolved(run_dir: str | Path, which: str, load: Callable[[Path], T],
 
 
 def load_weights_prefixed(model: nn.Module, directory: str | Path,
-                          prefixes: tuple[str, ...]) -> list[str]:
-    """Load the weights of ``model`` whose names start with one of ``prefixes`` from a
-    checkpoint of another model (e.g. a pre-trained encoder under a new head); the others
-    keep their values. Every such weight must be in the checkpoint with the same shape and
+                          prefixes: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[str]:
+    """Load the weights of ``model`` whose names start with one of ``prefixes`` (and none of
+    ``exclude``) from a checkpoint of another model (e.g. a pre-trained encoder under a new
+    head); the others keep their values. Every such weight must be in the checkpoint with the same shape and
     dtype, else :class:`CheckpointError` names the first that is not. Returns the names
     loaded."""
     path = Path(directory) / WEIGHTS
@@ -332,7 +332,7 @@ def load_weights_prefixed(model: nn.Module, directory: str | Path,
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"corrupt checkpoint {path}: {e}") from None
     own = model.state_dict()
-    wanted = [k for k in own if k.startswith(prefixes)]
+    wanted = [k for k in own if k.startswith(prefixes) and not k.startswith(exclude)]
     for k in wanted:
         t = saved.get(k)
         if t is None:

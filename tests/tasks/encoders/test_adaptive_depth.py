@@ -51,6 +51,18 @@ def test_pretraining_and_finetuning_train_the_predictor(depth_runs, tmp_path, ss
     task.prepare(DistEnv(), torch.device("cpu"), RunLog(task.run_dir / "log.jsonl", False))
     own = task.model.encoder.predictor.state_dict()
     assert all(torch.equal(own[k], pre[k]) for k in pre)
+    # ... unless depth.predictor_from_init is off: a fresh predictor, the layers loaded
+    fresh = ClassifyTask(classify_config(tmp_path / "y", sst2_small,
+                                         f"train.init_from={depth_runs['pre']}", *DEPTH,
+                                         "model.depth.predictor_from_init=false"))
+    fresh.run_dir.mkdir(parents=True)
+    fresh.prepare(DistEnv(), torch.device("cpu"), RunLog(fresh.run_dir / "log.jsonl", False))
+    own = fresh.model.encoder.predictor.state_dict()
+    assert not torch.equal(own["out.bias"], pre["out.bias"])
+    assert float(own["out.weight"].abs().sum()) == 0.0  # the fresh predictor's init
+    layers = dynaseq.load(depth_runs["pre"]).model.encoder.layers.state_dict()
+    assert all(torch.equal(v, layers[k])
+               for k, v in fresh.model.encoder.layers.state_dict().items())
 
 
 def test_a_larger_depth_weight_keeps_fewer_layers(tmp_path, sst2_small):

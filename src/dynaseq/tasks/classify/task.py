@@ -62,6 +62,8 @@ from dynaseq.techniques.depth.multi_exit import EXIT_LOGITS, weighted_exit_loss
 
 #: The weights a pre-trained run gives a fine-tuned model (its MLM head is left behind).
 PRETRAINED_PREFIXES = ("encoder.", "control_embed.")
+PREDICTOR_PREFIX = "encoder.predictor."
+"""The structure predictor's weights (not loaded when ``depth.predictor_from_init`` is off)."""
 
 
 @dataclass
@@ -163,8 +165,10 @@ class ClassifyTask(EncoderTask):
                                     self.vocab.pad_id)
         if self.pretrained is not None:
             try:
+                fresh = cfg.model.depth is not None and not cfg.model.depth.predictor_from_init
                 loaded = ckpt.load_weights_prefixed(model, self.pretrained[1],
-                                                    PRETRAINED_PREFIXES)
+                                                    PRETRAINED_PREFIXES,
+                                                    (PREDICTOR_PREFIX,) if fresh else ())
             except DynaseqError as e:
                 raise ConfigError(f"train.init_from: {e}") from None
             log.write("init_from", run=cfg.train.init_from, checkpoint=str(self.pretrained[1]),
