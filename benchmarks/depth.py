@@ -48,9 +48,9 @@ def run_dir(task: str, run: str) -> Path:
     return ROOT / f"{task}_{run}"
 
 
-def train_runs(v: dict[str, Any], needed: set[str]) -> None:
-    """Train the ``needed`` runs of ``v["runs"]`` that are not finished, in the file's order,
-    each MLM pre-training just before the first run fine-tuned from it."""
+def train_runs(v: dict[str, Any], needed: set[str], tasks: list[str]) -> None:
+    """Train the ``needed`` runs of ``v["runs"]`` on ``tasks`` that are not finished, in the
+    file's order, each MLM pre-training just before the first run fine-tuned from it."""
     from dynaseq.tasks.registry import load_config
 
     todo, pre = [], v.get("pretrain", {})
@@ -69,7 +69,7 @@ def train_runs(v: dict[str, Any], needed: set[str]) -> None:
                     f"run_dir={mlm}", f"data.train=[$DATA/wikitext-2/train.txt,{text}]",
                     *pre["common"], *pre_over, *_smoke(v, pre_over)]))
             overrides.append(f"train.init_from={mlm}")
-        for task in spec["tasks"]:
+        for task in (t for t in spec["tasks"] if t in tasks):
             t = v["tasks"][task]
             run = run_dir(task, name)
             if not _lib.done(run):
@@ -450,7 +450,7 @@ def main() -> None:
                       "train.warmup_steps=1", "model.depth.depth_start_step=0"]
         v["head_prune"]["importance_rows"] = 50
     if not args.report_only:
-        train_runs(v, needed_runs(v, args.only))
+        train_runs(v, needed_runs(v, args.only), args.tasks)
         for task in args.tasks:
             if run_dir(task, v["head_prune"]["run"]).exists():
                 head_prune(v, task)
