@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lean parts)
-from dynaseq.models.lean_encoder import layer_modules, lean_layers, run_layers
+from dynaseq.models.lean_encoder import layer_modules, lean_layers, run_layers, valid_tokens
 from dynaseq.models.seq2seq import DecoderLayer, EncoderOutput, Seq2SeqTransformer
 from dynaseq.nn.lean_step import (
     CrossKeys,
@@ -229,9 +229,8 @@ class LeanDecoder:
         with torch.no_grad():
             embedding, offsets = model.control_inputs(control, src.size(0), src.device)
             x, pad_mask = model.encoder.embed_inputs(src, embedding)
-            valid = ~pad_mask if bool(pad_mask.any()) else None
-            x = run_layers(self.encoder_layers, range(len(self.encoder_layers)), x, valid,
-                           offsets.get("encoder"))
+            x = run_layers(self.encoder_layers, range(len(self.encoder_layers)), x,
+                           valid_tokens(pad_mask), offsets.get("encoder"))
             return EncoderOutput(model.encoder.norm(x), pad_mask, embedding,
                                  offsets.get("decoder"))
 

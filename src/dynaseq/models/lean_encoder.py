@@ -147,6 +147,11 @@ def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tens
     return x
 
 
+def valid_tokens(pad_mask: Tensor) -> Tensor | None:
+    """(B, S) True at padding -> :func:`run_layers`'s ``valid`` (None without padding)."""
+    return ~pad_mask if bool(pad_mask.any()) else None
+
+
 def _per_token(row_values: Tensor, s: int, idx: Tensor | None) -> Tensor:
     """(B,) one value per row -> (N,) one per token (B·S, or the ``idx`` tokens)."""
     out = row_values.repeat_interleave(s)
@@ -197,8 +202,7 @@ class LeanEncoder:
             return model.encode(tokens, segments, control, run=self.apply_layer)
         emb, offsets = model.control_inputs(control, tokens.size(0), tokens.device)
         x, pad_mask = enc.embed(tokens, segments, emb)  # (B, S, d)
-        valid = ~pad_mask if bool(pad_mask.any()) else None
-        x = run_layers(self.layers, enc.plan, x, valid, offsets, counts)
+        x = run_layers(self.layers, enc.plan, x, valid_tokens(pad_mask), offsets, counts)
         return enc.norm(x), pad_mask
 
     def __call__(self, tokens: Tensor, segments: Tensor | None = None,
@@ -254,4 +258,5 @@ class LeanEncoder:
         return ran, full
 
 
-__all__ = ["Counts", "LeanEncoder", "layer_modules", "lean_layers", "run_layers"]
+__all__ = ["Counts", "LeanEncoder", "layer_modules", "lean_layers", "run_layers",
+           "valid_tokens"]

@@ -47,6 +47,12 @@ def padding_to_attn_mask(pad_mask: Tensor) -> Tensor:
     return (~pad_mask)[:, None, None, :]
 
 
+def with_position_scores(bias: Tensor, attn_mask: Tensor | None) -> Tensor:
+    """Position scores ``bias`` (B, H, T, S) as SDPA's additive float mask, ``-inf`` where the
+    bool ``attn_mask`` (allowed keys, broadcastable; None: all) forbids a key."""
+    return bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
+
+
 class AttentionHeads(nn.Module):
     """What every multi-head attention with a :class:`KVCache` shares: ``n_heads`` heads of
     ``d_head = d_model // n_heads``, the attention-probability dropout, the cache and the
@@ -146,8 +152,8 @@ class MultiHeadAttention(AttentionHeads):
         if self.position_scores is not None:
             assert cache is None and memory is None and not is_causal, \
                 "position scores are for full-sequence self-attention"
-            bias = self.position_scores(q, k)  # (B, H, T, S), added to the scaled scores
-            attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
+            # (B, H, T, S), added to the scaled scores
+            attn_mask = with_position_scores(self.position_scores(q, k), attn_mask)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd)

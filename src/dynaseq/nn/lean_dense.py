@@ -24,7 +24,11 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.nn.attention import MultiHeadAttention, padding_to_attn_mask
+from dynaseq.nn.attention import (
+    MultiHeadAttention,
+    padding_to_attn_mask,
+    with_position_scores,
+)
 from dynaseq.nn.feedforward import FeedForward
 from dynaseq.nn.lean_step import (
     CrossKeys,
@@ -104,8 +108,7 @@ class DenseEncoderAttention:
         q, k, v = self.qkv(x).view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B,H,S,hd)
         mask = None if valid is None else valid[:, None, None, :]
         if self.position_scores is not None:
-            bias = self.position_scores(q, k)  # (B, H, S, S)
-            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+            mask = with_position_scores(self.position_scores(q, k), mask)  # (B, H, S, S)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, S, hd)
         return self.out(a.transpose(1, 2).reshape(b, s, h * d))
 
