@@ -19,7 +19,8 @@ Runs (benchmarks/variants/depth.yaml) live in runs/bench/depth/; a finished run 
 trained again, and ``--only`` trains only the runs its reports read. The methods of
 ``depth_glue`` and ``depth_speed`` are fine-tuned from MLM pre-trainings (one for ALBERT, its
 LayerDrop, HeadPrune and multi-exit variants, one for ALBERTa with its structure predictor),
-the same updates each; the ablation's runs are trained from scratch. Writes
+the same updates each; so are the ablation's variants (without absolute or relative positions:
+their own pre-trainings). Writes
 benchmarks/results/depth_{glue,ablation,speed}.{json,md} and .png. Run from the repository
 root, alone (timings).
 """
@@ -345,7 +346,8 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         data = {"benchmark": "depth_ablation", **head, **abl}
         lines = _lib.md_head("ALBERTa ablation (SST-2 dev)", data["command"],
                              f"Machine: {data['machine']}. Date {data['date']}.",
-                             data["setup"] + "; every run from scratch (no pre-training).")
+                             data["setup"] + "; every variant pre-trained and fine-tuned as "
+                             "ALBERTa is.", pre_line(head["pretraining"]))
         lines += _lib.md_table(["variant", "accuracy", "avg layers", "speed-up b1",
                                 "speed-up b32"], "lrrrr",
                                [[r["variant"], r["score"], r["avg_layers"], r["speedup_b1"],

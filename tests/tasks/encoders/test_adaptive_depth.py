@@ -135,6 +135,15 @@ def test_finetuning_from_a_run_of_another_depth_is_refused(depth_runs, tmp_path,
         with pytest.raises(ConfigError, match=message):
             train(cfg, progress=False)
         assert not (tmp_path / "x").exists()
+    # a fresh predictor may differ (width, RevPC); the loaded one must match
+    other = ["model.depth.revpc=false", "model.depth.predictor_hidden=4"]
+    with pytest.raises(ConfigError, match="model.depth="):
+        ClassifyTask(classify_config(tmp_path / "x", sst2_small,
+                                     f"train.init_from={depth_runs['pre']}", *DEPTH, *other))
+    fresh = ClassifyTask(classify_config(tmp_path / "x", sst2_small,
+                                         f"train.init_from={depth_runs['pre']}", *DEPTH, *other,
+                                         "model.depth.predictor_from_init=false"))
+    assert not fresh.cfg.model.depth.revpc and fresh.pretrained is not None
     proc = run_cli("train", "/dev/null", "task=classify", f"run_dir={tmp_path / 'y'}",
                    "data.glue_task=sst2", f"data.train={sst2_small['train']}",
                    f"train.init_from={depth_runs['pre']}", *TINY_MODEL, *DEPTH,

@@ -80,7 +80,8 @@ class ClassifyMicro:
 
 def check_pretrained(init_from: str, model: EncoderModelConfig) -> tuple[Path, Path]:
     """The pre-trained run's vocabulary and checkpoint, after checking that its encoder has
-    this config's dimensions (one-line ConfigError naming the first difference)."""
+    this config's dimensions (one-line ConfigError naming the first difference; the structure
+    predictor's only where fine-tuning loads it, ``depth.predictor_from_init``)."""
     run = Path(init_from)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"train.init_from {run} is not a run directory (no config.yaml)")
@@ -88,8 +89,9 @@ def check_pretrained(init_from: str, model: EncoderModelConfig) -> tuple[Path, P
     if raw.get("task") not in ("mlm", "classify"):
         raise ConfigError(f"train.init_from {run} is a {raw.get('task', 'seq2seq')} run; "
                           "fine-tuning starts from an mlm (or classify) run")
-    theirs = from_dict(EncoderModelConfig, raw.get("model", {}), "model.").architecture()
-    ours = model.architecture()
+    predictor = model.depth is None or model.depth.predictor_from_init
+    theirs = from_dict(EncoderModelConfig, raw.get("model", {}), "model.").architecture(predictor)
+    ours = model.architecture(predictor)
     for key, value in ours.items():
         if theirs.get(key) != value:
             raise ConfigError(f"train.init_from {run} has model.{key}={theirs.get(key)}, this "

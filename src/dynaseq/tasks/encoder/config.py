@@ -135,9 +135,10 @@ class EncoderModelConfig:
             return [i * self.layer_groups // self.layers for i in range(self.layers)]
         return list(range(self.layers))
 
-    def architecture(self) -> dict[str, object]:
+    def architecture(self, predictor: bool = True) -> dict[str, object]:
         """What must match for weights to load into this model (fine-tuning's init_from):
-        every field but the dropouts, the CCT's training schedule and its budget weight."""
+        every field but the dropouts, the CCT's training schedule and its budget weight;
+        ``predictor`` False: not the structure predictor's (:meth:`DepthConfig.architecture`)."""
         keys = ("d_model", "ffn_dim", "n_heads", "layers", "embedding_dim", "share_layers",
                 "layer_groups", "max_positions", "absolute_positions", "relative_positions",
                 "n_segments")
@@ -148,7 +149,7 @@ class EncoderModelConfig:
         arch["cct"] = None if c is None else {
             "ffn_pieces": c.ffn_pieces, "control_hidden": c.control_hidden,
             "controls": c.controls, "output_norms": c.output_norms}
-        arch["depth"] = None if self.depth is None else self.depth.architecture()
+        arch["depth"] = None if self.depth is None else self.depth.architecture(predictor)
         arch["layer_heads"] = self.layer_heads
         return arch
 

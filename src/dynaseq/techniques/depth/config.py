@@ -82,7 +82,11 @@ class DepthConfig:
         return self.depth_weight * min(1.0, (step - self.depth_start_step)
                                        / self.depth_ramp_steps)
 
-    def architecture(self) -> dict[str, object]:
-        """What must match for weights to load (fine-tuning's init_from)."""
-        return {"first_group": self.first_group, "predictor_hidden": self.predictor_hidden,
-                "revpc": self.revpc}
+    def architecture(self, predictor: bool = True) -> dict[str, object]:
+        """What must match for weights to load (fine-tuning's init_from); ``predictor``
+        False: the layers' part only (a fine-tuning that starts a fresh predictor may give it
+        another width or RevPC setting)."""
+        arch: dict[str, object] = {"first_group": self.first_group}
+        if predictor:
+            arch.update(predictor_hidden=self.predictor_hidden, revpc=self.revpc)
+        return arch
