@@ -335,14 +335,17 @@ def done(run: Path) -> bool:
 
 
 def train_each(configs: Iterable[Any]) -> None:
-    """Train each config in turn (``dynaseq.train.loop.train``, progress on stderr); stop after
-    a run a signal stopped (its checkpoint is written: run the command again to resume)."""
+    """Train each config in turn (``dynaseq.train.loop.train``, progress on stderr). A run a
+    signal stopped ends the script, status 130, before anything measures unfinished runs (its
+    checkpoint is written: run the command again to resume)."""
     from dynaseq.train.loop import train
 
     for cfg in configs:
         print(f"== training {cfg.run_dir}", file=sys.stderr, flush=True)
         if train(cfg, progress=True).stopped_by_signal is not None:
-            break
+            print(f"stopped by a signal in {cfg.run_dir}: run the command again to resume",
+                  file=sys.stderr)
+            raise SystemExit(130)
 
 
 UNLABELLED = RUNS / "glue_unlabelled.txt"
