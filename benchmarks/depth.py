@@ -143,6 +143,7 @@ class Bench:
         self.rows = {n: c.encode(list(self.dev.text_a))[0] for n, c in self.runs.items()}
         self.n_dev = len(self.dev.text_a)
         self._alberta_layers: torch.Tensor | None = None
+        self.preds: dict[str, list] = {}
 
     def alberta_layers(self) -> torch.Tensor:
         """(N,) long: the layers ALBERTa runs for each dev row at γ = 0.5 (measured once)."""
@@ -155,17 +156,36 @@ class Bench:
             self._alberta_layers = compute.row_layers
         return self._alberta_layers
 
-    def score(self, run: str, call: dict[str, Any]) -> dict[str, float]:
-        """The task metric (x 100) and the average layers run on the whole dev set."""
-        from dynaseq.tasks.classify.predictor import RealizedCompute, task_metrics
+    def score(self, run: str, call: dict[str, Any], key: str | None = None
+              ) -> dict[str, float]:
+        """The task metric (x 100) and the average layers run on the whole dev set; the
+        predictions are kept under ``key`` for :meth:`diff_ci`."""
+        from dynaseq.tasks.classify.predictor import RealizedCompute
 
         c = self.runs[run]
         compute = RealizedCompute()
         pred = c.classify_rows(self.rows[run], batch_size=32, compute=compute, **call)
-        metrics = task_metrics(self.layout, self.dev.targets(), pred)
         layers = compute.avg_layers if compute.rows else float(
             call.get("keep_layers", c.config.model.layers))
+        return self.scored(pred, layers, key)
+
+    def scored(self, pred: list, layers: float, key: str | None) -> dict[str, float]:
+        from dynaseq.tasks.classify.predictor import task_metrics
+
+        if key is not None:
+            self.preds[key] = pred
+        metrics = task_metrics(self.layout, self.dev.targets(), pred)
         return {"score": round(100 * metrics[self.metric], 2), "avg_layers": round(layers, 3)}
+
+    def diff_ci(self, key: str, base: str = "ALBERT") -> list[float]:
+        """95% paired-bootstrap interval of the score of ``key`` minus that of ``base`` (x 100,
+        :func:`_lib.paired_diff_ci`): whether a difference is more than the dev set's draw."""
+        from sklearn.metrics import accuracy_score, matthews_corrcoef
+
+        metric = {"accuracy": accuracy_score, "mcc": matthews_corrcoef}[self.metric]
+        lo, hi = _lib.paired_diff_ci(metric, self.dev.targets(), self.preds[key],
+                                     self.preds[base])
+        return [round(100 * lo, 2), round(100 * hi, 2)]
 
     def times(self, entries: dict[str, tuple[str, dict]], batch: int, n_rows: int,
               rounds: int, subset: list[int] | None = None) -> dict[str, float]:
@@ -202,7 +222,7 @@ def static_calls(bench: Bench) -> dict[str, tuple[str, dict]]:
 def shuffled_score(bench: Bench, seed: int = 0) -> dict[str, float]:
     """ALBERTa with its own depths (at γ = 0.5) given to other inputs: the same compute, no
     knowledge of which input needs which depth."""
-    from dynaseq.tasks.classify.predictor import decide, predict_logits, task_metrics
+    from dynaseq.tasks.classify.predictor import decide, predict_logits
     from dynaseq.techniques.depth.exits import DepthExit
 
     c = bench.runs["alberta"]
@@ -211,9 +231,8 @@ def shuffled_score(bench: Bench, seed: int = 0) -> dict[str, float]:
     perm = torch.randperm(len(depths), generator=torch.Generator().manual_seed(seed))
     logits = predict_logits(c.model, bench.rows["alberta"], 32, c.device,
                             exit=DepthExit(depth=depths[perm]))
-    metrics = task_metrics(bench.layout, bench.dev.targets(), decide(logits, bench.layout))
-    return {"score": round(100 * metrics[bench.metric], 2),
-            "avg_layers": round(float(depths.float().mean()) + first, 3)}
+    return bench.scored(decide(logits, bench.layout), float(depths.float().mean()) + first,
+                        "shuffled exit")
 
 
 def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -> dict:
@@ -223,8 +242,10 @@ def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -
         methods = {k: (m["run"], m["call"]) for k, m in v["methods"].items()
                    if m["run"] in bench.runs}
         methods.update(static_calls(bench))
-        scores = {k: bench.score(run, call) for k, (run, call) in methods.items()}
+        scores = {k: bench.score(run, call, k) for k, (run, call) in methods.items()}
         scores["shuffled exit"] = shuffled_score(bench)
+        for k in scores:
+            scores[k]["vs_albert_ci"] = bench.diff_ci(k)
         t1 = bench.times(methods, 1, args.timing_rows, args.rounds)
         t32 = bench.times(methods, 32, bench.n_dev, args.rounds)
         for k in [*methods, "shuffled exit"]:
@@ -261,7 +282,8 @@ def ablation_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     entries = {k: (m["run"], m["call"]) for k, m in v["ablation"].items() if m["run"] in bench.runs}
     t1 = bench.times(entries, 1, args.timing_rows, args.rounds)
     t32 = bench.times(entries, 32, bench.n_dev, args.rounds)
-    return {"rows": [{"variant": k, **bench.score(*entries[k]),
+    scores = {k: bench.score(*entries[k], k) for k in entries}
+    return {"rows": [{"variant": k, **scores[k], "vs_albert_ci": bench.diff_ci(k),
                       "speedup_b1": round(t1["ALBERT"] / t1[k], 3),
                       "speedup_b32": round(t32["ALBERT"] / t32[k], 3)} for k in entries]}
 
@@ -331,14 +353,16 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
                              data["command"], f"Machine: {data['machine']}. Date {data['date']}.",
                              data["setup"] + ".", pre_line(head["pretraining"]), targets)
         lines += _lib.md_table(
-            ["task", "method", "score", "avg layers", "speed-up b1", "speed-up b32",
-             "ms/row b1", "ms/row b32"], "llrrrrrr",
-            [[r["task"], r["method"], r["score"], r["avg_layers"], r.get("speedup_b1", "-"),
-              r.get("speedup_b32", "-"), r.get("ms_per_row_b1", "-"),
+            ["task", "method", "score", "- ALBERT (95% CI)", "avg layers", "speed-up b1",
+             "speed-up b32", "ms/row b1", "ms/row b32"], "llrrrrrrr",
+            [[r["task"], r["method"], r["score"], _ci(r["vs_albert_ci"]), r["avg_layers"],
+              r.get("speedup_b1", "-"), r.get("speedup_b32", "-"), r.get("ms_per_row_b1", "-"),
               r.get("ms_per_row_b32", "-")] for r in glue["rows"]])
-        lines += ["", "Score: SST-2 accuracy, CoLA MCC (x 100), whole dev set. Shuffled exit: "
-                      "ALBERTa's depths at γ=0.5 given to other inputs (same compute). Curves "
-                      "(batch 32): `depth_glue.json` -> `curves`, plot `depth_glue.png`."]
+        lines += ["", "Score: SST-2 accuracy, CoLA MCC (x 100), whole dev set. `- ALBERT`: the "
+                      "score minus ALBERT's, 95% paired-bootstrap interval over the dev rows "
+                      "(1000 resamples). Shuffled exit: ALBERTa's depths at γ=0.5 given to "
+                      "other inputs (same compute). Curves (batch 32): `depth_glue.json` -> "
+                      "`curves`, plot `depth_glue.png`."]
         _lib.write_results(args.results, "depth_glue", data, lines)
         plot_curves(glue["curves"], args.results / "depth_glue.png")
         print("\n".join(lines))
@@ -348,10 +372,11 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
                              f"Machine: {data['machine']}. Date {data['date']}.",
                              data["setup"] + "; every variant pre-trained and fine-tuned as "
                              "ALBERTa is.", pre_line(head["pretraining"]))
-        lines += _lib.md_table(["variant", "accuracy", "avg layers", "speed-up b1",
-                                "speed-up b32"], "lrrrr",
-                               [[r["variant"], r["score"], r["avg_layers"], r["speedup_b1"],
-                                 r["speedup_b32"]] for r in abl["rows"]])
+        lines += _lib.md_table(["variant", "accuracy", "- ALBERT (95% CI)", "avg layers",
+                                "speed-up b1", "speed-up b32"], "lrrrrr",
+                               [[r["variant"], r["score"], _ci(r["vs_albert_ci"]),
+                                 r["avg_layers"], r["speedup_b1"], r["speedup_b32"]]
+                                for r in abl["rows"]])
         _lib.write_results(args.results, "depth_ablation", data, lines)
         print("\n".join(lines))
     if speed is not None:
@@ -371,6 +396,10 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         _lib.write_results(args.results, "depth_speed", data, lines)
         plot_speed(speed, args.results / "depth_speed.png")
         print("\n".join(lines))
+
+
+def _ci(ci: list[float]) -> str:
+    return f"[{ci[0]:+.1f}, {ci[1]:+.1f}]"
 
 
 def pretraining(v: dict[str, Any]) -> dict[str, Any]:
