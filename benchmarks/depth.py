@@ -5,8 +5,10 @@ depth, LayerDrop, HeadPrune, BranchyNet, Shallow-Deep, PABEE and a static exit, 
 * ``depth_glue``: each method's dev score and its wall-clock speed-up over ALBERT, measured
   side by side in one process (interleaved rounds, medians) at batch 1 and batch 32; the
   accuracy-time curves of each method's knob (batch 32); the static exit (every input the
-  same depth, ALBERTa's mean) and a shuffled exit (ALBERTa's depths given to other inputs),
-  to see whether the structure predictor knows which inputs are hard.
+  same depth, ALBERTa's mean), a shuffled exit (ALBERTa's depths given to other inputs) and
+  an oracle exit (each input at the shallowest fixed depth that gets it right), to see
+  whether the structure predictor knows which inputs are hard and what knowing would buy;
+  each score's difference from ALBERT's with a paired-bootstrap interval.
 * ``depth_ablation`` (SST-2): without early exit, γ in {0.1, 0.5, 0.9}, without RevPC,
   without absolute or relative positions.
 * ``depth_speed`` (SST-2): ALBERTa's batch-1 speed-up by sentence length, and the depths it
@@ -235,6 +237,22 @@ def shuffled_score(bench: Bench, seed: int = 0) -> dict[str, float]:
                         "shuffled exit")
 
 
+def oracle_score(bench: Bench) -> dict[str, float]:
+    """The oracle exit, an upper bound no predictor can pass: each input at the shallowest of
+    ALBERTa's fixed depths that classifies it right (the full depth where none does). The gap
+    between it and the structure predictor at the same layers is what knowing each input's
+    difficulty could buy."""
+    c = bench.runs["alberta"]
+    first = c.config.model.depth.first_group
+    gold = bench.dev.targets()
+    preds = [c.classify_rows(bench.rows["alberta"], batch_size=32, depth=k)
+             for k in range(c.config.model.layers - first + 1)]
+    pick = [next((k for k, p in enumerate(preds) if p[i] == g), len(preds) - 1)
+            for i, g in enumerate(gold)]
+    return bench.scored([preds[k][i] for i, k in enumerate(pick)],
+                        first + statistics.mean(pick), "oracle exit")
+
+
 def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -> dict:
     out: dict[str, Any] = {"rows": [], "curves": {}}
     for task in tasks:
@@ -244,11 +262,12 @@ def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -
         methods.update(static_calls(bench))
         scores = {k: bench.score(run, call, k) for k, (run, call) in methods.items()}
         scores["shuffled exit"] = shuffled_score(bench)
+        scores["oracle exit"] = oracle_score(bench)
         for k in scores:
             scores[k]["vs_albert_ci"] = bench.diff_ci(k)
         t1 = bench.times(methods, 1, args.timing_rows, args.rounds)
         t32 = bench.times(methods, 32, bench.n_dev, args.rounds)
-        for k in [*methods, "shuffled exit"]:
+        for k in [*methods, "shuffled exit", "oracle exit"]:
             row = {"task": task, "method": k, **scores[k]}
             if k in methods:
                 row.update(speedup_b1=round(t1["ALBERT"] / t1[k], 3),
@@ -361,8 +380,10 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         lines += ["", "Score: SST-2 accuracy, CoLA MCC (x 100), whole dev set. `- ALBERT`: the "
                       "score minus ALBERT's, 95% paired-bootstrap interval over the dev rows "
                       "(1000 resamples). Shuffled exit: ALBERTa's depths at γ=0.5 given to "
-                      "other inputs (same compute). Curves (batch 32): `depth_glue.json` -> "
-                      "`curves`, plot `depth_glue.png`."]
+                      "other inputs (same compute). Oracle exit: each input at the shallowest "
+                      "fixed depth of ALBERTa that gets it right (an upper bound for a "
+                      "predictor). Curves (batch 32): `depth_glue.json` -> `curves`, plot "
+                      "`depth_glue.png`."]
         _lib.write_results(args.results, "depth_glue", data, lines)
         plot_curves(glue["curves"], args.results / "depth_glue.png")
         print("\n".join(lines))
