@@ -239,3 +239,34 @@ def test_every_committed_row_records_what_made_it(stem, key, script):
         assert len(m["commit"]) == 40 and len(m["date"]) == len("2026-11-25 13:45"), m
     md = (BENCHMARKS / "results" / f"{stem}.md").read_text()
     assert "made before result rows recorded" not in md
+
+
+def test_paired_diff_ci():
+    from sklearn.metrics import accuracy_score
+
+    gold = ["pos", "neg"] * 100
+    wrong = {"pos": "neg", "neg": "pos"}
+    b = [wrong[g] if i % 10 == 0 else g for i, g in enumerate(gold)]  # 90% right
+    assert lib.paired_diff_ci(accuracy_score, gold, b, b, n_resamples=200) == (0.0, 0.0)
+    lo, hi = lib.paired_diff_ci(accuracy_score, gold, gold, b, n_resamples=200)
+    assert 0.0 < lo < 0.1 < hi < 0.2  # the right answers' +0.10, and more than noise
+    lo2, hi2 = lib.paired_diff_ci(accuracy_score, gold, b, gold, n_resamples=200)
+    assert (lo2, hi2) == pytest.approx((-hi, -lo))
+
+
+def test_train_each_ends_the_script_after_a_signal(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import dynaseq.train.loop
+
+    trained = []
+
+    def fake_train(cfg, progress):
+        trained.append(cfg.run_dir)
+        return SimpleNamespace(stopped_by_signal=15 if cfg.run_dir == "b" else None)
+
+    monkeypatch.setattr(dynaseq.train.loop, "train", fake_train)
+    with pytest.raises(SystemExit) as e:
+        lib.train_each(SimpleNamespace(run_dir=r) for r in "abc")
+    assert e.value.code == 130 and trained == ["a", "b"]
+    assert "stopped by a signal in b" in capsys.readouterr().err
