@@ -442,7 +442,7 @@ def pre_line(pre: dict[str, Any]) -> str:
     return ("MLM pre-training (WikiText-2 + SST-2/CoLA training sentences): " + "; ".join(
         f"{k} {r['updates']} updates in {r['minutes']} min, valid loss {r['valid_loss']}, "
         f"accuracy {r['valid_accuracy']}%" for k, r in pre.items())
-        + ". Runs marked 'from scratch' had none.")
+        + ". Every method and variant is fine-tuned from one of them.")
 
 
 def plot_curves(curves: dict[str, dict[str, list]], path: Path) -> None:
