@@ -172,6 +172,7 @@ class Bench:
         return self.scored(pred, layers, key)
 
     def scored(self, pred: list, layers: float, key: str | None) -> dict[str, float]:
+        """:meth:`score` of predictions made elsewhere (the shuffled and oracle exits)."""
         from dynaseq.tasks.classify.predictor import task_metrics
 
         if key is not None:
