@@ -13,6 +13,8 @@ depth, LayerDrop, HeadPrune, BranchyNet, Shallow-Deep, PABEE and a static exit, 
   without absolute or relative positions.
 * ``depth_speed`` (SST-2): ALBERTa's batch-1 speed-up by sentence length, and the depths it
   chooses by length and by ALBERT's confidence (plots).
+* ``depth_exit_fit`` (SST-2, ``--only exitfit``): ALBERTa's predictor refitted to oracle
+  depths on training rows, its γ curve against the static exit and the end-to-end predictor.
 
     python benchmarks/depth.py [--rounds 3] [--timing-rows 300] [--only glue ablation speed]
                                [--train-only | --report-only]
@@ -85,9 +87,9 @@ def train_runs(v: dict[str, Any], needed: set[str], tasks: list[str]) -> None:
 def needed_runs(v: dict[str, Any], reports: list[str]) -> set[str]:
     """The runs the chosen reports read (HeadPrune's pruned run: its source run)."""
     sections = {"glue": ("methods", "sweeps"), "ablation": ("ablation",),
-                "speed": ("methods", "sweeps")}
+                "speed": ("methods", "sweeps"), "exitfit": ()}
     names = {m["run"].removesuffix(GENERAL) for r in reports for s in sections[r]
-             for m in v[s].values()}
+             for m in v[s].values()} | ({"alberta"} if "exitfit" in reports else set())
     pruned = f"{v['head_prune']['run']}_heads{round(100 * v['head_prune']['keep'])}"
     return (names - {pruned}) | ({v["head_prune"]["run"]} if pruned in names else set())
 
@@ -308,6 +310,68 @@ def ablation_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
                       "speedup_b32": round(t32["ALBERT"] / t32[k], 3)} for k in entries]}
 
 
+def exit_fit_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
+    """ALBERTa's structure predictor refitted, after fine-tuning, to each training row's
+    oracle depth (the shallowest fixed depth that classifies it right; 0 where none does) by
+    cross-entropy on the first group's pooled state, the other weights kept: does a predictor
+    told which inputs are hard beat the static exit that the end-to-end one only matches?
+    (A learning-to-exit target; the paper trains the predictor through the task loss only.)"""
+    from dynaseq.tasks.classify.glue import read_table
+    from dynaseq.techniques.depth.predictor import StructurePredictor
+
+    fit = v["exit_fit"]
+    bench = Bench("sst2", {**v, "methods": {"ALBERTa": v["methods"]["ALBERTa"]}, "sweeps": {}})
+    c = bench.runs["alberta"]
+    enc = c.model.encoder
+    k_max, first = enc.predictor.n_adaptive, enc.predictor.first_group
+    table = read_table(c.config.data.train, bench.layout)
+    pick = random.Random(fit["seed"]).sample(range(len(table.text_a)), fit["rows"])
+    gold = [table.targets()[i] for i in pick]
+    rows = c.encode([table.text_a[i] for i in pick])[0]
+    right = [[p == g for p, g in zip(c.classify_rows(rows, batch_size=64, depth=k), gold,
+                                     strict=True)] for k in range(k_max + 1)]
+    oracle = torch.tensor([next((k for k in range(k_max + 1) if right[k][i]), 0)
+                           for i in range(len(rows))])
+    pooled: list[torch.Tensor] = []
+    hook = enc.predictor.register_forward_hook(
+        lambda m, inp, out: pooled.append(inp[0][:, 0].clone()))
+    c.fast_encode = False  # one row a call through the model's pass: the hook sees it in order
+    for r in rows:
+        c.classify_rows([r], batch_size=1, gamma=0.5)
+    hook.remove()
+    c.fast_encode = True
+    x = torch.cat(pooled)
+    out: dict[str, Any] = {
+        "rows": fit["rows"], "oracle_histogram": _histogram(oracle.tolist()),
+        "train_accuracy_by_depth": [round(100 * sum(r) / len(r), 2) for r in right],
+        "curves": {"static exit": [{"value": k, **bench.score("alberta", {"depth": k})}
+                                   for k in range(k_max + 1)]}}
+    bench.score("alberta", {"gamma": 0.5}, "ALBERTa")
+    trained = {k: t.clone() for k, t in enc.predictor.state_dict().items()}
+    for name, weighting in fit["weightings"].items():
+        torch.manual_seed(fit["seed"])
+        new = StructurePredictor(x.shape[1], enc.predictor.hidden.out_features, k_max, first)
+        counts = torch.bincount(oracle, minlength=k_max + 1).float().clamp(min=1)
+        weight = (counts.sum() / counts) ** weighting  # 0: plain, 0.5: sqrt-balanced classes
+        opt = torch.optim.Adam(new.parameters(), lr=fit["lr"])
+        with torch.enable_grad():
+            for _ in range(fit["epochs"]):
+                for b in torch.randperm(len(oracle)).split(128):
+                    logits = new.out(torch.tanh(new.hidden(new.norm(x[b]))))
+                    loss = torch.nn.functional.cross_entropy(logits, oracle[b], weight=weight)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        enc.predictor.load_state_dict(new.state_dict())
+        out["curves"][name] = [{"value": g, **bench.score("alberta", {"gamma": g}, f"{name} {g}"),
+                                "vs_alberta_ci": bench.diff_ci(f"{name} {g}", "ALBERTa")}
+                               for g in fit["gammas"]]
+    enc.predictor.load_state_dict(trained)
+    out["curves"]["ALBERTa (end to end)"] = [
+        {"value": g, **bench.score("alberta", {"gamma": g})} for g in fit["gammas"]]
+    return out
+
+
 def speed_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     """Batch-1 speed-up by length bucket; chosen depths by length and by ALBERT's confidence."""
     from dynaseq.tasks.classify.predictor import predict_logits
@@ -420,6 +484,26 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         print("\n".join(lines))
 
 
+def write_exit_fit(v: dict, fit: dict, args: argparse.Namespace) -> None:
+    data = {"benchmark": "depth_exit_fit", "command": _lib.command(),
+            "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(processor=True),
+            "provenance": _lib.provenance(), **fit}
+    lines = _lib.md_head(
+        "ALBERTa's predictor refitted to oracle depths (SST-2 dev)", data["command"],
+        f"Machine: {data['machine']}. Date {data['date']}.",
+        f"The fine-tuned ALBERTa (`sst2_alberta`); its predictor refitted on {fit['rows']} "
+        "training rows to each row's oracle depth (shallowest fixed depth that classifies it "
+        f"right, 0 where none does; histogram {fit['oracle_histogram']}), the other weights "
+        "kept. Class weights (count share)^-w: `plain` w=0, `balanced` w=0.5.")
+    lines += _lib.md_table(["predictor", "γ / depth", "accuracy", "avg layers",
+                            "- end-to-end γ=0.5 (95% CI)"], "lrrrr",
+                           [[name, p["value"], p["score"], p["avg_layers"],
+                             _ci(p["vs_alberta_ci"]) if "vs_alberta_ci" in p else "-"]
+                            for name, pts in fit["curves"].items() for p in pts])
+    _lib.write_results(args.results, "depth_exit_fit", data, lines)
+    print("\n".join(lines))
+
+
 def _ci(ci: list[float]) -> str:
     return f"[{ci[0]:+.1f}, {ci[1]:+.1f}]"
 
@@ -486,7 +570,7 @@ def main() -> None:
                    help="dev rows timed at batch 1 (batch 32: the whole dev set)")
     p.add_argument("--tasks", nargs="+", default=["sst2", "cola"])
     p.add_argument("--only", nargs="+", default=["glue", "ablation", "speed"],
-                   choices=["glue", "ablation", "speed"])
+                   choices=["glue", "ablation", "speed", "exitfit"])
     p.add_argument("--report-only", action="store_true", help="train nothing")
     p.add_argument("--train-only", action="store_true",
                    help="train the runs --only needs, measure nothing")
@@ -513,7 +597,10 @@ def main() -> None:
         glue = glue_report(v, args.tasks, args) if "glue" in args.only else None
         abl = ablation_report(v, args) if "ablation" in args.only else None
         speed = speed_report(v, args) if "speed" in args.only else None
+        fit = exit_fit_report(v, args) if "exitfit" in args.only else None
     write_reports(v, glue, abl, speed, args)
+    if fit is not None:
+        write_exit_fit(v, fit, args)
 
 
 if __name__ == "__main__":
