@@ -16,7 +16,8 @@ depth, LayerDrop, HeadPrune, BranchyNet, Shallow-Deep, PABEE and a static exit, 
 * ``depth_exit_fit`` (SST-2, ``--only exitfit``): ALBERTa's predictor refitted to oracle
   depths on training rows, its γ curve against the static exit and the end-to-end predictor.
 
-    python benchmarks/depth.py [--rounds 3] [--timing-rows 300] [--only glue ablation speed]
+    python benchmarks/depth.py [--rounds 3] [--timing-rows 300]
+                               [--only glue ablation speed exitfit]
                                [--train-only | --report-only]
 
 Runs (benchmarks/variants/depth.yaml) live in runs/bench/depth/; a finished run is not
@@ -484,7 +485,7 @@ def write_reports(v: dict, glue: dict | None, abl: dict | None, speed: dict | No
         print("\n".join(lines))
 
 
-def write_exit_fit(v: dict, fit: dict, args: argparse.Namespace) -> None:
+def write_exit_fit(fit: dict, args: argparse.Namespace) -> None:
     data = {"benchmark": "depth_exit_fit", "command": _lib.command(),
             "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(processor=True),
             "provenance": _lib.provenance(), **fit}
@@ -600,7 +601,7 @@ def main() -> None:
         fit = exit_fit_report(v, args) if "exitfit" in args.only else None
     write_reports(v, glue, abl, speed, args)
     if fit is not None:
-        write_exit_fit(v, fit, args)
+        write_exit_fit(fit, args)
 
 
 if __name__ == "__main__":
