@@ -371,21 +371,22 @@ def write_unlabelled(configs: dict[str, str]) -> Path:
 # -------------------------------------------------------------------------------- results
 
 
-def paired_diff_ci(metric: Callable[[Any, Any], float], gold: list, a: list, b: list,
+def paired_diff_ci(metric: Callable[[list, list], float], gold: list, a: list, b: list,
                    n_resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of ``metric(gold, a) - metric(gold, b)`` over the same resampled
-    rows for both (paired bootstrap, ``scipy.stats.bootstrap``): how far apart two methods'
-    scores on one dev set could be by the draw of its rows. Labels are coded as integers
-    first, so ``metric`` must not depend on their names (accuracy, MCC)."""
+    """95% percentile interval of ``metric(gold, a) - metric(gold, b)`` over resampled rows,
+    the same rows for both (``scipy.stats.bootstrap`` over the row indices): how far apart
+    two methods' scores on one dev set could be by the draw of its rows."""
     import numpy as np
     from scipy.stats import bootstrap
 
     assert len(gold) == len(a) == len(b)
-    codes = {v: i for i, v in enumerate(sorted({*gold, *a, *b}, key=str))}
-    g, x, y = (np.array([codes[v] for v in s]) for s in (gold, a, b))
-    res = bootstrap((g, x, y), lambda g, x, y: metric(g, x) - metric(g, y), paired=True,
-                    vectorized=False, n_resamples=n_resamples, method="percentile",
-                    random_state=seed)
+
+    def diff(rows: np.ndarray) -> float:
+        g = [gold[i] for i in rows]
+        return metric(g, [a[i] for i in rows]) - metric(g, [b[i] for i in rows])
+
+    res = bootstrap((np.arange(len(gold)),), diff, vectorized=False, n_resamples=n_resamples,
+                    method="percentile", random_state=seed)
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 

@@ -33,6 +33,7 @@ root, alone (timings).
 from __future__ import annotations
 
 import argparse
+import operator
 import random
 import statistics
 import time
@@ -186,11 +187,10 @@ class Bench:
     def diff_ci(self, key: str, base: str = "ALBERT") -> list[float]:
         """95% paired-bootstrap interval of the score of ``key`` minus that of ``base`` (x 100,
         :func:`_lib.paired_diff_ci`): whether a difference is more than the dev set's draw."""
-        from sklearn.metrics import accuracy_score, matthews_corrcoef
+        from dynaseq.tasks.classify.predictor import task_metrics
 
-        metric = {"accuracy": accuracy_score, "mcc": matthews_corrcoef}[self.metric]
-        lo, hi = _lib.paired_diff_ci(metric, self.dev.targets(), self.preds[key],
-                                     self.preds[base])
+        lo, hi = _lib.paired_diff_ci(lambda g, p: task_metrics(self.layout, g, p)[self.metric],
+                                     self.dev.targets(), self.preds[key], self.preds[base])
         return [round(100 * lo, 2), round(100 * hi, 2)]
 
     def times(self, entries: dict[str, tuple[str, dict]], batch: int, n_rows: int,
@@ -241,20 +241,28 @@ def shuffled_score(bench: Bench, seed: int = 0) -> dict[str, float]:
                         "shuffled exit")
 
 
+def shallowest_right(c: Any, rows: list, gold: list, fallback: int
+                     ) -> tuple[list[list], list[int]]:
+    """ALBERTa ``c``'s predictions of ``rows`` at each fixed depth 0..K, and each row's
+    oracle depth: the shallowest whose prediction is ``gold`` (``fallback`` where none is)."""
+    first = c.config.model.depth.first_group
+    preds = [c.classify_rows(rows, batch_size=32, depth=k)
+             for k in range(c.config.model.layers - first + 1)]
+    pick = [next((k for k, p in enumerate(preds) if p[i] == g), fallback)
+            for i, g in enumerate(gold)]
+    return preds, pick
+
+
 def oracle_score(bench: Bench) -> dict[str, float]:
     """The oracle exit, an upper bound no predictor can pass: each input at the shallowest of
     ALBERTa's fixed depths that classifies it right (the full depth where none does). The gap
     between it and the structure predictor at the same layers is what knowing each input's
     difficulty could buy."""
     c = bench.runs["alberta"]
-    first = c.config.model.depth.first_group
-    gold = bench.dev.targets()
-    preds = [c.classify_rows(bench.rows["alberta"], batch_size=32, depth=k)
-             for k in range(c.config.model.layers - first + 1)]
-    pick = [next((k for k, p in enumerate(preds) if p[i] == g), len(preds) - 1)
-            for i, g in enumerate(gold)]
+    k_max = c.config.model.layers - c.config.model.depth.first_group
+    preds, pick = shallowest_right(c, bench.rows["alberta"], bench.dev.targets(), k_max)
     return bench.scored([preds[k][i] for i, k in enumerate(pick)],
-                        first + statistics.mean(pick), "oracle exit")
+                        c.config.model.depth.first_group + statistics.mean(pick), "oracle exit")
 
 
 def glue_report(v: dict[str, Any], tasks: list[str], args: argparse.Namespace) -> dict:
@@ -329,10 +337,8 @@ def exit_fit_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     pick = random.Random(fit["seed"]).sample(range(len(table.text_a)), fit["rows"])
     gold = [table.targets()[i] for i in pick]
     rows = c.encode([table.text_a[i] for i in pick])[0]
-    right = [[p == g for p, g in zip(c.classify_rows(rows, batch_size=64, depth=k), gold,
-                                     strict=True)] for k in range(k_max + 1)]
-    oracle = torch.tensor([next((k for k in range(k_max + 1) if right[k][i]), 0)
-                           for i in range(len(rows))])
+    preds, pick = shallowest_right(c, rows, gold, 0)
+    oracle = torch.tensor(pick)
     pooled: list[torch.Tensor] = []
     hook = enc.predictor.register_forward_hook(
         lambda m, inp, out: pooled.append(inp[0][:, 0].clone()))
@@ -344,7 +350,8 @@ def exit_fit_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     x = torch.cat(pooled)
     out: dict[str, Any] = {
         "rows": fit["rows"], "oracle_histogram": _histogram(oracle.tolist()),
-        "train_accuracy_by_depth": [round(100 * sum(r) / len(r), 2) for r in right],
+        "train_accuracy_by_depth": [
+            round(100 * sum(map(operator.eq, p, gold)) / len(gold), 2) for p in preds],
         "curves": {"static exit": [{"value": k, **bench.score("alberta", {"depth": k})}
                                    for k in range(k_max + 1)]}}
     bench.score("alberta", {"gamma": 0.5}, "ALBERTa")
@@ -358,8 +365,8 @@ def exit_fit_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
         with torch.enable_grad():
             for _ in range(fit["epochs"]):
                 for b in torch.randperm(len(oracle)).split(128):
-                    logits = new.out(torch.tanh(new.hidden(new.norm(x[b]))))
-                    loss = torch.nn.functional.cross_entropy(logits, oracle[b], weight=weight)
+                    loss = torch.nn.functional.cross_entropy(new.logits(x[b]), oracle[b],
+                                                             weight=weight)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()

@@ -69,9 +69,13 @@ class StructurePredictor(nn.Module):
             else:
                 self.out.bias.fill_(2.0)  # sigmoid(2) ~ 0.88
 
+    def logits(self, pooled: Tensor) -> Tensor:
+        """(B, d) first-token states -> (B, K+1) depth logits (RevPC) or (B, K) per-layer
+        logits (sigmoids)."""
+        return self.out(torch.tanh(self.hidden(self.norm(pooled))))
+
     def forward(self, h: Tensor) -> Tensor:
-        s = torch.tanh(self.hidden(self.norm(h[:, 0])))  # (B, hidden): first-token pooling
-        logits = self.out(s)
+        logits = self.logits(h[:, 0])  # first-token pooling
         if self.use_revpc:
             return revpc(torch.softmax(logits, -1))  # (B, K)
         return torch.sigmoid(logits)  # (B, K)
