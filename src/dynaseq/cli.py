@@ -270,17 +270,19 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
                                   repeats=args.repeats, checkpoint=str(t.checkpoint),
                                   sources=sources, max_len_a=d.max_len_a,
                                   max_len_b=d.max_len_b, progress=not args.quiet,
-                                  after=after, timed=timed)
+                                  after=after, timed=timed, predict=args.table_predict)
     path = table.save(target / LATENCY_TABLE_FILE)
 
     def text() -> str:
         head = "budget".ljust(12) + "".join(f"{f'b{b} L{n}':>10}" for b in table.batch_sizes
-                                            for n in table.lengths)
+                                            for n in table.lengths) + "   fit err"
         rows = [f"({p[0]:g}, {p[1]:g})".ljust(12)
                 + "".join(f"{v:>10.1f}" for r in table.service_ms[f"{p[0]:g},{p[1]:g}"]
-                          for v in r) for p in table.budgets]
+                          for v in r) + f"{100 * table.fit_error(p):>9.0f}%"
+                for p in table.budgets]
         return "\n".join([f"service ms (beam {beam}, {table.threads} threads), batch x "
-                          "source length:", head, *rows])
+                          "source length; fit err: the median distance of the cells from "
+                          f"the fitted model (predictions: {table.predict}):", head, *rows])
 
     _print_result(args, table.to_json(), text)
     print(f"wrote {path}", file=sys.stderr)
@@ -1039,6 +1041,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--latency-table: time the decode alone, for a server run with "
                         "--no-compute (default: the decode and each line's realized "
                         "compute, as dynaseq serve runs them)")
+    p.add_argument("--table-predict", choices=["fit", "grid"], default="fit",
+                   help="--latency-table: how the server reads the cells: a model fitted "
+                        "to them (default; smooth, never falling with batch size or "
+                        "length) or linear interpolation between them")
     _add_budget_arg(p)
     _add_exit_args(p)
     _add_keep_layers_arg(p)

@@ -3,7 +3,9 @@ itself (interpolation, JSON round trip, refusals, what ``profile --latency-table
 
 from __future__ import annotations
 
+import itertools
 import json
+import shutil
 
 import pytest
 
@@ -18,11 +20,11 @@ from serve_helpers import BUDGETS
 FULL, HALF = (1.0, 1.0), (0.5, 0.5)
 
 
-def table() -> LatencyTable:
-    # batch 1 / 10 x length 10 / 20 -> ms
+def table(predict: str = "grid") -> LatencyTable:
+    # batch 1 / 10 x length 10 / 20 -> ms (the policy's tests read it as a grid: exact sums)
     return LatencyTable([FULL, HALF], [1, 10], [10, 20],
                         {"1,1": [[10.0, 20.0], [50.0, 100.0]],
-                         "0.5,0.5": [[6.0, 12.0], [30.0, 60.0]]})
+                         "0.5,0.5": [[6.0, 12.0], [30.0, 60.0]]}, predict=predict)
 
 
 def test_table_interpolates_extrapolates_and_floors():
@@ -36,10 +38,47 @@ def test_table_interpolates_extrapolates_and_floors():
         t.predict_ms((0.2, 0.2), 1, 10)
 
 
+def test_fitted_table_recovers_a_bilinear_cost_and_smooths_a_noisy_cell():
+    # the cells of t = 2 + 3n + 0.5L + 0.25nL: the fit is exact, in and beyond the grid
+    def cost(n, length):
+        return 2 + 3 * n + 0.5 * length + 0.25 * n * length
+
+    sizes, lengths = [1, 4, 16], [8, 16, 32]
+    cells = [[cost(n, length) for length in lengths] for n in sizes]
+    t = LatencyTable([FULL], sizes, lengths, {"1,1": cells})
+    assert t.predict == "fit"
+    assert t.fit(FULL) == pytest.approx((2, 3, 0.5, 0.25), abs=1e-6)
+    assert t.fit_error(FULL) == pytest.approx(0, abs=1e-9)
+    assert t.predict_ms(FULL, 8, 20) == pytest.approx(cost(8, 20))
+    assert t.predict_ms(FULL, 64, 40) == pytest.approx(cost(64, 40))
+    # one cell measured 3x too slow (a noisy moment): the grid passes it on, the fit barely
+    noisy = [row[:] for row in cells]
+    noisy[1][1] *= 3
+    grid = LatencyTable([FULL], sizes, lengths, {"1,1": noisy}, predict="grid")
+    fit = LatencyTable([FULL], sizes, lengths, {"1,1": noisy})
+    assert grid.predict_ms(FULL, 4, 16) == pytest.approx(3 * cost(4, 16))
+    assert abs(fit.predict_ms(FULL, 4, 16) / cost(4, 16) - 1) < 0.5
+    assert fit.fit_error(FULL) < 0.5
+    # never decreasing in batch size or length, whatever the cells
+    rough = [[30.0, 10.0, 50.0], [20.0, 60.0, 40.0], [90.0, 70.0, 80.0]]
+    r = LatencyTable([FULL], sizes, lengths, {"1,1": rough})
+    assert all(c >= 0 for c in r.fit(FULL))
+    pred = [[r.predict_ms(FULL, n, length) for length in range(1, 40, 3)] for n in range(1, 20)]
+    assert all(a <= b + 1e-9 for row in pred for a, b in itertools.pairwise(row))
+    assert all(a <= b + 1e-9 for col in zip(*pred, strict=True)
+               for a, b in itertools.pairwise(col))
+    # one measured batch size: no slope in n is invented
+    one = LatencyTable([FULL], [8], [8, 16], {"1,1": [[10.0, 20.0]]})
+    assert one.predict_ms(FULL, 1, 12) == one.predict_ms(FULL, 32, 12) == pytest.approx(15)
+    with pytest.raises(ValueError, match="predict must be one of fit, grid"):
+        LatencyTable([FULL], [1], [10], {"1,1": [[1.0]]}, predict="spline")
+
+
 def test_table_round_trips_and_refuses_bad_files(tmp_path):
     path = table().save(tmp_path / "t.json")
     back = LatencyTable.load(path)
     assert back.service_ms == table().service_ms and back.budgets == [FULL, HALF]
+    assert back.predict == "grid"
     (tmp_path / "bad.json").write_text('{"budgets": [[1, 1]]}')
     with pytest.raises(DynaseqError, match="not a latency table"):
         LatencyTable.load(tmp_path / "bad.json")
@@ -141,6 +180,19 @@ def test_table_times_what_runs_after_each_decode(serve_run, synthetic_paths):
         # every gate (nothing to count), 0.5 is counted while decoding
         assert sorted(calls) == sorted([(b, b, counted) for b in (1, 3)
                                         for counted in (False, True)] * 3)
+
+
+def test_profile_latency_table_says_how_it_predicts(serve_run, tmp_path):
+    assert LatencyTable.load(serve_run / "latency_table.json").predict == "fit"
+    run = tmp_path / "run"
+    shutil.copytree(serve_run, run)
+    r = run_cli("profile", str(run), "--latency-table", "--beam", "1", "--repeats", "1",
+                "--table-batches", "1,2", "--table-lengths", "8", "--table-predict", "grid")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "fit err" in r.stdout.decode() and "predictions: grid" in r.stdout.decode()
+    assert LatencyTable.load(run / "latency_table.json").predict == "grid"
+    r = run_cli("profile", str(run), "--latency-table", "--table-predict", "spline")
+    assert r.returncode == 2 and b"--table-predict" in r.stderr
 
 
 def test_profile_latency_table_refusals(serve_run, lm_run):

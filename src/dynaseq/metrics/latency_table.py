@@ -7,9 +7,13 @@ model has one row, ``(1, 1)``), the median wall time of decoding a batch of ``b`
 of ``L`` source tokens: real sentences of about that length decoded freely (each budget's
 outputs as long as they come out), or, without sentences, random tokens decoded into
 exactly ``L`` target tokens (:func:`~dynaseq.metrics.latency.decode_latency_ms`).
-:meth:`LatencyTable.predict_ms` interpolates linearly between the measured batch sizes and
-lengths and extrapolates linearly beyond the largest (decoding cost grows about linearly in
-both at these sizes).
+:meth:`LatencyTable.predict_ms` reads the cells through a fitted model by default
+(``predict="fit"``): per budget, ``t = c0 + c1·n + c2·L + c3·n·L`` in the batch size ``n``
+and length ``L`` (a decode's steps grow with ``L`` and each step's cost with ``n``; the
+encoder costs about ``n·L``), fitted to the cells in relative error with non-negative
+coefficients, so it never falls as a batch grows or lengthens and one noisy cell does not
+steer a decision. ``predict="grid"`` interpolates linearly between the measured cells and
+extrapolates linearly beyond them instead.
 
 Example::
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +42,9 @@ from dynaseq.core.files import atomic_write, read_text
 from dynaseq.core.progress import progress_bar
 from dynaseq.data import collate_source
 from dynaseq.metrics.latency import AfterDecode, decode_latency_ms, median_ms
+
+PREDICTIONS = ("fit", "grid")
+"""How a table predicts (:attr:`LatencyTable.predict`)."""
 
 LATENCY_TABLE_FILE = "latency_table.json"
 """Written into a run directory by ``dynaseq profile RUN --latency-table``."""
@@ -53,9 +61,10 @@ def budget_key(pair: Pair) -> str:
 class LatencyTable:
     """Measured service times: ``service_ms[budget_key][i][j]`` is the median milliseconds
     to decode a batch of ``batch_sizes[i]`` sentences of ``lengths[j]`` source tokens at that
-    budget (greedy for ``beam`` 1), on ``device`` with ``threads`` CPU threads. A table is
-    not changed once made: its predictions are remembered (a server plans every request
-    with hundreds of them)."""
+    budget (greedy for ``beam`` 1), on ``device`` with ``threads`` CPU threads. ``predict``:
+    ``"fit"`` or ``"grid"`` (:data:`PREDICTIONS`; see the module doc). A table is not changed
+    once made: its fits and predictions are remembered (a server plans every request with
+    hundreds of them)."""
 
     budgets: list[Pair]
     batch_sizes: list[int]
@@ -66,9 +75,14 @@ class LatencyTable:
     threads: int = 1
     checkpoint: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    predict: str = "fit"
 
     def __post_init__(self) -> None:
-        self._predicted: dict[tuple[Pair, int, int], float] = {}  # not a field: not saved
+        self._predicted: dict[tuple[Pair, int, int], float] = {}  # not fields: not saved
+        self._fits: dict[str, tuple[float, ...]] = {}
+        if self.predict not in PREDICTIONS:
+            raise ValueError(f"predict must be one of {', '.join(PREDICTIONS)}, got "
+                             f"{self.predict!r}")
         self.budgets = [(float(e), float(d)) for e, d in self.budgets]
         if not self.budgets or not self.batch_sizes or not self.lengths:
             raise ValueError("a latency table needs at least one budget, batch size and length")
@@ -92,21 +106,63 @@ class LatencyTable:
 
     def predict_ms(self, pair: Pair, batch: int, length: int) -> float:
         """Predicted milliseconds to decode ``batch`` sentences of ``length`` source tokens
-        at budget ``pair``: bilinear in (batch size, length) between the measured points,
-        linear beyond them (never below the smallest measured time / 4)."""
+        at budget ``pair``: the budget's :meth:`fit` at (batch, length), or with
+        ``predict="grid"`` bilinear in (batch size, length) between the measured points,
+        linear beyond them; never below the smallest measured time / 4."""
         key = (tuple(pair), batch, length)
         known = self._predicted.get(key)
         if known is not None:
             return known
+        rows = self._rows(pair)
+        n, size = max(batch, 1), max(length, 1)
+        if self.predict == "fit":
+            c0, c1, c2, c3 = self.fit(pair)
+            value = c0 + c1 * n + c2 * size + c3 * n * size
+        else:
+            value = _interp(self.batch_sizes, [_interp(self.lengths, r, size) for r in rows], n)
+        floor = min(min(r) for r in rows) / 4
+        self._predicted[key] = max(value, floor)
+        return self._predicted[key]
+
+    def fit(self, pair: Pair) -> tuple[float, float, float, float]:
+        """``(c0, c1, c2, c3)`` of ``t = c0 + c1·n + c2·L + c3·n·L`` for budget ``pair``: the
+        non-negative coefficients that minimise the cells' squared relative error,
+        ``Σ ((t(n, L) - cell) / cell)²`` (``scipy.optimize.nnls`` on the rows scaled by
+        ``1 / cell``), so no cell weighs more for being slow. With one measured batch size
+        (length) the terms in ``n`` (``L``) are left out: one point says nothing of a slope."""
+        key = budget_key(pair)
+        if key not in self._fits:
+            import numpy as np
+            from scipy.optimize import nnls
+
+            rows = self._rows(pair)
+            use = (True, len(self.batch_sizes) > 1, len(self.lengths) > 1,
+                   len(self.batch_sizes) > 1 and len(self.lengths) > 1)
+            x, y = [], []
+            for n, r in zip(self.batch_sizes, rows, strict=True):
+                for size, t in zip(self.lengths, r, strict=True):
+                    x.append([v / t for v, on in zip((1, n, size, n * size), use, strict=True)
+                              if on])
+                    y.append(1.0)
+            coef = iter(nnls(np.array(x), np.array(y))[0].tolist())
+            self._fits[key] = tuple(next(coef) if on else 0.0 for on in use)
+        return self._fits[key]
+
+    def fit_error(self, pair: Pair) -> float:
+        """The median relative error of :meth:`fit` over the budget's cells (how far the
+        measured cells scatter about the model)."""
+        c0, c1, c2, c3 = self.fit(pair)
+        errors = sorted(abs((c0 + c1 * n + c2 * size + c3 * n * size) / t - 1)
+                        for n, r in zip(self.batch_sizes, self._rows(pair), strict=True)
+                        for size, t in zip(self.lengths, r, strict=True))
+        return statistics.median(errors)
+
+    def _rows(self, pair: Pair) -> list[list[float]]:
         rows = self.service_ms.get(budget_key(pair))
         if rows is None:
             raise KeyError(f"budget {budget_key(pair)} is not in the latency table "
                            f"(it has {', '.join(self.service_ms)})")
-        by_batch = [_interp(self.lengths, r, max(length, 1)) for r in rows]
-        value = _interp(self.batch_sizes, by_batch, max(batch, 1))
-        floor = min(min(r) for r in rows) / 4
-        self._predicted[key] = max(value, floor)
-        return self._predicted[key]
+        return rows
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -172,7 +228,7 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                           sources: Sequence[Sequence[int]] | None = None,
                           max_len_a: float = 1.2, max_len_b: int = 10,
                           progress: bool = False, after: AfterDecode | None = None,
-                          timed: str = "decode") -> LatencyTable:
+                          timed: str = "decode", predict: str = "fit") -> LatencyTable:
     """Measure :class:`LatencyTable` for ``model`` (a Seq2SeqTransformer).
 
     ``controls``: budget pair -> the ``control`` argument that runs it (a control-symbol id,
@@ -186,8 +242,8 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     lengths are nearest ``L``, decoded freely (:func:`free_decode_ms`), so a budget whose
     outputs run longer (or stop sooner) is timed as it will serve. ``after``: what the
     server does with each batch besides decoding (e.g. the realized compute of each line),
-    timed with it and named by ``timed`` in the table's ``extra``. ``progress``: a bar of
-    cells on a terminal.
+    timed with it and named by ``timed`` in the table's ``extra``. ``predict``: how the table
+    reads its cells (:data:`PREDICTIONS`). ``progress``: a bar of cells on a terminal.
     """
     max_pos = model.decoder.positions.max_positions
     if max(lengths) + 2 > max_pos:
@@ -229,4 +285,4 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     extra["timed"] = timed
     return LatencyTable(budgets, list(batch_sizes), list(lengths), service, beam=beam,
                         device=str(device), threads=torch.get_num_threads(),
-                        checkpoint=checkpoint, extra=extra)
+                        checkpoint=checkpoint, extra=extra, predict=predict)
