@@ -97,7 +97,7 @@ class ServerProc:
     threads (event loop, batcher, torch's) inherit the pinning."""
 
     def __init__(self, run: Path, threads: int, window_ms: float, max_batch: int,
-                 cores: set[int] | None = None) -> None:
+                 cores: set[int] | None = None, extra: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -105,7 +105,7 @@ class ServerProc:
             [sys.executable, "-m", "dynaseq", "serve", str(run), "--port", str(self.port),
              "--beam", "1", "--threads", str(threads), "--batch-window-ms", str(window_ms),
              "--max-batch-lines", str(max_batch), "--max-lines", str(max_batch),
-             "--no-access-log"], env=env, preexec_fn=pin_to(cores))
+             "--no-access-log", *(extra or [])], env=env, preexec_fn=pin_to(cores))
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -297,6 +297,9 @@ def main() -> None:
                    help="pin the server to this many cores and the load generator to the "
                         "rest (0: no pinning; also none when there are no cores left over)")
     p.add_argument("--window-ms", type=float, default=5.0)
+    p.add_argument("--server-args", default="",
+                   help="more dynaseq serve options, one string (e.g. '--max-utilization "
+                        "0.9')")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--table-src", type=Path, default=Path("runs/demo/data/valid.src"),
                    help="sentences the latency table is timed on (not the test set)")
@@ -315,8 +318,9 @@ def main() -> None:
                       args.table_src, args.threads, None if split is None else split[0])
     if split is not None:
         os.sched_setaffinity(0, split[1])
+    extra = args.server_args.split() if args.server_args else []
     server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
-                        None if split is None else split[0])
+                        None if split is None else split[0], extra)
     started = time.time()
     try:
         budgets = server.info["budgets"]
@@ -347,7 +351,7 @@ def main() -> None:
                 # requests, the measured scale and margin) reaches the next
                 server.stop()
                 server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
-                                    None if split is None else split[0])
+                                    None if split is None else split[0], extra)
                 asyncio.run(one_at_a_time(server.url, lines, 4))  # warm-up
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
@@ -370,7 +374,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "run": str(args.run), "run_with_table": str(run),
         "test_set": f"{args.src} / {args.ref} ({len(pairs)} sentences, drawn at random)",
-        "server": {"beam": 1, "batch_window_ms": args.window_ms,
+        "server": {"beam": 1, "batch_window_ms": args.window_ms, "options": extra,
                    "max_batch_lines": args.max_batch, "threads": args.threads,
                    "budgets": budgets, "smallest": smallest},
         "latency_table": {k: table[k] for k in ("batch_sizes", "lengths", "service_ms",
@@ -390,6 +394,7 @@ def main() -> None:
         f"Run: `{args.run}` (latency table in `{run}`); test set {data['test_set']}; "
         f"greedy; batching window {args.window_ms} ms, at most {args.max_batch} lines a "
         f"batch; server torch threads {args.threads}; "
+        + (f"server options `{' '.join(extra)}`; " if extra else "")
         + ("client and server share the machine's cores.  " if split is None else
            f"server pinned to cores {sorted(split[0])}, the load generator to "
            f"{sorted(split[1])}.  "),

@@ -251,6 +251,24 @@ def test_a_batch_about_to_run_gives_its_deadline_lines_one_budget():
     assert p.batch_budget([Work((0.2, 0.2), 5, 10)], flexible, left_ms=50.0) == FULL
 
 
+def test_a_batch_takes_no_budget_the_arrivals_would_outrun():
+    """With max_utilization, a budget that cannot keep up with the lines arriving per second
+    in full batches (10 lines of length 10: 50 ms at full, 200 lines/s; 30 ms at half, 333
+    lines/s) is passed over even where the deadline would allow it."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10, max_utilization=0.9)
+    mine = [Work(FULL, 1, 10)]
+    assert p.sustains(FULL, 10, 180.0) and not p.sustains(FULL, 10, 181.0)
+    assert p.batch_budget([], mine, 100.0, arrival_rate=180.0) == FULL
+    assert p.batch_budget([], mine, 100.0, arrival_rate=250.0) == HALF
+    assert p.batch_budget([], mine, 100.0, arrival_rate=250.0, scale=0.5) == FULL  # 400/s
+    assert p.batch_budget([], mine, 100.0, arrival_rate=1000.0) == HALF  # none: smallest
+    assert not p.sustains(FULL, 20, 100.0)  # longer lines: 100 ms a full batch, 100/s
+    off = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    assert off.batch_budget([], mine, 100.0, arrival_rate=1000.0) == FULL
+    with pytest.raises(ValueError, match="max_utilization must be > 0"):
+        DeadlinePolicy(table(), [FULL], max_batch_rows=10, max_utilization=0.0)
+
+
 def test_a_batch_takes_the_time_of_its_longest_line():
     """Rows are padded to the batch's longest source: a batch of a 10- and a 20-token line
     costs a 2-line batch at length 20, and so does a 10-token request behind a 20-token

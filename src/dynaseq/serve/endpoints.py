@@ -187,7 +187,8 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
             return
     queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
-                                 min(left(j) for j in flexible), scale, queued)
+                                 min(left(j) for j in flexible), scale, queued,
+                                 state.batcher.arrival_rate)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget

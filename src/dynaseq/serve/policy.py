@@ -71,11 +71,17 @@ class DeadlinePolicy:
     budgets: the budgets the server may choose from, any order (sorted here by compute,
         largest first; each must be in ``table``).
     window_ms: the batching window a request waits when nothing is ahead of it.
+    max_utilization: a batch's deadline lines take a budget only if the lines arriving
+        per second are at most this fraction of what that budget serves per second in
+        full batches (:meth:`sustains`); None: no such check. The deadline and the queue
+        only say what this batch can afford; this says what the server can keep up with,
+        so a steady rate that the full budget cannot serve is met with a smaller one
+        before a queue builds (and before requests have to be shed).
     """
 
     def __init__(self, table: LatencyTable, budgets: Sequence[Pair], max_batch_rows: int,
                  window_ms: float = 0.0, slack: float = 1.0, overload: str = "reject",
-                 retry_after_min_s: int = 1) -> None:
+                 retry_after_min_s: int = 1, max_utilization: float | None = None) -> None:
         missing = [b for b in budgets if not table.has(b)]
         if missing:
             raise ValueError(f"budgets {missing} are not in the latency table")
@@ -88,6 +94,9 @@ class DeadlinePolicy:
         self.slack = slack
         self.overload = overload
         self.retry_after_min_s = retry_after_min_s
+        if max_utilization is not None and max_utilization <= 0:
+            raise ValueError(f"max_utilization must be > 0, got {max_utilization}")
+        self.max_utilization = max_utilization
 
     @property
     def largest(self) -> Pair:
@@ -210,23 +219,40 @@ class DeadlinePolicy:
 
     def batch_budget(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: float,
                      scale: float = 1.0,
-                     behind: Sequence[tuple[Work, float | None]] = ()) -> Pair:
+                     behind: Sequence[tuple[Work, float | None]] = (),
+                     arrival_rate: float = 0.0) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
-        whose predicted batch time, ``scale`` times the table's, is within ``left_ms`` (the
-        time left to the earliest answer due) and leaves the work queued ``behind`` it
-        (``(work, ms left to its due answer or None)``, oldest first) able to answer in
-        time with its flexible lines at the smallest budget, batch after batch; the
-        smallest when none is. One budget for all of them keeps the batch's gates alike,
-        which a mixed batch would not be; looking behind keeps a batch from spending time
-        that later requests were admitted on."""
+        that :meth:`sustains` ``arrival_rate`` (lines per second) at the batch's longest
+        source, whose predicted batch time, ``scale`` times the table's, is within
+        ``left_ms`` (the time left to the earliest answer due) and that leaves the work
+        queued ``behind`` it (``(work, ms left to its due answer or None)``, oldest first)
+        able to answer in time with its flexible lines at the smallest budget, batch after
+        batch; the smallest when none is. One budget for all of them keeps the batch's
+        gates alike, which a mixed batch would not be; looking behind keeps a batch from
+        spending time that later requests were admitted on."""
         fixed = [self._tabled(w) for w in fixed]
+        length = max(w.length for w in [*fixed, *flexible])
         for budget in self.budgets:
+            if not self.sustains(budget, length, arrival_rate, scale):
+                continue
             works = [*fixed, *(Work(budget, w.rows, w.length) for w in flexible)]
             spent = scale * self.batch_ms(works)
             if spent <= left_ms and self._behind_in_time(spent, behind, scale):
                 return budget
         return self.smallest
+
+    def sustains(self, budget: Pair, length: int, arrival_rate: float,
+                 scale: float = 1.0) -> bool:
+        """Whether ``arrival_rate`` lines per second is at most ``max_utilization`` times
+        the lines per second that ``budget`` serves in full batches (``max_batch_rows``
+        lines of ``length`` tokens, ``scale`` times the table's time); True without
+        ``max_utilization`` or arrivals."""
+        if self.max_utilization is None or arrival_rate <= 0:
+            return True
+        n = self.max_batch_rows
+        per_s = 1000.0 * n / (scale * self.table.predict_ms(budget, n, length))
+        return arrival_rate <= self.max_utilization * per_s
 
     def late(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: Sequence[float],
              scale: float = 1.0) -> list[bool]:
