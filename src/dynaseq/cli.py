@@ -299,8 +299,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch_rows=args.max_batch_lines, max_queue_rows=args.max_queue_lines,
         max_body_bytes=args.max_body_bytes, max_lines=args.max_lines,
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
-        overload=args.overload, slack=args.slack, max_utilization=args.max_utilization,
-        report_compute=not args.no_compute,
+        overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
         access_log=not args.no_access_log, default_budget=args.default_budget,
         workers=args.workers)
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
@@ -1091,10 +1090,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the smallest budget")
     p.add_argument("--slack", type=float, default=0.9,
                    help="plan deadline requests to finish within SLACK x deadline")
-    p.add_argument("--max-utilization", type=float, default=None,
-                   help="deadline requests: a batch runs at a budget only while the lines "
-                        "arriving per second are at most this fraction of what that budget "
-                        "serves in full batches (default: no such check)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes on the one port, each loading the model (default "
                         "1); /metrics sums them")

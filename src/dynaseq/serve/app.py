@@ -130,8 +130,7 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
             raise DynaseqError("the latency table holds none of the run's budgets: run "
                                "dynaseq profile RUN --latency-table again")
         policy = DeadlinePolicy(table, usable, config.max_batch_rows, config.batch_window_ms,
-                                config.slack, config.overload, config.retry_after_min_s,
-                                config.max_utilization)
+                                config.slack, config.overload, config.retry_after_min_s)
 
     def estimate(jobs: list[Job]) -> float:
         if policy is None:

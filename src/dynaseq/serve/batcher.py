@@ -36,13 +36,15 @@ class Load:
     ahead: the queued work, oldest first.
     running_ms: what the running batch still needs (ms, scaled; None when none runs).
     scale: :attr:`Batcher.scale`; overhead_ms: :attr:`Batcher.overhead_ms` plus the event
-    loop's lag; arrival_rate: lines submitted per second lately.
+    loop's lag; margin_ms: :attr:`Batcher.overhead_ms` alone; arrival_rate: lines
+    submitted per second lately.
     """
 
     ahead: list[Work]
     running_ms: float | None
     scale: float
     overhead_ms: float
+    margin_ms: float
     arrival_rate: float
 
 
@@ -182,7 +184,8 @@ class Batcher:
                 start, predicted = self._running
                 running = max(0.0, self.scale * predicted
                               - 1000.0 * (time.perf_counter() - start))
-            return Load(ahead, running, self.scale, self.overhead_ms + self.loop_lag_ms,
+            margin = self.overhead_ms
+            return Load(ahead, running, self.scale, margin + self.loop_lag_ms, margin,
                         self.arrival_rate)
 
     @property

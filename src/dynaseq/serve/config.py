@@ -24,9 +24,6 @@ class ServeConfig:
     beam: beam size for translation (None: the run's ``decode.beam``).
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
     slack: a deadline request's predicted completion must be within ``slack × deadline``.
-    max_utilization: a batch's deadline lines run at a budget only if the lines arriving
-        per second are at most this fraction of what it serves per second in full batches
-        (None: no such check; :class:`~dynaseq.serve.policy.DeadlinePolicy`).
     retry_after_min_s: the smallest ``Retry-After`` sent.
     report_compute: measure each translated line's realized compute (one teacher-forced
         pass over the batch's outputs; off: responses carry no ``compute``).
@@ -51,7 +48,6 @@ class ServeConfig:
     beam: int | None = None
     overload: str = "reject"
     slack: float = 0.9
-    max_utilization: float | None = None
     retry_after_min_s: int = 1
     report_compute: bool = True
     access_log: bool = True
@@ -75,8 +71,6 @@ class ServeConfig:
             raise DynaseqError(f"--overload must be one of {', '.join(OVERLOAD_ACTIONS)}")
         if not 0 < self.slack <= 1:
             raise DynaseqError("--slack must be in (0, 1]")
-        if self.max_utilization is not None and self.max_utilization <= 0:
-            raise DynaseqError("--max-utilization must be > 0")
         if self.max_lines > self.max_batch_rows:
             raise DynaseqError(f"--max-lines ({self.max_lines}) must not exceed "
                                f"--max-batch-lines ({self.max_batch_rows})")

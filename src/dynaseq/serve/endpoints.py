@@ -129,7 +129,7 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     if req.deadline_ms is not None:
         d = state.policy.decide(req.deadline_ms, len(lines), length, load.ahead,
                                 load.running_ms, load.scale, load.overhead_ms,
-                                load.arrival_rate)
+                                load.arrival_rate, load.margin_ms)
         if d.reject:
             raise Overloaded(f"no budget can answer within {req.deadline_ms:g} ms now "
                              f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
@@ -156,7 +156,7 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
 def replan_translate(state: ServeState, jobs: list[Job], scale: float,
                      behind: list[Job]) -> None:
     """A batch is about to run (in the batcher's thread): its deadline jobs that can no
-    longer answer in time even at the smallest budget are shed (503, with the
+    longer answer by their deadline even at the smallest budget are shed (503, with the
     ``"reject"`` overload policy: :meth:`~dynaseq.serve.policy.DeadlinePolicy.late`); the
     others all take the budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget`
     chooses for the time left to the earliest of them and to the translation jobs queued
@@ -173,8 +173,11 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
         return None if j.due is None else 1000.0 * (j.due - now) - lag
 
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
-    if policy.overload == "reject":  # drop what a typical batch would answer late
-        raw = [1000.0 * (j.due - now) - state.batcher.loop_lag_ms for j in flexible]
+    if policy.overload == "reject":  # drop what a typical batch would answer late: by the
+        # deadline itself (``due`` is ``slack`` of it, what budgets are planned to meet)
+        slack = state.config.slack
+        raw = [1000.0 * (j.due - now) + (1 - slack) * j.deadline_ms
+               - state.batcher.loop_lag_ms for j in flexible]
         late = policy.late(fixed, [j.work() for j in flexible], raw,
                            min(scale, state.batcher.typical_scale))
         for j, is_late in zip(flexible, late, strict=True):
@@ -187,8 +190,7 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
             return
     queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
-                                 min(left(j) for j in flexible), scale, queued,
-                                 state.batcher.arrival_rate)
+                                 min(left(j) for j in flexible), scale, queued)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget

@@ -14,7 +14,8 @@ arrive before that batch starts, each batch costing the
 its longest source, shared by its ``n`` lines. The first budget, largest first, whose
 completion is within ``slack × deadline`` is the request's first budget; so under light
 load every request gets the full budget, and as the queue grows budgets degrade before
-latency does. When even the smallest budget cannot make it, the request is rejected (503
+latency does. When none is, the request runs at the smallest budget if its prediction
+without the margin meets the deadline itself; when even that misses, it is rejected (503
 with ``Retry-After``: the seconds the queue ahead needs) or, with ``overload="smallest"``,
 run at the smallest budget.
 
@@ -71,17 +72,11 @@ class DeadlinePolicy:
     budgets: the budgets the server may choose from, any order (sorted here by compute,
         largest first; each must be in ``table``).
     window_ms: the batching window a request waits when nothing is ahead of it.
-    max_utilization: a batch's deadline lines take a budget only if the lines arriving
-        per second are at most this fraction of what that budget serves per second in
-        full batches (:meth:`sustains`); None: no such check. The deadline and the queue
-        only say what this batch can afford; this says what the server can keep up with,
-        so a steady rate that the full budget cannot serve is met with a smaller one
-        before a queue builds (and before requests have to be shed).
     """
 
     def __init__(self, table: LatencyTable, budgets: Sequence[Pair], max_batch_rows: int,
                  window_ms: float = 0.0, slack: float = 1.0, overload: str = "reject",
-                 retry_after_min_s: int = 1, max_utilization: float | None = None) -> None:
+                 retry_after_min_s: int = 1) -> None:
         missing = [b for b in budgets if not table.has(b)]
         if missing:
             raise ValueError(f"budgets {missing} are not in the latency table")
@@ -94,9 +89,6 @@ class DeadlinePolicy:
         self.slack = slack
         self.overload = overload
         self.retry_after_min_s = retry_after_min_s
-        if max_utilization is not None and max_utilization <= 0:
-            raise ValueError(f"max_utilization must be > 0, got {max_utilization}")
-        self.max_utilization = max_utilization
 
     @property
     def largest(self) -> Pair:
@@ -193,7 +185,8 @@ class DeadlinePolicy:
 
     def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
                running_ms: float | None = None, scale: float = 1.0,
-               overhead_ms: float = 0.0, arrival_rate: float = 0.0) -> Decision:
+               overhead_ms: float = 0.0, arrival_rate: float = 0.0,
+               margin_ms: float = 0.0) -> Decision:
         """The budget for a request of ``rows`` lines (longest ``length`` tokens) with
         ``deadline_ms``, given the queued ``ahead`` and the running batch's remaining
         ``running_ms`` (None: no batch is running).
@@ -202,8 +195,15 @@ class DeadlinePolicy:
         batch time to predicted: what it runs besides the decode, load on the machine);
         ``overhead_ms`` is added to every prediction (the server's margin for what
         predictions miss: request parsing, the event loop's own queue, batches that run
-        long); ``arrival_rate`` (lines per second) says how many lines will join the
-        request's batch before it starts (:meth:`joiners`)."""
+        long), of which ``margin_ms`` is the margin for error (the rest: time known to be
+        spent, as the event loop's lag); ``arrival_rate`` (lines per second) says how many
+        lines will join the request's batch before it starts (:meth:`joiners`).
+
+        A budget is chosen with the margin and within ``slack × deadline``; when none
+        is, the request is still admitted at the smallest budget if its prediction
+        without the margin is within the deadline itself: a refused request misses its
+        deadline for certain, one admitted at the smallest usually makes it (and is shed
+        when its batch is formed if it is then predicted late)."""
         limit = self.slack * deadline_ms
         predicted, wait = math.inf, 0.0
         batches = _summaries(self.batches(ahead))  # the same at every budget
@@ -212,47 +212,30 @@ class DeadlinePolicy:
                                             overhead_ms, arrival_rate)
             if predicted <= limit:
                 return Decision(budget, budget != self.largest, False, predicted)
-        if self.overload == "smallest":
+        if self.overload == "smallest" or predicted - margin_ms <= deadline_ms:
             return Decision(self.smallest, True, False, predicted)
         retry = max(self.retry_after_min_s, math.ceil(wait / 1000.0))
         return Decision(None, True, True, predicted, retry)
 
     def batch_budget(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: float,
                      scale: float = 1.0,
-                     behind: Sequence[tuple[Work, float | None]] = (),
-                     arrival_rate: float = 0.0) -> Pair:
+                     behind: Sequence[tuple[Work, float | None]] = ()) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
-        that :meth:`sustains` ``arrival_rate`` (lines per second) at the batch's longest
-        source, whose predicted batch time, ``scale`` times the table's, is within
-        ``left_ms`` (the time left to the earliest answer due) and that leaves the work
-        queued ``behind`` it (``(work, ms left to its due answer or None)``, oldest first)
-        able to answer in time with its flexible lines at the smallest budget, batch after
-        batch; the smallest when none is. One budget for all of them keeps the batch's
-        gates alike, which a mixed batch would not be; looking behind keeps a batch from
-        spending time that later requests were admitted on."""
+        whose predicted batch time, ``scale`` times the table's, is within ``left_ms`` (the
+        time left to the earliest answer due) and leaves the work queued ``behind`` it
+        (``(work, ms left to its due answer or None)``, oldest first) able to answer in
+        time with its flexible lines at the smallest budget, batch after batch; the
+        smallest when none is. One budget for all of them keeps the batch's gates alike,
+        which a mixed batch would not be; looking behind keeps a batch from spending time
+        that later requests were admitted on."""
         fixed = [self._tabled(w) for w in fixed]
-        length = max(w.length for w in [*fixed, *flexible])
         for budget in self.budgets:
-            if not self.sustains(budget, length, arrival_rate, scale):
-                continue
             works = [*fixed, *(Work(budget, w.rows, w.length) for w in flexible)]
             spent = scale * self.batch_ms(works)
             if spent <= left_ms and self._behind_in_time(spent, behind, scale):
                 return budget
         return self.smallest
-
-    def sustains(self, budget: Pair, length: int, arrival_rate: float,
-                 scale: float = 1.0) -> bool:
-        """Whether ``arrival_rate`` lines per second is at most ``max_utilization`` times
-        the lines per second that ``budget`` serves in full batches (``max_batch_rows``
-        lines of ``length`` tokens, ``scale`` times the table's time); True without
-        ``max_utilization`` or arrivals."""
-        if self.max_utilization is None or arrival_rate <= 0:
-            return True
-        n = self.max_batch_rows
-        per_s = 1000.0 * n / (scale * self.table.predict_ms(budget, n, length))
-        return arrival_rate <= self.max_utilization * per_s
 
     def late(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: Sequence[float],
              scale: float = 1.0) -> list[bool]:
