@@ -138,13 +138,10 @@ class LatencyTable:
             rows = self._rows(pair)
             use = (True, len(self.batch_sizes) > 1, len(self.lengths) > 1,
                    len(self.batch_sizes) > 1 and len(self.lengths) > 1)
-            x, y = [], []
-            for n, r in zip(self.batch_sizes, rows, strict=True):
-                for size, t in zip(self.lengths, r, strict=True):
-                    x.append([v / t for v, on in zip((1, n, size, n * size), use, strict=True)
-                              if on])
-                    y.append(1.0)
-            coef = iter(nnls(np.array(x), np.array(y))[0].tolist())
+            x = [[v / t for v, on in zip((1, n, size, n * size), use, strict=True) if on]
+                 for n, r in zip(self.batch_sizes, rows, strict=True)
+                 for size, t in zip(self.lengths, r, strict=True)]  # each cell's row / cell
+            coef = iter(nnls(np.array(x), np.ones(len(x)))[0].tolist())
             self._fits[key] = tuple(next(coef) if on else 0.0 for on in use)
         return self._fits[key]
 

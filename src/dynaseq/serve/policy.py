@@ -14,7 +14,7 @@ arrive before that batch starts, each batch costing the
 its longest source, shared by its ``n`` lines. The first budget, largest first, whose
 completion is within ``slack × deadline`` is the request's first budget; so under light
 load every request gets the full budget, and as the queue grows budgets degrade before
-latency does. When none is, the request runs at the smallest budget if its prediction
+latency does. When no budget is, the request runs at the smallest if its prediction
 without the margin meets the deadline itself; when even that misses, it is rejected (503
 with ``Retry-After``: the seconds the queue ahead needs) or, with ``overload="smallest"``,
 run at the smallest budget.
