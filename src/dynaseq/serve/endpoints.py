@@ -156,7 +156,7 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
 def replan_translate(state: ServeState, jobs: list[Job], scale: float,
                      behind: list[Job]) -> None:
     """A batch is about to run (in the batcher's thread): its deadline jobs that can no
-    longer answer by their deadline even at the smallest budget are shed (503, with the
+    longer answer in time even at the smallest budget are shed (503, with the
     ``"reject"`` overload policy: :meth:`~dynaseq.serve.policy.DeadlinePolicy.late`); the
     others all take the budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget`
     chooses for the time left to the earliest of them and to the translation jobs queued
@@ -173,11 +173,10 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
         return None if j.due is None else 1000.0 * (j.due - now) - lag
 
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
-    if policy.overload == "reject":  # drop what a typical batch would answer late: by the
-        # deadline itself (``due`` is ``slack`` of it, what budgets are planned to meet)
-        slack = state.config.slack
-        raw = [1000.0 * (j.due - now) + (1 - slack) * j.deadline_ms
-               - state.batcher.loop_lag_ms for j in flexible]
+    if policy.overload == "reject":  # drop what a typical batch would answer late (by
+        # ``due``, slack x the deadline: shedding by the deadline itself kept more requests
+        # that then answered late, 84% of the accepted in time at 4x load against 91%)
+        raw = [1000.0 * (j.due - now) - state.batcher.loop_lag_ms for j in flexible]
         late = policy.late(fixed, [j.work() for j in flexible], raw,
                            min(scale, state.batcher.typical_scale))
         for j, is_late in zip(flexible, late, strict=True):
