@@ -127,9 +127,9 @@ def test_slack_window_and_overload_smallest():
 
 
 def test_a_request_is_refused_only_when_even_its_median_prediction_is_late():
-    """Budgets are planned with the margin and within slack x deadline; a request no
-    budget meets so is still admitted at the smallest if it is in time without the margin,
-    by the deadline itself."""
+    """Budgets are planned with the margin and within slack x deadline; a request that no
+    budget meets that way still runs at the smallest if, without the margin, it is
+    predicted in time by the deadline itself."""
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10, slack=0.5)
     d = p.decide(11, 1, 10)  # 6 ms at half: not within 0.5 x 11, but within 11
     assert (d.budget, d.degraded, d.reject) == (HALF, True, False)

@@ -203,7 +203,7 @@ class DeadlinePolicy:
         is, the request is still admitted at the smallest budget if its prediction
         without the margin is within the deadline itself: a refused request misses its
         deadline for certain, one admitted at the smallest usually makes it (and is shed
-        when its batch is formed if it is then predicted late)."""
+        when its batch is formed if it is then predicted past ``slack × deadline``)."""
         limit = self.slack * deadline_ms
         predicted, wait = math.inf, 0.0
         batches = _summaries(self.batches(ahead))  # the same at every budget
