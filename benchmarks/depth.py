@@ -334,11 +334,11 @@ def exit_fit_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     enc = c.model.encoder
     k_max, first = enc.predictor.n_adaptive, enc.predictor.first_group
     table = read_table(c.config.data.train, bench.layout)
-    pick = random.Random(fit["seed"]).sample(range(len(table.text_a)), fit["rows"])
-    gold = [table.targets()[i] for i in pick]
-    rows = c.encode([table.text_a[i] for i in pick])[0]
-    preds, pick = shallowest_right(c, rows, gold, 0)
-    oracle = torch.tensor(pick)
+    sample = random.Random(fit["seed"]).sample(range(len(table.text_a)), fit["rows"])
+    gold = [table.targets()[i] for i in sample]
+    rows = c.encode([table.text_a[i] for i in sample])[0]
+    preds, depths = shallowest_right(c, rows, gold, 0)
+    oracle = torch.tensor(depths)
     pooled: list[torch.Tensor] = []
     hook = enc.predictor.register_forward_hook(
         lambda m, inp, out: pooled.append(inp[0][:, 0].clone()))
@@ -349,17 +349,17 @@ def exit_fit_report(v: dict[str, Any], args: argparse.Namespace) -> dict:
     c.fast_encode = True
     x = torch.cat(pooled)
     out: dict[str, Any] = {
-        "rows": fit["rows"], "oracle_histogram": _histogram(oracle.tolist()),
+        "rows": fit["rows"], "oracle_histogram": _histogram(depths),
         "train_accuracy_by_depth": [
             round(100 * sum(map(operator.eq, p, gold)) / len(gold), 2) for p in preds],
         "curves": {"static exit": [{"value": k, **bench.score("alberta", {"depth": k})}
                                    for k in range(k_max + 1)]}}
     bench.score("alberta", {"gamma": 0.5}, "ALBERTa")
     trained = {k: t.clone() for k, t in enc.predictor.state_dict().items()}
+    counts = torch.bincount(oracle, minlength=k_max + 1).float().clamp(min=1)
     for name, weighting in fit["weightings"].items():
         torch.manual_seed(fit["seed"])
         new = StructurePredictor(x.shape[1], enc.predictor.hidden.out_features, k_max, first)
-        counts = torch.bincount(oracle, minlength=k_max + 1).float().clamp(min=1)
         weight = (counts.sum() / counts) ** weighting  # 0: plain, 0.5: sqrt-balanced classes
         opt = torch.optim.Adam(new.parameters(), lr=fit["lr"])
         with torch.enable_grad():

@@ -298,8 +298,7 @@ def main() -> None:
                         "rest (0: no pinning; also none when there are no cores left over)")
     p.add_argument("--window-ms", type=float, default=5.0)
     p.add_argument("--server-args", default="",
-                   help="more dynaseq serve options, one string (e.g. '--max-utilization "
-                        "0.9')")
+                   help="more dynaseq serve options, one string (e.g. '--slack 0.8')")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--table-src", type=Path, default=Path("runs/demo/data/valid.src"),
                    help="sentences the latency table is timed on (not the test set)")

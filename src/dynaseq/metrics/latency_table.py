@@ -116,8 +116,7 @@ class LatencyTable:
         rows = self._rows(pair)
         n, size = max(batch, 1), max(length, 1)
         if self.predict == "fit":
-            c0, c1, c2, c3 = self.fit(pair)
-            value = c0 + c1 * n + c2 * size + c3 * n * size
+            value = self._fitted(pair, n, size)
         else:
             value = _interp(self.batch_sizes, [_interp(self.lengths, r, size) for r in rows], n)
         floor = min(min(r) for r in rows) / 4
@@ -148,11 +147,15 @@ class LatencyTable:
     def fit_error(self, pair: Pair) -> float:
         """The median relative error of :meth:`fit` over the budget's cells (how far the
         measured cells scatter about the model)."""
-        c0, c1, c2, c3 = self.fit(pair)
-        errors = sorted(abs((c0 + c1 * n + c2 * size + c3 * n * size) / t - 1)
-                        for n, r in zip(self.batch_sizes, self._rows(pair), strict=True)
-                        for size, t in zip(self.lengths, r, strict=True))
+        errors = [abs(self._fitted(pair, n, size) / t - 1)
+                  for n, r in zip(self.batch_sizes, self._rows(pair), strict=True)
+                  for size, t in zip(self.lengths, r, strict=True)]
         return statistics.median(errors)
+
+    def _fitted(self, pair: Pair, n: float, length: float) -> float:
+        """:meth:`fit`'s ``t(n, L)``."""
+        c0, c1, c2, c3 = self.fit(pair)
+        return c0 + c1 * n + c2 * length + c3 * n * length
 
     def _rows(self, pair: Pair) -> list[list[float]]:
         rows = self.service_ms.get(budget_key(pair))
