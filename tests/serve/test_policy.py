@@ -101,6 +101,20 @@ def test_idle_server_gives_the_largest_budget_that_makes_the_deadline():
     assert (d.budget, d.reject, d.retry_after_s, d.predicted_ms) == (None, True, 1, 6.0)
 
 
+def test_a_fitted_table_is_fitted_when_the_policy_is_built_not_on_a_request(monkeypatch):
+    """The first request's prediction must not fit the table (that imported scipy on the
+    server's event loop): the policy fits every budget it serves when it is built."""
+    fitted = table(predict="fit")
+    p = DeadlinePolicy(fitted, [HALF, FULL], max_batch_rows=10)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fitted on a request")
+
+    monkeypatch.setattr("scipy.optimize.nnls", refuse)
+    d = p.decide(1000, rows=3, length=15, ahead=[Work(HALF, 2, 12, True)], running_ms=5.0)
+    assert d.budget == FULL and d.predicted_ms > 0
+
+
 def test_queued_work_degrades_budgets_before_latency_grows():
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     ahead = [Work(FULL, 9, 10)]  # 9 lines: with ours, one batch of 10 -> 5 ms a full line
