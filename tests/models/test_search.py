@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dynaseq.models.search import beam_search, greedy_search
@@ -105,3 +106,38 @@ def test_beam_first_step_runs_once_per_sentence():
     # the cross-attention keys/values are projected once, for one row per sentence
     assert rows == [torch.Size([6, 7])]
     assert steps == [6, 18, 18, 18]  # then 3 beams each
+
+
+class StepClock:
+    """A clock that moves one second each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_sentence_past_its_expiry_is_dropped_and_the_others_are_unchanged():
+    """Greedy and beam search: a sentence still decoding when its expiry passes gives None;
+    every other sentence gives what it gives without expiries (rows leave as finished ones
+    do); a sentence that ended before its expiry keeps its result."""
+    m = model()
+    src = sources()
+    never = float("inf")
+    for search, kw in ((greedy_search, {}), (beam_search, {"beam": 3})):
+        free = search(m, src, max_len_a=0.0, max_len_b=12, **kw)
+        steps = max(len(h) for h in free) + 1  # the longest runs this many steps
+        expires = [never, 2.5, never, 0.0, never, float(steps + 5)]
+        got = search(m, src, max_len_a=0.0, max_len_b=12, expires=expires,
+                     clock=StepClock(), **kw)
+        assert got[1] is None and got[3] is None  # expired after steps 3 and 1
+        assert got[5] == free[5]  # it ended before its time
+        assert [got[i] for i in (0, 2, 4)] == [free[i] for i in (0, 2, 4)]
+
+
+def test_expiries_must_match_the_sentences():
+    m = model()
+    with pytest.raises(ValueError, match="one time per sentence: 6 sentences, 2 times"):
+        greedy_search(m, sources(), expires=[1.0, 2.0])

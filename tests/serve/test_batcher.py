@@ -172,6 +172,28 @@ def test_jobs_shed_by_replan_get_their_exception_and_the_rest_run():
     assert out[0] == batches[0][0][0] and out[2] == batches[0][1][0]
 
 
+def test_a_job_its_run_marks_shed_gets_the_exception_and_the_rest_their_results():
+    """``run`` may mark a job ``shed`` (it expired while the batch ran): that job's future
+    gets the :class:`Shed`, the batch's other jobs their results."""
+    async def go():
+        b = Batcher(ServerMetrics(), window_ms=50, max_batch_rows=8, max_queue_rows=100)
+
+        def run(jobs):
+            jobs[1].shed = Shed("expired", 2)
+            return [j.payload for j in jobs]
+
+        jobs = [Job(group="a", run=run, payload=i, rows=1, endpoint="t") for i in range(3)]
+        futs = [b.submit(j) for j in jobs]
+        b.start()
+        out = await asyncio.gather(*futs, return_exceptions=True)
+        b.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out[0] == 0 and out[2] == 2
+    assert isinstance(out[1], Shed) and out[1].retry_after_s == 2
+
+
 def test_the_typical_scale_is_the_median_of_recent_batches():
     b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
     b._update_scale(2.0)

@@ -312,3 +312,32 @@ def test_serve_refusals_are_one_line_exit_2(serve_run, lm_run, tmp_path):
         err = r.stderr.decode()
         assert r.returncode == 2 and words in err, (args, err)
         assert err.count("\n") == 1 and err.startswith("dynaseq: error:")
+
+
+def test_a_job_past_its_expiry_leaves_its_batch_with_a_503_and_the_others_are_answered(
+        offline, lines):
+    """The server's batch (in process): a job whose answer would be late (its ``expires``
+    already passed) is dropped after the first decoding step and marked shed, with the
+    configured ``Retry-After``; the jobs beside it get the offline translations at their
+    own budgets."""
+    from dynaseq.serve.batcher import Job, Shed
+    from dynaseq.serve.endpoints import TranslateWork, run_translate
+
+    want = {b: offline.translate(lines, beam=1, budget=b) for b in BUDGETS[:2]}
+    # lines whose translation is not empty run past the first step: two of them expire
+    late = [i for i in range(len(lines)) if want[BUDGETS[i % 2]][i]][:2]
+    assert len(late) == 2
+    jobs = []
+    for i, line in enumerate(lines):
+        budget = BUDGETS[i % 2]
+        work = TranslateWork([line], offline.tokenizer.encode([line]), budget, budget, False)
+        jobs.append(Job(group=("translate", 1), run=None, payload=work, rows=1,
+                        deadline_ms=50.0, expires=0.0 if i in late else None))
+    out = run_translate(offline, 1, True, jobs, retry_after_s=7)
+    for i, (job, (texts, _)) in enumerate(zip(jobs, out, strict=True)):
+        if i in late:
+            assert isinstance(job.shed, Shed) and job.shed.retry_after_s == 7
+            assert "passed while the batch was decoding" in str(job.shed)
+        else:
+            assert job.shed is None
+            assert texts == [want[BUDGETS[i % 2]][i]]

@@ -5,12 +5,19 @@ steps live in the decoder state, so step t costs O(t) attention. Finished senten
 dropped from the batch (their rows are removed from every cache), so a batch costs what its
 unfinished sentences need.
 
+A search may also be given each sentence's expiry (``expires``, seconds on ``clock``, e.g. a
+server's deadline): a sentence still decoding when its expiry passes is dropped at the end
+of that step like a finished one, and its result is None (its answer would be late).
+
 Models only need ``encode(src, control=None) -> EncoderOutput``, ``init_state()`` (a state
 with ``reorder``, ``reorder_self`` and ``reorder_cross`` of batch rows),
 ``decode_step(tokens (B, 1), enc, state) -> logits (B, V)`` and ``bos_id``/``eos_id``.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +36,40 @@ def max_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int, cap: int)
     return lengths.clamp(min=1, max=cap)
 
 
+class Expiry:
+    """Which sentences of a search have run past their expiry.
+
+    expires: one time per sentence (seconds on ``clock``; ``inf``: never). :meth:`due`
+    reads the clock only while some active sentence can still expire, and compares
+    per sentence only once the earliest has passed.
+    """
+
+    def __init__(self, expires: Sequence[float], clock: Callable[[], float]) -> None:
+        self.expires = [float(e) for e in expires]
+        self.clock = clock
+
+    def due(self, active: list[int]) -> list[bool] | None:
+        """For the sentences ``active`` (original indices): which have expired now (None:
+        none has)."""
+        first = min((self.expires[i] for i in active), default=float("inf"))
+        if first == float("inf"):
+            return None
+        now = self.clock()
+        if now < first:
+            return None
+        return [self.expires[i] <= now for i in active]
+
+
+def _expiry(expires: Sequence[float] | None, n: int,
+            clock: Callable[[], float]) -> Expiry | None:
+    if expires is None:
+        return None
+    if len(expires) != n:
+        raise ValueError(f"expires needs one time per sentence: {n} sentences, "
+                         f"{len(expires)} times")
+    return Expiry(expires, clock)
+
+
 def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
     """In place: rows where ``rows`` is True may only produce eos."""
     if rows.any():
@@ -41,8 +82,11 @@ def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
 def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 10,
                   min_len: int = 0, max_positions: int = 1024,
                   control: Tensor | int | None = None, aux: object = None,
-                  tally: object = None) -> list[list[int]]:
-    """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos).
+                  tally: object = None, expires: Sequence[float] | None = None,
+                  clock: Callable[[], float] = time.perf_counter) -> list[list[int] | None]:
+    """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos);
+    None for a sentence that ran past its ``expires`` (see the module doc; ``clock``: the
+    time they are read on).
 
     ``min_len`` forbids eos before that many tokens (used to time fixed-length outputs).
     ``control``: the compute budget, for models that have one: (B,) control-symbol ids, one
@@ -67,7 +111,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
     active = torch.arange(n, device=src.device)  # original row of each active row
     steps = int(limits.max())
     out = torch.full((n, steps), model.pad_id, dtype=torch.long, device=src.device)
-    lengths = [steps] * n  # a row's length is set when it finishes
+    lengths: list[int | None] = [steps] * n  # set when a row finishes (None: expired)
+    expiry = _expiry(expires, n, clock)
     tokens = torch.full((n, 1), model.bos_id, dtype=torch.long, device=src.device)
     first_limit = int(limits.min())  # no row is at its length limit before this step
     for step in range(steps):
@@ -83,6 +128,13 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
         if n_done:
             for row in active[done].tolist():
                 lengths[row] = step
+        late = None if expiry is None else expiry.due(active.tolist())
+        if late is not None:
+            for row, gone in zip(active.tolist(), late, strict=True):
+                if gone and lengths[row] == steps:  # still decoding: dropped
+                    lengths[row] = None
+            done = done | torch.tensor(late, device=done.device)
+            n_done = int(done.sum())
         if n_done == active.numel():
             break
         if n_done:
@@ -91,7 +143,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
             enc = enc.index_select(keep)
             state.reorder(keep)
         tokens = nxt.unsqueeze(1)
-    return [row[:length] for row, length in zip(out.tolist(), lengths, strict=True)]
+    return [None if length is None else row[:length]
+            for row, length in zip(out.tolist(), lengths, strict=True)]
 
 
 def counted_greedy_search(model, src: Tensor, **kwargs) -> tuple[list[list[int]], Counted]:
@@ -106,8 +159,11 @@ def counted_greedy_search(model, src: Tensor, **kwargs) -> tuple[list[list[int]]
 def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
                 max_positions: int = 1024,
-                control: Tensor | int | None = None) -> list[list[int]]:
-    """Batched beam search; src (B, S) -> best hypothesis per sentence (no bos/eos).
+                control: Tensor | int | None = None, expires: Sequence[float] | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> list[list[int] | None]:
+    """Batched beam search; src (B, S) -> best hypothesis per sentence (no bos/eos); None
+    for a sentence that ran past its ``expires`` before its search ended (see the module
+    doc).
 
     A finished hypothesis of n tokens (eos included) scores ``log p / n^length_penalty``.
     Each step takes the top 2·beam candidates of every sentence: eos candidates within the
@@ -136,6 +192,7 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     history = torch.full((n * k, 0), model.pad_id, dtype=torch.long, device=device)
     tokens = torch.full((n, 1), model.bos_id, dtype=torch.long, device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(n)]
+    expiry, expired = _expiry(expires, n, clock), [False] * n
     for step in range(int(limits.max())):
         m = active.numel()
         logp = torch.log_softmax(model.decode_step(tokens, enc, state).float(), dim=-1)
@@ -170,6 +227,12 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         toks = top_tok.gather(1, order)
         done = ~torch.isfinite(live_scores[:, 0])
         full = [len(finished[s]) >= k for s in active_list]
+        late = None if expiry is None else expiry.due(active_list)
+        if late is not None:  # a sentence whose search has not ended is dropped
+            ended = [f or d for f, d in zip(full, done.tolist(), strict=True)]
+            for sent, gone, end in zip(active_list, late, ended, strict=True):
+                expired[sent] = gone and not end
+            full = [f or g for f, g in zip(full, late, strict=True)]
         if any(full):
             done |= torch.tensor(full, device=device)
         if done.all():
@@ -186,8 +249,11 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         active = active[keep]
         active_list = [active_list[i] for i in keep.tolist()]
         tokens = toks[keep].view(-1, 1)
-    results = []
-    for hyps in finished:
+    results: list[list[int] | None] = []
+    for hyps, gone in zip(finished, expired, strict=True):
+        if gone:
+            results.append(None)
+            continue
         assert hyps, "every sentence is closed at its length limit"
         results.append(max(hyps, key=lambda h: h[0])[1])
     return results

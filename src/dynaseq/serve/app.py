@@ -145,7 +145,8 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     state = ServeState(predictor, kind, config, metrics, batcher, policy, beam, default_budget,
                        budgets, log, run_dir=run_dir)
     if kind == "seq2seq":
-        state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute)
+        state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute,
+                                      retry_after_s=config.retry_after_min_s)
     elif kind == "classify":
         state.run_classify = partial(ep.run_classify, predictor, config.report_compute)
     else:
@@ -257,6 +258,9 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
             job = endpoint.plan(state, body)
             if job.deadline_ms is not None:
                 job.due = t0 + state.config.slack * job.deadline_ms / 1000.0
+                if state.config.overload == "reject":  # no late answers: drop them
+                    job.expires = (t0 + (job.deadline_ms - state.batcher.loop_lag_ms)
+                                   / 1000.0)
             fut = state.batcher.submit(job)
         except ep.Overloaded as e:
             return _refuse(state, endpoint, log, 503, str(e), retry=e.retry_after_s,

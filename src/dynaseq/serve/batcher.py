@@ -77,7 +77,10 @@ class Job:
         taken (the first such job's) and the jobs still queued, before it runs: may choose
         again the budgets of the batch's jobs that carry a deadline, now that the batch
         is known, and may shed some of them (:attr:`shed`).
-    shed: set by ``replan``: the job does not run; its request gets :class:`Shed`.
+    shed: set by ``replan``: the job does not run; its request gets :class:`Shed`. Set by
+        ``run``: the job ran but has no answer (it expired); its request gets it.
+    expires: when an answer would be too late to send (``time.perf_counter()`` seconds;
+        None: never): ``run`` may drop the job's lines that are still running then.
     """
 
     group: Hashable
@@ -99,6 +102,7 @@ class Job:
     due: float | None = None
     replan: Callable[[list[Job], float, list[Job]], None] | None = None
     shed: Shed | None = None
+    expires: float | None = None
 
     def cancel(self) -> None:
         """The client went away: drop the job if it has not started."""
@@ -345,7 +349,10 @@ class Batcher:
                 _deliver(job, exc=e)
             return
         for job, result in zip(batch, results, strict=True):
-            _deliver(job, result=result)
+            if job.shed is not None:  # it expired while its batch ran
+                _deliver(job, exc=job.shed)
+            else:
+                _deliver(job, result=result)
 
 
 def _decayed(value: float, when: float, tau_s: float, now: float) -> float:

@@ -22,6 +22,7 @@ a pair as a list and a single fraction as a number (:func:`budget_json`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -197,11 +198,15 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
                                 degraded=budget != policy.largest)
 
 
-def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]
-                  ) -> list[tuple[list[str], list[dict | None]]]:
+def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
+                  retry_after_s: int = 1) -> list[tuple[list[str], list[dict | None]]]:
     """One batch: every job's lines decoded together, each at its job's budget, exactly as
     :meth:`Translator.translate` decodes (same search, same settings) -> per job its
-    translations and each line's realized compute (None for an empty line)."""
+    translations and each line's realized compute (None for an empty line).
+
+    A job with :attr:`~dynaseq.serve.batcher.Job.expires` whose lines are still decoding
+    then is dropped from the decode (the others go on without it) and marked ``shed``
+    (503 with ``Retry-After: retry_after_s``): its answer would be late."""
     lines: list[str] = []
     budgets: list[Budget | None] = []
     for job in jobs:
@@ -223,10 +228,22 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job]
 
     tally = (report_compute and beam == 1 and lean is not None
              and counts_while_decoding(t.model, control, len(src)))
+    expires = [job.expires if job.expires is not None else math.inf
+               for job in jobs for _ in range(job.rows)]
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
-                         lean=lean, on_batch=on_batch if tally else None)
+                         lean=lean, on_batch=on_batch if tally else None,
+                         expires=[expires[i] for i in keep])
+    gone = {keep[j] for j, h in enumerate(hyps) if h is None}
+    if gone:  # expired while decoding: their jobs get a 503, the others their answers
+        hyps = [[] if h is None else h for h in hyps]
+        start = 0
+        for job in jobs:
+            if gone.intersection(range(start, start + job.rows)):
+                job.shed = Shed(f"the deadline of {job.deadline_ms:g} ms passed while the "
+                                "batch was decoding", retry_after_s)
+            start += job.rows
     texts = [""] * len(lines)
     for i, text in zip(keep, t.tokenizer.decode(hyps), strict=True):
         texts[i] = text

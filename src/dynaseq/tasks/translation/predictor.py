@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -83,7 +83,8 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   device: torch.device | None = None,
                   control: Control = None, progress: bool = False,
                   lean: LeanDecoder | None = None,
-                  on_batch: BatchCounts | None = None) -> list[list[int]]:
+                  on_batch: BatchCounts | None = None,
+                  expires: Sequence[float] | None = None) -> list[list[int] | None]:
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); a batch
@@ -92,7 +93,13 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     the searches then run instead of the model's general one (same tokens, less work).
     ``on_batch``: greedy decoding through ``lean`` only: called after each batch with what
     its decode ran (:data:`BatchCounts`).
+    ``expires``: one time per sentence (``time.perf_counter()`` seconds; ``inf``: never);
+    a sentence still decoding then is dropped and gives None
+    (:func:`~dynaseq.models.search.greedy_search`).
     """
+    if expires is not None and len(expires) != len(src_ids):
+        raise ValueError(f"expires needs one time per sentence: {len(src_ids)} sentences, "
+                         f"{len(expires)} times")
     if on_batch is not None and (beam != 1 or lean is None):
         raise ValueError("per-batch counts come from greedy decoding through a lean decoder")
     assert lean is None or lean.model is model, "a lean decoder of this model"
@@ -100,7 +107,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     device = device or next(model.parameters()).device
     max_pos = model.encoder.positions.max_positions
     order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
-    out: list[list[int]] = [[] for _ in src_ids]
+    out: list[list[int] | None] = [[] for _ in src_ids]
     was_training = model.training
     model.eval()
     bar = progress_bar(len(src_ids), "sent", "decode", progress)
@@ -110,9 +117,10 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
                                  model.pad_id, model.eos_id).to(device)
             rows = _batch_control(control, len(src_ids), idx, device)
+            due = None if expires is None else [expires[i] for i in idx]
             if beam == 1:
                 kw = {"max_len_a": max_len_a, "max_len_b": max_len_b, "min_len": min_len,
-                      "max_positions": max_pos, "control": rows}
+                      "max_positions": max_pos, "control": rows, "expires": due}
                 if on_batch is None:
                     hyps = greedy_search(searcher, src, **kw)
                 else:
@@ -120,7 +128,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                     on_batch(idx, src, *counted)
             else:
                 hyps = beam_search(searcher, src, beam, length_penalty, max_len_a, max_len_b,
-                                   min_len, max_pos, rows)
+                                   min_len, max_pos, rows, expires=due)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
             bar.update(len(idx))
