@@ -141,3 +141,29 @@ def test_expiries_must_match_the_sentences():
     m = model()
     with pytest.raises(ValueError, match="one time per sentence: 6 sentences, 2 times"):
         greedy_search(m, sources(), expires=[1.0, 2.0])
+
+
+def test_each_sentence_is_reported_once_when_it_finishes_with_its_final_tokens():
+    """``on_done``: greedy and beam search hand each sentence over once, at the step its
+    search ends (greedy: shorter outputs first), with the tokens the search returns; an
+    expired sentence is never handed over."""
+    m = model()
+    src = sources()
+    for search, kw in ((greedy_search, {}), (beam_search, {"beam": 3})):
+        calls: list[dict] = []
+
+        def record(rows, toks, calls=calls):
+            calls.append(dict(zip(rows, toks, strict=True)))
+
+        got = search(m, src, max_len_a=0.0, max_len_b=12, on_done=record, **kw)
+        reported = {r: t for c in calls for r, t in c.items()}
+        assert sum(len(c) for c in calls) == len(reported) == src.size(0)
+        assert [reported[i] for i in range(src.size(0))] == got
+        if search is greedy_search:  # a call per step with finishers, in step order
+            lengths = [{len(t) for t in c.values()} for c in calls]
+            assert all(len(s) == 1 for s in lengths)
+            assert [s.pop() for s in lengths] == sorted({len(t) for t in got})
+        calls.clear()
+        out = search(m, src, max_len_a=0.0, max_len_b=12, expires=[float("inf")] * 5 + [0.0],
+                     clock=StepClock(), on_done=record, **kw)
+        assert out[5] is None and 5 not in {r for c in calls for r in c}

@@ -194,6 +194,31 @@ def test_a_job_its_run_marks_shed_gets_the_exception_and_the_rest_their_results(
     assert isinstance(out[1], Shed) and out[1].retry_after_s == 2
 
 
+def test_a_job_settled_by_its_run_is_answered_while_the_batch_goes_on():
+    """``run`` may answer a job early (:meth:`Job.settle`): its request has its answer
+    while the batch still runs, and the batcher does not answer it again."""
+    async def go():
+        b = Batcher(ServerMetrics(), window_ms=50, max_batch_rows=8, max_queue_rows=100)
+        release = threading.Event()
+
+        def run(jobs):
+            jobs[0].settle("early")
+            assert release.wait(5), "the early answer did not arrive while the batch ran"
+            return ["late: not sent", *(j.payload for j in jobs[1:])]
+
+        jobs = [Job(group="a", run=run, payload=i, rows=1, endpoint="t") for i in range(2)]
+        futs = [b.submit(j) for j in jobs]
+        b.start()
+        first = await futs[0]
+        running = not futs[1].done()
+        release.set()
+        second = await futs[1]
+        b.stop()
+        return first, running, second
+
+    assert asyncio.run(go()) == ("early", True, 1)
+
+
 def test_the_typical_scale_is_the_median_of_recent_batches():
     b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
     b._update_scale(2.0)

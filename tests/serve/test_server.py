@@ -341,3 +341,29 @@ def test_a_job_past_its_expiry_leaves_its_batch_with_a_503_and_the_others_are_an
         else:
             assert job.shed is None
             assert texts == [want[BUDGETS[i % 2]][i]]
+
+
+def test_each_job_of_a_batch_is_answered_when_its_own_lines_are_done(offline, lines,
+                                                                     monkeypatch):
+    """The server's batch (in process): every job is settled once, before the batch ends
+    for all but the last to finish, with the offline translations at its budget and the
+    compute the batch reports for it; a job of empty lines is settled before decoding."""
+    from dynaseq.serve.batcher import Job
+    from dynaseq.serve.endpoints import TranslateWork, run_translate
+
+    settled = []
+    monkeypatch.setattr(Job, "settle", lambda self, result: settled.append((self, result)))
+    jobs = []
+    for k, group in enumerate([lines[:2], [""], lines[2:3], lines[3:6]]):
+        budget = BUDGETS[k % 2]
+        work = TranslateWork(group, offline.tokenizer.encode(group), budget, budget, False)
+        jobs.append(Job(group=("translate", 1), run=None, payload=work, rows=len(group)))
+    out = run_translate(offline, 1, True, jobs)
+    assert sorted(id(j) for j, _ in settled) == sorted(id(j) for j in jobs)  # once each
+    assert settled[0][0] is jobs[1] and settled[0][1] == ([""], [None])
+    for job, result in settled:
+        assert result == out[jobs.index(job)]
+        texts, compute = result
+        assert texts == offline.translate(job.payload.lines, beam=1, budget=job.payload.budget)
+        assert all((c is None) == (not line) for c, line in zip(compute, job.payload.lines,
+                                                                strict=True))

@@ -25,6 +25,11 @@ from torch import Tensor
 from dynaseq.nn.lean_step import StepTally
 from dynaseq.nn.outputs import AuxOutputs
 
+Finished = Callable[[list[int], list[list[int]]], None]
+"""``on_done(rows, tokens)`` of a search: the sentences (indices into its ``src``) that
+finished at one step, and their final tokens (no bos/eos), while the search goes on for
+the others (e.g. to answer each request of a batch as soon as its own lines are done)."""
+
 Counted = tuple[AuxOutputs, dict[str, Tensor]]
 """What a greedy decode through a lean decoder counted (:func:`counted_greedy_search`): the
 encoder's records and each row's decoding counts (:meth:`StepTally.counts`)."""
@@ -83,10 +88,12 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
                   min_len: int = 0, max_positions: int = 1024,
                   control: Tensor | int | None = None, aux: object = None,
                   tally: object = None, expires: Sequence[float] | None = None,
-                  clock: Callable[[], float] = time.perf_counter) -> list[list[int] | None]:
+                  clock: Callable[[], float] = time.perf_counter,
+                  on_done: Finished | None = None) -> list[list[int] | None]:
     """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos);
     None for a sentence that ran past its ``expires`` (see the module doc; ``clock``: the
-    time they are read on).
+    time they are read on). ``on_done``: called as sentences finish (:data:`Finished`),
+    before the others do.
 
     ``min_len`` forbids eos before that many tokens (used to time fixed-length outputs).
     ``control``: the compute budget, for models that have one: (B,) control-symbol ids, one
@@ -125,9 +132,9 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
         out[active, step] = nxt
         done = nxt.eq(model.eos_id)
         n_done = int(done.sum())  # the step's one host sync
-        if n_done:
-            for row in active[done].tolist():
-                lengths[row] = step
+        finished = active[done].tolist() if n_done else []
+        for row in finished:
+            lengths[row] = step
         late = None if expiry is None else expiry.due(active.tolist())
         if late is not None:
             for row, gone in zip(active.tolist(), late, strict=True):
@@ -136,22 +143,39 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
             done = done | torch.tensor(late, device=done.device)
             n_done = int(done.sum())
         if n_done == active.numel():
+            _report(on_done, out, finished, lengths)
             break
         if n_done:
             keep = (~done).nonzero().squeeze(1)
             active, nxt = active[keep], nxt[keep]
             enc = enc.index_select(keep)
             state.reorder(keep)
+        _report(on_done, out, finished, lengths)
         tokens = nxt.unsqueeze(1)
     return [None if length is None else row[:length]
             for row, length in zip(out.tolist(), lengths, strict=True)]
 
 
-def counted_greedy_search(model, src: Tensor, **kwargs) -> tuple[list[list[int]], Counted]:
+def _report(on_done: Finished | None, out: Tensor, rows: list[int],
+            lengths: list[int | None]) -> None:
+    """Hand the rows that finished this step (original indices) and their tokens to
+    ``on_done``, after the caches (and a tally) let them go."""
+    if on_done is None or not rows:
+        return
+    tokens = out[torch.tensor(rows, device=out.device)].tolist()
+    on_done(rows, [t[: lengths[r]] for r, t in zip(rows, tokens, strict=True)])
+
+
+def counted_greedy_search(model, src: Tensor,
+                          on_counted: Callable[[list[int], list[list[int]], Counted], None]
+                          | None = None, **kwargs) -> tuple[list[list[int] | None], Counted]:
     """:func:`greedy_search` (``kwargs``: its) through a lean decoder, counting what it runs:
-    the hypotheses and :data:`Counted`."""
+    the hypotheses and :data:`Counted`. ``on_counted(rows, tokens, counted)``: as
+    ``on_done``, with what was counted so far (final for the rows that finished)."""
     aux, tally = AuxOutputs(), StepTally(src.size(0), src.device)
-    hyps = greedy_search(model, src, aux=aux, tally=tally, **kwargs)
+    on_done = None if on_counted is None else (
+        lambda rows, tokens: on_counted(rows, tokens, (aux, tally.counts())))
+    hyps = greedy_search(model, src, aux=aux, tally=tally, on_done=on_done, **kwargs)
     return hyps, (aux, tally.counts())
 
 
@@ -160,10 +184,12 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
                 max_positions: int = 1024,
                 control: Tensor | int | None = None, expires: Sequence[float] | None = None,
-                clock: Callable[[], float] = time.perf_counter) -> list[list[int] | None]:
+                clock: Callable[[], float] = time.perf_counter,
+                on_done: Finished | None = None) -> list[list[int] | None]:
     """Batched beam search; src (B, S) -> best hypothesis per sentence (no bos/eos); None
     for a sentence that ran past its ``expires`` before its search ended (see the module
-    doc).
+    doc). ``on_done``: called with the sentences whose search ended at a step
+    (:data:`Finished`), before the others' does.
 
     A finished hypothesis of n tokens (eos included) scores ``log p / n^length_penalty``.
     Each step takes the top 2·beam candidates of every sentence: eos candidates within the
@@ -235,6 +261,11 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
             full = [f or g for f, g in zip(full, late, strict=True)]
         if any(full):
             done |= torch.tensor(full, device=device)
+        if on_done is not None:
+            ended = [active_list[i] for i in done.nonzero().squeeze(1).tolist()]
+            ended = [s for s in ended if not expired[s]]
+            if ended:
+                on_done(ended, [_best(finished[s]) for s in ended])
         if done.all():
             break
         keep = (~done).nonzero().squeeze(1)
@@ -249,11 +280,10 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         active = active[keep]
         active_list = [active_list[i] for i in keep.tolist()]
         tokens = toks[keep].view(-1, 1)
-    results: list[list[int] | None] = []
-    for hyps, gone in zip(finished, expired, strict=True):
-        if gone:
-            results.append(None)
-            continue
-        assert hyps, "every sentence is closed at its length limit"
-        results.append(max(hyps, key=lambda h: h[0])[1])
-    return results
+    return [None if gone else _best(hyps) for hyps, gone in zip(finished, expired, strict=True)]
+
+
+def _best(hyps: list[tuple[float, list[int]]]) -> list[int]:
+    """The tokens of the best-scoring finished hypothesis of a sentence."""
+    assert hyps, "every sentence is closed at its length limit"
+    return max(hyps, key=lambda h: h[0])[1]

@@ -79,6 +79,7 @@ class Job:
         is known, and may shed some of them (:attr:`shed`).
     shed: set by ``replan``: the job does not run; its request gets :class:`Shed`. Set by
         ``run``: the job ran but has no answer (it expired); its request gets it.
+        ``run`` may also answer a job before the batch ends (:meth:`settle`).
     expires: when an answer would be too late to send (``time.perf_counter()`` seconds;
         None: never): ``run`` may drop the job's lines that are still running then.
     """
@@ -103,6 +104,13 @@ class Job:
     replan: Callable[[list[Job], float, list[Job]], None] | None = None
     shed: Shed | None = None
     expires: float | None = None
+    settled: bool = False
+
+    def settle(self, result: Any) -> None:
+        """Answer now, from ``run`` while the rest of its batch goes on (:attr:`settled`:
+        the batcher does not answer it again)."""
+        self.settled = True
+        _deliver(self, result=result)
 
     def cancel(self) -> None:
         """The client went away: drop the job if it has not started."""
@@ -346,9 +354,12 @@ class Batcher:
         except Exception as e:  # the batch's requests get a 500; the next batch runs
             self.metrics.batch_failures.labels(endpoint).inc()
             for job in batch:
-                _deliver(job, exc=e)
+                if not job.settled:
+                    _deliver(job, exc=e)
             return
         for job, result in zip(batch, results, strict=True):
+            if job.settled:  # answered while its batch ran
+                continue
             if job.shed is not None:  # it expired while its batch ran
                 _deliver(job, exc=job.shed)
             else:

@@ -44,7 +44,12 @@ from dynaseq.serve.batcher import BudgetParts, Job, Shed
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
-from dynaseq.tasks.translation.predictor import budget_pair, decode_corpus
+from dynaseq.tasks.translation.predictor import (
+    LinesDone,
+    budget_pair,
+    control_rows,
+    decode_corpus,
+)
 from dynaseq.techniques.cct.gating import GATE_SUBNETWORKS, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_row
 
@@ -204,14 +209,15 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     :meth:`Translator.translate` decodes (same search, same settings) -> per job its
     translations and each line's realized compute (None for an empty line).
 
+    A job is answered (:meth:`~dynaseq.serve.batcher.Job.settle`) as soon as its own lines
+    are done, while the batch decodes the others, unless its compute needs a pass over the
+    finished batch (beam search with gates that decide: :func:`realized_per_row`).
     A job with :attr:`~dynaseq.serve.batcher.Job.expires` whose lines are still decoding
     then is dropped from the decode (the others go on without it) and marked ``shed``
     (503 with ``Retry-After: retry_after_s``): its answer would be late."""
-    lines: list[str] = []
-    budgets: list[Budget | None] = []
-    for job in jobs:
-        lines.extend(job.payload.lines)
-        budgets.extend([job.payload.budget] * job.rows)
+    lines = [line for job in jobs for line in job.payload.lines]
+    owner = [k for k, job in enumerate(jobs) for _ in range(job.rows)]  # line -> its job
+    budgets = [job.payload.budget for job in jobs for _ in range(job.rows)]
     d = t.config.decode
     control = t.control_for(budgets, len(lines))
     keep = [i for i, line in enumerate(lines) if line.strip()]
@@ -219,45 +225,77 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
         control = control.select(torch.tensor(keep, dtype=torch.long, device=t.device))
     src = t.tokenizer.encode([lines[i] for i in keep])
     lean = t.lean_decoder()
-    counted: dict[int, dict] = {}  # compute of the lines decoded with a tally
-
-    def on_batch(idx: list[int], rows: torch.Tensor, aux: AuxOutputs,
-                 counts: dict[str, torch.Tensor]) -> None:
-        for i, c in zip(idx, counted_per_row(t.model, rows, aux, counts), strict=True):
-            counted[i] = c
-
     tally = (report_compute and beam == 1 and lean is not None
              and counts_while_decoding(t.model, control, len(src)))
+    early = tally or not (report_compute and counts_while_decoding(t.model, control, len(src)))
+    texts = [""] * len(lines)
+    compute: list[dict | None] = [None] * len(lines)
+    left = [job.rows for job in jobs]  # lines of each job not yet done
+    for i, line in enumerate(lines):
+        if not line.strip():
+            left[owner[i]] -= 1
+
+    def result(k: int) -> tuple[list[str], list[dict | None]]:
+        a = sum(job.rows for job in jobs[:k])
+        return texts[a: a + jobs[k].rows], compute[a: a + jobs[k].rows]
+
+    counters: dict[int, CountedRows] = {}  # per decoded batch (its src), made once
+
+    def on_done(done: LinesDone) -> None:  # lines finished while the batch decodes
+        if not report_compute:
+            reports: list[dict | None] = [None] * len(done.idx)
+        elif done.counted is not None:
+            aux, counts = done.counted
+            counter = counters.get(id(done.src))
+            if counter is None:
+                counter = counters[id(done.src)] = CountedRows(t.model, done.src, aux)
+            reports = counter.reports(counts, done.rows)
+        else:  # every gate open, or no gates: the lengths tell
+            rows = control_rows(control, len(src), done.idx, t.device)
+            reports = realized_per_row(t.model, [src[j] for j in done.idx], done.tokens, rows)
+        for j, text, rep in zip(done.idx, t.tokenizer.decode(done.tokens), reports,
+                                strict=True):
+            texts[keep[j]], compute[keep[j]] = text, rep
+            left[owner[keep[j]]] -= 1
+        for k in {owner[keep[j]] for j in done.idx}:
+            if left[k] == 0:
+                jobs[k].settle(result(k))
+
+    if early:
+        for k, job in enumerate(jobs):
+            if left[k] == 0:  # only empty lines
+                job.settle(result(k))
     expires = [job.expires if job.expires is not None else math.inf
                for job in jobs for _ in range(job.rows)]
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
-                         lean=lean, on_batch=on_batch if tally else None,
-                         expires=[expires[i] for i in keep])
-    gone = {keep[j] for j, h in enumerate(hyps) if h is None}
-    if gone:  # expired while decoding: their jobs get a 503, the others their answers
-        hyps = [[] if h is None else h for h in hyps]
-        start = 0
-        for job in jobs:
-            if gone.intersection(range(start, start + job.rows)):
-                job.shed = Shed(f"the deadline of {job.deadline_ms:g} ms passed while the "
-                                "batch was decoding", retry_after_s)
-            start += job.rows
-    texts = [""] * len(lines)
-    for i, text in zip(keep, t.tokenizer.decode(hyps), strict=True):
-        texts[i] = text
-    compute: list[dict | None] = [None] * len(lines)
-    if report_compute and keep:
-        per_row = ([counted[j] for j in range(len(src))] if tally
-                   else realized_per_row(t.model, src, hyps, control))
-        for i, c in zip(keep, per_row, strict=True):
-            compute[i] = c
-    out, start = [], 0
-    for job in jobs:
-        out.append((texts[start: start + job.rows], compute[start: start + job.rows]))
-        start += job.rows
-    return out
+                         lean=lean, on_batch=_counting if tally else None,
+                         expires=[expires[i] for i in keep],
+                         on_done=on_done if early else None)
+    for j, h in enumerate(hyps):
+        if h is None:  # expired while decoding: its job gets a 503, the others answers
+            job = jobs[owner[keep[j]]]
+            job.shed = Shed(f"the deadline of {job.deadline_ms:g} ms passed while the "
+                            "batch was decoding", retry_after_s)
+    if not early:
+        done = [j for j, h in enumerate(hyps) if h is not None]
+        for j, text in zip(done, t.tokenizer.decode([hyps[j] for j in done]), strict=True):
+            texts[keep[j]] = text
+        if report_compute and done:
+            rows = control_rows(control, len(src), done, t.device)
+            per_row = realized_per_row(t.model, [src[j] for j in done],
+                                       [hyps[j] for j in done], rows)
+            for j, c in zip(done, per_row, strict=True):
+                compute[keep[j]] = c
+    return [result(k) for k in range(len(jobs))]
+
+
+def _counting(idx: list[int], src: torch.Tensor, aux: AuxOutputs,
+              counts: dict[str, torch.Tensor]) -> None:
+    """``on_batch`` of a decode that counts what it runs for ``on_done`` (each line's
+    compute is formed as it finishes, from :class:`LinesDone`'s counts), so nothing is left
+    to do when the batch ends."""
 
 
 @torch.no_grad()
@@ -338,30 +376,52 @@ def _reports(ran: dict[str, list[int]], full: dict[str, list[int]], n_src: list[
 def counted_per_row(model: torch.nn.Module, src: torch.Tensor, aux: AuxOutputs,
                     counts: dict[str, torch.Tensor]) -> list[dict]:
     """Each line's realized compute, as :func:`realized_per_row` reports it, from what its
-    greedy decode ran: the encoder's records (``aux``, over the line's own tokens of
-    ``src`` ``(B, S)``) and the decoding steps' per-row counts of open gates (``counts``,
-    :class:`~dynaseq.nn.lean_step.StepTally`), each gated decoder sub-layer's row MACs
-    formed from them as the teacher-forced pass counts them (a row's keys count only if
+    greedy decode ran (:class:`CountedRows`), for every line of ``src``."""
+    return CountedRows(model, src, aux).reports(counts)
+
+
+class CountedRows:
+    """The realized compute of a batch's lines from what its greedy decode ran, line by
+    line as they finish: the encoder's records (``aux``, over each line's own tokens of
+    ``src`` ``(B, S)``; summed once, here) and the decoding steps' per-row counts of open
+    gates (:class:`~dynaseq.nn.lean_step.StepTally`), each gated decoder sub-layer's row
+    MACs formed from them as the teacher-forced pass counts them (a row's keys count only if
     one of its queries was open); every gate open: :func:`all_on_macs`. No second pass."""
-    n_src = src.ne(model.pad_id).sum(1)
-    steps = counts["steps"]
-    ran = {"encoder": torch.zeros_like(steps), "decoder": torch.zeros_like(steps)}
-    for layer, per_row in realized_macs_by_row(aux, False,
-                                               {"encoder": src.ne(model.pad_id)}).items():
-        ran[layer.split(".")[0]] += per_row
-    for layer in model.decoder.layers:
-        for m, key, kv_tokens in ((layer.self_attn, "kv", steps),
-                                  (layer.cross_attn, "keys", n_src)):
-            if hasattr(m, "row_macs"):
-                n_q = counts[f"{m.name}.q"]
-                kv = counts[f"{m.name}.{key}"] * (n_q > 0)
-                ran["decoder"] += m.row_macs(n_q, kv, kv, steps, kv_tokens)
-        if hasattr(layer.ffn, "pieces_row_macs"):
-            ran["decoder"] += layer.ffn.pieces_row_macs(counts[f"{layer.ffn.name}.pieces"],
-                                                        steps)
-    full = all_on_macs(model, n_src, steps)
-    return _reports({k: v.tolist() for k, v in ran.items()},
-                    {k: v.tolist() for k, v in full.items()}, n_src.tolist(), steps.tolist())
+
+    def __init__(self, model: torch.nn.Module, src: torch.Tensor, aux: AuxOutputs) -> None:
+        self.model = model
+        self.n_src = src.ne(model.pad_id).sum(1)
+        zero = torch.zeros_like(self.n_src)
+        self.ran = {"encoder": zero, "decoder": zero}
+        for layer, per_row in realized_macs_by_row(aux, False,
+                                                   {"encoder": src.ne(model.pad_id)}).items():
+            part = layer.split(".")[0]
+            self.ran[part] = self.ran[part] + per_row
+
+    def reports(self, counts: dict[str, torch.Tensor], rows: list[int] | None = None
+                ) -> list[dict]:
+        """As :func:`realized_per_row` reports them, for the lines ``rows`` (indices into
+        ``src``; None: all) from ``counts`` (final for those lines)."""
+        index = (torch.arange(self.n_src.numel(), device=self.n_src.device) if rows is None
+                 else torch.tensor(rows, dtype=torch.long, device=self.n_src.device))
+        model, n_src = self.model, self.n_src[index]
+        steps = counts["steps"][index]
+        ran = {k: v[index] for k, v in self.ran.items()}
+        for layer in model.decoder.layers:
+            for m, key, kv_tokens in ((layer.self_attn, "kv", steps),
+                                      (layer.cross_attn, "keys", n_src)):
+                if hasattr(m, "row_macs"):
+                    n_q = counts[f"{m.name}.q"][index]
+                    kv = counts[f"{m.name}.{key}"][index] * (n_q > 0)
+                    ran["decoder"] = ran["decoder"] + m.row_macs(n_q, kv, kv, steps,
+                                                                 kv_tokens)
+            if hasattr(layer.ffn, "pieces_row_macs"):
+                ran["decoder"] = ran["decoder"] + layer.ffn.pieces_row_macs(
+                    counts[f"{layer.ffn.name}.pieces"][index], steps)
+        full = all_on_macs(model, n_src, steps)
+        return _reports({k: v.tolist() for k, v in ran.items()},
+                        {k: v.tolist() for k, v in full.items()}, n_src.tolist(),
+                        steps.tolist())
 
 
 def all_on_macs(model: torch.nn.Module, n_src: LengthsT, n_tgt: LengthsT

@@ -276,6 +276,36 @@ def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrat
                       on_batch=on_batch)
 
 
+def test_compute_formed_as_lines_finish_equals_the_teacher_forced_count(calibrated):
+    """The same count, formed for each group of lines when it finishes (``on_done`` with
+    the counts so far, :class:`CountedRows` made once per batch), line by line equal to
+    the teacher-forced pass's; each line is handed over once, with its final tokens."""
+    from dynaseq.serve.endpoints import CountedRows, realized_per_row
+    from dynaseq.tasks.translation.predictor import decode_corpus
+
+    t, lines, _ = calibrated
+    budgets = _interleaved(BUDGETS, 2)
+    src = t.tokenizer.encode(lines)
+    control = t.control_for(budgets, len(lines))
+    early: dict[int, tuple[list[int], dict]] = {}
+    counters = []
+
+    def on_done(done):
+        aux, counts = done.counted
+        if not counters:
+            counters.append(CountedRows(t.model, done.src, aux))
+        reports = counters[0].reports(counts, done.rows)
+        for i, tokens, rep in zip(done.idx, done.tokens, reports, strict=True):
+            assert i not in early
+            early[i] = (tokens, rep)
+
+    hyps = decode_corpus(t.model, src, beam=1, batch_size=len(src), control=control,
+                         lean=t.lean_decoder(), on_batch=lambda *a: None, on_done=on_done)
+    assert [early[i][0] for i in range(len(src))] == hyps
+    want = realized_per_row(t.model, src, hyps, control)
+    assert [early[i][1] for i in range(len(src))] == want
+
+
 def test_threads_at_different_budgets_on_one_model_match_running_one_after_the_other(
         calibrated):
     t, lines, refs = calibrated

@@ -18,6 +18,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -31,7 +32,12 @@ from dynaseq.core.progress import progress_bar
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
-from dynaseq.models.search import beam_search, counted_greedy_search, greedy_search
+from dynaseq.models.search import (
+    Counted,
+    beam_search,
+    counted_greedy_search,
+    greedy_search,
+)
 from dynaseq.nn.lean_step import refreshed
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.outputs import AuxOutputs
@@ -51,14 +57,33 @@ BatchCounts = Callable[[list[int], torch.Tensor, AuxOutputs, dict[str, torch.Ten
 decoded batch, its source ``(B, S)`` as decoded, the encoder's records (``aux``) and each
 row's decoding counts (:meth:`~dynaseq.nn.lean_step.StepTally.counts`)."""
 
+
+
+@dataclass(frozen=True)
+class LinesDone:
+    """Sentences of a :func:`decode_corpus` batch whose search ended at one step, while it
+    goes on for the others.
+
+    idx: their indices in the corpus; tokens: their final tokens (no bos/eos); src: the
+    batch's source ``(B, S)`` as decoded; rows: their rows in it; counted: what the decode
+    counted so far (``on_batch``'s counting: final for these rows), or None.
+    """
+
+    idx: list[int]
+    tokens: list[list[int]]
+    src: torch.Tensor
+    rows: list[int]
+    counted: Counted | None = None
+
+
 Control = int | torch.Tensor | BudgetControl | None
 """A corpus call's control: one for every sentence (an id, or a :class:`BudgetControl` with
 one id and float offsets), or one per sentence (``(N,)`` ids, or a :class:`BudgetControl`
 with ``(N,)`` ids and offsets)."""
 
 
-def _batch_control(control: Control, n: int, idx: list[int],
-                   device: torch.device) -> Control:
+def control_rows(control: Control, n: int, idx: list[int],
+                 device: torch.device) -> Control:
     """The control of the sentences ``idx`` of a corpus of ``n`` (see :data:`Control`)."""
     if isinstance(control, BudgetControl):
         per_row = [v for v in (control.ids, *control.offsets.values())
@@ -84,7 +109,9 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   control: Control = None, progress: bool = False,
                   lean: LeanDecoder | None = None,
                   on_batch: BatchCounts | None = None,
-                  expires: Sequence[float] | None = None) -> list[list[int] | None]:
+                  expires: Sequence[float] | None = None,
+                  on_done: Callable[[LinesDone], None] | None = None
+                  ) -> list[list[int] | None]:
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); a batch
@@ -96,6 +123,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     ``expires``: one time per sentence (``time.perf_counter()`` seconds; ``inf``: never);
     a sentence still decoding then is dropped and gives None
     (:func:`~dynaseq.models.search.greedy_search`).
+    ``on_done``: called as sentences finish (:class:`LinesDone`), before their batch ends.
     """
     if expires is not None and len(expires) != len(src_ids):
         raise ValueError(f"expires needs one time per sentence: {len(src_ids)} sentences, "
@@ -116,19 +144,20 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
             idx = order[start: start + batch_size]
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
                                  model.pad_id, model.eos_id).to(device)
-            rows = _batch_control(control, len(src_ids), idx, device)
+            rows = control_rows(control, len(src_ids), idx, device)
             due = None if expires is None else [expires[i] for i in idx]
+            done = None if on_done is None else partial(_lines_done, on_done, idx, src)
             if beam == 1:
                 kw = {"max_len_a": max_len_a, "max_len_b": max_len_b, "min_len": min_len,
                       "max_positions": max_pos, "control": rows, "expires": due}
                 if on_batch is None:
-                    hyps = greedy_search(searcher, src, **kw)
+                    hyps = greedy_search(searcher, src, on_done=done, **kw)
                 else:
-                    hyps, counted = counted_greedy_search(searcher, src, **kw)
+                    hyps, counted = counted_greedy_search(searcher, src, on_counted=done, **kw)
                     on_batch(idx, src, *counted)
             else:
                 hyps = beam_search(searcher, src, beam, length_penalty, max_len_a, max_len_b,
-                                   min_len, max_pos, rows, expires=due)
+                                   min_len, max_pos, rows, expires=due, on_done=done)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
             bar.update(len(idx))
@@ -136,6 +165,13 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
         bar.close()
         model.train(was_training)
     return out
+
+
+def _lines_done(on_done: Callable[[LinesDone], None], idx: list[int], src: torch.Tensor,
+                rows: list[int], tokens: list[list[int]], counted: Counted | None = None
+                ) -> None:
+    """A search's ``on_done`` (``rows`` of its batch ``src``) as :func:`decode_corpus`'s."""
+    on_done(LinesDone([idx[r] for r in rows], tokens, src, rows, counted))
 
 
 @torch.no_grad()
@@ -165,7 +201,7 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
         for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
                                  seed=0, epoch=0, shuffle=False):
             b = collate(corpus, idx, model.pad_id, model.bos_id, model.eos_id).to(device)
-            rows = _batch_control(control, len(src_ids), [kept[i] for i in idx], device)
+            rows = control_rows(control, len(src_ids), [kept[i] for i in idx], device)
             _, nll, n = label_smoothed_loss(model(b.src, b.tgt_in, rows).logits, b.tgt_out, 0.0,
                                             model.pad_id)
             nll_sum += float(nll)
