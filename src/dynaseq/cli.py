@@ -301,7 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
         overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
         access_log=not args.no_access_log, default_budget=args.default_budget,
-        workers=args.workers)
+        workers=args.workers, early_answers=not args.answer_at_batch_end)
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
                  latency_table=args.latency_table, threads=args.threads)
 
@@ -1099,6 +1099,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compute", action="store_true",
                    help="do not measure each line's realized compute")
     p.add_argument("--no-access-log", action="store_true")
+    p.add_argument("--answer-at-batch-end", action="store_true",
+                   help="answer a batch's translation requests when the whole batch is "
+                        "done (default: each as soon as its own lines are)")
     _add_run_args(p)
 
     p = sub.add_parser("average", help="average the last K checkpoints into run_dir/averaged")

@@ -360,6 +360,8 @@ def test_each_job_of_a_batch_is_answered_when_its_own_lines_are_done(offline, li
         jobs.append(Job(group=("translate", 1), run=None, payload=work, rows=len(group)))
     out = run_translate(offline, 1, True, jobs)
     assert sorted(id(j) for j, _ in settled) == sorted(id(j) for j in jobs)  # once each
+    assert run_translate(offline, 1, True, jobs, early=False) == out  # --answer-at-batch-end
+    assert len(settled) == len(jobs)  # which settles none
     assert settled[0][0] is jobs[1] and settled[0][1] == ([""], [None])
     for job, result in settled:
         assert result == out[jobs.index(job)]

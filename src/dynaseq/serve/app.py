@@ -146,7 +146,8 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
                        budgets, log, run_dir=run_dir)
     if kind == "seq2seq":
         state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute,
-                                      retry_after_s=config.retry_after_min_s)
+                                      retry_after_s=config.retry_after_min_s,
+                                      early=config.early_answers)
     elif kind == "classify":
         state.run_classify = partial(ep.run_classify, predictor, config.report_compute)
     else:

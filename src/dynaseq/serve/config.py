@@ -31,6 +31,8 @@ class ServeConfig:
     max_generate_tokens: largest ``tokens`` a generate request may ask for.
     default_budget: what a request with neither ``budget`` nor ``deadline_ms`` runs at
         (None: the largest trained budget).
+    early_answers: answer each translation request as soon as its own lines are done, while
+        its batch decodes the others (False: when the batch ends).
     workers: server processes answering on the one port (uvicorn's workers, each with its
         own copy of the model and its own batcher); above 1, ``/metrics`` sums them and
         each access-log line carries the ``pid`` of the worker that answered.
@@ -54,6 +56,7 @@ class ServeConfig:
     max_generate_tokens: int = 512
     default_budget: float | tuple[float, float] | None = None
     workers: int = 1
+    early_answers: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

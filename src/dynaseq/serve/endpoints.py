@@ -204,14 +204,15 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
-                  retry_after_s: int = 1) -> list[tuple[list[str], list[dict | None]]]:
+                  retry_after_s: int = 1, early: bool = True
+                  ) -> list[tuple[list[str], list[dict | None]]]:
     """One batch: every job's lines decoded together, each at its job's budget, exactly as
     :meth:`Translator.translate` decodes (same search, same settings) -> per job its
     translations and each line's realized compute (None for an empty line).
 
-    A job is answered (:meth:`~dynaseq.serve.batcher.Job.settle`) as soon as its own lines
-    are done, while the batch decodes the others, unless its compute needs a pass over the
-    finished batch (beam search with gates that decide: :func:`realized_per_row`).
+    ``early``: a job is answered (:meth:`~dynaseq.serve.batcher.Job.settle`) as soon as its
+    own lines are done, while the batch decodes the others, unless its compute needs a pass
+    over the finished batch (beam search with gates that decide: :func:`realized_per_row`).
     A job with :attr:`~dynaseq.serve.batcher.Job.expires` whose lines are still decoding
     then is dropped from the decode (the others go on without it) and marked ``shed``
     (503 with ``Retry-After: retry_after_s``): its answer would be late."""
@@ -227,7 +228,8 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     lean = t.lean_decoder()
     tally = (report_compute and beam == 1 and lean is not None
              and counts_while_decoding(t.model, control, len(src)))
-    early = tally or not (report_compute and counts_while_decoding(t.model, control, len(src)))
+    early = early and (tally or not (report_compute
+                                     and counts_while_decoding(t.model, control, len(src))))
     texts = [""] * len(lines)
     compute: list[dict | None] = [None] * len(lines)
     left = [job.rows for job in jobs]  # lines of each job not yet done
@@ -240,6 +242,7 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
         return texts[a: a + jobs[k].rows], compute[a: a + jobs[k].rows]
 
     counters: dict[int, CountedRows] = {}  # per decoded batch (its src), made once
+    counted: list[tuple] = []  # (idx, src, aux, counts) of each counted batch (on_batch)
 
     def on_done(done: LinesDone) -> None:  # lines finished while the batch decodes
         if not report_compute:
@@ -270,7 +273,7 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
-                         lean=lean, on_batch=_counting if tally else None,
+                         lean=lean, on_batch=(lambda *batch: counted.append(batch)) if tally else None,
                          expires=[expires[i] for i in keep],
                          on_done=on_done if early else None)
     for j, h in enumerate(hyps):
@@ -278,24 +281,22 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
             job = jobs[owner[keep[j]]]
             job.shed = Shed(f"the deadline of {job.deadline_ms:g} ms passed while the "
                             "batch was decoding", retry_after_s)
-    if not early:
+    if not early:  # every line's answer now
         done = [j for j, h in enumerate(hyps) if h is not None]
         for j, text in zip(done, t.tokenizer.decode([hyps[j] for j in done]), strict=True):
             texts[keep[j]] = text
-        if report_compute and done:
+        if tally:  # from the counts, batch by batch
+            for idx, rows_src, aux, counts in counted:
+                for j, c in zip(idx, CountedRows(t.model, rows_src, aux).reports(counts),
+                                strict=True):
+                    compute[keep[j]] = c
+        elif report_compute and done:
             rows = control_rows(control, len(src), done, t.device)
             per_row = realized_per_row(t.model, [src[j] for j in done],
                                        [hyps[j] for j in done], rows)
             for j, c in zip(done, per_row, strict=True):
                 compute[keep[j]] = c
     return [result(k) for k in range(len(jobs))]
-
-
-def _counting(idx: list[int], src: torch.Tensor, aux: AuxOutputs,
-              counts: dict[str, torch.Tensor]) -> None:
-    """``on_batch`` of a decode that counts what it runs for ``on_done`` (each line's
-    compute is formed as it finishes, from :class:`LinesDone`'s counts), so nothing is left
-    to do when the batch ends."""
 
 
 @torch.no_grad()
@@ -386,42 +387,51 @@ class CountedRows:
     ``src`` ``(B, S)``; summed once, here) and the decoding steps' per-row counts of open
     gates (:class:`~dynaseq.nn.lean_step.StepTally`), each gated decoder sub-layer's row
     MACs formed from them as the teacher-forced pass counts them (a row's keys count only if
-    one of its queries was open); every gate open: :func:`all_on_macs`. No second pass."""
+    one of its queries was open); every gate open: :func:`all_on_macs`. No second pass.
+    The per-line sums run on numbers: a call reports a few lines, where tensor operations
+    would cost ~3 ms a call in overhead."""
 
     def __init__(self, model: torch.nn.Module, src: torch.Tensor, aux: AuxOutputs) -> None:
         self.model = model
-        self.n_src = src.ne(model.pad_id).sum(1)
-        zero = torch.zeros_like(self.n_src)
-        self.ran = {"encoder": zero, "decoder": zero}
+        n_src = src.ne(model.pad_id).sum(1)
+        ran = {"encoder": torch.zeros_like(n_src), "decoder": torch.zeros_like(n_src)}
         for layer, per_row in realized_macs_by_row(aux, False,
                                                    {"encoder": src.ne(model.pad_id)}).items():
             part = layer.split(".")[0]
-            self.ran[part] = self.ran[part] + per_row
+            ran[part] = ran[part] + per_row
+        self.n_src = n_src.tolist()
+        self.ran = {k: v.tolist() for k, v in ran.items()}
+        self.attention = [(m, key) for layer in model.decoder.layers
+                          for m, key in ((layer.self_attn, "kv"), (layer.cross_attn, "keys"))
+                          if hasattr(m, "row_macs")]
+        self.ffns = [layer.ffn for layer in model.decoder.layers
+                     if hasattr(layer.ffn, "pieces_row_macs")]
 
     def reports(self, counts: dict[str, torch.Tensor], rows: list[int] | None = None
                 ) -> list[dict]:
         """As :func:`realized_per_row` reports them, for the lines ``rows`` (indices into
         ``src``; None: all) from ``counts`` (final for those lines)."""
-        index = (torch.arange(self.n_src.numel(), device=self.n_src.device) if rows is None
-                 else torch.tensor(rows, dtype=torch.long, device=self.n_src.device))
-        model, n_src = self.model, self.n_src[index]
-        steps = counts["steps"][index]
-        ran = {k: v[index] for k, v in self.ran.items()}
-        for layer in model.decoder.layers:
-            for m, key, kv_tokens in ((layer.self_attn, "kv", steps),
-                                      (layer.cross_attn, "keys", n_src)):
-                if hasattr(m, "row_macs"):
-                    n_q = counts[f"{m.name}.q"][index]
-                    kv = counts[f"{m.name}.{key}"][index] * (n_q > 0)
-                    ran["decoder"] = ran["decoder"] + m.row_macs(n_q, kv, kv, steps,
-                                                                 kv_tokens)
-            if hasattr(layer.ffn, "pieces_row_macs"):
-                ran["decoder"] = ran["decoder"] + layer.ffn.pieces_row_macs(
-                    counts[f"{layer.ffn.name}.pieces"][index], steps)
-        full = all_on_macs(model, n_src, steps)
-        return _reports({k: v.tolist() for k, v in ran.items()},
-                        {k: v.tolist() for k, v in full.items()}, n_src.tolist(),
-                        steps.tolist())
+        rows = list(range(len(self.n_src))) if rows is None else rows
+        index = torch.tensor(rows, dtype=torch.long, device=counts["steps"].device)
+        keys = ["steps", *(f"{m.name}.{k}" for m, key in self.attention for k in ("q", key)),
+                *(f"{f.name}.pieces" for f in self.ffns)]
+        got = {k: counts[k].index_select(0, index).tolist() for k in keys}
+        ran: dict[str, list[int]] = {"encoder": [], "decoder": []}
+        full: dict[str, list[int]] = {"encoder": [], "decoder": []}
+        n_src = [self.n_src[r] for r in rows]
+        for i, r in enumerate(rows):
+            steps, dec = got["steps"][i], self.ran["decoder"][r]
+            for m, key in self.attention:
+                n_q = got[f"{m.name}.q"][i]
+                kv = got[f"{m.name}.{key}"][i] if n_q > 0 else 0
+                dec += m.row_macs(n_q, kv, kv, steps, steps if key == "kv" else n_src[i])
+            for f in self.ffns:
+                dec += f.pieces_row_macs(got[f"{f.name}.pieces"][i], steps)
+            ran["encoder"].append(self.ran["encoder"][r])
+            ran["decoder"].append(dec)
+            for part, n in all_on_macs(self.model, n_src[i], steps).items():
+                full[part].append(n)
+        return _reports(ran, full, n_src, got["steps"])
 
 
 def all_on_macs(model: torch.nn.Module, n_src: LengthsT, n_tgt: LengthsT

@@ -17,6 +17,7 @@ piece i runs only on the tokens whose gate i is on (``index_select`` â†’ piece â
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -155,10 +156,15 @@ class ConditionalFeedForward(nn.Module):
         ran = (on.sum(1) * costs).sum(1)  # (B,)
         return ran + on.size(1) * self.control.macs(1)
 
-    def pieces_row_macs(self, piece_tokens: Tensor, n_tokens: Tensor) -> Tensor:
+    def pieces_row_macs(self, piece_tokens: Tensor | Sequence[int], n_tokens: Tensor | int
+                        ) -> Tensor | int:
         """``(B,)`` long: the MACs of rows whose pieces ran on ``piece_tokens`` ``(B, M)``
         tokens each, over ``n_tokens`` ``(B,)`` tokens (the control network's), as
-        :meth:`realized_macs_per_row` counts them."""
+        :meth:`realized_macs_per_row` counts them; or one row's, from its M numbers and
+        one number (no tensor work: a few rows at a time)."""
+        if not isinstance(piece_tokens, Tensor):
+            return (sum(n * c for n, c in zip(piece_tokens, self._token_macs(), strict=True))
+                    + n_tokens * self.control.macs(1))
         costs = torch.tensor(self._token_macs(), device=piece_tokens.device)
         return (piece_tokens * costs).sum(1) + n_tokens * self.control.macs(1)
 
