@@ -273,7 +273,8 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
-                         lean=lean, on_batch=(lambda *batch: counted.append(batch)) if tally else None,
+                         lean=lean,
+                         on_batch=(lambda *batch: counted.append(batch)) if tally else None,
                          expires=[expires[i] for i in keep],
                          on_done=on_done if early else None)
     for j, h in enumerate(hyps):
