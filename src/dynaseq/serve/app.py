@@ -147,7 +147,7 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     if kind == "seq2seq":
         state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute,
                                       retry_after_s=config.retry_after_min_s,
-                                      early=config.early_answers)
+                                      early=config.early_answers, all_on={})
     elif kind == "classify":
         state.run_classify = partial(ep.run_classify, predictor, config.report_compute)
     else:

@@ -223,7 +223,7 @@ def test_all_on_counts_from_the_lengths_equal_those_the_pass_records(calibrated)
     """A line at a budget of 1 in both sub-networks is reported without a forward pass
     (:func:`all_on_macs`); that count equals the all-on count a teacher-forced pass
     records for the line's own tokens, and the served report at budget 1 equals it."""
-    from dynaseq.serve.endpoints import all_on_macs, realized_per_row
+    from dynaseq.serve.endpoints import all_on_macs, all_open_reports, realized_per_row
 
     m, b, control = _mixed_batch(calibrated)
     valid = {"encoder": b.src.ne(m.pad_id), "decoder": b.tgt_in.ne(m.pad_id)}
@@ -239,11 +239,15 @@ def test_all_on_counts_from_the_lengths_equal_those_the_pass_records(calibrated)
     hyps = tr.tokenizer.encode(tr.translate(lines, budget=1.0))
     control = tr.control_for([1.0] * len(lines), len(lines))
     assert all(control.all_open(len(lines)))
-    for row, s, h in zip(realized_per_row(m, src, hyps, control), src, hyps, strict=True):
+    served = realized_per_row(m, src, hyps, control)
+    for row, s, h in zip(served, src, hyps, strict=True):
         counts = all_on_macs(m, len(s) + 1, len(h) + 1)
         assert row["fraction"] == {"encoder": 1.0, "decoder": 1.0, "total": 1.0}
         assert row["macs_per_token"]["encoder"] == counts["encoder"] / (len(s) + 1)
         assert row["macs_per_token"]["decoder"] == counts["decoder"] / (len(h) + 1)
+    cache: dict = {}  # the lines answered as they finish: the same, from the lengths alone
+    assert all_open_reports(m, src, hyps, cache) == served and cache
+    assert all_open_reports(m, src, hyps, cache) == served
 
 
 def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrated):
@@ -276,7 +280,8 @@ def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrat
                       on_batch=on_batch)
 
 
-def test_compute_formed_as_lines_finish_equals_the_teacher_forced_count(calibrated):
+def test_compute_formed_as_lines_finish_equals_the_teacher_forced_count(calibrated,
+                                                                      monkeypatch):
     """The same count, formed for each group of lines when it finishes (``on_done`` with
     the counts so far, :class:`CountedRows` made once per batch), line by line equal to
     the teacher-forced pass's; each line is handed over once, with its final tokens."""
@@ -299,11 +304,24 @@ def test_compute_formed_as_lines_finish_equals_the_teacher_forced_count(calibrat
             assert i not in early
             early[i] = (tokens, rep)
 
+    batches = []
     hyps = decode_corpus(t.model, src, beam=1, batch_size=len(src), control=control,
-                         lean=t.lean_decoder(), on_batch=lambda *a: None, on_done=on_done)
+                         lean=t.lean_decoder(), on_batch=lambda *a: batches.append(a),
+                         on_done=on_done)
     assert [early[i][0] for i in range(len(src))] == hyps
     want = realized_per_row(t.model, src, hyps, control)
     assert [early[i][1] for i in range(len(src))] == want
+    # a server's cache of all-open counts by lengths: filled once, then only read
+    (idx, rows_src, aux, counts), = batches
+    cache: dict = {}
+    first = CountedRows(t.model, rows_src, aux, cache).reports(counts)
+    assert cache and first == [want[i] for i in idx]
+
+    def refuse(*args):
+        raise AssertionError("all-open counts recomputed")
+
+    monkeypatch.setattr("dynaseq.serve.endpoints.all_on_macs", refuse)
+    assert CountedRows(t.model, rows_src, aux, cache).reports(counts) == first
 
 
 def test_threads_at_different_budgets_on_one_model_match_running_one_after_the_other(
