@@ -115,6 +115,27 @@ def test_a_fitted_table_is_fitted_when_the_policy_is_built_not_on_a_request(monk
     assert d.budget == FULL and d.predicted_ms > 0
 
 
+def test_a_budget_no_faster_than_a_larger_one_is_never_chosen():
+    """Smaller budgets whose outputs run longer can be slower: a budget predicted no faster
+    than a larger one is passed over (arrival and batch), and the fallback is the fastest."""
+    small = (0.2, 0.2)
+    slow_small = LatencyTable([FULL, HALF, small], [1, 10], [10, 20],
+                              {"1,1": [[10.0, 20.0], [50.0, 100.0]],
+                               "0.5,0.5": [[6.0, 12.0], [30.0, 60.0]],
+                               "0.2,0.2": [[8.0, 16.0], [40.0, 80.0]]}, predict="grid")
+    p = DeadlinePolicy(slow_small, [FULL, HALF, small], max_batch_rows=10)
+    assert p.decide(7, rows=1, length=10).budget == HALF
+    d = p.decide(5, rows=1, length=10)  # nothing in time: refused on the fastest's prediction
+    assert (d.budget, d.reject, d.predicted_ms) == (None, True, 6.0)
+    p = DeadlinePolicy(slow_small, [FULL, HALF, small], max_batch_rows=10,
+                       overload="smallest")
+    d = p.decide(5, rows=1, length=10)
+    assert (d.budget, d.degraded, d.predicted_ms) == (HALF, True, 6.0)
+    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=5.0) == HALF
+    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=7.0) == HALF
+    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=11.0) == FULL
+
+
 def test_queued_work_degrades_budgets_before_latency_grows():
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     ahead = [Work(FULL, 9, 10)]  # 9 lines: with ours, one batch of 10 -> 5 ms a full line
