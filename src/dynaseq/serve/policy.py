@@ -14,10 +14,11 @@ arrive before that batch starts, each batch costing the
 its longest source, shared by its ``n`` lines. The first budget, largest first, whose
 completion is within ``slack × deadline`` is the request's first budget; so under light
 load every request gets the full budget, and as the queue grows budgets degrade before
-latency does. When no budget is, the request runs at the smallest if its prediction
-without the margin meets the deadline itself; when even that misses, it is rejected (503
-with ``Retry-After``: the seconds the queue ahead needs) or, with ``overload="smallest"``,
-run at the smallest budget.
+latency does. A budget predicted no faster than a larger one is never chosen. When no
+budget is, the request runs at the fastest (the smallest, unless a larger one is predicted
+faster) if its prediction without the margin meets the deadline itself; when even that
+misses, it is rejected (503 with ``Retry-After``: the seconds the queue ahead needs) or,
+with ``overload="smallest"``, run at the fastest budget.
 
 Example::
 
@@ -212,9 +213,10 @@ class DeadlinePolicy:
         time: on a trained CCT the smallest budget's outputs run longer, and at 32 lines
         it was predicted slower than (0.33, 0.33)). When none is, the request is still
         admitted at the fastest budget (the smallest, unless a larger one is predicted
-        faster) if its prediction without the margin is within the deadline itself: a refused request misses its
-        deadline for certain, one admitted at the smallest usually makes it (and is shed
-        when its batch is formed if it is then predicted past ``slack × deadline``)."""
+        faster) if its prediction without the margin is within the deadline itself: a
+        refused request misses its deadline for certain, one admitted at the fastest
+        usually makes it (and is shed when its batch is formed if it is then predicted past
+        ``slack × deadline``)."""
         limit = self.slack * deadline_ms
         fastest = (math.inf, 0.0, self.smallest)  # (predicted, wait, budget)
         batches = _summaries(self.batches(ahead))  # the same at every budget
