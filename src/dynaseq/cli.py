@@ -1087,7 +1087,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency table for deadline_ms (default RUN/latency_table.json)")
     p.add_argument("--overload", choices=["reject", "smallest"], default="reject",
                    help="a deadline no budget can meet: 503 + Retry-After (reject) or run "
-                        "at the smallest budget")
+                        "at the fastest budget, normally the smallest")
     p.add_argument("--slack", type=float, default=0.9,
                    help="plan deadline requests to finish within SLACK x deadline")
     p.add_argument("--workers", type=int, default=1,

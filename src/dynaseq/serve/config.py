@@ -8,7 +8,8 @@ from dynaseq.core.errors import DynaseqError
 
 OVERLOAD_ACTIONS = ("reject", "smallest")
 """What a deadline request that no budget can meet gets: ``reject`` (503 with
-``Retry-After``) or ``smallest`` (run at the smallest budget, late)."""
+``Retry-After``) or ``smallest`` (run at the fastest budget, normally the smallest,
+late)."""
 
 
 @dataclass(frozen=True)
