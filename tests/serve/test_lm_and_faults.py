@@ -150,3 +150,29 @@ def test_a_client_that_goes_away_costs_nothing_further(serve_run, synthetic_path
         assert state.metrics.cancelled.labels("translate")._value.get() == 1
     finally:
         srv.stop()
+
+
+def test_a_translation_server_warms_each_budget_before_it_is_ready(serve_run):
+    """Before it reports ready, the server translates one line at each budget it runs (the
+    lean decoder prepared off the first request's clock); nothing of it is counted."""
+    t = dynaseq.load(serve_run)
+    state = build_state(t, "seq2seq", ServeConfig(beam=1), log_stream=None)
+    calls = []
+    real = t.translate
+
+    def recording(lines, **kw):
+        calls.append((lines, kw["budget"]))
+        return real(lines, **kw)
+
+    t.translate = recording
+    srv = InProcess(state)
+    try:
+        assert len(state.budgets) > 1
+        assert [b for _, b in calls] == [[b] for b in state.budgets]
+        assert all(len(lines) == 1 for lines, _ in calls)
+        assert httpx.get(srv.url + "/readyz", timeout=30).status_code == 200
+        assert state.batcher.overhead_ms == 0.0  # no answer observed yet
+        counted = [x.value for m in state.metrics.lines.collect() for x in m.samples]
+        assert sum(counted) == 0
+    finally:
+        srv.stop()

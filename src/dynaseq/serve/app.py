@@ -353,6 +353,9 @@ def build_app(state: ServeState) -> Any:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        for endpoint in ep.TASK_ENDPOINTS[state.kind]:  # before ready: not on a request
+            if endpoint.warm is not None:
+                await asyncio.to_thread(endpoint.warm, state)
         if state.batcher._thread is None:
             state.batcher.start()
         monitor = asyncio.create_task(watch_loop()) if state.policy is not None else None
