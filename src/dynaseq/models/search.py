@@ -67,11 +67,14 @@ class Expiry:
 
 def _expiry(expires: Sequence[float] | None, n: int,
             clock: Callable[[], float]) -> Expiry | None:
+    """The search's :class:`Expiry`; None when no sentence can expire (no per-step check)."""
     if expires is None:
         return None
     if len(expires) != n:
         raise ValueError(f"expires needs one time per sentence: {n} sentences, "
                          f"{len(expires)} times")
+    if all(e == float("inf") for e in expires):
+        return None
     return Expiry(expires, clock)
 
 
