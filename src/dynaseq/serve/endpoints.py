@@ -221,6 +221,7 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     :class:`CountedRows` takes it."""
     lines = [line for job in jobs for line in job.payload.lines]
     owner = [k for k, job in enumerate(jobs) for _ in range(job.rows)]  # line -> its job
+    starts = [sum(job.rows for job in jobs[:k]) for k in range(len(jobs))]
     budgets = [job.payload.budget for job in jobs for _ in range(job.rows)]
     d = t.config.decode
     control = t.control_for(budgets, len(lines))
@@ -229,10 +230,10 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
         control = control.select(torch.tensor(keep, dtype=torch.long, device=t.device))
     src = t.tokenizer.encode([lines[i] for i in keep])
     lean = t.lean_decoder()
-    tally = (report_compute and beam == 1 and lean is not None
-             and counts_while_decoding(t.model, control, len(src)))
-    early = early and (tally or not (report_compute
-                                     and counts_while_decoding(t.model, control, len(src))))
+    needs_pass = report_compute and counts_while_decoding(t.model, control, len(src))
+    tally = needs_pass and beam == 1 and lean is not None
+    per_line = tally or not needs_pass  # each line's compute is known when it finishes
+    early = early and per_line
     texts = [""] * len(lines)
     compute: list[dict | None] = [None] * len(lines)
     left = [job.rows for job in jobs]  # lines of each job not yet done
@@ -241,11 +242,10 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
             left[owner[i]] -= 1
 
     def result(k: int) -> tuple[list[str], list[dict | None]]:
-        a = sum(job.rows for job in jobs[:k])
+        a = starts[k]
         return texts[a: a + jobs[k].rows], compute[a: a + jobs[k].rows]
 
     counters: dict[int, CountedRows] = {}  # per decoded batch (its src), made once
-    counted: list[tuple] = []  # (idx, src, aux, counts) of each counted batch (on_batch)
 
     def on_done(done: LinesDone) -> None:  # lines finished while the batch decodes
         if not report_compute:
@@ -270,9 +270,10 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
                                 strict=True):
             texts[keep[j]], compute[keep[j]] = text, rep
             left[owner[keep[j]]] -= 1
-        for k in {owner[keep[j]] for j in done.idx}:
-            if left[k] == 0:
-                jobs[k].settle(result(k))
+        if early:
+            for k in {owner[keep[j]] for j in done.idx}:
+                if left[k] == 0:
+                    jobs[k].settle(result(k))
 
     if early:
         for k, job in enumerate(jobs):
@@ -283,31 +284,32 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
-                         lean=lean,
-                         on_batch=(lambda *batch: counted.append(batch)) if tally else None,
+                         lean=lean, on_batch=_counted_as_lines_finish if tally else None,
                          expires=[expires[i] for i in keep],
-                         on_done=on_done if early else None)
+                         on_done=on_done if per_line else None)
     for j, h in enumerate(hyps):
         if h is None:  # expired while decoding: its job gets a 503, the others answers
             job = jobs[owner[keep[j]]]
             job.shed = Shed(f"the deadline of {job.deadline_ms:g} ms passed while the "
                             "batch was decoding", retry_after_s)
-    if not early:  # every line's answer now
+    if not per_line:  # beam search with gates that decide: one pass over what finished
         done = [j for j, h in enumerate(hyps) if h is not None]
         for j, text in zip(done, t.tokenizer.decode([hyps[j] for j in done]), strict=True):
             texts[keep[j]] = text
-        if tally:  # from the counts, batch by batch
-            for idx, rows_src, aux, counts in counted:
-                counter = CountedRows(t.model, rows_src, aux, all_on)
-                for j, c in zip(idx, counter.reports(counts), strict=True):
-                    compute[keep[j]] = c
-        elif report_compute and done:
+        if done:
             rows = control_rows(control, len(src), done, t.device)
             per_row = realized_per_row(t.model, [src[j] for j in done],
                                        [hyps[j] for j in done], rows)
             for j, c in zip(done, per_row, strict=True):
                 compute[keep[j]] = c
     return [result(k) for k in range(len(jobs))]
+
+
+def _counted_as_lines_finish(idx: list[int], src: torch.Tensor, aux: AuxOutputs,
+                             counts: dict[str, torch.Tensor]) -> None:
+    """``on_batch`` of a decode that counts what it runs: each line's compute is formed
+    from the counts when it finishes (``on_done``), so nothing is left for the batch's
+    end."""
 
 
 @torch.no_grad()
