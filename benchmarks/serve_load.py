@@ -204,8 +204,7 @@ async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: f
                     rec["status"] = r.status
                     b = await r.json()
                 if rec["status"] == 503:  # refused on arrival, or shed from its batch
-                    rec["shed"] = any(m in b.get("error", "") for m in (
-                        "can no longer be met", "passed while the batch was decoding"))
+                    rec["shed"] = b.get("reason") == "late"
                 if rec["status"] == 200:
                     rec.update(hyp=b["translation"], budget=b["budget"],
                                degraded=b["degraded"], server_ms=b["latency_ms"])

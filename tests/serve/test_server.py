@@ -179,7 +179,7 @@ def test_deadlines_choose_budgets_from_the_latency_table(server, serve_run, line
     before = server.metric("dynaseq_rejected_total", endpoint="translate", reason="deadline")
     r = server.post("/v1/translate", json={"text": lines[0], "deadline_ms": 0.001})
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-    assert "no budget" in r.json()["error"]
+    assert "no budget" in r.json()["error"] and r.json()["reason"] == "deadline"
     assert server.metric("dynaseq_rejected_total", endpoint="translate",
                          reason="deadline") == before + 1
     assert server.post("/v1/translate", json={"text": lines[0]}).status_code == 200
@@ -242,6 +242,7 @@ def test_a_deadline_request_that_can_no_longer_answer_in_time_is_shed(run_copy, 
             assert plain.result().status_code == 200
         assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1
         assert "can no longer be met" in late.json()["error"]
+        assert late.json()["reason"] == "late"
         assert s.metric("dynaseq_rejected_total", endpoint="translate", reason="late") == 1
     finally:
         s.stop()

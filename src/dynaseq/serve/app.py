@@ -167,9 +167,12 @@ def config_default_budget(predictor: Any, kind: str, config: Any) -> Any:
     return budget
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": " ".join(str(message).split())}, status_code=status,
-                        headers=headers)
+def _error(status: int, message: str, headers: dict[str, str] | None = None,
+           reason: str | None = None) -> JSONResponse:
+    body = {"error": " ".join(str(message).split())}
+    if reason is not None:
+        body["reason"] = reason
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class BodyLimit:
@@ -334,7 +337,7 @@ def _refuse(state: ServeState, endpoint: ep.Endpoint, log: dict, status: int, ms
     if reason is not None:
         state.metrics.rejected.labels(endpoint.name, reason).inc()
     headers = {"Retry-After": str(retry)} if retry is not None else None
-    return _error(status, msg, headers)
+    return _error(status, msg, headers, reason)
 
 
 def build_app(state: ServeState) -> Any:

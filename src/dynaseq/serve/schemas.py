@@ -8,7 +8,7 @@ string belongs is a 422, never coerced. Each request gives ``text`` (one line) o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -163,9 +163,14 @@ class ScoreResponse(_Response):
 
 
 class ErrorResponse(BaseModel):
-    """Every refusal: ``{"error": "one line"}``."""
+    """Every refusal: ``{"error": "one line"}``. A 503 also says why, in ``reason`` (the
+    label of ``dynaseq_rejected_total``): ``"deadline"`` (no budget meets the deadline on
+    arrival), ``"late"`` (admitted, then dropped: predicted late when its batch formed, or
+    its deadline passed while the batch decoded), ``"queue"`` (the queue is full),
+    ``"draining"`` (the server is shutting down)."""
 
     error: str
+    reason: Literal["deadline", "late", "queue", "draining"] | None = None
 
 
 def one_line(errors: list[dict[str, Any]]) -> str:
