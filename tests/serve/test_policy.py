@@ -131,9 +131,9 @@ def test_a_budget_no_faster_than_a_larger_one_is_never_chosen():
                        overload="smallest")
     d = p.decide(5, rows=1, length=10)
     assert (d.budget, d.degraded, d.predicted_ms) == (HALF, True, 6.0)
-    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=5.0) == HALF
-    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=7.0) == HALF
-    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=11.0) == FULL
+    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=[5.0]) == HALF
+    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=[7.0]) == HALF
+    assert p.batch_budget([], [Work(FULL, 1, 10, True)], left_ms=[11.0]) == FULL
 
 
 def test_queued_work_degrades_budgets_before_latency_grows():
@@ -293,11 +293,11 @@ def test_a_batch_about_to_run_gives_its_deadline_lines_one_budget():
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     flexible = [Work(HALF, 2, 10), Work(FULL, 3, 10)]
     fixed = [Work(FULL, 5, 10)]  # 10 lines: 5 ms a line at full, 3 at half
-    assert p.batch_budget(fixed, flexible, left_ms=50.0) == FULL  # 25 + 25
-    assert p.batch_budget(fixed, flexible, left_ms=49.0) == HALF  # 25 + 15
-    assert p.batch_budget(fixed, flexible, left_ms=10.0) == HALF  # none fits: the smallest
-    assert p.batch_budget(fixed, flexible, left_ms=80.0, scale=2.0) == HALF  # 2 x 40
-    assert p.batch_budget([Work((0.2, 0.2), 5, 10)], flexible, left_ms=50.0) == FULL
+    assert p.batch_budget(fixed, flexible, left_ms=[50.0, 50.0]) == FULL  # 25 + 25
+    assert p.batch_budget(fixed, flexible, left_ms=[49.0, 60.0]) == HALF  # 25 + 15
+    assert p.batch_budget(fixed, flexible, left_ms=[10.0, 10.0]) == HALF  # none fits
+    assert p.batch_budget(fixed, flexible, left_ms=[80.0, 80.0], scale=2.0) == HALF  # 2 x 40
+    assert p.batch_budget([Work((0.2, 0.2), 5, 10)], flexible, left_ms=[50.0, 50.0]) == FULL
 
 
 def test_a_batch_takes_the_time_of_its_longest_line():
@@ -310,8 +310,8 @@ def test_a_batch_takes_the_time_of_its_longest_line():
     assert p.batch_ms([Work(FULL, 1, 10), Work(FULL, 1, 20)], HALF) == pytest.approx(
         12 + 48 / 9)
     assert p.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(two)
-    assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], two) == FULL
-    assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], two - 1) == HALF
+    assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], [two]) == FULL
+    assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], [two - 1]) == HALF
 
 
 def test_a_batch_leaves_the_time_that_later_requests_were_admitted_on():
@@ -320,15 +320,15 @@ def test_a_batch_leaves_the_time_that_later_requests_were_admitted_on():
     lines at the budget it tries."""
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     mine = [Work(FULL, 1, 10)]
-    assert p.batch_budget([], mine, 100.0) == FULL  # 10 ms
-    assert p.batch_budget([], mine, 100.0, behind=[(Work(FULL, 1, 10, True), 17.0)]) == FULL
-    assert p.batch_budget([], mine, 100.0, behind=[(Work(FULL, 1, 10, True), 15.0)]) == HALF
-    assert p.batch_budget([], mine, 100.0, behind=[(Work(FULL, 1, 10), None)]) == FULL
+    assert p.batch_budget([], mine, [100.0]) == FULL  # 10 ms
+    assert p.batch_budget([], mine, [100.0], behind=[(Work(FULL, 1, 10, True), 17.0)]) == FULL
+    assert p.batch_budget([], mine, [100.0], behind=[(Work(FULL, 1, 10, True), 15.0)]) == HALF
+    assert p.batch_budget([], mine, [100.0], behind=[(Work(FULL, 1, 10), None)]) == FULL
     # 12 lines behind: two batches (10 lines, then 2), the second one due at 60 ms
     behind = [(Work(FULL, 10, 10, True), 100.0), (Work(FULL, 2, 10, True), 60.0)]
-    assert p.batch_budget([], mine, 100.0, behind=behind) == FULL  # 10 + 30 + 8.7 ≤ 60
+    assert p.batch_budget([], mine, [100.0], behind=behind) == FULL  # 10 + 30 + 8.7 ≤ 60
     behind[1] = (Work(FULL, 2, 10, True), 48.0)
-    assert p.batch_budget([], mine, 100.0, behind=behind) == HALF  # 6 + 30 + 8.7 ≤ 48
+    assert p.batch_budget([], mine, [100.0], behind=behind) == HALF  # 6 + 30 + 8.7 ≤ 48
     flexible_ahead = [Work(FULL, 9, 10, True)]
     assert p.predict_ms(HALF, 1, 10, flexible_ahead) == 30.0  # the 10 lines at half
     assert p.predict_ms(HALF, 1, 10, [Work(FULL, 9, 10)]) == pytest.approx(45 + 3)
@@ -364,3 +364,50 @@ def test_lines_that_cannot_answer_in_time_even_at_the_smallest_are_dropped():
     assert p.late([], two, [17.0, 16.0]) == [False, True]  # the least time left goes first
     assert p.late([], two, [11.0, 5.0]) == [True, True]  # 12 > 11 once the other is gone
     assert p.late([], two, [12.0, 5.0]) == [False, True]
+
+
+def test_with_early_answers_a_line_ends_at_its_own_longest_source():
+    """A server that answers each request when its own lines end (``early_answers``): the
+    request's batch ends for it at its own length (the batch's lines at length 10, not the
+    20-token line's), while the batches ahead still cost theirs at their longest; the same
+    in a batch about to run (``batch_budget``) and for what is dropped (``late``)."""
+    early = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10, early_answers=True)
+    whole = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
+    at10, at20 = 10 + 40 / 9, 20 + 80 / 9  # 2 full-budget lines at length 10, 20
+    assert early.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(at10)
+    assert whole.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(at20)
+    ahead = [Work(FULL, 10, 10), Work(FULL, 1, 20)]  # a 10-line batch (50 ms), then ours
+    assert early.predict_ms(FULL, 1, 10, ahead) == pytest.approx(50 + at10)
+    assert whole.predict_ms(FULL, 1, 10, ahead) == pytest.approx(50 + at20)
+    assert early.predict_ms(FULL, 1, 20, [Work(FULL, 1, 10)]) == pytest.approx(at20)
+    assert early.decide(at10, 1, 10, [Work(FULL, 1, 20)]).budget == FULL
+    assert whole.decide(at10, 1, 10, [Work(FULL, 1, 20)]).reject  # 23.1 ms even at half
+    for p, want in ((early, FULL), (whole, HALF)):
+        assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], [at10]) == want
+    # at half, two lines: 12 + 48/9 = 17.3 ms at length 20, 6 + 24/9 = 8.7 at length 10
+    two = [Work(FULL, 1, 20, True), Work(FULL, 1, 10, True)]
+    assert early.late([], two, [17.0, 9.0]) == [True, False]
+    assert whole.late([], two, [17.0, 9.0]) == [False, True]  # 17.3 > 9; then 12 alone
+    assert early.answers_in_time([Work(HALF, 1, 20), Work(HALF, 1, 10)], [20, 10],
+                                 [17.4, 8.7]) == [True, True]
+    with pytest.raises(ValueError, match="2 times left for 1 flexible"):
+        early.batch_budget([], [Work(FULL, 1, 10)], [1.0, 2.0])
+
+
+def test_the_server_plans_early_answers_where_it_gives_them(serve_run):
+    """Greedy answers each request as its lines end, so the policy plans that way; with
+    ``--answer-at-batch-end`` (``early_answers=False``) or beam search on a CCT (its gates
+    decide, so the batch is counted once it ends) every line waits for the batch."""
+    from dynaseq.serve.app import build_state
+    from dynaseq.serve.config import ServeConfig
+
+    run = dynaseq.load(serve_run)
+    t = LatencyTable.load(serve_run / "latency_table.json")
+    plans = {(beam, early): build_state(run, "seq2seq", ServeConfig(beam=beam,
+                                                                    early_answers=early),
+                                        t, log_stream=None).policy.early_answers
+             for beam, early in ((1, True), (1, False))}
+    assert plans == {(1, True): True, (1, False): False}
+    t.beam = 2  # a table measured at the server's beam
+    assert not build_state(run, "seq2seq", ServeConfig(beam=2), t,
+                           log_stream=None).policy.early_answers

@@ -129,8 +129,11 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
         if not usable:
             raise DynaseqError("the latency table holds none of the run's budgets: run "
                                "dynaseq profile RUN --latency-table again")
+        # answered as its own lines end, unless beam search's gates decide (run_translate)
+        early = config.early_answers and (beam == 1 or predictor.model.n_controls == 0)
         policy = DeadlinePolicy(table, usable, config.max_batch_rows, config.batch_window_ms,
-                                config.slack, config.overload, config.retry_after_min_s)
+                                config.slack, config.overload, config.retry_after_min_s,
+                                early_answers=early)
 
     def estimate(jobs: list[Job]) -> float:
         if policy is None:

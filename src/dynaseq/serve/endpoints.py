@@ -166,7 +166,7 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
     longer answer in time even at the smallest budget are shed (503, with the
     ``"reject"`` overload policy: :meth:`~dynaseq.serve.policy.DeadlinePolicy.late`); the
     others all take the budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget`
-    chooses for the time left to the earliest of them and to the translation jobs queued
+    chooses for the time left to each of them and to the translation jobs queued
     ``behind`` (the event loop's lag and the margin that admission planned with kept
     aside)."""
     policy = state.policy
@@ -196,7 +196,7 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
             return
     queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
-                                 min(left(j) for j in flexible), scale, queued)
+                                 [left(j) for j in flexible], scale, queued)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget
