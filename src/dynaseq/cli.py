@@ -301,7 +301,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
         overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
         access_log=not args.no_access_log, default_budget=args.default_budget,
-        workers=args.workers, early_answers=not args.answer_at_batch_end)
+        workers=args.workers, early_answers=not args.answer_at_batch_end,
+        batch_nice=args.batch_nice)
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
                  latency_table=args.latency_table, threads=args.threads)
 
@@ -1102,6 +1103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer-at-batch-end", action="store_true",
                    help="answer a batch's translation requests when the whole batch is "
                         "done (default: each as soon as its own lines are)")
+    p.add_argument("--batch-nice", type=int, default=10,
+                   help="lower the batch thread's scheduling priority by this much (its "
+                        "nice value, Linux; 0-19, default 10), so the event loop reads and "
+                        "answers requests while a batch decodes on the same core")
     _add_run_args(p)
 
     p = sub.add_parser("average", help="average the last K checkpoints into run_dir/averaged")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 
@@ -230,3 +232,34 @@ def test_the_typical_scale_is_the_median_of_recent_batches():
     for _ in range(b.RATIO_WINDOW):
         b._update_scale(0.7)
     assert b.typical_scale == 0.7  # only the last RATIO_WINDOW batches count
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice: Linux")
+def test_the_batch_thread_runs_at_a_lower_priority_than_the_event_loop():
+    """``nice``: the worker thread's nice value is the process's plus ``nice`` (the event
+    loop's thread keeps the process's); 0 leaves it alone; a negative one is refused."""
+    def batch_nice(nice: int) -> int:
+        async def go():
+            seen = []
+
+            def run(jobs):
+                seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                return [None for _ in jobs]
+
+            b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4,
+                        nice=nice)
+            fut = b.submit(Job(group="g", run=run, payload=None, rows=1, budget=(1.0, 1.0),
+                               endpoint="t"))
+            b.start()
+            await fut
+            b.stop()
+            return seen[0]
+
+        return asyncio.run(go())
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert batch_nice(0) == own
+    assert batch_nice(7) == min(19, own + 7)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    with pytest.raises(ValueError, match="nice must be >= 0"):
+        Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4, nice=-1)

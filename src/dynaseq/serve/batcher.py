@@ -8,12 +8,20 @@ more jobs of the same group (same endpoint and decoding settings) to join, up to
 loop. An exception fails that batch's jobs only; the next batch runs. A job whose client
 went away (:meth:`Job.cancel`) is dropped before it runs. :meth:`Batcher.stop` drains:
 every queued job still runs before the worker exits.
+
+The worker thread runs at a lower scheduling priority than the event loop (``nice``, on
+Linux, where a thread has its own): where the two share a core, the loop reads a request,
+plans it and sends an answer as soon as it has one to handle, instead of waiting for the
+kernel's share of a core that a decoding batch keeps busy. The batch loses only the time
+the loop works, which it loses either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -127,6 +135,8 @@ class Batcher:
 
     estimate_ms: predicted milliseconds of a batch of jobs (for :meth:`snapshot`'s running
         time), or None.
+    nice: how much lower the worker thread's scheduling priority is than the process's
+        (its nice value raised by this much; 0: the same; Linux only, see the module doc).
 
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
     exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
@@ -155,8 +165,12 @@ class Batcher:
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
-                 estimate_ms: Callable[[list[Job]], float] | None = None) -> None:
+                 estimate_ms: Callable[[list[Job]], float] | None = None,
+                 nice: int = 0) -> None:
+        if nice < 0:
+            raise ValueError(f"nice must be >= 0 (a lower priority), got {nice}")
         self.metrics = metrics
+        self.nice = nice
         self.window_s = window_ms / 1000.0
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
@@ -291,6 +305,10 @@ class Batcher:
             return batch
 
     def _work(self) -> None:
+        if self.nice and sys.platform.startswith("linux"):  # a thread's own priority
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid)
+                           + self.nice)
         while True:
             batch = self._take()
             if batch is None:

@@ -34,6 +34,9 @@ class ServeConfig:
         (None: the largest trained budget).
     early_answers: answer each translation request as soon as its own lines are done, while
         its batch decodes the others (False: when the batch ends).
+    batch_nice: how much lower the batch thread's scheduling priority is than the event
+        loop's (Linux: its nice value, raised by this much; 0: the same), so that where they
+        share a core requests are read and answered while a batch decodes.
     workers: server processes answering on the one port (uvicorn's workers, each with its
         own copy of the model and its own batcher); above 1, ``/metrics`` sums them and
         each access-log line carries the ``pid`` of the worker that answered.
@@ -58,6 +61,7 @@ class ServeConfig:
     default_budget: float | tuple[float, float] | None = None
     workers: int = 1
     early_answers: bool = True
+    batch_nice: int = 10
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -69,6 +73,8 @@ class ServeConfig:
                      "max_generate_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise DynaseqError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.batch_nice <= 19:
+            raise DynaseqError(f"--batch-nice must be in [0, 19], got {self.batch_nice}")
         if self.beam is not None and self.beam < 1:
             raise DynaseqError("--beam must be >= 1")
         if self.overload not in OVERLOAD_ACTIONS:
