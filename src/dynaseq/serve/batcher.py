@@ -307,8 +307,11 @@ class Batcher:
     def _work(self) -> None:
         if self.nice and sys.platform.startswith("linux"):  # a thread's own priority
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid)
-                           + self.nice)
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid)
+                               + self.nice)
+            except OSError:  # not allowed here (a sandbox): the same priority, still correct
+                pass
         while True:
             batch = self._take()
             if batch is None:
