@@ -279,15 +279,12 @@ class DeadlinePolicy:
                         left_ms: Sequence[float], scale: float = 1.0) -> list[bool]:
         """Whether one batch of ``works`` (each at its own budget) answers a line whose
         longest source is ``lengths[i]`` within ``left_ms[i]``: the batch's predicted
-        time, ``scale`` times the table's, at its longest source, or with
+        time (:meth:`batch_ms`), ``scale`` times the table's, at its longest source, or with
         :attr:`early_answers` at ``lengths[i]`` (the line's answer does not wait for the
         batch's longest)."""
-        if not self.early_answers:
-            spent = scale * self.batch_ms(works)
-            return [spent <= left for left in left_ms]
         batch = _Batch.of(works, own=lambda w: True)
-        rows = max(1, min(batch.rows, self.max_batch_rows))
-        return [scale * self._summary_ms(batch, self.largest, length, rows) <= left
+        return [scale * self._summary_ms(batch, self.largest,
+                                         length if self.early_answers else None) <= left
                 for length, left in zip(lengths, left_ms, strict=True)]
 
     def late(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: Sequence[float],
@@ -297,20 +294,15 @@ class DeadlinePolicy:
         smallest budget (:meth:`answers_in_time`: the batch's predicted time, ``scale``
         times the table's, more than their time left). The line with the least time left
         goes first; dropping it shortens the batch for the others, so each next one is
-        checked against the batch without those dropped (without :attr:`early_answers`,
-        until one answers in time: then all the rest do, as every line waits for the same
-        batch). (No margin: a line is dropped when its answer is predicted late, not when
+        checked against the batch without those dropped. (No margin: a line is dropped when its answer is predicted late, not when
         it merely might be.)"""
         fixed = [self._tabled(w) for w in fixed]
         out = [False] * len(flexible)
         for i in sorted(range(len(flexible)), key=lambda i: left_ms[i]):
             works = [*fixed, *(Work(self.smallest, w.rows, w.length)
                                for w, dropped in zip(flexible, out, strict=True) if not dropped)]
-            if self.answers_in_time(works, [flexible[i].length], [left_ms[i]], scale)[0]:
-                if not self.early_answers:
-                    break
-                continue
-            out[i] = True
+            out[i] = not self.answers_in_time(works, [flexible[i].length], [left_ms[i]],
+                                              scale)[0]
         return out
 
     def _tabled(self, w: Work) -> Work:
