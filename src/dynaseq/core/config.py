@@ -77,7 +77,10 @@ class TrainConfig:
     """Optimisation and bookkeeping. ``lr`` is the peak of the learning-rate ``schedule``:
     ``inverse_sqrt`` (Vaswani et al.) or ``cosine`` (linear warm-up, then cosine decay to
     ``min_lr_ratio`` · lr at ``max_steps``). ``tensorboard``: the train and valid scalars of
-    ``log.jsonl`` also go to ``run_dir/tensorboard`` (needs the ``tensorboard`` extra)."""
+    ``log.jsonl`` also go to ``run_dir/tensorboard`` (needs the ``tensorboard`` extra).
+    ``precision``: ``fp32``, or ``bf16`` for the forward pass and loss of each update under
+    ``torch.autocast`` (bfloat16 matrix products; weights, gradients, optimizer state and
+    validation stay float32; no loss scaling, as bfloat16 keeps float32's exponent range)."""
 
     seed: int = 1
     lr: float = 7e-4
@@ -102,6 +105,7 @@ class TrainConfig:
     schedule: str = "inverse_sqrt"
     min_lr_ratio: float = 0.0
     tensorboard: bool = False  # also write the logged scalars to run_dir/tensorboard
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         check_positive(self, "lr", "update_freq", "max_steps", "max_epochs", "log_every",
@@ -122,6 +126,8 @@ class TrainConfig:
         check_fraction(self, "label_smoothing")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
 
 
 # --------------------------------------------------------------------------- conversion

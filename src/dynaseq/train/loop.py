@@ -225,8 +225,10 @@ class _Trainer:
         for i, micro in enumerate(upd.micro):
             sync = i == len(upd.micro) - 1 or not env.enabled
             with contextlib.nullcontext() if sync else wrapped.no_sync():
-                out = task.forward(wrapped, micro)
-                terms = task.loss(out, micro, s.step)
+                with torch.autocast(self.run.device.type, torch.bfloat16,
+                                    enabled=self.tc.precision == "bf16"):
+                    out = task.forward(wrapped, micro)
+                    terms = task.loss(out, micro, s.step)
                 (terms.loss * env.world_size / upd.n_tokens).backward()
             sums["loss"] += float(terms.loss.detach())
             sums["nll"] += terms.nll_sum
