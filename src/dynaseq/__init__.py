@@ -20,14 +20,17 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 
-def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto") -> Predictor:
+def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto",
+         precision: str = "fp32") -> Predictor:
     """Load a trained run directory of any kind: a translation run gives a
     :class:`~dynaseq.tasks.translation.predictor.Translator`, a language-model run a
     :class:`~dynaseq.tasks.lm.predictor.LanguageModel` (both
-    :class:`~dynaseq.tasks.protocol.Predictor`)."""
+    :class:`~dynaseq.tasks.protocol.Predictor`). ``precision="bf16"`` runs the model's
+    products in bfloat16 (about half the float32 time at batch 32 on a CPU with
+    AVX512-BF16; outputs within bfloat16's rounding of float32's)."""
     from dynaseq.tasks.registry import load as load_run
 
-    return load_run(run_dir, checkpoint=checkpoint, device=device)
+    return load_run(run_dir, checkpoint=checkpoint, device=device, precision=precision)
 
 
 __all__ = ["CheckpointError", "ConfigError", "DynaseqError", "__version__", "load"]

@@ -105,7 +105,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _translator(args: argparse.Namespace):
     from dynaseq.tasks.translation.predictor import Translator
 
-    return Translator.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+    return Translator.load(args.run_dir, checkpoint=args.checkpoint, device=args.device,
+                           precision=args.precision)
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
@@ -302,7 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
         access_log=not args.no_access_log, default_budget=args.default_budget,
         workers=args.workers, early_answers=not args.answer_at_batch_end,
-        batch_nice=args.batch_nice)
+        batch_nice=args.batch_nice, precision=args.precision)
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
                  latency_table=args.latency_table, threads=args.threads)
 
@@ -566,7 +567,8 @@ def _refuse_given(args: argparse.Namespace, names: tuple[str, ...], runs: str) -
 def _language_model(args: argparse.Namespace):
     from dynaseq.tasks.lm.predictor import LanguageModel
 
-    return LanguageModel.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+    return LanguageModel.load(args.run_dir, checkpoint=args.checkpoint, device=args.device,
+                              precision=args.precision)
 
 
 def _evaluate_lm(args: argparse.Namespace) -> int:
@@ -601,7 +603,8 @@ def _encoder_budget(args: argparse.Namespace) -> float | None:
 def _classifier(args: argparse.Namespace):
     from dynaseq.tasks.classify.predictor import Classifier
 
-    return Classifier.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+    return Classifier.load(args.run_dir, checkpoint=args.checkpoint, device=args.device,
+                           precision=args.precision)
 
 
 def cmd_classify(args: argparse.Namespace) -> int:
@@ -674,7 +677,8 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
     if args.split != "valid" and args.data is None:
         raise DynaseqError("evaluate: an MLM run's config has a valid file only; give "
                            "--data FILE for other text")
-    m = MaskedLM.load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+    m = MaskedLM.load(args.run_dir, checkpoint=args.checkpoint, device=args.device,
+                      precision=args.precision)
     result = m.evaluate(args.data or "valid", budget=budget, batch_size=args.batch_size,
                         progress=not args.quiet)
     return _print_result(args, result, lambda: (
@@ -754,7 +758,8 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
 def dynaseq_load(args: argparse.Namespace):
     from dynaseq.tasks.registry import load
 
-    return load(args.run_dir, checkpoint=args.checkpoint, device=args.device)
+    return load(args.run_dir, checkpoint=args.checkpoint, device=args.device,
+                precision=args.precision)
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -913,6 +918,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default="auto",
                    help="auto (averaged > best > latest), best, latest, averaged or a path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: the model's products in bfloat16 (fast on CPUs with "
+                        "AVX512-BF16 or AMX, and on GPUs)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one shows only when stderr is a terminal)")
 

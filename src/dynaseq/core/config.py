@@ -72,6 +72,17 @@ def check_task(cfg: Any, task: str, what: str) -> None:
         raise ConfigError(f"task must be {task!r} for {what} config, got {cfg.task!r}")
 
 
+#: The precisions a run trains (``train.precision``) or a predictor runs (``precision=``)
+#: in: float32, or bfloat16 matrix products (:func:`dynaseq.core.distributed.pick_dtype`).
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(name: str) -> None:
+    """Raise :class:`ConfigError` unless ``name`` is one of :data:`PRECISIONS`."""
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision must be 'fp32' or 'bf16', got {name!r}")
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and bookkeeping. ``lr`` is the peak of the learning-rate ``schedule``:
@@ -126,8 +137,7 @@ class TrainConfig:
         check_fraction(self, "label_smoothing")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        check_precision(self.precision)
 
 
 # --------------------------------------------------------------------------- conversion

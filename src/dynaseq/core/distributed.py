@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dynaseq.core.config import check_precision
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -49,6 +51,13 @@ def pick_device(name: str, env_local_rank: int | None = None) -> torch.device:
     rank = int(os.environ.get("LOCAL_RANK", 0)) if env_local_rank is None else env_local_rank
     torch.cuda.set_device(rank)
     return torch.device("cuda", rank)
+
+
+def pick_dtype(precision: str) -> torch.dtype:
+    """The dtype of a precision name (``fp32`` or ``bf16``, :data:`~dynaseq.core.config.
+    PRECISIONS`); raises :class:`~dynaseq.core.errors.ConfigError` for another name."""
+    check_precision(precision)
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def all_reduce_sum(values: list[float], env: DistEnv, device: torch.device) -> list[float]:

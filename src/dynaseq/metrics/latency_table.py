@@ -61,7 +61,8 @@ def budget_key(pair: Pair) -> str:
 class LatencyTable:
     """Measured service times: ``service_ms[budget_key][i][j]`` is the median milliseconds
     to decode a batch of ``batch_sizes[i]`` sentences of ``lengths[j]`` source tokens at that
-    budget (greedy for ``beam`` 1), on ``device`` with ``threads`` CPU threads. ``predict``:
+    budget (greedy for ``beam`` 1), on ``device`` with ``threads`` CPU threads, the model's
+    weights in ``precision`` (``fp32`` or ``bf16``). ``predict``:
     ``"fit"`` or ``"grid"`` (:data:`PREDICTIONS`; see the module doc). A table is not changed
     once made: its fits and predictions are remembered (a server plans every request with
     hundreds of them)."""
@@ -76,6 +77,7 @@ class LatencyTable:
     checkpoint: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     predict: str = "fit"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         self._predicted: dict[tuple[Pair, int, int], float] = {}  # not fields: not saved
@@ -253,7 +255,8 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     budgets = list(controls)
     service: dict[str, list[list[float]]] = {
         budget_key(p): [[0.0] * len(lengths) for _ in batch_sizes] for p in budgets}
-    device = next(model.parameters()).device
+    weight = next(model.parameters())
+    device = weight.device
     pool = [list(s)[: max_pos - 2] for s in (sources or []) if s]
     was_training = model.training
     model.eval()
@@ -285,4 +288,5 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     extra["timed"] = timed
     return LatencyTable(budgets, list(batch_sizes), list(lengths), service, beam=beam,
                         device=str(device), threads=torch.get_num_threads(),
-                        checkpoint=checkpoint, extra=extra, predict=predict)
+                        checkpoint=checkpoint, extra=extra, predict=predict,
+                        precision="bf16" if weight.dtype == torch.bfloat16 else "fp32")

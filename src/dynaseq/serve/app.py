@@ -443,7 +443,14 @@ def load_table(run_dir: str | Path, path: str | Path | None) -> LatencyTable | N
     return None
 
 
-def _warn_checkpoint(table: LatencyTable | None, predictor: Any) -> None:
-    if table is not None and table.checkpoint and table.checkpoint != str(predictor.checkpoint):
+def _warn_checkpoint(table: LatencyTable | None, predictor: Any, precision: str) -> None:
+    """Warn when the latency table was measured on another checkpoint or precision than
+    the server runs: its predicted service times are another model's."""
+    if table is None:
+        return
+    if table.checkpoint and table.checkpoint != str(predictor.checkpoint):
         warnings.warn(f"the latency table was measured on {table.checkpoint}, the server "
                       f"loaded {predictor.checkpoint}", stacklevel=2)
+    if table.precision != precision:
+        warnings.warn(f"the latency table was measured at precision {table.precision}, the "
+                      f"server runs {precision}", stacklevel=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dynaseq.core.config import PRECISIONS
 from dynaseq.core.errors import DynaseqError
 
 OVERLOAD_ACTIONS = ("reject", "smallest")
@@ -40,6 +41,8 @@ class ServeConfig:
     workers: server processes answering on the one port (uvicorn's workers, each with its
         own copy of the model and its own batcher); above 1, ``/metrics`` sums them and
         each access-log line carries the ``pid`` of the worker that answered.
+    precision: the model's, ``fp32`` or ``bf16`` (``dynaseq.load``'s ``precision``); a
+        deadline server warns when its latency table was measured at another.
     """
 
     host: str = "127.0.0.1"
@@ -62,6 +65,7 @@ class ServeConfig:
     workers: int = 1
     early_answers: bool = True
     batch_nice: int = 10
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -73,6 +77,8 @@ class ServeConfig:
                      "max_generate_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise DynaseqError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.precision not in PRECISIONS:
+            raise DynaseqError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if not 0 <= self.batch_nice <= 19:
             raise DynaseqError(f"--batch-nice must be in [0, 19], got {self.batch_nice}")
         if self.beam is not None and self.beam < 1:

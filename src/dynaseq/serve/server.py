@@ -56,12 +56,12 @@ def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, devi
     from dynaseq.tasks.registry import load, run_kind
 
     kind = run_kind(run_dir)
-    predictor = load(run_dir, checkpoint=checkpoint, device=device)
+    predictor = load(run_dir, checkpoint=checkpoint, device=device, precision=config.precision)
     table = load_table(run_dir, latency_table) if kind == "seq2seq" else None
     if latency_table is not None and kind != "seq2seq":
         raise DynaseqError("--latency-table is for translation runs")
     if warn:
-        _warn_checkpoint(table, predictor)
+        _warn_checkpoint(table, predictor, config.precision)
     return build_state(predictor, kind, config, table, run_dir=str(run_dir))
 
 

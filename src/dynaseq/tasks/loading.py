@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from dynaseq.core.checkpoint import load_resolved, load_weights
-from dynaseq.core.distributed import pick_device
+from dynaseq.core.distributed import pick_device, pick_dtype
+from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import open_run
 
 V = TypeVar("V")
@@ -63,9 +64,12 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
                    build: Callable[[Any, V], nn.Module],
                    make: Callable[[LoadedRun[V]], P],
                    weights: Weights = place_weights,
-                   check: Callable[[Path, Any], None] | None = None) -> P:
+                   check: Callable[[Path, Any], None] | None = None,
+                   precision: str = "fp32") -> P:
     """Load a predictor from ``run_dir`` at ``checkpoint`` (``auto``, ``latest``, ``best``,
-    ``averaged`` or a step) on ``device`` (``auto``, ``cpu``, ``cuda``).
+    ``averaged`` or a step) on ``device`` (``auto``, ``cpu``, ``cuda``) in ``precision``
+    (``fp32``; ``bf16``: the weights cast to bfloat16 after loading, so every product runs
+    in bfloat16; the searches and scores take their log-probabilities in float32).
 
     ``configs``: the task's ``{task: run config type}``; ``what``: what a run of it is
     called (a run of another task is refused as "not a {what} run"). ``vocabulary(run)``
@@ -76,9 +80,10 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
 
     Raises:
         CheckpointError: no run directory, config or checkpoint; corrupt weights.
-        ConfigError: a config that does not parse.
-        DynaseqError: a run of another task.
+        ConfigError: a config that does not parse; an unknown precision.
+        DynaseqError: a run of another task; ``bf16`` asked of a model with int8 weights.
     """
+    dtype = pick_dtype(precision)
     run, cfg = open_run(run_dir, configs, what)
     vocab = vocabulary(run)
     dev = pick_device(device)
@@ -87,6 +92,12 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
 
     def from_checkpoint(path: Path) -> P:
         model, placed = weights(build(cfg, vocab), path, dev)
+        if dtype != torch.float32:
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8
+                   for t in model.state_dict().values()):
+                raise DynaseqError(f"{path}: an int8 model runs in int8; precision {precision} "
+                                   "is for a float model")
+            model = model.to(dtype)
         return make(LoadedRun(run, cfg, vocab, model, path, placed))
 
     return load_resolved(run, checkpoint, from_checkpoint)

@@ -125,5 +125,6 @@ class Predictor(Protocol):
 
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
-             device: str | torch.device | None = None) -> Predictor:
+             device: str | torch.device | None = None,
+             precision: str = "fp32") -> Predictor:
         ...

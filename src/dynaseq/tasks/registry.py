@@ -64,10 +64,12 @@ def task_for(cfg: Any, hooks: Any = None) -> Task:
     return make(cfg, hooks)
 
 
-def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto") -> Predictor:
+def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto",
+         precision: str = "fp32") -> Predictor:
     """The task's predictor for a trained run directory of any kind (see ``dynaseq.load``)."""
     run, cfg = open_run(run_dir, RUN_CONFIGS)
-    return PREDICTORS[type(cfg)].load(run, checkpoint=checkpoint, device=device)
+    return PREDICTORS[type(cfg)].load(run, checkpoint=checkpoint, device=device,
+                                      precision=precision)
 
 
 def run_kind(run_dir: str | Path) -> str:

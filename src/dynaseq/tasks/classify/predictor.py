@@ -321,7 +321,7 @@ class Classifier:
 
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
-             device: str = "auto") -> Classifier:
+             device: str = "auto", precision: str = "fp32") -> Classifier:
         def check(run: Path, cfg: ClassifyRunConfig) -> None:
             if cfg.data.layout().n_outputs < 1:
                 raise DynaseqError(f"{run}: the config has no label set")
@@ -332,7 +332,8 @@ class Classifier:
             build=lambda cfg, vocab: build_encoder_model(
                 cfg.model, vocab.size, cfg.data.layout().n_outputs, vocab.pad_id),
             make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device,
-                               read_calibrations(r.run, r.checkpoint, r.model.n_controls)))
+                               read_calibrations(r.run, r.checkpoint, r.model.n_controls)),
+            precision=precision)
 
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
         """Examples of the non-empty inputs and their indices. A pair task needs two

@@ -152,7 +152,7 @@ class LanguageModel:
 
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
-             device: str = "auto") -> LanguageModel:
+             device: str = "auto", precision: str = "fp32") -> LanguageModel:
         def build(cfg: LMRunConfig, vocab: Vocab) -> TransformerLM:
             model = build_lm(cfg.model, len(vocab))
             if cfg.model.qat_bits is not None:
@@ -162,7 +162,8 @@ class LanguageModel:
         return load_predictor(
             run_dir, checkpoint, device, {TASK: LMRunConfig}, "language-model",
             vocabulary=lambda run: Vocab.load(run / VOCAB_FILE), build=build,
-            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device))
+            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device),
+            precision=precision)
 
     def split_path(self, split: str) -> str:
         path = getattr(self.config.data, split, None) if split in ("train", "valid",

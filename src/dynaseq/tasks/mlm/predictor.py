@@ -53,7 +53,7 @@ def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: 
     try:
         for i in range(0, blocks.size(0), batch_size):
             b = mask_tokens(blocks[i:i + batch_size], vocab, spec, gen).to(device)
-            logits = model(b.inputs, None, control, select=b.select).logits
+            logits = model(b.inputs, None, control, select=b.select).logits.float()
             nll += float(nn.functional.cross_entropy(logits, b.targets, reduction="sum"))
             correct += int((logits.argmax(-1) == b.targets).sum())
             n += b.targets.numel()
@@ -83,13 +83,14 @@ class MaskedLM:
 
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
-             device: str = "auto") -> MaskedLM:
+             device: str = "auto", precision: str = "fp32") -> MaskedLM:
         return load_predictor(
             run_dir, checkpoint, device, {TASK: MLMRunConfig}, "MLM",
             vocabulary=lambda run: EncoderVocab.load(run / SPM_FILE),
             build=lambda cfg, vocab: build_encoder_model(cfg.model, vocab.size, MLM,
                                                          vocab.pad_id),
-            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device))
+            make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device),
+            precision=precision)
 
     def blocks(self, split_or_path: str) -> Tensor:
         """(N, block_len) blocks of a split of the run's config (``valid``) or a text file."""

@@ -393,7 +393,7 @@ class Translator:
 
     @classmethod
     def load(cls, run_dir: str | Path, checkpoint: str = "auto",
-             device: str = "auto") -> Translator:
+             device: str = "auto", precision: str = "fp32") -> Translator:
         def weights(model: nn.Module, ckpt: Path,
                     dev: torch.device) -> tuple[nn.Module, torch.device]:
             if read_meta(ckpt).get("quantization") == "int8":  # written by `dynaseq quantize`
@@ -415,7 +415,8 @@ class Translator:
                                                  tok.bos_id, tok.eos_id),
             make=lambda r: cls(r.model, r.vocab, r.config, r.device, r.checkpoint,
                                read_calibrations(r.run, r.checkpoint, r.model.n_controls,
-                                                 parts=2)))
+                                                 parts=2)),
+            precision=precision)
 
     def translate(self, lines: list[str], beam: int | None = None,
                   length_penalty: float | None = None, batch_size: int | None = None,
