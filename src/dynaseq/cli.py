@@ -189,6 +189,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model, model_cfg = t.model, t.config.model
         budget_ctx = t.at_budget(args.budget)  # with the run's calibration, if any
     elif target.is_file():
+        from dynaseq.core.distributed import pick_dtype
         from dynaseq.tasks.registry import load_config
         from dynaseq.tasks.translation.model import build_seq2seq
         from dynaseq.techniques.branching import merge_shared_
@@ -200,6 +201,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             return _profile_encoder(args, cfg)
         model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
         merge_shared_(model)  # DMB: as Translator.load runs it
+        model.to(pick_dtype(args.precision))
         budget_ctx = contextlib.nullcontext(control_for_budget(cfg.model, args.budget))
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
@@ -727,7 +729,10 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
 
         model_cfg = cfg.model
         head = MLM if cfg.task == "mlm" else (cfg.data.layout().n_outputs or 2)
-        model = build_encoder_model(model_cfg, cfg.data.vocab_size, head).eval()
+        from dynaseq.core.distributed import pick_dtype
+
+        model = build_encoder_model(model_cfg, cfg.data.vocab_size, head).eval().to(
+            pick_dtype(args.precision))
     lengths = (32, 128)
     if max(lengths) > model_cfg.max_positions:
         raise DynaseqError(f"profile: {max(lengths)} tokens exceed the model's max_positions="
@@ -794,7 +799,9 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
         if cfg.data.train is None:
             raise DynaseqError("profile: an LM config needs data.train (for the vocabulary)")
         vocab = Vocab.build(read_lm_lines(cfg.data.train))
-        model = build_lm(cfg.model, len(vocab)).eval()
+        from dynaseq.core.distributed import pick_dtype
+
+        model = build_lm(cfg.model, len(vocab)).eval().to(pick_dtype(args.precision))
     result = profile_lm(model, steps=max(args.repeats, 5) * 4)
 
     def text() -> str:
@@ -914,13 +921,16 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
 
 
-def _add_run_args(p: argparse.ArgumentParser) -> None:
+def _add_run_args(p: argparse.ArgumentParser, precision: bool = True) -> None:
+    """``--checkpoint``, ``--device``, ``--quiet`` and, unless ``precision`` is False (the
+    commands whose workflow loads the run itself: prune-heads, cache-search), ``--precision``."""
     p.add_argument("--checkpoint", default="auto",
                    help="auto (averaged > best > latest), best, latest, averaged or a path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                   help="bf16: the model's products in bfloat16 (fast on CPUs with "
-                        "AVX512-BF16 or AMX, and on GPUs)")
+    if precision:
+        p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                       help="bf16: the model's products in bfloat16 (fast on CPUs with "
+                            "AVX512-BF16 or AMX, and on GPUs)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one shows only when stderr is a terminal)")
 
@@ -1214,7 +1224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-normalize", action="store_true",
                    help="do not normalise the importance scores per layer (l2)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    _add_run_args(p)
+    _add_run_args(p, precision=False)
 
     p = sub.add_parser(
         "cache-search", help="tune a language model's neural cache (theta, lambda, size) on "
@@ -1234,7 +1244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-evals", type=int, default=40, help="evaluations at most (default 40)")
     p.add_argument("--valid-tokens", type=int, default=None,
                    help="search on the first N validation tokens (default: all)")
-    _add_run_args(p)
+    _add_run_args(p, precision=False)
 
     p = sub.add_parser(
         "distill-data", help="knowledge distillation data: teacher beam outputs "

@@ -108,6 +108,8 @@ def profile_encoder(model: nn.Module, lengths: tuple[int, ...] = (32, 128),
     device = next(model.parameters()).device
     vocab = model.encoder.embeddings.vocab_size
     result: dict[str, Any] = {"params": count_params(model), "device": str(device),
+                              "dtype": str(next(model.parameters()).dtype).removeprefix(
+                                  "torch."),
                               "threads": torch.get_num_threads(), "lengths": {}}
     gen = torch.Generator().manual_seed(0)
     for s in lengths:

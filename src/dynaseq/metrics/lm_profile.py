@@ -133,5 +133,6 @@ def profile_lm(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000),
         "ratio_last_first": last / first,
         "micronet": micronet_profile(model),
         "device": str(next(model.parameters()).device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }

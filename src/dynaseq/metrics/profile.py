@@ -47,6 +47,7 @@ def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeat
         "macs_pair": {"src_tokens": src_len, "tgt_tokens": tgt_len,
                       "total": pair_macs(model, src_len, tgt_len)},
         "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }
     if latency:
