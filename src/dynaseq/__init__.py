@@ -26,8 +26,9 @@ def load(run_dir: str | Path, checkpoint: str = "auto", device: str = "auto",
     :class:`~dynaseq.tasks.translation.predictor.Translator`, a language-model run a
     :class:`~dynaseq.tasks.lm.predictor.LanguageModel` (both
     :class:`~dynaseq.tasks.protocol.Predictor`). ``precision="bf16"`` runs the model's
-    products in bfloat16 (about half the float32 time at batch 32 on a CPU with
-    AVX512-BF16; outputs within bfloat16's rounding of float32's)."""
+    products in bfloat16: outputs within bfloat16's rounding of float32's; on a CPU with
+    AVX512-BF16, classification in 0.6-0.75x the float32 time, decoding gaining less
+    (``benchmarks/results/precision.md``)."""
     from dynaseq.tasks.registry import load as load_run
 
     return load_run(run_dir, checkpoint=checkpoint, device=device, precision=precision)

@@ -929,8 +929,8 @@ def _add_run_args(p: argparse.ArgumentParser, precision: bool = True) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     if precision:
         p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                       help="bf16: the model's products in bfloat16 (fast on CPUs with "
-                            "AVX512-BF16 or AMX, and on GPUs)")
+                       help="bf16: the model's products in bfloat16 (on a CPU with "
+                            "AVX512-BF16: 0.6-0.75x the time to classify; docs/techniques.md)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one shows only when stderr is a terminal)")
 

@@ -223,7 +223,7 @@ def test_the_cli_translates_and_classifies_in_bf16(runs, data):
 def test_a_latency_table_records_its_precision_and_the_server_warns_at_another(runs,
                                                                                tmp_path):
     from dynaseq.metrics.latency_table import LatencyTable, measure_latency_table
-    from dynaseq.serve.app import _warn_checkpoint
+    from dynaseq.serve.app import _warn_stale_table
 
     fp32, bf16 = _pair(runs["translation"])
     table = measure_latency_table(bf16.model, {(1.0, 1.0): None}, [1], [4], repeats=1,
@@ -232,9 +232,20 @@ def test_a_latency_table_records_its_precision_and_the_server_warns_at_another(r
     table = LatencyTable.load(table.save(tmp_path / "table.json"))
     assert table.precision == "bf16"
     with pytest.warns(UserWarning, match="measured at precision bf16, the server runs fp32"):
-        _warn_checkpoint(table, fp32, "fp32")
+        _warn_stale_table(table, fp32, "fp32")
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_checkpoint(table, bf16, "bf16")  # the same checkpoint and precision: silent
+        _warn_stale_table(table, bf16, "bf16")  # the same checkpoint and precision: silent
+
+
+def test_profile_reports_the_precision_it_ran_at(runs):
+    import json
+
+    from helpers import run_cli
+
+    for precision in ("fp32", "bf16"):
+        proc = run_cli("profile", str(runs["classify"]), "--precision", precision, "--json")
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert json.loads(proc.stdout)["precision"] == precision

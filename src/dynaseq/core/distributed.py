@@ -60,6 +60,12 @@ def pick_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
+def precision_of(model: torch.nn.Module) -> str:
+    """``bf16`` when the model's (first) parameters are bfloat16, else ``fp32``: the
+    precision a loaded model runs at (what profiles and latency tables record)."""
+    return "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+
+
 def all_reduce_sum(values: list[float], env: DistEnv, device: torch.device) -> list[float]:
     if not env.enabled:
         return values

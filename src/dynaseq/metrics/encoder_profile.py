@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dynaseq.core.distributed import precision_of
 from dynaseq.metrics.latency import median_ms
 from dynaseq.metrics.macs import _counter
 from dynaseq.metrics.profile import count_params
@@ -108,8 +109,7 @@ def profile_encoder(model: nn.Module, lengths: tuple[int, ...] = (32, 128),
     device = next(model.parameters()).device
     vocab = model.encoder.embeddings.vocab_size
     result: dict[str, Any] = {"params": count_params(model), "device": str(device),
-                              "dtype": str(next(model.parameters()).dtype).removeprefix(
-                                  "torch."),
+                              "precision": precision_of(model),
                               "threads": torch.get_num_threads(), "lengths": {}}
     gen = torch.Generator().manual_seed(0)
     for s in lengths:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dynaseq.core.distributed import precision_of
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, read_text
 from dynaseq.core.progress import progress_bar
@@ -255,8 +256,7 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     budgets = list(controls)
     service: dict[str, list[list[float]]] = {
         budget_key(p): [[0.0] * len(lengths) for _ in batch_sizes] for p in budgets}
-    weight = next(model.parameters())
-    device = weight.device
+    device = next(model.parameters()).device
     pool = [list(s)[: max_pos - 2] for s in (sources or []) if s]
     was_training = model.training
     model.eval()
@@ -289,4 +289,4 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
     return LatencyTable(budgets, list(batch_sizes), list(lengths), service, beam=beam,
                         device=str(device), threads=torch.get_num_threads(),
                         checkpoint=checkpoint, extra=extra, predict=predict,
-                        precision="bf16" if weight.dtype == torch.bfloat16 else "fp32")
+                        precision=precision_of(model))

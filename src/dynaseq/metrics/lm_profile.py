@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dynaseq.core.distributed import precision_of
 from dynaseq.metrics.micronet import MicroNetOpCounter, micronet_score, parameter_storage
 from dynaseq.metrics.profile import count_params
 from dynaseq.models.lm import LMState, TransformerLM
@@ -133,6 +134,6 @@ def profile_lm(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000),
         "ratio_last_first": last / first,
         "micronet": micronet_profile(model),
         "device": str(next(model.parameters()).device),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "precision": precision_of(model),
         "threads": torch.get_num_threads(),
     }

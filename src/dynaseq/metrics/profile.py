@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dynaseq.core.distributed import precision_of
 from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.metrics.macs import count_macs, flop_counter_macs, pair_macs
 
@@ -47,7 +48,7 @@ def profile_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, repeat
         "macs_pair": {"src_tokens": src_len, "tgt_tokens": tgt_len,
                       "total": pair_macs(model, src_len, tgt_len)},
         "device": str(device),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "precision": precision_of(model),
         "threads": torch.get_num_threads(),
     }
     if latency:

@@ -443,7 +443,8 @@ def load_table(run_dir: str | Path, path: str | Path | None) -> LatencyTable | N
     return None
 
 
-def _warn_checkpoint(table: LatencyTable | None, predictor: Any, precision: str) -> None:
+def _warn_stale_table(table: LatencyTable | None, predictor: Any,
+                      precision: str) -> None:
     """Warn when the latency table was measured on another checkpoint or precision than
     the server runs: its predicted service times are another model's."""
     if table is None:

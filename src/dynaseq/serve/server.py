@@ -52,7 +52,7 @@ def default_threads(workers: int) -> int:
 def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, device: str,
                  latency_table: str | Path | None, warn: bool = True) -> Any:
     """Load the run and build the server state (every check of the run and the options)."""
-    from dynaseq.serve.app import _warn_checkpoint, build_state, load_table
+    from dynaseq.serve.app import _warn_stale_table, build_state, load_table
     from dynaseq.tasks.registry import load, run_kind
 
     kind = run_kind(run_dir)
@@ -61,7 +61,7 @@ def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, devi
     if latency_table is not None and kind != "seq2seq":
         raise DynaseqError("--latency-table is for translation runs")
     if warn:
-        _warn_checkpoint(table, predictor, config.precision)
+        _warn_stale_table(table, predictor, config.precision)
     return build_state(predictor, kind, config, table, run_dir=str(run_dir))
 
 
