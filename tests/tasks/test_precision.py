@@ -1,6 +1,8 @@
-"""``train.precision: bf16``: every task and technique trains under bfloat16 autocast
-(its matrix products in bfloat16, its weights, gradients and validation in float32), and a
-bf16 update stays close to the float32 one."""
+"""bfloat16. Training (``train.precision: bf16``): every task and technique trains under
+autocast (its matrix products in bfloat16, its weights, gradients and validation in
+float32), and a bf16 update stays close to the float32 one. Inference (``precision=`` on
+``dynaseq.load``, ``--precision``): every kind loads in bfloat16 and answers within
+bfloat16's rounding of float32; int8 runs and unknown precisions are refused."""
 
 from __future__ import annotations
 
@@ -13,11 +15,10 @@ from torch import nn
 
 from dynaseq.core.config import TrainConfig
 from dynaseq.core.errors import ConfigError, DynaseqError
-from dynaseq.data import write_task
 from dynaseq.train.loop import train
 
-from encoder_helpers import classify_config, glue_subset, mlm_config, read_events
-from helpers import SHARED_DATA, lm_config, micro_config
+from encoder_helpers import classify_config, mlm_config, read_events
+from helpers import lm_config, micro_config
 
 CCT = ["model.cct.ffn_pieces=2", "model.cct.control_hidden=8", "model.cct.noise_ramp_steps=4"]
 DEPTH = ["model.layers=4", "model.depth.first_group=1", "model.depth.predictor_hidden=8",
@@ -25,15 +26,8 @@ DEPTH = ["model.layers=4", "model.depth.first_group=1", "model.depth.predictor_h
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("precision")
-    lines = (SHARED_DATA / "wikitext-2" / "train.txt").read_text().splitlines()
-    (root / "train.txt").write_text("\n".join(lines[:400]) + "\n")
-    (root / "valid.txt").write_text("\n".join(lines[400:460]) + "\n")
-    (root / "sst2").mkdir()
-    paths = write_task(root / "synthetic", seed=0, n_train=300, n_valid=20, n_test=20)
-    return {"text": {"train": root / "train.txt", "valid": root / "valid.txt"},
-            "sst2": glue_subset(root / "sst2", "SST-2", 200, 40), "root": root, **paths}
+def data(text_corpus, sst2_small, synthetic_paths) -> dict:
+    return {"text": text_corpus, "sst2": sst2_small, **synthetic_paths}
 
 
 def _translation(run: Path, data, technique: str | None, precision: str):
