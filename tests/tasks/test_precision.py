@@ -243,3 +243,13 @@ def test_profile_reports_the_precision_it_ran_at(runs):
         proc = run_cli("profile", str(runs["classify"]), "--precision", precision, "--json")
         assert proc.returncode == 0, proc.stderr.decode()
         assert json.loads(proc.stdout)["precision"] == precision
+
+
+def test_a_server_loads_its_model_at_its_precision(runs):
+    from dynaseq.serve.config import ServeConfig
+    from dynaseq.serve.server import _build_state
+
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        state = _build_state(runs["translation"], ServeConfig(precision=precision), "auto",
+                             "cpu", None)
+        assert {p.dtype for p in state.predictor.model.parameters()} == {dtype}
