@@ -171,6 +171,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_precision(model, args: argparse.Namespace):
+    """``profile CONFIG``'s freshly built ``model`` at ``--precision`` (a run directory's
+    model gets it from its loader); returns the model."""
+    from dynaseq.core.distributed import pick_dtype
+
+    return model.to(pick_dtype(args.precision))
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from dynaseq.metrics.profile import profile_model
     from dynaseq.tasks.translation.predictor import control_for_budget
@@ -189,7 +197,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model, model_cfg = t.model, t.config.model
         budget_ctx = t.at_budget(args.budget)  # with the run's calibration, if any
     elif target.is_file():
-        from dynaseq.core.distributed import pick_dtype
         from dynaseq.tasks.registry import load_config
         from dynaseq.tasks.translation.model import build_seq2seq
         from dynaseq.techniques.branching import merge_shared_
@@ -201,7 +208,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             return _profile_encoder(args, cfg)
         model, model_cfg = build_seq2seq(cfg.model, cfg.data.vocab_size).eval(), cfg.model
         merge_shared_(model)  # DMB: as Translator.load runs it
-        model.to(pick_dtype(args.precision))
+        _at_precision(model, args)
         budget_ctx = contextlib.nullcontext(control_for_budget(cfg.model, args.budget))
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
@@ -729,10 +736,8 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
 
         model_cfg = cfg.model
         head = MLM if cfg.task == "mlm" else (cfg.data.layout().n_outputs or 2)
-        from dynaseq.core.distributed import pick_dtype
-
-        model = build_encoder_model(model_cfg, cfg.data.vocab_size, head).eval().to(
-            pick_dtype(args.precision))
+        model = _at_precision(build_encoder_model(model_cfg, cfg.data.vocab_size, head).eval(),
+                              args)
     lengths = (32, 128)
     if max(lengths) > model_cfg.max_positions:
         raise DynaseqError(f"profile: {max(lengths)} tokens exceed the model's max_positions="
@@ -799,9 +804,7 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
         if cfg.data.train is None:
             raise DynaseqError("profile: an LM config needs data.train (for the vocabulary)")
         vocab = Vocab.build(read_lm_lines(cfg.data.train))
-        from dynaseq.core.distributed import pick_dtype
-
-        model = build_lm(cfg.model, len(vocab)).eval().to(pick_dtype(args.precision))
+        model = _at_precision(build_lm(cfg.model, len(vocab)).eval(), args)
     result = profile_lm(model, steps=max(args.repeats, 5) * 4)
 
     def text() -> str:

@@ -283,9 +283,14 @@ class DeadlinePolicy:
         :attr:`early_answers` at ``lengths[i]`` (the line's answer does not wait for the
         batch's longest)."""
         batch = _Batch.of(works, own=lambda w: True)
-        return [scale * self._summary_ms(batch, self.largest,
-                                         length if self.early_answers else None) <= left
-                for length, left in zip(lengths, left_ms, strict=True)]
+        times: dict[int | None, float] = {}  # one prediction per length asked (one without)
+        out = []
+        for length, left in zip(lengths, left_ms, strict=True):
+            key = length if self.early_answers else None
+            if key not in times:
+                times[key] = scale * self._summary_ms(batch, self.largest, key)
+            out.append(times[key] <= left)
+        return out
 
     def late(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: Sequence[float],
              scale: float = 1.0) -> list[bool]:
@@ -294,8 +299,8 @@ class DeadlinePolicy:
         smallest budget (:meth:`answers_in_time`: the batch's predicted time, ``scale``
         times the table's, more than their time left). The line with the least time left
         goes first; dropping it shortens the batch for the others, so each next one is
-        checked against the batch without those dropped. (No margin: a line is dropped when its answer is predicted late, not when
-        it merely might be.)"""
+        checked against the batch without those dropped. (No margin: a line is dropped when
+        its answer is predicted late, not when it merely might be.)"""
         fixed = [self._tabled(w) for w in fixed]
         out = [False] * len(flexible)
         for i in sorted(range(len(flexible)), key=lambda i: left_ms[i]):
