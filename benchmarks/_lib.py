@@ -328,10 +328,19 @@ def finished(run: Path, steps: int = 0) -> bool:
                and e.get("step", 0) >= steps for e in read_log(run, missing_ok=True))
 
 
-def done(run: Path) -> bool:
-    """``run`` stopped on its update or time limit (not by a signal: that one resumes)."""
-    return any(e.get("event") == "stop" and e.get("reason") in ("max_steps", "max_minutes")
-               for e in read_log(run, missing_ok=True))
+def done(run: Path, cfg: Any = None) -> bool:
+    """``run`` stopped on its update or time limit (not by a signal: that one resumes).
+    Given its run config ``cfg``, the limits are ``cfg``'s: a run that stopped at fewer
+    updates or minutes than ``cfg.train`` asks now is not done, and training it resumes
+    from its last checkpoint (a longer schedule continues the run)."""
+    stops = [e for e in read_log(run, missing_ok=True) if e.get("event") == "stop"
+             and e.get("reason") in ("max_steps", "max_minutes")]
+    if not stops or cfg is None:
+        return bool(stops)
+    last, tc = stops[-1], cfg.train
+    if last["reason"] == "max_steps":
+        return last["step"] >= tc.max_steps
+    return tc.max_minutes is not None and last["elapsed_s"] >= tc.max_minutes * 60
 
 
 def train_each(configs: Iterable[Any]) -> None:

@@ -23,7 +23,10 @@ reviews is what it closes): they are written, labels dropped, to
 read for pre-training.
 
 Runs: runs/bench/glue_mlm (configs/wikitext2_mlm_small.yaml), runs/bench/glue_{sst2,cola}_
-{scratch,pretrained} (configs/{sst2,cola}_small.yaml). A finished run is not trained again.
+{scratch,pretrained} (configs/{sst2,cola}_small.yaml). A finished run is not trained again;
+one whose limits the command raises (``--pretrain-steps``, ``--pretrain-minutes``, which
+count the run's minutes in all) resumes from its last checkpoint under the longer
+schedule: a cosine schedule restarts at the learning rate the new length gives there.
 Writes benchmarks/results/glue.{json,md,png}. Run from the repository root.
 """
 
@@ -108,7 +111,7 @@ def main() -> None:
         _lib.train_each(c for c in configs(args.pretrain_minutes, args.finetune_minutes,
                                            args.tasks, args.pretrain_steps, args.glue_text,
                                            args.finetune_steps, args.precision)
-                        if not _lib.done(Path(c.run_dir)))
+                        if not _lib.done(Path(c.run_dir), c))
     mlm = [{"step": r["step"], "minutes": round(r.get("elapsed_s", 0) / 60, 2)}
            for r in _lib.read_log(MLM, missing_ok=True) if r["event"] == "train"]
     mlm_valid = [{"step": r["step"], "loss": round(r["loss"], 4),

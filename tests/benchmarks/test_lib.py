@@ -254,6 +254,27 @@ def test_paired_diff_ci():
     assert (lo2, hi2) == pytest.approx((-hi, -lo))
 
 
+def test_done_holds_a_run_to_the_limits_asked_now(tmp_path):
+    from types import SimpleNamespace
+
+    def cfg(steps, minutes=None):
+        return SimpleNamespace(train=SimpleNamespace(max_steps=steps, max_minutes=minutes))
+
+    run = tmp_path / "run"
+    write_log(run, EVENTS)  # stopped at its update limit: 300 updates, 126 s
+    assert lib.done(run) and lib.done(run, cfg(300)) and lib.done(run, cfg(200))
+    assert not lib.done(run, cfg(600))  # a longer schedule: resume, not done
+    timed = tmp_path / "timed"
+    write_log(timed, [*EVENTS[:-1],
+                      {"event": "stop", "step": 300, "elapsed_s": 126.0, "reason": "max_minutes"}])
+    assert lib.done(timed, cfg(1000, 2.0)) and not lib.done(timed, cfg(1000, 3.0))
+    assert not lib.done(timed, cfg(1000))  # no time limit now: it trains on to 1000 updates
+    signalled = tmp_path / "signalled"
+    write_log(signalled, [*EVENTS[:-1], {"event": "stop", "step": 300, "reason": "signal"}])
+    assert not lib.done(signalled) and not lib.done(signalled, cfg(300))
+    assert not lib.done(tmp_path / "none", cfg(1))
+
+
 def test_train_each_ends_the_script_after_a_signal(monkeypatch, capsys):
     from types import SimpleNamespace
 
