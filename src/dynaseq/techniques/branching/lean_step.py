@@ -43,6 +43,7 @@ from dynaseq.nn.lean_step import (
     LinearFn,
     StepCache,
     StepTally,
+    float_linear,
     linear_tensors,
     register_lean,
     split_heads,
@@ -91,8 +92,7 @@ def _branches(p: Projection) -> list[LinearFn]:
     with torch.no_grad():
         weight, bias = p.branch_parameters()
     assert bias is not None, "lean parts take projections with biases"
-    return [partial(F.linear, weight=w, bias=b)
-            for w, b in zip(weight.unbind(0), bias.unbind(0), strict=True)]
+    return [float_linear(w, b) for w, b in zip(weight.unbind(0), bias.unbind(0), strict=True)]
 
 
 ROW_RUNS = 8
