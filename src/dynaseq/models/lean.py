@@ -19,16 +19,21 @@ arithmetic needs and nothing else:
 * key/value caches preallocated per layer (:class:`~dynaseq.nn.lean_step.StepCache`): a step
   writes its key and value in place; a cache doubles its capacity when full;
 * layer norms, residuals and projections called as functions on the model's own tensors (no
-  module dispatch), and the output layer as ``x @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)`` once.
+  module dispatch), and the output layer as ``x @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)`` once;
+  projections at least twice as wide out as in (fused q/k/v, a feed-forward's first layer)
+  run steps of up to 4 rows against an ``(in, out)`` copy as well
+  (:class:`~dynaseq.nn.lean_step.WideLinear`: a one-row product reads that layout about twice
+  as fast here).
 
 A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a lean part gets
 one (:func:`is_lean`: dense, CCT and DMB models, the dense and DMB ones float or int8; MoE,
-int8 CCT and relative-position models not); the others keep the general step. Outputs equal the general step's up to float rounding
-(the same operations, some fused); the tests decode with both and compare tokens and
-logits. ``torch.compile`` of this step was measured (``benchmarks/batch1_latency.py``) and is
+int8 CCT and relative-position models not); the others keep the general step. Outputs equal
+the general step's up to float rounding (the same operations, some fused); the tests decode
+with both and compare tokens and logits. ``torch.compile`` of this step was measured (``benchmarks/batch1_latency.py``) and is
 not used: on 2 CPU cores it cost seconds of compilation and saved nothing at batch 1.
 
-The fused or folded matrices and ``Wᵀ`` are copies, made by :meth:`LeanDecoder.prepare`;
+The fused or folded matrices and ``Wᵀ`` are copies, made by :meth:`LeanDecoder.prepare` (a
+wide projection's ``(in, out)`` copy at its first few-row call);
 :meth:`LeanDecoder.is_current` says whether the model's weights or modules changed since
 (an in-place update bumps a tensor's version), so a holder re-prepares instead of decoding
 with stale copies. The other weights are the model's own tensors.

@@ -240,8 +240,8 @@ class DMBFeedForward:
 def _attention_part(m: nn.Module, role: str) -> DMBSelfAttention | DMBCrossAttention | None:
     assert isinstance(m, BranchedAttention)
     projections = (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
-    if (role not in ("self", "cross") or type(m.router) is not Router or not all(map(_usable, projections))
-            or len({type(p) for p in projections}) > 1):
+    if (role not in ("self", "cross") or type(m.router) is not Router
+            or not all(map(_usable, projections)) or len({type(p) for p in projections}) > 1):
         return None
     return DMBSelfAttention(m) if role == "self" else DMBCrossAttention(m)
 
