@@ -69,6 +69,7 @@ from dynaseq.nn.lean_step import (
     StepCache,
     StepTally,
     apply_linear,
+    float_linear,
     linear_of,
     merge_heads,
     register_lean,
@@ -164,6 +165,7 @@ class _GatedAttention:
         with torch.no_grad():  # rows [q; k; v]: k/v alone are the slice [d:]
             self.qkv_weight = torch.cat([p.weight for p in (m.q_proj, m.k_proj, m.v_proj)])
             self.qkv_bias = torch.cat([p.bias for p in (m.q_proj, m.k_proj, m.v_proj)])
+        self.qkv = float_linear(self.qkv_weight, self.qkv_bias)  # every query and key open
         self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj) for t in (p.weight, p.bias)]
 
     def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -217,7 +219,7 @@ class GatedSelfAttention(_GatedAttention):
         _tally(tally, self.name, "kv", on, 1, n_kv == b, (b,))
         q = None
         if n_q == b and n_kv == b:  # everything open: one fused product
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = self.qkv(x)
             q = qkv[..., :d]
             k = _apply(self.k_norm, qkv[..., d: 2 * d])
             v = _apply(self.v_norm, qkv[..., 2 * d:])
@@ -276,7 +278,7 @@ class GatedEncoderAttention(_GatedAttention):
         if n_q == 0:
             return None
         if n_q == n_kv == b * s:  # every token open, no padding: one fused product
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = self.qkv(x)
             k = _apply(self.k_norm, qkv[..., d: 2 * d])
             v = _apply(self.v_norm, qkv[..., 2 * d:])
             return self._attend(qkv[..., :d], split_heads(k, self.n_heads),
@@ -380,6 +382,7 @@ class GatedFeedForward:
                                  for p in pieces])
             self.w2 = torch.stack([p.ffn.fc2.weight.t() for p in pieces])  # (M, f, d)
             self.b2 = torch.stack([p.ffn.fc2.bias for p in pieces])[:, None]  # (M, 1, d)
+        self.fc1 = float_linear(self.w1, self.b1)  # every piece's first layer, fused
         self.out_norms = out_norms
         if out_norms is not None:
             self.out_w = torch.stack([n.weight for n in out_norms])[:, None]  # (M, 1, d)
@@ -404,7 +407,7 @@ class GatedFeedForward:
         ``(N, 1, d)``: the sum of the pieces' outputs, each times its gate ``on`` ``(N, M)``
         (None: every gate open)."""
         b, d = n.size(0), n.size(-1)
-        h = F.linear(n[:, 0], self.w1, self.b1).relu_()  # (N, M·f)
+        h = self.fc1(n[:, 0]).relu_()  # (N, M·f)
         h = h.view(b, self.m, self.width).transpose(0, 1)  # (M, N, f)
         y = torch.baddbmm(self.b2, h, self.w2)  # (M, N, d)
         if self.out_norms is not None:
