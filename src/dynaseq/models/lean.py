@@ -29,8 +29,9 @@ A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a 
 one (:func:`is_lean`: dense, CCT and DMB models, the dense and DMB ones float or int8; MoE,
 int8 CCT and relative-position models not); the others keep the general step. Outputs equal
 the general step's up to float rounding (the same operations, some fused); the tests decode
-with both and compare tokens and logits. ``torch.compile`` of this step was measured (``benchmarks/batch1_latency.py``) and is
-not used: on 2 CPU cores it cost seconds of compilation and saved nothing at batch 1.
+with both and compare tokens and logits. ``torch.compile`` of this step was measured
+(``benchmarks/batch1_latency.py``) and is not used: on 2 CPU cores it cost seconds of
+compilation and saved nothing at batch 1.
 
 The fused or folded matrices and ``Wᵀ`` are copies, made by :meth:`LeanDecoder.prepare` (a
 wide projection's ``(in, out)`` copy at its first few-row call);
