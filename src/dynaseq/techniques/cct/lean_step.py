@@ -166,11 +166,12 @@ class _GatedAttention:
             self.qkv_weight = torch.cat([p.weight for p in (m.q_proj, m.k_proj, m.v_proj)])
             self.qkv_bias = torch.cat([p.bias for p in (m.q_proj, m.k_proj, m.v_proj)])
         self.qkv = float_linear(self.qkv_weight, self.qkv_bias)  # every query and key open
+        self.kv = float_linear(self.qkv_weight[self.d:], self.qkv_bias[self.d:])
         self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj) for t in (p.weight, p.bias)]
 
     def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """LN(x W_k), LN(x W_v) of rows ``x`` ``(N, ..., d)``."""
-        kv = F.linear(x, self.qkv_weight[self.d:], self.qkv_bias[self.d:])
+        kv = self.kv(x)
         return _apply(self.k_norm, kv[..., : self.d]), _apply(self.v_norm, kv[..., self.d:])
 
     def _output(self, a: Tensor) -> Tensor:
