@@ -68,10 +68,12 @@ def test_the_copy_is_made_once_and_only_when_few_rows_ask():
     assert wide.weight_t is first
 
 
-def test_float_linear_takes_the_copy_for_wide_cpu_weights_only():
+def test_float_linear_takes_the_copy_for_wide_float32_cpu_weights_only():
     assert isinstance(float_linear(torch.randn(32, 16), None), WideLinear)  # out = 2·in
     narrow = float_linear(torch.randn(31, 16), torch.randn(31))
     assert isinstance(narrow, partial) and narrow.func is F.linear
+    bf16 = float_linear(torch.randn(32, 16, dtype=torch.bfloat16), None)
+    assert isinstance(bf16, partial) and bf16.func is F.linear
     fc1 = torch.nn.Linear(16, 64)
     assert isinstance(linear_fn(fc1), WideLinear)
     fc2 = torch.nn.Linear(64, 16)
