@@ -33,8 +33,9 @@ with both and compare tokens and logits. ``torch.compile`` of this step was meas
 (``benchmarks/batch1_latency.py``) and is not used: on 2 CPU cores it cost seconds of
 compilation and saved nothing at batch 1.
 
-The fused or folded matrices and ``Wᵀ`` are copies, made by :meth:`LeanDecoder.prepare` (a
-wide projection's ``(in, out)`` copy at its first few-row call);
+The fused or folded matrices and ``Wᵀ`` are copies, made by :meth:`LeanDecoder.prepare` (the
+``(in, out)`` copies of the output layer and the wide projections at the first call that
+reads them);
 :meth:`LeanDecoder.is_current` says whether the model's weights or modules changed since
 (an in-place update bumps a tensor's version), so a holder re-prepares instead of decoding
 with stale copies. The other weights are the model's own tensors.
@@ -61,6 +62,7 @@ from dynaseq.nn.lean_step import (
     Norm,
     StepCache,
     StepTally,
+    WideLinear,
     lean_part,
     linear_fn,
     linear_tensors,
@@ -108,13 +110,11 @@ def _lean_layers(model: nn.Module) -> list[_Layer] | None:
 
 
 def _output_layer(proj: nn.Module) -> LinearFn:
-    """The output layer as a function: a float one as ``h @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)``
-    (a copy; a matrix-vector product reads that layout about three times as fast as the
-    tied ``(V, d)`` embedding), an int8 one through its kernel."""
+    """The output layer as a function: a float one (no bias) as ``h @ Wᵀ`` with ``Wᵀ``
+    stored ``(d, V)`` at every row count (:class:`WideLinear` with ``always``), an int8 one
+    through its kernel."""
     if type(proj) is nn.Linear:
-        with torch.no_grad():
-            output_t = proj.weight.detach().t().contiguous()
-        return lambda h: h @ output_t
+        return WideLinear(proj.weight, None, always=True)
     fn = linear_fn(proj, bias=False)
     assert fn is not None, "checked by _lean_layers"
     return fn

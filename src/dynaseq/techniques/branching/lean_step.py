@@ -108,10 +108,8 @@ class _Pick:
     router without fast paths (the grouped dispatch runs then)."""
 
     def __init__(self, router: Router) -> None:
-        self.weight, self.bias = router.proj.weight, router.proj.bias
-        # the router's live parameters (no copies); a router without bias adds zeros
-        self.bias1 = self.bias if self.bias is not None else self.weight.new_zeros(
-            self.weight.size(0))
+        self.weight, self.bias = router.proj.weight, router.proj.bias  # live, no copies
+        assert self.bias is not None, "a Router's projection has a bias"
         self.fast = router.fast_paths
 
     def __call__(self, x: Tensor) -> list[int] | None:
@@ -119,7 +117,7 @@ class _Pick:
         if b > ROW_RUNS or not self.fast:
             return None
         if b == 1:  # one matrix-vector product: ~2 us less than F.linear's (1, N) at d=128
-            return [int(torch.addmv(self.bias1, self.weight, x.view(-1)).argmax())]
+            return [int(torch.addmv(self.bias, self.weight, x.view(-1)).argmax())]
         logits = F.linear(x.view(b, -1), self.weight, self.bias)  # (B, N)
         return logits.argmax(-1).tolist()
 
