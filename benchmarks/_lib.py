@@ -212,8 +212,8 @@ def machine(*, processor: bool = False, torch_threads: bool = True,
             **extra: Any) -> dict[str, Any]:
     """What a result records of the machine: platform, (processor: its name, as
     ``platform.processor()`` or else Linux's ``/proc/cpuinfo`` gives it, and the vector
-    instructions torch's CPU kernels use, e.g. ``AVX2`` or ``AVX512``,) torch version,
-    (torch's thread count,) then ``extra`` in the order given."""
+    instructions torch's CPU kernels use, e.g. ``AVX2`` or ``AVX512``,) torch version, the
+    GPU's name where torch sees one, (torch's thread count,) then ``extra`` in the order given."""
     import torch
 
     out: dict[str, Any] = {"platform": platform.platform()}
@@ -222,6 +222,8 @@ def machine(*, processor: bool = False, torch_threads: bool = True,
         out["processor"] = _cpu_model() or name if name in ("", platform.machine()) else name
         out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     out["torch"] = torch.__version__
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
     if torch_threads:
         out["threads"] = torch.get_num_threads()
     return {**out, **extra}

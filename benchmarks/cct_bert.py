@@ -34,7 +34,7 @@ rounds.
 
     python benchmarks/cct_bert.py [--pretrain-steps 800] [--finetune-steps 600] [--rounds 3]
                                   [--only cct dense ...] [--tasks sst2 cola] [--report-only]
-                                  [--retime]
+                                  [--retime] [--train-only] [--parallel 1]
 
 Runs: runs/bench/cct_bert/{model}_mlm and {model}_{task}. Writes
 benchmarks/results/cct_bert.{json,md,png}. Run from the repository root.
@@ -43,6 +43,8 @@ benchmarks/results/cct_bert.{json,md,png}. Run from the repository root.
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -53,7 +55,7 @@ from typing import Any
 import _lib
 import _plot
 
-GLUE = Path("../shared/data/glue")
+GLUE = Path("$DATA/glue")  # under the data root (dynaseq.data.datasets.data_root)
 TASKS = {"sst2": {"config": "configs/sst2_small.yaml", "metric": "accuracy",
                   "dir": "SST-2", "header": True},
          "cola": {"config": "configs/cola_small.yaml", "metric": "mcc", "dir": "CoLA",
@@ -63,6 +65,13 @@ CCT_SECTION: str = _lib.variants_file("cct_bert")["cct_section"]
 BUDGETS = [0.8, 0.5, 0.33, 0.2]
 FULL = BUDGETS[0]
 RUNS = _lib.RUNS / "cct_bert"
+
+
+def glue(task: str, split: str) -> Path:
+    """The GLUE file ``split`` (``dev`` or ``train``) of ``task`` under the data root."""
+    from dynaseq.data.datasets import resolve_data_path
+
+    return resolve_data_path(f"{GLUE}/{TASKS[task]['dir']}/{split}.tsv")
 
 
 def run_dir(model: str, stage: str, root: Path = RUNS) -> Path:
@@ -108,8 +117,7 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
     import dynaseq
     from dynaseq.tasks.classify.glue import read_table
 
-    metric, dev = TASKS[task]["metric"], GLUE / TASKS[task]["dir"] / "dev.tsv"
-    train_tsv = GLUE / TASKS[task]["dir"] / "train.tsv"
+    metric, dev, train_tsv = TASKS[task]["metric"], glue(task, "dev"), glue(task, "train")
     rows, loaded = [], {}
     for name in models:
         run = run_dir(name, task, args.runs)
@@ -189,7 +197,7 @@ def retime(args: argparse.Namespace) -> dict:
 
     out = json.loads((args.results / "cct_bert.json").read_text())
     for task in args.tasks:
-        dev, train_tsv = (GLUE / TASKS[task]["dir"] / f for f in ("dev.tsv", "train.tsv"))
+        dev, train_tsv = glue(task, "dev"), glue(task, "train")
         loaded = {}
         for name in ("cct", "dense"):
             c = dynaseq.load(run_dir(name, task, args.runs))
@@ -296,6 +304,39 @@ def plot(out: dict, path: Path) -> None:
     _plot.save(fig, path)
 
 
+def train_parallel(args: argparse.Namespace) -> None:
+    """Train each model's chain (pre-training, then its fine-tunings) in a process of its
+    own, ``args.parallel`` at a time: this script again with ``--only MODEL --train-only``,
+    its output in ``{runs}/{model}.out``. One accelerator is shared by the processes, whose
+    small updates each leave it mostly idle; on a 2-core CPU, keep ``--parallel 1``. Exits
+    with status 1, printing the output's tail, when a process fails."""
+    Path(args.runs).mkdir(parents=True, exist_ok=True)
+    pending, running, failed = list(args.only), {}, []
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            name = pending.pop(0)
+            out = Path(args.runs) / f"{name}.out"
+            cmd = [sys.executable, __file__, "--only", name, "--train-only", "--tasks",
+                   *args.tasks, "--pretrain-steps", str(args.pretrain_steps),
+                   "--finetune-steps", str(args.finetune_steps), "--runs", str(args.runs)]
+            with out.open("w") as log:
+                running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
+                                 out)
+            print(f"== {name}: training in process {running[name][0].pid} ({out})",
+                  flush=True)
+        time.sleep(1.0)
+        for name, (proc, out) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            print(f"== {name}: exit status {proc.returncode}", flush=True)
+            if proc.returncode:
+                failed.append(name)
+                print(out.read_text(errors="replace")[-3000:], file=sys.stderr)
+    if failed:
+        raise SystemExit(f"training failed for {', '.join(failed)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pretrain-steps", type=int, default=800)
@@ -311,6 +352,10 @@ def main() -> None:
                    help="train and report these encoders only")
     p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     p.add_argument("--report-only", action="store_true", help="train nothing")
+    p.add_argument("--train-only", action="store_true", help="measure nothing")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="train this many models' runs at once, each in its own process "
+                        "(for an accelerator; default 1)")
     p.add_argument("--retime", action="store_true",
                    help="train nothing, measure only the wall times again (into the "
                         "committed results)")
@@ -323,11 +368,17 @@ def main() -> None:
         _lib.write_results(args.results, "cct_bert", out, lines)
         print("\n".join(lines))
         return
-    if not args.report_only:
+    if args.parallel < 1:
+        p.error(f"--parallel must be at least 1, got {args.parallel}")
+    if args.parallel > 1 and not args.report_only:
+        train_parallel(args)
+    elif not args.report_only:
         _lib.train_each(c for c in configs(args.only, args.tasks, args)
                         if not _lib.finished(Path(c.run_dir), args.pretrain_steps
                                              if c.run_dir.endswith("_mlm")
                                              else args.finetune_steps))
+    if args.train_only:
+        return
     tasks = {}
     for task in args.tasks:
         res = measure_task(task, args.only, args)
