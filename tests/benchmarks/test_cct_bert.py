@@ -45,3 +45,57 @@ def test_targets_hold_each_budget_against_the_nearest_shrunk_encoder():
     text = "\n".join(cct_bert.markdown(out))
     assert "measured again by `python benchmarks/cct_bert.py --retime` (code abc" in text
     assert "median of 7 rounds" in text and "median of 1 rounds" not in text
+
+
+class _FakeProcess:
+    """A training process that finishes on its second poll, with ``code``."""
+
+    running: list[str] = []
+    most = 0
+
+    def __init__(self, cmd, stdout, stderr, code=0):
+        self.cmd, self.pid, self.polls, self.code = cmd, 1, 0, code
+        self.name = cmd[cmd.index("--only") + 1]
+        stdout.write(f"log of {self.name}\n")
+        _FakeProcess.running.append(self.name)
+        _FakeProcess.most = max(_FakeProcess.most, len(_FakeProcess.running))
+        self.returncode = None
+
+    def poll(self):
+        self.polls += 1
+        if self.polls < 2:
+            return None
+        if self.returncode is None:
+            _FakeProcess.running.remove(self.name)
+            self.returncode = 1 if self.name == "depth_1" else 0
+        return self.returncode
+
+
+def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_path, monkeypatch,
+                                                                           capsys):
+    import argparse
+
+    import pytest
+
+    cct_bert = load_benchmark("cct_bert")
+    started = []
+
+    def popen(cmd, stdout, stderr):
+        started.append(cmd)
+        return _FakeProcess(cmd, stdout, stderr)
+
+    monkeypatch.setattr(cct_bert.subprocess, "Popen", popen)
+    monkeypatch.setattr(cct_bert.time, "sleep", lambda s: None)
+    args = argparse.Namespace(only=["cct", "dense", "depth_2"], tasks=["sst2"], parallel=2,
+                              pretrain_steps=30, finetune_steps=20, runs=tmp_path)
+    cct_bert.train_parallel(args)
+    assert [c[c.index("--only") + 1] for c in started] == ["cct", "dense", "depth_2"]
+    assert _FakeProcess.most == 2  # never more than --parallel at once
+    assert started[0][2:] == ["--only", "cct", "--train-only", "--tasks", "sst2",
+                              "--pretrain-steps", "30", "--finetune-steps", "20",
+                              "--runs", str(tmp_path)]
+    assert (tmp_path / "dense.out").read_text() == "log of dense\n"
+    args.only = ["dense", "depth_1"]
+    with pytest.raises(SystemExit, match="training failed for depth_1"):
+        cct_bert.train_parallel(args)
+    assert "log of depth_1" in capsys.readouterr().err  # the failed process's output
