@@ -167,3 +167,38 @@ def test_cct_mlm_keeps_best_only_once_every_sequence_draws_its_budget(tmp_path, 
     assert [e["step"] for e in events if e["event"] == "valid"] == [2, 4, 6, 8, 10, 12]
     best = [e["step"] for e in events if e["event"] == "best"]
     assert best and best[0] == 8 and set(best) <= {8, 10, 12}
+
+
+def test_cct_gate_warmup_trains_soft_gates_without_noise_or_budget_loss(tmp_path, text_corpus):
+    """``gate_warmup_steps=4``: the first 4 updates (steps 0-3, logged as 1-4) add no budget
+    term (logged still) and their gates get no noise; the noise ramp starts at step 4, and
+    best/ waits for it."""
+    from dynaseq.core.errors import ConfigError
+    from dynaseq.techniques.cct.config import EncoderCCTConfig
+    from dynaseq.techniques.cct.gating import Gate
+    from dynaseq.techniques.cct.training import EncoderCCTTraining
+
+    c = EncoderCCTConfig(gate_warmup_steps=4, noise_ramp_steps=2)
+    assert [c.budget_weight_at(k) for k in (0, 3, 4, 9)] == [0.0, 0.0, 0.3, 0.3]
+    t = EncoderCCTTraining(c, seed=1)
+    assert [t.keeps_best(k) for k in (3, 4)] == [False, True]
+    with pytest.raises(ConfigError, match="gate_warmup_steps must be >= 0"):
+        EncoderCCTConfig(gate_warmup_steps=-1)
+    common = ("train.max_steps=6", "train.valid_every=2", "train.save_every=4",
+              "train.log_every=1", "model.cct.ffn_pieces=2", "model.cct.control_hidden=8",
+              "model.cct.noise_ramp_steps=2")
+    warm = train(mlm_config(tmp_path / "warm", text_corpus, *common,
+                            "model.cct.gate_warmup_steps=4"), progress=False)
+    # the same run with neither noise nor budget loss: equal until the warm-up ends
+    soft = train(mlm_config(tmp_path / "soft", text_corpus, *common, "model.cct.alpha_max=0",
+                            "model.cct.budget_weight=0"), progress=False)
+    losses = [{h["step"]: h["loss"] for h in r.history if h.get("event") == "train"}
+              for r in (warm, soft)]
+    assert [losses[0][k] for k in (1, 2, 3, 4)] == [losses[1][k] for k in (1, 2, 3, 4)]
+    assert losses[0][5] != losses[1][5]  # the fifth update adds the budget term (and noise)
+    assert all(h["budget_loss"] > 0 for h in warm.history if h.get("event") == "train")
+    gates = [m for m in dynaseq.load(tmp_path / "warm").model.modules() if isinstance(m, Gate)]
+    assert gates and all(g.schedule.start == 4 and float(g.schedule.alpha(5)) == 2.5
+                         for g in gates)
+    best = [e["step"] for e in read_events(tmp_path / "warm") if e["event"] == "best"]
+    assert best and min(best) >= 4

@@ -19,6 +19,13 @@ def test_noise_schedule_rises_linearly_then_holds():
     assert NoiseSchedule().alpha_max == 5.0
 
 
+def test_noise_schedule_starts_its_ramp_at_start():
+    s = NoiseSchedule(alpha_max=5.0, ramp_steps=100, start=50)
+    assert [float(s.alpha(k)) for k in (0, 49, 50, 100, 150, 900)] == [0, 0, 0, 2.5, 5, 5]
+    jump = NoiseSchedule(alpha_max=2.0, ramp_steps=0, start=10)
+    assert [float(jump.alpha(k)) for k in (0, 9, 10, 11)] == [0.0, 0.0, 2.0, 2.0]
+
+
 def test_gate_step_is_a_buffer_set_by_the_training_loop():
     model = nn.ModuleList([Gate(NoiseSchedule(4.0, 100)), Gate(NoiseSchedule(4.0, 100))])
     set_gate_step(model, 50)
@@ -76,7 +83,8 @@ def test_control_net_rejects_bad_sizes(kwargs, match):
         ControlNet(8, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"alpha_max": -1.0}, {"ramp_steps": -5}])
+@pytest.mark.parametrize("kwargs", [{"alpha_max": -1.0}, {"ramp_steps": -5},
+                                    {"start": -1}])
 def test_schedule_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         NoiseSchedule(**kwargs)

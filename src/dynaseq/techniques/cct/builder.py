@@ -18,7 +18,7 @@ def cct_sublayers(cct: CCTConfig, cfg: TransformerDims) -> Sublayers:
     """Gated sub-layers of a model of dimensions ``cfg``; the control embedding
     ``(len(controls), d)`` is initialised N(0, ``control_init_std``²)."""
     d = cfg.d_model
-    schedule = NoiseSchedule(cct.alpha_max, cct.noise_ramp_steps)
+    schedule = NoiseSchedule(cct.alpha_max, cct.noise_ramp_steps, cct.noise_start_step)
     hard = cct.budget_estimate == "hard"
 
     def attention() -> nn.Module:

@@ -39,6 +39,11 @@ class GateSettings:
             raise ConfigError(f"budget_estimate must be 'soft' or 'hard', got "
                               f"{self.budget_estimate!r}")
 
+    @property
+    def noise_start_step(self) -> int:
+        """The first update whose gates get noise (0 here; a CCT-BERT's gate warm-up)."""
+        return 0
+
     def sampled_share(self, step: int) -> float:
         """The share of sequences that draw a budget at ``step`` (the rest: the first
         control, the full or largest budget)."""
@@ -167,13 +172,32 @@ class EncoderCCTConfig(GateSettings):
     ``control_hidden``, ``budget_estimate``, ``control_init_std``, ``output_norms``,
     ``budget_start_step``, ``budget_ramp_steps`` and ``fast_paths`` as in :class:`CCTConfig`
     (the curriculum gives the largest budget, the first entry, before the ramp).
+
+    ``gate_warmup_steps`` (not in the paper; 0 = off): updates before it train the gates
+    soft, with no noise and no budget loss (the noise ramp starts there, and the model
+    cannot become the run's best before it). For short runs: on WikiText-2 every dense
+    encoder leaves the masked-LM unigram plateau (loss ~6) by ~1000 updates, while a CCT
+    with its noise and budget loss from the first update was still on it after 3000 (H200
+    run) and 1200 (CPU), and one with soft gates and neither left it at ~1050
+    (benchmarks/results/cct_bert_plateau.md).
     """
 
     budget_weight: float = 0.3
     budgets: list[float] = field(default_factory=lambda: list(P_BERT))
+    gate_warmup_steps: int = 0
+
+    @property
+    def noise_start_step(self) -> int:
+        return self.gate_warmup_steps
+
+    def budget_weight_at(self, step: int) -> float:
+        """λ at update ``step``: 0 during the gate warm-up, ``budget_weight`` after."""
+        return 0.0 if step < self.gate_warmup_steps else self.budget_weight
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.gate_warmup_steps < 0:
+            raise ConfigError(f"gate_warmup_steps must be >= 0, got {self.gate_warmup_steps}")
         if not self.budgets or not all(0.0 < b <= 1.0 for b in self.budgets):
             raise ConfigError(f"budgets must list fractions in (0, 1], got {self.budgets}")
         self.budgets = [float(b) for b in self.budgets]

@@ -55,29 +55,36 @@ GATE_TRACE = "cct.gates"
 
 @dataclass(frozen=True)
 class NoiseSchedule:
-    """α(step) = alpha_max · min(step / ramp_steps, 1): the noise scale of eq. 3.
+    """α(step) = alpha_max · clamp((step - start) / ramp_steps, 0, 1): the noise scale of
+    eq. 3.
 
     The paper ramps α from 0 to 5 over the whole training run (300k steps) and then holds
     it; set ``ramp_steps`` to the planned number of updates. ``ramp_steps=0`` uses
-    ``alpha_max`` from the first step (the paper's "discrete from the start" ablation).
+    ``alpha_max`` from step ``start`` on (the paper's "discrete from the start" ablation).
+    ``start`` (default 0): updates before it have no noise (a CCT-BERT's gate warm-up,
+    :class:`~dynaseq.techniques.cct.config.EncoderCCTConfig`).
     """
 
     alpha_max: float = 5.0
     ramp_steps: int = 10_000
+    start: int = 0
 
     def __post_init__(self) -> None:
         if not self.alpha_max >= 0:
             raise ValueError(f"alpha_max must be >= 0, got {self.alpha_max}")
         if self.ramp_steps < 0:
             raise ValueError(f"ramp_steps must be >= 0, got {self.ramp_steps}")
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
 
     def alpha(self, step: int | Tensor) -> Tensor:
         """Noise scale at ``step`` (an int or a 0-d tensor), as a float 0-d tensor."""
         step = torch.as_tensor(step, dtype=torch.float32)
         if step.dim() != 0:
             raise ValueError("step must be a scalar")
+        step = step - self.start
         if self.ramp_steps == 0:
-            return torch.full_like(step, self.alpha_max)
+            return torch.where(step >= 0, self.alpha_max, 0.0)
         return self.alpha_max * (step.clamp_min(0) / self.ramp_steps).clamp_max(1.0)
 
 

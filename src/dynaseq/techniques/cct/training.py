@@ -118,7 +118,10 @@ class EncoderCCTTraining:
     def before_update(self, model: nn.Module, step: int) -> None:
         set_gate_step(model, step)
 
-    keeps_best = CCTTraining.keeps_best
+    def keeps_best(self, step: int) -> bool:
+        """As :meth:`CCTTraining.keeps_best`, and not during the gate warm-up (the soft
+        gates' validation is not the trained CCT's)."""
+        return step >= self.cct.gate_warmup_steps and self.cct.sampled_share(step) >= 1.0
 
     def controls(self, n_rows: int, step: int, micro: int) -> Tensor:
         """(n_rows,) control ids of micro-batch ``micro`` of update ``step``."""
@@ -131,4 +134,5 @@ class EncoderCCTTraining:
         sequences), so the loop's division by the update's units averages it; and its
         per-unit-sum log ``budget_loss`` (without λ)."""
         blo = encoder_budget_loss(aux, valid, control, self.budgets.to(valid.device))
-        return self.cct.budget_weight * blo * n_units, {"budget_loss": float(blo.detach()) * n_units}
+        weight = self.cct.budget_weight_at(step)  # 0 during the gate warm-up
+        return weight * blo * n_units, {"budget_loss": float(blo.detach()) * n_units}
