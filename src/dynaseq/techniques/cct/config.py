@@ -177,8 +177,9 @@ class EncoderCCTConfig(GateSettings):
     soft, with no noise and no budget loss (the noise ramp starts there, and the model
     cannot become the run's best before it). For short runs: on WikiText-2 every dense
     encoder leaves the masked-LM unigram plateau (loss ~6) by ~1000 updates, while a CCT
-    with its noise and budget loss from the first update was still on it after 3000 (H200
-    run) and 1200 (CPU), and one with soft gates and neither left it at ~1050
+    with noise and budget loss from the first update was still on it after 3000 (H200) and
+    1200 (CPU). With 1500 warm-up updates, ``control_init_std`` 0 and no ``output_norms``
+    it left the plateau at 1000 and kept learning under noise and budgets
     (benchmarks/results/cct_bert_plateau.md).
     """
 
