@@ -52,7 +52,8 @@ def curve(run: Path) -> dict:
     return {"nll": {e["step"]: round(e["nll"], 3) for e in train},
             "budget_loss": {e["step"]: round(e.get("budget_loss", 0.0), 3) for e in train},
             "valid": {e["step"]: round(e["loss"], 3) for e in log if e["event"] == "valid"},
-            "steps": max((e["step"] for e in train), default=0)}
+            "steps": max((e["step"] for e in train), default=0),
+            "minutes": round(max((e["elapsed_s"] for e in train), default=0.0) / 60, 1)}
 
 
 def left_plateau(nll: dict[int, float], below: float) -> int | None:
@@ -65,14 +66,16 @@ def markdown(out: dict) -> list[str]:
         "cct_bert_plateau: CCT-BERT's masked-LM pre-training against the dense encoder, "
         "early updates", out["command"],
         f"Machine: {out['machine']}. Date {out['date']}.",
-        "Every probe: configs/wikitext2_mlm_small.yaml, 3000-update cosine schedule, cut at "
-        f"{out['minutes']} minutes; training masked-token NLL at the update (the budget term "
-        f"excluded); 'leaves' = first logged update with NLL < {out['below']}.")
+        "Every probe: configs/wikitext2_mlm_small.yaml, 3000-update cosine schedule, cut by "
+        "time (its training minutes in the table; 1 or 2 threads); training masked-token NLL "
+        f"at the update (the budget term excluded); 'leaves' = first logged update with NLL "
+        f"< {out['below']}.")
     lines += [""] + _lib.md_table(
         ["probe", "what it keeps", *[f"NLL @{s}" for s in STEPS], "valid @1000",
-         "leaves", "updates run", "budget loss, last"], "ll" + "r" * (len(STEPS) + 4),
+         "leaves", "updates run", "minutes", "budget loss, last"],
+        "ll" + "r" * (len(STEPS) + 5),
         [[name, r["label"], *[_at(r["nll"], s) for s in STEPS], _at(r["valid"], 1000),
-          r["leaves"] or "no", r["steps"], _at(r["budget_loss"], r["steps"])]
+          r["leaves"] or "no", r["steps"], r["minutes"], _at(r["budget_loss"], r["steps"])]
          for name, r in out["probes"].items()])
     return lines
 

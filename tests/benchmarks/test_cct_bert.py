@@ -99,3 +99,19 @@ def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_pa
     with pytest.raises(SystemExit, match="training failed for depth_1"):
         cct_bert.train_parallel(args)
     assert "log of depth_1" in capsys.readouterr().err  # the failed process's output
+
+
+def test_plateau_probe_leaves_at_the_first_logged_update_under_the_threshold(tmp_path):
+    import json
+
+    plateau = load_benchmark("cct_bert_plateau")
+    assert plateau.left_plateau({1: 5.0, 50: 6.1, 100: 5.74, 150: 5.2}, 5.75) == 100
+    assert plateau.left_plateau({1: 5.0, 50: 6.1, 100: 6.0}, 5.75) is None  # step 1 ignored
+    events = [{"event": "train", "step": 50, "nll": 6.1, "elapsed_s": 30.0, "budget_loss": 0.5},
+              {"event": "valid", "step": 50, "loss": 6.0},
+              {"event": "train", "step": 100, "nll": 5.7, "elapsed_s": 66.0}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    c = plateau.curve(tmp_path)
+    assert c == {"nll": {50: 6.1, 100: 5.7}, "budget_loss": {50: 0.5, 100: 0.0},
+                 "valid": {50: 6.0}, "steps": 100, "minutes": 1.1}
+    assert plateau._at({"1000": 5.5}, 1000) == 5.5 and plateau._at({}, 1000) == ""
