@@ -31,7 +31,7 @@ import _lib
 PROBES: dict[str, dict] = _lib.registry("cct_bert", "plateau", ("label", "cct", "overrides"))
 PAPER_SECTION: str = _lib.variants_file("cct_bert")["paper_section"]
 RUNS = _lib.RUNS / "cct_bert_plateau"
-STEPS = (600, 800, 1000, 1200, 1400, 1600, 2000)
+STEPS = (600, 800, 1000, 1200, 1400, 1600, 2000, 3000)
 
 
 def config(name: str, args: argparse.Namespace):
