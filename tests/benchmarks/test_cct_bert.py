@@ -48,13 +48,14 @@ def test_targets_hold_each_budget_against_the_nearest_shrunk_encoder():
 
 
 class _FakeProcess:
-    """A training process that finishes on its second poll, with ``code``."""
+    """A training process that writes one line and finishes on its second poll, status 1
+    for ``depth_1`` and 0 for the others; the class counts the processes alive at once."""
 
     running: list[str] = []
     most = 0
 
-    def __init__(self, cmd, stdout, stderr, code=0):
-        self.cmd, self.pid, self.polls, self.code = cmd, 1, 0, code
+    def __init__(self, cmd, stdout, stderr):
+        self.cmd, self.pid, self.polls = cmd, 1, 0
         self.name = cmd[cmd.index("--only") + 1]
         stdout.write(f"log of {self.name}\n")
         _FakeProcess.running.append(self.name)
@@ -86,6 +87,8 @@ def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_pa
 
     monkeypatch.setattr(cct_bert.subprocess, "Popen", popen)
     monkeypatch.setattr(cct_bert.time, "sleep", lambda s: None)
+    monkeypatch.setattr(_FakeProcess, "running", [])  # no count left from another test
+    monkeypatch.setattr(_FakeProcess, "most", 0)
     args = argparse.Namespace(only=["cct", "dense", "depth_2"], tasks=["sst2"], parallel=2,
                               pretrain_steps=30, finetune_steps=20, runs=tmp_path)
     cct_bert.train_parallel(args)

@@ -121,7 +121,7 @@ class EncoderCCTTraining:
     def keeps_best(self, step: int) -> bool:
         """As :meth:`CCTTraining.keeps_best`, and not during the gate warm-up (the soft
         gates' validation is not the trained CCT's)."""
-        return step >= self.cct.gate_warmup_steps and self.cct.sampled_share(step) >= 1.0
+        return step >= self.cct.gate_warmup_steps and CCTTraining.keeps_best(self, step)
 
     def controls(self, n_rows: int, step: int, micro: int) -> Tensor:
         """(n_rows,) control ids of micro-batch ``micro`` of update ``step``."""
