@@ -84,6 +84,34 @@ def test_bad_overrides_are_refused_with_the_key(override, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("config", ["multi30k_small.yaml", "wikitext2_mlm_small.yaml",
+                                    "sst2_small.yaml"])
+@pytest.mark.parametrize("override, message", [
+    ("data.spm_model_type=words",
+     "spm_model_type must be one of unigram, bpe, char, word; got 'words'"),
+    ("data.character_coverage=0", "character_coverage must be in (0, 1], got 0.0"),
+    ("data.character_coverage=1.5", "character_coverage must be in (0, 1], got 1.5"),
+])
+def test_every_task_checks_its_vocabulary_settings_when_the_config_is_read(config, override,
+                                                                          message):
+    """Translation, MLM and classification data sections share one set of SentencePiece
+    settings: the same keys, defaults and checks, refused before anything is trained."""
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS[0].parent / config, [override])
+    assert str(err.value) == f"data.{message}"
+
+
+@pytest.mark.parametrize("config, reserved", [("multi30k_small.yaml", 4),
+                                              ("wikitext2_mlm_small.yaml", 7),
+                                              ("sst2_small.yaml", 7)])
+def test_vocab_size_must_leave_room_after_the_special_ids(config, reserved):
+    path = CONFIGS[0].parent / config
+    assert load_config(path, [f"data.vocab_size={reserved + 1}"]).data.vocab_size == reserved + 1
+    with pytest.raises(ConfigError, match=rf"^data\.vocab_size must be > {reserved} "
+                                          rf"\(the special ids\), got {reserved}$"):
+        load_config(path, [f"data.vocab_size={reserved}"])
+
+
 def test_bad_yaml_files(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")

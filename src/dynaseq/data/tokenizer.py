@@ -21,11 +21,13 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import sentencepiece as spm
 
-from dynaseq.core.errors import DynaseqError
+from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.core.files import atomic_write
 from dynaseq.data.text import os_reason, read_bytes
 
@@ -45,6 +47,34 @@ MAX_TRAIN_SENTENCES = 2_000_000
 # floating-point sums and hence the model).
 _TRAIN_THREADS = 4
 _TRAIN_SEED = 1234
+
+
+@dataclass
+class SubwordSettings:
+    """The SentencePiece model a run trains on its training text, as a config section's
+    fields (:meth:`Tokenizer.train`'s options): ``vocab_size`` (an upper bound),
+    ``spm_model_type`` (one of :data:`MODEL_TYPES`) and ``character_coverage`` in (0, 1].
+    Every task's data section that trains a vocabulary inherits them, so one YAML key means
+    the same thing, with the same default and the same check, in every task; a subclass's
+    :attr:`RESERVED_IDS` is how many ids its vocabulary holds before the first word piece.
+    A subclass with a ``__post_init__`` of its own calls this one."""
+
+    RESERVED_IDS: ClassVar[int] = 4  # pad, unk, bos, eos
+
+    vocab_size: int = 8000
+    spm_model_type: str = "unigram"
+    character_coverage: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size <= self.RESERVED_IDS:
+            raise ConfigError(f"vocab_size must be > {self.RESERVED_IDS} (the special ids), "
+                              f"got {self.vocab_size}")
+        if self.spm_model_type not in MODEL_TYPES:
+            raise ConfigError(f"spm_model_type must be one of {', '.join(MODEL_TYPES)}; got "
+                              f"{self.spm_model_type!r}")
+        if not 0.0 < self.character_coverage <= 1.0:
+            raise ConfigError("character_coverage must be in (0, 1], got "
+                              f"{self.character_coverage}")
 
 
 def _spm_message(e: Exception) -> str:
@@ -104,8 +134,8 @@ class Tokenizer:
         deterministic for the same input. ``vocab_size`` is an upper bound
         (``hard_vocab_limit=False``): a small corpus gives a smaller vocabulary instead of
         an error. ``user_symbols`` (e.g. ``["[CLS]", "[SEP]", "[MASK]"]``) get the ids right
-        after the four special ones, in order, and are never split. A human-readable ``<model_path stem>.vocab`` (``piece<TAB>score``) is
-        written next to the model.
+        after the four special ones, in order, and are never split. A human-readable
+        ``<model_path stem>.vocab`` (``piece<TAB>score``) is written next to the model.
 
         Raises:
             DynaseqError: no non-empty line, an unknown ``model_type``, a ``vocab_size``

@@ -17,7 +17,11 @@ from dynaseq.core.config import check_positive, check_task
 from dynaseq.core.errors import ConfigError
 from dynaseq.metrics.classification import LABEL_METRICS, SCORE_METRICS
 from dynaseq.tasks.classify.glue import GLUE_TASKS, TableLayout
-from dynaseq.tasks.encoder.config import EncoderModelConfig, EncoderTrainConfig
+from dynaseq.tasks.encoder.config import (
+    EncoderModelConfig,
+    EncoderSubwordSettings,
+    EncoderTrainConfig,
+)
 
 #: The ``task:`` of a fine-tuning config.
 TASK = "classify"
@@ -59,13 +63,15 @@ class ColumnSpec:
 
 
 @dataclass
-class ClassifyDataConfig:
+class ClassifyDataConfig(EncoderSubwordSettings):
     """Labelled TSV files (``train``, ``valid``, optionally ``test``) in the layout of
     ``glue_task`` (one of :data:`~dynaseq.tasks.classify.glue.GLUE_TASKS`, read as the GLUE
-    download writes them) or of ``columns``. ``vocab_size``/``spm_model_type``: the
-    SentencePiece model trained on the training sentences when not fine-tuning a pre-trained
-    run (which brings its own). ``max_len``: tokens per input, [CLS]/[SEP] included (longer
-    inputs are cut, the longer sentence first). ``batch_size``: sentences per micro-batch."""
+    download writes them) or of ``columns``. ``vocab_size``, ``spm_model_type`` and
+    ``character_coverage`` (:class:`~dynaseq.tasks.encoder.config.EncoderSubwordSettings`):
+    the SentencePiece model trained on the training sentences when not fine-tuning a
+    pre-trained run (which brings its own). ``max_len``: tokens per input, [CLS]/[SEP]
+    included (longer inputs are cut, the longer sentence first). ``batch_size``: sentences per
+    micro-batch."""
 
     PATHS: ClassVar[tuple[str, ...]] = ("train", "valid", "test")  # files (not exported)
 
@@ -74,13 +80,12 @@ class ClassifyDataConfig:
     train: str | None = None
     valid: str | None = None
     test: str | None = None
-    vocab_size: int = 8000
-    spm_model_type: str = "unigram"
     max_len: int = 128
     batch_size: int = 32
 
     def __post_init__(self) -> None:
-        check_positive(self, "vocab_size", "batch_size")
+        super().__post_init__()
+        check_positive(self, "batch_size")
         if self.max_len < 4:
             raise ConfigError(f"max_len must be >= 4, got {self.max_len}")
         if (self.glue_task is None) == (self.columns is None):

@@ -148,7 +148,8 @@ class ClassifyTask(EncoderTask):
             else:
                 ex = self.train_ex
                 EncoderVocab.train(ex.text_a + (ex.text_b or []), spm_path,
-                                   cfg.data.vocab_size, cfg.data.spm_model_type)
+                                   cfg.data.vocab_size, cfg.data.spm_model_type,
+                                   cfg.data.character_coverage)
         barrier(env)
         self.vocab = EncoderVocab.load(spm_path)
         self.rows = encode_examples(self.vocab, self.train_ex, cfg.data.max_len)

@@ -1,5 +1,6 @@
 """The sections every encoder run (``task: mlm`` or ``task: classify``) shares: the
-``model`` section and the training defaults both tasks start from.
+``model`` section, the training defaults both tasks start from and the vocabulary settings
+of their data sections.
 
 Example::
 
@@ -10,9 +11,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dynaseq.core.config import TrainConfig, apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
+from dynaseq.data.tokenizer import SubwordSettings
+from dynaseq.tasks.encoder.vocab import CLS, MASK, SEP
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 from dynaseq.techniques.depth.config import DepthConfig
 from dynaseq.techniques.depth.multi_exit import ExitsConfig
@@ -20,6 +24,14 @@ from dynaseq.techniques.depth.multi_exit import ExitsConfig
 #: ``share_layers`` values: no sharing, one layer for every depth, or ``layer_groups``
 #: groups of consecutive depths sharing one layer each (ALBERT sec. 3.1 / 4.5).
 SHARING = ("none", "all", "groups")
+
+
+@dataclass
+class EncoderSubwordSettings(SubwordSettings):
+    """:class:`~dynaseq.data.tokenizer.SubwordSettings` of an encoder's vocabulary, which
+    holds [CLS], [SEP] and [MASK] after the four special ids."""
+
+    RESERVED_IDS: ClassVar[int] = SubwordSettings.RESERVED_IDS + len((CLS, SEP, MASK))
 
 
 @dataclass

@@ -150,8 +150,9 @@ class LMDistillConfig:
 
 @dataclass
 class LMTrainConfig(TrainConfig):
-    """:class:`TrainConfig` with LM defaults: the ``cosine`` schedule (MicroNet). Label smoothing is off for perplexity. ``distill``
-    (:class:`LMDistillConfig`) trains against a teacher's top-k labels."""
+    """:class:`TrainConfig` with LM defaults: the ``cosine`` schedule (MicroNet). Label
+    smoothing is off for perplexity. ``distill`` (:class:`LMDistillConfig`) trains against a
+    teacher's top-k labels."""
 
     lr: float = 5e-4
     warmup_steps: int = 1000

@@ -13,20 +13,25 @@ from typing import ClassVar
 
 from dynaseq.core.config import check_positive, check_task
 from dynaseq.core.errors import ConfigError
-from dynaseq.tasks.encoder.config import EncoderModelConfig, EncoderTrainConfig
+from dynaseq.tasks.encoder.config import (
+    EncoderModelConfig,
+    EncoderSubwordSettings,
+    EncoderTrainConfig,
+)
 
 #: The ``task:`` of an MLM config.
 TASK = "mlm"
 
 
 @dataclass
-class MLMDataConfig:
+class MLMDataConfig(EncoderSubwordSettings):
     """Text files (one sentence or paragraph a line, plain or .gz; empty lines skipped) and
     how they become training blocks.
 
     ``train``: one or more files (WikiText-2 train; GLUE training sentences may be added);
     ``valid``: held-out text for the MLM loss and accuracy. A SentencePiece model of
-    ``vocab_size`` is trained on the training lines (``spm.model`` in the run). Lines are
+    ``vocab_size`` (:class:`~dynaseq.tasks.encoder.config.EncoderSubwordSettings`) is trained
+    on the training lines (``spm.model`` in the run). Lines are
     packed, each followed by [SEP], into blocks of ``block_len`` tokens starting with [CLS]
     (BERT's "sentences packed up to the length"). ``batch_size`` blocks per micro-batch.
     ``mask_prob`` of the tokens are chosen per block (dynamic masking, new at every update)
@@ -38,9 +43,6 @@ class MLMDataConfig:
 
     train: list[str] = field(default_factory=list)
     valid: str | None = None
-    vocab_size: int = 8000
-    spm_model_type: str = "unigram"
-    character_coverage: float = 1.0
     block_len: int = 128
     batch_size: int = 32
     mask_prob: float = 0.15
@@ -49,11 +51,10 @@ class MLMDataConfig:
     valid_max_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        check_positive(self, "vocab_size", "batch_size")
+        super().__post_init__()
+        check_positive(self, "batch_size")
         if self.block_len < 3:
             raise ConfigError(f"block_len must be >= 3 ([CLS] word [SEP]), got {self.block_len}")
-        if self.vocab_size <= 7:
-            raise ConfigError(f"vocab_size must be > 7 (the special ids), got {self.vocab_size}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
         if not (self.mask_token_prob >= 0 and self.random_token_prob >= 0

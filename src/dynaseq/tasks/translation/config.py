@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from dynaseq.core.config import MODEL_SIZES, TrainConfig, apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
+from dynaseq.data.tokenizer import SubwordSettings
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.cct.config import CCTConfig
 
@@ -69,8 +70,9 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
-    """Parallel text (one sentence per line, plain or .gz) and its SentencePiece model.
+class DataConfig(SubwordSettings):
+    """Parallel text (one sentence per line, plain or .gz) and its SentencePiece model
+    (:class:`~dynaseq.data.tokenizer.SubwordSettings`).
     :attr:`PATHS` name the fields that are files (left out of an exported model)."""
 
     PATHS: ClassVar[tuple[str, ...]] = ("train_src", "train_tgt", "valid_src", "valid_tgt")
@@ -79,23 +81,15 @@ class DataConfig:
     train_tgt: str | None = None
     valid_src: str | None = None
     valid_tgt: str | None = None
-    vocab_size: int = 8000
-    spm_model_type: str = "unigram"
-    character_coverage: float = 1.0
     max_tokens: int = 4096
     max_len: int = 256
     long_lines: str = "skip"
 
     def __post_init__(self) -> None:
-        check_positive(self, "vocab_size", "max_tokens", "max_len")
-        if self.vocab_size <= 4:
-            raise ConfigError(f"vocab_size must be > 4 (the special ids), got {self.vocab_size}")
+        super().__post_init__()
+        check_positive(self, "max_tokens", "max_len")
         if self.long_lines not in ("skip", "truncate"):
             raise ConfigError(f"long_lines must be 'skip' or 'truncate', got {self.long_lines!r}")
-        if self.spm_model_type not in ("unigram", "bpe", "char", "word"):
-            raise ConfigError(f"unknown spm_model_type {self.spm_model_type!r}")
-        if not 0.0 < self.character_coverage <= 1.0:
-            raise ConfigError("character_coverage must be in (0, 1]")
         if self.max_tokens < self.max_len + 1:
             raise ConfigError(f"max_tokens={self.max_tokens} must be > max_len={self.max_len}")
 
