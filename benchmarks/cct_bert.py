@@ -17,7 +17,9 @@ Scores are on each task's whole dev set (batches of 32), from the run's kept che
 control symbol as is, and calibrated (one gate offset per budget fitted on the first
 `--calibration-rows` rows of the task's *training* set, batch 1, so that the realized
 compute meets the budget). Its realized fraction is measured on the first `--fraction-rows`
-dev rows one at a time (no padding in the count).
+dev rows one at a time (no padding in the count). Each target's comparison comes with the
+95% paired-bootstrap interval of its score difference over the dev rows (``scipy``), from
+each row's prediction.
 
 Layer MACs per token: attention (q/k/v/out, scores and values) and FFN, plus the CCT's
 control nets, from :func:`dynaseq.metrics.encoder_profile.encoder_macs` summed over the dev
@@ -118,15 +120,16 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
     from dynaseq.tasks.classify.glue import read_table
 
     metric, dev, train_tsv = TASKS[task]["metric"], glue(task, "dev"), glue(task, "train")
-    rows, loaded = [], {}
+    rows, loaded, preds, layout = [], {}, {}, None
     for name in models:
         run = run_dir(name, task, args.runs)
         if not _lib.finished(run):
             print(f"-- {name} {task}: no finished run at {run}, skipped", flush=True)
             continue
         c = dynaseq.load(run)
-        encoded = c.encode(list(read_table(dev, c.layout).text_a))[0]
-        loaded[name] = (c, encoded)
+        table = read_table(dev, c.layout)
+        encoded = c.encode(list(table.text_a))[0]
+        loaded[name], layout, gold = (c, encoded), c.layout, table.targets()
         full_macs = layer_macs(c.model, [len(ids) for ids, _ in encoded])
         spec = MODELS[name]
         base = {"model": name, "label": spec["label"], "family": spec["family"],
@@ -137,6 +140,7 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
             res = c.evaluate(dev, batch_size=32)
             rows.append({**base, "score": round(100 * res[metric], 2),
                          "layer_macs_per_token": round(full_macs)})
+            preds[row_key(rows[-1])] = c.classify_rows(encoded, batch_size=32)
             continue
         dev_lines = dev.read_text(encoding="utf-8").splitlines(keepends=True)
         header = 1 if TASKS[task]["header"] else 0
@@ -155,8 +159,32 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
                                  "score": round(100 * res[metric], 2),
                                  "realized_fraction": round(frac, 4),
                                  "layer_macs_per_token": round(full_macs * frac)})
+                    preds[row_key(rows[-1])] = c.classify_rows(encoded, budget=b,
+                                                               batch_size=32)
     timing = time_budgets(loaded, args) if {"cct", "dense"} <= set(loaded) else {}
-    return {"metric": metric, "rows": rows, "timing": timing}
+    res = {"metric": metric, "rows": rows, "timing": timing}
+    if layout is None:
+        return {**res, "targets": {}}
+    return {**res, "targets": targets(res, partial(difference_ci, layout, metric, gold, preds))}
+
+
+def row_key(row: dict) -> str:
+    """A result row's name: the model, and for the CCT its budget and calibration."""
+    if "budget" not in row:
+        return row["model"]
+    return f"{row['model']}@{row['budget']:g}{' calibrated' if row['calibrated'] else ''}"
+
+
+def difference_ci(layout: Any, metric: str, gold: list, preds: dict[str, list], a: dict,
+                  b: dict) -> list[float]:
+    """95% paired-bootstrap interval (x 100) of row ``a``'s score minus row ``b``'s over the
+    dev rows (:func:`_lib.paired_diff_ci`, from each row's predictions in ``preds``): whether
+    a difference is more than the draw of the dev set's rows."""
+    from dynaseq.tasks.classify.predictor import task_metrics
+
+    lo, hi = _lib.paired_diff_ci(lambda g, p: task_metrics(layout, g, p)[metric], gold,
+                                 preds[row_key(a)], preds[row_key(b)])
+    return [round(100 * lo, 2), round(100 * hi, 2)]
 
 
 def time_budgets(loaded: dict[str, tuple[Any, list]], args: argparse.Namespace) -> dict:
@@ -209,8 +237,10 @@ def retime(args: argparse.Namespace) -> dict:
     return out
 
 
-def targets(task: dict) -> dict:
-    """Issue 24's quality targets for one task's rows (calibrated CCT budgets)."""
+def targets(task: dict, diff_ci: Any = None) -> dict:
+    """Issue 24's quality targets for one task's rows (calibrated CCT budgets); with
+    ``diff_ci(row_a, row_b)`` (:func:`difference_ci`), each comparison also gets the 95%
+    interval of its difference."""
     cct = {r["budget"]: r for r in task["rows"] if r["family"] == "cct" and r["calibrated"]}
     dense = next((r for r in task["rows"] if r["family"] == "dense"), None)
     out: dict[str, Any] = {}
@@ -218,6 +248,8 @@ def targets(task: dict) -> dict:
         gap = round(cct[FULL]["score"] - dense["score"], 2)
         out["full_within_1_of_dense"] = {"cct": cct[FULL]["score"], "dense": dense["score"],
                                          "difference": gap, "met": gap >= -1.0}
+        if diff_ci is not None:
+            out["full_within_1_of_dense"]["difference_ci95"] = diff_ci(cct[FULL], dense)
     for b in (0.5, 0.33):
         if b not in cct:
             continue
@@ -233,6 +265,8 @@ def targets(task: dict) -> dict:
                 "macs_ratio_cct_over_shrunk": round(mine["layer_macs_per_token"]
                                                     / near["layer_macs_per_token"], 3),
                 "met": mine["score"] > near["score"]}
+            if diff_ci is not None:
+                out[f"{b:g}_above_{family}"]["difference_ci95"] = diff_ci(mine, near)
     return out
 
 
@@ -246,7 +280,8 @@ def markdown(out: dict) -> list[str]:
         "updates per task (configs/{sst2,cola}_small.yaml); same data, schedule and seed.",
         "Targets (issue 24): CCT at the full budget (.8) within 1 point of the dense encoder; "
         "at .5 and .33 above the shrunk encoder of the nearest layer MACs, in depth and in "
-        "width.")
+        "width. `difference_ci95`: the 95% paired-bootstrap interval of the CCT's score minus "
+        "the other's over the dev rows (1000 resamples).")
     if "retimed" in out:
         r = out["retimed"]
         lines += ["", f"Wall times measured again by `{r['command']}` (code "
@@ -381,8 +416,7 @@ def main() -> None:
         return
     tasks = {}
     for task in args.tasks:
-        res = measure_task(task, args.only, args)
-        tasks[task] = {**res, "targets": targets(res)}
+        tasks[task] = measure_task(task, args.only, args)
     out = {"benchmark": "cct_bert", "command": _lib.command(),
            "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(processor=True),
            "provenance": _lib.provenance(), "pretrain_steps": args.pretrain_steps,

@@ -29,6 +29,19 @@ def test_targets_hold_each_budget_against_the_nearest_shrunk_encoder():
                                     "macs_ratio_cct_over_shrunk": 1.041, "met": False}
     assert t["0.33_above_depth"]["shrunk"] == "depth_1" and not t["0.33_above_depth"]["met"]
     assert t["0.33_above_width"]["shrunk"] == "width_148" and t["0.33_above_width"]["met"]
+    seen = []
+
+    def diff_ci(a, b):
+        seen.append((cct_bert.row_key(a), cct_bert.row_key(b)))
+        return [-1.0, 2.0]
+
+    with_ci = cct_bert.targets({"rows": rows}, diff_ci)
+    assert with_ci["full_within_1_of_dense"]["difference_ci95"] == [-1.0, 2.0]
+    assert seen == [("cct@0.8 calibrated", "dense"), ("cct@0.5 calibrated", "depth_2"),
+                    ("cct@0.5 calibrated", "width_180"), ("cct@0.33 calibrated", "depth_1"),
+                    ("cct@0.33 calibrated", "width_148")]
+    assert {k: {n: x for n, x in v.items() if n != "difference_ci95"}
+            for k, v in with_ci.items()} == t
     rows[1]["score"] = 77.9  # 1.1 below the dense encoder
     assert not cct_bert.targets({"rows": rows})["full_within_1_of_dense"]["met"]
     out = {"command": "python benchmarks/cct_bert.py", "machine": {}, "date": "d",
@@ -45,6 +58,20 @@ def test_targets_hold_each_budget_against_the_nearest_shrunk_encoder():
     text = "\n".join(cct_bert.markdown(out))
     assert "measured again by `python benchmarks/cct_bert.py --retime` (code abc" in text
     assert "median of 7 rounds" in text and "median of 1 rounds" not in text
+
+
+def test_difference_interval_is_over_the_rows_of_both_predictions():
+    from dynaseq.tasks.classify.glue import GLUE_TASKS
+
+    cct_bert = load_benchmark("cct_bert")
+    gold = ["0", "1"] * 20
+    preds = {"cct@0.8 calibrated": list(gold), "dense": ["1", "0"] * 20,
+             "depth_2": list(gold)}
+    cct = {"model": "cct", "budget": 0.8, "calibrated": True}
+    assert cct_bert.difference_ci(GLUE_TASKS["sst2"], "accuracy", gold, preds, cct,
+                                  {"model": "dense"}) == [100.0, 100.0]
+    assert cct_bert.difference_ci(GLUE_TASKS["sst2"], "accuracy", gold, preds, cct,
+                                  {"model": "depth_2"}) == [0.0, 0.0]
 
 
 class _FakeProcess:
