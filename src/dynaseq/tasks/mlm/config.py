@@ -31,9 +31,9 @@ class MLMDataConfig(EncoderSubwordSettings):
     ``train``: one or more files (WikiText-2 train; GLUE training sentences may be added);
     ``valid``: held-out text for the MLM loss and accuracy. A SentencePiece model of
     ``vocab_size`` (:class:`~dynaseq.tasks.encoder.config.EncoderSubwordSettings`) is trained
-    on the training lines (``spm.model`` in the run). Lines are
-    packed, each followed by [SEP], into blocks of ``block_len`` tokens starting with [CLS]
-    (BERT's "sentences packed up to the length"). ``batch_size`` blocks per micro-batch.
+    on the training lines (``spm.model`` in the run). Lines are packed, each followed by
+    [SEP], into blocks of ``block_len`` tokens starting with [CLS] (BERT's "sentences packed
+    up to the length"). ``batch_size`` blocks per micro-batch.
     ``mask_prob`` of the tokens are chosen per block (dynamic masking, new at every update)
     and replaced by [MASK] with ``mask_token_prob``, a random word with ``random_token_prob``,
     else kept (BERT's 80/10/10). ``valid_max_blocks`` caps validation (None: all).
