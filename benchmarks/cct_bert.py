@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
         c = dynaseq.load(run)
         table = read_table(dev, c.layout)
         encoded = c.encode(list(table.text_a))[0]
-        loaded[name], layout, gold = (c, encoded), c.layout, table.targets()
+        loaded[name], layout, gold = (c, encoded), c.layout, table.targets()  # gold: one dev set
         full_macs = layer_macs(c.model, [len(ids) for ids, _ in encoded])
         spec = MODELS[name]
         base = {"model": name, "label": spec["label"], "family": spec["family"],
@@ -237,7 +238,8 @@ def retime(args: argparse.Namespace) -> dict:
     return out
 
 
-def targets(task: dict, diff_ci: Any = None) -> dict:
+def targets(task: dict,
+            diff_ci: Callable[[dict, dict], list[float]] | None = None) -> dict:
     """Issue 24's quality targets for one task's rows (calibrated CCT budgets); with
     ``diff_ci(row_a, row_b)`` (:func:`difference_ci`), each comparison also gets the 95%
     interval of its difference."""

@@ -16,7 +16,7 @@ from typing import ClassVar
 from dynaseq.core.config import TrainConfig, apply_size, check_fraction, check_positive
 from dynaseq.core.errors import ConfigError
 from dynaseq.data.tokenizer import SubwordSettings
-from dynaseq.tasks.encoder.vocab import CLS, MASK, SEP
+from dynaseq.tasks.encoder.vocab import SYMBOLS
 from dynaseq.techniques.cct.config import EncoderCCTConfig
 from dynaseq.techniques.depth.config import DepthConfig
 from dynaseq.techniques.depth.multi_exit import ExitsConfig
@@ -31,7 +31,7 @@ class EncoderSubwordSettings(SubwordSettings):
     """:class:`~dynaseq.data.tokenizer.SubwordSettings` of an encoder's vocabulary, which
     holds [CLS], [SEP] and [MASK] after the four special ids."""
 
-    RESERVED_IDS: ClassVar[int] = SubwordSettings.RESERVED_IDS + len((CLS, SEP, MASK))
+    RESERVED_IDS: ClassVar[int] = SubwordSettings.RESERVED_IDS + len(SYMBOLS)
 
 
 @dataclass

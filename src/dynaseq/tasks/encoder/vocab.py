@@ -21,6 +21,7 @@ from pathlib import Path
 from dynaseq.data.tokenizer import Tokenizer
 
 CLS, SEP, MASK = "[CLS]", "[SEP]", "[MASK]"
+SYMBOLS = (CLS, SEP, MASK)  # the encoder's own pieces, ids 4, 5, 6
 SPM_FILE = "spm.model"
 
 
@@ -33,7 +34,7 @@ class EncoderVocab:
     def __post_init__(self) -> None:
         tok = self.tokenizer
         self.pad_id = tok.pad_id
-        self.cls_id, self.sep_id, self.mask_id = (tok.piece_to_id(p) for p in (CLS, SEP, MASK))
+        self.cls_id, self.sep_id, self.mask_id = (tok.piece_to_id(p) for p in SYMBOLS)
         #: ids that are not subwords (never masked, never a random replacement)
         self.special_ids = sorted({tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id,
                                    self.cls_id, self.sep_id, self.mask_id})
@@ -48,7 +49,7 @@ class EncoderVocab:
     def train(cls, lines: list[str], path: str | Path, vocab_size: int,
               model_type: str = "unigram", character_coverage: float = 1.0) -> EncoderVocab:
         return cls(Tokenizer.train(lines, path, vocab_size, model_type, character_coverage,
-                                   user_symbols=(CLS, SEP, MASK)))
+                                   user_symbols=SYMBOLS))
 
     @classmethod
     def load(cls, path: str | Path) -> EncoderVocab:
