@@ -18,6 +18,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -359,24 +360,55 @@ def train_each(configs: Iterable[Any]) -> None:
             raise SystemExit(130)
 
 
+def run_parallel(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> None:
+    """Run each job's command (name -> argv) in a process of its own, ``parallel`` at a
+    time, in the order given, its output in ``{out_dir}/{name}.out``. One accelerator is
+    shared by the processes, whose small updates each leave it mostly idle; on a 2-core
+    CPU, keep ``parallel`` at 1. Exits with status 1, printing the output's tail, when a
+    process fails (the others run to their end first)."""
+    assert parallel >= 1
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    pending, running, failed = list(jobs), {}, []
+    while pending or running:
+        while pending and len(running) < parallel:
+            name = pending.pop(0)
+            out = Path(out_dir) / f"{name}.out"
+            with out.open("w") as log:
+                running[name] = (subprocess.Popen(jobs[name], stdout=log,
+                                                  stderr=subprocess.STDOUT), out)
+            print(f"== {name}: training in process {running[name][0].pid} ({out})",
+                  flush=True)
+        time.sleep(1.0)
+        for name, (proc, out) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            print(f"== {name}: exit status {proc.returncode}", flush=True)
+            if proc.returncode:
+                failed.append(name)
+                print(out.read_text(errors="replace")[-3000:], file=sys.stderr)
+    if failed:
+        raise SystemExit(f"training failed for {', '.join(failed)}")
+
+
 UNLABELLED = RUNS / "glue_unlabelled.txt"
 
 
-def write_unlabelled(configs: dict[str, str]) -> Path:
+def write_unlabelled(configs: dict[str, str], path: Path = UNLABELLED) -> Path:
     """The training sentences of each GLUE task (name -> its fine-tuning config), both sides
-    of a pair, one a line, labels dropped, written atomically to :data:`UNLABELLED` (MLM
-    pre-training text; dev sentences are never read); returns its path."""
+    of a pair, one a line, labels dropped, written atomically to ``path`` (MLM pre-training
+    text; dev sentences are never read); returns ``path``."""
     from dynaseq.core.files import atomic_write
     from dynaseq.tasks.classify.glue import GLUE_TASKS, read_table
     from dynaseq.tasks.registry import load_config
 
     lines = []
-    for task, path in configs.items():
-        cfg = load_config(path, [])
+    for task, config in configs.items():
+        cfg = load_config(config, [])
         ex = read_table(cfg.data.train, GLUE_TASKS[task], labelled=False)
         lines += ex.text_a + (ex.text_b or [])
-    atomic_write(UNLABELLED, "\n".join(lines) + "\n")
-    return UNLABELLED
+    atomic_write(path, "\n".join(lines) + "\n")
+    return path
 
 
 # -------------------------------------------------------------------------------- results

@@ -45,7 +45,6 @@ benchmarks/results/cct_bert.{json,md,png}. Run from the repository root.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -343,35 +342,13 @@ def plot(out: dict, path: Path) -> None:
 
 def train_parallel(args: argparse.Namespace) -> None:
     """Train each model's chain (pre-training, then its fine-tunings) in a process of its
-    own, ``args.parallel`` at a time: this script again with ``--only MODEL --train-only``,
-    its output in ``{runs}/{model}.out``. One accelerator is shared by the processes, whose
-    small updates each leave it mostly idle; on a 2-core CPU, keep ``--parallel 1``. Exits
-    with status 1, printing the output's tail, when a process fails."""
-    Path(args.runs).mkdir(parents=True, exist_ok=True)
-    pending, running, failed = list(args.only), {}, []
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            name = pending.pop(0)
-            out = Path(args.runs) / f"{name}.out"
-            cmd = [sys.executable, __file__, "--only", name, "--train-only", "--tasks",
-                   *args.tasks, "--pretrain-steps", str(args.pretrain_steps),
-                   "--finetune-steps", str(args.finetune_steps), "--runs", str(args.runs)]
-            with out.open("w") as log:
-                running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
-                                 out)
-            print(f"== {name}: training in process {running[name][0].pid} ({out})",
-                  flush=True)
-        time.sleep(1.0)
-        for name, (proc, out) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            del running[name]
-            print(f"== {name}: exit status {proc.returncode}", flush=True)
-            if proc.returncode:
-                failed.append(name)
-                print(out.read_text(errors="replace")[-3000:], file=sys.stderr)
-    if failed:
-        raise SystemExit(f"training failed for {', '.join(failed)}")
+    own, ``args.parallel`` at a time (:func:`_lib.run_parallel`): this script again with
+    ``--only MODEL --train-only``, its output in ``{runs}/{model}.out``."""
+    _lib.run_parallel({name: [sys.executable, __file__, "--only", name, "--train-only",
+                              "--tasks", *args.tasks, "--pretrain-steps",
+                              str(args.pretrain_steps), "--finetune-steps",
+                              str(args.finetune_steps), "--runs", str(args.runs)]
+                       for name in args.only}, args.parallel, Path(args.runs))
 
 
 def main() -> None:

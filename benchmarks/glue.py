@@ -9,12 +9,17 @@ curves (validation metric against updates and minutes) are committed so one can 
 each run flattens.
 
     python benchmarks/glue.py [--pretrain-minutes 15] [--pretrain-steps N] [--glue-text]
-                              [--finetune-minutes 10] [--finetune-steps N]
-                              [--precision fp32|bf16] [--report-only]
+                              [--pretrain-batch 16] [--finetune-minutes 10]
+                              [--finetune-steps N] [--precision fp32|bf16] [--runs DIR]
+                              [--parallel 1] [--pretrain-only | --train-only | --report-only]
 
 ``--precision bf16`` trains every run under bfloat16 autocast (``train.precision``): on a
 CPU with AVX512-BF16 an update of the pre-training takes about 0.6x the float32 time, so
 the same minutes buy more updates. ``--finetune-steps`` overrides both tasks' update limit.
+``--pretrain-batch`` sets the pre-training's blocks per update (16 in the config): on a GPU a
+larger batch costs little more time per update, so the same minutes see more text.
+``--parallel N`` fine-tunes N runs at a time, each in a process of its own (for a GPU; on 2
+CPU cores keep 1), once the pre-training is done.
 
 ``--glue-text`` adds the unlabelled sentences of the SST-2 and CoLA *training* sets to the
 pre-training text (issue 24 allows it; BERT's domain gap between Wikipedia and movie
@@ -22,8 +27,8 @@ reviews is what it closes): they are written, labels dropped, to
 ``runs/bench/glue_unlabelled.txt`` (``_lib.write_unlabelled``). Dev sentences are never
 read for pre-training.
 
-Runs: runs/bench/glue_mlm (configs/wikitext2_mlm_small.yaml), runs/bench/glue_{sst2,cola}_
-{scratch,pretrained} (configs/{sst2,cola}_small.yaml). A finished run is not trained again;
+Runs (under ``--runs``, default runs/bench): glue_mlm (configs/wikitext2_mlm_small.yaml),
+glue_{sst2,cola}_{scratch,pretrained} (configs/{sst2,cola}_small.yaml). A finished run is not trained again;
 one whose limits the command raises (``--pretrain-steps``, ``--pretrain-minutes``, which
 count the run's minutes in all) resumes from its last checkpoint under the longer
 schedule: a cosine schedule restarts at the learning rate the new length gives there.
@@ -33,6 +38,7 @@ Writes benchmarks/results/glue.{json,md,png}. Run from the repository root.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -41,32 +47,78 @@ import _plot
 
 TASKS = {"sst2": ("configs/sst2_small.yaml", "accuracy"),
          "cola": ("configs/cola_small.yaml", "mcc")}
-MLM = _lib.RUNS / "glue_mlm"
+INITS = ("scratch", "pretrained")
 
 
-def run_dir(task: str, init: str) -> Path:
-    return _lib.RUNS / f"glue_{task}_{init}"
+def mlm_dir(runs: Path) -> Path:
+    return Path(runs) / "glue_mlm"
 
 
-def configs(pretrain_minutes: float, finetune_minutes: float, tasks: list[str],
-            pretrain_steps: int | None = None, glue_text: bool = False,
-            finetune_steps: int | None = None, precision: str = "fp32"):
+def run_dir(task: str, init: str, runs: Path = _lib.RUNS) -> Path:
+    return Path(runs) / f"glue_{task}_{init}"
+
+
+def pretrain_config(args: argparse.Namespace):
+    """The MLM pre-training's run config. With ``--glue-text`` its text includes every
+    task's unlabelled training sentences, whichever tasks this command fine-tunes, so that
+    one pre-training serves them all."""
     from dynaseq.tasks.registry import load_config
 
-    every = [f"train.precision={precision}"]
-    tune = every + ([] if finetune_steps is None else [f"train.max_steps={finetune_steps}"])
-    extra = every + ([] if pretrain_steps is None else [f"train.max_steps={pretrain_steps}"])
-    if glue_text:
-        text = _lib.write_unlabelled({t: TASKS[t][0] for t in tasks})
+    extra = [f"train.precision={args.precision}"]
+    if args.pretrain_steps is not None:
+        extra.append(f"train.max_steps={args.pretrain_steps}")
+    if args.pretrain_batch is not None:
+        extra.append(f"data.batch_size={args.pretrain_batch}")
+    if args.glue_text:
+        text = _lib.write_unlabelled({t: TASKS[t][0] for t in TASKS},
+                                     Path(args.runs) / _lib.UNLABELLED.name)
         extra.append(f"data.train=[$DATA/wikitext-2/train.txt,{text}]")
-    yield load_config("configs/wikitext2_mlm_small.yaml",
-                      [f"run_dir={MLM}", f"train.max_minutes={pretrain_minutes}", *extra])
-    for task in tasks:
-        path, _ = TASKS[task]
-        for init in ("scratch", "pretrained"):
-            extra = [f"train.init_from={MLM}"] if init == "pretrained" else []
-            yield load_config(path, [f"run_dir={run_dir(task, init)}",
-                                     f"train.max_minutes={finetune_minutes}", *tune, *extra])
+    return load_config("configs/wikitext2_mlm_small.yaml",
+                       [f"run_dir={mlm_dir(args.runs)}",
+                        f"train.max_minutes={args.pretrain_minutes}", *extra])
+
+
+def finetune_config(args: argparse.Namespace, task: str, init: str):
+    """The fine-tuning run config of ``task`` from ``init`` (scratch or the pre-training)."""
+    from dynaseq.tasks.registry import load_config
+
+    extra = [f"train.precision={args.precision}"]
+    if args.finetune_steps is not None:
+        extra.append(f"train.max_steps={args.finetune_steps}")
+    if init == "pretrained":
+        extra.append(f"train.init_from={mlm_dir(args.runs)}")
+    return load_config(TASKS[task][0], [f"run_dir={run_dir(task, init, args.runs)}",
+                                        f"train.max_minutes={args.finetune_minutes}", *extra])
+
+
+def finetune_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """One command per fine-tuning run (this script again, ``--train-only`` for one task
+    and one init, the same limits), for :func:`_lib.run_parallel`."""
+    same = ["--runs", str(args.runs), "--pretrain-minutes", str(args.pretrain_minutes),
+            "--finetune-minutes", str(args.finetune_minutes), "--precision", args.precision]
+    for flag, value in (("--pretrain-steps", args.pretrain_steps),
+                        ("--pretrain-batch", args.pretrain_batch),
+                        ("--finetune-steps", args.finetune_steps)):
+        same += [] if value is None else [flag, str(value)]
+    same += ["--glue-text"] if args.glue_text else []
+    return {f"glue_{task}_{init}": [sys.executable, __file__, *same, "--tasks", task,
+                                    "--inits", init, "--train-only"]
+            for task in args.tasks for init in args.inits}
+
+
+def train(args: argparse.Namespace) -> None:
+    """Pre-train (in this process), then fine-tune each task from each init, one after
+    the other or ``--parallel`` at a time; a finished run is not trained again."""
+    pre = pretrain_config(args)
+    _lib.train_each([pre] if not _lib.done(mlm_dir(args.runs), pre) else [])
+    if args.pretrain_only:
+        return
+    if args.parallel > 1:
+        _lib.run_parallel(finetune_commands(args), args.parallel, Path(args.runs))
+        return
+    _lib.train_each(c for c in (finetune_config(args, t, i)
+                                for t in args.tasks for i in args.inits)
+                    if not _lib.done(Path(c.run_dir), c))
 
 
 def curve(run: Path, metric: str) -> list[dict[str, float]]:
@@ -92,6 +144,8 @@ def flattens(points: list[dict[str, float]], metric: str, tol: float = 0.5) -> i
 
 
 def main() -> None:
+    from dynaseq.tasks.registry import load_config
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pretrain-minutes", type=float, default=15.0)
     p.add_argument("--pretrain-steps", type=int, default=None,
@@ -103,27 +157,45 @@ def main() -> None:
                    help="fine-tuning updates (default: each task config's max_steps)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="train.precision of every run")
+    p.add_argument("--pretrain-batch", type=int, default=None,
+                   help="pre-training blocks per update (default: the config's, 16)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    p.add_argument("--report-only", action="store_true", help="only read the runs' logs")
+    p.add_argument("--inits", nargs="+", default=list(INITS), choices=INITS)
+    p.add_argument("--runs", type=Path, default=_lib.RUNS,
+                   help=f"where the runs live ({_lib.RUNS})")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="fine-tunings at a time, each in its own process (default 1)")
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--report-only", action="store_true", help="only read the runs' logs")
+    stop.add_argument("--train-only", action="store_true", help="write no report")
+    stop.add_argument("--pretrain-only", action="store_true",
+                      help="train the pre-training only; write no report")
     _lib.add_results_arg(p)
     args = p.parse_args()
+    if args.parallel < 1:
+        p.error(f"--parallel must be at least 1, got {args.parallel}")
+    if args.pretrain_batch is not None and args.pretrain_batch < 1:
+        p.error(f"--pretrain-batch must be at least 1, got {args.pretrain_batch}")
     if not args.report_only:
-        _lib.train_each(c for c in configs(args.pretrain_minutes, args.finetune_minutes,
-                                           args.tasks, args.pretrain_steps, args.glue_text,
-                                           args.finetune_steps, args.precision)
-                        if not _lib.done(Path(c.run_dir), c))
+        train(args)
+    if args.train_only or args.pretrain_only:
+        return
+    mlm_run = mlm_dir(args.runs)
     mlm = [{"step": r["step"], "minutes": round(r.get("elapsed_s", 0) / 60, 2)}
-           for r in _lib.read_log(MLM, missing_ok=True) if r["event"] == "train"]
+           for r in _lib.read_log(mlm_run, missing_ok=True) if r["event"] in ("train", "stop")]
     mlm_valid = [{"step": r["step"], "loss": round(r["loss"], 4),
                   "accuracy": round(100 * r["accuracy"], 2)}
-                 for r in _lib.read_log(MLM, missing_ok=True) if r["event"] == "valid"]
+                 for r in _lib.read_log(mlm_run, missing_ok=True) if r["event"] == "valid"]
+    batch = args.pretrain_batch or load_config("configs/wikitext2_mlm_small.yaml",
+                                               []).data.batch_size
     rows, curves = [], {}
     for task in args.tasks:
         _, metric = TASKS[task]
-        for init in ("scratch", "pretrained"):
-            pts = curve(run_dir(task, init), metric)
+        for init in args.inits:
+            run = run_dir(task, init, args.runs)
+            pts = curve(run, metric)
             curves[f"{task}_{init}"] = pts
-            tp = _lib.throughput(run_dir(task, init)) if pts else {}
+            tp = _lib.throughput(run) if pts else {}
             rows.append({"task": task, "init": init, "metric": metric,
                          "best": max((x[metric] for x in pts), default=None),
                          "final": pts[-1][metric] if pts else None,
@@ -135,7 +207,8 @@ def main() -> None:
                               "learned positions, max 128",
                      "pretraining": "MLM on WikiText-2 train" + (
                          " + the SST-2 and CoLA training sentences (labels dropped)"
-                         if args.glue_text else "") + ", blocks of 128, batch 16, at most "
+                         if args.glue_text else "") + ", blocks of 128, batch "
+                         f"{batch}, at most "
                          f"{args.pretrain_minutes} min" + (
                          "" if args.pretrain_steps is None
                          else f" and {args.pretrain_steps} updates (cosine schedule)")

@@ -112,8 +112,8 @@ def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_pa
         started.append(cmd)
         return _FakeProcess(cmd, stdout, stderr)
 
-    monkeypatch.setattr(cct_bert.subprocess, "Popen", popen)
-    monkeypatch.setattr(cct_bert.time, "sleep", lambda s: None)
+    monkeypatch.setattr(cct_bert._lib.subprocess, "Popen", popen)
+    monkeypatch.setattr(cct_bert._lib.time, "sleep", lambda s: None)
     monkeypatch.setattr(_FakeProcess, "running", [])  # no count left from another test
     monkeypatch.setattr(_FakeProcess, "most", 0)
     args = argparse.Namespace(only=["cct", "dense", "depth_2"], tasks=["sst2"], parallel=2,
