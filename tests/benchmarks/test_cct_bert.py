@@ -117,7 +117,8 @@ def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_pa
     monkeypatch.setattr(_FakeProcess, "running", [])  # no count left from another test
     monkeypatch.setattr(_FakeProcess, "most", 0)
     args = argparse.Namespace(only=["cct", "dense", "depth_2"], tasks=["sst2"], parallel=2,
-                              pretrain_steps=30, finetune_steps=20, runs=tmp_path)
+                              pretrain_steps=30, finetune_steps=20, runs=tmp_path,
+                              pretrain_batch=None)
     cct_bert.train_parallel(args)
     assert [c[c.index("--only") + 1] for c in started] == ["cct", "dense", "depth_2"]
     assert _FakeProcess.most == 2  # never more than --parallel at once
@@ -125,6 +126,10 @@ def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_pa
                               "--pretrain-steps", "30", "--finetune-steps", "20",
                               "--runs", str(tmp_path)]
     assert (tmp_path / "dense.out").read_text() == "log of dense\n"
+    args.only, args.pretrain_batch, started[:] = ["dense"], 64, []
+    cct_bert.train_parallel(args)
+    assert started[0][-2:] == ["--pretrain-batch", "64"]  # the pre-training's batch travels
+    assert next(cct_bert.configs(["dense"], [], args)).data.batch_size == 64
     args.only = ["dense", "depth_1"]
     with pytest.raises(SystemExit, match="training failed for depth_1"):
         cct_bert.train_parallel(args)
