@@ -23,15 +23,16 @@ CPU cores keep 1), once the pre-training is done.
 
 ``--glue-text`` adds the unlabelled sentences of the SST-2 and CoLA *training* sets to the
 pre-training text (issue 24 allows it; BERT's domain gap between Wikipedia and movie
-reviews is what it closes): they are written, labels dropped, to
-``runs/bench/glue_unlabelled.txt`` (``_lib.write_unlabelled``). Dev sentences are never
-read for pre-training.
+reviews is what it closes): both tasks' sentences, whichever tasks the command fine-tunes,
+are written, labels dropped, to ``glue_unlabelled.txt`` under ``--runs``
+(``_lib.write_unlabelled``). Dev sentences are never read for pre-training.
 
 Runs (under ``--runs``, default runs/bench): glue_mlm (configs/wikitext2_mlm_small.yaml),
-glue_{sst2,cola}_{scratch,pretrained} (configs/{sst2,cola}_small.yaml). A finished run is not trained again;
-one whose limits the command raises (``--pretrain-steps``, ``--pretrain-minutes``, which
-count the run's minutes in all) resumes from its last checkpoint under the longer
-schedule: a cosine schedule restarts at the learning rate the new length gives there.
+glue_{sst2,cola}_{scratch,pretrained} (configs/{sst2,cola}_small.yaml). A finished run is
+not trained again; one whose limits the command raises (``--pretrain-steps``,
+``--pretrain-minutes``, which count the run's minutes in all) resumes from its last
+checkpoint under the longer schedule: a cosine schedule restarts at the learning rate the
+new length gives there.
 Writes benchmarks/results/glue.{json,md,png}. Run from the repository root.
 """
 
@@ -143,9 +144,29 @@ def flattens(points: list[dict[str, float]], metric: str, tol: float = 0.5) -> i
     return "rising" if first == points[-1]["step"] else first
 
 
-def main() -> None:
+def pretraining_text(args: argparse.Namespace) -> str:
+    """What the pre-training was, read from its run's saved config (so that a
+    ``--report-only`` needs none of the training options again); from ``args`` when the run
+    has no config yet."""
     from dynaseq.tasks.registry import load_config
 
+    saved = mlm_dir(args.runs) / "config.yaml"
+    if saved.exists():
+        cfg = load_config(str(saved), [])
+        glue_text, batch = len(cfg.data.train) > 1, cfg.data.batch_size
+        minutes, precision, steps = cfg.train.max_minutes, cfg.train.precision, cfg.train.max_steps
+    else:
+        default = load_config("configs/wikitext2_mlm_small.yaml", [])
+        glue_text, batch = args.glue_text, args.pretrain_batch or default.data.batch_size
+        minutes, precision = args.pretrain_minutes, args.precision
+        steps = args.pretrain_steps or default.train.max_steps
+    return ("MLM on WikiText-2 train" + (" + the SST-2 and CoLA training sentences (labels "
+                                          "dropped)" if glue_text else "")
+            + f", blocks of 128, batch {batch}, at most {minutes} min and {steps} updates "
+            f"(cosine schedule), precision {precision}")
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pretrain-minutes", type=float, default=15.0)
     p.add_argument("--pretrain-steps", type=int, default=None,
@@ -186,8 +207,6 @@ def main() -> None:
     mlm_valid = [{"step": r["step"], "loss": round(r["loss"], 4),
                   "accuracy": round(100 * r["accuracy"], 2)}
                  for r in _lib.read_log(mlm_run, missing_ok=True) if r["event"] == "valid"]
-    batch = args.pretrain_batch or load_config("configs/wikitext2_mlm_small.yaml",
-                                               []).data.batch_size
     rows, curves = [], {}
     for task in args.tasks:
         _, metric = TASKS[task]
@@ -205,14 +224,7 @@ def main() -> None:
            "machine": _lib.machine(processor=True),
            "setup": {"model": "small encoder: d=256, ffn 1024, 4 heads, 4 layers, pre-LN, "
                               "learned positions, max 128",
-                     "pretraining": "MLM on WikiText-2 train" + (
-                         " + the SST-2 and CoLA training sentences (labels dropped)"
-                         if args.glue_text else "") + ", blocks of 128, batch "
-                         f"{batch}, at most "
-                         f"{args.pretrain_minutes} min" + (
-                         "" if args.pretrain_steps is None
-                         else f" and {args.pretrain_steps} updates (cosine schedule)")
-                         + f", precision {args.precision}",
+                     "pretraining": pretraining_text(args),
                      "finetuning": f"same for both inits: configs/{{sst2,cola}}_small.yaml, "
                                    f"at most {args.finetune_minutes} min each"
                                    + ("" if args.finetune_steps is None

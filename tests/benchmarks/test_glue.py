@@ -70,3 +70,22 @@ def test_parallel_must_be_positive(capsys, monkeypatch):
         glue.main()
     assert e.value.code == 2
     assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_report_describes_the_pre_training_from_its_saved_config(tmp_path):
+    import yaml
+
+    glue = load_benchmark("glue")
+    args = _args(tmp_path, pretrain_batch=None, pretrain_steps=None)
+    assert glue.pretraining_text(args) == (
+        "MLM on WikiText-2 train, blocks of 128, batch 16, at most 3.0 min and 3000 updates "
+        "(cosine schedule), precision bf16")  # no run yet: the options and the config
+    cfg = yaml.safe_load((REPO / "configs" / "wikitext2_mlm_small.yaml").read_text())
+    cfg["data"]["batch_size"], cfg["train"]["max_steps"] = 256, 11000
+    cfg["data"]["train"].append("glue_unlabelled.txt")
+    (tmp_path / "glue_mlm").mkdir()
+    (tmp_path / "glue_mlm" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert glue.pretraining_text(args) == (  # the run's own, whatever the options say
+        "MLM on WikiText-2 train + the SST-2 and CoLA training sentences (labels dropped), "
+        "blocks of 128, batch 256, at most 15.0 min and 11000 updates (cosine schedule), "
+        "precision fp32")
