@@ -241,18 +241,47 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _profile_latency_table(args: argparse.Namespace) -> int:
     """``dynaseq profile RUN --latency-table``: service time per budget x batch size x
-    length, written to RUN/latency_table.json (what ``dynaseq serve`` predicts from)."""
-    from dynaseq.metrics.latency_table import LATENCY_TABLE_FILE, measure_latency_table
+    length, written to RUN/latency_table.json (what ``dynaseq serve`` predicts from); a
+    translation run's decoding, or a classification run's classifying (``--table-src``:
+    the lines to time, as ``dynaseq classify`` reads them; default the run's validation
+    sentences)."""
+    from dynaseq.metrics.latency_table import LATENCY_TABLE_FILE
 
     target = Path(args.target)
-    if not target.is_dir() or _run_dir_kind(str(target)) != "seq2seq":
-        raise DynaseqError(f"profile --latency-table: {target} is not a translation run "
-                           "directory")
+    kind = _run_dir_kind(str(target)) if target.is_dir() else None
+    if kind not in ("seq2seq", "classify"):
+        raise DynaseqError(f"profile --latency-table: {target} is not a translation or "
+                           "classification run directory")
     for name in ("table_batches", "table_lengths"):
         values = getattr(args, name)
         if not values or min(values) < 1:
             raise DynaseqError(f"--{name.replace('_', '-')} must be integers >= 1")
     args.run_dir = str(target)
+    table = (_translate_latency_table if kind == "seq2seq" else _classify_latency_table)(args)
+    path = table.save(target / LATENCY_TABLE_FILE)
+
+    def text() -> str:
+        head = "budget".ljust(12) + "".join(f"{f'b{b} L{n}':>10}" for b in table.batch_sizes
+                                            for n in table.lengths) + "   fit err"
+        rows = [("(" + ", ".join(f"{x:g}" for x in p) + ")").ljust(12)
+                + "".join(f"{v:>10.1f}" for r in table.service_ms[budget_key(p)]
+                          for v in r) + f"{100 * table.fit_error(p):>9.0f}%"
+                for p in table.budgets]
+        what = f"beam {table.beam}, " if kind == "seq2seq" else ""
+        return "\n".join([f"service ms ({what}{table.threads} threads), batch x "
+                          "source length; fit err: the median distance of the cells from "
+                          f"the fitted model (predictions: {table.predict}):", head, *rows])
+
+    from dynaseq.metrics.latency_table import budget_key
+
+    _print_result(args, table.to_json(), text)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _translate_latency_table(args: argparse.Namespace):
+    from dynaseq.metrics.latency_table import measure_latency_table
+
     t = _translator(args)
     longest = max(args.table_lengths)
     if longest + 2 > t.config.model.max_positions:
@@ -275,28 +304,54 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
 
         after = ServedCompute(t.model)
         timed = "decode + realized compute per line (dynaseq serve's default)"
-    table = measure_latency_table(t.model, controls, sorted(set(args.table_batches)),
-                                  sorted(set(args.table_lengths)), beam=beam,
-                                  repeats=args.repeats, checkpoint=str(t.checkpoint),
-                                  sources=sources, max_len_a=d.max_len_a,
-                                  max_len_b=d.max_len_b, progress=not args.quiet,
-                                  after=after, timed=timed, predict=args.table_predict)
-    path = table.save(target / LATENCY_TABLE_FILE)
+    return measure_latency_table(t.model, controls, sorted(set(args.table_batches)),
+                                 sorted(set(args.table_lengths)), beam=beam,
+                                 repeats=args.repeats, checkpoint=str(t.checkpoint),
+                                 sources=sources, max_len_a=d.max_len_a,
+                                 max_len_b=d.max_len_b, progress=not args.quiet,
+                                 after=after, timed=timed, predict=args.table_predict)
 
-    def text() -> str:
-        head = "budget".ljust(12) + "".join(f"{f'b{b} L{n}':>10}" for b in table.batch_sizes
-                                            for n in table.lengths) + "   fit err"
-        rows = [f"({p[0]:g}, {p[1]:g})".ljust(12)
-                + "".join(f"{v:>10.1f}" for r in table.service_ms[f"{p[0]:g},{p[1]:g}"]
-                          for v in r) + f"{100 * table.fit_error(p):>9.0f}%"
-                for p in table.budgets]
-        return "\n".join([f"service ms (beam {beam}, {table.threads} threads), batch x "
-                          "source length; fit err: the median distance of the cells from "
-                          f"the fitted model (predictions: {table.predict}):", head, *rows])
 
-    _print_result(args, table.to_json(), text)
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+def _classify_latency_table(args: argparse.Namespace):
+    """A classification run's table: each trained and calibrated budget (a dense encoder:
+    one row, ``(1,)``) over real sentences, with each row's realized compute as the server
+    reports it unless ``--no-compute``."""
+    from dynaseq.data import read_lines
+    from dynaseq.serve.endpoints import encoder_compute_per_row
+    from dynaseq.tasks.classify.latency_table import measure_classify_latency_table
+
+    if args.beam is not None:
+        raise DynaseqError("--beam is for translation runs")
+    c = _classifier(args)
+    longest = max(args.table_lengths)
+    if longest > c.config.data.max_len:
+        raise DynaseqError(f"profile: length {longest} exceeds the run's data.max_len="
+                           f"{c.config.data.max_len}")
+    if args.table_src is not None:
+        lines = [x for x in read_lines(args.table_src) if x.strip()]
+    else:
+        from dynaseq.data.datasets import resolve_data_path
+        from dynaseq.tasks.classify.glue import read_table
+
+        ex = read_table(resolve_data_path(c.config.data.valid), c.layout, labelled=False)
+        lines = [a if ex.text_b is None else (a, b)
+                 for a, b in zip(ex.text_a, ex.text_b or ex.text_a, strict=True)]
+    rows, _ = c.encode(lines)
+    cct = c.config.model.cct
+    budgets = [None] if cct is None else list(dict.fromkeys(
+        float(b[0] if isinstance(b, tuple) else b)
+        for b in [*cct.controls, *(cal.budget for cal in c.calibrations)]))
+    after, timed = None, "classify"
+    if not args.no_compute:
+        def after(batch, budgets, compute) -> None:
+            encoder_compute_per_row(c.model, batch, compute if cct is not None else None)
+
+        timed = "classify + realized compute per line (dynaseq serve's default)"
+    return measure_classify_latency_table(c, budgets, sorted(set(args.table_batches)),
+                                          sorted(set(args.table_lengths)), rows,
+                                          repeats=args.repeats, checkpoint=str(c.checkpoint),
+                                          progress=not args.quiet, after=after, timed=timed,
+                                          predict=args.table_predict)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

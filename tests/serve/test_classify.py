@@ -135,7 +135,10 @@ BAD = [
      "budget 0.6 was not trained; trained budgets: 0.8, 0.5, 0.33, 0.2; calibrated: 0.4"),
     ("budget pair", {"text": PAIRS[0], "budget": [1, 0.5]}, 422, "budget"),
     ("budget as string", {"text": PAIRS[0], "budget": "0.5"}, 422, "budget"),
-    ("deadline", {"text": PAIRS[0], "deadline_ms": 100}, 422, "deadline_ms is for translation"),
+    ("deadline without a latency table", {"text": PAIRS[0], "deadline_ms": 100}, 422,
+     "deadline_ms needs the run's latency table"),
+    ("budget and deadline", {"text": PAIRS[0], "budget": 0.5, "deadline_ms": 100}, 422,
+     'give "budget" or "deadline_ms", not both'),
     ("unknown field", {"text": PAIRS[0], "beam": 2}, 422, "beam"),
     ("too many lines", {"texts": PAIRS[:1] * 9}, 413, "limit is 8"),
     ("line too long", {"text": "a " * 200}, 413, "characters"),
@@ -215,7 +218,7 @@ def test_serve_refusals_of_classification_runs(cct_clf_run, dense_clf_run):
     for args, words in [
         ((str(cct_clf_run), "--default-budget", "0.6"), "was not trained"),
         ((str(dense_clf_run), "--default-budget", "0.5"), "dense encoder"),
-        ((str(cct_clf_run), "--latency-table", "t.json"), "for translation runs"),
+        ((str(cct_clf_run), "--latency-table", "no_such_table.json"), "no_such_table.json"),
     ]:
         r = run_cli("serve", *args, "--port", "1")
         err = r.stderr.decode()
@@ -265,5 +268,71 @@ def test_adaptive_depth_requests_at_mixed_gammas_share_a_batch(depth_clf_run):
             assert r.status_code == 422 and "in (0, 1)" in r.json()["error"], r.text
         assert s.post("/v1/classify", json={"text": SENTENCES[0],
                                             "gamma": 0.9}).status_code == 200
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def table_run(cct_clf_run, tmp_path_factory):
+    """A copy of :func:`cct_clf_run` with its latency table (``dynaseq profile RUN
+    --latency-table``: the run's validation sentences at each trained and calibrated
+    budget)."""
+    import shutil
+
+    run = tmp_path_factory.mktemp("clf_table") / "run"
+    shutil.copytree(cct_clf_run, run)
+    r = run_cli("profile", str(run), "--latency-table", "--repeats", "1", "--table-batches",
+                "1,4", "--table-lengths", "4,12", "--quiet")
+    assert r.returncode == 0, r.stderr.decode()
+    return run
+
+
+def test_profile_writes_a_classification_latency_table(table_run):
+    import json
+
+    from dynaseq.metrics.latency_table import LatencyTable
+
+    t = LatencyTable.load(table_run / "latency_table.json")
+    assert [tuple(b) for b in t.budgets] == [(b,) for b in BUDGETS]  # trained + calibrated
+    assert set(t.service_ms) == {f"{b:g}" for b in BUDGETS}
+    assert (t.batch_sizes, t.lengths, t.beam) == ([1, 4], [4, 12], 1)
+    assert all(v > 0 for rows in t.service_ms.values() for r in rows for v in r)
+    assert "realized compute" in json.loads((table_run / "latency_table.json").read_text()
+                                            )["extra"]["timed"]
+    r = run_cli("profile", str(table_run), "--latency-table", "--beam", "2")
+    assert r.returncode == 2 and b"--beam is for translation runs" in r.stderr
+
+
+def test_classify_deadlines_choose_budgets_from_the_latency_table(table_run):
+    """A loose deadline on an idle server runs the largest budget; one no budget can meet
+    is a 503 with Retry-After; concurrent deadline requests, planned again when their batch
+    is taken, each get the labels of the budget they report, one budget per batch."""
+    offline = dynaseq.load(table_run)
+    want = {b: offline.classify(PAIRS, budget=b) for b in BUDGETS}
+    s = Server(table_run, "--batch-window-ms", "20")
+    try:
+        r = s.post("/v1/classify", json={"texts": PAIRS, "deadline_ms": 60_000})
+        assert r.status_code == 200, r.text
+        assert r.json()["budget"] == 0.8 and r.json()["degraded"] is False
+        assert r.json()["labels"] == want[0.8]
+        r = s.post("/v1/classify", json={"text": PAIRS[0], "deadline_ms": 0.001})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert "no budget" in r.json()["error"] and r.json()["reason"] == "deadline"
+        assert s.metric("dynaseq_rejected_total", endpoint="classify", reason="deadline") == 1
+
+        def ask(i):
+            return i, httpx.post(s.url + "/v1/classify", timeout=60,
+                                 json={"text": PAIRS[i % len(PAIRS)], "deadline_ms": 5_000})
+
+        with ThreadPoolExecutor(8) as pool:
+            results = [(i, r) for i, r in pool.map(ask, range(16)) if r.status_code != 503]
+        assert results
+        for i, r in results:
+            assert r.status_code == 200, r.text
+            assert r.json()["label"] == want[r.json()["budget"]][i % len(PAIRS)]
+        batches = s.metric("dynaseq_batch_distinct_budgets_count", endpoint="classify")
+        single = s.metric("dynaseq_batch_distinct_budgets_bucket", endpoint="classify",
+                          le="1.0")
+        assert single == batches  # every batch ran its deadline lines at one budget
     finally:
         s.stop()

@@ -246,7 +246,7 @@ def test_profile_latency_table_says_how_it_predicts(serve_run, tmp_path):
 
 def test_profile_latency_table_refusals(serve_run, lm_run):
     r = run_cli("profile", str(lm_run), "--latency-table")
-    assert r.returncode == 2 and b"not a translation run" in r.stderr
+    assert r.returncode == 2 and b"not a translation or classification run" in r.stderr
     r = run_cli("profile", str(serve_run), "--latency-table", "--table-batches", "0,2")
     assert r.returncode == 2 and b"--table-batches must be integers >= 1" in r.stderr
     r = run_cli("profile", str(serve_run), "--latency-table", "--table-lengths", "2000")

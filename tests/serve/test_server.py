@@ -308,7 +308,7 @@ def test_serve_refusals_are_one_line_exit_2(serve_run, lm_run, tmp_path):
         ((str(serve_run), "--max-lines", "64"), "must not exceed --max-batch-lines"),
         ((str(serve_run), "--default-budget", "0.4"), "was not trained"),
         ((str(serve_run), "--beam", "2"), "measured at beam 1"),
-        ((str(lm_run), "--latency-table", "t.json"), "for translation runs"),
+        ((str(lm_run), "--latency-table", "t.json"), "for translation and classification runs"),
     ]:
         r = run_cli("serve", *args, "--port", "1")
         err = r.stderr.decode()

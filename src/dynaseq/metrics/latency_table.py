@@ -4,7 +4,9 @@ predicts from.
 
 A :class:`LatencyTable` holds, for each budget (an ``(encoder, decoder)`` pair; a dense
 model has one row, ``(1, 1)``), the median wall time of decoding a batch of ``b`` sentences
-of ``L`` source tokens: real sentences of about that length decoded freely (each budget's
+of ``L`` source tokens (for a classification run, :func:`dynaseq.tasks.classify.
+latency_table.measure_classify_latency_table`: of classifying ``b`` rows of ``L`` tokens at
+each ``(encoder,)`` budget): real sentences of about that length decoded freely (each budget's
 outputs as long as they come out), or, without sentences, random tokens decoded into
 exactly ``L`` target tokens (:func:`~dynaseq.metrics.latency.decode_latency_ms`).
 :meth:`LatencyTable.predict_ms` reads the cells through a fitted model by default
@@ -50,12 +52,14 @@ PREDICTIONS = ("fit", "grid")
 LATENCY_TABLE_FILE = "latency_table.json"
 """Written into a run directory by ``dynaseq profile RUN --latency-table``."""
 
-Pair = tuple[float, float]
+Pair = tuple[float, ...]
+"""A budget as a table holds it: a translation's ``(encoder, decoder)`` pair, a classifier's
+``(encoder,)``."""
 
 
 def budget_key(pair: Pair) -> str:
-    """``(0.5, 0.5)`` -> ``"0.5,0.5"``: a budget as a JSON object key."""
-    return f"{pair[0]:g},{pair[1]:g}"
+    """``(0.5, 0.5)`` -> ``"0.5,0.5"``, ``(0.5,)`` -> ``"0.5"``: a budget as a JSON key."""
+    return ",".join(f"{x:g}" for x in pair)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class LatencyTable:
         if self.predict not in PREDICTIONS:
             raise ValueError(f"predict must be one of {', '.join(PREDICTIONS)}, got "
                              f"{self.predict!r}")
-        self.budgets = [(float(e), float(d)) for e, d in self.budgets]
+        self.budgets = [tuple(float(x) for x in p) for p in self.budgets]
         if not self.budgets or not self.batch_sizes or not self.lengths:
             raise ValueError("a latency table needs at least one budget, batch size and length")
         if sorted(set(self.batch_sizes)) != list(self.batch_sizes) or self.batch_sizes[0] < 1:
@@ -290,3 +294,4 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                         device=str(device), threads=torch.get_num_threads(),
                         checkpoint=checkpoint, extra=extra, predict=predict,
                         precision=precision_of(model))
+

@@ -119,18 +119,21 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     beam = config.beam or (predictor.config.decode.beam if kind == "seq2seq" else 1)
     default_budget = config_default_budget(predictor, kind, config)
     policy = None
-    if table is not None and kind == "seq2seq":
-        if table.beam != beam:
+    if table is not None and kind in ("seq2seq", "classify"):
+        if kind == "seq2seq" and table.beam != beam:
             raise DynaseqError(f"the latency table was measured at beam {table.beam}, the "
                                f"server decodes at beam {beam}: serve with --beam "
                                f"{table.beam} or run dynaseq profile RUN --latency-table "
                                f"--beam {beam}")
-        usable = [b for b in (budgets or [(1.0, 1.0)]) if table.has(b)]
+        dense = (1.0, 1.0) if kind == "seq2seq" else (1.0,)
+        usable = [b for b in (budgets or [dense]) if table.has(b)]
         if not usable:
             raise DynaseqError("the latency table holds none of the run's budgets: run "
                                "dynaseq profile RUN --latency-table again")
         # answered as its own lines end, unless beam search's gates decide (run_translate)
-        early = config.early_answers and (beam == 1 or predictor.model.n_controls == 0)
+        # (a classify batch answers every line at once)
+        early = kind == "seq2seq" and config.early_answers and (
+            beam == 1 or predictor.model.n_controls == 0)
         policy = DeadlinePolicy(table, usable, config.max_batch_rows, config.batch_window_ms,
                                 config.slack, config.overload, config.retry_after_min_s,
                                 early_answers=early)
@@ -138,7 +141,7 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     def estimate(jobs: list[Job]) -> float:
         if policy is None:
             return 0.0
-        works = [j.work() for j in jobs]
+        works = [j.work(policy.largest) for j in jobs]
         return policy.batch_ms([w for w in works if policy.table.has(w.budget)])
 
     batcher = Batcher(metrics, config.batch_window_ms, config.max_batch_rows,

@@ -11,9 +11,11 @@ its request's budget (per-row control ids and calibrated offsets:
 :meth:`Translator.control_for`); so does classification (``POST /v1/classify``: one
 encoder budget per request, per-row controls from
 :func:`~dynaseq.tasks.encoder.budget.control_for`; a pair task takes two tab-separated
-sentences per line, as :meth:`Classifier.classify`; ``deadline_ms`` is refused, since
-latency tables are measured for translation only). Language models run one request at a
-time (they have no budget knob).
+sentences per line, as :meth:`Classifier.classify`). Both take ``deadline_ms`` where the
+run has a latency table (``dynaseq profile RUN --latency-table``): the deadline policy
+chooses the budget on arrival (:func:`plan_deadline`) and again when the batch is taken
+(:func:`replan_budgets`). Language models run one request at a time (they have no budget
+knob).
 
 A budget that ran is a tuple with one fraction per budgeted part (:data:`BudgetParts`):
 ``(encoder, decoder)`` for translation, ``(encoder,)`` for classification; responses give
@@ -128,47 +130,77 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     ids = t.tokenizer.encode(lines)
     _check_tokens(state, sum(len(x) for x in ids))
     length = max((len(x) for x in ids), default=0) + 1
-    degraded = False
-    if req.deadline_ms is not None and state.policy is None:
+    d = plan_deadline(state, req.deadline_ms, len(lines), length)
+    budget = (req.budget_value if req.budget is not None else state.default_budget
+              ) if d.budget is None else d.budget
+    pair = state.budget_ran(budget)  # DynaseqError (422) for an untrained budget
+    work = TranslateWork(lines, ids, budget, pair, d.degraded)
+    return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
+               rows=len(lines), length=length, budget=pair, endpoint="translate",
+               deadline_ms=req.deadline_ms, **d.job_fields(state, pair, len(lines), length),
+               replan=None if req.deadline_ms is None else partial(
+                   replan_budgets, state, rebudget=_rebudget_translate))
+
+
+@dataclass(frozen=True)
+class DeadlinePlan:
+    """What a request's arrival decided (:func:`plan_deadline`): the budget the deadline
+    policy chose (None: the request gave none, or the server has no policy), whether it is
+    degraded, and the queue it was planned against (None without a policy)."""
+
+    budget: tuple[float, ...] | None
+    degraded: bool
+    load: Any
+
+    def job_fields(self, state: ServeState, ran: tuple[float, ...] | None, rows: int,
+                   length: int) -> dict[str, Any]:
+        """The Job's ``predicted_ms`` (completion at the budget that runs, where the table
+        has it) and ``plan`` (what it was planned with), for the access log."""
+        load = self.load
+        if load is None:
+            return {"predicted_ms": None, "plan": None}
+        key = ran or state.policy.largest  # a dense model: its one row
+        predicted = None if not state.policy.table.has(key) else state.policy.predict_ms(
+            key, rows, length, load.ahead, load.running_ms, load.scale,
+            arrival_rate=load.arrival_rate)
+        return {"predicted_ms": predicted,
+                "plan": {"margin_ms": round(load.overhead_ms, 1), "scale": round(load.scale, 3),
+                         "ahead_lines": sum(w.rows for w in load.ahead)}}
+
+
+def plan_deadline(state: ServeState, deadline_ms: float | None, rows: int,
+                  length: int) -> DeadlinePlan:
+    """A request of ``rows`` lines, the longest ``length`` tokens, on arrival: with a
+    ``deadline_ms``, the largest budget the policy predicts in time against the queue now
+    (503 :class:`Overloaded` when none is; 422 without a latency table)."""
+    if deadline_ms is not None and state.policy is None:
         raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
                            "RUN --latency-table), which this server has not loaded")
     load = state.batcher.snapshot() if state.policy is not None else None
-    if req.deadline_ms is not None:
-        d = state.policy.decide(req.deadline_ms, len(lines), length, load.ahead,
-                                load.running_ms, load.scale, load.overhead_ms,
-                                load.arrival_rate, load.margin_ms)
-        if d.reject:
-            raise Overloaded(f"no budget can answer within {req.deadline_ms:g} ms now "
-                             f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
-                             d.retry_after_s)
-        budget, degraded = d.budget, d.degraded
-    else:
-        budget = req.budget_value if req.budget is not None else state.default_budget
-    pair = state.budget_ran(budget)  # DynaseqError (422) for an untrained budget
-    work = TranslateWork(lines, ids, budget, pair, degraded)
-    predicted = None
-    if load is not None and state.policy.table.has(pair or (1.0, 1.0)):
-        predicted = state.policy.predict_ms(pair or (1.0, 1.0), len(lines), length,
-                                            load.ahead, load.running_ms, load.scale,
-                                            arrival_rate=load.arrival_rate)
-    plan = None if load is None else {"margin_ms": round(load.overhead_ms, 1),
-                                      "scale": round(load.scale, 3),
-                                      "ahead_lines": sum(w.rows for w in load.ahead)}
-    return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
-               rows=len(lines), length=length, budget=pair, endpoint="translate",
-               predicted_ms=predicted, deadline_ms=req.deadline_ms, plan=plan,
-               replan=None if req.deadline_ms is None else partial(replan_translate, state))
+    if deadline_ms is None:
+        return DeadlinePlan(None, False, load)
+    d = state.policy.decide(deadline_ms, rows, length, load.ahead, load.running_ms,
+                            load.scale, load.overhead_ms, load.arrival_rate, load.margin_ms)
+    if d.reject:
+        raise Overloaded(f"no budget can answer within {deadline_ms:g} ms now "
+                         f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
+                         d.retry_after_s)
+    return DeadlinePlan(d.budget, d.degraded, load)
 
 
-def replan_translate(state: ServeState, jobs: list[Job], scale: float,
-                     behind: list[Job]) -> None:
+def _rebudget_translate(job: Job, budget: tuple[float, ...], degraded: bool) -> None:
+    job.payload = replace(job.payload, budget=budget, pair=budget, degraded=degraded)
+
+
+def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: list[Job], *,
+                   rebudget: Callable[[Job, tuple[float, ...], bool], None]) -> None:
     """A batch is about to run (in the batcher's thread): its deadline jobs that can no
     longer answer in time even at the smallest budget are shed (503, with the
     ``"reject"`` overload policy: :meth:`~dynaseq.serve.policy.DeadlinePolicy.late`); the
     others all take the budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget`
-    chooses for the time left to each of them and to the translation jobs queued
+    chooses for the time left to each of them and to the jobs of their kind queued
     ``behind`` (the event loop's lag and the margin that admission planned with kept
-    aside)."""
+    aside); ``rebudget(job, budget, degraded)`` sets a job's payload to the new budget."""
     policy = state.policy
     flexible = [j for j in jobs if j.due is not None and j.budget is not None]
     if policy is None or not flexible:
@@ -200,8 +232,7 @@ def replan_translate(state: ServeState, jobs: list[Job], scale: float,
     for j in flexible:
         if j.budget != budget:
             j.budget = budget
-            j.payload = replace(j.payload, budget=budget, pair=budget,
-                                degraded=budget != policy.largest)
+            rebudget(j, budget, budget != policy.largest)
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
@@ -547,24 +578,31 @@ class ClassifyWork:
     budget: float | None
     ran: float | None
     gamma: float | None = None
+    degraded: bool = False
 
 
 def _plan_classify(state: ServeState, req: schemas.ClassifyRequest) -> Job:
     c = state.predictor
-    if req.deadline_ms is not None:
-        raise DynaseqError("deadline_ms is for translation runs (a latency table from "
-                           'dynaseq profile RUN --latency-table): give "budget" instead')
     check_lines(state, req.lines)
-    budget = req.budget if req.budget is not None else state.default_budget
-    ran = state.budget_ran(budget)  # DynaseqError (422): dense, untrained, not in (0, 1]
     exit = exit_for(c.config.model, req.gamma)  # 422: no predictor, γ not in (0, 1)
     rows, keep = c.encode(req.lines)  # DynaseqError (422): a wrong number of tab fields
     _check_tokens(state, sum(len(ids) for ids, _ in rows))
+    length = max((len(ids) for ids, _ in rows), default=1)
+    d = plan_deadline(state, req.deadline_ms, len(req.lines), length)
+    budget = (req.budget if req.budget is not None else state.default_budget
+              ) if d.budget is None else d.budget[0]
+    ran = state.budget_ran(budget)  # DynaseqError (422): dense, untrained, not in (0, 1]
     work = ClassifyWork(rows, keep, budget, None if ran is None else ran[0],
-                        None if exit is None else float(exit.gamma))
+                        None if exit is None else float(exit.gamma), d.degraded)
     return Job(group=("classify",), run=state.run_classify, payload=work,
-               rows=len(req.lines), length=max((len(ids) for ids, _ in rows), default=1),
-               budget=ran, endpoint="classify")
+               rows=len(req.lines), length=length, budget=ran, endpoint="classify",
+               deadline_ms=req.deadline_ms, **d.job_fields(state, ran, len(req.lines), length),
+               replan=None if req.deadline_ms is None else partial(
+                   replan_budgets, state, rebudget=_rebudget_classify))
+
+
+def _rebudget_classify(job: Job, budget: tuple[float, ...], degraded: bool) -> None:
+    job.payload = replace(job.payload, budget=budget[0], ran=budget[0], degraded=degraded)
 
 
 def run_classify(c: Any, report_compute: bool, jobs: list[Job]
@@ -635,7 +673,7 @@ def encoder_compute_per_row(model: torch.nn.Module, rows: list[Row],
 def _answer_classify(state: ServeState, req: schemas.ClassifyRequest, job: Job,
                      result: Any) -> dict[str, Any]:
     labels, compute, layers = result
-    body: dict[str, Any] = {"budget": job.payload.ran, "degraded": False,
+    body: dict[str, Any] = {"budget": job.payload.ran, "degraded": job.payload.degraded,
                             "gamma": job.payload.gamma}
     if req.text is not None:
         body.update(label=labels[0], compute=compute[0],

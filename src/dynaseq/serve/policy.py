@@ -96,7 +96,9 @@ class DeadlinePolicy:
         if not budgets:
             raise ValueError("a deadline policy needs at least one budget")
         self.table = table
-        self.budgets = sorted(budgets, key=lambda b: (-(b[0] + b[1]), -b[1]))
+        # by total compute, then the decoder's (a translation's pair; a classifier's
+        # budgets are (encoder,) alone)
+        self.budgets = sorted(budgets, key=lambda b: (-sum(b), tuple(-x for x in b[::-1])))
         if table.predict == "fit":
             for b in self.budgets:
                 table.fit(b)

@@ -93,11 +93,18 @@ class ClassifyRequest(_Request):
         None, description="encoder compute budget of a CCT classifier: a trained or "
                           "calibrated fraction in (0, 1]; a dense classifier takes none")
     deadline_ms: float | None = Field(
-        None, gt=0, description="refused for classification (no latency table): give "
-                                '"budget"')
+        None, gt=0, description="answer within this many milliseconds: the server runs the "
+                                "largest budget predicted to make it (needs the run's "
+                                "latency table)")
     gamma: float | None = Field(
         None, description="exit threshold of an adaptive-depth classifier, in (0, 1): 0.1 "
                           "slow and accurate ... 0.9 fast (default the run's depth.gamma)")
+
+    @model_validator(mode="after")
+    def _budget_or_deadline(self) -> ClassifyRequest:
+        if self.budget is not None and self.deadline_ms is not None:
+            raise ValueError('give "budget" or "deadline_ms", not both')
+        return self
 
 
 class Compute(BaseModel):

@@ -57,9 +57,9 @@ def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, devi
 
     kind = run_kind(run_dir)
     predictor = load(run_dir, checkpoint=checkpoint, device=device, precision=config.precision)
-    table = load_table(run_dir, latency_table) if kind == "seq2seq" else None
-    if latency_table is not None and kind != "seq2seq":
-        raise DynaseqError("--latency-table is for translation runs")
+    table = load_table(run_dir, latency_table) if kind in ("seq2seq", "classify") else None
+    if latency_table is not None and table is None:
+        raise DynaseqError("--latency-table is for translation and classification runs")
     if warn:
         _warn_stale_table(table, predictor, config.precision)
     return build_state(predictor, kind, config, table, run_dir=str(run_dir))
