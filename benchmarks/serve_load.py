@@ -1,8 +1,9 @@
 """serve_load: a budget-aware server under open-loop load (issue 30's benchmark).
 
-Starts ``dynaseq serve`` on a translation run (its ``latency_table.json``, measured here by
-``dynaseq profile --latency-table`` on a copy of the run if it has none) and drives it with
-real HTTP clients over loopback (aiohttp + asyncio, one process, on cores of its own):
+Starts ``dynaseq serve`` on a translation run, or a classification run with ``--data
+DEV.tsv`` (its ``latency_table.json``, measured here by ``dynaseq profile --latency-table``
+on a copy of the run if it has none) and drives it with real HTTP clients over loopback
+(aiohttp + asyncio, one process, on cores of its own):
 
 1. saturation: closed-loop throughput (``--clients`` requests always in flight) at the full
    budget, at the smallest, and with the two mixed half and half in the same batches
@@ -16,13 +17,17 @@ real HTTP clients over loopback (aiohttp + asyncio, one process, on cores of its
    (``deadline_ms``), each cell on a freshly started server. Per cell: p50/p95/p99
    latency of the answered requests, SLO attainment (answered within the deadline /
    sent), goodput (answered within the deadline per second), mean budget served, the
-   share served at the full budget, 503s, and the BLEU of the returned translations
-   against their references.
+   share served at the full budget, 503s, and the quality of what was answered: the BLEU
+   of the returned translations against their references, or the accuracy of the returned
+   labels against the gold ones (a classifier's "full budget" is its largest trained one,
+   0.8 for a CCT-BERT).
 
 Example (a few minutes on 2 CPU cores; take the shared lock)::
 
     flock /tmp/dynaseq-heavy.lock python benchmarks/serve_load.py --run runs/demo/run \
         --src runs/demo/data/test.src --ref runs/demo/data/test.tgt
+    python benchmarks/serve_load.py --run runs/bench/cct_bert/cct_sst2 \
+        --data ../shared/data/glue/SST-2/dev.tsv --table-src sst2_train_sentences.txt
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -51,6 +57,47 @@ from _lib import add_results_arg, command, machine, md_head, md_table, provenanc
 POLICIES = ("full", "smallest", "deadline")
 
 
+@dataclass(frozen=True)
+class Task:
+    """What the load differs in between run kinds: the endpoint, the answer's field, how a
+    served answer is scored against its reference, and the profile options of the kind."""
+
+    endpoint: str
+    answer: str
+    quality: str
+    profile_args: tuple[str, ...]
+    serve_args: tuple[str, ...]
+
+    def score(self, hyps: list[str], refs: list[str]) -> float:
+        if not hyps:
+            return float("nan")
+        if self.quality == "BLEU":
+            return sacrebleu.corpus_bleu(hyps, [refs]).score
+        return 100.0 * sum(h == r for h, r in zip(hyps, refs, strict=True)) / len(hyps)
+
+
+TASKS = {"translate": Task("/v1/translate", "translation", "BLEU", ("--beam", "1"),
+                           ("--beam", "1")),
+         "classify": Task("/v1/classify", "label", "accuracy", (), ())}
+
+
+def budget_json(budget: list[float]) -> float | list[float]:
+    """A budget as a request gives it: a pair as a list, one fraction as a number."""
+    return budget[0] if len(budget) == 1 else budget
+
+
+def classify_pairs(run: Path, data: Path) -> list[tuple[str, str]]:
+    """(line, gold label) of each row of the GLUE-layout ``data`` in the run's layout; a
+    pair task's two sentences tab-separated, as ``/v1/classify`` takes them."""
+    from dynaseq.tasks.classify.glue import read_table
+    from dynaseq.tasks.registry import load
+
+    ex = read_table(data, load(run).layout)
+    lines = ex.text_a if ex.text_b is None else [f"{a}\t{b}" for a, b in
+                                                 zip(ex.text_a, ex.text_b, strict=True)]
+    return list(zip(lines, [str(x) for x in ex.targets()], strict=True))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,7 +105,7 @@ def free_port() -> int:
 
 
 def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Path,
-                threads: int, cores: set[int] | None) -> Path:
+                threads: int, cores: set[int] | None, task: Task) -> Path:
     """``run`` if it has a latency table, else a copy of it (config, tokenizer, checkpoint
     folders) in ``work`` with one measured there (free decoding of ``table_src``), with the
     server's torch ``threads`` on the server's ``cores`` (None: not pinned)."""
@@ -70,7 +117,7 @@ def prepare_run(run: Path, work: Path, batches: str, lengths: str, table_src: Pa
             shutil.rmtree(dst)
         shutil.copytree(run, dst, ignore=shutil.ignore_patterns("log.jsonl", "*.lock"))
         subprocess.run([sys.executable, "-m", "dynaseq", "profile", str(dst), "--latency-table",
-                        "--beam", "1", "--repeats", "3", "--table-batches", batches,
+                        *task.profile_args, "--repeats", "3", "--table-batches", batches,
                         "--table-lengths", lengths, "--table-src", str(table_src)],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                        preexec_fn=pin_to(cores))
@@ -97,13 +144,14 @@ class ServerProc:
     threads (event loop, batcher, torch's) inherit the pinning."""
 
     def __init__(self, run: Path, threads: int, window_ms: float, max_batch: int,
-                 cores: set[int] | None = None, extra: list[str] | None = None) -> None:
+                 cores: set[int] | None = None, extra: list[str] | None = None,
+                 task: Task = TASKS["translate"]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynaseq", "serve", str(run), "--port", str(self.port),
-             "--beam", "1", "--threads", str(threads), "--batch-window-ms", str(window_ms),
+             *task.serve_args, "--threads", str(threads), "--batch-window-ms", str(window_ms),
              "--max-batch-lines", str(max_batch), "--max-lines", str(max_batch),
              "--no-access-log", *(extra or [])], env=env, preexec_fn=pin_to(cores))
         deadline = time.monotonic() + 120
@@ -134,11 +182,12 @@ class ServerProc:
         return 0.0
 
 
-def body_for(policy: str, line: str, smallest: list[float], deadline_ms: float) -> dict:
+def body_for(policy: str, line: str, full: list[float], smallest: list[float],
+             deadline_ms: float) -> dict:
     if policy == "full":
-        return {"text": line, "budget": 1.0}
+        return {"text": line, "budget": budget_json(full)}
     if policy == "smallest":
-        return {"text": line, "budget": smallest}
+        return {"text": line, "budget": budget_json(smallest)}
     return {"text": line, "deadline_ms": deadline_ms}
 
 
@@ -151,7 +200,7 @@ def session(url: str, timeout_s: float) -> aiohttp.ClientSession:
 
 
 async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
-                      seconds: float) -> float:
+                      seconds: float, endpoint: str = "/v1/translate") -> float:
     """Requests per second with ``clients`` always in flight (budgets taken in turn)."""
     done = 0
     stop_at = time.perf_counter() + seconds
@@ -160,9 +209,10 @@ async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
             nonlocal done
             i = k
             while time.perf_counter() < stop_at:
-                async with c.post("/v1/translate",
+                async with c.post(endpoint,
                                   json={"text": lines[i % len(lines)],
-                                        "budget": budgets[i % len(budgets)]}) as r:
+                                        "budget": budget_json(budgets[i % len(budgets)])}
+                                  ) as r:
                     r.raise_for_status()
                     await r.read()
                 done += 1
@@ -173,15 +223,16 @@ async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
         return done / (time.perf_counter() - t0)
 
 
-async def one_at_a_time(url: str, lines: list[str], n: int) -> float:
+async def one_at_a_time(url: str, lines: list[str], n: int, full: list[float],
+                        endpoint: str = "/v1/translate") -> float:
     """Median latency (ms) of ``n`` full-budget requests sent one after another (the
     first two not counted)."""
     times = []
     async with session(url, 60) as c:
         for i in range(n):
             t0 = time.perf_counter()
-            async with c.post("/v1/translate", json={"text": lines[i % len(lines)],
-                                                     "budget": 1.0}) as r:
+            async with c.post(endpoint, json={"text": lines[i % len(lines)],
+                                              "budget": budget_json(full)}) as r:
                 r.raise_for_status()
                 await r.read()
             times.append(1000 * (time.perf_counter() - t0))
@@ -189,8 +240,9 @@ async def one_at_a_time(url: str, lines: list[str], n: int) -> float:
 
 
 async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: float,
-                    seconds: float, deadline_ms: float, smallest: list[float],
-                    timeout_s: float, seed: int) -> dict:
+                    seconds: float, deadline_ms: float, full: list[float],
+                    smallest: list[float], timeout_s: float, seed: int,
+                    task: Task = TASKS["translate"]) -> dict:
     """Poisson arrivals at ``rate``/s for ``seconds``; one record per request."""
     rng = random.Random(seed)
     records: list[dict] = []
@@ -199,15 +251,18 @@ async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: f
             t0 = time.perf_counter()
             rec = {"ref": ref}
             try:
-                async with c.post("/v1/translate",
-                                  json=body_for(policy, src, smallest, deadline_ms)) as r:
+                async with c.post(task.endpoint,
+                                  json=body_for(policy, src, full, smallest, deadline_ms)
+                                  ) as r:
                     rec["status"] = r.status
                     b = await r.json()
                 if rec["status"] == 503:  # refused on arrival, or shed from its batch
                     rec["shed"] = b.get("reason") == "late"
                 if rec["status"] == 200:
-                    rec.update(hyp=b["translation"], budget=b["budget"],
-                               degraded=b["degraded"], server_ms=b["latency_ms"])
+                    budget = b["budget"]
+                    rec.update(hyp=str(b[task.answer]), degraded=b["degraded"],
+                               budget=budget if isinstance(budget, list) else [budget],
+                               server_ms=b["latency_ms"])
             except TimeoutError:
                 rec["status"] = "timeout"
             except aiohttp.ClientError:  # the connection was refused or reset
@@ -224,7 +279,7 @@ async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: f
             tasks.append(asyncio.create_task(send(src, ref)))
             nxt += rng.expovariate(rate)
         await asyncio.gather(*tasks)
-    return summarize(records, seconds, deadline_ms)
+    return summarize(records, seconds, deadline_ms, full, task)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -234,13 +289,13 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def summarize(records: list[dict], seconds: float, deadline_ms: float) -> dict:
+def summarize(records: list[dict], seconds: float, deadline_ms: float,
+              full: list[float] = (1.0, 1.0), task: Task = TASKS["translate"]) -> dict:
     ok = [r for r in records if r["status"] == 200]
     lat = [r["ms"] for r in ok]
     in_slo = [r for r in ok if r["ms"] <= deadline_ms]
-    budgets = [sum(r["budget"]) / 2 for r in ok]
-    bleu = (sacrebleu.corpus_bleu([r["hyp"] for r in ok], [[r["ref"] for r in ok]]).score
-            if ok else float("nan"))
+    budgets = [statistics.fmean(r["budget"]) for r in ok]
+    quality = task.score([r["hyp"] for r in ok], [r["ref"] for r in ok])
     return {
         "sent": len(records), "answered": len(ok),
         "rejected_503": sum(r["status"] == 503 for r in records),
@@ -257,9 +312,10 @@ def summarize(records: list[dict], seconds: float, deadline_ms: float) -> dict:
         "slo_attainment": round(len(in_slo) / max(len(records), 1), 4),
         "goodput_rps": round(len(in_slo) / seconds, 2),
         "mean_budget": round(statistics.fmean(budgets), 3) if budgets else float("nan"),
-        "full_budget_share": round(sum(b == 1.0 for b in budgets) / max(len(ok), 1), 4),
+        "full_budget_share": round(sum(list(r["budget"]) == list(full) for r in ok)
+                                   / max(len(ok), 1), 4),
         "degraded": sum(bool(r.get("degraded")) for r in ok),
-        "bleu": round(bleu, 2),
+        task.quality.lower(): round(quality, 2),
     }
 
 
@@ -275,6 +331,9 @@ def main() -> None:
     p.add_argument("--run", type=Path, default=Path("runs/demo/run"))
     p.add_argument("--src", type=Path, default=Path("runs/demo/data/test.src"))
     p.add_argument("--ref", type=Path, default=Path("runs/demo/data/test.tgt"))
+    p.add_argument("--data", type=Path, default=None,
+                   help="a classification run's test rows (a GLUE-layout TSV with labels), "
+                        "instead of --src/--ref")
     p.add_argument("--work", type=Path, default=Path("runs/bench/serve_load"),
                    help="where a copy of the run gets its latency table, if it has none")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 4.0],
@@ -308,33 +367,40 @@ def main() -> None:
     add_results_arg(p)
     args = p.parse_args()
 
-    src = args.src.read_text().splitlines()
-    ref = args.ref.read_text().splitlines()
-    pairs = [(s, r) for s, r in zip(src, ref, strict=True) if s.strip()]
+    task = TASKS["translate" if args.data is None else "classify"]
+    if args.data is None:
+        src = args.src.read_text().splitlines()
+        ref = args.ref.read_text().splitlines()
+        pairs = [(s, r) for s, r in zip(src, ref, strict=True) if s.strip()]
+    else:
+        pairs = classify_pairs(args.run, args.data)
     lines = [s for s, _ in pairs]
     split = split_cores(args.server_cores)
     run = prepare_run(args.run, args.work, args.table_batches, args.table_lengths,
-                      args.table_src, args.threads, None if split is None else split[0])
+                      args.table_src, args.threads, None if split is None else split[0], task)
     if split is not None:
         os.sched_setaffinity(0, split[1])
     extra = args.server_args.split() if args.server_args else []
     server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
-                        None if split is None else split[0], extra)
+                        None if split is None else split[0], extra, task)
     started = time.time()
     try:
-        budgets = server.info["budgets"]
-        smallest = min(budgets, key=lambda b: (b[0] + b[1], b[1]))
-        solo_ms = asyncio.run(one_at_a_time(server.url, lines, 22))
+        # a translation's [encoder, decoder] pairs, a classifier's fractions: as lists
+        budgets = [b if isinstance(b, list) else [b] for b in server.info["budgets"]]
+        smallest = min(budgets, key=lambda b: (sum(b), b[-1]))
+        full = max(budgets, key=lambda b: (sum(b), b[-1]))
+        solo_ms = asyncio.run(one_at_a_time(server.url, lines, 22, full, task.endpoint))
         deadline = args.deadline_ms or round(args.deadline_factor * solo_ms, 1)
         rounds: dict[str, list[float]] = {"full": [], "smallest": [], "mixed": []}
         sat_cpu: dict[str, dict[str, float]] = {}
         for _ in range(args.saturation_rounds):  # interleaved: drifts hit all three alike
-            for name, bs in (("full", [1.0]), ("smallest", [smallest]),
-                             ("mixed", [1.0, smallest])):
+            for name, bs in (("full", [full]), ("smallest", [smallest]),
+                             ("mixed", [full, smallest])):
                 wait_idle(server)
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 rounds[name].append(round(asyncio.run(closed_loop(
-                    server.url, lines, bs, args.clients, args.saturation_seconds)), 2))
+                    server.url, lines, bs, args.clients, args.saturation_seconds,
+                    task.endpoint)), 2))
                 cpu = sat_cpu.setdefault(name, {"server_cpu_s": 0.0, "client_cpu_s": 0.0})
                 cpu["server_cpu_s"] = round(cpu["server_cpu_s"] + server.cpu_s() - cpu0, 2)
                 cpu["client_cpu_s"] = round(cpu["client_cpu_s"] + time.process_time() - own0,
@@ -350,12 +416,12 @@ def main() -> None:
                 # requests, the measured scale and margin) reaches the next
                 server.stop()
                 server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
-                                    None if split is None else split[0], extra)
-                asyncio.run(one_at_a_time(server.url, lines, 4))  # warm-up
+                                    None if split is None else split[0], extra, task)
+                asyncio.run(one_at_a_time(server.url, lines, 4, full, task.endpoint))  # warm
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
-                                             deadline, smallest, args.timeout_s,
-                                             args.seed + int(100 * mult)))
+                                             deadline, full, smallest, args.timeout_s,
+                                             args.seed + int(100 * mult), task))
                 cpu = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
                        "client_cpu_s": round(time.process_time() - own0, 2)}
                 row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": policy, **cell,
@@ -372,10 +438,14 @@ def main() -> None:
                     {"server_cores": sorted(split[0]), "client_cores": sorted(split[1])}),
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "run": str(args.run), "run_with_table": str(run),
-        "test_set": f"{args.src} / {args.ref} ({len(pairs)} sentences, drawn at random)",
-        "server": {"beam": 1, "batch_window_ms": args.window_ms, "options": extra,
-                   "max_batch_lines": args.max_batch, "threads": args.threads,
-                   "budgets": budgets, "smallest": smallest},
+        "test_set": (f"{args.src} / {args.ref}" if args.data is None else str(args.data))
+                    + f" ({len(pairs)} {'sentences' if args.data is None else 'rows'}, "
+                    "drawn at random)",
+        "endpoint": task.endpoint, "quality": task.quality,
+        "server": {"beam": 1 if args.data is None else None, "batch_window_ms": args.window_ms,
+                   "options": extra, "max_batch_lines": args.max_batch,
+                   "threads": args.threads, "budgets": budgets, "full": full,
+                   "smallest": smallest},
         "latency_table": {k: table[k] for k in ("batch_sizes", "lengths", "service_ms",
                                                 "extra")},
         "solo_full_ms": round(solo_ms, 2), "deadline_ms": deadline,
@@ -390,8 +460,9 @@ def main() -> None:
         "serve_load: open-loop Poisson load on dynaseq serve, three budget policies",
         data["command"],
         f"Machine: {data['machine']}  ",
-        f"Run: `{args.run}` (latency table in `{run}`); test set {data['test_set']}; "
-        f"greedy; batching window {args.window_ms} ms, at most {args.max_batch} lines a "
+        f"Run: `{args.run}` (latency table in `{run}`); `{task.endpoint}`; test set "
+        f"{data['test_set']}; " + ("greedy; " if args.data is None else "")
+        + f"batching window {args.window_ms} ms, at most {args.max_batch} lines a "
         f"batch; server torch threads {args.threads}; "
         + (f"server options `{' '.join(extra)}`; " if extra else "")
         + ("client and server share the machine's cores.  " if split is None else
@@ -399,7 +470,7 @@ def main() -> None:
            f"{sorted(split[1])}.  "),
         f"Saturation (closed loop, {args.clients} clients, medians of "
         f"{args.saturation_rounds} interleaved rounds of {args.saturation_seconds} s): full "
-        f"budget {sat['full']} req/s, "
+        f"budget {budget_json(full)} {sat['full']} req/s, "
         f"smallest {smallest} {sat['smallest']} req/s, half and half mixed in the same "
         f"batches {sat['mixed']} req/s = {data['mixed_over_segregated']}x the same requests "
         f"in single-budget batches ({data['segregated_rps']} req/s).  ",
@@ -407,16 +478,17 @@ def main() -> None:
         f"{data['solo_full_ms']} ms); rates are multiples of the full-budget saturation "
         f"rate; {args.seconds} s of arrivals per cell, client timeout {args.timeout_s} s.")
     md += md_table(
-        ["rate", "req/s", "policy", "sent", "503 (shed)", "timeouts + resets", "p50 ms", "p95 ms", "p99 ms",
+        ["rate", "req/s", "policy", "sent", "503 (shed)", "timeouts + resets", "p50 ms",
+         "p95 ms", "p99 ms",
          "server p50/p99 ms", "SLO attained", "accepted in SLO", "goodput/s", "mean budget",
-         "full share", "BLEU"],
+         "full share", task.quality],
         "rrlrrrrrrrrrrrrr",
         [[f"{r['rate_x']}x", r["rate_rps"], r["policy"], r["sent"],
           f"{r['rejected_503']} ({r.get('shed_late', 0)})",
           r["timeouts"] + r["conn_errors"], r["p50_ms"], r["p95_ms"], r["p99_ms"],
           f"{r['server_p50_ms']} / {r['server_p99_ms']}", r["slo_attainment"],
           r["accepted_within_deadline"], r["goodput_rps"], r["mean_budget"],
-          r["full_budget_share"], r["bleu"]] for r in rows])
+          r["full_budget_share"], r[task.quality.lower()]] for r in rows])
     md += ["", "503 (shed): refused, of which (shed) were admitted and then dropped when "
            "their batch was formed, predicted late even at the smallest budget. "
            "SLO attained: answered within the deadline / sent. Accepted in SLO: answered "

@@ -34,17 +34,21 @@ def micro_config(run_dir: Path, paths: dict[str, Path], **train_kw) -> RunConfig
 
 def load_benchmark(name: str):
     """The module of ``benchmarks/NAME.py`` (with ``benchmarks/`` on the path while it
-    loads, for its ``import _lib``)."""
+    loads, for its ``import _lib``, and the module in ``sys.modules`` while it runs, for
+    the dataclasses it defines)."""
     import importlib.util
 
     where = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(where))
+    key = f"_benchmark_{name}"
     try:
-        spec = importlib.util.spec_from_file_location(name, where / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(key, where / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(where))
+        sys.modules.pop(key, None)
     return module
 
 

@@ -1,0 +1,48 @@
+"""benchmarks/serve_load.py's bookkeeping: a cell's summary of what was answered, for a
+translation run (BLEU) and a classification run (accuracy; budgets are fractions, the
+full budget the largest trained one), and the request bodies each policy sends."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import load_benchmark
+
+pytest.importorskip("aiohttp", reason="serve_load's load generator (the bench extra)")
+
+
+def _rec(status, ms, hyp="", ref="", budget=None, **kw):
+    return {"status": status, "ms": ms, "hyp": hyp, "ref": ref, "budget": budget,
+            "server_ms": ms - 1, **kw}
+
+
+def test_a_classify_cell_scores_accuracy_and_counts_the_full_budget_by_its_own_value():
+    sl = load_benchmark("serve_load")
+    task = sl.TASKS["classify"]
+    records = [_rec(200, 10, "1", "1", [0.8]), _rec(200, 30, "0", "1", [0.8]),
+               _rec(200, 12, "0", "0", [0.2], degraded=True), _rec(503, 2, shed=True),
+               _rec("timeout", 10_000)]
+    s = sl.summarize(records, seconds=2.0, deadline_ms=20, full=[0.8], task=task)
+    assert s["accuracy"] == round(100 * 2 / 3, 2) and "bleu" not in s
+    assert (s["sent"], s["answered"], s["rejected_503"], s["shed_late"], s["timeouts"]) == (
+        5, 3, 1, 1, 1)
+    assert s["slo_attainment"] == 0.4 and s["accepted_within_deadline"] == round(2 / 3, 4)
+    assert s["goodput_rps"] == 1.0 and s["degraded"] == 1
+    assert s["mean_budget"] == 0.6 and s["full_budget_share"] == round(2 / 3, 4)
+
+
+def test_a_translate_cell_scores_bleu_over_budget_pairs():
+    sl = load_benchmark("serve_load")
+    records = [_rec(200, 5, "a cat sat on the mat", "a cat sat on the mat", [1.0, 1.0]),
+               _rec(200, 5, "a cat sat on the mat", "a cat sat on the mat", [0.5, 0.2])]
+    s = sl.summarize(records, seconds=1.0, deadline_ms=10)
+    assert s["bleu"] == 100.0 and s["mean_budget"] == round((1.0 + 0.35) / 2, 3)
+    assert s["full_budget_share"] == 0.5
+
+
+def test_bodies_give_a_pair_as_a_list_and_one_fraction_as_a_number():
+    sl = load_benchmark("serve_load")
+    assert sl.body_for("full", "x", [0.8], [0.2], 50) == {"text": "x", "budget": 0.8}
+    assert sl.body_for("smallest", "x", [1.0, 1.0], [0.2, 0.2], 50) == {
+        "text": "x", "budget": [0.2, 0.2]}
+    assert sl.body_for("deadline", "x", [0.8], [0.2], 50) == {"text": "x", "deadline_ms": 50}
