@@ -176,3 +176,22 @@ def test_a_translation_server_warms_each_budget_before_it_is_ready(serve_run):
         assert sum(counted) == 0
     finally:
         srv.stop()
+
+
+def test_a_server_process_freezes_what_it_loaded():
+    """``freeze_heap`` (run by ``serve`` and each worker once loaded) leaves the loaded
+    objects to the permanent generation: a full collection then scans none of them."""
+    import subprocess
+    import sys
+
+    code = ("import gc, torch\n"
+            "from dynaseq.serve.server import freeze_heap\n"
+            "model = torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1,\n"
+            "                             num_decoder_layers=1, dim_feedforward=32)\n"
+            "before = gc.get_freeze_count()\n"
+            "freeze_heap()\n"
+            "print(before, gc.get_freeze_count(), gc.get_count()[2])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    before, frozen, gen2 = map(int, out)
+    assert before == 0 and frozen > 10_000 and gen2 == 0

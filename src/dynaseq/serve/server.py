@@ -84,6 +84,7 @@ def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
                               threads or default_threads(config.workers))
     state = _build_state(run_dir, config, checkpoint, device, latency_table)
     app = build_app(state)
+    freeze_heap()
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", access_log=False,
         lifespan="on", timeout_graceful_shutdown=None))
@@ -165,4 +166,17 @@ def worker_app() -> Any:
         print(f"dynaseq: error: worker {os.getpid()}: {' '.join(str(e).split())}",
               file=sys.stderr, flush=True)
         sys.exit(STARTUP_FAILURE)
-    return build_app(state)
+    app = build_app(state)
+    freeze_heap()
+    return app
+
+
+def freeze_heap() -> None:
+    """Move every object the server process holds once loaded (the model, torch, the app)
+    out of the cyclic garbage collector's reach (``gc.freeze``), so that a full collection
+    scans only what requests create. Called once per server process, after loading and
+    before serving. Measured under 370 classify requests a second on one core: without it,
+    full collections paused the process for 100-113 ms, twice in 6 s, and each pause made a
+    whole batch of deadline requests late."""
+    gc.collect()
+    gc.freeze()
