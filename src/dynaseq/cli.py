@@ -245,7 +245,7 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
     translation run's decoding, or a classification run's classifying (``--table-src``:
     the lines to time, as ``dynaseq classify`` reads them; default the run's validation
     sentences)."""
-    from dynaseq.metrics.latency_table import LATENCY_TABLE_FILE
+    from dynaseq.metrics.latency_table import LATENCY_TABLE_FILE, budget_key
 
     target = Path(args.target)
     kind = _run_dir_kind(str(target)) if target.is_dir() else None
@@ -271,8 +271,6 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
         return "\n".join([f"service ms ({what}{table.threads} threads), batch x "
                           "source length; fit err: the median distance of the cells from "
                           f"the fitted model (predictions: {table.predict}):", head, *rows])
-
-    from dynaseq.metrics.latency_table import budget_key
 
     _print_result(args, table.to_json(), text)
     print(f"wrote {path}", file=sys.stderr)

@@ -336,3 +336,27 @@ def test_classify_deadlines_choose_budgets_from_the_latency_table(table_run):
         assert single == batches  # every batch ran its deadline lines at one budget
     finally:
         s.stop()
+
+
+def test_a_dense_classifier_plans_deadlines_on_its_one_row(dense_clf_run, tmp_path):
+    """A dense encoder's table has one row, ``(1,)``: a deadline request runs without a
+    budget, is predicted from that row, and one no batch can meet is refused."""
+    import shutil
+
+    from dynaseq.metrics.latency_table import LatencyTable
+    from dynaseq.serve.endpoints import Overloaded
+
+    run = tmp_path / "dense"
+    shutil.copytree(dense_clf_run, run)
+    r = run_cli("profile", str(run), "--latency-table", "--repeats", "1", "--table-batches",
+                "1,2", "--table-lengths", "4,8", "--quiet")
+    assert r.returncode == 0, r.stderr.decode()
+    table = LatencyTable.load(run / "latency_table.json")
+    assert table.budgets == [(1.0,)]
+    c = dynaseq.load(run)
+    state = build_state(c, "classify", ServeConfig(), table=table, log_stream=None)
+    job = CLASSIFY.plan(state, CLASSIFY.request(text="a charming film", deadline_ms=60_000))
+    assert job.budget is None and job.payload.ran is None and not job.payload.degraded
+    assert job.predicted_ms is not None and job.predicted_ms > 0
+    with pytest.raises(Overloaded, match="no budget can answer within 0.001 ms"):
+        CLASSIFY.plan(state, CLASSIFY.request(text="a charming film", deadline_ms=0.001))

@@ -195,3 +195,26 @@ def test_a_server_process_freezes_what_it_loaded():
                          check=True).stdout.split()
     before, frozen, gen2 = map(int, out)
     assert before == 0 and frozen > 10_000 and gen2 == 0
+
+
+def test_a_dense_translation_model_plans_deadlines_on_its_one_row(trained_run, tmp_path):
+    """A dense model's table has one row, ``(1, 1)``: a deadline request runs without a
+    budget (it used to be refused as a budget the dense model has no knob for)."""
+    import shutil
+
+    from dynaseq.metrics.latency_table import LatencyTable
+    from dynaseq.serve.endpoints import TRANSLATE
+
+    run = tmp_path / "dense"
+    shutil.copytree(trained_run, run)
+    r = run_cli("profile", str(run), "--latency-table", "--beam", "1", "--repeats", "1",
+                "--table-batches", "1,2", "--table-lengths", "4,8", "--quiet")
+    assert r.returncode == 0, r.stderr.decode()
+    table = LatencyTable.load(run / "latency_table.json")
+    assert table.budgets == [(1.0, 1.0)]
+    t = dynaseq.load(run)
+    state = build_state(t, "seq2seq", ServeConfig(beam=1), table=table, log_stream=None)
+    job = TRANSLATE.plan(state, TRANSLATE.request(text="kalo sum 3 4 end",
+                                                  deadline_ms=60_000))
+    assert job.budget is None and job.payload.pair is None and not job.payload.degraded
+    assert job.predicted_ms is not None and job.predicted_ms > 0

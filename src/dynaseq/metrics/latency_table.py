@@ -294,4 +294,3 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                         device=str(device), threads=torch.get_num_threads(),
                         checkpoint=checkpoint, extra=extra, predict=predict,
                         precision=precision_of(model))
-

@@ -131,8 +131,10 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     _check_tokens(state, sum(len(x) for x in ids))
     length = max((len(x) for x in ids), default=0) + 1
     d = plan_deadline(state, req.deadline_ms, len(lines), length)
-    budget = (req.budget_value if req.budget is not None else state.default_budget
-              ) if d.budget is None else d.budget
+    if d.budget is not None and state.budgets:
+        budget = d.budget
+    else:  # no deadline, or a dense model (its table's one row, (1, 1), is no budget)
+        budget = req.budget_value if req.budget is not None else state.default_budget
     pair = state.budget_ran(budget)  # DynaseqError (422) for an untrained budget
     work = TranslateWork(lines, ids, budget, pair, d.degraded)
     return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
@@ -589,8 +591,10 @@ def _plan_classify(state: ServeState, req: schemas.ClassifyRequest) -> Job:
     _check_tokens(state, sum(len(ids) for ids, _ in rows))
     length = max((len(ids) for ids, _ in rows), default=1)
     d = plan_deadline(state, req.deadline_ms, len(req.lines), length)
-    budget = (req.budget if req.budget is not None else state.default_budget
-              ) if d.budget is None else d.budget[0]
+    if d.budget is not None and state.budgets:
+        budget = d.budget[0]
+    else:  # no deadline, or a dense encoder (its table's one row, (1,), is no budget)
+        budget = req.budget if req.budget is not None else state.default_budget
     ran = state.budget_ran(budget)  # DynaseqError (422): dense, untrained, not in (0, 1]
     work = ClassifyWork(rows, keep, budget, None if ran is None else ran[0],
                         None if exit is None else float(exit.gamma), d.degraded)

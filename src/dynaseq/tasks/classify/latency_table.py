@@ -32,7 +32,8 @@ def measure_classify_latency_table(classifier: Any, budgets: Sequence[float | No
     whose token counts are nearest ``L`` (cycled when there are fewer), one batch at that
     budget, as ``dynaseq serve`` runs it. ``after(rows, budgets, compute)``: what the server
     does with each batch besides (each row's realized compute), timed with it. Cells are
-    interleaved budget by budget, as :func:`measure_latency_table`'s."""
+    interleaved budget by budget, as
+    :func:`~dynaseq.metrics.latency_table.measure_latency_table`'s."""
     pool = [r for r in rows if r[0]]
     if not pool:
         raise DynaseqError("no sentences to time the latency table with")
