@@ -131,10 +131,8 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     _check_tokens(state, sum(len(x) for x in ids))
     length = max((len(x) for x in ids), default=0) + 1
     d = plan_deadline(state, req.deadline_ms, len(lines), length)
-    if d.budget is not None and state.budgets:
-        budget = d.budget
-    else:  # no deadline, or a dense model (its table's one row, (1, 1), is no budget)
-        budget = req.budget_value if req.budget is not None else state.default_budget
+    budget = (req.budget_value if req.budget is not None else state.default_budget
+              ) if d.budget is None else d.budget
     pair = state.budget_ran(budget)  # DynaseqError (422) for an untrained budget
     work = TranslateWork(lines, ids, budget, pair, d.degraded)
     return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
@@ -147,8 +145,9 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
 @dataclass(frozen=True)
 class DeadlinePlan:
     """What a request's arrival decided (:func:`plan_deadline`): the budget the deadline
-    policy chose (None: the request gave none, or the server has no policy), whether it is
-    degraded, and the queue it was planned against (None without a policy)."""
+    policy chose (None: the request gave no deadline, the server has no policy, or the
+    model is dense), whether it is degraded, and the queue it was planned against (None
+    without a policy)."""
 
     budget: tuple[float, ...] | None
     degraded: bool
@@ -187,7 +186,8 @@ def plan_deadline(state: ServeState, deadline_ms: float | None, rows: int,
         raise Overloaded(f"no budget can answer within {deadline_ms:g} ms now "
                          f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
                          d.retry_after_s)
-    return DeadlinePlan(d.budget, d.degraded, load)
+    # a dense model's table has one row, (1, 1) or (1,), which is no budget it takes
+    return DeadlinePlan(d.budget if state.budgets else None, d.degraded, load)
 
 
 def _rebudget_translate(job: Job, budget: tuple[float, ...], degraded: bool) -> None:
@@ -591,10 +591,8 @@ def _plan_classify(state: ServeState, req: schemas.ClassifyRequest) -> Job:
     _check_tokens(state, sum(len(ids) for ids, _ in rows))
     length = max((len(ids) for ids, _ in rows), default=1)
     d = plan_deadline(state, req.deadline_ms, len(req.lines), length)
-    if d.budget is not None and state.budgets:
-        budget = d.budget[0]
-    else:  # no deadline, or a dense encoder (its table's one row, (1,), is no budget)
-        budget = req.budget if req.budget is not None else state.default_budget
+    budget = (req.budget if req.budget is not None else state.default_budget
+              ) if d.budget is None else d.budget[0]
     ran = state.budget_ran(budget)  # DynaseqError (422): dense, untrained, not in (0, 1]
     work = ClassifyWork(rows, keep, budget, None if ran is None else ran[0],
                         None if exit is None else float(exit.gamma), d.degraded)
