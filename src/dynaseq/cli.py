@@ -1099,23 +1099,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--latency-table", action="store_true",
-                   help="translation runs: measure decoding time per budget x batch size x "
-                        "source length and write RUN/latency_table.json (for dynaseq serve "
-                        "--deadline policy)")
+                   help="translation and classification runs: measure service time per "
+                        "budget x batch size x source length and write "
+                        "RUN/latency_table.json (for dynaseq serve's deadline policy)")
     p.add_argument("--table-batches", type=_int_list, default=[1, 2, 4, 8, 16],
                    help="--latency-table batch sizes (default 1,2,4,8,16)")
     p.add_argument("--table-lengths", type=_int_list, default=[8, 16, 32],
-                   help="--latency-table source = target lengths (default 8,16,32)")
+                   help="--latency-table source (= target) lengths (default 8,16,32)")
     p.add_argument("--beam", type=int, default=None,
-                   help="--latency-table beam size (default: the run's decode.beam)")
+                   help="--latency-table beam size of a translation run (default: the run's "
+                        "decode.beam)")
     p.add_argument("--table-src", default=None,
                    help="--latency-table: time real sentences of this file (those nearest "
-                        "each length), decoded freely, instead of random fixed-length ones "
-                        "(recommended: a budget's outputs may run longer)")
+                        "each length); a translation run decodes them freely instead of "
+                        "random fixed-length ones (recommended: a budget's outputs may run "
+                        "longer); a classification run reads them as dynaseq classify does "
+                        "(default: its validation sentences)")
     p.add_argument("--no-compute", action="store_true",
-                   help="--latency-table: time the decode alone, for a server run with "
-                        "--no-compute (default: the decode and each line's realized "
-                        "compute, as dynaseq serve runs them)")
+                   help="--latency-table: time the decode (or classification) alone, for "
+                        "a server run with --no-compute (default: it and each line's "
+                        "realized compute, as dynaseq serve runs them)")
     p.add_argument("--table-predict", choices=["fit", "grid"], default="fit",
                    help="--latency-table: how the server reads the cells: a model fitted "
                         "to them (default; smooth, never falling with batch size or "
