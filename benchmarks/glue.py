@@ -59,10 +59,11 @@ def run_dir(task: str, init: str, runs: Path = _lib.RUNS) -> Path:
     return Path(runs) / f"glue_{task}_{init}"
 
 
-def pretrain_config(args: argparse.Namespace):
+def pretrain_config(args: argparse.Namespace, write_text: bool = True):
     """The MLM pre-training's run config. With ``--glue-text`` its text includes every
     task's unlabelled training sentences, whichever tasks this command fine-tunes, so that
-    one pre-training serves them all."""
+    one pre-training serves them all; ``write_text`` writes that file (only a run about to
+    pre-train needs it)."""
     from dynaseq.tasks.registry import load_config
 
     extra = [f"train.precision={args.precision}"]
@@ -71,8 +72,9 @@ def pretrain_config(args: argparse.Namespace):
     if args.pretrain_batch is not None:
         extra.append(f"data.batch_size={args.pretrain_batch}")
     if args.glue_text:
-        text = _lib.write_unlabelled({t: TASKS[t][0] for t in TASKS},
-                                     Path(args.runs) / _lib.UNLABELLED.name)
+        text = Path(args.runs) / _lib.UNLABELLED.name
+        if write_text:
+            _lib.write_unlabelled({t: TASKS[t][0] for t in TASKS}, text)
         extra.append(f"data.train=[$DATA/wikitext-2/train.txt,{text}]")
     return load_config("configs/wikitext2_mlm_small.yaml",
                        [f"run_dir={mlm_dir(args.runs)}",
@@ -110,8 +112,9 @@ def finetune_commands(args: argparse.Namespace) -> dict[str, list[str]]:
 def train(args: argparse.Namespace) -> None:
     """Pre-train (in this process), then fine-tune each task from each init, one after
     the other or ``--parallel`` at a time; a finished run is not trained again."""
-    pre = pretrain_config(args)
-    _lib.train_each([pre] if not _lib.done(mlm_dir(args.runs), pre) else [])
+    pre = pretrain_config(args, write_text=False)
+    if not _lib.done(mlm_dir(args.runs), pre):  # (a fine-tuning process skips this)
+        _lib.train_each([pretrain_config(args)])
     if args.pretrain_only:
         return
     if args.parallel > 1:
@@ -151,19 +154,13 @@ def pretraining_text(args: argparse.Namespace) -> str:
     from dynaseq.tasks.registry import load_config
 
     saved = mlm_dir(args.runs) / "config.yaml"
-    if saved.exists():
-        cfg = load_config(str(saved), [])
-        glue_text, batch = len(cfg.data.train) > 1, cfg.data.batch_size
-        minutes, precision, steps = cfg.train.max_minutes, cfg.train.precision, cfg.train.max_steps
-    else:
-        default = load_config("configs/wikitext2_mlm_small.yaml", [])
-        glue_text, batch = args.glue_text, args.pretrain_batch or default.data.batch_size
-        minutes, precision = args.pretrain_minutes, args.precision
-        steps = args.pretrain_steps or default.train.max_steps
+    cfg = (load_config(str(saved), []) if saved.exists()
+           else pretrain_config(args, write_text=False))
     return ("MLM on WikiText-2 train" + (" + the SST-2 and CoLA training sentences (labels "
-                                          "dropped)" if glue_text else "")
-            + f", blocks of 128, batch {batch}, at most {minutes} min and {steps} updates "
-            f"(cosine schedule), precision {precision}")
+                                          "dropped)" if len(cfg.data.train) > 1 else "")
+            + f", blocks of 128, batch {cfg.data.batch_size}, at most "
+            f"{cfg.train.max_minutes} min and {cfg.train.max_steps} updates (cosine "
+            f"schedule), precision {cfg.train.precision}")
 
 
 def main() -> None:

@@ -332,8 +332,8 @@ def _classify_latency_table(args: argparse.Namespace):
         from dynaseq.tasks.classify.glue import read_table
 
         ex = read_table(resolve_data_path(c.config.data.valid), c.layout, labelled=False)
-        lines = [a if ex.text_b is None else (a, b)
-                 for a, b in zip(ex.text_a, ex.text_b or ex.text_a, strict=True)]
+        lines = ex.text_a if ex.text_b is None else list(zip(ex.text_a, ex.text_b,
+                                                             strict=True))
     rows, _ = c.encode(lines)
     cct = c.config.model.cct
     budgets = [None] if cct is None else list(dict.fromkeys(

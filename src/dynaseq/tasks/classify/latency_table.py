@@ -15,11 +15,11 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.metrics.latency import median_ms
 from dynaseq.metrics.latency_table import LatencyTable, budget_key
-from dynaseq.tasks.classify.predictor import RealizedCompute
+from dynaseq.tasks.classify.predictor import Classifier, RealizedCompute
 
 
 @torch.no_grad()
-def measure_classify_latency_table(classifier: Any, budgets: Sequence[float | None],
+def measure_classify_latency_table(classifier: Classifier, budgets: Sequence[float | None],
                                    batch_sizes: Sequence[int], lengths: Sequence[int],
                                    rows: Sequence[Any], repeats: int = 3,
                                    checkpoint: str = "", progress: bool = False,
