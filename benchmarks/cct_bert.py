@@ -35,9 +35,10 @@ the dense encoder also run through the model's own forward pass ("general") in t
 rounds.
 
     python benchmarks/cct_bert.py [--pretrain-steps 800] [--pretrain-batch 16]
-                                  [--finetune-steps 600] [--rounds 3]
+                                  [--finetune-steps 600] [--rounds 3] [--precision fp32]
                                   [--only cct dense ...] [--tasks sst2 cola] [--report-only]
-                                  [--retime] [--train-only] [--parallel 1]
+                                  [--retime] [--train-only | --pretrain-only]
+                                  [--parallel 1]
 
 Runs: runs/bench/cct_bert/{model}_mlm and {model}_{task}. Writes
 benchmarks/results/cct_bert.{json,md,png}. Run from the repository root.
@@ -94,13 +95,14 @@ def configs(models: list[str], tasks: list[str], args: argparse.Namespace):
     for name in models:
         model, mlm = model_overrides(name), run_dir(name, "mlm", args.runs)
         batch = [] if args.pretrain_batch is None else [f"data.batch_size={args.pretrain_batch}"]
+        every = [f"train.precision={args.precision}", "train.max_minutes=600"]
         yield load_config("configs/wikitext2_mlm_small.yaml", [
-            f"run_dir={mlm}", f"train.max_steps={args.pretrain_steps}",
-            "train.max_minutes=600", *batch, *model])
+            f"run_dir={mlm}", f"train.max_steps={args.pretrain_steps}", *every, *batch,
+            *model])
         for task in tasks:
             yield load_config(TASKS[task]["config"], [
                 f"run_dir={run_dir(name, task, args.runs)}", f"train.init_from={mlm}",
-                f"train.max_steps={args.finetune_steps}", "train.max_minutes=600", *model,
+                f"train.max_steps={args.finetune_steps}", *every, *model,
                 *MODELS[name].get("finetune", [])])
 
 
@@ -239,6 +241,51 @@ def retime(args: argparse.Namespace) -> dict:
     return out
 
 
+def curves(args: argparse.Namespace) -> dict:
+    """Every run's validation curve from its ``log.jsonl`` (finished or not): for each model,
+    pre-training steps -> masked-token loss and accuracy (the CCT's at the full budget), and
+    each task's fine-tuning steps -> its dev metric. Where a time limit stopped a run, its
+    curve shows how far it got."""
+    out: dict[str, Any] = {}
+    for name in args.only:
+        stages = {"mlm": ("loss", "accuracy"),
+                  **{t: (TASKS[t]["metric"],) for t in args.tasks}}
+        for stage, keys in stages.items():
+            events = [e for e in _lib.read_log(run_dir(name, stage, args.runs), missing_ok=True)
+                      if e["event"] == "valid"]
+            out.setdefault(name, {})[stage] = {
+                int(e["step"]): {k: round(float(e.get(k, 0.0)), 4) for k in keys}
+                for e in events}
+    return out
+
+
+def curves_markdown(out: dict, every: int) -> list[str]:
+    """One table per stage: a row per model, its validation value every ``every`` steps."""
+    lines = _lib.md_head("cct_bert: validation curves of every run", out["command"],
+                         f"Machine: {out['machine']}. Date {out['date']}.",
+                         "Pre-training: valid masked-token loss (accuracy %); fine-tuning: the "
+                         "task's dev metric x 100. Blank: not reached (a stopped run).")
+    stages = list(next(iter(out["curves"].values()), {}))
+    for stage in stages:
+        steps = sorted({s for m in out["curves"].values() for s in m[stage]
+                        if s % every == 0})
+        rows = []
+        for name, by_stage in out["curves"].items():
+            cells = []
+            for s in steps:
+                v = by_stage[stage].get(s)
+                if v is None:
+                    cells.append("")
+                elif stage == "mlm":
+                    cells.append(f"{v['loss']:.2f} ({100 * v['accuracy']:.1f})")
+                else:
+                    cells.append(f"{100 * next(iter(v.values())):.1f}")
+            rows.append([MODELS[name]["label"], *cells])
+        lines += ["", f"## {stage}", ""]
+        lines += _lib.md_table(["encoder", *map(str, steps)], "l" + "r" * len(steps), rows)
+    return lines
+
+
 def targets(task: dict,
             diff_ci: Callable[[dict, dict], list[float]] | None = None) -> dict:
     """Issue 24's quality targets for one task's rows (calibrated CCT budgets); with
@@ -279,7 +326,8 @@ def markdown(out: dict) -> list[str]:
         "width (SST-2, CoLA dev)", out["command"],
         f"Machine: {out['machine']}. Date {out['date']}.",
         f"Training: every encoder {out['pretrain_steps']} MLM updates of "
-        f"{out.get('pretrain_batch') or 16} blocks on WikiText-2 "
+        f"{out.get('pretrain_batch') or 16} blocks on WikiText-2, precision "
+        f"{out.get('precision', 'fp32')} "
         f"(configs/wikitext2_mlm_small.yaml), then {out['finetune_steps']} fine-tuning "
         "updates per task (configs/{sst2,cola}_small.yaml); same data, schedule and seed.",
         "Targets (issue 24): CCT at the full budget (.8) within 1 point of the dense encoder; "
@@ -344,16 +392,21 @@ def plot(out: dict, path: Path) -> None:
 
 
 def train_parallel(args: argparse.Namespace) -> None:
-    """Train each model's chain (pre-training, then its fine-tunings) in a process of its
-    own, ``args.parallel`` at a time (:func:`_lib.run_parallel`): this script again with
-    ``--only MODEL --train-only``, its output in ``{runs}/{model}.out``."""
-    _lib.run_parallel({name: [sys.executable, __file__, "--only", name, "--train-only",
-                              "--tasks", *args.tasks, "--pretrain-steps",
-                              str(args.pretrain_steps), "--finetune-steps",
-                              str(args.finetune_steps), "--runs", str(args.runs),
-                              *([] if args.pretrain_batch is None
-                                else ["--pretrain-batch", str(args.pretrain_batch)])]
+    """Train every model's runs in processes of their own, ``args.parallel`` at a time
+    (:func:`_lib.run_parallel`): first each model's pre-training, then each of its
+    fine-tunings (one process per model and task); each is this script again with ``--only
+    MODEL --train-only``, its output in ``{runs}/{job}.out``."""
+    same = [sys.executable, __file__, "--train-only", "--pretrain-steps",
+            str(args.pretrain_steps), "--finetune-steps", str(args.finetune_steps), "--runs",
+            str(args.runs), "--precision", args.precision,
+            *([] if args.pretrain_batch is None
+              else ["--pretrain-batch", str(args.pretrain_batch)])]
+    _lib.run_parallel({f"{name}_mlm": [*same, "--only", name, "--pretrain-only"]
                        for name in args.only}, args.parallel, Path(args.runs))
+    if not args.pretrain_only:
+        _lib.run_parallel({f"{name}_{task}": [*same, "--only", name, "--tasks", task]
+                           for name in args.only for task in args.tasks},
+                          args.parallel, Path(args.runs))
 
 
 def main() -> None:
@@ -373,14 +426,21 @@ def main() -> None:
     p.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS),
                    help="train and report these encoders only")
     p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="train.precision of every run (bf16: autocast, on a GPU)")
     p.add_argument("--report-only", action="store_true", help="train nothing")
     p.add_argument("--train-only", action="store_true", help="measure nothing")
+    p.add_argument("--pretrain-only", action="store_true",
+                   help="train the pre-trainings only (implies --train-only)")
     p.add_argument("--parallel", type=int, default=1,
                    help="train this many models' runs at once, each in its own process "
                         "(for an accelerator; default 1)")
     p.add_argument("--retime", action="store_true",
                    help="train nothing, measure only the wall times again (into the "
                         "committed results)")
+    p.add_argument("--curves", type=int, default=None, metavar="EVERY",
+                   help="train nothing, write every run's validation curve (finished or "
+                        "not, from its log) every EVERY steps to cct_bert_curves.{json,md}")
     p.add_argument("--runs", type=Path, default=RUNS, help=f"where the runs live ({RUNS})")
     _lib.add_results_arg(p)
     args = p.parse_args()
@@ -390,16 +450,27 @@ def main() -> None:
         _lib.write_results(args.results, "cct_bert", out, lines)
         print("\n".join(lines))
         return
+    if args.curves is not None:
+        if args.curves < 1:
+            p.error(f"--curves must be at least 1, got {args.curves}")
+        out = {"benchmark": "cct_bert_curves", "command": _lib.command(),
+               "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(processor=True),
+               "provenance": _lib.provenance(), "curves": curves(args)}
+        lines = curves_markdown(out, args.curves)
+        _lib.write_results(args.results, "cct_bert_curves", out, lines)
+        print("\n".join(lines))
+        return
     if args.parallel < 1:
         p.error(f"--parallel must be at least 1, got {args.parallel}")
     if args.parallel > 1 and not args.report_only:
         train_parallel(args)
     elif not args.report_only:
-        _lib.train_each(c for c in configs(args.only, args.tasks, args)
+        tasks = [] if args.pretrain_only else args.tasks
+        _lib.train_each(c for c in configs(args.only, tasks, args)
                         if not _lib.finished(Path(c.run_dir), args.pretrain_steps
                                              if c.run_dir.endswith("_mlm")
                                              else args.finetune_steps))
-    if args.train_only:
+    if args.train_only or args.pretrain_only:
         return
     tasks = {}
     for task in args.tasks:
@@ -407,7 +478,7 @@ def main() -> None:
     out = {"benchmark": "cct_bert", "command": _lib.command(),
            "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(processor=True),
            "provenance": _lib.provenance(), "pretrain_steps": args.pretrain_steps,
-           "pretrain_batch": args.pretrain_batch,
+           "pretrain_batch": args.pretrain_batch, "precision": args.precision,
            "finetune_steps": args.finetune_steps, "rounds": args.rounds,
            "calibration": f"first {args.calibration_rows} rows of each task's train.tsv, "
                           "batch 1",
