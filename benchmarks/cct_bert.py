@@ -37,7 +37,8 @@ rounds.
     python benchmarks/cct_bert.py [--pretrain-steps 800] [--pretrain-batch 16]
                                   [--finetune-steps 600] [--rounds 3] [--precision fp32]
                                   [--only cct dense ...] [--tasks sst2 cola] [--report-only]
-                                  [--retime] [--train-only | --pretrain-only]
+                                  [--glue-text] [--retime]
+                                  [--train-only | --pretrain-only]
                                   [--parallel 1]
 
 Runs: runs/bench/cct_bert/{model}_mlm and {model}_{task}. Writes
@@ -96,9 +97,15 @@ def configs(models: list[str], tasks: list[str], args: argparse.Namespace):
         model, mlm = model_overrides(name), run_dir(name, "mlm", args.runs)
         batch = [] if args.pretrain_batch is None else [f"data.batch_size={args.pretrain_batch}"]
         every = [f"train.precision={args.precision}", "train.max_minutes=600"]
+        text = []
+        if args.glue_text:
+            glue_text = Path(args.runs) / _lib.UNLABELLED.name
+            text = [f"data.train=[$DATA/wikitext-2/train.txt,{glue_text}]"]
+            if not _lib.finished(mlm, args.pretrain_steps):  # written where it pre-trains
+                _lib.write_unlabelled({t: TASKS[t]["config"] for t in TASKS}, glue_text)
         yield load_config("configs/wikitext2_mlm_small.yaml", [
             f"run_dir={mlm}", f"train.max_steps={args.pretrain_steps}", *every, *batch,
-            *model])
+            *text, *model])
         for task in tasks:
             yield load_config(TASKS[task]["config"], [
                 f"run_dir={run_dir(name, task, args.runs)}", f"train.init_from={mlm}",
@@ -326,7 +333,8 @@ def markdown(out: dict) -> list[str]:
         "width (SST-2, CoLA dev)", out["command"],
         f"Machine: {out['machine']}. Date {out['date']}.",
         f"Training: every encoder {out['pretrain_steps']} MLM updates of "
-        f"{out.get('pretrain_batch') or 16} blocks on WikiText-2, precision "
+        f"{out.get('pretrain_batch') or 16} blocks on WikiText-2"
+        f"{' and the SST-2/CoLA training sentences' if out.get('glue_text') else ''}, precision "
         f"{out.get('precision', 'fp32')} "
         f"(configs/wikitext2_mlm_small.yaml), then {out['finetune_steps']} fine-tuning "
         "updates per task (configs/{sst2,cola}_small.yaml); same data, schedule and seed.",
@@ -399,6 +407,7 @@ def train_parallel(args: argparse.Namespace) -> None:
     same = [sys.executable, __file__, "--train-only", "--pretrain-steps",
             str(args.pretrain_steps), "--finetune-steps", str(args.finetune_steps), "--runs",
             str(args.runs), "--precision", args.precision,
+            *(["--glue-text"] if args.glue_text else []),
             *([] if args.pretrain_batch is None
               else ["--pretrain-batch", str(args.pretrain_batch)])]
     _lib.run_parallel({f"{name}_mlm": [*same, "--only", name, "--pretrain-only"]
@@ -428,6 +437,9 @@ def main() -> None:
     p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="train.precision of every run (bf16: autocast, on a GPU)")
+    p.add_argument("--glue-text", action="store_true",
+                   help="pre-train on WikiText-2 and the unlabelled SST-2 and CoLA training "
+                        "sentences (dev sentences are never read), as glue.py --glue-text")
     p.add_argument("--report-only", action="store_true", help="train nothing")
     p.add_argument("--train-only", action="store_true", help="measure nothing")
     p.add_argument("--pretrain-only", action="store_true",
@@ -479,6 +491,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d"), "machine": _lib.machine(processor=True),
            "provenance": _lib.provenance(), "pretrain_steps": args.pretrain_steps,
            "pretrain_batch": args.pretrain_batch, "precision": args.precision,
+           "glue_text": args.glue_text,
            "finetune_steps": args.finetune_steps, "rounds": args.rounds,
            "calibration": f"first {args.calibration_rows} rows of each task's train.tsv, "
                           "batch 1",
