@@ -91,6 +91,30 @@ def test_measured_overhead_is_a_high_quantile_of_late_answers_and_decays():
     assert len(b._errors) == 10
 
 
+def test_overhead_quantile_ranked_on_arrival_equals_sorting_the_decayed_errors():
+    """Errors observed at different times, sizes and orders (zeros and a window that
+    drops the oldest included): the quantile read from the ranks kept at each ``observe``
+    is the one that sorting every decayed error at the moment of reading gives."""
+    import math
+    import random
+
+    from dynaseq.serve.batcher import _decayed
+
+    rng = random.Random(7)
+    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
+    b.OVERHEAD_TAU_S, b.OVERHEAD_WINDOW = 0.02, 37
+    for i in range(300):
+        late = 0.0 if rng.random() < 0.2 else rng.expovariate(1 / 20)
+        b.observe(predicted_ms=10.0, latency_ms=10.0 + late)
+        if i % 7 == 0:
+            time.sleep(rng.random() * 0.01)
+        now = time.perf_counter()
+        brute = sorted(_decayed(e, when, b.OVERHEAD_TAU_S, now) for _, e, when in b._errors)
+        want = brute[min(len(brute) - 1, int(b.OVERHEAD_QUANTILE * len(brute)))]
+        assert math.isclose(b.overhead_at(now), want, rel_tol=1e-9, abs_tol=1e-12), i
+        assert len(b._ranked) == len(b._errors) == min(i + 1, 37)
+
+
 def test_arrival_rate_follows_submitted_lines():
     async def go() -> Batcher:
         b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=1000)

@@ -19,6 +19,7 @@ the loop works, which it loses either way.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import os
 import sys
@@ -183,7 +184,8 @@ class Batcher:
         self.scale = 1.0
         self._scale_batches = 0
         self._ratios: deque[float] = deque()  # real ÷ estimated time of the last batches
-        self._errors: deque[tuple[float, float]] = deque()  # (ms late, when observed)
+        self._errors: deque[tuple[float, float, float]] = deque()  # :meth:`observe`
+        self._ranked: list[tuple[float, float, float]] = []  # the same, in rank order
         self._arrivals = (0.0, time.perf_counter())  # (lines per second, when)
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
 
@@ -218,13 +220,16 @@ class Batcher:
     def overhead_ms(self) -> float:
         """The margin now: the :data:`OVERHEAD_QUANTILE` quantile of the recent errors,
         each decayed since it was observed."""
-        now = time.perf_counter()
+        return self.overhead_at(time.perf_counter())
+
+    def overhead_at(self, now: float) -> float:
+        """:attr:`overhead_ms` at ``now`` (``time.perf_counter()`` seconds)."""
         with self._cond:
-            late = sorted(_decayed(e, when, self.OVERHEAD_TAU_S, now)
-                          for e, when in self._errors)
-        if not late:
-            return 0.0
-        return late[min(len(late) - 1, int(self.OVERHEAD_QUANTILE * len(late)))]
+            n = len(self._ranked)
+            if not n:
+                return 0.0
+            _, e, when = self._ranked[min(n - 1, int(self.OVERHEAD_QUANTILE * n))]
+        return _decayed(e, when, self.OVERHEAD_TAU_S, now)
 
     @property
     def arrival_rate(self) -> float:
@@ -234,10 +239,14 @@ class Batcher:
     def observe(self, predicted_ms: float, latency_ms: float) -> None:
         """A request predicted (without overhead) to take ``predicted_ms`` was answered in
         ``latency_ms``: one more error for :attr:`overhead_ms`."""
+        late, when = max(0.0, latency_ms - predicted_ms), time.perf_counter()
+        entry = (_decay_rank(late, when, self.OVERHEAD_TAU_S), late, when)
         with self._cond:
-            self._errors.append((max(0.0, latency_ms - predicted_ms), time.perf_counter()))
+            self._errors.append(entry)
+            bisect.insort(self._ranked, entry)
             while len(self._errors) > self.OVERHEAD_WINDOW:
-                self._errors.popleft()
+                old = self._errors.popleft()
+                del self._ranked[bisect.bisect_left(self._ranked, old)]
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
@@ -391,6 +400,15 @@ def _decayed(value: float, when: float, tau_s: float, now: float) -> float:
     """``value`` observed at ``when``, decayed exponentially (time constant ``tau_s``) to
     ``now`` (``time.perf_counter()`` seconds)."""
     return value * math.exp(-(now - when) / tau_s)
+
+
+def _decay_rank(value: float, when: float, tau_s: float) -> float:
+    """A key that orders values observed at different times as :func:`_decayed` orders them
+    at any one later time: ``log(value) + when / tau_s`` (the common factor
+    ``exp(-now / tau_s)`` ranks nothing), ``-inf`` for 0. So the errors are ranked once, as
+    they are observed, and :attr:`Batcher.overhead_ms` reads its quantile without sorting
+    on every request."""
+    return math.log(value) + when / tau_s if value > 0 else -math.inf
 
 
 def _deliver(job: Job, result: Any = None, exc: BaseException | None = None) -> None:
