@@ -391,6 +391,23 @@ def run_parallel(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> No
         raise SystemExit(f"training failed for {', '.join(failed)}")
 
 
+def train_in_processes(configs: Iterable[Any], parallel: int, out_dir: Path) -> None:
+    """Train ``configs`` (run configs) ``parallel`` at a time, each in a process of its own
+    (:func:`run_parallel`): each config written to ``{out_dir}/{run name}.yaml`` and trained
+    by ``python -m dynaseq train`` (a finished run stops at once; an interrupted one
+    resumes). For an accelerator that one small run leaves mostly idle."""
+    from dynaseq.core.config import save_config
+
+    jobs = {}
+    for cfg in configs:
+        name = Path(cfg.run_dir).name
+        path = Path(out_dir) / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, path)
+        jobs[name] = [sys.executable, "-m", "dynaseq", "train", str(path), "--quiet"]
+    run_parallel(jobs, parallel, Path(out_dir))
+
+
 UNLABELLED = RUNS / "glue_unlabelled.txt"
 
 

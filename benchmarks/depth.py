@@ -18,7 +18,8 @@ depth, LayerDrop, HeadPrune, BranchyNet, Shallow-Deep, PABEE and a static exit, 
 
     python benchmarks/depth.py [--rounds 3] [--timing-rows 300]
                                [--only glue ablation speed exitfit]
-                               [--train-only | --report-only]
+                               [--train-only | --report-only] [--runs DIR]
+                               [--pretrain-batch N] [--precision fp32] [--parallel 1]
 
 Runs (benchmarks/variants/depth.yaml) live in runs/bench/depth/; a finished run is not
 trained again, and ``--only`` trains only the runs its reports read. The methods of
@@ -55,12 +56,17 @@ def run_dir(task: str, run: str) -> Path:
     return ROOT / f"{task}_{run}"
 
 
-def train_runs(v: dict[str, Any], needed: set[str], tasks: list[str]) -> None:
+def train_runs(v: dict[str, Any], needed: set[str], tasks: list[str],
+               args: argparse.Namespace) -> None:
     """Train the ``needed`` runs of ``v["runs"]`` on ``tasks`` that are not finished, in the
-    file's order, each MLM pre-training just before the first run fine-tuned from it."""
+    file's order, each MLM pre-training just before the first run fine-tuned from it; with
+    ``--parallel N``, N runs at a time in processes of their own, the pre-trainings first.
+    ``--precision`` applies to every run, ``--pretrain-batch`` to the pre-trainings."""
     from dynaseq.tasks.registry import load_config
 
     todo, pre = [], v.get("pretrain", {})
+    every = [f"train.precision={args.precision}"]
+    batch = [] if args.pretrain_batch is None else [f"data.batch_size={args.pretrain_batch}"]
     for name, spec in v["runs"].items():
         if name not in needed:
             continue
@@ -74,16 +80,20 @@ def train_runs(v: dict[str, Any], needed: set[str], tasks: list[str]) -> None:
                 pre_over = pre["runs"][init]
                 todo.append(load_config(pre["config"], [
                     f"run_dir={mlm}", f"data.train=[$DATA/wikitext-2/train.txt,{text}]",
-                    *pre["common"], *pre_over, *_smoke(v, pre_over)]))
+                    *pre["common"], *every, *batch, *pre_over, *_smoke(v, pre_over)]))
             overrides.append(f"train.init_from={mlm}")
         for task in (t for t in spec["tasks"] if t in tasks):
             t = v["tasks"][task]
             run = run_dir(task, name)
             if not _lib.done(run):
                 todo.append(load_config(t["config"], [
-                    f"run_dir={run}", *v["common"], f"train.max_steps={t['steps']}",
+                    f"run_dir={run}", *v["common"], f"train.max_steps={t['steps']}", *every,
                     *overrides, *_smoke(v, overrides)]))
-    _lib.train_each(todo)
+    if args.parallel == 1:
+        _lib.train_each(todo)
+        return
+    for phase in ([c for c in todo if c.task == "mlm"], [c for c in todo if c.task != "mlm"]):
+        _lib.train_in_processes(phase, args.parallel, ROOT / "processes")
 
 
 def needed_runs(v: dict[str, Any], reports: list[str]) -> set[str]:
@@ -572,6 +582,7 @@ def plot_speed(speed: dict, path: Path) -> None:
 
 
 def main() -> None:
+    global ROOT  # where the runs live: --runs, or the smoke check's folder
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timing-rows", type=int, default=300,
@@ -582,20 +593,31 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true", help="train nothing")
     p.add_argument("--train-only", action="store_true",
                    help="train the runs --only needs, measure nothing")
+    p.add_argument("--runs", type=Path, default=ROOT, help=f"where the runs live ({ROOT})")
+    p.add_argument("--pretrain-batch", type=int, default=None,
+                   help="MLM pre-training blocks per update (default: the config's, 16); "
+                        "on a GPU a larger batch costs little more time per update")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="train.precision of every run (bf16: autocast, on a GPU)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="train this many runs at once, each in its own process (for an "
+                        "accelerator; default 1)")
     p.add_argument("--smoke", action="store_true",
                    help="a check of the script: 3 updates per run in runs/bench/depth_smoke")
     _lib.add_results_arg(p)
     args = p.parse_args()
+    if args.parallel < 1:
+        p.error(f"--parallel must be at least 1, got {args.parallel}")
     torch.set_num_threads(2)
     v = _lib.variants_file("depth")
+    ROOT = args.runs
     if args.smoke:
-        global ROOT
         ROOT = _lib.RUNS / "depth_smoke"
         v["smoke"] = ["train.max_steps=3", "train.valid_every=3", "train.save_every=3",
                       "train.warmup_steps=1", "model.depth.depth_start_step=0"]
         v["head_prune"]["importance_rows"] = 50
     if not args.report_only:
-        train_runs(v, needed_runs(v, args.only), args.tasks)
+        train_runs(v, needed_runs(v, args.only), args.tasks, args)
         for task in args.tasks:
             if run_dir(task, v["head_prune"]["run"]).exists():
                 head_prune(v, task)
