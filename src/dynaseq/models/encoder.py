@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -308,7 +309,11 @@ class MLMHead(nn.Module):
 
 class ClassificationHead(nn.Module):
     """hidden (B, S, d) -> logits (B, n_out): pooler ``tanh(h_0 W_p + b_p)`` on the first
-    ([CLS]) token, dropout, ``W_o`` (BERT sec. 4.1). ``n_out`` = 1 for a regression."""
+    ([CLS]) token, dropout, ``W_o`` (BERT sec. 4.1). ``n_out`` = 1 for a regression.
+    ``reads_first_token``: it reads ``hidden[:, 0]`` alone (so a (B, 1, d) ``hidden``
+    will do: the lean pass computes no more)."""
+
+    reads_first_token: ClassVar[bool] = True
 
     def __init__(self, d_model: int, n_out: int, dropout: float = 0.1) -> None:
         super().__init__()

@@ -103,14 +103,20 @@ def _lean_layers(model: nn.Module) -> list[_Layer] | None:
 
 def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tensor | None,
                offsets: Tensor | None, counts: list[Counts] | None = None,
-               scale: Tensor | None = None) -> Tensor:
+               scale: Tensor | None = None, first_only: bool = False) -> Tensor:
     """The layer applications ``plan`` (indices into ``layers``) on ``x`` ``(B, S, d)``
     (the first layer's input), ``valid`` ``(B, S)`` True at the tokens (None: no padding),
     ``offsets`` the rows' gate offsets ``(B,)`` (or None) -> the last layer's output
     ``(B, S, d)`` at the valid positions (padding positions are not computed past ``x``:
     nothing reads them); ``counts``: receives one :data:`Counts` per application (see the
     module docstring); ``scale`` ``(B,)``: every residual branch of each row multiplied by
-    it (adaptive depth's keep probability, ``H + p·F(H)``; None: unscaled)."""
+    it (adaptive depth's keep probability, ``H + p·F(H)``; None: unscaled).
+
+    ``first_only`` (what a first-token head reads): the last application's feed-forward
+    runs on each row's first token alone, and the output is that token's, ``(B, 1, d)``.
+    The last self-attention still runs every query (the first token's keys and values are
+    every token's). Not with ``counts``: a gated feed-forward would count one token."""
+    assert not (first_only and counts is not None), "first_only counts no gates"
     b, s, d = x.shape
     idx = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # (N,) tokens
     offset = uniform_offset(offsets)
@@ -122,12 +128,14 @@ def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tens
     row_of = None  # the row of each feed-forward row (token), for its counts
     if counts is not None:
         row_of = _per_token(torch.arange(b, device=x.device), s, idx)
-    for i in plan:
+    for n, i in enumerate(plan):
         w = layers[i]
         attn_tally = None if counts is None else StepTally(b, x.device)
         h = w.attn.encode(w.attn_norm(x), valid, offset, attn_tally)
         if h is not None:  # None: the sub-layer's output is 0 for every token
             x = x + (h if row_scale is None else row_scale * h)
+        if first_only and n == len(plan) - 1:
+            return _first_token_ffn(w, x[:, :1], offset, row_scale)
         rows = w.ffn_norm(x).reshape(b * s, 1, d)
         if idx is not None:
             rows = rows.index_select(0, idx)
@@ -145,6 +153,16 @@ def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tens
                     got[key] = v.new_zeros(b, *v.shape[1:]).index_add_(0, row_of, v)
             counts.append(got)
     return x
+
+
+def _first_token_ffn(w: _Layer, x: Tensor, offset: Tensor | float | None,
+                     row_scale: Tensor | None) -> Tensor:
+    """Layer ``w``'s feed-forward on the first tokens ``x`` ``(B, 1, d)`` (one row each,
+    with its row's gate ``offset``) -> ``(B, 1, d)``: :func:`run_layers`' ``first_only``."""
+    h = w.ffn.step(w.ffn_norm(x), offset, None)
+    if h is None:  # every gate closed: the residual as it is
+        return x
+    return x + (h if row_scale is None else row_scale * h)
 
 
 def valid_tokens(pad_mask: Tensor) -> Tensor | None:
@@ -187,29 +205,38 @@ class LeanEncoder:
 
     @torch.no_grad()
     def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
-               counts: list[Counts] | None = None) -> tuple[Tensor, Tensor]:
+               counts: list[Counts] | None = None, first_only: bool = False
+               ) -> tuple[Tensor, Tensor]:
         """tokens, segments ``(B, S)``; ``control``: as the model's -> (hidden ``(B, S, d)``,
         pad_mask ``(B, S)``, True at padding). Hidden states at padding positions are not
         computed past the embeddings (nothing reads them). ``counts``: receives one
         :data:`Counts` per layer application, in the encoder's plan order (not for an
         adaptive-depth encoder, whose full depth runs through the model's pass with
-        :meth:`apply_layer`)."""
+        :meth:`apply_layer`). ``first_only``: the first token's hidden state alone,
+        ``(B, 1, d)`` (:func:`run_layers`), for an encoder without a structure predictor
+        and without ``counts``."""
         self._check_eval()
         model, enc = self.model, self.model.encoder
         if enc.predictor is not None:
             if counts is not None:
                 raise ValueError("gate counts are for encoders without a structure predictor")
+            assert not first_only, "an adaptive-depth encoder runs the model's pass"
             return model.encode(tokens, segments, control, run=self.apply_layer)
         emb, offsets = model.control_inputs(control, tokens.size(0), tokens.device)
         x, pad_mask = enc.embed(tokens, segments, emb)  # (B, S, d)
-        x = run_layers(self.layers, enc.plan, x, valid_tokens(pad_mask), offsets, counts)
+        x = run_layers(self.layers, enc.plan, x, valid_tokens(pad_mask), offsets, counts,
+                       first_only=first_only)
         return enc.norm(x), pad_mask
 
     def __call__(self, tokens: Tensor, segments: Tensor | None = None,
                  control: Control = None, counts: list[Counts] | None = None) -> Tensor:
         """The head's output (classification: ``(B, n_out)``), as the model's ``logits``;
-        ``counts``: as :meth:`encode`."""
-        hidden, _ = self.encode(tokens, segments, control, counts)
+        ``counts``: as :meth:`encode`. A head that reads the first token alone
+        (``reads_first_token``: classification's pooler) gets only that token's hidden
+        state: the last layer's feed-forward runs on it alone, unless gates are counted."""
+        first_only = (counts is None and self.model.encoder.predictor is None
+                      and getattr(self.model.head, "reads_first_token", False))
+        hidden, _ = self.encode(tokens, segments, control, counts, first_only=first_only)
         with torch.no_grad():
             return self.model.head(hidden)
 
