@@ -101,6 +101,8 @@ class _FakeProcess:
 
 def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_path, monkeypatch,
                                                                            capsys):
+    """The pre-trainings first, one process per model, then one per model and task; never
+    more than --parallel at once; the options every run shares travel to each process."""
     import argparse
 
     import pytest
@@ -116,22 +118,34 @@ def test_parallel_training_runs_each_model_in_its_own_process_n_at_a_time(tmp_pa
     monkeypatch.setattr(cct_bert._lib.time, "sleep", lambda s: None)
     monkeypatch.setattr(_FakeProcess, "running", [])  # no count left from another test
     monkeypatch.setattr(_FakeProcess, "most", 0)
-    args = argparse.Namespace(only=["cct", "dense", "depth_2"], tasks=["sst2"], parallel=2,
-                              pretrain_steps=30, finetune_steps=20, runs=tmp_path,
-                              pretrain_batch=None)
+    args = argparse.Namespace(only=["cct", "dense", "depth_2"], tasks=["sst2", "cola"],
+                              parallel=2, pretrain_steps=30, finetune_steps=20, runs=tmp_path,
+                              pretrain_batch=None, precision="fp32", glue_text=False,
+                              pretrain_only=False)
     cct_bert.train_parallel(args)
-    assert [c[c.index("--only") + 1] for c in started] == ["cct", "dense", "depth_2"]
+    jobs = [(c[c.index("--only") + 1], c[-1]) for c in started]
+    assert jobs == [("cct", "--pretrain-only"), ("dense", "--pretrain-only"),
+                    ("depth_2", "--pretrain-only"), ("cct", "sst2"), ("cct", "cola"),
+                    ("dense", "sst2"), ("dense", "cola"), ("depth_2", "sst2"),
+                    ("depth_2", "cola")]
     assert _FakeProcess.most == 2  # never more than --parallel at once
-    assert started[0][2:] == ["--only", "cct", "--train-only", "--tasks", "sst2",
-                              "--pretrain-steps", "30", "--finetune-steps", "20",
-                              "--runs", str(tmp_path)]
-    assert (tmp_path / "dense.out").read_text() == "log of dense\n"
-    args.only, args.pretrain_batch, started[:] = ["dense"], 64, []
+    assert started[0][2:] == ["--train-only", "--pretrain-steps", "30", "--finetune-steps",
+                              "20", "--runs", str(tmp_path), "--precision", "fp32", "--only",
+                              "cct", "--pretrain-only"]
+    assert started[3][-4:] == ["--only", "cct", "--tasks", "sst2"]
+    assert (tmp_path / "dense_mlm.out").read_text() == "log of dense\n"
+    assert (tmp_path / "dense_cola.out").read_text() == "log of dense\n"
+    args.only, args.pretrain_batch, args.precision, args.glue_text = ["dense"], 64, "bf16", True
+    args.pretrain_only, started[:] = True, []
     cct_bert.train_parallel(args)
-    assert started[0][-2:] == ["--pretrain-batch", "64"]  # the pre-training's batch travels
-    assert next(cct_bert.configs(["dense"], [], args)).data.batch_size == 64
-    args.only = ["dense", "depth_1"]
-    with pytest.raises(SystemExit, match="training failed for depth_1"):
+    assert len(started) == 1  # --pretrain-only: no fine-tuning process
+    assert started[0][-7:-2] == ["bf16", "--glue-text", "--pretrain-batch", "64", "--only"]
+    cfg = next(cct_bert.configs(["dense"], [], args))
+    assert cfg.data.batch_size == 64 and cfg.train.precision == "bf16"
+    text = tmp_path / "glue_unlabelled.txt"
+    assert text.exists() and str(text) in cfg.data.train  # the tasks' sentences join
+    args.only, args.pretrain_only = ["dense", "depth_1"], False
+    with pytest.raises(SystemExit, match="training failed for depth_1_mlm"):
         cct_bert.train_parallel(args)
     assert "log of depth_1" in capsys.readouterr().err  # the failed process's output
 
@@ -150,3 +164,34 @@ def test_plateau_probe_leaves_at_the_first_logged_update_under_the_threshold(tmp
     assert c == {"nll": {50: 6.1, 100: 5.7}, "budget_loss": {50: 0.5, 100: 0.0},
                  "valid": {50: 6.0}, "steps": 100, "minutes": 1.1}
     assert plateau._at({"1000": 5.5}, 1000) == 5.5 and plateau._at({}, 1000) == ""
+
+
+def test_curves_read_every_run_log_finished_or_not(tmp_path):
+    """--curves: each model's validation events by stage, a stopped run as far as it got,
+    a missing one empty; the Markdown leaves the steps a run did not reach blank."""
+    import argparse
+    import json
+
+    cct_bert = load_benchmark("cct_bert")
+
+    def log(run, events):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "log.jsonl").write_text("".join(
+            json.dumps({"event": "valid", "time": 0, **e}) + "\n" for e in events)
+            + json.dumps({"event": "train", "step": 1}) + "\n")
+
+    log("dense_mlm", [{"step": 200, "loss": 5.5, "accuracy": 0.1},
+                      {"step": 400, "loss": 3.25, "accuracy": 0.4}])
+    log("dense_sst2", [{"step": 200, "accuracy": 0.75}, {"step": 400, "accuracy": 0.8}])
+    log("cct_mlm", [{"step": 200, "loss": 6.0, "accuracy": 0.05}])
+    args = argparse.Namespace(only=["cct", "dense"], tasks=["sst2"], runs=tmp_path)
+    got = cct_bert.curves(args)
+    assert got["dense"]["mlm"] == {200: {"loss": 5.5, "accuracy": 0.1},
+                                   400: {"loss": 3.25, "accuracy": 0.4}}
+    assert got["dense"]["sst2"] == {200: {"accuracy": 0.75}, 400: {"accuracy": 0.8}}
+    assert got["cct"]["sst2"] == {} and list(got["cct"]["mlm"]) == [200]
+    out = {"command": "c", "machine": {}, "date": "d", "curves": got}
+    text = "\n".join(cct_bert.curves_markdown(out, 200))
+    label = cct_bert.MODELS["cct"]["label"]
+    assert f"| {label} | 6.00 (5.0) |  |" in text  # 400 not reached
+    assert "| 200 | 400 |" in text and "| 75.0 | 80.0 |" in text

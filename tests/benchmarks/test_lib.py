@@ -291,3 +291,22 @@ def test_train_each_ends_the_script_after_a_signal(monkeypatch, capsys):
         lib.train_each(SimpleNamespace(run_dir=r) for r in "abc")
     assert e.value.code == 130 and trained == ["a", "b"]
     assert "stopped by a signal in b" in capsys.readouterr().err
+
+
+def test_train_in_processes_writes_each_config_and_trains_it_with_the_cli(tmp_path,
+                                                                        monkeypatch):
+    """Each run config becomes ``{out}/{run name}.yaml`` (what ``dynaseq train`` reads back
+    to the same config) and one ``dynaseq train`` process, through :func:`run_parallel`."""
+    from dynaseq.tasks.registry import load_config
+
+    jobs = {}
+    monkeypatch.setattr(lib, "run_parallel", lambda j, n, out: jobs.update(j, n=n, out=out))
+    configs = [load_config("configs/wikitext2_mlm_small.yaml",
+                           [f"run_dir={tmp_path}/runs/{name}", "train.max_steps=7"])
+               for name in ("a_mlm", "b_mlm")]
+    lib.train_in_processes(configs, 2, tmp_path / "procs")
+    assert jobs.pop("n") == 2 and jobs.pop("out") == tmp_path / "procs"
+    assert list(jobs) == ["a_mlm", "b_mlm"]
+    path = tmp_path / "procs" / "b_mlm.yaml"
+    assert jobs["b_mlm"][1:] == ["-m", "dynaseq", "train", str(path), "--quiet"]
+    assert load_config(path, []) == configs[1]
