@@ -172,7 +172,8 @@ def measure_task(task: str, models: list[str], args: argparse.Namespace) -> dict
                                  "layer_macs_per_token": round(full_macs * frac)})
                     preds[row_key(rows[-1])] = c.classify_rows(encoded, budget=b,
                                                                batch_size=32)
-    timing = time_budgets(loaded, args) if {"cct", "dense"} <= set(loaded) else {}
+    timing = (time_budgets(loaded, args)
+              if {"cct", "dense"} <= set(loaded) and args.rounds else {})
     res = {"metric": metric, "rows": rows, "timing": timing}
     if layout is None:
         return {**res, "targets": {}}
@@ -425,7 +426,9 @@ def main() -> None:
                    help="pre-training blocks per update (default: the config's, 16); on a "
                         "GPU a larger batch costs little more time per update")
     p.add_argument("--finetune-steps", type=int, default=600)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of the wall times (0: none, e.g. on a GPU whose "
+                        "times are not the CPU's the issue asks for)")
     p.add_argument("--calibration-rows", type=int, default=300,
                    help="training rows each CCT budget's gate offset is fitted on")
     p.add_argument("--fraction-rows", type=int, default=300,
@@ -456,6 +459,8 @@ def main() -> None:
     p.add_argument("--runs", type=Path, default=RUNS, help=f"where the runs live ({RUNS})")
     _lib.add_results_arg(p)
     args = p.parse_args()
+    if args.rounds < 0 or (args.retime and not args.rounds):
+        p.error(f"--rounds must be at least {1 if args.retime else 0}, got {args.rounds}")
     if args.retime:
         out = retime(args)
         lines = markdown(out)
