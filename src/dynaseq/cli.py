@@ -1077,7 +1077,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "and profile then run each calibrated budget with its offsets. A budget "
                     "that was not trained (--budgets) starts from the nearest trained one. "
                     "Example: dynaseq calibrate runs/cct --src val.en --ref val.fr; "
-                    "CCT-BERT classifiers: dynaseq calibrate RUN --data dev.tsv")
+                    "CCT-BERT classifiers: dynaseq calibrate RUN --data dev.tsv (their "
+                    "rows in batches, each counted over its own tokens)")
     p.add_argument("run_dir")
     p.add_argument("--src", default=None, help="held-out source sentences (e.g. validation)")
     p.add_argument("--ref", default=None, help="their references")

@@ -220,6 +220,14 @@ def test_cct_bert_finetunes_and_reports_realized_compute(tmp_path, text_corpus, 
     mixed = c.classify(lines, budget=[0.4, 0.2, 0.8])  # calibrated and trained rows mixed
     assert mixed == [c.classify([line], budget=b)[0]
                      for line, b in zip(lines, [0.4, 0.2, 0.8], strict=True)]
+    # the lean pass's batches count what the model's own pass counts one row at a time
+    c.fast_encode = False
+    one_at_a_time = c.calibrate(sst2_small["dev"], [0.4, 0.5], lines=30, tol=0.02)
+    c.fast_encode = True
+    batched = c.calibrate(sst2_small["dev"], [0.4, 0.5], lines=30, tol=0.02, batch_size=7)
+    for a, b in zip(one_at_a_time, batched, strict=True):
+        assert a.realized == b.realized and a.uncalibrated == b.uncalibrated
+        assert a.offsets == pytest.approx(b.offsets, abs=1e-9)
 
 
 def test_exported_classifier_is_bit_identical(finetuned, sst2_small, tmp_path):

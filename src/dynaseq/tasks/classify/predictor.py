@@ -461,13 +461,16 @@ class Classifier:
         return result
 
     def calibrate(self, path: str | Path, budgets: list[float] | None = None,
-                  lines: int = 300, tol: float = 0.005) -> list[BudgetCalibration]:
+                  lines: int = 300, tol: float = 0.005, batch_size: int = 32
+                  ) -> list[BudgetCalibration]:
         """Fit one gate offset per budget so that its realized compute on the first
-        ``lines`` rows of ``path`` (batch 1) meets it
+        ``lines`` rows of ``path`` (each row over its own tokens, as at batch 1) meets it
         (:func:`~dynaseq.techniques.cct.calibration.calibrate_budget`), keep them on this
         classifier and return them. ``budgets``: default every trained one; an untrained
         budget starts from the nearest trained control symbol. :meth:`save_calibration`
-        keeps them with the run."""
+        keeps them with the run. The rows run in batches of ``batch_size`` through the lean
+        pass, which counts each row's gates over its own tokens (no padding): the count of
+        one row at a time, at a fraction of the passes."""
         cct = self.config.model.cct
         if cct is None:
             raise DynaseqError("this is a dense encoder, which has no compute-budget knob to "
@@ -476,11 +479,23 @@ class Classifier:
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)[:lines]
         if not rows:
             raise DynaseqError(f"{path}: nothing to calibrate on (every row is empty)")
-        pairs = [(torch.tensor([ids], device=self.device),
-                  torch.tensor([segs], device=self.device)) for ids, segs in rows]
+        lean = self.lean_encoder() if self.model.encoder.predictor is None else None
+        if lean is None:  # the model's own pass, one row at a time
+            pairs = [(torch.tensor([ids], device=self.device),
+                      torch.tensor([segs], device=self.device)) for ids, segs in rows]
+            measure = None
+        else:
+            pairs = []
+
+            def measure(control: BudgetControl) -> dict[str, int]:
+                compute = RealizedCompute()
+                predict_logits(self.model, rows, batch_size, self.device, control, compute,
+                               lean=lean)
+                return {"encoder": compute.ran}
         targets = cct.controls if budgets is None else [as_fraction(b) for b in budgets]
         fitted = [calibrate_budget(self.model, pairs, nearest_trained(self.config.model, b),
-                                   (b,), tol=tol, subnetworks=("encoder",)) for b in targets]
+                                   (b,), tol=tol, subnetworks=("encoder",), measure=measure)
+                  for b in targets]
         kept = [c for c in self.calibrations
                 if not any(abs(c.budget[0] - f.budget[0]) < 1e-6 for f in fitted)]
         self.calibrations = kept + fitted

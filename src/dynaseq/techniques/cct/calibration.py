@@ -29,7 +29,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -90,25 +90,37 @@ def budget_offsets(budget: tuple[float, ...], cal: BudgetCalibration | None,
             **full_budget_offsets(budget, subnetworks)}
 
 
+Measure = Callable[[BudgetControl], dict[str, int]]
+"""What the gated sub-networks ran over the held-out rows at a control (its id and gate
+offsets): MACs summed over the rows, by sub-network name. The default runs the model's own
+pass on each pair at batch 1 (:class:`_Meter`); a task may give a faster one that counts
+the same MACs (a classifier's lean pass counts each row over its own tokens in batches)."""
+
+
 class _Meter:
-    """Realized fractions of the gated sub-networks over fixed pairs (batch 1, eval mode).
+    """Realized fractions of the gated sub-networks over fixed pairs (batch 1, eval mode),
+    or as ``measure`` counts them.
 
     Each pass hands its offsets to the model with the call (the model is not modified), so
     the full network is the pass with every gate opened (offsets :data:`ALL_GATES_ON`).
     """
 
     def __init__(self, model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]],
-                 control: int, subnetworks: tuple[str, ...] = SUBNETWORKS) -> None:
-        if not pairs:
+                 control: int, subnetworks: tuple[str, ...] = SUBNETWORKS,
+                 measure: Measure | None = None) -> None:
+        if not pairs and measure is None:
             raise ValueError("calibration needs at least one sentence pair")
         self.model, self.pairs, self.control = model, pairs, control
         self.subnetworks = subnetworks
+        self.measure = measure or self._ran_pairs
         self.full = self._ran(dict.fromkeys(subnetworks, ALL_GATES_ON))
 
-    @torch.no_grad()
     def _ran(self, offsets: dict[str, float]) -> dict[str, int]:
+        return self.measure(BudgetControl(self.control, offsets))
+
+    @torch.no_grad()
+    def _ran_pairs(self, control: BudgetControl) -> dict[str, int]:
         totals = dict.fromkeys(self.subnetworks, 0)
-        control = BudgetControl(self.control, offsets)
         for src, tgt_in in self.pairs:
             out = self.model(src, tgt_in, control)
             for layer, counts in realized_macs_by_layer(out.aux).items():
@@ -156,7 +168,8 @@ def _solve(f, target: float, tol: float, max_calls: int) -> tuple[float, float]:
 def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], control: int,
                      budget: tuple[float, ...], *, tol: float = 0.005,
                      max_calls: int = 16,
-                     subnetworks: tuple[str, ...] = SUBNETWORKS) -> BudgetCalibration:
+                     subnetworks: tuple[str, ...] = SUBNETWORKS,
+                     measure: Measure | None = None) -> BudgetCalibration:
     """Offsets that bring the realized fractions of ``control`` on ``pairs`` to ``budget``.
 
     pairs: held-out ``(src (1, S), tgt_in (1, T))`` pairs, run teacher forced at batch 1
@@ -167,6 +180,8 @@ def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], c
         ``model(a, b, control)``).
     tol: stop a sub-network's search once within this of its target.
     max_calls: passes over ``pairs`` per sub-network at most.
+    measure: counts the MACs that ran instead of the batch-1 passes over ``pairs`` (which
+        may then be empty): :data:`Measure`.
     """
     if len(budget) != len(subnetworks) or not all(0 < b <= 1 for b in budget):
         what = ("an (encoder, decoder) pair of fractions" if subnetworks == SUBNETWORKS
@@ -177,7 +192,7 @@ def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], c
     was_training = model.training
     model.eval()
     try:
-        meter = _Meter(model, pairs, control, subnetworks)
+        meter = _Meter(model, pairs, control, subnetworks, measure)
         offsets = dict.fromkeys(subnetworks, 0.0)
         uncalibrated = meter(offsets)
         for j, target in zip(subnetworks, budget, strict=True):
