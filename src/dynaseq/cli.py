@@ -1070,15 +1070,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "calibrate", help="CCT: fit gate thresholds so each budget's realized compute meets it",
-        description="Run the CCT teacher forced on held-out pairs (batch 1) and find, per "
+        description="Run the CCT teacher forced on held-out pairs (in batches, each pair "
+                    "counted over its own tokens, as alone) and find, per "
                     "budget and sub-network, one offset for the inference threshold of its "
                     "gates that brings the realized compute fraction to the budget. Writes "
                     "RUN_DIR/calibration.json for the checkpoint used; translate, evaluate "
                     "and profile then run each calibrated budget with its offsets. A budget "
                     "that was not trained (--budgets) starts from the nearest trained one. "
                     "Example: dynaseq calibrate runs/cct --src val.en --ref val.fr; "
-                    "CCT-BERT classifiers: dynaseq calibrate RUN --data dev.tsv (their "
-                    "rows in batches, each counted over its own tokens)")
+                    "CCT-BERT classifiers: dynaseq calibrate RUN --data dev.tsv")
     p.add_argument("run_dir")
     p.add_argument("--src", default=None, help="held-out source sentences (e.g. validation)")
     p.add_argument("--ref", default=None, help="their references")

@@ -10,7 +10,7 @@ import torch
 
 import dynaseq
 from dynaseq.core.errors import DynaseqError
-from dynaseq.techniques.cct.calibration import _solve, calibrate_budget, nearest_control
+from dynaseq.techniques.cct.calibration import _Meter, _solve, calibrate_budget, nearest_control
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl, Gate
 from dynaseq.techniques.cct.layers import force_gates, realized_fraction
 
@@ -99,6 +99,24 @@ def test_calibration_meets_the_budget_on_its_data(cct_run, synthetic_paths):
     assert frac["decoder"] == pytest.approx(cal.realized["decoder"], abs=1e-4)
     with pytest.raises(ValueError, match="an \\(encoder, decoder\\) pair of fractions"):
         calibrate_budget(t.model, pairs, control=1, budget=(0.0, 0.5))
+
+
+def test_batched_calibration_counts_what_one_pair_at_a_time_counts(cct_run, synthetic_paths):
+    """Translator.calibrate's padded batches count each pair over its own tokens: the same
+    fractions at every offset it tries, so the same offsets, as one pair at a time."""
+    run, _ = cct_run
+    t = dynaseq.load(run)
+    src, ref = _lines(synthetic_paths, "valid", 40)
+    one = t.calibrate(src, ref, budgets=[(0.5, 0.4), 0.7], tol=0.01, batch_size=1)
+    t.calibrations = []
+    batched = t.calibrate(src, ref, budgets=[(0.5, 0.4), 0.7], tol=0.01, batch_size=16)
+    for a, b in zip(one, batched, strict=True):
+        assert a.offsets == b.offsets and a.realized == b.realized
+        assert a.uncalibrated == b.uncalibrated
+    measure = t._macs_measure(src, ref, 16)
+    opened = BudgetControl(1, {"encoder": ALL_GATES_ON, "decoder": ALL_GATES_ON})
+    pairs = t._pairs(src, ref)
+    assert measure(opened) == _Meter(t.model, pairs, 1).full  # every gate open
 
 
 def test_nearest_control():

@@ -550,14 +550,46 @@ class Translator:
                 for b in (collate(corpus, [i], m.pad_id, m.bos_id, m.eos_id)
                           for i in range(len(corpus)))]
 
+    def _macs_measure(self, src: list[str], ref: list[str], batch_size: int
+                      ) -> Callable[[BudgetControl], dict[str, int]]:
+        """What the gated sub-networks ran on these pairs, teacher forced in padded batches
+        of ``batch_size`` (by source length) and each row counted over its own tokens
+        (:func:`~dynaseq.techniques.cct.layers.realized_macs_by_row` with the padding left
+        out): the count of one pair at a time
+        (:data:`~dynaseq.techniques.cct.calibration.Measure`)."""
+        from dynaseq.techniques.cct.layers import realized_macs_by_row
+
+        src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
+        keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
+        corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],
+                                self.config.data.max_len, long_lines="truncate")
+        m = self.model
+        order = sorted(range(len(corpus)), key=lambda i: len(corpus.src[i]))
+        batches = [collate(corpus, order[i:i + batch_size], m.pad_id, m.bos_id, m.eos_id)
+                   for i in range(0, len(order), batch_size)]
+        batches = [(b.src.to(self.device), b.tgt_in.to(self.device)) for b in batches]
+
+        @torch.no_grad()
+        def measure(control: BudgetControl) -> dict[str, int]:
+            totals = {"encoder": 0, "decoder": 0}
+            for s, t in batches:
+                aux = m(s, t, control).aux
+                valid = {"encoder": s.ne(m.pad_id), "decoder": t.ne(m.pad_id)}
+                for layer, per_row in realized_macs_by_row(aux, valid=valid).items():
+                    totals[layer.split(".")[0]] += int(per_row.sum())
+            return totals
+        return measure
+
     def calibrate(self, src: list[str], ref: list[str],
                   budgets: list[Budget] | None = None, tol: float = 0.005,
-                  progress: bool = False) -> list[BudgetCalibration]:
+                  progress: bool = False, batch_size: int = 32) -> list[BudgetCalibration]:
         """Fit gate offsets so each budget's realized compute on these held-out pairs meets
         it (:func:`~dynaseq.techniques.cct.calibration.calibrate_budget`), keep them on this
         translator, and return them. ``budgets``: default every trained budget; an
         untrained one starts from the nearest trained control symbol. Use
-        :meth:`save_calibration` to keep them with the run."""
+        :meth:`save_calibration` to keep them with the run. The pairs run in padded batches
+        of ``batch_size``, each counted over its own tokens (:meth:`_macs_measure`): the
+        count of one pair at a time (``batch_size`` 1: one pair at a time)."""
         from dynaseq.techniques.cct.calibration import calibrate_budget, nearest_control
 
         cct = self.config.model.cct
@@ -569,6 +601,7 @@ class Translator:
         pairs = self._pairs(src, ref)
         if not pairs:
             raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
+        measure = None if batch_size == 1 else self._macs_measure(src, ref, batch_size)
         targets = list(cct.controls) if budgets is None else [budget_pair(b) for b in budgets]
         for pair in targets:
             if not all(0 < b <= 1 for b in pair):
@@ -579,7 +612,7 @@ class Translator:
             for pair in targets:
                 fitted.append(calibrate_budget(self.model, pairs,
                                                nearest_control(cct.controls, pair), pair,
-                                               tol=tol))
+                                               tol=tol, measure=measure))
                 bar.update(1)
         kept = [c for c in self.calibrations
                 if not any(same_budget(c.budget, f.budget) for f in fitted)]
