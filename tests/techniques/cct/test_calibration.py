@@ -113,10 +113,15 @@ def test_batched_calibration_counts_what_one_pair_at_a_time_counts(cct_run, synt
     for a, b in zip(one, batched, strict=True):
         assert a.offsets == b.offsets and a.realized == b.realized
         assert a.uncalibrated == b.uncalibrated
-    measure = t._macs_measure(src, ref, 16)
     opened = BudgetControl(1, {"encoder": ALL_GATES_ON, "decoder": ALL_GATES_ON})
     pairs = t._pairs(src, ref)
-    assert measure(opened) == _Meter(t.model, pairs, 1).full  # every gate open
+    batches = t._pair_batches(src, ref, 16)
+    assert t._macs_ran(batches, opened) == _Meter(t.model, pairs, 1).full  # every gate open
+    # the realized compute evaluate reports: batched as one pair at a time
+    t.calibrations = batched
+    for budget in (None, 0.5, 0.7):
+        want = realized_fraction(t.model, pairs, t.control_for(budget))
+        assert t.realized_compute(src, ref, budget, batch_size=16) == want
 
 
 def test_nearest_control():

@@ -50,7 +50,7 @@ from dynaseq.techniques.cct.calibration_file import (
     read_calibrations,
     write_calibrations,
 )
-from dynaseq.techniques.cct.gating import BudgetControl
+from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS, BudgetControl
 
 BatchCounts = Callable[[list[int], torch.Tensor, AuxOutputs, dict[str, torch.Tensor]], None]
 """``on_batch(idx, src, aux, counts)`` of :func:`decode_corpus`: the input indices of a
@@ -516,18 +516,31 @@ class Translator:
         return branch_usage(m, ((b.src, b.tgt_in) for b in batches), m.pad_id)
 
     def realized_compute(self, src: list[str], ref: list[str],
-                         budget: Budgets = None) -> dict[str, object]:
+                         budget: Budgets = None, batch_size: int = 32) -> dict[str, object]:
         """CCT models: MACs the gated sub-layers ran on the references (teacher forced),
         per token and as a fraction of the same passes with every gate on; ``budget`` as
-        in :meth:`translate` (a list: each pair at its own budget)."""
-        from dynaseq.techniques.cct.layers import realized_fraction
+        in :meth:`translate` (a list: each pair at its own budget, one pair at a time).
+        One budget for all: padded batches of ``batch_size``, each pair counted over its own
+        tokens (:meth:`_macs_ran`), as one at a time
+        (:func:`~dynaseq.techniques.cct.layers.realized_fraction`) counts them."""
+        from dynaseq.techniques.cct.layers import fraction_report, realized_fraction
 
         if self.config.model.cct is None:
             raise DynaseqError("realized compute is reported for CCT models only")
         if len(src) != len(ref):
             raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
         if not isinstance(budget, list):
-            return realized_fraction(self.model, self._pairs(src, ref), self.control_for(budget))
+            batches = self._pair_batches(src, ref, batch_size)
+            if not batches:
+                raise DynaseqError("nothing to count: every sentence pair is empty")
+            control = self.control_for(budget)
+            ids = control.ids if isinstance(control, BudgetControl) else control
+            opened = BudgetControl(ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
+            pad = self.model.pad_id
+            return fraction_report(self._macs_ran(batches, control),
+                                   self._macs_ran(batches, opened),
+                                   sum(int(s.ne(pad).sum()) for s, _ in batches),
+                                   sum(int(t.ne(pad).sum()) for _, t in batches))
         control = self.control_for(budget, len(src))
         kept: list[int] = []
         pairs = self._pairs(src, ref, kept)
@@ -550,15 +563,10 @@ class Translator:
                 for b in (collate(corpus, [i], m.pad_id, m.bos_id, m.eos_id)
                           for i in range(len(corpus)))]
 
-    def _macs_measure(self, src: list[str], ref: list[str], batch_size: int
-                      ) -> Callable[[BudgetControl], dict[str, int]]:
-        """What the gated sub-networks ran on these pairs, teacher forced in padded batches
-        of ``batch_size`` (by source length) and each row counted over its own tokens
-        (:func:`~dynaseq.techniques.cct.layers.realized_macs_by_row` with the padding left
-        out): the count of one pair at a time
-        (:data:`~dynaseq.techniques.cct.calibration.Measure`)."""
-        from dynaseq.techniques.cct.layers import realized_macs_by_row
-
+    def _pair_batches(self, src: list[str], ref: list[str], batch_size: int
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pairs of :meth:`_pairs` as padded ``(src, tgt_in)`` batches of ``batch_size``,
+        by source length (teacher forced)."""
         src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
         keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
         corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],
@@ -567,18 +575,24 @@ class Translator:
         order = sorted(range(len(corpus)), key=lambda i: len(corpus.src[i]))
         batches = [collate(corpus, order[i:i + batch_size], m.pad_id, m.bos_id, m.eos_id)
                    for i in range(0, len(order), batch_size)]
-        batches = [(b.src.to(self.device), b.tgt_in.to(self.device)) for b in batches]
+        return [(b.src.to(self.device), b.tgt_in.to(self.device)) for b in batches]
 
-        @torch.no_grad()
-        def measure(control: BudgetControl) -> dict[str, int]:
-            totals = {"encoder": 0, "decoder": 0}
-            for s, t in batches:
-                aux = m(s, t, control).aux
-                valid = {"encoder": s.ne(m.pad_id), "decoder": t.ne(m.pad_id)}
-                for layer, per_row in realized_macs_by_row(aux, valid=valid).items():
-                    totals[layer.split(".")[0]] += int(per_row.sum())
-            return totals
-        return measure
+    @torch.no_grad()
+    def _macs_ran(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                  control: BudgetControl | int) -> dict[str, int]:
+        """What the gated sub-networks ran on ``batches`` at ``control``, each row counted
+        over its own tokens (:func:`~dynaseq.techniques.cct.layers.realized_macs_by_row`
+        with the padding left out): the count of one pair at a time (a
+        :data:`~dynaseq.techniques.cct.calibration.Measure` once ``batches`` is bound)."""
+        from dynaseq.techniques.cct.layers import realized_macs_by_row
+
+        m, totals = self.model, {"encoder": 0, "decoder": 0}
+        for s, t in batches:
+            aux = m(s, t, control).aux
+            valid = {"encoder": s.ne(m.pad_id), "decoder": t.ne(m.pad_id)}
+            for layer, per_row in realized_macs_by_row(aux, valid=valid).items():
+                totals[layer.split(".")[0]] += int(per_row.sum())
+        return totals
 
     def calibrate(self, src: list[str], ref: list[str],
                   budgets: list[Budget] | None = None, tol: float = 0.005,
@@ -588,7 +602,7 @@ class Translator:
         translator, and return them. ``budgets``: default every trained budget; an
         untrained one starts from the nearest trained control symbol. Use
         :meth:`save_calibration` to keep them with the run. The pairs run in padded batches
-        of ``batch_size``, each counted over its own tokens (:meth:`_macs_measure`): the
+        of ``batch_size``, each counted over its own tokens (:meth:`_macs_ran`): the
         count of one pair at a time (``batch_size`` 1: one pair at a time)."""
         from dynaseq.techniques.cct.calibration import calibrate_budget, nearest_control
 
@@ -601,7 +615,8 @@ class Translator:
         pairs = self._pairs(src, ref)
         if not pairs:
             raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
-        measure = None if batch_size == 1 else self._macs_measure(src, ref, batch_size)
+        measure = None if batch_size == 1 else partial(
+            self._macs_ran, self._pair_batches(src, ref, batch_size))
         targets = list(cct.controls) if budgets is None else [budget_pair(b) for b in budgets]
         for pair in targets:
             if not all(0 < b <= 1 for b in pair):

@@ -218,6 +218,14 @@ def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
         model.train(was_training)
     if n_src == 0:
         raise ValueError("realized_fraction needs at least one sentence pair")
+    return fraction_report(ran, full, n_src, n_tgt)
+
+
+def fraction_report(ran: dict[str, int], full: dict[str, int], n_src: int,
+                    n_tgt: int) -> dict[str, object]:
+    """:func:`realized_fraction`'s answer from its counts: MACs the gated sub-layers ran
+    and would run with every gate on, by sub-network, over ``n_src`` source and ``n_tgt``
+    target tokens."""
     per_token = {"encoder": ran["encoder"] / n_src, "decoder": ran["decoder"] / n_tgt}
     max_per_token = {"encoder": full["encoder"] / n_src, "decoder": full["decoder"] / n_tgt}
     fraction = {k: per_token[k] / max_per_token[k] for k in per_token}
