@@ -603,7 +603,7 @@ class Translator:
         untrained one starts from the nearest trained control symbol. Use
         :meth:`save_calibration` to keep them with the run. The pairs run in padded batches
         of ``batch_size``, each counted over its own tokens (:meth:`_macs_ran`): the
-        count of one pair at a time (``batch_size`` 1: one pair at a time)."""
+        count of one pair at a time."""
         from dynaseq.techniques.cct.calibration import calibrate_budget, nearest_control
 
         cct = self.config.model.cct
@@ -612,11 +612,9 @@ class Translator:
                                "compute-budget knob to calibrate")
         if len(src) != len(ref):
             raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
-        pairs = self._pairs(src, ref)
-        if not pairs:
+        batches = self._pair_batches(src, ref, batch_size)
+        if not batches:
             raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
-        measure = None if batch_size == 1 else partial(
-            self._macs_ran, self._pair_batches(src, ref, batch_size))
         targets = list(cct.controls) if budgets is None else [budget_pair(b) for b in budgets]
         for pair in targets:
             if not all(0 < b <= 1 for b in pair):
@@ -625,9 +623,10 @@ class Translator:
         fitted = []
         with progress_bar(len(targets), "budget", "calibrate", progress) as bar:
             for pair in targets:
-                fitted.append(calibrate_budget(self.model, pairs,
+                fitted.append(calibrate_budget(self.model, [],
                                                nearest_control(cct.controls, pair), pair,
-                                               tol=tol, measure=measure))
+                                               tol=tol, measure=partial(self._macs_ran,
+                                                                        batches)))
                 bar.update(1)
         kept = [c for c in self.calibrations
                 if not any(same_budget(c.budget, f.budget) for f in fitted)]
