@@ -24,6 +24,12 @@ def run_copy(cct_run, tmp_path):
     return shutil.copytree(run, tmp_path / "run")
 
 
+def _one_at_a_time(t, src, ref):
+    """``(src (1, S), tgt_in (1, T))`` of each pair, in line order (batch 1)."""
+    one = sorted(t._pair_batches(src, ref, 1), key=lambda b: int(b[2]))
+    return [(s, tgt) for s, tgt, _ in one]
+
+
 def _lines(paths, split: str, n: int) -> tuple[list[str], list[str]]:
     src = paths[f"{split}.src"].read_text().splitlines()[:n]
     return src, paths[f"{split}.tgt"].read_text().splitlines()[:n]
@@ -88,7 +94,7 @@ def test_calibration_meets_the_budget_on_its_data(cct_run, synthetic_paths):
     run, _ = cct_run
     t = dynaseq.load(run)
     src, ref = _lines(synthetic_paths, "valid", 40)
-    pairs = t._pairs(src, ref)
+    pairs = _one_at_a_time(t, src, ref)
     cal = calibrate_budget(t.model, pairs, control=1, budget=(0.5, 0.4), tol=0.01,
                            max_calls=24)
     assert abs(cal.realized["encoder"] - 0.5) <= 0.02
@@ -114,7 +120,7 @@ def test_batched_calibration_counts_what_one_pair_at_a_time_counts(cct_run, synt
         assert a.offsets == b.offsets and a.realized == b.realized
         assert a.uncalibrated == b.uncalibrated
     opened = BudgetControl(1, {"encoder": ALL_GATES_ON, "decoder": ALL_GATES_ON})
-    pairs = t._pairs(src, ref)
+    pairs = _one_at_a_time(t, src, ref)
     batches = t._pair_batches(src, ref, 16)
     assert t._macs_ran(batches, opened) == _Meter(t.model, pairs, 1).full  # every gate open
     # the realized compute evaluate reports: batched as one pair at a time
@@ -122,6 +128,11 @@ def test_batched_calibration_counts_what_one_pair_at_a_time_counts(cct_run, synt
     for budget in (None, 0.5, 0.7):
         want = realized_fraction(t.model, pairs, t.control_for(budget))
         assert t.realized_compute(src, ref, budget, batch_size=16) == want
+    per_line = [(0.5, 0.7, None)[i % 3] for i in range(len(src))]  # each pair its own
+    rows = t.control_for(per_line, len(src))
+    want = realized_fraction(t.model, pairs, [rows.select(torch.tensor([i]))
+                                              for i in range(len(src))])
+    assert t.realized_compute(src, ref, per_line, batch_size=16) == want
 
 
 def test_nearest_control():

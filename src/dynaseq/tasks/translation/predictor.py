@@ -519,76 +519,64 @@ class Translator:
                          budget: Budgets = None, batch_size: int = 32) -> dict[str, object]:
         """CCT models: MACs the gated sub-layers ran on the references (teacher forced),
         per token and as a fraction of the same passes with every gate on; ``budget`` as
-        in :meth:`translate` (a list: each pair at its own budget, one pair at a time).
-        One budget for all: padded batches of ``batch_size``, each pair counted over its own
-        tokens (:meth:`_macs_ran`), as one at a time
-        (:func:`~dynaseq.techniques.cct.layers.realized_fraction`) counts them."""
-        from dynaseq.techniques.cct.layers import fraction_report, realized_fraction
+        in :meth:`translate` (a list: each pair at its own budget). The pairs run in padded
+        batches of ``batch_size``, each counted over its own tokens (:meth:`_macs_ran`), as
+        :func:`~dynaseq.techniques.cct.layers.realized_fraction` counts them one at a
+        time."""
+        from dynaseq.techniques.cct.layers import fraction_report
 
         if self.config.model.cct is None:
             raise DynaseqError("realized compute is reported for CCT models only")
         if len(src) != len(ref):
             raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
-        if not isinstance(budget, list):
-            batches = self._pair_batches(src, ref, batch_size)
-            if not batches:
-                raise DynaseqError("nothing to count: every sentence pair is empty")
-            control = self.control_for(budget)
-            ids = control.ids if isinstance(control, BudgetControl) else control
-            opened = BudgetControl(ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
-            pad = self.model.pad_id
-            return fraction_report(self._macs_ran(batches, control),
-                                   self._macs_ran(batches, opened),
-                                   sum(int(s.ne(pad).sum()) for s, _ in batches),
-                                   sum(int(t.ne(pad).sum()) for _, t in batches))
-        control = self.control_for(budget, len(src))
-        kept: list[int] = []
-        pairs = self._pairs(src, ref, kept)
-        return realized_fraction(self.model, pairs, [
-            control.select(torch.tensor([i], device=self.device)) for i in kept])
-
-    def _pairs(self, src: list[str], ref: list[str], kept: list[int] | None = None
-               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(src (1, S), tgt_in (1, T))`` tensors of each sentence pair, teacher forced;
-        pairs with an empty side are left out (``kept``, if given, receives the indices of
-        the pairs returned)."""
-        src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
-        keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
-        if kept is not None:
-            kept.extend(keep)
-        corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],
-                                self.config.data.max_len, long_lines="truncate")
-        m = self.model
-        return [(b.src.to(self.device), b.tgt_in.to(self.device))
-                for b in (collate(corpus, [i], m.pad_id, m.bos_id, m.eos_id)
-                          for i in range(len(corpus)))]
+        batches = self._pair_batches(src, ref, batch_size)
+        if not batches:
+            raise DynaseqError("nothing to count: every sentence pair is empty")
+        control = self.control_for(budget, len(src) if isinstance(budget, list) else None)
+        ids = control.ids if isinstance(control, BudgetControl) else control
+        opened = BudgetControl(ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
+        pad = self.model.pad_id
+        return fraction_report(self._macs_ran(batches, control),
+                               self._macs_ran(batches, opened),
+                               sum(int(b[0].ne(pad).sum()) for b in batches),
+                               sum(int(b[1].ne(pad).sum()) for b in batches))
 
     def _pair_batches(self, src: list[str], ref: list[str], batch_size: int
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The pairs of :meth:`_pairs` as padded ``(src, tgt_in)`` batches of ``batch_size``,
-        by source length (teacher forced)."""
+                      ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The sentence pairs as padded, teacher-forced ``(src, tgt_in, lines)`` batches of
+        ``batch_size`` by source length (a side longer than ``data.max_len`` cut to it);
+        ``lines`` ``(B,)``: each row's index in ``src`` (pairs with an empty side are left
+        out)."""
         src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
         keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
         corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],
                                 self.config.data.max_len, long_lines="truncate")
         m = self.model
         order = sorted(range(len(corpus)), key=lambda i: len(corpus.src[i]))
-        batches = [collate(corpus, order[i:i + batch_size], m.pad_id, m.bos_id, m.eos_id)
-                   for i in range(0, len(order), batch_size)]
-        return [(b.src.to(self.device), b.tgt_in.to(self.device)) for b in batches]
+        out = []
+        for i in range(0, len(order), batch_size):
+            idx = order[i:i + batch_size]
+            b = collate(corpus, idx, m.pad_id, m.bos_id, m.eos_id)
+            out.append((b.src.to(self.device), b.tgt_in.to(self.device),
+                        torch.tensor([keep[j] for j in idx], device=self.device)))
+        return out
 
     @torch.no_grad()
-    def _macs_ran(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                  control: BudgetControl | int) -> dict[str, int]:
-        """What the gated sub-networks ran on ``batches`` at ``control``, each row counted
-        over its own tokens (:func:`~dynaseq.techniques.cct.layers.realized_macs_by_row`
-        with the padding left out): the count of one pair at a time (a
+    def _macs_ran(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  control: Control) -> dict[str, int]:
+        """What the gated sub-networks ran on ``batches`` (:meth:`_pair_batches`) at
+        ``control`` (one for every line, or per line of ``src``), each row counted over its
+        own tokens (:func:`~dynaseq.techniques.cct.layers.realized_macs_by_row` with the
+        padding left out): the count of one pair at a time (a
         :data:`~dynaseq.techniques.cct.calibration.Measure` once ``batches`` is bound)."""
         from dynaseq.techniques.cct.layers import realized_macs_by_row
 
         m, totals = self.model, {"encoder": 0, "decoder": 0}
-        for s, t in batches:
-            aux = m(s, t, control).aux
+        for s, t, lines in batches:
+            rows = (control.select(lines) if isinstance(control, BudgetControl)
+                    else control.index_select(0, lines) if isinstance(control, torch.Tensor)
+                    else control)
+            aux = m(s, t, rows).aux
             valid = {"encoder": s.ne(m.pad_id), "decoder": t.ne(m.pad_id)}
             for layer, per_row in realized_macs_by_row(aux, valid=valid).items():
                 totals[layer.split(".")[0]] += int(per_row.sum())
