@@ -475,6 +475,8 @@ class Classifier:
         if cct is None:
             raise DynaseqError("this is a dense encoder, which has no compute-budget knob to "
                                "calibrate")
+        if batch_size < 1:
+            raise DynaseqError(f"batch_size must be at least 1, got {batch_size}")
         ex = read_table(path, self.layout, labelled=False)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)[:lines]
         if not rows:

@@ -547,6 +547,8 @@ class Translator:
         ``batch_size`` by source length (a side longer than ``data.max_len`` cut to it);
         ``lines`` ``(B,)``: each row's index in ``src`` (pairs with an empty side are left
         out)."""
+        if batch_size < 1:
+            raise DynaseqError(f"batch_size must be at least 1, got {batch_size}")
         src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
         keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
         corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],
