@@ -64,12 +64,15 @@ def test_dense_encoder_equals_the_model_with_padding_and_segments():
     assert lean is not None
     _assert_same(model, lean, *_inputs(), None)
     _assert_same(model, lean, *_inputs([6, 6]), None)  # no padding
-    # the feed-forward runs the valid tokens, the last one each row's first token alone
+    relative = _model(cct=False, relative_positions=4)  # its first query: every query's pass
+    _assert_same(relative, LeanEncoder.prepare(relative), *_inputs(), None)
+    # the feed-forward runs the valid tokens; the last layer runs each row's first token
+    # alone past its fused q/k/v product: its output projection and feed-forward
     tokens, segments = _inputs()
     b, s, n_valid = *tokens.shape, sum(LENGTHS)
     layer = [(b * s, 32), (b * s, 32), (n_valid, 32), (n_valid, 64)]
     assert _products(lambda: lean(tokens, segments)) == layer * 2 + [
-        (b * s, 32), (b * s, 32), (b, 32), (b, 64), (b, 32), (b, 32)]
+        (b * s, 32), (b, 32), (b, 32), (b, 64), (b, 32), (b, 32)]
 
 
 @pytest.mark.parametrize("control", [0, 1, 2, "mixed ids", "mixed offsets", "open", "closed"])
@@ -118,17 +121,19 @@ def test_closed_gates_run_no_sublayer_and_padding_is_not_computed():
     assert _products(lambda: lean(tokens, segments, closed)) == [(b, 32), (b, 32)]
     # every gate open: per layer, the keys/values, the queries and the output projection of
     # the valid tokens only (padding is not computed), the feed-forward's fused first layer
-    # over them, its 4 pieces' second layers as one batched product; the last layer's
-    # feed-forward on each row's first token alone (all the head reads); then the head
+    # over them, its 4 pieces' second layers as one batched product; the last layer: every
+    # valid token's keys/values, then each row's first token alone (all the head reads):
+    # its query, output projection and feed-forward; then the head
     opened = BudgetControl(1, {"encoder": ALL_GATES_ON})
     shapes = _products(lambda: lean(tokens, segments, opened))
     layer = [(n_valid, 32)] * 4 + [(4, n_valid, 16)]
-    assert shapes == layer * 2 + [(n_valid, 32)] * 3 + [(b, 32), (4, b, 16)] + [(b, 32)] * 2
+    assert shapes == layer * 2 + [(n_valid, 32)] + [(b, 32)] * 3 + [(4, b, 16)] + [
+        (b, 32)] * 2
     # no padding and every gate open: one fused q/k/v product per layer
     tokens, segments = _inputs([8, 8])
     shapes = _products(lambda: lean(tokens, segments, opened))
     assert shapes == [(16, 32), (16, 32), (16, 32), (4, 16, 16)] * 2 + [
-        (16, 32), (16, 32), (2, 32), (4, 2, 16), (2, 32), (2, 32)]
+        (16, 32), (2, 32), (2, 32), (2, 32), (4, 2, 16), (2, 32), (2, 32)]
     # counting the gates (realized compute): the last feed-forward runs every token
     counted = _products(lambda: lean(tokens, segments, opened, []))
     assert counted == [(16, 32), (16, 32), (16, 32), (4, 16, 16)] * 3 + [(2, 32), (2, 32)]

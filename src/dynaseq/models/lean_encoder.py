@@ -112,10 +112,10 @@ def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tens
     module docstring); ``scale`` ``(B,)``: every residual branch of each row multiplied by
     it (adaptive depth's keep probability, ``H + p·F(H)``; None: unscaled).
 
-    ``first_only`` (what a first-token head reads): the last application's feed-forward
-    runs on each row's first token alone, and the output is that token's, ``(B, 1, d)``.
-    The last self-attention still runs every query (the first token's keys and values are
-    every token's). Not with ``counts``: a gated feed-forward would count one token."""
+    ``first_only`` (what a first-token head reads): the last application runs for each
+    row's first token alone (:func:`_first_token_layer`: its query over every key and
+    value, its feed-forward), and the output is that token's, ``(B, 1, d)``. Not with
+    ``counts``: the gated sub-layers would count one token."""
     assert not (first_only and counts is not None), "first_only counts no gates"
     b, s, d = x.shape
     idx = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # (N,) tokens
@@ -130,12 +130,12 @@ def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tens
         row_of = _per_token(torch.arange(b, device=x.device), s, idx)
     for n, i in enumerate(plan):
         w = layers[i]
+        if first_only and n == len(plan) - 1:
+            return _first_token_layer(w, x, valid, offset, row_scale)
         attn_tally = None if counts is None else StepTally(b, x.device)
         h = w.attn.encode(w.attn_norm(x), valid, offset, attn_tally)
         if h is not None:  # None: the sub-layer's output is 0 for every token
             x = x + (h if row_scale is None else row_scale * h)
-        if first_only and n == len(plan) - 1:
-            return _first_token_ffn(w, x[:, :1], offset, row_scale)
         rows = w.ffn_norm(x).reshape(b * s, 1, d)
         if idx is not None:
             rows = rows.index_select(0, idx)
@@ -155,10 +155,21 @@ def run_layers(layers: list[_Layer], plan: Sequence[int], x: Tensor, valid: Tens
     return x
 
 
-def _first_token_ffn(w: _Layer, x: Tensor, offset: Tensor | float | None,
-                     row_scale: Tensor | None) -> Tensor:
-    """Layer ``w``'s feed-forward on the first tokens ``x`` ``(B, 1, d)`` (one row each,
-    with its row's gate ``offset``) -> ``(B, 1, d)``: :func:`run_layers`' ``first_only``."""
+def _first_token_layer(w: _Layer, x: Tensor, valid: Tensor | None,
+                       offset: Tensor | float | None, row_scale: Tensor | None) -> Tensor:
+    """Layer ``w`` on ``x`` ``(B, S, d)`` -> its output at each row's first token alone,
+    ``(B, 1, d)``: :func:`run_layers`' ``first_only``. The self-attention reads every key
+    and value, for the first query only where the part can (``encode_first``); the
+    feed-forward runs the first tokens alone (one row each, with its row's gate offset)."""
+    first = getattr(w.attn, "encode_first", None)
+    if first is not None:
+        h = first(w.attn_norm(x), valid, offset)
+    else:
+        h = w.attn.encode(w.attn_norm(x), valid, offset, None)
+        h = None if h is None else h[:, :1]
+    x = x[:, :1]
+    if h is not None:  # None: the sub-layer's output is 0 for every first token
+        x = x + (h if row_scale is None else row_scale * h)
     h = w.ffn.step(w.ffn_norm(x), offset, None)
     if h is None:  # every gate closed: the residual as it is
         return x

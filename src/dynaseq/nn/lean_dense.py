@@ -112,6 +112,20 @@ class DenseEncoderAttention:
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, S, hd)
         return self.out(a.transpose(1, 2).reshape(b, s, h * d))
 
+    def encode_first(self, x: Tensor, valid: Tensor | None, offset: Tensor | float | None
+                     ) -> Tensor:
+        """:meth:`encode`'s output at each row's first token alone, ``(B, 1, d)`` (what a
+        first-token head reads): every key and value, the first query's scores and output
+        projection only (the fused product still projects every query)."""
+        if self.position_scores is not None:  # relative scores: every query, then the first
+            return self.encode(x, valid, offset)[:, :1]
+        b, s, _ = x.shape
+        h, d = self.n_heads, self.d_head
+        q, k, v = self.qkv(x).view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = None if valid is None else valid[:, None, None, :]
+        a = F.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=mask)  # (B, H, 1, hd)
+        return self.out(a.reshape(b, 1, h * d))
+
 
 class DenseFeedForward:
     """``fc2(relu(fc1(x)))``."""

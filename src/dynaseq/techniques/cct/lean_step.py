@@ -309,6 +309,39 @@ class GatedEncoderAttention(_GatedAttention):
         y = self._output(qp.unpack(merge_heads(a)))  # (Nq, d): no product on packing slots
         return x.new_zeros(b * s, d).index_copy_(0, qp.flat, y).view(b, s, d)
 
+    def encode_first(self, x: Tensor, valid: Tensor | None, offset: Offset) -> Tensor | None:
+        """:meth:`encode`'s output at each row's first token alone, ``(B, 1, d)`` (what a
+        first-token head reads), or None when no row's first query is open: the keys and
+        values of the rows whose first query is open, that query, nothing else. Counts no
+        gates."""
+        b, s, d = x.shape
+        fixed = _fixed(self.gate, offset)
+        if fixed is False:
+            return None
+        kv_on, first = valid, None  # None: every token; every row's first query open
+        if fixed is None:
+            on = self.gate.hard(self.controls(x), offset)  # (B, S, 2)
+            first, kv_on = on[:, 0, 0], on[..., 1]
+            kv_on = (kv_on if valid is None else kv_on & valid) & first[:, None]
+            rows = _rows(first)
+            if not rows.numel():
+                return None
+        if kv_on is None:
+            k, v = self._kv(x)
+        else:
+            k, v = x.new_zeros(b * s, d), x.new_zeros(b * s, d)
+            on_rows = _rows(kv_on.reshape(-1))
+            if on_rows.numel():
+                kr, vr = self._kv(x.reshape(b * s, d).index_select(0, on_rows))
+                k.index_copy_(0, on_rows, kr)
+                v.index_copy_(0, on_rows, vr)
+        keys = split_heads(k.view(b, s, d), self.n_heads)  # (B, H, S, hd)
+        values = split_heads(v.view(b, s, d), self.n_heads)
+        mask = None if valid is None else valid[:, None, None, :]
+        if first is None:
+            return self._attend(apply_linear(x[:, :1], self.q), keys, values, mask)
+        return self._attend_rows(x[:, :1], rows, keys, values, mask)
+
 
 class GatedCrossAttention(_GatedAttention):
     """CCT cross-attention of one new token per row over the encoder output's on keys,
