@@ -284,18 +284,7 @@ class GatedEncoderAttention(_GatedAttention):
             v = _apply(self.v_norm, qkv[..., 2 * d:])
             return self._attend(qkv[..., :d], split_heads(k, self.n_heads),
                                 split_heads(v, self.n_heads), None)
-        if n_kv == b * s:
-            k, v = self._kv(x)
-        else:
-            flat = x.reshape(b * s, d)
-            k, v = x.new_zeros(b * s, d), x.new_zeros(b * s, d)
-            if n_kv:
-                rows = _rows(kv_on.reshape(-1))
-                kr, vr = self._kv(flat.index_select(0, rows))
-                k.index_copy_(0, rows, kr)
-                v.index_copy_(0, rows, vr)
-        keys = split_heads(k.view(b, s, d), self.n_heads)  # (B, H, S, hd)
-        values = split_heads(v.view(b, s, d), self.n_heads)
+        keys, values = self._keys_values(x, None if n_kv == b * s else kv_on)
         mask = None if valid is None else valid[:, None, None, :]
         if n_q == b * s:
             return self._attend(apply_linear(x, self.q), keys, values, mask)
@@ -308,6 +297,23 @@ class GatedEncoderAttention(_GatedAttention):
         a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         y = self._output(qp.unpack(merge_heads(a)))  # (Nq, d): no product on packing slots
         return x.new_zeros(b * s, d).index_copy_(0, qp.flat, y).view(b, s, d)
+
+    def _keys_values(self, x: Tensor, kv_on: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Keys and values of ``x`` ``(B, S, d)`` in heads, ``(B, H, S, hd)`` each: LN(x W_k)
+        and LN(x W_v) at the tokens ``kv_on`` ``(B, S)`` (None: every one), 0 at the others
+        (not projected)."""
+        b, s, d = x.shape
+        if kv_on is None:
+            k, v = self._kv(x)
+        else:
+            k, v = x.new_zeros(b * s, d), x.new_zeros(b * s, d)
+            rows = _rows(kv_on.reshape(-1))
+            if rows.numel():
+                kr, vr = self._kv(x.reshape(b * s, d).index_select(0, rows))
+                k.index_copy_(0, rows, kr)
+                v.index_copy_(0, rows, vr)
+        return (split_heads(k.view(b, s, d), self.n_heads),
+                split_heads(v.view(b, s, d), self.n_heads))
 
     def encode_first(self, x: Tensor, valid: Tensor | None, offset: Offset) -> Tensor | None:
         """:meth:`encode`'s output at each row's first token alone, ``(B, 1, d)`` (what a
@@ -326,17 +332,7 @@ class GatedEncoderAttention(_GatedAttention):
             rows = _rows(first)
             if not rows.numel():
                 return None
-        if kv_on is None:
-            k, v = self._kv(x)
-        else:
-            k, v = x.new_zeros(b * s, d), x.new_zeros(b * s, d)
-            on_rows = _rows(kv_on.reshape(-1))
-            if on_rows.numel():
-                kr, vr = self._kv(x.reshape(b * s, d).index_select(0, on_rows))
-                k.index_copy_(0, on_rows, kr)
-                v.index_copy_(0, on_rows, vr)
-        keys = split_heads(k.view(b, s, d), self.n_heads)  # (B, H, S, hd)
-        values = split_heads(v.view(b, s, d), self.n_heads)
+        keys, values = self._keys_values(x, kv_on)
         mask = None if valid is None else valid[:, None, None, :]
         if first is None:
             return self._attend(apply_linear(x[:, :1], self.q), keys, values, mask)
