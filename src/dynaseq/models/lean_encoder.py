@@ -159,14 +159,9 @@ def _first_token_layer(w: _Layer, x: Tensor, valid: Tensor | None,
                        offset: Tensor | float | None, row_scale: Tensor | None) -> Tensor:
     """Layer ``w`` on ``x`` ``(B, S, d)`` -> its output at each row's first token alone,
     ``(B, 1, d)``: :func:`run_layers`' ``first_only``. The self-attention reads every key
-    and value, for the first query only where the part can (``encode_first``); the
-    feed-forward runs the first tokens alone (one row each, with its row's gate offset)."""
-    first = getattr(w.attn, "encode_first", None)
-    if first is not None:
-        h = first(w.attn_norm(x), valid, offset)
-    else:
-        h = w.attn.encode(w.attn_norm(x), valid, offset, None)
-        h = None if h is None else h[:, :1]
+    and value for the first query (``encode_first``); the feed-forward runs the first tokens
+    alone (one row each, with its row's gate offset)."""
+    h = w.attn.encode_first(w.attn_norm(x), valid, offset)
     x = x[:, :1]
     if h is not None:  # None: the sub-layer's output is 0 for every first token
         x = x + (h if row_scale is None else row_scale * h)

@@ -21,7 +21,8 @@ of the sub-layer ran but its control network.
 * feed-forward: ``step(x, offset)``; it reads rows, so an encoder runs it on its valid
   tokens, each a row ``(N, 1, d)`` with its row's offset;
 * an encoder's self-attention (role ``"encoder"``): ``encode(x, valid, offset)`` on whole
-  sequences ``(B, S, d)`` (:class:`~dynaseq.models.lean_encoder.LeanEncoder`).
+  sequences ``(B, S, d)``, and ``encode_first`` for the first token's output alone
+  (:class:`~dynaseq.models.lean_encoder.LeanEncoder`).
 
 ``sources`` lists the tensors a part copied (fused or folded weights): the decoder compares
 their version counters to know when its copies went stale.
@@ -322,6 +323,12 @@ class LeanEncoderAttention(Protocol):
         at padding (None: no padding) -> ``(B, S, d)`` at the valid positions (padding
         positions hold anything), or None when the output is 0 for every token. A gated
         part adds each row's open gates to ``tally`` (``(B,)`` counts)."""
+
+    def encode_first(self, x: Tensor, valid: Tensor | None, offset: Offset
+                     ) -> Tensor | None:
+        """:meth:`encode`'s output at each row's first token alone, ``(B, 1, d)`` (what a
+        first-token head reads), computing no more of the other queries than the part
+        must; None when it is 0 for every row. Counts no gates."""
 
 
 LeanFactory = Callable[[nn.Module, str], object | None]

@@ -565,7 +565,7 @@ class Translator:
 
     @torch.no_grad()
     def _macs_ran(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                  control: Control) -> dict[str, int]:
+                  control: int | BudgetControl) -> dict[str, int]:
         """What the gated sub-networks ran on ``batches`` (:meth:`_pair_batches`) at
         ``control`` (one for every line, or per line of ``src``), each row counted over its
         own tokens (:func:`~dynaseq.techniques.cct.layers.realized_macs_by_row` with the
@@ -575,9 +575,7 @@ class Translator:
 
         m, totals = self.model, {"encoder": 0, "decoder": 0}
         for s, t, lines in batches:
-            rows = (control.select(lines) if isinstance(control, BudgetControl)
-                    else control.index_select(0, lines) if isinstance(control, torch.Tensor)
-                    else control)
+            rows = control.select(lines) if isinstance(control, BudgetControl) else control
             aux = m(s, t, rows).aux
             valid = {"encoder": s.ne(m.pad_id), "decoder": t.ne(m.pad_id)}
             for layer, per_row in realized_macs_by_row(aux, valid=valid).items():
