@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from dynaseq.nn.modes import evaluating
 from dynaseq.techniques.cct.gating import GateTrace
 from dynaseq.techniques.cct.layers import gate_traces
 
@@ -150,12 +151,8 @@ def sentence_traces(model: nn.Module, src: Tensor, tgt_in: Tensor,
     """
     if src.size(0) != 1 or tgt_in.size(0) != 1:
         raise ValueError("sentence_traces runs one sentence pair at a time (batch 1)")
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         out = model(src, tgt_in, control)
-    finally:
-        model.train(was_training)
     return analyzed_traces(gate_traces(out.aux))
 
 

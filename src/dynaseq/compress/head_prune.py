@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from dynaseq.core.errors import DynaseqError
 from dynaseq.nn.attention import MultiHeadAttention
+from dynaseq.nn.modes import evaluating
 
 __all__ = ["attention_layers", "check_keep", "head_importance", "head_mask", "masking_heads",
            "prune_heads", "select_heads"]
@@ -130,23 +131,18 @@ def head_importance(model: nn.Module, batches: Iterable[T],
     device = layers[0][1].out_proj.weight.device
     masks = [torch.ones(a.n_heads, device=device, requires_grad=True) for _, a in layers]
     total = [torch.zeros(a.n_heads, device=device) for _, a in layers]
-    was_training = model.training
-    model.eval()
     n = 0
-    try:
-        with masking_heads(model, masks):
-            for batch in batches:
-                value = loss(model, batch)
-                with_heads = [m for m in masks if m.numel()]
-                grads = iter(torch.autograd.grad(value, with_heads, allow_unused=True))
-                for i, m in enumerate(masks):
-                    if m.numel():
-                        g = next(grads)
-                        if g is not None:
-                            total[i] += g.abs()
-                n += 1
-    finally:
-        model.train(was_training)
+    with evaluating(model), masking_heads(model, masks):
+        for batch in batches:
+            value = loss(model, batch)
+            with_heads = [m for m in masks if m.numel()]
+            grads = iter(torch.autograd.grad(value, with_heads, allow_unused=True))
+            for i, m in enumerate(masks):
+                if m.numel():
+                    g = next(grads)
+                    if g is not None:
+                        total[i] += g.abs()
+            n += 1
     if not n:
         raise DynaseqError("no batch to measure head importance on")
     if normalize:

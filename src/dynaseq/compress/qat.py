@@ -60,6 +60,7 @@ from torch.nn.utils import parametrize
 
 from dynaseq.compress.prune import add_mask, get_mask, remove_parametrization
 from dynaseq.core.errors import DynaseqError
+from dynaseq.nn.modes import evaluating
 
 __all__ = [
     "FakeQuantWeight", "QATConfig", "QATReport", "RepresentabilityReport", "check_representable", "convert_qat_",
@@ -249,13 +250,10 @@ def _norm_fed_linears(model: nn.Module, targets: dict[str, nn.Module],
         return hook
 
     hooks += [m.register_forward_pre_hook(probe(n)) for n, m in targets.items()]
-    was_training = model.training
     try:
-        model.eval()
-        with torch.no_grad():
+        with evaluating(model), torch.no_grad():
             model(*example_inputs)
     finally:
-        model.train(was_training)
         for h in hooks:
             h.remove()
     return hit

@@ -32,6 +32,7 @@ from dynaseq.metrics.latency import median_ms
 from dynaseq.metrics.macs import _counter
 from dynaseq.metrics.profile import count_params
 from dynaseq.models.lean_encoder import LeanEncoder
+from dynaseq.nn.modes import evaluating
 
 
 def encoder_macs(model: nn.Module, n_tokens: int,
@@ -66,13 +67,8 @@ def flop_counter_encoder_macs(model: nn.Module, tokens: torch.Tensor,
                               layers: Sequence[int] | None = None) -> float:
     """MACs FlopCounterMode measures for one eval forward pass of ``tokens`` (1, S)
     (a CCT: what ran at ``control``; adaptive depth: at ``exit``)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with _counter() as fc:
-            model(tokens, torch.zeros_like(tokens), control, exit=exit, layers=layers)
-    finally:
-        model.train(was_training)
+    with evaluating(model), _counter() as fc:
+        model(tokens, torch.zeros_like(tokens), control, exit=exit, layers=layers)
     return fc.get_total_flops() / 2
 
 

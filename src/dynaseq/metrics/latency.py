@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import Counted, beam_search, counted_greedy_search, greedy_search
+from dynaseq.nn.modes import evaluating
 
 
 def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> float:
@@ -19,10 +20,8 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
     after one warm-up call (GPU work synchronized before each clock read); the model's
     training mode is restored."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     times = []
-    try:
+    with evaluating(model):
         for i in range(repeats + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -32,8 +31,6 @@ def median_ms(model: nn.Module, run: Callable[[], object], repeats: int) -> floa
                 torch.cuda.synchronize()
             if i > 0:
                 times.append(time.perf_counter() - t0)
-    finally:
-        model.train(was_training)
     return 1000.0 * statistics.median(times)
 
 

@@ -45,6 +45,7 @@ from dynaseq.core.files import atomic_write, read_text
 from dynaseq.core.progress import progress_bar
 from dynaseq.data import collate_source
 from dynaseq.metrics.latency import AfterDecode, decode_latency_ms, median_ms
+from dynaseq.nn.modes import evaluating
 
 PREDICTIONS = ("fit", "grid")
 """How a table predicts (:attr:`LatencyTable.predict`)."""
@@ -262,11 +263,8 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
         budget_key(p): [[0.0] * len(lengths) for _ in batch_sizes] for p in budgets}
     device = next(model.parameters()).device
     pool = [list(s)[: max_pos - 2] for s in (sources or []) if s]
-    was_training = model.training
-    model.eval()
-    bar = progress_bar(len(batch_sizes) * len(lengths) * len(budgets), "cell", "latency table",
-                       progress)
-    try:
+    with evaluating(model), progress_bar(len(batch_sizes) * len(lengths) * len(budgets),
+                                         "cell", "latency table", progress) as bar:
         for i, b in enumerate(batch_sizes):
             for j, length in enumerate(lengths):
                 src = None
@@ -282,9 +280,6 @@ def measure_latency_table(model: nn.Module, controls: Mapping[Pair, Any],
                         free_decode_ms(model, src, beam, repeats, controls[pair], max_len_a,
                                        max_len_b, after))
                     bar.update(1)
-    finally:
-        bar.close()
-        model.train(was_training)
     extra = ({"decoding": "fixed length: L random source tokens -> L target tokens"}
              if not pool else {"decoding": f"free: real sentences ({len(pool)}) nearest "
                                             f"each length, max_len {max_len_a} x S + "

@@ -20,6 +20,7 @@ from dynaseq.core.distributed import precision_of
 from dynaseq.metrics.micronet import MicroNetOpCounter, micronet_score, parameter_storage
 from dynaseq.metrics.profile import count_params
 from dynaseq.models.lm import LMState, TransformerLM
+from dynaseq.nn.modes import evaluating
 
 
 def lm_macs_per_token(model: TransformerLM) -> dict[str, int]:
@@ -57,9 +58,7 @@ def step_ms(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000), st
     gen = torch.Generator().manual_seed(seed)
     n = max(positions) + steps + 3
     text = torch.randint(0, model.vocab_size, (1, n), generator=gen).to(device)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         states = {p: prefill(model, text[:, :p], window) for p in positions}
         times: dict[int, list[float]] = {p: [] for p in positions}
         for i in range(steps + 2):
@@ -72,8 +71,6 @@ def step_ms(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000), st
                 if i >= 2:  # warm-up
                     times[p].append(time.perf_counter() - t0)
                 states[p] = out.state
-    finally:
-        model.train(was_training)
     return {p: 1000.0 * statistics.median(t) for p, t in times.items()}
 
 
@@ -97,16 +94,12 @@ def micronet_profile(model: TransformerLM, n_tokens: int = 16, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     c = model.context
     text = torch.randint(0, model.vocab_size, (1, c + n_tokens), generator=gen).to(device)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         state = prefill(model, text[:, :c], c)
         counter = MicroNetOpCounter(model)
         with counter:
             for t in range(n_tokens):
                 state = model.step(text[:, c + t], state).state
-    finally:
-        model.train(was_training)
     mults = counter.counts.mults32 / n_tokens
     adds = counter.counts.adds32 / n_tokens
     if model.cache is not None:

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from dynaseq.nn.modes import evaluating
+
 aten = torch.ops.aten
 
 
@@ -175,9 +177,7 @@ def flop_counter_macs(model: nn.Module, src: torch.Tensor, tgt_in: torch.Tensor,
     src (1, S), tgt_in (1, T) without padding. Returns ``encoder``/``decoder``/``total`` per
     token like :meth:`MacReport.per_token` plus the per-operator counts under ``ops``.
     """
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         with _counter() as fc:
             enc = model.encode(src, control=control)
         enc_macs = fc.get_total_flops() / 2
@@ -186,8 +186,6 @@ def flop_counter_macs(model: nn.Module, src: torch.Tensor, tgt_in: torch.Tensor,
             model.decoder(tgt_in, enc)
         dec_macs = fc.get_total_flops() / 2
         dec_ops = _ops(fc)
-    finally:
-        model.train(was_training)
     enc_tok = enc_macs / src.numel()
     dec_tok = dec_macs / tgt_in.numel()
     return {"encoder": enc_tok, "decoder": dec_tok, "total": enc_tok + dec_tok,

@@ -31,6 +31,7 @@ from dynaseq.metrics.classification import classification_metrics, regression_me
 from dynaseq.models.encoder import EncoderModel
 from dynaseq.models.lean_encoder import LeanEncoder
 from dynaseq.nn.lean_step import refreshed
+from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples
@@ -192,14 +193,11 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
         lean = None
         if compute is not None and model.n_controls:
             lean_layers = None  # the gate traces of the model's pass are counted
-    was_training = model.training
-    model.eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     out = torch.empty(len(rows), model.head.n_out)
     if compute is not None:
         compute.start(len(rows))
-    bar = progress_bar(len(rows), "row", "classify", progress)
-    try:
+    with evaluating(model), progress_bar(len(rows), "row", "classify", progress) as bar:
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
             tokens, segments = (t.to(device) for t in
@@ -230,9 +228,6 @@ def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                 if EXIT_LAYER in res.aux.traces:  # multi-exit: every layer a row ran
                     compute.add_depth(idx, res.aux.traces[EXIT_LAYER][0], 0)
             bar.update(len(idx))
-    finally:
-        bar.close()
-        model.train(was_training)
     return out
 
 

@@ -33,6 +33,7 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
 from dynaseq.models.lm import LMState, TransformerLM
+from dynaseq.nn.modes import evaluating
 from dynaseq.nn.neural_cache import NeuralCache
 from dynaseq.tasks.lm.config import TASK, LMCacheConfig, LMRunConfig
 from dynaseq.tasks.lm.model import build_lm
@@ -106,12 +107,9 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
         ids = ids[: max_tokens + batch_size]
     batch_size = max(1, min(batch_size, (ids.numel() - 1)))
     batches = StreamBatches(ids, batch_size, window)
-    was_training = model.training
-    model.eval()
     state: LMState | None = None
     nll, nll_adj, n = 0.0, 0.0, 0
-    bar = progress_bar(len(batches), "win", "evaluate", progress)
-    try:
+    with evaluating(model), progress_bar(len(batches), "win", "evaluate", progress) as bar:
         for x, y in batches:
             x, y = x.to(device), y.to(device)
             out = model(x, state)
@@ -123,9 +121,6 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
                 nll_adj -= float(adjust(h, logp, y).double().sum())
             n += y.numel()
             bar.update(1)
-    finally:
-        bar.close()
-        model.train(was_training)
     result = {"loss": nll / n, "ppl": math.exp(nll / n), "tokens": n}
     if adjust is not None:
         result.update(loss_adjusted=nll_adj / n, ppl_adjusted=math.exp(nll_adj / n))

@@ -22,6 +22,7 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data.text import read_lines
 from dynaseq.models.encoder import EncoderModel
+from dynaseq.nn.modes import evaluating
 from dynaseq.tasks.encoder.budget import Budget, control_id, trained_budget
 from dynaseq.tasks.encoder.model import MLM, build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
@@ -45,12 +46,9 @@ def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: 
     """Masked-token loss (nats per chosen token), perplexity and accuracy over ``blocks``
     (N, L), masked from :data:`EVAL_MASK_SEED` (fixed positions, comparable across runs);
     ``progress``: a bar of blocks on a terminal."""
-    was_training = model.training
-    model.eval()
     gen = torch.Generator().manual_seed(EVAL_MASK_SEED)
     nll, correct, n = 0.0, 0, 0
-    bar = progress_bar(blocks.size(0), "block", "evaluate", progress)
-    try:
+    with evaluating(model), progress_bar(blocks.size(0), "block", "evaluate", progress) as bar:
         for i in range(0, blocks.size(0), batch_size):
             b = mask_tokens(blocks[i:i + batch_size], vocab, spec, gen).to(device)
             logits = model(b.inputs, None, control, select=b.select).logits.float()
@@ -58,9 +56,6 @@ def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: 
             correct += int((logits.argmax(-1) == b.targets).sum())
             n += b.targets.numel()
             bar.update(min(batch_size, blocks.size(0) - i))
-    finally:
-        bar.close()
-        model.train(was_training)
     if n == 0:
         raise DynaseqError("no maskable tokens to evaluate")
     loss = nll / n

@@ -40,6 +40,7 @@ from dynaseq.models.search import (
 )
 from dynaseq.nn.lean_step import refreshed
 from dynaseq.nn.losses import label_smoothed_loss
+from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.loading import load_predictor
 from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
@@ -136,10 +137,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     max_pos = model.encoder.positions.max_positions
     order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
     out: list[list[int] | None] = [[] for _ in src_ids]
-    was_training = model.training
-    model.eval()
-    bar = progress_bar(len(src_ids), "sent", "decode", progress)
-    try:
+    with evaluating(model), progress_bar(len(src_ids), "sent", "decode", progress) as bar:
         for start in range(0, len(order), batch_size):
             idx = order[start: start + batch_size]
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
@@ -161,9 +159,6 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h
             bar.update(len(idx))
-    finally:
-        bar.close()
-        model.train(was_training)
     return out
 
 
@@ -194,10 +189,8 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
     assert len(corpus) == len(kept), "truncation keeps every non-empty pair"
     if len(corpus) == 0:
         raise DynaseqError("nothing to score: every sentence pair is empty")
-    was_training = model.training
-    model.eval()
     nll_sum, n_tok = 0.0, 0
-    try:
+    with evaluating(model):
         for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
                                  seed=0, epoch=0, shuffle=False):
             b = collate(corpus, idx, model.pad_id, model.bos_id, model.eos_id).to(device)
@@ -206,8 +199,6 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
                                             model.pad_id)
             nll_sum += float(nll)
             n_tok += n
-    finally:
-        model.train(was_training)
     loss = nll_sum / n_tok
     return {"loss": loss, "ppl": float(torch.tensor(loss).exp()), "n_tokens": n_tok}
 

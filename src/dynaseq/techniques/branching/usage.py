@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from dynaseq.nn.modes import evaluating
 from dynaseq.techniques.branching.losses import valid_rows
 from dynaseq.techniques.branching.traces import ExpertTrace, RouteTrace, route_traces
 
@@ -49,10 +50,8 @@ def branch_usage(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
     DMB: one branch per token, shares sum to 1. MoE: k experts per token, each counted, so
     the shares sum to 1 over the k·tokens pairs.
     """
-    was_training = model.training
-    model.eval()
     counts: dict[str, Tensor] = {}
-    try:
+    with evaluating(model):
         for src, tgt_in in pairs:
             out = model(src, tgt_in)
             valid = {"encoder": src.ne(pad_id), "decoder": tgt_in.ne(pad_id),
@@ -62,8 +61,6 @@ def branch_usage(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
                 c = _branch_counts(tr, valid_rows(tr, valid, shape))
                 name = unit_name(tr)
                 counts[name] = counts[name] + c if name in counts else c
-    finally:
-        model.train(was_training)
     return {name: (c / c.sum().clamp_min(1)).tolist() for name, c in counts.items()}
 
 

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from dynaseq.nn.modes import evaluating
 from dynaseq.techniques.cct.gating import (
     ALL_GATES_ON,
     GATE_SUBNETWORKS,
@@ -189,9 +190,7 @@ def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], c
         raise ValueError(f"a budget is {what} in (0, 1], got {budget}")
     if not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol}")
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         meter = _Meter(model, pairs, control, subnetworks, measure)
         offsets = dict.fromkeys(subnetworks, 0.0)
         uncalibrated = meter(offsets)
@@ -201,8 +200,6 @@ def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], c
 
             offsets[j], _ = _solve(f, target, tol, max_calls)
         realized = meter(offsets)
-    finally:
-        model.train(was_training)
     assert all(math.isfinite(v) for v in offsets.values())
     return BudgetCalibration(tuple(float(b) for b in budget), control, offsets,
                              {k: round(v, 4) for k, v in realized.items()},

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.techniques.cct.budget import BudgetLoss, BudgetTerm, budget_loss, budget_terms
 from dynaseq.techniques.cct.conditional_attention import (
@@ -193,8 +194,6 @@ def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
     Returns per-token MACs (encoder per source token, decoder per target token) and the
     ``fraction`` object with ``encoder``, ``decoder`` and ``total``.
     """
-    was_training = model.training
-    model.eval()
     ran = {"encoder": 0, "decoder": 0}
     full = {"encoder": 0, "decoder": 0}
     n_src = n_tgt = 0
@@ -203,7 +202,7 @@ def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
         pairs = list(pairs)
         if len(pairs) != len(control):
             raise ValueError(f"{len(pairs)} sentence pairs but {len(control)} controls")
-    try:
+    with evaluating(model):
         for i, (src, tgt_in) in enumerate(pairs):
             own = control[i] if per_pair else control
             ids = own.ids if isinstance(own, BudgetControl) else own
@@ -214,8 +213,6 @@ def realized_fraction(model: nn.Module, pairs: Iterable[tuple[Tensor, Tensor]],
                     totals[layer.split(".")[0]] += sum(counts.values())
             n_src += src.numel()
             n_tgt += tgt_in.numel()
-    finally:
-        model.train(was_training)
     if n_src == 0:
         raise ValueError("realized_fraction needs at least one sentence pair")
     return fraction_report(ran, full, n_src, n_tgt)
