@@ -250,11 +250,14 @@ def test_all_on_counts_from_the_lengths_equal_those_the_pass_records(calibrated)
     assert all_open_reports(m, src, hyps, cache) == served
 
 
-def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrated):
+@pytest.mark.parametrize("batch_size", [None, 1])
+def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrated,
+                                                                       batch_size):
     """A greedy decode through the lean step counts each row's open gates step by step
     (:class:`StepTally`, rows leaving as they finish); the compute formed from those counts
     and the encoder's records equals the teacher-forced pass's, line by line, for a batch
-    mixing budgets (every gate open, calibrated, trained) and lengths."""
+    mixing budgets (every gate open, calibrated, trained) and lengths, and for each line
+    alone (batch 1: the parts read one row's gates without a mask)."""
     from dynaseq.serve.endpoints import counted_per_row, realized_per_row
     from dynaseq.tasks.translation.predictor import decode_corpus
 
@@ -269,8 +272,8 @@ def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrat
         seen_steps.extend(counts["steps"].tolist())
         counted.update(zip(idx, counted_per_row(t.model, rows, aux, counts), strict=True))
 
-    hyps = decode_corpus(t.model, src, beam=1, batch_size=len(src), control=control,
-                         lean=t.lean_decoder(), on_batch=on_batch)
+    hyps = decode_corpus(t.model, src, beam=1, batch_size=batch_size or len(src),
+                         control=control, lean=t.lean_decoder(), on_batch=on_batch)
     assert t.tokenizer.decode(hyps) == t.translate(lines, beam=1, budget=budgets)
     assert len(set(seen_steps)) > 1  # rows left the batch at different steps
     want = realized_per_row(t.model, src, hyps, control)

@@ -127,11 +127,15 @@ def _decide(gate: Gate, controls: _Controls, x: Tensor,
             offset: Offset) -> tuple[Tensor | None, list[int]]:
     """Hard gates ``(B, n)`` bool of the rows ``x`` ``(B, 1, d)`` and the open rows per gate
     (the one host sync of a part's step). Decisions fixed by :func:`_fixed` run no control
-    network and give no mask (every count is then 0 or B)."""
+    network and give no mask (every count is then 0 or B); nor does one row, whose counts
+    (0 or 1) say all a part reads of its mask (one op and a host read less a part, at
+    batch 1)."""
     fixed = _fixed(gate, offset)
     if fixed is not None:
         return None, [x.size(0) if fixed else 0] * controls.n_gates
     on = gate.hard(controls(x)[:, 0], offset)  # (B, n)
+    if on.size(0) == 1:
+        return None, [int(v) for v in on[0].tolist()]
     return on, on.sum(0).tolist()
 
 
@@ -474,7 +478,11 @@ class GatedFeedForward:
             on, counts, n_any = None, [b if fixed else 0] * self.m, b if fixed else 0
         else:  # the part's one host sync: open rows per piece, rows with any piece open
             on = self.gate.hard(self.control(x)[:, 0], offset)  # (B, M)
-            *counts, n_any = torch.cat([on.sum(0), on.any(1).sum().view(1)]).tolist()
+            if b == 1:  # one row: read its gates, no reductions
+                counts = [int(v) for v in on[0].tolist()]
+                n_any = int(any(counts))
+            else:
+                *counts, n_any = torch.cat([on.sum(0), on.any(1).sum().view(1)]).tolist()
         _tally(tally, self.name, "pieces", on, None, bool(fixed), (b, self.m))
         if not n_any:
             return None
