@@ -433,6 +433,10 @@ def main() -> None:
                    help="measure this section only; keep the others as committed")
     _lib.add_results_arg(p)
     args = p.parse_args()
+    if args.only and not (args.results / "batch1_latency.json").exists():
+        # the other sections are kept as committed: without them there is no table to write
+        p.error(f"--only {args.only} updates {args.results / 'batch1_latency.json'}, "
+                "which does not exist (copy the committed one there, or run every section)")
     torch.set_num_threads(args.threads)
     made_by = {**_lib.provenance(), "machine": _lib.machine(processor=True),
                "rounds": args.rounds, "repeats": args.repeats}

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +41,15 @@ def test_trained_cct_rows_time_each_budget_against_budget_1(cct_run, monkeypatch
     table = [line for line in lines if line.startswith("| 1 |")]
     assert len(table) == 2 and all(f"{r['ratio']['0.5']} ({r['estimate']['0.5']})" in line
                                    for r, line in zip(rows, table, strict=True))
+
+
+def test_only_a_section_without_the_results_it_updates_is_refused(tmp_path):
+    """``--only cct`` keeps the other sections as committed: with no results file there it
+    is refused before measuring (it used to time every budget for minutes, then fail on the
+    missing sections), and writes nothing."""
+    script = Path(__file__).parents[2] / "benchmarks" / "batch1_latency.py"
+    r = subprocess.run([sys.executable, str(script), "--only", "cct", "--results",
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "does not exist" in r.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
