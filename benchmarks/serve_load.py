@@ -8,7 +8,9 @@ on a copy of the run if it has none) and drives it with real HTTP clients over l
 1. saturation: closed-loop throughput (``--clients`` requests always in flight) at the full
    budget, at the smallest, and with the two mixed half and half in the same batches
    (mixed vs. the same requests run as single-budget batches: the time-weighted rate
-   ``2 / (1/R_full + 1/R_small)``);
+   ``2 / (1/R_full + 1/R_small)``), and the issue's "at the same mean budget": the two
+   mixed in the proportion whose mean is a middle budget's (:func:`mix_at`) against every
+   client at that budget;
 2. the deadline: ``--deadline-factor`` x the median latency of one request at a time at
    the full budget (or ``--deadline-ms``);
 3. open loop: Poisson arrivals at each ``--rates`` multiple of the full-budget saturation
@@ -203,17 +205,18 @@ def session(url: str, timeout_s: float) -> aiohttp.ClientSession:
 
 async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
                       seconds: float, endpoint: str = "/v1/translate") -> float:
-    """Requests per second with ``clients`` always in flight (budgets taken in turn)."""
+    """Requests per second with ``clients`` always in flight, client ``k`` always at
+    ``budgets[k % len(budgets)]``."""
     done = 0
     stop_at = time.perf_counter() + seconds
     async with session(url, 60) as c:
         async def worker(k: int) -> None:
             nonlocal done
             i = k
+            budget = budget_json(budgets[k % len(budgets)])
             while time.perf_counter() < stop_at:
                 async with c.post(endpoint,
-                                  json={"text": lines[i % len(lines)],
-                                        "budget": budget_json(budgets[i % len(budgets)])}
+                                  json={"text": lines[i % len(lines)], "budget": budget}
                                   ) as r:
                     r.raise_for_status()
                     await r.read()
@@ -223,6 +226,31 @@ async def closed_loop(url: str, lines: list[str], budgets: list, clients: int,
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(clients)))
         return done / (time.perf_counter() - t0)
+
+
+def mix_at(middle: list[float], full: list[float], smallest: list[float],
+           clients: int) -> list[list[float]]:
+    """Budgets for ``clients`` closed-loop clients, ``full`` and ``smallest`` interleaved in
+    the proportion whose mean budget (by total compute) is ``middle``'s: the issue's "mixed
+    budgets against single-budget batches at the same mean budget". E.g. (1, 1) and
+    (0.2, 0.2) at a mean of (0.5, 0.5): 12 of 32 clients at the full budget."""
+    if not sum(smallest) < sum(middle) < sum(full):
+        raise ValueError(f"{middle} is not between {smallest} and {full}")
+    n_full = round(clients * (sum(middle) - sum(smallest)) / (sum(full) - sum(smallest)))
+    if not 0 < n_full < clients:
+        raise ValueError(f"{clients} clients cannot mix {full} and {smallest} at {middle}")
+    # spread the full-budget clients evenly (Bresenham) so every batch holds both kinds
+    return [full if (k + 1) * n_full // clients > k * n_full // clients else smallest
+            for k in range(clients)]
+
+
+def middle_budget(budgets: list[list[float]], full: list[float],
+                  smallest: list[float]) -> list[float] | None:
+    """The budget with every part equal (a diagonal one) nearest the midpoint of ``full``
+    and ``smallest`` by total compute, strictly between them; None when there is none."""
+    mid = (sum(full) + sum(smallest)) / 2
+    inner = [b for b in budgets if len(set(b)) == 1 and sum(smallest) < sum(b) < sum(full)]
+    return min(inner, key=lambda b: abs(sum(b) - mid)) if inner else None
 
 
 async def one_at_a_time(url: str, lines: list[str], n: int, full: list[float],
@@ -393,11 +421,15 @@ def main() -> None:
         full = max(budgets, key=lambda b: (sum(b), b[-1]))
         solo_ms = asyncio.run(one_at_a_time(server.url, lines, 22, full, task.endpoint))
         deadline = args.deadline_ms or round(args.deadline_factor * solo_ms, 1)
-        rounds: dict[str, list[float]] = {"full": [], "smallest": [], "mixed": []}
+        middle = middle_budget(budgets, full, smallest)
+        phases = [("full", [full]), ("smallest", [smallest]), ("mixed", [full, smallest])]
+        if middle is not None:  # mixed against one budget at the same mean
+            phases += [("middle", [middle]),
+                       ("mixed_at_middle", mix_at(middle, full, smallest, args.clients))]
+        rounds: dict[str, list[float]] = {name: [] for name, _ in phases}
         sat_cpu: dict[str, dict[str, float]] = {}
-        for _ in range(args.saturation_rounds):  # interleaved: drifts hit all three alike
-            for name, bs in (("full", [full]), ("smallest", [smallest]),
-                             ("mixed", [full, smallest])):
+        for _ in range(args.saturation_rounds):  # interleaved: drifts hit all alike
+            for name, bs in phases:
                 wait_idle(server)
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 rounds[name].append(round(asyncio.run(closed_loop(
@@ -455,6 +487,11 @@ def main() -> None:
         "saturation_seconds": args.saturation_seconds,
         "segregated_rps": round(segregated, 2),
         "mixed_over_segregated": round(sat["mixed"] / segregated, 3),
+        "middle": middle,
+        "mixed_at_middle_full_clients": (None if middle is None else sum(
+            b == full for b in mix_at(middle, full, smallest, args.clients))),
+        "mixed_at_middle_over_middle": (None if middle is None else
+                                        round(sat["mixed_at_middle"] / sat["middle"], 3)),
         "seconds_per_cell": args.seconds, "client_timeout_s": args.timeout_s,
         "rows": rows,
     }
@@ -475,7 +512,12 @@ def main() -> None:
         f"budget {budget_json(full)} {sat['full']} req/s, "
         f"smallest {smallest} {sat['smallest']} req/s, half and half mixed in the same "
         f"batches {sat['mixed']} req/s = {data['mixed_over_segregated']}x the same requests "
-        f"in single-budget batches ({data['segregated_rps']} req/s).  ",
+        f"in single-budget batches ({data['segregated_rps']} req/s)"
+        + ("." if middle is None else
+           f"; at the same mean budget {middle}: {data['mixed_at_middle_full_clients']} of "
+           f"{args.clients} clients at the full budget, the rest at the smallest, "
+           f"{sat['mixed_at_middle']} req/s = {data['mixed_at_middle_over_middle']}x "
+           f"every client at {middle} ({sat['middle']} req/s)") + ".  ",
         f"Deadline {deadline} ms ({args.deadline_factor} x one full-budget request alone, "
         f"{data['solo_full_ms']} ms); rates are multiples of the full-budget saturation "
         f"rate; {args.seconds} s of arrivals per cell, client timeout {args.timeout_s} s.")

@@ -46,3 +46,23 @@ def test_bodies_give_a_pair_as_a_list_and_one_fraction_as_a_number():
     assert sl.body_for("smallest", "x", [1.0, 1.0], [0.2, 0.2], 50) == {
         "text": "x", "budget": [0.2, 0.2]}
     assert sl.body_for("deadline", "x", [0.8], [0.2], 50) == {"text": "x", "deadline_ms": 50}
+
+
+def test_mixed_clients_at_a_middle_budget_average_to_it():
+    """The "same mean budget" comparison: the diagonal budget nearest the midpoint of the
+    full and the smallest, and closed-loop clients mixing the two whose mean is that
+    budget's, spread so that every batch holds both."""
+    sl = load_benchmark("serve_load")
+    full, small = [1.0, 1.0], [0.2, 0.2]
+    budgets = [full, [0.5, 0.5], [0.33, 0.33], small, [1.0, 0.5]]
+    middle = sl.middle_budget(budgets, full, small)
+    assert middle == [0.5, 0.5]
+    mix = sl.mix_at(middle, full, small, 32)
+    assert len(mix) == 32 and mix.count(full) == 12 and mix.count(small) == 20
+    assert sum(sum(b) for b in mix) / 32 == pytest.approx(sum(middle), abs=0.05)
+    assert all(full in mix[k: k + 3] for k in range(0, 30, 3))  # no long run of one kind
+    assert sl.middle_budget([[0.8], [0.5], [0.33], [0.2]], [0.8], [0.2]) == [0.5]
+    assert sl.mix_at([0.5], [0.8], [0.2], 32).count([0.8]) == 16
+    assert sl.middle_budget([full, small, [1.0, 0.5]], full, small) is None
+    with pytest.raises(ValueError, match="not between"):
+        sl.mix_at([1.0, 1.0], full, small, 32)
