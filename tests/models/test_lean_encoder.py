@@ -142,6 +142,21 @@ def test_closed_gates_run_no_sublayer_and_padding_is_not_computed():
     assert "cat.default" not in ops.names
 
 
+def test_the_control_nets_read_no_padding():
+    """Gates decided by the control nets, with padding: no product reads a padded token
+    (the attention's control nets ran over every position of the padded batch before)."""
+    model = _model(cct=True)
+    lean = LeanEncoder.prepare(model)
+    tokens, segments = _inputs()
+    n_valid = sum(LENGTHS)
+    assert n_valid < tokens.numel()
+    for control in (1, BudgetControl(torch.tensor([0, 2, 1, 2, 0]),
+                                     {"encoder": torch.tensor([0.0, 0.4, -0.3, 9.0, -9.0])})):
+        shapes = _products(lambda c=control: lean(tokens, segments, c))
+        assert max(shape[-2] if len(shape) == 3 else shape[0] for shape in shapes) <= n_valid
+        _assert_same(model, lean, tokens, segments, control)
+
+
 def test_which_models_get_a_lean_encoder_and_staleness():
     assert LeanEncoder.prepare(torch.nn.Linear(2, 2)) is None
     model = _model(cct=True)

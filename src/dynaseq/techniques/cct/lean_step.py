@@ -269,10 +269,8 @@ class GatedEncoderAttention(_GatedAttention):
             return None
         q_on = kv_on = valid  # None: every token
         if fixed is None:
-            on = self.gate.hard(self.controls(x), offset)  # (B, S, 2)
+            on = self._decisions(x, valid, offset)  # (B, S, 2), False at padding
             q_on, kv_on = on[..., 0], on[..., 1]
-            if valid is not None:
-                q_on, kv_on = q_on & valid, kv_on & valid
         n_q = n_kv = b * s
         if q_on is not None:  # keys no query reads are not projected
             kv_on = kv_on & q_on.any(1, keepdim=True)
@@ -302,6 +300,23 @@ class GatedEncoderAttention(_GatedAttention):
         y = self._output(qp.unpack(merge_heads(a)))  # (Nq, d): no product on packing slots
         return x.new_zeros(b * s, d).index_copy_(0, qp.flat, y).view(b, s, d)
 
+    def _decisions(self, x: Tensor, valid: Tensor | None, offset: Offset) -> Tensor:
+        """Hard gates ``(B, S, 2)`` (query, key/value) of the tokens of ``x`` ``(B, S, d)``,
+        False at padding (``valid`` ``(B, S)``; None: none): the control nets read the valid
+        tokens only. A batch of sentences in arrival order is about half padding (32
+        random SST-2 dev sentences: 51% of the padded tokens are real), and at a small budget
+        the control nets were a quarter of the encoder's time."""
+        if valid is None:
+            return self.gate.hard(self.controls(x), offset)
+        b, s, d = x.shape
+        idx = valid.reshape(-1).nonzero().squeeze(1)  # (N,) the valid tokens
+        if isinstance(offset, Tensor):  # one per row -> one per token
+            offset = offset.index_select(0, torch.div(idx, s, rounding_mode="floor"))
+        on = torch.zeros(b * s, 2, dtype=torch.bool, device=x.device)
+        on[idx] = self.gate.hard(self.controls(x.reshape(b * s, d).index_select(0, idx)),
+                                 offset)
+        return on.view(b, s, 2)
+
     def _keys_values(self, x: Tensor, kv_on: Tensor | None) -> tuple[Tensor, Tensor]:
         """Keys and values of ``x`` ``(B, S, d)`` in heads, ``(B, H, S, hd)`` each: LN(x W_k)
         and LN(x W_v) at the tokens ``kv_on`` ``(B, S)`` (None: every one), 0 at the others
@@ -330,9 +345,9 @@ class GatedEncoderAttention(_GatedAttention):
             return None
         kv_on, first = valid, None  # None: every token; every row's first query open
         if fixed is None:
-            on = self.gate.hard(self.controls(x), offset)  # (B, S, 2)
+            on = self._decisions(x, valid, offset)  # (B, S, 2), False at padding
             first, kv_on = on[:, 0, 0], on[..., 1]
-            kv_on = (kv_on if valid is None else kv_on & valid) & first[:, None]
+            kv_on = kv_on & first[:, None]
             rows = _rows(first)
             if not rows.numel():
                 return None
