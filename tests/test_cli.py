@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -37,6 +41,43 @@ def test_translate_stdin_keeps_order_and_matches_python_api(trained_run, test_li
     # batch composition does not change results: one at a time gives the same lines
     t = dynaseq.load(trained_run)
     assert [t.translate([x], beam=2)[0] for x in test_lines[:4]] == out[:4]
+
+
+def test_translate_stream_answers_each_line_before_the_next_arrives(trained_run, test_lines):
+    """``--stream``: a line written to standard input is translated and printed while the
+    input stays open (interactive use), as ``translate`` gives it; empty lines stay empty."""
+    lines = [test_lines[0], "", test_lines[1], test_lines[2]]
+    want = dynaseq.load(trained_run).translate(lines, beam=1)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynaseq", "translate", str(trained_run),
+                             "--stream", "--beam", "1"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        for line, expected in zip(lines, want, strict=True):
+            proc.stdin.write((line + "\n").encode())
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, "no answer while the input stays open"
+            assert proc.stdout.readline().decode().rstrip("\n") == expected
+        proc.stdin.close()
+        assert proc.wait(60) == 0, proc.stderr.read().decode()
+    finally:
+        proc.kill()
+
+
+def test_translate_stream_bad_input(trained_run, test_lines, tmp_path):
+    out = tmp_path / "out.txt"
+    proc = run_cli("translate", str(trained_run), "--stream", "-o", str(out), stdin=b"a\n")
+    assert_clean_error(proc, "--stream", "drop --output")
+    assert not out.exists()
+    proc = run_cli("translate", str(trained_run), "--stream", "-i", str(out), stdin=b"")
+    assert_clean_error(proc, "drop --input")
+    # a bad line ends the stream with its number; the lines before it were answered
+    proc = run_cli("translate", str(trained_run), "--stream", "--beam", "1",
+                   stdin=(test_lines[0] + "\n").encode() + b"\xff\xfe\n")
+    assert_clean_error(proc, "stdin: line 2 is not valid UTF-8")
+    assert proc.stdout.decode().splitlines() == dynaseq.load(trained_run).translate(
+        [test_lines[0]], beam=1)
 
 
 def test_empty_lines_translate_to_empty_lines(trained_run, test_lines):

@@ -110,12 +110,34 @@ def _translator(args: argparse.Namespace):
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
+    if args.stream:
+        return _translate_stream(args)
     _check_output(args.output, args.input)
     lines = _read_input(args.input)
     t = _translator(args)
     out = t.translate(lines, beam=args.beam, length_penalty=args.length_penalty,
                       batch_size=args.batch_size, budget=args.budget, progress=not args.quiet)
     _write_output(out, args.output)
+    return 0
+
+
+def _translate_stream(args: argparse.Namespace) -> int:
+    """``translate --stream``: each line of standard input translated as soon as it is read
+    (batch 1) and its translation printed at once, for interactive use (a terminal, or a
+    pipe whose other end waits for each answer), where the end of input never comes."""
+    from dynaseq.data.text import decode_lines
+
+    for flag, value in (("--input", args.input), ("--output", args.output)):
+        if value not in (None, "-"):
+            raise DynaseqError(f"translate --stream reads standard input and writes standard "
+                               f"output: drop {flag} {value}")
+    t = _translator(args)
+    for n, raw in enumerate(iter(sys.stdin.buffer.readline, b""), start=1):
+        (line,) = decode_lines(raw, "stdin", first_line=n)
+        out = t.translate([line], beam=args.beam, length_penalty=args.length_penalty,
+                          batch_size=1, budget=args.budget)
+        sys.stdout.write(out[0] + "\n")
+        sys.stdout.flush()
     return 0
 
 
@@ -1038,6 +1060,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--input", "-i", default=None, help="input file (default stdin)")
     p.add_argument("--output", "-o", default=None, help="output file (default stdout)")
+    p.add_argument("--stream", action="store_true",
+                   help="translate each stdin line as it arrives (batch 1) and print it at "
+                        "once, for interactive use")
     _add_decode_args(p)
     _add_run_args(p)
 

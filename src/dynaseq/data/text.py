@@ -86,10 +86,12 @@ def read_lines(path: str | Path) -> list[str]:
     return decode_lines(_read_bytes(p), str(p))
 
 
-def decode_lines(data: bytes, name: str) -> list[str]:
+def decode_lines(data: bytes, name: str, first_line: int = 1) -> list[str]:
     """The lines of UTF-8 ``data`` as :func:`read_lines` splits them (``"\\n"`` only, a final
     newline adds no line, a byte-order mark dropped, each line stripped): the one rule for
-    files and standard input alike, so one line in is one line out.
+    files and standard input alike, so one line in is one line out. ``first_line``: the
+    number of ``data``'s first line in its stream (a stream read line by line: only the
+    stream's first line may start with a byte-order mark).
 
     Raises:
         DynaseqError: ``"{name}: line {n} is not valid UTF-8"``.
@@ -97,9 +99,9 @@ def decode_lines(data: bytes, name: str) -> list[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line_no = data.count(b"\n", 0, e.start) + 1
+        line_no = data.count(b"\n", 0, e.start) + first_line
         raise DynaseqError(f"{name}: line {line_no} is not valid UTF-8") from None
-    if text.startswith("\ufeff"):
+    if first_line == 1 and text.startswith("\ufeff"):
         text = text[1:]
     lines = text.split("\n")
     if lines[-1] == "":
