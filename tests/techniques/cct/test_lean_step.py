@@ -115,6 +115,8 @@ def test_greedy_and_beam_give_the_general_steps_tokens(cct):
 
 
 def test_mixed_budgets_in_a_batch_equal_each_budget_alone():
+    """Each row alone (batch 1: gates read on the host), with its offset as a per-row tensor
+    and as one float, decodes as in the batch."""
     m = cct_model(seed=4)
     lean = LeanDecoder.prepare(m)
     src = sources(seed=5)
@@ -123,6 +125,27 @@ def test_mixed_budgets_in_a_batch_equal_each_budget_alone():
     for i, off in enumerate(offsets):
         row = src[i: i + 1, : int(src[i].ne(0).sum())]
         assert greedy_search(lean, row, max_len_b=30, control=control([off], 1)) == [batched[i]]
+        assert greedy_search(lean, row, max_len_b=30, control=control(off, 1)) == [batched[i]]
+        assert greedy_search(m, row, max_len_b=30, control=control(off, 1)) == [batched[i]]
+
+
+@pytest.mark.parametrize("offset", [0.1, torch.tensor([0.1]),
+                                    torch.tensor([0.1], dtype=torch.float64), None, -0.3])
+def test_one_rows_gates_on_the_host_compare_as_the_tensor_compare(offset):
+    """The batch-1 host compare rounds a float offset to float32 as the tensor compare does:
+    logits at, just below and just above float32(-0.1) (which is below -0.1 in double)."""
+    from dynaseq.techniques.cct.gating import Gate, NoiseSchedule
+    from dynaseq.techniques.cct.lean_step import _one_row
+
+    t = torch.tensor(-0.1, dtype=torch.float32)
+    near = [t, torch.nextafter(t, torch.tensor(-1.0)), torch.nextafter(t, torch.tensor(1.0))]
+    logits = torch.stack([*near, torch.tensor(0.0), torch.tensor(0.3),
+                          torch.tensor(-0.3)]).view(1, 1, -1)
+    gate = Gate(NoiseSchedule()).eval()
+    want = [int(v) for v in gate.hard(logits[:, 0], offset)[0].tolist()]
+    assert _one_row(logits, offset) == want
+    assert _one_row(logits.expand(2, 1, -1), offset) is None  # more rows: the tensor path
+    assert _one_row(logits.bfloat16(), offset) is None
 
 
 def test_pinned_gates_are_honoured():

@@ -57,6 +57,7 @@ input norms differ in ``eps``.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -133,10 +134,33 @@ def _decide(gate: Gate, controls: _Controls, x: Tensor,
     fixed = _fixed(gate, offset)
     if fixed is not None:
         return None, [x.size(0) if fixed else 0] * controls.n_gates
-    on = gate.hard(controls(x)[:, 0], offset)  # (B, n)
-    if on.size(0) == 1:
-        return None, [int(v) for v in on[0].tolist()]
+    logits = controls(x)  # (B, 1, n)
+    row = _one_row(logits, offset)
+    if row is not None:
+        return None, row
+    on = gate.hard(logits[:, 0], offset)  # (B, n)
     return on, on.sum(0).tolist()
+
+
+_F32 = struct.Struct("f")
+
+
+def _one_row(logits: Tensor, offset: Offset) -> list[int] | None:
+    """The gates (1 open, 0 closed) of one row's float32 ``logits`` ``(1, 1, n)``, read with
+    one host read and compared on the host as :meth:`Gate.hard` compares them
+    (``G(x) >= -δ``, eq. 2): a float offset is rounded to float32 first, as a scalar compared
+    with a float32 tensor is; a per-row offset tensor's value compares as it is. At batch 1
+    that is the whole decision, with no comparison op and no mask. None for more rows or
+    another dtype (bfloat16 rounds the threshold otherwise): the tensor path."""
+    if logits.size(0) != 1 or logits.dtype != torch.float32:
+        return None
+    if offset is None:
+        threshold = 0.0
+    elif isinstance(offset, Tensor):
+        threshold = -offset.item()  # (1,): compared in the wider dtype, which a float holds
+    else:
+        threshold = _F32.unpack(_F32.pack(-offset))[0]
+    return [int(v >= threshold) for v in logits.view(-1).tolist()]
 
 
 def _tally(tally: StepTally | None, name: str, gate: str, on: Tensor | None,
@@ -492,11 +516,14 @@ class GatedFeedForward:
         if fixed is not None:
             on, counts, n_any = None, [b if fixed else 0] * self.m, b if fixed else 0
         else:  # the part's one host sync: open rows per piece, rows with any piece open
-            on = self.gate.hard(self.control(x)[:, 0], offset)  # (B, M)
-            if b == 1:  # one row: read its gates, no reductions
-                counts = [int(v) for v in on[0].tolist()]
-                n_any = int(any(counts))
+            logits = self.control(x)  # (B, 1, M)
+            row = _one_row(logits, offset)
+            if row is not None:  # one row: a mask only where the pieces differ or are counted
+                counts, n_any = row, int(any(row))
+                on = (None if tally is None and sum(row) in (0, self.m) else
+                      torch.tensor([row], dtype=torch.bool, device=x.device))
             else:
+                on = self.gate.hard(logits[:, 0], offset)  # (B, M)
                 *counts, n_any = torch.cat([on.sum(0), on.any(1).sum().view(1)]).tolist()
         _tally(tally, self.name, "pieces", on, None, bool(fixed), (b, self.m))
         if not n_any:
