@@ -146,6 +146,8 @@ def test_one_rows_gates_on_the_host_compare_as_the_tensor_compare(offset):
     assert _one_row(logits, offset) == want
     assert _one_row(logits.expand(2, 1, -1), offset) is None  # more rows: the tensor path
     assert _one_row(logits.bfloat16(), offset) is None
+    for big in (1e39, -1e39):  # beyond float32's range: infinite, as the tensor compare casts
+        assert _one_row(logits, big) == [int(v) for v in gate.hard(logits[:, 0], big)[0]]
 
 
 def test_pinned_gates_are_honoured():

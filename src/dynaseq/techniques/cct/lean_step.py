@@ -128,9 +128,8 @@ def _decide(gate: Gate, controls: _Controls, x: Tensor,
             offset: Offset) -> tuple[Tensor | None, list[int]]:
     """Hard gates ``(B, n)`` bool of the rows ``x`` ``(B, 1, d)`` and the open rows per gate
     (the one host sync of a part's step). Decisions fixed by :func:`_fixed` run no control
-    network and give no mask (every count is then 0 or B); nor does one row, whose counts
-    (0 or 1) say all a part reads of its mask (one op and a host read less a part, at
-    batch 1)."""
+    network and give no mask (every count is then 0 or B); nor does one row of float32
+    logits (:func:`_one_row`), whose counts (0 or 1) say all a part reads of its mask."""
     fixed = _fixed(gate, offset)
     if fixed is not None:
         return None, [x.size(0) if fixed else 0] * controls.n_gates
@@ -159,7 +158,7 @@ def _one_row(logits: Tensor, offset: Offset) -> list[int] | None:
     elif isinstance(offset, Tensor):
         threshold = -offset.item()  # (1,): compared in the wider dtype, which a float holds
     else:
-        threshold = _F32.unpack(_F32.pack(-offset))[0]
+        threshold = _F32.unpack(_F32.pack(-offset))[0]  # beyond float32's range: +-inf, as cast
     return [int(v >= threshold) for v in logits.view(-1).tolist()]
 
 
