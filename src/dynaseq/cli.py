@@ -122,21 +122,31 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def _translate_stream(args: argparse.Namespace) -> int:
-    """``translate --stream``: each line of standard input translated as soon as it is read
-    (batch 1) and its translation printed at once, for interactive use (a terminal, or a
-    pipe whose other end waits for each answer), where the end of input never comes."""
+    def answerer() -> Callable[[str], str]:
+        t = _translator(args)
+        return lambda line: t.translate([line], beam=args.beam, batch_size=1,
+                                        length_penalty=args.length_penalty,
+                                        budget=args.budget)[0]
+
+    return _stream(args, "translate", answerer)
+
+
+def _stream(args: argparse.Namespace, command: str,
+            answerer: Callable[[], Callable[[str], str]]) -> int:
+    """``COMMAND --stream``: each line of standard input answered as soon as it is read (batch
+    1) and the answer printed at once, for interactive use (a terminal, or a pipe whose
+    other end waits for each answer), where the end of input never comes. ``answerer``
+    loads the model (after the options are checked) and gives the one-line function."""
     from dynaseq.data.text import decode_lines
 
     for flag, value in (("--input", args.input), ("--output", args.output)):
         if value not in (None, "-"):
-            raise DynaseqError(f"translate --stream reads standard input and writes standard "
+            raise DynaseqError(f"{command} --stream reads standard input and writes standard "
                                f"output: drop {flag} {value}")
-    t = _translator(args)
+    answer = answerer()
     for n, raw in enumerate(iter(sys.stdin.buffer.readline, b""), start=1):
         (line,) = decode_lines(raw, "stdin", first_line=n)
-        out = t.translate([line], beam=args.beam, length_penalty=args.length_penalty,
-                          batch_size=1, budget=args.budget)
-        sys.stdout.write(out[0] + "\n")
+        sys.stdout.write(answer(line) + "\n")
         sys.stdout.flush()
     return 0
 
@@ -695,15 +705,24 @@ def cmd_classify(args: argparse.Namespace) -> int:
     """``dynaseq classify RUN [-i FILE] [-o FILE] [--budget B]``: one sentence (a pair task:
     two tab-separated sentences) per line in, one label or score per line out (an empty line
     for an empty input line)."""
-    _check_output(args.output, args.input)
     budget = _encoder_budget(args)
+
+    def classify(c, lines: list[str], batch_size: int | None) -> list[str]:
+        out = c.classify(lines, budget=budget, batch_size=batch_size,
+                         progress=not args.quiet and batch_size != 1, gamma=args.gamma,
+                         depth=args.depth, keep_layers=args.keep_layers,
+                         **_layer_exit_args(args))
+        return ["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in out]
+
+    if args.stream:
+        def answerer() -> Callable[[str], str]:
+            c = _classifier(args)
+            return lambda line: classify(c, [line], 1)[0]
+
+        return _stream(args, "classify", answerer)
+    _check_output(args.output, args.input)
     lines = _read_input(args.input)
-    c = _classifier(args)
-    out = c.classify(lines, budget=budget, batch_size=args.batch_size, progress=not args.quiet,
-                     gamma=args.gamma, depth=args.depth, keep_layers=args.keep_layers,
-                     **_layer_exit_args(args))
-    _write_output(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
-                   for v in out], args.output)
+    _write_output(classify(_classifier(args), lines, args.batch_size), args.output)
     return 0
 
 
@@ -992,6 +1011,12 @@ def _add_budget_arg(p: argparse.ArgumentParser) -> None:
                    help="compute budget of a CCT model: 0.33 or ENC,DEC (a trained one)")
 
 
+def _add_stream_arg(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument("--stream", action="store_true",
+                   help=f"{verb} each stdin line as it arrives (batch 1) and print the answer "
+                        "at once, for interactive use")
+
+
 def _add_decode_args(p: argparse.ArgumentParser) -> None:
     _add_budget_arg(p)
     p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
@@ -1060,9 +1085,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--input", "-i", default=None, help="input file (default stdin)")
     p.add_argument("--output", "-o", default=None, help="output file (default stdout)")
-    p.add_argument("--stream", action="store_true",
-                   help="translate each stdin line as it arrives (batch 1) and print it at "
-                        "once, for interactive use")
+    _add_stream_arg(p, "translate")
     _add_decode_args(p)
     _add_run_args(p)
 
@@ -1071,6 +1094,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--input", "-i", default=None, help="input file (default stdin)")
     p.add_argument("--output", "-o", default=None, help="output file (default stdout)")
+    _add_stream_arg(p, "classify")
     p.add_argument("--batch-size", type=int, default=None, help="sentences per batch")
     _add_budget_arg(p)
     _add_exit_args(p)

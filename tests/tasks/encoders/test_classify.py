@@ -86,6 +86,20 @@ def test_init_from_mismatch_is_refused_before_writing(tmp_path, mlm_run, sst2_sm
         ClassifyTask(classify_config(run, sst2_small, f"train.init_from={mlm_run}"))
 
 
+def test_classify_stream_answers_as_classify(finetuned, tmp_path):
+    """``classify --stream`` (each line answered at batch 1 as it is read, through the same
+    loop as ``translate --stream``) gives ``classify``'s lines; a file option is refused."""
+    stdin = b"a charming film\n\ndull and lifeless\nbright\n"
+    want = run_cli("classify", str(finetuned), stdin=stdin)
+    got = run_cli("classify", str(finetuned), "--stream", stdin=stdin)
+    assert want.returncode == got.returncode == 0, got.stderr.decode()
+    assert got.stdout == want.stdout and got.stdout.decode().split("\n")[1] == ""
+    out = tmp_path / "labels.txt"
+    proc = run_cli("classify", str(finetuned), "--stream", "-o", str(out), stdin=stdin)
+    assert proc.returncode == 2 and "drop --output" in proc.stderr.decode()
+    assert not out.exists()
+
+
 def test_finetuned_run_classifies_and_evaluates(finetuned, sst2_small):
     c = dynaseq.load(finetuned)
     assert isinstance(c, Classifier)
