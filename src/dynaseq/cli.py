@@ -707,22 +707,22 @@ def cmd_classify(args: argparse.Namespace) -> int:
     for an empty input line)."""
     budget = _encoder_budget(args)
 
-    def classify(c, lines: list[str], batch_size: int | None) -> list[str]:
-        out = c.classify(lines, budget=budget, batch_size=batch_size,
-                         progress=not args.quiet and batch_size != 1, gamma=args.gamma,
-                         depth=args.depth, keep_layers=args.keep_layers,
+    def classify(c, lines: list[str], batch_size: int | None, progress: bool) -> list[str]:
+        out = c.classify(lines, budget=budget, batch_size=batch_size, progress=progress,
+                         gamma=args.gamma, depth=args.depth, keep_layers=args.keep_layers,
                          **_layer_exit_args(args))
         return ["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in out]
 
-    if args.stream:
+    if args.stream:  # one line at a time: no progress bar
         def answerer() -> Callable[[str], str]:
             c = _classifier(args)
-            return lambda line: classify(c, [line], 1)[0]
+            return lambda line: classify(c, [line], 1, False)[0]
 
         return _stream(args, "classify", answerer)
     _check_output(args.output, args.input)
     lines = _read_input(args.input)
-    _write_output(classify(_classifier(args), lines, args.batch_size), args.output)
+    _write_output(classify(_classifier(args), lines, args.batch_size, not args.quiet),
+                  args.output)
     return 0
 
 
