@@ -392,6 +392,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(
         host=args.host, port=args.port, batch_window_ms=args.batch_window_ms,
         max_batch_rows=args.max_batch_lines, max_queue_rows=args.max_queue_lines,
+        max_in_flight=args.max_in_flight,
         max_body_bytes=args.max_body_bytes, max_lines=args.max_lines,
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
         overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
@@ -1204,6 +1205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-lines", type=int, default=32, help="lines per batch at most")
     p.add_argument("--max-queue-lines", type=int, default=4096,
                    help="queued lines at most; beyond, 503 + Retry-After")
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="requests handled at once at most; beyond, 503 + Retry-After before "
+                        "the body is read (default: no limit)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-lines", type=int, default=32, help="lines per request at most")
     p.add_argument("--max-line-chars", type=int, default=2000)

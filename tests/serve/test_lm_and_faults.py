@@ -128,6 +128,54 @@ def test_an_exception_in_a_batch_fails_that_batch_only(serve_run, synthetic_path
         srv.stop()
 
 
+def test_a_request_beyond_max_in_flight_gets_503_before_its_body_is_read(serve_run,
+                                                                          synthetic_paths):
+    """With ``max_in_flight=2`` and two requests held in their batch, a third is refused
+    with 503, ``Retry-After`` and a one-line JSON error before its body is parsed (a
+    malformed body gets the 503, not a 400), counted as ``busy``; health and metrics are
+    answered meanwhile; once the two are answered, the next request is served."""
+    lines = synthetic_paths["test.src"].read_text().splitlines()[:3]
+    state = build_state(dynaseq.load(serve_run), "seq2seq",
+                        ServeConfig(beam=1, batch_window_ms=0, max_in_flight=2,
+                                    retry_after_min_s=3), log_stream=None)
+    real, release, entered = state.run_translate, threading.Event(), threading.Event()
+
+    def held(jobs):
+        entered.set()
+        assert release.wait(30)
+        return real(jobs)
+
+    state.run_translate = held
+    srv = InProcess(state)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(httpx.post, srv.url + "/v1/translate",
+                            json={"text": lines[0]}, timeout=30)
+            assert entered.wait(30)  # the first is in its batch; the second waits in queue
+            b = pool.submit(httpx.post, srv.url + "/v1/translate",
+                            json={"text": lines[1]}, timeout=30)
+            deadline = time.monotonic() + 10
+            while state.batcher.queued_rows() < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            for body in ({"content": b"{not json"}, {"json": {"text": lines[2]}}):
+                r = httpx.post(srv.url + "/v1/translate", timeout=30,
+                               headers={"Content-Type": "application/json"}, **body)
+                assert r.status_code == 503 and r.headers["Retry-After"] == "3"
+                assert r.json() == {"error": "2 requests are in flight (limit 2)",
+                                    "reason": "busy"}
+            assert httpx.get(srv.url + "/healthz", timeout=30).status_code == 200
+            assert "dynaseq_rejected_total" in httpx.get(srv.url + "/metrics").text
+            release.set()
+            assert a.result().status_code == b.result().status_code == 200
+        r = httpx.post(srv.url + "/v1/translate", json={"text": lines[2]}, timeout=30)
+        assert r.status_code == 200
+        assert state.metrics.rejected.labels("translate", "busy")._value.get() == 2
+    finally:
+        release.set()
+        srv.stop()
+
+
 def test_a_client_that_goes_away_costs_nothing_further(serve_run, synthetic_paths):
     lines = synthetic_paths["test.src"].read_text().splitlines()[:2]
     state = build_state(dynaseq.load(serve_run), "seq2seq",

@@ -5,8 +5,8 @@ Every refusal is ``{"error": "one line"}``: 400 malformed JSON or an empty body,
 line count, line or token count over its limit, 422 a wrong type, an unknown field, an
 untrained budget (naming the trained ones), a budget for a model without one, a deadline
 <= 0 or one this run cannot plan, a line the task cannot read, 503 with ``Retry-After``
-when the queue is full or no budget meets a deadline, 500 when the request's batch raised
-(the next batch runs). The server keeps no state between requests: worker processes on one
+when the queue is full, too many requests are in flight or no budget meets a deadline,
+500 when the request's batch raised (the next batch runs). The server keeps no state between requests: worker processes on one
 port (``dynaseq serve --workers N``) or replicas behind any load balancer serve alike.
 
 Example::
@@ -207,6 +207,41 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
 
+class InFlightLimit:
+    """ASGI middleware: at most ``limit`` requests to the task's endpoints are handled at
+    once (read, queued, run, answered); one more gets 503 with ``Retry-After`` at once,
+    before its body is read, parsed or validated, and counts in ``dynaseq_rejected``
+    (reason ``busy``). Health, readiness and metrics are never refused.
+
+    Under overload a refusal here costs the event loop a header scan instead of a parse,
+    a validation and a plan, so the requests it accepts are read and answered sooner. The
+    count lives on this instance and changes only on the event loop's thread."""
+
+    def __init__(self, app: Any, state: ServeState, limit: int) -> None:
+        self.app, self.state, self.limit = app, state, limit
+        self.names = {e.path: e.name for e in ep.TASK_ENDPOINTS[state.kind]}
+        self.in_flight = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        name = self.names.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if name is None:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            msg = f"{self.in_flight} requests are in flight (limit {self.limit})"
+            self.state.metrics.rejected.labels(name, "busy").inc()
+            scope.setdefault("state", {})["log"] = {"error": msg}
+            resp = _error(503, msg, {"Retry-After": str(self.state.config.retry_after_min_s)},
+                          "busy")
+            await resp(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
 class AccessLogMiddleware:
     """ASGI middleware: times every request, counts it in ``dynaseq_requests`` and writes
     its access-log line (with what the endpoint put in ``request.state.log``)."""
@@ -348,7 +383,7 @@ def _refuse(state: ServeState, endpoint: ep.Endpoint, log: dict, status: int, ms
 
 def build_app(state: ServeState) -> Any:
     """The ASGI app: the task's routes, health, readiness and metrics, wrapped in the body
-    limit and the access log. Starting it starts the batcher; stopping it drains it."""
+    limit, the in-flight limit (``max_in_flight``) and the access log. Starting it starts the batcher; stopping it drains it."""
 
     async def watch_loop(period: float = 0.01, weight: float = 0.2) -> None:
         """How late the event loop runs a timer: requests waiting for the loop (not yet
@@ -431,7 +466,10 @@ def build_app(state: ServeState) -> Any:
         state.metrics.queue_rows.set(state.batcher.queued_rows())
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    return AccessLogMiddleware(BodyLimit(app, state.config.max_body_bytes), state)
+    inner: Any = BodyLimit(app, state.config.max_body_bytes)
+    if state.config.max_in_flight is not None:
+        inner = InFlightLimit(inner, state, state.config.max_in_flight)
+    return AccessLogMiddleware(inner, state)
 
 
 def load_table(run_dir: str | Path, path: str | Path | None) -> LatencyTable | None:

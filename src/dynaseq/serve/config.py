@@ -22,6 +22,9 @@ class ServeConfig:
         requests to join it (0: run what is queued at once).
     max_batch_rows: lines per batch at most (a request's lines are never split).
     max_queue_rows: lines waiting at most; beyond, requests get 503 + ``Retry-After``.
+    max_in_flight: requests to the task's endpoints handled at once at most (None: no
+        limit); one more gets 503 + ``Retry-After`` before its body is read or parsed, so
+        that under overload the event loop spends no time on what it will refuse.
     max_body_bytes, max_lines, max_line_chars, max_tokens: per-request limits (413/422).
     beam: beam size for translation (None: the run's ``decode.beam``).
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
@@ -50,6 +53,7 @@ class ServeConfig:
     batch_window_ms: float = 5.0
     max_batch_rows: int = 32
     max_queue_rows: int = 4096
+    max_in_flight: int | None = None
     max_body_bytes: int = 1 << 20
     max_lines: int = 32
     max_line_chars: int = 2000
@@ -77,6 +81,8 @@ class ServeConfig:
                      "max_generate_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise DynaseqError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise DynaseqError("--max-in-flight must be >= 1")
         if self.precision not in PRECISIONS:
             raise DynaseqError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if not 0 <= self.batch_nice <= 19:
