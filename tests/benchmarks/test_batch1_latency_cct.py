@@ -9,6 +9,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
@@ -29,18 +30,51 @@ def test_trained_cct_rows_time_each_budget_against_budget_1(cct_run, monkeypatch
     rows = b1.trained_cct_rows(args)
     assert [(r["batch"], r["search"]) for r in rows] == [(1, "greedy"), (1, "beam4")]
     for r in rows:  # the run's (b, b) budgets: 1 and 0.5 ((1, 0.33) is not one)
-        assert set(r["ms"]) == {"dense lean", "floor", "b=1", "b=0.5"}
+        assert set(r["ms"]) == {"dense lean", "floor", "floor, no decisions", "b=1", "b=0.5"}
         assert r["ratio"]["1"] == 1.0 and r["estimate"]["1"] == 1.0
-        # (from the unrounded floor)
+        # (from the unrounded floors)
         assert r["estimate"]["0.5"] == pytest.approx(r["floor"] + 0.5 * (1 - r["floor"]),
                                                      abs=1e-3)
+        bare = r["floor_no_decisions"]
+        assert r["estimate_no_decisions"]["0.5"] == pytest.approx(bare + 0.5 * (1 - bare),
+                                                                  abs=1e-3)
+        assert r["above_estimate"]["0.5"] == pytest.approx(
+            r["ratio"]["0.5"] - r["estimate"]["0.5"], abs=1e-9)
     made_by = {"command": "c", "commit": "abc", "dirty": False, "date": "d", "machine": {},
                "rounds": 1, "repeats": 1}
     lines = b1.cct_markdown({"made_by": made_by, "rows": [], "trained_run": str(run),
                              "trained": rows})
     table = [line for line in lines if line.startswith("| 1 |")]
-    assert len(table) == 2 and all(f"{r['ratio']['0.5']} ({r['estimate']['0.5']})" in line
-                                   for r, line in zip(rows, table, strict=True))
+    assert len(table) == 2 and all(
+        f"{r['ratio']['0.5']} ({r['estimate']['0.5']}; {r['above_estimate']['0.5']:+})" in line
+        for r, line in zip(rows, table, strict=True))
+
+
+def test_the_floor_runs_the_control_nets_and_the_bare_floor_does_not(cct_run):
+    """The floor the target is held against is every gate closed *by its control net*, as
+    ``cct_speed`` measures it (the control nets run, as at any budget below 1); the bare
+    floor (offset -inf) decides nothing. Both close every gate, so they translate alike;
+    the floor runs more matrix-product FLOPs (its control nets), through the lean step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dynaseq.models.lean import LeanDecoder
+    from dynaseq.tasks.translation.predictor import Translator
+    from dynaseq.techniques.cct.gating import BudgetControl
+
+    b1 = load_benchmark("batch1_latency")
+    run, _ = cct_run
+    model = Translator.load(run, device="cpu").model
+    lean = LeanDecoder.prepare(model)
+    src = torch.tensor([[5, 6, 7, 8, model.eos_id]])
+    out, flops = {}, {}
+    for name, off in (("floor", b1.FLOOR_OFFSET), ("bare", b1.BARE_OFFSET)):
+        control = BudgetControl(0, {"encoder": off, "decoder": off})
+        with FlopCounterMode(display=False) as counter:
+            out[name] = b1.greedy_search(lean, src, control=control, max_len_a=0.0,
+                                         max_len_b=4, min_len=3)
+        flops[name] = counter.get_total_flops()
+    assert out["floor"] == out["bare"]
+    assert flops["floor"] > flops["bare"] > 0
 
 
 def test_only_a_section_without_the_results_it_updates_is_refused(tmp_path):
