@@ -360,3 +360,28 @@ def test_a_dense_classifier_plans_deadlines_on_its_one_row(dense_clf_run, tmp_pa
     assert job.predicted_ms is not None and job.predicted_ms > 0
     with pytest.raises(Overloaded, match="no budget can answer within 0.001 ms"):
         CLASSIFY.plan(state, CLASSIFY.request(text="a charming film", deadline_ms=0.001))
+
+
+def test_a_classification_server_warms_each_budget_before_it_is_ready(cct_clf_run,
+                                                                       dense_clf_run):
+    """The endpoint's warm-up (run by the app before it reports ready) classifies one line
+    of the task's shape (a pair for the CCT's pair task, a sentence for the dense one's) at
+    each budget the server runs, or once without a budget for a dense classifier; nothing
+    of it is counted."""
+    for run, cct in ((cct_clf_run, True), (dense_clf_run, False)):
+        c = dynaseq.load(run)
+        state = build_state(c, "classify", ServeConfig(), log_stream=None)
+        calls, real = [], c.classify
+
+        def recording(lines, real=real, calls=calls, **kw):
+            calls.append((lines, kw["budget"]))
+            return real(lines, **kw)
+
+        c.classify = recording
+        CLASSIFY.warm(state)
+        want = [b[0] for b in state.budgets] if cct else [None]
+        assert len(want) == (len(BUDGETS) if cct else 1)
+        line = ("a", "a") if cct else "a"
+        assert c.layout.is_pair == cct
+        assert calls == [([line], b) for b in want]
+        assert sum(x.value for m in state.metrics.lines.collect() for x in m.samples) == 0

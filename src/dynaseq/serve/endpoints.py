@@ -776,6 +776,17 @@ def warm_translate(state: ServeState) -> None:
         t.translate(["a ."], beam=state.beam, budget=None if budget is None else [budget])
 
 
+def warm_classify(state: ServeState) -> None:
+    """Classify one short line (a pair for a pair task) at each budget the server runs (the
+    default when it has none) before it reports ready, as :func:`warm_translate` does: the
+    first request otherwise pays for the lean encoder's preparation and first allocations
+    (SST-2 CCT-BERT, one thread: 17 ms against 6 for the next)."""
+    c = state.predictor
+    line = ("a", "a") if c.layout.is_pair else "a"
+    for budget in state.budgets or [None]:
+        c.classify([line], budget=None if budget is None else budget[0])
+
+
 TRANSLATE = Endpoint("/v1/translate", "translate", schemas.TranslateRequest,
                      schemas.TranslateResponse, _plan_translate, _answer_translate,
                      "Translate one line or several, at a budget or within a deadline",
@@ -787,7 +798,8 @@ SCORE = Endpoint("/v1/score", "score", schemas.ScoreRequest, schemas.ScoreRespon
                  _plan_score, _answer_score, "Loss and perplexity of one line or several")
 CLASSIFY = Endpoint("/v1/classify", "classify", schemas.ClassifyRequest,
                     schemas.ClassifyResponse, _plan_classify, _answer_classify,
-                    "Label (or score) one line or several, at a budget", realized=True)
+                    "Label (or score) one line or several, at a budget", realized=True,
+                    warm=warm_classify)
 
 #: run kind (:func:`dynaseq.tasks.registry.run_kind`) -> its endpoints.
 TASK_ENDPOINTS: dict[str, tuple[Endpoint, ...]] = {
