@@ -210,6 +210,8 @@ def test_metrics_count_what_was_sent(cct_clf_run):
                         budget="0.4") == 4
         assert s.metric("dynaseq_batch_lines_sum", endpoint="classify") == 7
         assert s.metric("dynaseq_queue_depth_lines") == 0
+        assert s.metric("dynaseq_in_flight_requests") == 0  # every request answered
+        assert s.metric("dynaseq_in_flight_limit") == float("inf")  # no --max-in-flight
     finally:
         s.stop()
 

@@ -165,7 +165,10 @@ def test_a_request_beyond_max_in_flight_gets_503_before_its_body_is_read(serve_r
                 assert r.json() == {"error": "2 requests are in flight (limit 2)",
                                     "reason": "busy"}
             assert httpx.get(srv.url + "/healthz", timeout=30).status_code == 200
-            assert "dynaseq_rejected_total" in httpx.get(srv.url + "/metrics").text
+            metrics = httpx.get(srv.url + "/metrics").text
+            assert "dynaseq_rejected_total" in metrics
+            assert "dynaseq_in_flight_requests 2.0" in metrics  # the two held
+            assert "dynaseq_in_flight_limit 2.0" in metrics
             release.set()
             assert a.result().status_code == b.result().status_code == 200
         r = httpx.post(srv.url + "/v1/translate", json={"text": lines[2]}, timeout=30)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -84,6 +85,7 @@ class ServeState:
     run_dir: str = ""
     draining: bool = False
     lm_compute: dict[str, Any] | None = None
+    in_flight: int = 0
     run_translate: Callable[[list[Job]], list[Any]] | None = None
     run_generate: Callable[[list[Job]], list[Any]] | None = None
     run_score: Callable[[list[Job]], list[Any]] | None = None
@@ -208,38 +210,39 @@ class BodyLimit:
 
 
 class InFlightLimit:
-    """ASGI middleware: at most ``limit`` requests to the task's endpoints are handled at
-    once (read, queued, run, answered); one more gets 503 with ``Retry-After`` at once,
-    before its body is read, parsed or validated, and counts in ``dynaseq_rejected``
-    (reason ``busy``). Health, readiness and metrics are never refused.
+    """ASGI middleware: counts the requests to the task's endpoints being handled (read,
+    queued, run, answered: ``state.in_flight``) and, with a ``limit`` (``--max-in-flight``;
+    None: none), admits at most that many at once; one more gets 503 with ``Retry-After``
+    at once, before its body is read, parsed or validated, and counts in
+    ``dynaseq_rejected`` (reason ``busy``). Health, readiness and metrics are never refused.
 
     Under overload a refusal here costs the event loop a header scan instead of a parse,
-    a validation and a plan, so the requests it accepts are read and answered sooner. The
-    count lives on this instance and changes only on the event loop's thread."""
+    a validation and a plan, and the requests it admits wait behind fewer others. The count
+    (``state.in_flight``) changes only on the event loop's thread."""
 
-    def __init__(self, app: Any, state: ServeState, limit: int) -> None:
+    def __init__(self, app: Any, state: ServeState, limit: int | None) -> None:
         self.app, self.state, self.limit = app, state, limit
         self.names = {e.path: e.name for e in ep.TASK_ENDPOINTS[state.kind]}
-        self.in_flight = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         name = self.names.get(scope.get("path", "")) if scope["type"] == "http" else None
         if name is None:
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.limit:
-            msg = f"{self.in_flight} requests are in flight (limit {self.limit})"
-            self.state.metrics.rejected.labels(name, "busy").inc()
+        state, limit = self.state, self.limit
+        if limit is not None and state.in_flight >= limit:
+            msg = f"{state.in_flight} requests are in flight (limit {limit})"
+            state.metrics.rejected.labels(name, "busy").inc()
             scope.setdefault("state", {})["log"] = {"error": msg}
-            resp = _error(503, msg, {"Retry-After": str(self.state.config.retry_after_min_s)},
+            resp = _error(503, msg, {"Retry-After": str(state.config.retry_after_min_s)},
                           "busy")
             await resp(scope, receive, send)
             return
-        self.in_flight += 1
+        state.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            state.in_flight -= 1
 
 
 class AccessLogMiddleware:
@@ -464,11 +467,13 @@ def build_app(state: ServeState) -> Any:
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
         state.metrics.queue_rows.set(state.batcher.queued_rows())
+        state.metrics.in_flight.set(state.in_flight)
+        limit = state.config.max_in_flight
+        state.metrics.in_flight_limit.set(math.inf if limit is None else limit)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    inner: Any = BodyLimit(app, state.config.max_body_bytes)
-    if state.config.max_in_flight is not None:
-        inner = InFlightLimit(inner, state, state.config.max_in_flight)
+    inner = InFlightLimit(BodyLimit(app, state.config.max_body_bytes), state,
+                          state.config.max_in_flight)
     return AccessLogMiddleware(inner, state)
 
 
