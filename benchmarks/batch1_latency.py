@@ -83,7 +83,7 @@ CCT_CONFIG = "configs/multi30k_cct_small.yaml"
 # by its control net, which still runs; and the bare floor, where nothing is decided
 FLOOR_OFFSET, BARE_OFFSET = -1e6, -math.inf
 CCT_PATTERNS = {"open (+inf)": math.inf, "open by control": 1e6, "mixed (offset 0)": 0.0,
-                "closed by control": -1e6, "closed (-inf)": -math.inf}
+                "closed by control": FLOOR_OFFSET, "closed (-inf)": BARE_OFFSET}
 
 
 def dense(size: str, seed: int = 0, **kw) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """The server tests' helpers (importable as ``serve_helpers``): the budgets of the micro
-CCT they serve and a real ``dynaseq serve`` process."""
+CCT they serve, a real ``dynaseq serve`` process, and an app on uvicorn in a thread."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import uvicorn
+
+from dynaseq.serve.app import build_app
 
 from helpers import REPO, free_port
 
@@ -75,3 +79,23 @@ class Server:
             self.client.close()
             if self.stderr is not subprocess.DEVNULL:
                 self.stderr.close()
+
+
+class InProcess:
+    """The app of ``state`` on uvicorn in a thread (to reach into the batch function)."""
+
+    def __init__(self, state) -> None:
+        self.port = int(free_port())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

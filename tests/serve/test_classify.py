@@ -19,7 +19,7 @@ from dynaseq.serve.config import ServeConfig
 from dynaseq.serve.endpoints import CLASSIFY
 
 from helpers import run_cli
-from serve_helpers import Server
+from serve_helpers import InProcess, Server
 
 BUDGETS = [0.8, 0.5, 0.33, 0.2, 0.4]  # trained, and 0.4 calibrated
 PAIRS = ["the cat sat 3\ta cat sat 3", "the cat sat 8\ta cat sat 8",
@@ -366,10 +366,9 @@ def test_a_dense_classifier_plans_deadlines_on_its_one_row(dense_clf_run, tmp_pa
 
 def test_a_classification_server_warms_each_budget_before_it_is_ready(cct_clf_run,
                                                                        dense_clf_run):
-    """The endpoint's warm-up (run by the app before it reports ready) classifies one line
-    of the task's shape (a pair for the CCT's pair task, a sentence for the dense one's) at
-    each budget the server runs, or once without a budget for a dense classifier; nothing
-    of it is counted."""
+    """Before it reports ready, the server classifies one line of the task's shape (a pair
+    for the CCT's pair task, a sentence for the dense one's) at each budget it runs, or
+    once without a budget for a dense classifier; none of it is counted as served."""
     for run, cct in ((cct_clf_run, True), (dense_clf_run, False)):
         c = dynaseq.load(run)
         state = build_state(c, "classify", ServeConfig(), log_stream=None)
@@ -380,10 +379,14 @@ def test_a_classification_server_warms_each_budget_before_it_is_ready(cct_clf_ru
             return real(lines, **kw)
 
         c.classify = recording
-        CLASSIFY.warm(state)
-        want = [b[0] for b in state.budgets] if cct else [None]
-        assert len(want) == (len(BUDGETS) if cct else 1)
-        line = ("a", "a") if cct else "a"
-        assert c.layout.is_pair == cct
-        assert calls == [([line], b) for b in want]
-        assert sum(x.value for m in state.metrics.lines.collect() for x in m.samples) == 0
+        srv = InProcess(state)  # returns once the app has started: warmed, then ready
+        try:
+            want = [b[0] for b in state.budgets] if cct else [None]
+            assert len(want) == (len(BUDGETS) if cct else 1)
+            line = ("a", "a") if cct else "a"
+            assert c.layout.is_pair == cct
+            assert calls == [([line], b) for b in want]
+            assert httpx.get(srv.url + "/readyz", timeout=30).status_code == 200
+            assert sum(x.value for m in state.metrics.lines.collect() for x in m.samples) == 0
+        finally:
+            srv.stop()

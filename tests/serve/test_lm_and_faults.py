@@ -9,14 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 import dynaseq
-from dynaseq.serve.app import build_app, build_state
+from dynaseq.serve.app import build_state
 from dynaseq.serve.config import ServeConfig
 
-from helpers import free_port, run_cli
-from serve_helpers import Server
+from helpers import run_cli
+from serve_helpers import InProcess, Server
 
 
 @pytest.fixture(scope="module")
@@ -77,26 +76,6 @@ def test_language_model_server_serves_no_translation(lm_server):
                                                                    "/v1/score"]
 
 
-class InProcess:
-    """The app on uvicorn in a thread (to reach into the batch function)."""
-
-    def __init__(self, state) -> None:
-        self.port = int(free_port())
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1",
-                                                    port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 def test_an_exception_in_a_batch_fails_that_batch_only(serve_run, synthetic_paths):
     lines = synthetic_paths["test.src"].read_text().splitlines()[:3]
     state = build_state(dynaseq.load(serve_run), "seq2seq",
@@ -124,6 +103,7 @@ def test_an_exception_in_a_batch_fails_that_batch_only(serve_run, synthetic_path
         assert r.status_code == 200
         assert r.json()["translations"] == dynaseq.load(serve_run).translate(lines, beam=1)
         assert state.metrics.batch_failures.labels("translate")._value.get() == 1
+        assert state.in_flight == 0  # the 500s left the count
     finally:
         srv.stop()
 
@@ -149,31 +129,37 @@ def test_a_request_beyond_max_in_flight_gets_503_before_its_body_is_read(serve_r
     srv = InProcess(state)
     try:
         with ThreadPoolExecutor(2) as pool:
-            a = pool.submit(httpx.post, srv.url + "/v1/translate",
-                            json={"text": lines[0]}, timeout=30)
-            assert entered.wait(30)  # the first is in its batch; the second waits in queue
-            b = pool.submit(httpx.post, srv.url + "/v1/translate",
-                            json={"text": lines[1]}, timeout=30)
-            deadline = time.monotonic() + 10
-            while state.batcher.queued_rows() < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            for body in ({"content": b"{not json"}, {"json": {"text": lines[2]}}):
-                r = httpx.post(srv.url + "/v1/translate", timeout=30,
-                               headers={"Content-Type": "application/json"}, **body)
-                assert r.status_code == 503 and r.headers["Retry-After"] == "3"
-                assert r.json() == {"error": "2 requests are in flight (limit 2)",
-                                    "reason": "busy"}
-            assert httpx.get(srv.url + "/healthz", timeout=30).status_code == 200
-            metrics = httpx.get(srv.url + "/metrics").text
-            assert "dynaseq_rejected_total" in metrics
-            assert "dynaseq_in_flight_requests 2.0" in metrics  # the two held
-            assert "dynaseq_in_flight_limit 2.0" in metrics
-            release.set()
+            try:
+                a = pool.submit(httpx.post, srv.url + "/v1/translate",
+                                json={"text": lines[0]}, timeout=30)
+                assert entered.wait(30)  # the first is in its batch, the second queued
+                b = pool.submit(httpx.post, srv.url + "/v1/translate",
+                                json={"text": lines[1]}, timeout=30)
+                deadline = time.monotonic() + 10
+                while state.batcher.queued_rows() < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                for body in ({"content": b"{not json"}, {"json": {"text": lines[2]}}):
+                    r = httpx.post(srv.url + "/v1/translate", timeout=30,
+                                   headers={"Content-Type": "application/json"}, **body)
+                    assert r.status_code == 503 and r.headers["Retry-After"] == "3"
+                    assert r.json() == {"error": "2 requests are in flight (limit 2)",
+                                        "reason": "busy"}
+                # not an endpoint's method: not counted, not refused (FastAPI's 405)
+                assert httpx.get(srv.url + "/v1/translate", timeout=30).status_code == 405
+                assert httpx.get(srv.url + "/healthz", timeout=30).status_code == 200
+                metrics = httpx.get(srv.url + "/metrics").text
+                assert ('dynaseq_rejected_total{endpoint="translate",reason="busy"} 2.0'
+                        in metrics)
+                assert "dynaseq_in_flight_requests 2.0" in metrics  # the two held
+                assert "dynaseq_in_flight_limit 2.0" in metrics
+            finally:
+                release.set()
             assert a.result().status_code == b.result().status_code == 200
         r = httpx.post(srv.url + "/v1/translate", json={"text": lines[2]}, timeout=30)
         assert r.status_code == 200
         assert state.metrics.rejected.labels("translate", "busy")._value.get() == 2
+        assert state.in_flight == 0  # every admitted request left the count
     finally:
         release.set()
         srv.stop()
@@ -199,6 +185,7 @@ def test_a_client_that_goes_away_costs_nothing_further(serve_run, synthetic_path
         assert r.status_code == 200
         assert ran == [lines[1]]
         assert state.metrics.cancelled.labels("translate")._value.get() == 1
+        assert state.in_flight == 0  # the 499 left the count
     finally:
         srv.stop()
 

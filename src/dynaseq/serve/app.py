@@ -6,8 +6,9 @@ line count, line or token count over its limit, 422 a wrong type, an unknown fie
 untrained budget (naming the trained ones), a budget for a model without one, a deadline
 <= 0 or one this run cannot plan, a line the task cannot read, 503 with ``Retry-After``
 when the queue is full, too many requests are in flight or no budget meets a deadline,
-500 when the request's batch raised (the next batch runs). The server keeps no state between requests: worker processes on one
-port (``dynaseq serve --workers N``) or replicas behind any load balancer serve alike.
+500 when the request's batch raised (the next batch runs). The server keeps no state
+between requests: worker processes on one port (``dynaseq serve --workers N``) or replicas
+behind any load balancer serve alike.
 
 Example::
 
@@ -70,7 +71,8 @@ class AccessLog:
 class ServeState:
     """Everything one app instance holds: the predictor and its kind, settings, metrics,
     the batcher and the deadline policy (None without a latency table). Nothing here
-    changes between requests except the queue and the counters."""
+    changes between requests except the queue, the counters and ``in_flight`` (the
+    requests being handled, changed only on the event loop's thread)."""
 
     predictor: Any
     kind: str
@@ -218,14 +220,17 @@ class InFlightLimit:
 
     Under overload a refusal here costs the event loop a header scan instead of a parse,
     a validation and a plan, and the requests it admits wait behind fewer others. The count
-    (``state.in_flight``) changes only on the event loop's thread."""
+    (``state.in_flight``) changes only on the event loop's thread. A request whose client
+    went away leaves the count when it is answered 499, though its batch may still be
+    running: the cap counts requests, not the model's work."""
 
     def __init__(self, app: Any, state: ServeState, limit: int | None) -> None:
         self.app, self.state, self.limit = app, state, limit
         self.names = {e.path: e.name for e in ep.TASK_ENDPOINTS[state.kind]}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        name = self.names.get(scope.get("path", "")) if scope["type"] == "http" else None
+        name = (self.names.get(scope.get("path", "")) if scope["type"] == "http"
+                and scope.get("method") == "POST" else None)
         if name is None:
             await self.app(scope, receive, send)
             return
@@ -239,10 +244,12 @@ class InFlightLimit:
             await resp(scope, receive, send)
             return
         state.in_flight += 1
+        state.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send)
         finally:
             state.in_flight -= 1
+            state.metrics.in_flight.dec()
 
 
 class AccessLogMiddleware:
@@ -386,7 +393,8 @@ def _refuse(state: ServeState, endpoint: ep.Endpoint, log: dict, status: int, ms
 
 def build_app(state: ServeState) -> Any:
     """The ASGI app: the task's routes, health, readiness and metrics, wrapped in the body
-    limit, the in-flight limit (``max_in_flight``) and the access log. Starting it starts the batcher; stopping it drains it."""
+    limit, the in-flight count and limit (``max_in_flight``) and the access log. Starting
+    it starts the batcher; stopping it drains it."""
 
     async def watch_loop(period: float = 0.01, weight: float = 0.2) -> None:
         """How late the event loop runs a timer: requests waiting for the loop (not yet
@@ -467,13 +475,11 @@ def build_app(state: ServeState) -> Any:
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
         state.metrics.queue_rows.set(state.batcher.queued_rows())
-        state.metrics.in_flight.set(state.in_flight)
-        limit = state.config.max_in_flight
-        state.metrics.in_flight_limit.set(math.inf if limit is None else limit)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    inner = InFlightLimit(BodyLimit(app, state.config.max_body_bytes), state,
-                          state.config.max_in_flight)
+    cap = state.config.max_in_flight
+    state.metrics.in_flight_limit.set(math.inf if cap is None else cap)
+    inner = InFlightLimit(BodyLimit(app, state.config.max_body_bytes), state, cap)
     return AccessLogMiddleware(inner, state)
 
 

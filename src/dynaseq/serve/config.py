@@ -23,8 +23,7 @@ class ServeConfig:
     max_batch_rows: lines per batch at most (a request's lines are never split).
     max_queue_rows: lines waiting at most; beyond, requests get 503 + ``Retry-After``.
     max_in_flight: requests to the task's endpoints handled at once at most (None: no
-        limit); one more gets 503 + ``Retry-After`` before its body is read or parsed, so
-        that under overload the event loop spends no time on what it will refuse.
+        limit); one more gets 503 + ``Retry-After`` before its body is read or parsed.
     max_body_bytes, max_lines, max_line_chars, max_tokens: per-request limits (413/422).
     beam: beam size for translation (None: the run's ``decode.beam``).
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).

@@ -780,7 +780,9 @@ def warm_classify(state: ServeState) -> None:
     """Classify one short line (a pair for a pair task) at each budget the server runs (the
     default when it has none) before it reports ready, as :func:`warm_translate` does: the
     first request otherwise pays for the lean encoder's preparation and first allocations
-    (SST-2 CCT-BERT, one thread: 17 ms against 6 for the next)."""
+    (SST-2 CCT-BERT, one thread: 17 ms against 6 for the next). It runs the plain
+    :meth:`classify`: the realized-compute count and an adaptive-depth exit, which batches
+    add, are not warmed."""
     c = state.predictor
     line = ("a", "a") if c.layout.is_pair else "a"
     for budget in state.budgets or [None]:

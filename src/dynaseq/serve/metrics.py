@@ -62,8 +62,9 @@ class ServerMetrics:
         self.in_flight = Gauge("dynaseq_in_flight_requests", "requests to the task's "
                                "endpoints being handled", registry=r,
                                multiprocess_mode="livesum")
-        self.in_flight_limit = Gauge("dynaseq_in_flight_limit", "the --max-in-flight cap now "
-                                     "(+Inf: none)", registry=r, multiprocess_mode="livesum")
+        self.in_flight_limit = Gauge("dynaseq_in_flight_limit", "the --max-in-flight cap, "
+                                     "summed over the live workers (+Inf: none)", registry=r,
+                                     multiprocess_mode="livesum")
         self.batch_rows = Histogram("dynaseq_batch_lines", "lines per batch run",
                                     ["endpoint"], buckets=BATCH_BUCKETS, registry=r)
         self.batch_budgets = Histogram("dynaseq_batch_distinct_budgets",
