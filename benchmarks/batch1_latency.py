@@ -567,11 +567,10 @@ def cct_markdown(cct: dict) -> list[str]:
                   *(f"b={b}, estimate without decisions" for b in budgets[1:])]
         lines += _lib.md_table(header, "ll" + "r" * (len(header) - 2), [
             [r["batch"], r["search"], r["ms"]["dense lean"], r["ms"]["b=1"],
-             r["budget1_vs_dense_lean"], r["floor"], r.get("floor_no_decisions", ""),
+             r["budget1_vs_dense_lean"], r["floor"], r["floor_no_decisions"],
              *(f"{r['ratio'][b]} ({r['estimate'][b]}; {r['above_estimate'][b]:+})"
-               if "above_estimate" in r else f"{r['ratio'][b]} ({r['estimate'][b]})"
                for b in budgets[1:]),
-             *(r.get("estimate_no_decisions", {}).get(b, "") for b in budgets[1:])]
+             *(r["estimate_no_decisions"][b] for b in budgets[1:])]
             for r in rows])
     return lines
 

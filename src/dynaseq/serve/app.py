@@ -226,21 +226,20 @@ class InFlightLimit:
 
     def __init__(self, app: Any, state: ServeState, limit: int | None) -> None:
         self.app, self.state, self.limit = app, state, limit
-        self.names = {e.path: e.name for e in ep.TASK_ENDPOINTS[state.kind]}
+        self.endpoints = {e.path: e for e in ep.TASK_ENDPOINTS[state.kind]}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        name = (self.names.get(scope.get("path", "")) if scope["type"] == "http"
-                and scope.get("method") == "POST" else None)
-        if name is None:
+        endpoint = (self.endpoints.get(scope.get("path", "")) if scope["type"] == "http"
+                    and scope.get("method") == "POST" else None)
+        if endpoint is None:
             await self.app(scope, receive, send)
             return
         state, limit = self.state, self.limit
         if limit is not None and state.in_flight >= limit:
-            msg = f"{state.in_flight} requests are in flight (limit {limit})"
-            state.metrics.rejected.labels(name, "busy").inc()
-            scope.setdefault("state", {})["log"] = {"error": msg}
-            resp = _error(503, msg, {"Retry-After": str(state.config.retry_after_min_s)},
-                          "busy")
+            log = scope.setdefault("state", {})["log"] = {}
+            resp = _refuse(state, endpoint, log, 503,
+                           f"{state.in_flight} requests are in flight (limit {limit})",
+                           retry=state.config.retry_after_min_s, reason="busy")
             await resp(scope, receive, send)
             return
         state.in_flight += 1
