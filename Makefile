@@ -20,7 +20,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dynaseq demo --out runs/demo
 
-# The model `make demo` shows, shipped in the package (about 40 minutes on 2 cores), and the
+# The model `make demo` shows, shipped in the package (about 50 minutes on 2 cores), and the
 # table it gives (benchmarks/results/demo_summary.json)
 DEMO_MODEL := src/dynaseq/workflows/demo_model
 demo-model: $(STAMP)

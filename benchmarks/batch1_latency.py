@@ -542,8 +542,9 @@ def branching_markdown(section: dict) -> list[str]:
 def cct_markdown(cct: dict) -> list[str]:
     """The CCT section of batch1_latency.md."""
     lines = ["", "## CCT against dense (ms; untrained `multi30k_cct_small`, gate patterns)", "",
-             _made_by(cct["made_by"]), "", "Targets (for a trained model's budgets): budget 1 ≤ 1.05× the dense "
-             "model; a lower budget ≤ 0.05 above the floor that every gate closed sets.", ""]
+             _made_by(cct["made_by"]), "",
+             "Targets (for a trained model's budgets): budget 1 ≤ 1.05× the dense model; a "
+             "lower budget ≤ 0.05 above the floor that every gate closed sets.", ""]
     names = list(CCT_PATTERNS)
     header = ["batch", "search", "dense lean", "dense general",
               *(f"{n} lean / general" for n in names), *(f"{n} ÷ dense lean" for n in names)]

@@ -354,8 +354,8 @@ def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: lis
     line's own tokens (:func:`realized_macs_by_row`: what the line costs alone, whatever it
     was batched with), and what every gate open would have run, per token and as a
     fraction. A line whose every gate is open (a budget of 1 in both sub-networks: offsets
-    :data:`~dynaseq.techniques.cct.gating.ALL_GATES_ON`) ran what every gate open runs: :func:`all_on_macs`, without a
-    pass. Dense models: the analytic count, fraction 1."""
+    :data:`~dynaseq.techniques.cct.gating.ALL_GATES_ON`) ran what every gate open runs:
+    :func:`all_on_macs`, without a pass. Dense models: the analytic count, fraction 1."""
     max_pos = model.encoder.positions.max_positions
     device = next(model.parameters()).device
     src = collate_source([s[: max_pos - 1] for s in src_ids], model.pad_id,
@@ -760,7 +760,8 @@ def run_score(lm: Any, jobs: list[Job]) -> list[list[dict]]:
     return out
 
 
-def _answer_score(state: ServeState, req: schemas.ScoreRequest, job: Job, result: Any) -> dict[str, Any]:
+def _answer_score(state: ServeState, req: schemas.ScoreRequest, job: Job,
+                  result: Any) -> dict[str, Any]:
     if req.text is not None:
         return {"budget": None, "score": result[0]}
     return {"budget": None, "scores": result}
