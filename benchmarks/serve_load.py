@@ -22,7 +22,9 @@ on a copy of the run if it has none) and drives it with real HTTP clients over l
    share served at the full budget, 503s, and the quality of what was answered: the BLEU
    of the returned translations against their references, or the accuracy of the returned
    labels against the gold ones (a classifier's "full budget" is its largest trained one,
-   0.8 for a CCT-BERT).
+   0.8 for a CCT-BERT). With ``--access-logs DIR`` each cell's server also writes its
+   access log (one JSON line per request: budget, planned completion, margin, queue) to
+   ``DIR/RATEx_POLICY.jsonl``, to see where a cell's budgets fell or its answers came late.
 
 Example (a few minutes on 2 CPU cores; take the shared lock)::
 
@@ -149,15 +151,17 @@ class ServerProc:
 
     def __init__(self, run: Path, threads: int, window_ms: float, max_batch: int,
                  cores: set[int] | None = None, extra: list[str] | None = None,
-                 task: Task = TASKS["translate"]) -> None:
+                 task: Task = TASKS["translate"], access_log: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.log = None if access_log is None else access_log.open("w", encoding="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynaseq", "serve", str(run), "--port", str(self.port),
              *task.serve_args, "--threads", str(threads), "--batch-window-ms", str(window_ms),
              "--max-batch-lines", str(max_batch), "--max-lines", str(max_batch),
-             "--no-access-log", *(extra or [])], env=env, preexec_fn=pin_to(cores))
+             *(["--no-access-log"] if access_log is None else []), *(extra or [])],
+            env=env, preexec_fn=pin_to(cores), stderr=self.log)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -173,6 +177,8 @@ class ServerProc:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
+        if self.log is not None:
+            self.log.close()
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) the server process has used."""
@@ -388,6 +394,10 @@ def main() -> None:
     p.add_argument("--window-ms", type=float, default=5.0)
     p.add_argument("--server-args", default="",
                    help="more dynaseq serve options, one string (e.g. '--slack 0.8')")
+    p.add_argument("--access-logs", type=Path, default=None,
+                   help="keep each cell's server access log (one JSON line per request, "
+                        "with its planned completion and margin) in this folder, as "
+                        "RATEx_POLICY.jsonl")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--table-src", type=Path, default=Path("runs/demo/data/valid.src"),
                    help="sentences the latency table is timed on (not the test set)")
@@ -396,6 +406,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     add_results_arg(p)
     args = p.parse_args()
+    if args.access_logs is not None:
+        args.access_logs.mkdir(parents=True, exist_ok=True)
 
     task = TASKS["translate" if args.data is None else "classify"]
     if args.data is None:
@@ -449,8 +461,10 @@ def main() -> None:
                 # a fresh server per cell: nothing one cell leaves (a backlog of abandoned
                 # requests, the measured scale and margin) reaches the next
                 server.stop()
+                log = (None if args.access_logs is None
+                       else args.access_logs / f"{mult:g}x_{policy}.jsonl")
                 server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
-                                    None if split is None else split[0], extra, task)
+                                    None if split is None else split[0], extra, task, log)
                 asyncio.run(one_at_a_time(server.url, lines, 4, full, task.endpoint))  # warm
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,

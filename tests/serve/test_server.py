@@ -372,3 +372,25 @@ def test_each_job_of_a_batch_is_answered_when_its_own_lines_are_done(offline, li
         assert texts == offline.translate(job.payload.lines, beam=1, budget=job.payload.budget)
         assert all((c is None) == (not line) for c, line in zip(compute, job.payload.lines,
                                                                 strict=True))
+
+
+def test_serve_load_keeps_a_cells_access_log_when_asked(serve_run, lines, tmp_path):
+    """``serve_load --access-logs``: the benchmark's server writes its access log (JSON
+    lines, with the planned completion) to the cell's file; without it, no log."""
+    from helpers import load_benchmark
+
+    sl = load_benchmark("serve_load")
+    log = tmp_path / "0.5x_deadline.jsonl"
+    server = sl.ServerProc(serve_run, 1, 5.0, 8, access_log=log)
+    try:
+        r = httpx.post(server.url + "/v1/translate", json={"text": lines[0],
+                                                           "deadline_ms": 10_000})
+        assert r.status_code == 200
+    finally:
+        server.stop()
+    records = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    asked = [x for x in records if x.get("path") == "/v1/translate"]
+    assert len(asked) == 1 and asked[0]["status"] == 200 and "predicted_ms" in asked[0]
+    quiet = sl.ServerProc(serve_run, 1, 5.0, 8)
+    quiet.stop()
+    assert quiet.log is None
