@@ -23,8 +23,9 @@ on a copy of the run if it has none) and drives it with real HTTP clients over l
    of the returned translations against their references, or the accuracy of the returned
    labels against the gold ones (a classifier's "full budget" is its largest trained one,
    0.8 for a CCT-BERT). With ``--access-logs DIR`` each cell's server also writes its
-   access log (one JSON line per request: budget, planned completion, margin, queue) to
-   ``DIR/RATEx_POLICY.jsonl``, to see where a cell's budgets fell or its answers came late.
+   access log (one JSON line per request: budget, planned completion, margin, queue; the
+   4 warm-up requests first) to ``DIR/RATEx_POLICY.jsonl``, to see where a cell's budgets
+   fell or its answers came late.
 
 Example (a few minutes on 2 CPU cores; take the shared lock)::
 
@@ -155,6 +156,7 @@ class ServerProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        # the access log is the server's stderr: its JSON lines, and any warning it prints
         self.log = None if access_log is None else access_log.open("w", encoding="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynaseq", "serve", str(run), "--port", str(self.port),
@@ -162,21 +164,32 @@ class ServerProc:
              "--max-batch-lines", str(max_batch), "--max-lines", str(max_batch),
              *(["--no-access-log"] if access_log is None else []), *(extra or [])],
             env=env, preexec_fn=pin_to(cores), stderr=self.log)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("dynaseq serve did not start")
-            time.sleep(0.2)
-        self.info = httpx.get(self.url + "/readyz").json()
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("dynaseq serve did not start")
+                time.sleep(0.2)
+            self.info = httpx.get(self.url + "/readyz").json()
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            self._close_log()
+            raise
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+        finally:
+            self._close_log()
+
+    def _close_log(self) -> None:
         if self.log is not None:
             self.log.close()
 

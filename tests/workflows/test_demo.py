@@ -39,7 +39,8 @@ def test_demo_writes_data_run_and_summary(tmp_path):
         assert 0 < r["realized_fraction"] <= 1
     # the hard/easy split of decoder compute: exact at the two extremes of the gates
     t = Translator.load(out / "run")
-    src, ref = read_lines(out / "data" / "test.src")[:20], read_lines(out / "data" / "test.tgt")[:20]
+    src = read_lines(out / "data" / "test.src")[:20]
+    ref = read_lines(out / "data" / "test.tgt")[:20]
     for value in (1.0, 0.0):
         with force_gates(t.model, value):
             assert hard_easy_compute(t, src, ref, DEMO_BUDGETS[1]) == {
