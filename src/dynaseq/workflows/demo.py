@@ -57,7 +57,8 @@ def demo_config(out: Path, paths: dict[str, Path], seed: int, cct: CCTConfig | N
     Four layers a side, not two or three: trained the same way (9000 updates), a 2+2 model
     translated only at (1, 1) and (.5, .5) and a 3+3 one down to (.33, .33), while at
     (.2, .2) both degenerated into outputs that ran longer than the full budget's, so the
-    smallest budget was the slowest (``docs/results.md``, "The demo").
+    smallest budget was the slowest (``docs/results.md``, section "Batch-1 decoding
+    (issue 28)", the demo entries).
 
     ``cct``: make it a Conditional Computation Transformer with these settings. Training
     stops after ``minutes`` of wall time (None: no limit) or ``steps`` updates.
