@@ -395,7 +395,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         max_body_bytes=args.max_body_bytes, max_lines=args.max_lines,
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
-        overload=args.overload, slack=args.slack, report_compute=not args.no_compute,
+        overload=args.overload, slack=args.slack, batch_margin=args.batch_margin,
+        report_compute=not args.no_compute,
         access_log=not args.no_access_log, default_budget=args.default_budget,
         workers=args.workers, early_answers=not args.answer_at_batch_end,
         batch_nice=args.batch_nice, precision=args.precision)
@@ -1222,6 +1223,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the fastest budget, normally the smallest")
     p.add_argument("--slack", type=float, default=0.9,
                    help="plan deadline requests to finish within SLACK x deadline")
+    p.add_argument("--batch-margin", choices=["admission", "formation"], default="formation",
+                   help="the margin a batch's own deadline lines keep when the batch is "
+                        "formed: the errors of the predictions made on arrival (admission) "
+                        "or of those made as batches were formed (formation)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes on the one port, each loading the model (default "
                         "1); /metrics sums them")

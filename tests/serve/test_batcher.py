@@ -76,19 +76,32 @@ def test_queue_limit_raising_batch_and_drain():
 
 def test_measured_overhead_is_a_high_quantile_of_late_answers_and_decays():
     b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
-    b.OVERHEAD_TAU_S = 0.05
+    b.admission.tau_s = 0.05
     for late in range(100):  # 0 .. 99 ms late
         b.observe(predicted_ms=10.0, latency_ms=10.0 + late)
     assert 90 < b.overhead_ms <= 95  # the 95% quantile
     assert b.snapshot().overhead_ms == pytest.approx(b.overhead_ms, rel=0.1)
     time.sleep(0.3)  # six time constants without an answer
     assert b.overhead_ms < 1.0
-    for _ in range(b.OVERHEAD_WINDOW):  # the old errors leave the window
+    for _ in range(b.admission.window):  # the old errors leave the window
         b.observe(predicted_ms=50.0, latency_ms=10.0)  # early answers count 0, not less
     assert b.overhead_ms == 0.0
-    b.OVERHEAD_WINDOW = 10
+    b.admission.window = 10
     b.observe(predicted_ms=0.0, latency_ms=30.0)
-    assert len(b._errors) == 10
+    assert len(b.admission.errors) == 10
+
+
+def test_formation_errors_have_their_own_margin():
+    """Answers late against the prediction made as their batch was formed feed
+    :attr:`Batcher.formation_ms`, not the admission margin, and vice versa."""
+    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
+    for late in range(100):
+        b.observe_formed(float(late))
+    assert 90 < b.formation_ms <= 95 and b.overhead_ms == 0.0
+    for _ in range(b.formation.window):
+        b.observe_formed(-5.0)  # early counts 0
+        b.observe(predicted_ms=10.0, latency_ms=30.0)
+    assert b.formation_ms == 0.0 and b.overhead_ms == pytest.approx(20.0, rel=0.01)
 
 
 def test_overhead_quantile_ranked_on_arrival_equals_sorting_the_decayed_errors():
@@ -102,17 +115,17 @@ def test_overhead_quantile_ranked_on_arrival_equals_sorting_the_decayed_errors()
 
     rng = random.Random(7)
     b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4)
-    b.OVERHEAD_TAU_S, b.OVERHEAD_WINDOW = 0.02, 37
+    b.admission.tau_s, b.admission.window = 0.02, 37
     for i in range(300):
         late = 0.0 if rng.random() < 0.2 else rng.expovariate(1 / 20)
         b.observe(predicted_ms=10.0, latency_ms=10.0 + late)
         if i % 7 == 0:
             time.sleep(rng.random() * 0.01)
         now = time.perf_counter()
-        brute = sorted(_decayed(e, when, b.OVERHEAD_TAU_S, now) for _, e, when in b._errors)
+        brute = sorted(_decayed(e, when, 0.02, now) for _, e, when in b.admission.errors)
         want = brute[min(len(brute) - 1, int(b.OVERHEAD_QUANTILE * len(brute)))]
         assert math.isclose(b.overhead_at(now), want, rel_tol=1e-9, abs_tol=1e-12), i
-        assert len(b._ranked) == len(b._errors) == min(i + 1, 37)
+        assert len(b.admission.ranked) == len(b.admission.errors) == min(i + 1, 37)
 
 
 def test_arrival_rate_follows_submitted_lines():

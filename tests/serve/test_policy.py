@@ -411,3 +411,54 @@ def test_the_server_plans_early_answers_where_it_gives_them(serve_run):
     t.beam = 2  # a table measured at the server's beam
     assert not build_state(run, "seq2seq", ServeConfig(beam=2), t,
                            log_stream=None).policy.early_answers
+
+
+def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admission_one_behind():
+    """``replan_budgets`` with ``batch_margin="formation"`` takes the margin of the
+    predictions made as batches were formed off the batch's own lines and the admission
+    margin off those queued behind; with ``"admission"`` both keep the admission margin.
+    Each replanned line records when its answer is predicted (``formed_due``)."""
+    import time
+    from types import SimpleNamespace
+
+    from dynaseq.serve.batcher import Job
+    from dynaseq.serve.config import ServeConfig
+    from dynaseq.serve.endpoints import replan_budgets
+
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)  # 10 lines: 50 / 30 ms
+
+    def replan(mode: str, due_ms: float, behind_due_ms: float | None = None):
+        batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=0.0,
+                                  typical_scale=1.0)
+        state = SimpleNamespace(policy=p, batcher=batcher,
+                                config=ServeConfig(batch_margin=mode))
+        now = time.perf_counter()
+
+        def job(due: float) -> Job:
+            return Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
+                       budget=FULL, deadline_ms=due, due=now + due / 1000.0)
+
+        own = job(due_ms)
+        behind = [] if behind_due_ms is None else [job(behind_due_ms)]
+        changed = []
+        replan_budgets(state, [own], 1.0, behind,
+                       rebudget=lambda j, b, degraded: changed.append((b, degraded)))
+        return own, changed, now
+
+    # 70 ms left: 40 after the admission margin (only half's 30 ms fits), 70 after none
+    own, changed, _ = replan("admission", 70.0)
+    assert (own.budget, changed) == (HALF, [(HALF, True)])
+    own, changed, now = replan("formation", 70.0)
+    assert (own.budget, changed) == (FULL, [])
+    assert own.formed_due == pytest.approx(now + 0.050, abs=0.01)  # the full batch's 50 ms
+    # a batch behind due in 100 ms: after the full batch and its own 30 at the smallest it
+    # answers at 80, past 100 - 30; after a half batch at 60, in time: both modes go half
+    for mode in ("admission", "formation"):
+        own, _, now = replan(mode, 200.0, behind_due_ms=100.0)
+        assert own.budget == HALF, mode
+        assert own.formed_due == pytest.approx(now + 0.030, abs=0.01)
+    own, _, _ = replan("formation", 200.0, behind_due_ms=120.0)  # 80 <= 120 - 30
+    assert own.budget == FULL
+    assert ServeConfig().batch_margin == "formation"
+    with pytest.raises(DynaseqError, match="--batch-margin must be one of admission, formation"):
+        ServeConfig(batch_margin="none")

@@ -394,4 +394,6 @@ def test_serve_load_keeps_a_cells_access_log_when_asked(serve_run, lines, tmp_pa
     asked = [x for x in records if x.get("path") == "/v1/translate"]
     assert len(asked) == 1 and asked[0]["status"] == 200
     assert asked[0]["predicted_ms"] > 0 and asked[0]["margin_ms"] >= 0
+    # replanned as its batch was formed: the margin kept then, and how late against it
+    assert asked[0]["batch_margin_ms"] >= 0 and isinstance(asked[0]["formed_late_ms"], float)
     assert server.log.closed

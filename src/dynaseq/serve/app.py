@@ -352,6 +352,9 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
         m = state.metrics
         if job.predicted_ms is not None:
             state.batcher.observe(job.predicted_ms, 1000 * latency)
+        if job.formed_due is not None:
+            log["formed_late_ms"] = round(1000 * (done - job.formed_due), 1)
+            state.batcher.observe_formed(log["formed_late_ms"])
         m.latency.labels(endpoint.name, label).observe(latency)
         m.lines.labels(endpoint.name, label).inc(job.rows)
         if out.get("degraded"):

@@ -91,6 +91,9 @@ class Job:
         ``run`` may also answer a job before the batch ends (:meth:`settle`).
     expires: when an answer would be too late to send (``time.perf_counter()`` seconds;
         None: never): ``run`` may drop the job's lines that are still running then.
+    formed_due: when ``replan`` predicted, as it formed the job's batch, that the job would
+        be answered (``time.perf_counter()`` seconds; None: not predicted), for
+        :meth:`Batcher.observe_formed`.
     """
 
     group: Hashable
@@ -113,6 +116,7 @@ class Job:
     replan: Callable[[list[Job], float, list[Job]], None] | None = None
     shed: Shed | None = None
     expires: float | None = None
+    formed_due: float | None = None
     settled: bool = False
 
     def settle(self, result: Any) -> None:
@@ -131,6 +135,45 @@ class Job:
         return Work(self.budget or default, self.rows, self.length, self.due is not None)
 
 
+class LateAnswers:
+    """How much later than predicted the recent answers came: the ``quantile`` of the
+    last ``window`` errors (:meth:`add`; early answers count 0), each decayed with time
+    constant ``tau_s`` from when it was observed (:meth:`at`), as a margin that keeps that
+    share of answers within their predictions; an error fades once answers stop coming.
+
+    Written here, not taken from a library: no statistics package keeps a quantile over a
+    sliding window whose values also decay with their age. The errors are ranked once, as
+    they arrive (:func:`_decay_rank`), so reading the quantile costs no sort. Not
+    thread-safe by itself: :class:`Batcher` holds its lock around it.
+    """
+
+    def __init__(self, quantile: float, window: int, tau_s: float) -> None:
+        self.quantile = quantile
+        self.window = window
+        self.tau_s = tau_s
+        self.errors: deque[tuple[float, float, float]] = deque()  # (rank, error, when)
+        self.ranked: list[tuple[float, float, float]] = []  # the same, in rank order
+
+    def add(self, late_ms: float, when: float) -> None:
+        """One more answer, ``late_ms`` later than predicted (negative: early), observed at
+        ``when`` (``time.perf_counter()`` seconds)."""
+        late = max(0.0, late_ms)
+        entry = (_decay_rank(late, when, self.tau_s), late, when)
+        self.errors.append(entry)
+        bisect.insort(self.ranked, entry)
+        while len(self.errors) > self.window:
+            old = self.errors.popleft()
+            del self.ranked[bisect.bisect_left(self.ranked, old)]
+
+    def at(self, now: float) -> float:
+        """The margin at ``now``: the :attr:`quantile` of the errors, each decayed."""
+        n = len(self.ranked)
+        if not n:
+            return 0.0
+        _, e, when = self.ranked[min(n - 1, int(self.quantile * n))]
+        return _decayed(e, when, self.tau_s, now)
+
+
 class Batcher:
     """The queue and its worker thread (see the module doc).
 
@@ -144,13 +187,16 @@ class Batcher:
     :data:`SCALE_RANGE`; the first batches weigh more, :meth:`_update_scale`), so
     predictions from a latency table measured on the bare model include what the server
     adds around it. :attr:`overhead_ms` is the
-    :data:`OVERHEAD_QUANTILE` quantile of how much later than predicted the last
-    :data:`OVERHEAD_WINDOW` requests were answered (:meth:`observe`; early answers count
-    0): what a prediction misses (time outside the queue and the batches, a batch that
-    ran long, lines that joined a batch later), as a margin that keeps that share of
-    requests within their predictions. Each error decays with time constant
+    :data:`OVERHEAD_QUANTILE` quantile of how much later than predicted on arrival the last
+    :data:`OVERHEAD_WINDOW` requests were answered (:attr:`admission`, :meth:`observe`):
+    what a prediction misses (time outside the queue and the batches, a batch that ran
+    long, lines that joined a batch later), as a margin that keeps that share of requests
+    within their predictions. Each error decays with time constant
     :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
-    while it was high admits requests again once they stop coming.
+    while it was high admits requests again once they stop coming. :attr:`formation_ms`
+    is the same quantile of how much later than predicted *when their batch was formed*
+    the answers came (:attr:`formation`, :meth:`observe_formed`): the margin a batch's own
+    lines need, which knows the batch and no longer the queue.
     :attr:`arrival_rate` follows the lines submitted per second (decaying with time
     constant :data:`ARRIVAL_TAU_S`): how many lines will join a batch before it starts.
     """
@@ -184,8 +230,10 @@ class Batcher:
         self.scale = 1.0
         self._scale_batches = 0
         self._ratios: deque[float] = deque()  # real ÷ estimated time of the last batches
-        self._errors: deque[tuple[float, float, float]] = deque()  # :meth:`observe`
-        self._ranked: list[tuple[float, float, float]] = []  # the same, in rank order
+        self.admission = LateAnswers(self.OVERHEAD_QUANTILE, self.OVERHEAD_WINDOW,
+                                     self.OVERHEAD_TAU_S)  # :meth:`observe`
+        self.formation = LateAnswers(self.OVERHEAD_QUANTILE, self.OVERHEAD_WINDOW,
+                                     self.OVERHEAD_TAU_S)  # :meth:`observe_formed`
         self._arrivals = (0.0, time.perf_counter())  # (lines per second, when)
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
 
@@ -225,11 +273,13 @@ class Batcher:
     def overhead_at(self, now: float) -> float:
         """:attr:`overhead_ms` at ``now`` (``time.perf_counter()`` seconds)."""
         with self._cond:
-            n = len(self._ranked)
-            if not n:
-                return 0.0
-            _, e, when = self._ranked[min(n - 1, int(self.OVERHEAD_QUANTILE * n))]
-        return _decayed(e, when, self.OVERHEAD_TAU_S, now)
+            return self.admission.at(now)
+
+    @property
+    def formation_ms(self) -> float:
+        """The margin for a batch's own lines now (see the class doc)."""
+        with self._cond:
+            return self.formation.at(time.perf_counter())
 
     @property
     def arrival_rate(self) -> float:
@@ -237,16 +287,16 @@ class Batcher:
         return _decayed(*self._arrivals, self.ARRIVAL_TAU_S, time.perf_counter())
 
     def observe(self, predicted_ms: float, latency_ms: float) -> None:
-        """A request predicted (without overhead) to take ``predicted_ms`` was answered in
-        ``latency_ms``: one more error for :attr:`overhead_ms`."""
-        late, when = max(0.0, latency_ms - predicted_ms), time.perf_counter()
-        entry = (_decay_rank(late, when, self.OVERHEAD_TAU_S), late, when)
+        """A request predicted on arrival (without overhead) to take ``predicted_ms`` was
+        answered in ``latency_ms``: one more error for :attr:`overhead_ms`."""
         with self._cond:
-            self._errors.append(entry)
-            bisect.insort(self._ranked, entry)
-            while len(self._errors) > self.OVERHEAD_WINDOW:
-                old = self._errors.popleft()
-                del self._ranked[bisect.bisect_left(self._ranked, old)]
+            self.admission.add(latency_ms - predicted_ms, time.perf_counter())
+
+    def observe_formed(self, late_ms: float) -> None:
+        """A request was answered ``late_ms`` after the time predicted when its batch was
+        formed (negative: before it): one more error for :attr:`formation_ms`."""
+        with self._cond:
+            self.formation.add(late_ms, time.perf_counter())
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
@@ -406,8 +456,8 @@ def _decay_rank(value: float, when: float, tau_s: float) -> float:
     """A key that orders values observed at different times as :func:`_decayed` orders them
     at any one later time: ``log(value) + when / tau_s`` (the common factor
     ``exp(-now / tau_s)`` ranks nothing), ``-inf`` for 0. So the errors are ranked once, as
-    they are observed, and :attr:`Batcher.overhead_ms` reads its quantile without sorting
-    on every request."""
+    they are observed, and :meth:`LateAnswers.at` reads its quantile without sorting on
+    every request."""
     return math.log(value) + when / tau_s if value > 0 else -math.inf
 
 

@@ -7,6 +7,13 @@ from dataclasses import dataclass
 from dynaseq.core.config import PRECISIONS
 from dynaseq.core.errors import DynaseqError
 
+BATCH_MARGINS = ("admission", "formation")
+"""The margin a batch's own deadline lines keep when their budget is chosen again as the
+batch is formed: ``admission``, the errors of the predictions made on arrival; or
+``formation``, those of the predictions made as batches were formed (see
+:class:`~dynaseq.serve.batcher.Batcher`). The lines queued behind keep the admission
+margin either way."""
+
 OVERLOAD_ACTIONS = ("reject", "smallest")
 """What a deadline request that no budget can meet gets: ``reject`` (503 with
 ``Retry-After``) or ``smallest`` (run at the fastest budget, normally the smallest,
@@ -28,6 +35,7 @@ class ServeConfig:
     beam: beam size for translation (None: the run's ``decode.beam``).
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
     slack: a deadline request's predicted completion must be within ``slack × deadline``.
+    batch_margin: ``admission`` or ``formation`` (see :data:`BATCH_MARGINS`).
     retry_after_min_s: the smallest ``Retry-After`` sent.
     report_compute: measure each translated line's realized compute (one teacher-forced
         pass over the batch's outputs; off: responses carry no ``compute``).
@@ -60,6 +68,7 @@ class ServeConfig:
     beam: int | None = None
     overload: str = "reject"
     slack: float = 0.9
+    batch_margin: str = "formation"
     retry_after_min_s: int = 1
     report_compute: bool = True
     access_log: bool = True
@@ -90,6 +99,8 @@ class ServeConfig:
             raise DynaseqError("--beam must be >= 1")
         if self.overload not in OVERLOAD_ACTIONS:
             raise DynaseqError(f"--overload must be one of {', '.join(OVERLOAD_ACTIONS)}")
+        if self.batch_margin not in BATCH_MARGINS:
+            raise DynaseqError(f"--batch-margin must be one of {', '.join(BATCH_MARGINS)}")
         if not 0 < self.slack <= 1:
             raise DynaseqError("--slack must be in (0, 1]")
         if self.max_lines > self.max_batch_rows:

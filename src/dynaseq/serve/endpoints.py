@@ -208,9 +208,12 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
     if policy is None or not flexible:
         return
     now = time.perf_counter()
-    lag = state.batcher.loop_lag_ms + state.batcher.overhead_ms
+    batcher = state.batcher
+    lag = batcher.loop_lag_ms + batcher.overhead_ms  # the lines behind: planned on arrival
+    own_lag = (batcher.loop_lag_ms + batcher.formation_ms
+               if state.config.batch_margin == "formation" else lag)
 
-    def left(j: Job) -> float | None:
+    def left(j: Job, lag: float = lag) -> float | None:
         return None if j.due is None else 1000.0 * (j.due - now) - lag
 
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
@@ -230,11 +233,17 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
             return
     queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
-                                 [left(j) for j in flexible], scale, queued)
+                                 [left(j, own_lag) for j in flexible], scale, queued)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget
             rebudget(j, budget, budget != policy.largest)
+    answers = policy.answer_ms([*fixed, *(j.work() for j in flexible)],
+                               [j.length for j in flexible], scale)
+    for j, ms in zip(flexible, answers, strict=True):
+        j.formed_due = now + ms / 1000.0
+        if j.plan is not None:  # for the access log
+            j.plan["batch_margin_ms"] = round(own_lag, 1)
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,

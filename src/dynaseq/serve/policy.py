@@ -284,14 +284,23 @@ class DeadlinePolicy:
         time (:meth:`batch_ms`), ``scale`` times the table's, at its longest source, or with
         :attr:`early_answers` at ``lengths[i]`` (the line's answer does not wait for the
         batch's longest)."""
+        return [t <= left for t, left in zip(self.answer_ms(works, lengths, scale), left_ms,
+                                                 strict=True)]
+
+    def answer_ms(self, works: Sequence[Work], lengths: Sequence[int], scale: float = 1.0
+                  ) -> list[float]:
+        """Predicted milliseconds from its start until one batch of ``works`` (each at its
+        own budget) answers a line whose longest source is ``lengths[i]``: the batch's
+        time (:meth:`batch_ms`), ``scale`` times the table's, at its longest source, or
+        with :attr:`early_answers` at ``lengths[i]``."""
         batch = _Batch.of(works, own=lambda w: True)
         times: dict[int | None, float] = {}  # one prediction per length asked (one without)
         out = []
-        for length, left in zip(lengths, left_ms, strict=True):
+        for length in lengths:
             key = length if self.early_answers else None
             if key not in times:
                 times[key] = scale * self._summary_ms(batch, self.largest, key)
-            out.append(times[key] <= left)
+            out.append(times[key])
         return out
 
     def late(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: Sequence[float],
