@@ -1223,10 +1223,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the fastest budget, normally the smallest")
     p.add_argument("--slack", type=float, default=0.9,
                    help="plan deadline requests to finish within SLACK x deadline")
-    p.add_argument("--batch-margin", choices=["admission", "formation"], default="formation",
+    p.add_argument("--batch-margin", choices=["admission", "formation", "risk"],
+                   default="formation",
                    help="the margin a batch's own deadline lines keep when the batch is "
                         "formed: the errors of the predictions made on arrival (admission) "
-                        "or of those made as batches were formed (formation)")
+                        "or of those made as batches were formed (formation); or no margin "
+                        "but at most 1%% of the lines expected late, by the latter errors "
+                        "(risk)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes on the one port, each loading the model (default "
                         "1); /metrics sums them")

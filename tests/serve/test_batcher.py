@@ -104,6 +104,30 @@ def test_formation_errors_have_their_own_margin():
     assert b.formation_ms == 0.0 and b.overhead_ms == pytest.approx(20.0, rel=0.01)
 
 
+def test_share_above_a_slack_equals_counting_the_decayed_errors():
+    """:meth:`LateAnswers.share_above`, read by bisection from the ranks kept at each
+    ``add``, is the share that counting every decayed error above the slack gives."""
+    import math
+    import random
+
+    from dynaseq.serve.batcher import LateAnswers, _decayed
+
+    rng = random.Random(3)
+    errors = LateAnswers(0.95, window=50, tau_s=0.05)
+    assert errors.share_above(5.0, time.perf_counter()) == 0.0  # nothing observed
+    for i in range(200):
+        errors.add(0.0 if rng.random() < 0.2 else rng.expovariate(1 / 20) - 5,
+                   time.perf_counter())
+        if i % 9 == 0:
+            time.sleep(0.003)
+        now = time.perf_counter()
+        for slack in (-1.0, 0.0, 0.5, 3.0, 10.0, 30.0, 80.0):
+            want = 1.0 if slack <= 0 else sum(
+                _decayed(e, when, errors.tau_s, now) > slack
+                for _, e, when in errors.errors) / len(errors.errors)
+            assert math.isclose(errors.share_above(slack, now), want), (i, slack)
+
+
 def test_overhead_quantile_ranked_on_arrival_equals_sorting_the_decayed_errors():
     """Errors observed at different times, sizes and orders (zeros and a window that
     drops the oldest included): the quantile read from the ranks kept at each ``observe``
@@ -209,6 +233,33 @@ def test_jobs_shed_by_replan_get_their_exception_and_the_rest_run():
     assert isinstance(out[1], Shed) and out[1].retry_after_s == 3
     assert isinstance(out[3], Shed)
     assert out[0] == batches[0][0][0] and out[2] == batches[0][1][0]
+
+
+def test_a_replan_that_raises_fails_its_batch_and_the_next_batch_runs():
+    """An exception in ``replan`` (a planning fault) goes to that batch's jobs, counted as
+    a failed batch; the worker lives on and runs the next batch (it used to die, and the
+    server then answered nothing)."""
+    def replan(jobs, scale, behind):
+        raise NameError("a planning bug")
+
+    async def go():
+        batches = []
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=8, max_queue_rows=100)
+        bad = make_job("a", 2, batches)
+        bad.replan = replan
+        futs = [b.submit(j) for j in (bad, make_job("b", 1, batches))]
+        b.start()
+        out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
+        after = await asyncio.wait_for(b.submit(make_job("a", 3, batches)), 10)
+        alive = b.alive
+        b.stop()
+        return b, batches, out, after, alive
+
+    b, batches, out, after, alive = asyncio.run(go())
+    assert isinstance(out[0], NameError) and out[1] == "b0-1-1.0"
+    assert after == "a1-3-1.0" and alive
+    assert [[rows for _, rows, _ in batch] for batch in batches] == [[1], [3]]
+    assert b.metrics.batch_failures.labels("t")._value.get() == 1
 
 
 def test_a_job_its_run_marks_shed_gets_the_exception_and_the_rest_their_results():

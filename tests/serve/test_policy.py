@@ -459,6 +459,41 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
         assert own.formed_due == pytest.approx(now + 0.030, abs=0.01)
     own, _, _ = replan("formation", 200.0, behind_due_ms=120.0)  # 80 <= 120 - 30
     assert own.budget == FULL
+    # "risk": no margin off the batch's lines; a line's chance of answering late is the
+    # share of recent answers later than predicted by more than its slack
+    def risky(slack_ms: float) -> float:
+        return 0.5 if slack_ms < 10 else 0.0
+
+    for due, want in ((55.0, HALF), (65.0, FULL), (45.0, HALF)):
+        batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=99.0,
+                                  typical_scale=1.0, formation_late_share=risky)
+        state = SimpleNamespace(policy=p, batcher=batcher,
+                                config=ServeConfig(batch_margin="risk"))
+        own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
+                  budget=FULL, deadline_ms=due, due=time.perf_counter() + due / 1000.0)
+        replan_budgets(state, [own], 1.0, [], rebudget=lambda j, b, degraded: None)
+        assert own.budget == want, due
     assert ServeConfig().batch_margin == "formation"
-    with pytest.raises(DynaseqError, match="--batch-margin must be one of admission, formation"):
+    with pytest.raises(DynaseqError, match="--batch-margin must be one of admission, "
+                                           "formation, risk"):
         ServeConfig(batch_margin="none")
+
+
+def test_batch_budget_within_risk_weighs_each_lines_chance_of_answering_late():
+    """With ``late_share``, a budget is taken when no line is predicted late and the
+    expected share of late lines (each line's chance at its slack, weighted by its
+    lines) is within the tolerance."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)  # 10 lines: 50 / 30 ms
+
+    def share(slack_ms: float) -> float:
+        return 0.5 if slack_ms < 10 else 0.0
+
+    works = [Work(FULL, 9, 10, True), Work(FULL, 1, 10, True)]
+    # the one-line request has 5 ms to spare at the full budget: 0.5 x 1 / 10 lines late
+    assert p.batch_budget([], works, [100.0, 55.0], late_share=share) == HALF
+    assert p.batch_budget([], works, [100.0, 55.0], late_share=share,
+                          late_tolerance=0.05) == FULL
+    assert p.batch_budget([], works, [100.0, 61.0], late_share=share) == FULL
+    # predicted past its time left: not taken, whatever the tolerance
+    assert p.batch_budget([], works, [100.0, 49.0], late_share=share,
+                          late_tolerance=1.0) == HALF

@@ -165,6 +165,17 @@ class LateAnswers:
             old = self.errors.popleft()
             del self.ranked[bisect.bisect_left(self.ranked, old)]
 
+    def share_above(self, slack_ms: float, now: float) -> float:
+        """The share of the errors that, decayed to ``now``, exceed ``slack_ms`` (1 for a
+        slack of 0 or less): a line with that much time to spare is late this often."""
+        n = len(self.ranked)
+        if not n:
+            return 0.0
+        if slack_ms <= 0:
+            return 1.0
+        key = math.log(slack_ms) + now / self.tau_s  # :func:`_decay_rank` at ``now``
+        return (n - bisect.bisect_right(self.ranked, (key, math.inf, math.inf))) / n
+
     def at(self, now: float) -> float:
         """The margin at ``now``: the :attr:`quantile` of the errors, each decayed."""
         n = len(self.ranked)
@@ -286,6 +297,11 @@ class Batcher:
         """Lines submitted per second lately (decayed since the last submission)."""
         return _decayed(*self._arrivals, self.ARRIVAL_TAU_S, time.perf_counter())
 
+    def formation_late_share(self, slack_ms: float) -> float:
+        """:meth:`LateAnswers.share_above` of the formation errors, now."""
+        with self._cond:
+            return self.formation.share_above(slack_ms, time.perf_counter())
+
     def observe(self, predicted_ms: float, latency_ms: float) -> None:
         """A request predicted on arrival (without overhead) to take ``predicted_ms`` was
         answered in ``latency_ms``: one more error for :attr:`overhead_ms`."""
@@ -353,7 +369,13 @@ class Batcher:
                 rows += job.rows
             replan = next((j.replan for j in batch if j.replan is not None), None)
             if replan is not None:  # a job with a deadline is in it
-                replan(batch, self.scale, list(self._queue))
+                try:
+                    replan(batch, self.scale, list(self._queue))
+                except Exception as e:  # a planning fault fails this batch, not the worker
+                    self.metrics.batch_failures.labels(batch[0].endpoint).inc()
+                    for job in batch:
+                        _deliver(job, exc=e)
+                    batch = []
                 for job in batch:
                     if job.shed is not None:
                         _deliver(job, exc=job.shed)

@@ -7,12 +7,19 @@ from dataclasses import dataclass
 from dynaseq.core.config import PRECISIONS
 from dynaseq.core.errors import DynaseqError
 
-BATCH_MARGINS = ("admission", "formation")
+BATCH_MARGINS = ("admission", "formation", "risk")
 """The margin a batch's own deadline lines keep when their budget is chosen again as the
 batch is formed: ``admission``, the errors of the predictions made on arrival; or
 ``formation``, those of the predictions made as batches were formed (see
-:class:`~dynaseq.serve.batcher.Batcher`). The lines queued behind keep the admission
-margin either way."""
+:class:`~dynaseq.serve.batcher.Batcher`); or ``risk``, no margin, but a budget whose
+expected share of late lines, each line's chance read from the formation errors at its
+slack, is above :data:`LATE_TOLERANCE` is passed over
+(:meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget`). The lines queued behind keep
+the admission margin in every mode."""
+
+LATE_TOLERANCE = 0.01
+"""``batch_margin="risk"``: the expected share of a batch's deadline lines answered late
+that a budget may carry (the 1% that a 99%-in-time target leaves)."""
 
 OVERLOAD_ACTIONS = ("reject", "smallest")
 """What a deadline request that no budget can meet gets: ``reject`` (503 with

@@ -43,6 +43,7 @@ from dynaseq.models.search import Counted
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job, Shed
+from dynaseq.serve.config import LATE_TOLERANCE
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
@@ -210,8 +211,9 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
     now = time.perf_counter()
     batcher = state.batcher
     lag = batcher.loop_lag_ms + batcher.overhead_ms  # the lines behind: planned on arrival
-    own_lag = (batcher.loop_lag_ms + batcher.formation_ms
-               if state.config.batch_margin == "formation" else lag)
+    mode = state.config.batch_margin
+    own_lag = {"admission": lag, "formation": batcher.loop_lag_ms + batcher.formation_ms,
+               "risk": batcher.loop_lag_ms}[mode]
 
     def left(j: Job, lag: float = lag) -> float | None:
         return None if j.due is None else 1000.0 * (j.due - now) - lag
@@ -233,7 +235,9 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
             return
     queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
-                                 [left(j, own_lag) for j in flexible], scale, queued)
+                                 [left(j, own_lag) for j in flexible], scale, queued,
+                                 late_share=(batcher.formation_late_share if mode == "risk"
+                                             else None), late_tolerance=LATE_TOLERANCE)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget

@@ -249,7 +249,9 @@ class DeadlinePolicy:
 
     def batch_budget(self, fixed: Sequence[Work], flexible: Sequence[Work],
                      left_ms: Sequence[float], scale: float = 1.0,
-                     behind: Sequence[tuple[Work, float | None]] = ()) -> Pair:
+                     behind: Sequence[tuple[Work, float | None]] = (),
+                     late_share: Callable[[float], float] | None = None,
+                     late_tolerance: float = 0.01) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
         that answers each flexible line within its ``left_ms`` (the time left to its due
@@ -272,10 +274,30 @@ class DeadlinePolicy:
             if spent >= least:  # no faster than a larger budget: dominated
                 continue
             fastest, least = budget, spent
-            if (all(self.answers_in_time(works, [w.length for w in flexible], left_ms, scale))
-                    and self._behind_in_time(spent, behind, scale)):
+            lengths = [w.length for w in flexible]
+            in_time = (self._within_risk(works, flexible, left_ms, scale, late_share,
+                                         late_tolerance) if late_share is not None
+                       else all(self.answers_in_time(works, lengths, left_ms, scale)))
+            if in_time and self._behind_in_time(spent, behind, scale):
                 return budget
         return fastest
+
+    def _within_risk(self, works: Sequence[Work], flexible: Sequence[Work],
+                     left_ms: Sequence[float], scale: float,
+                     late_share: Callable[[float], float], tolerance: float) -> bool:
+        """Whether one batch of ``works`` answers its ``flexible`` lines in time with
+        acceptable risk: none is predicted past its ``left_ms`` (no margin), and the
+        expected share of its lines answered late, each line's chance
+        ``late_share(left - predicted)`` (the share of recent answers that came later than
+        predicted by more than that slack), weighted by the lines, is at most
+        ``tolerance``."""
+        times = self.answer_ms(works, [w.length for w in flexible], scale)
+        if any(t > left for t, left in zip(times, left_ms, strict=True)):
+            return False
+        rows = sum(w.rows for w in flexible)
+        late = sum(w.rows * late_share(left - t)
+                   for w, t, left in zip(flexible, times, left_ms, strict=True))
+        return late <= tolerance * rows
 
     def answers_in_time(self, works: Sequence[Work], lengths: Sequence[int],
                         left_ms: Sequence[float], scale: float = 1.0) -> list[bool]:
