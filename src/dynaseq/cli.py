@@ -396,6 +396,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_lines=args.max_lines,
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
         overload=args.overload, slack=args.slack, batch_margin=args.batch_margin,
+        max_utilization=args.max_utilization,
         report_compute=not args.no_compute,
         access_log=not args.no_access_log, default_budget=args.default_budget,
         workers=args.workers, early_answers=not args.answer_at_batch_end,
@@ -1230,6 +1231,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or of those made as batches were formed (formation); or no margin "
                         "but at most 1%% of the lines expected late, by the latter errors "
                         "(risk)")
+    p.add_argument("--max-utilization", type=float, default=None,
+                   help="run a batch's deadline lines above the smallest budget only if the "
+                        "arrival rate x that budget's time per line stays at most this "
+                        "(default: no limit)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes on the one port, each loading the model (default "
                         "1); /metrics sums them")

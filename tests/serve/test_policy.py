@@ -429,7 +429,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
 
     def replan(mode: str, due_ms: float, behind_due_ms: float | None = None):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=0.0,
-                                  typical_scale=1.0)
+                                  typical_scale=1.0, arrival_rate=0.0)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin=mode))
         now = time.perf_counter()
@@ -466,7 +466,8 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
 
     for due, want in ((55.0, HALF), (65.0, FULL), (45.0, HALF)):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=99.0,
-                                  typical_scale=1.0, formation_late_share=risky)
+                                  typical_scale=1.0, formation_late_share=risky,
+                                  arrival_rate=0.0)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin="risk"))
         own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
@@ -497,3 +498,19 @@ def test_batch_budget_within_risk_weighs_each_lines_chance_of_answering_late():
     # predicted past its time left: not taken, whatever the tolerance
     assert p.batch_budget([], works, [100.0, 49.0], late_share=share,
                           late_tolerance=1.0) == HALF
+
+
+def test_batch_budget_passes_over_a_budget_the_arrivals_would_outrun():
+    """With ``max_utilization``, a budget above the smallest is taken only if the arrival
+    rate x its time per line in a full batch stays within it; the smallest always is."""
+    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)  # 10 lines: 5 / 3 ms each
+    assert p.utilization(FULL, 200.0, 10) == pytest.approx(1.0)
+    assert p.utilization(HALF, 200.0, 10, scale=2.0) == pytest.approx(1.2)
+    works = [Work(FULL, 1, 10, True)]
+    assert p.batch_budget([], works, [1000.0]) == FULL  # no limit
+    assert p.batch_budget([], works, [1000.0], arrival_rate=100.0, max_utilization=0.9) == FULL
+    assert p.batch_budget([], works, [1000.0], arrival_rate=200.0, max_utilization=0.9) == HALF
+    assert p.batch_budget([], works, [1000.0], arrival_rate=1000.0, max_utilization=0.9) == HALF
+    with pytest.raises(DynaseqError, match="--max-utilization must be > 0"):
+        from dynaseq.serve.config import ServeConfig
+        ServeConfig(max_utilization=0.0)

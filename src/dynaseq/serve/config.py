@@ -42,7 +42,12 @@ class ServeConfig:
     beam: beam size for translation (None: the run's ``decode.beam``).
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
     slack: a deadline request's predicted completion must be within ``slack × deadline``.
-    batch_margin: ``admission`` or ``formation`` (see :data:`BATCH_MARGINS`).
+    batch_margin: ``admission``, ``formation`` or ``risk`` (see :data:`BATCH_MARGINS`).
+    max_utilization: a batch's deadline lines run at a budget other than the smallest only
+        if the recent arrival rate x that budget's time per line in a full batch is at most
+        this (None: no such limit; :meth:`~dynaseq.serve.policy.DeadlinePolicy.
+        utilization`): near saturation, time spent on larger budgets is time the queue
+        does not get back.
     retry_after_min_s: the smallest ``Retry-After`` sent.
     report_compute: measure each translated line's realized compute (one teacher-forced
         pass over the batch's outputs; off: responses carry no ``compute``).
@@ -76,6 +81,7 @@ class ServeConfig:
     overload: str = "reject"
     slack: float = 0.9
     batch_margin: str = "formation"
+    max_utilization: float | None = None
     retry_after_min_s: int = 1
     report_compute: bool = True
     access_log: bool = True
@@ -108,6 +114,8 @@ class ServeConfig:
             raise DynaseqError(f"--overload must be one of {', '.join(OVERLOAD_ACTIONS)}")
         if self.batch_margin not in BATCH_MARGINS:
             raise DynaseqError(f"--batch-margin must be one of {', '.join(BATCH_MARGINS)}")
+        if self.max_utilization is not None and self.max_utilization <= 0:
+            raise DynaseqError("--max-utilization must be > 0")
         if not 0 < self.slack <= 1:
             raise DynaseqError("--slack must be in (0, 1]")
         if self.max_lines > self.max_batch_rows:

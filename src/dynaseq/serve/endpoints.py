@@ -237,7 +237,9 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
                                  [left(j, own_lag) for j in flexible], scale, queued,
                                  late_share=(batcher.formation_late_share if mode == "risk"
-                                             else None), late_tolerance=LATE_TOLERANCE)
+                                             else None), late_tolerance=LATE_TOLERANCE,
+                                 arrival_rate=batcher.arrival_rate,
+                                 max_utilization=state.config.max_utilization)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget

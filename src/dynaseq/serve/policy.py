@@ -251,7 +251,8 @@ class DeadlinePolicy:
                      left_ms: Sequence[float], scale: float = 1.0,
                      behind: Sequence[tuple[Work, float | None]] = (),
                      late_share: Callable[[float], float] | None = None,
-                     late_tolerance: float = 0.01) -> Pair:
+                     late_tolerance: float = 0.01, arrival_rate: float = 0.0,
+                     max_utilization: float | None = None) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
         that answers each flexible line within its ``left_ms`` (the time left to its due
@@ -268,7 +269,12 @@ class DeadlinePolicy:
             raise ValueError(f"{len(left_ms)} times left for {len(flexible)} flexible works")
         fixed = [self._tabled(w) for w in fixed]
         fastest, least = self.smallest, math.inf
+        longest = max((w.length for w in [*fixed, *flexible]), default=1)
         for budget in self.budgets:
+            if (max_utilization is not None and budget != self.smallest
+                    and self.utilization(budget, arrival_rate, longest, scale)
+                    > max_utilization):
+                continue  # the arrivals would outrun it
             works = [*fixed, *(Work(budget, w.rows, w.length) for w in flexible)]
             spent = scale * self.batch_ms(works)
             if spent >= least:  # no faster than a larger budget: dominated
@@ -281,6 +287,14 @@ class DeadlinePolicy:
             if in_time and self._behind_in_time(spent, behind, scale):
                 return budget
         return fastest
+
+    def utilization(self, budget: Pair, arrival_rate: float, length: int,
+                    scale: float = 1.0) -> float:
+        """The share of the server's time that ``arrival_rate`` lines a second at
+        ``budget`` would take, each line at its share of a full batch
+        (``max_batch_rows`` lines at ``length``, ``scale`` times the table's): at 1 or
+        more the queue grows without bound."""
+        return arrival_rate * scale * self.row_ms(budget, length, self.max_batch_rows) / 1000
 
     def _within_risk(self, works: Sequence[Work], flexible: Sequence[Work],
                      left_ms: Sequence[float], scale: float,
