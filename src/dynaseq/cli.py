@@ -1228,13 +1228,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default="formation",
                    help="the margin a batch's own deadline lines keep when the batch is "
                         "formed: the errors of the predictions made on arrival (admission) "
-                        "or of those made as batches were formed (formation); or no margin "
-                        "but at most 1%% of the lines expected late, by the latter errors "
-                        "(risk)")
+                        "or of those made as batches were formed (formation, the default); "
+                        "or no margin but at most 1%% of the lines expected late, by the "
+                        "latter errors (risk)")
     p.add_argument("--max-utilization", type=float, default=None,
                    help="run a batch's deadline lines above the smallest budget only if the "
-                        "arrival rate x that budget's time per line stays at most this "
-                        "(default: no limit)")
+                        "arrival rate x that budget's time per line in a full batch stays "
+                        "at most this (default: no limit)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes on the one port, each loading the model (default "
                         "1); /metrics sums them")

@@ -122,7 +122,7 @@ def test_share_above_a_slack_equals_counting_the_decayed_errors():
             time.sleep(0.003)
         now = time.perf_counter()
         for slack in (-1.0, 0.0, 0.5, 3.0, 10.0, 30.0, 80.0):
-            want = 1.0 if slack <= 0 else sum(
+            want = 1.0 if slack < 0 else sum(
                 _decayed(e, when, errors.tau_s, now) > slack
                 for _, e, when in errors.errors) / len(errors.errors)
             assert math.isclose(errors.share_above(slack, now), want), (i, slack)

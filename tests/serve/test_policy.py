@@ -474,6 +474,17 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
                   budget=FULL, deadline_ms=due, due=time.perf_counter() + due / 1000.0)
         replan_budgets(state, [own], 1.0, [], rebudget=lambda j, b, degraded: None)
         assert own.budget == want, due
+    # --max-utilization reaches the batch with the batcher's arrival rate: at 200 lines a
+    # second the full budget (5 ms a line in a full batch) would take all of the time
+    for rate, want in ((100.0, FULL), (200.0, HALF)):
+        batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=0.0, formation_ms=0.0,
+                                  typical_scale=1.0, arrival_rate=rate)
+        state = SimpleNamespace(policy=p, batcher=batcher,
+                                config=ServeConfig(max_utilization=0.9))
+        own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
+                  budget=FULL, deadline_ms=500.0, due=time.perf_counter() + 0.5)
+        replan_budgets(state, [own], 1.0, [], rebudget=lambda j, b, degraded: None)
+        assert own.budget == want, rate
     assert ServeConfig().batch_margin == "formation"
     with pytest.raises(DynaseqError, match="--batch-margin must be one of admission, "
                                            "formation, risk"):
@@ -511,6 +522,7 @@ def test_batch_budget_passes_over_a_budget_the_arrivals_would_outrun():
     assert p.batch_budget([], works, [1000.0], arrival_rate=100.0, max_utilization=0.9) == FULL
     assert p.batch_budget([], works, [1000.0], arrival_rate=200.0, max_utilization=0.9) == HALF
     assert p.batch_budget([], works, [1000.0], arrival_rate=1000.0, max_utilization=0.9) == HALF
+    from dynaseq.serve.config import ServeConfig
+
     with pytest.raises(DynaseqError, match="--max-utilization must be > 0"):
-        from dynaseq.serve.config import ServeConfig
         ServeConfig(max_utilization=0.0)

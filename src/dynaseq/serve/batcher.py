@@ -166,14 +166,16 @@ class LateAnswers:
             del self.ranked[bisect.bisect_left(self.ranked, old)]
 
     def share_above(self, slack_ms: float, now: float) -> float:
-        """The share of the errors that, decayed to ``now``, exceed ``slack_ms`` (1 for a
-        slack of 0 or less): a line with that much time to spare is late this often."""
+        """The share of the errors that, decayed to ``now``, exceed ``slack_ms``: a line
+        with that much time to spare is late this often (0 with no error observed; 1 for
+        a negative slack, a line predicted late)."""
         n = len(self.ranked)
         if not n:
             return 0.0
-        if slack_ms <= 0:
+        if slack_ms < 0:
             return 1.0
-        key = math.log(slack_ms) + now / self.tau_s  # :func:`_decay_rank` at ``now``
+        # :func:`_decay_rank` at ``now``; a slack of 0: every error above 0
+        key = math.log(slack_ms) + now / self.tau_s if slack_ms > 0 else -math.inf
         return (n - bisect.bisect_right(self.ranked, (key, math.inf, math.inf))) / n
 
     def at(self, now: float) -> float:
@@ -212,6 +214,8 @@ class Batcher:
     constant :data:`ARRIVAL_TAU_S`): how many lines will join a batch before it starts.
     """
 
+    # OVERHEAD_*: the quantile, window and time constant of both error windows,
+    # :attr:`admission` (read as :attr:`overhead_ms`) and :attr:`formation`
     SCALE_WEIGHT = 0.2
     SCALE_RANGE = (0.5, 4.0)
     OVERHEAD_QUANTILE = 0.95

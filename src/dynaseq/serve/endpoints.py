@@ -210,13 +210,19 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
         return
     now = time.perf_counter()
     batcher = state.batcher
-    lag = batcher.loop_lag_ms + batcher.overhead_ms  # the lines behind: planned on arrival
+    # kept aside from each line's time left: the loop's lag and a margin for error, the
+    # admission one for the lines behind (planned on arrival), per mode for the batch's own
+    behind_ms = batcher.loop_lag_ms + batcher.overhead_ms
     mode = state.config.batch_margin
-    own_lag = {"admission": lag, "formation": batcher.loop_lag_ms + batcher.formation_ms,
-               "risk": batcher.loop_lag_ms}[mode]
+    if mode == "admission":
+        own_ms = behind_ms
+    elif mode == "formation":
+        own_ms = batcher.loop_lag_ms + batcher.formation_ms
+    else:  # "risk": no margin; the batch's budget weighs each line's chance of being late
+        own_ms = batcher.loop_lag_ms
 
-    def left(j: Job, lag: float = lag) -> float | None:
-        return None if j.due is None else 1000.0 * (j.due - now) - lag
+    def left(j: Job, aside_ms: float) -> float | None:
+        return None if j.due is None else 1000.0 * (j.due - now) - aside_ms
 
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
     if policy.overload == "reject":  # drop what a typical batch would answer late (by
@@ -233,9 +239,10 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
         flexible = [j for j in flexible if j.shed is None]
         if not flexible:
             return
-    queued = [(j.work(policy.largest), left(j)) for j in behind if j.group == jobs[0].group]
+    queued = [(j.work(policy.largest), left(j, behind_ms)) for j in behind
+              if j.group == jobs[0].group]
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
-                                 [left(j, own_lag) for j in flexible], scale, queued,
+                                 [left(j, own_ms) for j in flexible], scale, queued,
                                  late_share=(batcher.formation_late_share if mode == "risk"
                                              else None), late_tolerance=LATE_TOLERANCE,
                                  arrival_rate=batcher.arrival_rate,
@@ -249,7 +256,7 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
     for j, ms in zip(flexible, answers, strict=True):
         j.formed_due = now + ms / 1000.0
         if j.plan is not None:  # for the access log
-            j.plan["batch_margin_ms"] = round(own_lag, 1)
+            j.plan["batch_margin_ms"] = round(own_ms, 1)
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,

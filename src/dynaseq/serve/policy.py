@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dynaseq.metrics.latency_table import LatencyTable, Pair
+from dynaseq.serve.config import LATE_TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ class DeadlinePolicy:
                      left_ms: Sequence[float], scale: float = 1.0,
                      behind: Sequence[tuple[Work, float | None]] = (),
                      late_share: Callable[[float], float] | None = None,
-                     late_tolerance: float = 0.01, arrival_rate: float = 0.0,
+                     late_tolerance: float = LATE_TOLERANCE, arrival_rate: float = 0.0,
                      max_utilization: float | None = None) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
@@ -264,7 +265,15 @@ class DeadlinePolicy:
         fastest when none is. A budget predicted no faster than a larger one is passed
         over, as in :meth:`decide`. One budget for all of them keeps the batch's gates alike,
         which a mixed batch would not be; looking behind keeps a batch from spending time
-        that later requests were admitted on."""
+        that later requests were admitted on.
+
+        ``late_share`` (``slack_ms -> share``, None: off) replaces "within ``left_ms``" for
+        the flexible lines by :meth:`_within_risk`: none predicted past its time left, and
+        at most ``late_tolerance`` of them expected late, each at the share of recent
+        answers later than predicted by more than its slack (``left_ms`` then keeps no
+        margin). ``max_utilization`` (None: off) passes over every budget but the smallest
+        whose :meth:`utilization` at ``arrival_rate`` lines a second (and the batch's
+        longest source) is above it."""
         if len(left_ms) != len(flexible):
             raise ValueError(f"{len(left_ms)} times left for {len(flexible)} flexible works")
         fixed = [self._tabled(w) for w in fixed]
