@@ -279,6 +279,7 @@ class DeadlinePolicy:
         fixed = [self._tabled(w) for w in fixed]
         fastest, least = self.smallest, math.inf
         longest = max((w.length for w in [*fixed, *flexible]), default=1)
+        lengths = [w.length for w in flexible]
         for budget in self.budgets:
             if (max_utilization is not None and budget != self.smallest
                     and self.utilization(budget, arrival_rate, longest, scale)
@@ -289,7 +290,6 @@ class DeadlinePolicy:
             if spent >= least:  # no faster than a larger budget: dominated
                 continue
             fastest, least = budget, spent
-            lengths = [w.length for w in flexible]
             in_time = (self._within_risk(works, flexible, left_ms, scale, late_share,
                                          late_tolerance) if late_share is not None
                        else all(self.answers_in_time(works, lengths, left_ms, scale)))
