@@ -1199,6 +1199,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "instead (needs RUN/latency_table.json from dynaseq profile RUN "
                     "--latency-table). SIGTERM answers the requests in flight, then exits. "
                     "Example: dynaseq serve runs/demo/run --port 8000")
+    from dynaseq.serve.config import BATCH_MARGINS, OVERLOAD_ACTIONS  # light: no server
+
     p.add_argument("run_dir")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -1219,13 +1221,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="budget of requests that give none (default: the largest trained)")
     p.add_argument("--latency-table", default=None,
                    help="latency table for deadline_ms (default RUN/latency_table.json)")
-    p.add_argument("--overload", choices=["reject", "smallest"], default="reject",
+    p.add_argument("--overload", choices=OVERLOAD_ACTIONS, default="reject",
                    help="a deadline no budget can meet: 503 + Retry-After (reject) or run "
                         "at the fastest budget, normally the smallest")
     p.add_argument("--slack", type=float, default=0.9,
                    help="plan deadline requests to finish within SLACK x deadline")
-    p.add_argument("--batch-margin", choices=["admission", "formation", "risk"],
-                   default="formation",
+    p.add_argument("--batch-margin", choices=BATCH_MARGINS, default="formation",
                    help="the margin a batch's own deadline lines keep when the batch is "
                         "formed: the errors of the predictions made on arrival (admission) "
                         "or of those made as batches were formed (formation, the default); "

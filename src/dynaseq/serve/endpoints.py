@@ -43,7 +43,6 @@ from dynaseq.models.search import Counted
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job, Shed
-from dynaseq.serve.config import LATE_TOLERANCE
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
@@ -244,7 +243,7 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
     budget = policy.batch_budget(fixed, [j.work() for j in flexible],
                                  [left(j, own_ms) for j in flexible], scale, queued,
                                  late_share=(batcher.formation_late_share if mode == "risk"
-                                             else None), late_tolerance=LATE_TOLERANCE,
+                                             else None),
                                  arrival_rate=batcher.arrival_rate,
                                  max_utilization=state.config.max_utilization)
     for j in flexible:
