@@ -1,15 +1,18 @@
 """Where DMB's extra latency comes from: sub-layers and matmul kernels, dense vs branched.
 
-For each model size and number of rows M (1 = a greedy step at batch 1, 32 = batch 32,
-128 = beam 4 at batch 32, 960 = encoding 32 sentences of 30 tokens), side by side in one
+For each model size and number of rows M (1 = a greedy step at batch 1, 30 = encoding one
+sentence of 30 tokens, 32 = batch 32, 128 = beam 4 at batch 32, 960 = encoding 32 sentences
+of 30 tokens), side by side in one
 process, interleaved rounds, median of rounds:
 
 * **sub-layers** (inference, DMB shared parts merged, random-init routers that spread the
   rows over the 4 branches): the dense FFN against the DMB FFN, and dense self-attention
   against DMB self-attention for one new token per sequence over 15 cached keys;
 * **kernels** for one ``d -> ffn`` projection of rows already sorted by branch: one dense
-  ``F.linear`` over all M rows; ``F.grouped_mm`` over the 4 groups (what dynaseq runs);
-  one ``F.linear`` per group (what it ran before). Their ratio to the dense ``F.linear`` is
+  ``F.linear`` over all M rows; ``F.grouped_mm`` over the 4 groups (what the modules run);
+  one ``F.linear`` per group (what they ran before); one ``torch.baddbmm`` over the rows laid
+  out as 4 blocks of ``ceil(M/4)`` rows (what the lean parts run for calls of several rows,
+  :mod:`dynaseq.techniques.branching.blocks`). Their ratio to the dense ``F.linear`` is
   the floor of the DMB/dense latency ratio that no routing bookkeeping can go below with
   PyTorch's CPU kernels.
 
@@ -36,7 +39,7 @@ from dynaseq.techniques.branching import dmb_attention, dmb_feedforward, merge_s
 
 import _lib
 
-ROWS = (1, 32, 128, 960)
+ROWS = (1, 30, 32, 128, 960)
 N_BRANCHES = 4
 
 
@@ -86,6 +89,8 @@ def cases(size: str, m: int) -> dict[str, Callable[[], object]]:
     sizes = [m // N_BRANCHES + (k < m % N_BRANCHES) for k in range(N_BRANCHES)]
     ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
     w_t = weight.transpose(1, 2)
+    per_block = -(-m // N_BRANCHES)  # P: the largest group
+    blocks, bias_rows = torch.randn(N_BRANCHES, per_block, d), bias.unsqueeze(1)
     weights, biases = list(weight.unbind(0)), list(bias.unbind(0))
     return {
         "ffn dense": lambda: ff_dense(x),
@@ -96,6 +101,7 @@ def cases(size: str, m: int) -> dict[str, Callable[[], object]]:
         "F.grouped_mm, 4 groups": lambda: F.grouped_mm(rows, w_t, offs=ends),
         "F.linear per group + cat": lambda: torch.cat(
             [F.linear(p, weights[k], biases[k]) for k, p in enumerate(rows.split(sizes))]),
+        "torch.baddbmm, 4 blocks": lambda: torch.baddbmm(bias_rows, blocks, w_t),
     }
 
 
@@ -121,12 +127,14 @@ def markdown(result: dict) -> list[str]:
     lines = _lib.md_head(
         "dmb_kernels: DMB vs dense, sub-layers and matmul kernels (µs per call; ratio)",
         result["command"], f"Measured: {result['measured']} on {result['machine']}",
-        "Rows M: 1 = greedy step at batch 1, 32 = greedy at batch 32, 128 = beam 4 at "
-        "batch 32, 960 = encoding 32 × 30 tokens. Interleaved rounds, median. Kernels: "
-        "one `d → ffn` projection of rows already sorted into 4 equal groups.")
+        "Rows M: 1 = greedy step at batch 1, 30 = encoding one sentence of 30 tokens, "
+        "32 = greedy at batch 32, 128 = beam 4 at batch 32, 960 = encoding 32 × 30 tokens. "
+        "Interleaved rounds, median. Kernels: one `d → ffn` projection of rows already "
+        "sorted into 4 equal groups (blocks: 4 × ceil(M/4) rows).")
     pairs = [("ffn dmb", "ffn dense"), ("self-attn dmb", "self-attn dense"),
              ("F.grouped_mm, 4 groups", "F.linear, all rows"),
-             ("F.linear per group + cat", "F.linear, all rows")]
+             ("F.linear per group + cat", "F.linear, all rows"),
+             ("torch.baddbmm, 4 blocks", "F.linear, all rows")]
     for i, (size, by_m) in enumerate(result["timings_us"].items()):
         dims = MODEL_SIZES[size]
         lines += [*([""] if i else []), f"## {size} (d={dims['d_model']}, ffn={dims['ffn_dim']})",

@@ -12,7 +12,8 @@ the self-attention, ``"ffn"`` for the feed-forward):
 * dense attention fuses its q/k/v projections (:mod:`dynaseq.nn.lean_dense`); the CCT's
   gated attention runs both control nets as one product, projects keys/values and queries
   of the open tokens only, fused when every token is open
-  (:mod:`dynaseq.techniques.cct.lean_step`);
+  (:mod:`dynaseq.techniques.cct.lean_step`); DMB attention runs each token's fused q/k/v
+  through the branch its router picks (:mod:`dynaseq.techniques.branching.lean_step`);
 * feed-forward parts read rows: they run on the valid tokens only (padding is not
   computed), each token a row with its row's gate offset; the CCT's M pieces run as fused
   products with their input LayerNorms folded into the first layer;
@@ -196,8 +197,8 @@ class LeanEncoder:
 
     @classmethod
     def prepare(cls, model: nn.Module) -> LeanEncoder | None:
-        """The lean encoder of ``model``, or None where it has none (MoE or DMB sub-layers,
-        int8 CCT: the model's own forward runs)."""
+        """The lean encoder of ``model``, or None where it has none (MoE sub-layers, int8
+        CCT: the model's own forward runs)."""
         with torch.no_grad():
             layers = _lean_layers(model)
         return None if layers is None else cls(model, layers)

@@ -2,7 +2,7 @@
 step's logits, greedy and beam tokens equal the general step's, with shared parts unmerged or
 merged, float or int8, with and without fast paths, with rows of one step in different
 branches; a batch-1 step runs one plain matmul per projection and router; MoE keeps the
-general step."""
+general step; the encoder runs through lean parts too, with the module's outputs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
 from dynaseq.techniques.branching.lean_step import ROW_RUNS
 
-from helpers import assert_same_searches, padded_sources, step_ops
+from helpers import assert_same_searches, count_ops, padded_sources, step_ops
 
 EOS = 3
 LAYERS = 2
@@ -90,6 +90,23 @@ def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branche
 
 
 
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_lean_encoder_of_a_dmb_model_gives_the_modules_outputs(case):
+    m = model(seed=2, **case)
+    lean = LeanDecoder.prepare(m)
+    assert lean.encoder_layers is not None
+    src = sources(n=6, seed=9)  # rows padded by 0 to 4 positions
+    with torch.no_grad():
+        want = m.encode(src)
+        with count_ops() as ops:
+            got = lean.encode(src)
+    valid = ~want.pad_mask
+    assert torch.equal(got.pad_mask, want.pad_mask)
+    torch.testing.assert_close(got.out[valid], want.out[valid], rtol=1e-5, atol=1e-5)
+    float_blocks = not case.get("int8") and case.get("fast_paths", True)
+    assert ("baddbmm.default" in ops.names) == float_blocks  # blocks: float projections only
+
+
 def test_a_batch_1_step_runs_one_plain_matmul_per_projection_and_router():
     counts = step_ops(LeanDecoder.prepare(model()), sources(n=1), steps=4)
     for names in counts[1:]:  # (the first also projects the memory, its tokens grouped)
@@ -99,11 +116,12 @@ def test_a_batch_1_step_runs_one_plain_matmul_per_projection_and_router():
     routers = [names.count("addmv.default") for names in counts]
     # per layer: fused qkv, self out, cross q, cross out, fc1, fc2, and three routers as
     # one matrix-vector product each; then the output layer; the first step also routes the
-    # encoder output in each layer and projects its keys and values, one grouped product
-    # over its tokens' branches
+    # encoder output in each layer and projects its keys and values, one batched product
+    # over its tokens laid out in blocks by branch
     assert linears == [LAYERS * 7 + 1] + [LAYERS * 6 + 1] * 3
     assert routers == [LAYERS * 3] * 4
-    assert counts[0].count("_grouped_mm.default") == LAYERS
+    assert counts[0].count("baddbmm.default") == LAYERS
+    assert "_grouped_mm.default" not in counts[0]
 
 
 def test_the_fused_copy_takes_the_models_dtype_and_device():

@@ -169,6 +169,18 @@ class BranchedLinear(nn.Module):
                 for k, part in enumerate(xs.split(groups.sizes))]
         return torch.cat(outs)
 
+    def blocked(self, blocks: Tensor) -> Tensor:
+        """``(N, P, in)`` rows, block k for branch k -> ``(N, P, out)``: ``x W_kᵀ + b_k`` for
+        every block in one batched matmul (``torch.baddbmm`` against the ``(N, in, out)``
+        transposed view; see :mod:`~dynaseq.techniques.branching.blocks`). Inference."""
+        if blocks.dim() != 3 or blocks.size(0) != self.n_branches:
+            raise ValueError(f"blocks must be (N={self.n_branches}, P, in), got "
+                             f"{tuple(blocks.shape)}")
+        weight, bias = self.branch_parameters()  # (N, out, in), (N, out)
+        if bias is None:
+            return torch.bmm(blocks, weight.transpose(1, 2))
+        return torch.baddbmm(bias.unsqueeze(1), blocks, weight.transpose(1, 2))
+
     def _grouped_mm_applies(self, xs: Tensor) -> bool:
         """The CPU/GPU grouped-matmul kernel takes these rows: a floating dtype it supports,
         matching the weights, and row widths that are multiples of 16 bytes."""

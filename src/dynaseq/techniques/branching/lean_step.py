@@ -11,13 +11,20 @@ parts of :mod:`dynaseq.nn.lean_dense` do, through the router's decision:
 * cross-attention: the encoder output's keys and values projected once, at ``start``, each
   memory token through its own branch (the router run on the memory, as the module does),
   with one fused ``(2·d, d)`` k/v matrix per branch;
-* feed-forward (:class:`BranchedFeedForward`): ``fc2_k(relu(fc1_k(x)))`` of the token's branch.
+* feed-forward (:class:`BranchedFeedForward`): ``fc2_k(relu(fc1_k(x)))`` of the token's branch;
+* an encoder's self-attention (role ``"encoder"``, :class:`DMBEncoderAttention`): the fused
+  q/k/v product over whole sequences, padding keys masked, so a DMB model's source runs
+  through :mod:`dynaseq.models.lean_encoder` too (its feed-forward rows through
+  :class:`DMBFeedForward`).
 
 A small step (up to :data:`ROW_RUNS` rows: batch 1, greedy or beam 4) scores the branches with
 the router's weights, reads the decisions on the host once and runs each run of consecutive
 rows that chose one branch as that branch's plain matmul, with each branch's weights kept as
-views (copies while a shared part θ_S is unmerged). Larger steps go through the router's own
-:meth:`~dynaseq.techniques.branching.routing.Router.dispatch`: rows grouped by branch, each
+views (copies while a shared part θ_S is unmerged). Larger calls (larger steps, the memory's
+keys and values, an encoder's tokens) lay float projections' rows out in blocks by branch for
+one batched matmul (:func:`~dynaseq.techniques.branching.blocks.block_dispatch`) where the
+padding allows, and otherwise through the router's grouped layout
+(:meth:`~dynaseq.techniques.branching.routing.Router.dispatch`): rows grouped by branch, each
 group through its own branch only. A router built with ``fast_paths=False`` takes the grouped
 path at every size. Outputs equal the modules' up to float rounding (the same
 operations, q/k/v fused).
@@ -48,6 +55,7 @@ from dynaseq.nn.lean_step import (
     register_lean,
     split_heads,
 )
+from dynaseq.techniques.branching.blocks import block_dispatch
 from dynaseq.techniques.branching.branched_linear import BranchedLinear, Int8BranchedLinear
 from dynaseq.techniques.branching.dmb_attention import BranchedAttention
 from dynaseq.techniques.branching.dmb_ffn import BranchedFeedForward
@@ -154,6 +162,7 @@ class DMBSelfAttention:
         self.qkv_k, self.out_k = _branches(self.qkv), _branches(m.out_proj)
         self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
+        self.blocks = type(m.out_proj) is BranchedLinear  # float: rows in blocks
 
     def step(self, x: Tensor, cache: StepCache, offset: object,
              tally: StepTally | None = None) -> Tensor:
@@ -161,7 +170,7 @@ class DMBSelfAttention:
         b, h, d = x.size(0), self.n_heads, self.d_head
         picks = self.pick(x)
         if picks is None:
-            route = self.router.dispatch(x)
+            route = block_dispatch(self.router, x, self.blocks)
             qkv = route.project(self.qkv, route.input_rows())  # (B, 3·H·hd), token order
         else:
             qkv = _runs(x.view(b, -1), picks, self.qkv_k)
@@ -171,6 +180,31 @@ class DMBSelfAttention:
         if picks is not None:
             return _runs(a, picks, self.out_k).view(b, 1, h * d)
         return route.project(self.out, route.gather(a)).view(b, 1, h * d)
+
+
+class DMBEncoderAttention(DMBSelfAttention):
+    """Bidirectional self-attention over whole sequences (an encoder layer): each token's
+    q/k/v and output projections through the branch its router picks, the tokens of a call
+    laid out in blocks (:mod:`~dynaseq.techniques.branching.blocks`) or grouped by branch."""
+
+    def encode(self, x: Tensor, valid: Tensor | None, offset: object,
+               tally: StepTally | None = None) -> Tensor:
+        """x ``(B, S, d)``, valid ``(B, S)`` True at the tokens (None: no padding) ->
+        ``(B, S, d)``. Padding tokens are routed and projected as the module does; no query
+        attends to them."""
+        b, s, _ = x.shape
+        h, d = self.n_heads, self.d_head
+        route = block_dispatch(self.router, x, self.blocks)
+        qkv = route.project(self.qkv, route.input_rows())  # (B·S, 3·H·hd), token order
+        q, k, v = qkv.view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B,H,S,hd)
+        mask = None if valid is None else valid[:, None, None, :]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, S, hd)
+        a = a.transpose(1, 2).reshape(b * s, h * d)
+        return route.project(self.out, route.gather(a)).view(b, s, h * d)
+
+    def encode_first(self, x: Tensor, valid: Tensor | None, offset: object) -> Tensor:
+        """:meth:`encode` at each row's first token, ``(B, 1, d)`` (a first-token head)."""
+        return self.encode(x, valid, offset)[:, :1]
 
 
 class DMBCrossAttention:
@@ -185,11 +219,12 @@ class DMBCrossAttention:
         self.kv = _fused((m.k_proj, m.v_proj))
         self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
+        self.blocks = type(m.out_proj) is BranchedLinear
 
     def start(self, memory: Tensor, pad_mask: Tensor, offset: object,
               tally: StepTally | None = None) -> CrossKeys:
         """memory ``(B, S, d)``, pad_mask ``(B, S)`` bool (True at padding) -> the keys."""
-        route = self.router.dispatch(memory)
+        route = block_dispatch(self.router, memory, self.blocks)
         kv = route.project(self.kv, route.input_rows()).view(*memory.shape[:2], -1)
         k, v = (t.contiguous() for t in kv.chunk(2, dim=-1))  # each (B, S, d)
         mask = padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
@@ -200,7 +235,7 @@ class DMBCrossAttention:
         b, h, d = x.size(0), self.n_heads, self.d_head
         picks = self.pick(x)
         if picks is None:
-            route = self.router.dispatch(x)
+            route = block_dispatch(self.router, x, self.blocks)
             q = route.project(self.q, route.input_rows())
         else:
             q = _runs(x.view(b, -1), picks, self.q_k)
@@ -221,13 +256,14 @@ class DMBFeedForward:
         self.fc1, self.fc2 = m.fc1, m.fc2
         self.fc1_k, self.fc2_k = _branches(m.fc1), _branches(m.fc2)
         self.branch_k = [partial(self._branch, k) for k in range(len(self.fc1_k))]
+        self.blocks = type(m.fc1) is BranchedLinear
 
     def step(self, x: Tensor, offset: object, tally: StepTally | None = None) -> Tensor:
         picks = self.pick(x)
         if picks is not None:  # (B, 1, d): rows as they are, runs of the batch's first dim
             return _runs(x, picks, self.branch_k)
-        route = self.router.dispatch(x)
-        hidden = route.run(self.fc1, route.input_rows()).relu_()  # (B, ffn_dim), grouped
+        route = block_dispatch(self.router, x, self.blocks)
+        hidden = route.run(self.fc1, route.input_rows()).relu_()  # (R, ffn_dim), laid out
         return route.combine(route.run(self.fc2, hidden)).view(x.shape)
 
     def _branch(self, k: int, rows: Tensor) -> Tensor:
@@ -238,10 +274,11 @@ class DMBFeedForward:
 def _attention_part(m: nn.Module, role: str) -> DMBSelfAttention | DMBCrossAttention | None:
     assert isinstance(m, BranchedAttention)
     projections = (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
-    if (role not in ("self", "cross") or type(m.router) is not Router
+    if (role not in ("self", "cross", "encoder") or type(m.router) is not Router
             or not all(map(_usable, projections)) or len({type(p) for p in projections}) > 1):
         return None
-    return DMBSelfAttention(m) if role == "self" else DMBCrossAttention(m)
+    part = {"self": DMBSelfAttention, "cross": DMBCrossAttention, "encoder": DMBEncoderAttention}
+    return part[role](m)
 
 
 def _ffn_part(m: nn.Module, role: str) -> DMBFeedForward | None:

@@ -1,0 +1,135 @@
+"""Tokens laid out in equal blocks, one per branch, for one batched matmul (inference).
+
+:class:`~dynaseq.techniques.branching.routing.BranchGroups` sorts M tokens by branch and runs
+each branch over its group: a grouped matmul (``F.grouped_mm``) or one ``F.linear`` per group.
+On the CPU, at the sizes a sentence gives (tens to hundreds of tokens over four branches),
+that costs 2-3x one dense product of all M rows, each small group paying a kernel call of
+its own. :class:`BlockDispatch` lays the tokens out instead as N blocks of P rows, block k
+holding the tokens that chose branch k and padded to P, the largest group's size::
+
+    X_b = gather(X) : (N, P, d_in),   Y_b = X_b W_kᵀ + b_k per block k   (one torch.baddbmm)
+
+and puts the M real rows back in token order. Padding rows copy token 0 and are computed and
+dropped: N·P rows run against M needed. So blocks are laid out only for small calls
+(:data:`SMALL_BLOCKS`) or when ``N·P`` is at most :data:`MAX_PADDING` times M; otherwise (a
+skewed routing over many tokens, or every token in one branch) the router's own grouped
+dispatch runs.
+
+Why by hand: no library kernel runs a batch of small matmuls of unequal row counts well on
+the CPU. Measured on this project's 2-core AVX-512 EPYC, 30 tokens over four branches
+(``benchmarks/dmb_kernels.py`` has the per-size table): ``(N, P, d)`` blocks through
+``torch.baddbmm`` took 0.50-0.63x the grouped matmul's time at 128 x 512 and 256 x 1024
+with padding 1.07-1.33, about the same at padding 2, and more above it.
+
+A top-1 decision (DMB): each token is one row, outputs not scaled. Float
+:class:`~dynaseq.techniques.branching.branched_linear.BranchedLinear` projections only (their
+:meth:`~dynaseq.techniques.branching.branched_linear.BranchedLinear.blocked`); int8 ones keep
+the grouped layout. The lean decoding and encoding parts
+(:mod:`~dynaseq.techniques.branching.lean_step`) use it; the modules' own forward passes keep
+:class:`~dynaseq.techniques.branching.routing.Top1Dispatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dynaseq.techniques.branching.routing import (
+    Dispatch,
+    Projection,
+    Route,
+    Router,
+    Top1Dispatch,
+)
+from dynaseq.techniques.branching.traces import RouteTrace
+
+MAX_PADDING = 2.0
+"""Blocks are laid out when their ``N·P`` rows are at most this many times the M tokens..."""
+
+SMALL_BLOCKS = 64
+"""... or at most this many rows, whatever the padding: calls that small are bound by each
+product's fixed cost, not by its rows (one sentence of 30 tokens, measured: the encoder of
+the untrained DMB ``tiny`` took 0.85x the grouped layout's time with blocks limited to
+padding 1.5, 0.66x at any padding; ``small`` 0.88x / 0.80x; at 32 sentences padding 1.5 to
+3 was within 0.97-1.01x)."""
+
+
+@dataclass
+class BlockDispatch(Dispatch):
+    """A :class:`Router`'s decision for M tokens laid out as N blocks of P rows (R = N·P).
+
+    route: the decision; index: ``(N·P,)`` the token each row of the layout reads (block k,
+    row j: the j-th token, in token order, that chose branch k; padding rows read token 0);
+    slot: ``(M,)`` the row of the layout that holds each token; block_rows: P;
+    sorted_rows: ``(N·P, d)`` the input rows in that layout, gathered once.
+    """
+
+    route: Route
+    index: Tensor
+    slot: Tensor
+    block_rows: int
+    sorted_rows: Tensor
+
+    @classmethod
+    def of(cls, route: Route, x: Tensor, n_branches: int, max_padding: float = MAX_PADDING,
+           small: int = SMALL_BLOCKS) -> BlockDispatch | None:
+        """Lay out the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)``, or None when
+        the blocks would hold more than ``max_padding`` times the M tokens and more than
+        ``small`` rows, when one branch holds every token (its plain matmul is cheaper) or M
+        is 0. One host read (P)."""
+        branch = route.branch.reshape(-1)  # (M,)
+        m = branch.numel()
+        if m == 0:
+            return None
+        one_hot = F.one_hot(branch, n_branches)  # (M, N)
+        p = int(one_hot.sum(0).max())
+        if p == m or n_branches * p > max(max_padding * m, small):
+            return None
+        rank = one_hot.cumsum(0).gather(1, branch[:, None]).squeeze(1) - 1  # (M,) in block
+        slot = branch * p + rank
+        index = branch.new_zeros(n_branches * p).index_copy_(
+            0, slot, torch.arange(m, device=branch.device))
+        return cls(route, index, slot, p, x.reshape(m, -1).index_select(0, index))
+
+    @property
+    def n_tokens(self) -> int:
+        return self.slot.numel()
+
+    @property
+    def n_branches(self) -> int:
+        return self.index.numel() // self.block_rows
+
+    def input_rows(self) -> Tensor:
+        return self.sorted_rows
+
+    def gather(self, flat: Tensor) -> Tensor:
+        """``(M, d)`` rows in token order -> ``(N·P, d)`` in blocks."""
+        return flat.index_select(0, self.index)
+
+    def run(self, proj: Projection, rows: Tensor) -> Tensor:
+        """``(N·P, in)`` rows in blocks -> ``(N·P, out)``, block k through branch k of
+        ``proj`` (a float :class:`BranchedLinear`)."""
+        blocks = rows.view(self.n_branches, self.block_rows, -1)
+        return proj.blocked(blocks).view(self.index.numel(), -1)
+
+    def combine(self, ys: Tensor) -> Tensor:
+        """``(N·P, out)`` rows in blocks -> ``(M, out)`` in token order (padding dropped)."""
+        return ys.index_select(0, self.slot)
+
+    def trace(self, layer: str, gate: str, stream: str, gate_id: int) -> RouteTrace:
+        return RouteTrace(layer, gate, stream, self.route.logits, self.route.branch, gate_id)
+
+
+def block_dispatch(router: Router, x: Tensor, blocks: bool = True) -> Dispatch:
+    """``router``'s decision for ``x`` ``(..., d)``: in blocks (:class:`BlockDispatch`) when
+    ``blocks``, the router takes fast paths and the padding allows, else the router's
+    grouped layout (:class:`Top1Dispatch`, with its own fast paths)."""
+    route = router(x)
+    if blocks and router.fast_paths:
+        laid = BlockDispatch.of(route, x, router.n_branches)
+        if laid is not None:
+            return laid
+    return Top1Dispatch.of(route, x, router.n_branches, fast_paths=router.fast_paths)

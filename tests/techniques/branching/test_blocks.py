@@ -1,0 +1,94 @@
+"""Tokens laid out in blocks by branch (``techniques/branching/blocks.py``): the layout of a
+hand-worked routing, when blocks are refused, and outputs equal to the grouped layout's and
+to each branch's own product for several routing patterns (the DMB lean encoder, which
+lays its tokens out in blocks, is tested with the other lean parts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaseq.techniques.branching.blocks import BlockDispatch, block_dispatch
+from dynaseq.techniques.branching.branched_linear import BranchedLinear
+from dynaseq.techniques.branching.routing import Route, Router, Top1Dispatch
+
+
+def decision(branch: list[int], n: int = 4) -> Route:
+    b = torch.tensor(branch, dtype=torch.long)
+    return Route(torch.nn.functional.one_hot(b, n).float(), b)
+
+
+def test_a_hand_worked_routing_is_laid_out_in_padded_blocks():
+    # counts per branch [2, 1, 3, 0]: P = 3; padding rows read token 0
+    route = decision([2, 0, 2, 1, 0, 2])
+    x = torch.arange(6.0)[:, None] * torch.ones(6, 2)
+    laid = BlockDispatch.of(route, x, 4)
+    assert laid is not None and laid.block_rows == 3
+    assert laid.index.tolist() == [1, 4, 0, 3, 0, 0, 0, 2, 5, 0, 0, 0]
+    assert laid.slot.tolist() == [6, 0, 7, 3, 1, 8]
+    assert laid.input_rows()[:, 0].tolist() == [1, 4, 0, 3, 0, 0, 0, 2, 5, 0, 0, 0]
+    assert torch.equal(laid.combine(laid.input_rows()), x)  # padding dropped, token order
+
+
+def test_blocks_are_refused_for_one_branch_no_tokens_and_much_padding_over_many_tokens():
+    x = torch.randn(100, 8)
+    assert BlockDispatch.of(decision([1] * 10), x[:10], 4) is None  # one plain matmul
+    assert BlockDispatch.of(decision([]), x[:0], 4) is None
+    skewed = [0] * 97 + [1, 2, 3]  # 4 x 97 rows for 100 tokens
+    assert BlockDispatch.of(decision(skewed), x, 4) is None
+    assert BlockDispatch.of(decision(skewed), x, 4, max_padding=4.0) is not None
+    # a small call: blocks whatever the padding (9 + 1 tokens: 36 rows)
+    assert BlockDispatch.of(decision([0] * 9 + [1]), x[:10], 4) is not None
+    assert BlockDispatch.of(decision([0] * 9 + [1]), x[:10], 4, small=16) is None
+
+
+PATTERNS = {"spread": lambda g: torch.randint(0, 4, (37,), generator=g),
+            "two-branches": lambda g: torch.randint(1, 3, (37,), generator=g),
+            "skewed-small": lambda g: torch.tensor([3] * 12 + [0, 1]),
+            "every-branch-once": lambda g: torch.tensor([2, 0, 3, 1])}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_projection_in_blocks_equals_the_grouped_layout(pattern, shared, bias):
+    g = torch.Generator().manual_seed(3)
+    branch = PATTERNS[pattern](g)
+    torch.manual_seed(4)
+    proj = BranchedLinear(16, 24, 4, bias=bias, shared=shared).eval()
+    if shared:
+        with torch.no_grad():
+            proj.shared_weight.normal_()
+    x = torch.randn(branch.numel(), 16)
+    route = Route(torch.zeros(branch.numel(), 4), branch)
+    laid = BlockDispatch.of(route, x, 4, max_padding=4.0)  # whatever the padding
+    assert laid is not None
+    grouped = Top1Dispatch.of(route, x, 4)
+    with torch.no_grad():
+        want = grouped.project(proj, grouped.input_rows())
+        got = laid.project(proj, laid.input_rows())
+        for k in range(4):  # and each token against its own branch, by hand
+            weight, b = proj.branch_parameters()
+            rows = branch == k
+            ref = x[rows] @ weight[k].T + (0 if b is None else b[k])
+            torch.testing.assert_close(got[rows], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_refuses_blocks_of_the_wrong_shape():
+    proj = BranchedLinear(8, 8, 4)
+    with pytest.raises(ValueError, match=r"blocks must be \(N=4, P, in\), got \(3, 2, 8\)"):
+        proj.blocked(torch.randn(3, 2, 8))
+
+
+def test_block_dispatch_keeps_the_grouped_layout_without_fast_paths_or_when_asked():
+    torch.manual_seed(0)
+    x = torch.randn(20, 8)
+    spread = Router(8, 4)
+    with torch.no_grad():
+        spread.proj.weight.mul_(20)
+    assert len(set(spread(x).branch.tolist())) > 1
+    assert isinstance(block_dispatch(spread, x), BlockDispatch)
+    assert isinstance(block_dispatch(spread, x, blocks=False), Top1Dispatch)
+    spread.fast_paths = False
+    assert isinstance(block_dispatch(spread, x), Top1Dispatch)
