@@ -21,7 +21,9 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
 * **dmb / moe**: ``configs/multi30k_dmb_tiny.yaml`` and ``multi30k_moe_tiny.yaml`` (and the
   same at ``small``), untrained, shared parts merged, against the dense model of their size
   (lean step), batch 1: DMB with its lean step (the branch each router picks,
-  :mod:`dynaseq.techniques.branching.lean_step`) and its general step; MoE has only the
+  :mod:`dynaseq.techniques.branching.lean_step`), the same lean step as it ran before rows
+  were laid out in blocks ("grouped": the source through the modules' own pass, every call of
+  several rows in the router's grouped layout) and its general step; MoE has only the
   general step.
 * **cct**: ``configs/multi30k_cct_small.yaml`` untrained (control symbol 0) at fixed gate
   patterns, lean and general step, against the dense model of its shape (``small``, 3+3):
@@ -63,6 +65,7 @@ import torch
 
 from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.metrics.macs import count_macs
+from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import greedy_search
 from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.config import ModelConfig
@@ -316,6 +319,19 @@ def dense_rows(args, rates: dict[str, float]) -> list[dict]:
     return rows
 
 
+def grouped_lean(model: torch.nn.Module) -> LeanDecoder:
+    """The DMB model's lean step as it ran before blocks (code 7dcfc6e): the source through
+    the modules' own pass, and calls of several rows (the memory's keys and values) in the
+    router's grouped layout."""
+    lean = LeanDecoder.prepare(model)
+    assert lean is not None, "a DMB model has a lean step"
+    lean.encoder_layers = None
+    for layer in lean.layers:
+        for part in (layer.self_attn, layer.cross_attn, layer.ffn):
+            part.blocks = False
+    return lean
+
+
 def branching_rows(args) -> list[dict]:
     """DMB (lean and general step) and MoE ÷ the dense model of their size, batch 1."""
     rows = []
@@ -327,14 +343,16 @@ def branching_rows(args) -> list[dict]:
                 return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam, batch=1,
                                                  repeats=args.repeats, lean=lean)
             systems = {"dense lean": t(base, True), "dense general": t(base),
-                       "dmb lean": t(models["dmb"], True), "dmb general": t(models["dmb"]),
-                       "moe": t(models["moe"])}
+                       "dmb lean": t(models["dmb"], True),
+                       "dmb lean grouped": t(models["dmb"], grouped_lean(models["dmb"])),
+                       "dmb general": t(models["dmb"]), "moe": t(models["moe"])}
             ms = interleaved(systems, args.rounds)
             row = {"size": size, "search": search, "ms": ms,
                    "dmb_lean_vs_dense_lean": round(ms["dmb lean"] / ms["dense lean"], 3),
                    "dmb_general_vs_dense_general": round(ms["dmb general"]
                                                          / ms["dense general"], 3),
                    "dmb_lean_vs_general": round(ms["dmb lean"] / ms["dmb general"], 3),
+                   "dmb_lean_vs_grouped": round(ms["dmb lean"] / ms["dmb lean grouped"], 3),
                    "moe_vs_dense_lean": round(ms["moe"] / ms["dense lean"], 3)}
             rows.append(row)
             print(f"branching {size} {search}: {ms}", flush=True)
@@ -529,14 +547,21 @@ def branching_markdown(section: dict) -> list[str]:
     lines = ["", "## DMB and MoE against dense, batch 1 (ms)", "", _made_by(section["made_by"]),
              "", "Target: DMB ≤ 1.05× the dense model (lean step against lean step), greedy "
              "and beam 4, tiny and small.", ""]
-    header = ["size", "search", "dense lean", "dense general", "dmb lean", "dmb general", "moe",
-              "dmb lean ÷ dense lean", "dmb general ÷ dense general", "dmb lean ÷ general",
-              "moe ÷ dense lean"]
-    return lines + _lib.md_table(header, "ll" + "r" * 9, [
-        [r["size"], r["search"], *(r["ms"][k] for k in ("dense lean", "dense general",
-                                                          "dmb lean", "dmb general", "moe")),
-         r["dmb_lean_vs_dense_lean"], r["dmb_general_vs_dense_general"],
-         r["dmb_lean_vs_general"], r["moe_vs_dense_lean"]] for r in section["rows"]])
+    systems = ("dense lean", "dense general", "dmb lean", "dmb lean grouped", "dmb general",
+               "moe")
+    ratios = {"dmb lean ÷ dense lean": "dmb_lean_vs_dense_lean",
+              "dmb general ÷ dense general": "dmb_general_vs_dense_general",
+              "dmb lean ÷ general": "dmb_lean_vs_general",
+              "dmb lean ÷ lean grouped": "dmb_lean_vs_grouped", "moe ÷ dense lean":
+              "moe_vs_dense_lean"}
+    rows = section["rows"]
+    if not all("dmb lean grouped" in r["ms"] for r in rows):  # rows from before blocks
+        systems = tuple(k for k in systems if k != "dmb lean grouped")
+        del ratios["dmb lean ÷ lean grouped"]
+    return lines + _lib.md_table(
+        ["size", "search", *systems, *ratios], "ll" + "r" * (len(systems) + len(ratios)),
+        [[r["size"], r["search"], *(r["ms"][k] for k in systems),
+          *(r[key] for key in ratios.values())] for r in rows])
 
 
 def cct_markdown(cct: dict) -> list[str]:

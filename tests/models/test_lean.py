@@ -162,6 +162,11 @@ def test_latency_timing_decodes_as_translation_does(monkeypatch):
     decode_latency_ms(dense, 5, 5, repeats=1)  # default: the lean step, prepared once
     decode_latency_ms(dense, 5, 5, repeats=1, lean=False)
     assert prepared == [dense]
+    lean = original(dense)  # a prepared lean step is used as it is
+    decode_latency_ms(dense, 5, 5, repeats=1, lean=lean)
+    assert prepared == [dense]
+    with pytest.raises(ValueError, match="lean must be a LeanDecoder of model"):
+        decode_latency_ms(model(), 5, 5, repeats=1, lean=lean)
 
 
 def test_a_cache_of_no_steps_is_refused():

@@ -64,7 +64,7 @@ def search(searcher: Any, src: Tensor, beam: int, after: AfterDecode | None,
 @torch.no_grad()
 def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
                       batch: int = 1, repeats: int = 5, seed: int = 0,
-                      control: object = None, lean: bool | None = None,
+                      control: object = None, lean: bool | LeanDecoder | None = None,
                       after: AfterDecode | None = None) -> float:
     """Median wall time (ms) to translate ``batch`` sentences of ``src_len`` tokens into
     exactly ``tgt_len`` tokens (eos is forbidden before, forced after), after one warm-up.
@@ -75,7 +75,9 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     decodes as translation does, through :class:`~dynaseq.models.lean.LeanDecoder` where the
     model has one (dense and CCT; prepared once, outside the timing) and the general step
     otherwise; True requires the lean step (a model without one is refused), False the
-    general one. ``after``: work timed with each decode (:class:`AfterDecode`).
+    general one; a prepared :class:`~dynaseq.models.lean.LeanDecoder` of ``model`` decodes
+    through that one (a benchmark's variant of the lean step). ``after``: work timed with
+    each decode (:class:`AfterDecode`).
     """
     device = next(model.parameters()).device
     vocab = model.decoder.output_proj.out_features
@@ -87,7 +89,12 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     kwargs = {"max_len_a": 0.0, "max_len_b": tgt_len + 1, "min_len": tgt_len,
               "max_positions": model.decoder.positions.max_positions, "control": control}
 
-    searcher = model if lean is False else LeanDecoder.prepare(model)
+    if isinstance(lean, LeanDecoder):
+        if lean.model is not model:
+            raise ValueError("lean must be a LeanDecoder of model")
+        searcher = lean
+    else:
+        searcher = model if lean is False else LeanDecoder.prepare(model)
     if searcher is None:
         if lean:
             raise ValueError("this model has no lean decoding step (MoE, int8 CCT and "
