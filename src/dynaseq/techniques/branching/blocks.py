@@ -16,10 +16,15 @@ skewed routing over many tokens, or every token in one branch) the router's own 
 dispatch runs.
 
 Why by hand: no library kernel runs a batch of small matmuls of unequal row counts well on
-the CPU. Measured on this project's 2-core AVX-512 EPYC, 30 tokens over four branches
-(``benchmarks/dmb_kernels.py`` has the per-size table): ``(N, P, d)`` blocks through
-``torch.baddbmm`` took 0.50-0.63x the grouped matmul's time at 128 x 512 and 256 x 1024
-with padding 1.07-1.33, about the same at padding 2, and more above it.
+the CPU. Measured on this project's 2-core AVX-512 EPYC (``benchmarks/dmb_kernels.py``,
+one ``d -> ffn`` projection of M rows over four equal groups, against one dense
+``F.linear`` of the same rows): at M = 30 (one sentence's tokens) ``torch.baddbmm`` over
+the blocks took 1.13x / 1.02x / 2.37x the dense product at ``tiny`` / ``small`` / ``base``,
+``F.grouped_mm`` 2.52x / 2.01x / 3.74x; at M = 128, 0.88x / 1.01x / 1.19x against 2.04x /
+1.35x / 1.95x. Padding costs rows: for one sentence of the untrained DMB ``tiny`` the
+encoder took 0.85x the grouped layout's time with blocks limited to padding 1.5 and 0.66x
+at any padding, but the skewed routings of decoding steps of 32 rows (31 of 32 rows in one
+branch) made blocks of every size 1.2x slower than groups at ``small``: hence the limits.
 
 A top-1 decision (DMB): each token is one row, outputs not scaled. Float
 :class:`~dynaseq.techniques.branching.branched_linear.BranchedLinear` projections only (their
@@ -51,10 +56,8 @@ MAX_PADDING = 2.0
 
 SMALL_BLOCKS = 64
 """... or at most this many rows, whatever the padding: calls that small are bound by each
-product's fixed cost, not by its rows (one sentence of 30 tokens, measured: the encoder of
-the untrained DMB ``tiny`` took 0.85x the grouped layout's time with blocks limited to
-padding 1.5, 0.66x at any padding; ``small`` 0.88x / 0.80x; at 32 sentences padding 1.5 to
-3 was within 0.97-1.01x)."""
+product's fixed cost, not by its rows (a sentence of up to 30 tokens lays out in blocks
+whatever its routing; see the module docstring)."""
 
 
 @dataclass
