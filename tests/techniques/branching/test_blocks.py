@@ -10,7 +10,9 @@ import torch
 
 from dynaseq.techniques.branching.blocks import BlockDispatch, block_dispatch
 from dynaseq.techniques.branching.branched_linear import BranchedLinear
-from dynaseq.techniques.branching.routing import Route, Router, Top1Dispatch
+from dynaseq.techniques.branching.routing import BranchGroups, Route, Router, Top1Dispatch
+
+from helpers import count_ops
 
 
 def decision(branch: list[int], n: int = 4) -> Route:
@@ -92,3 +94,21 @@ def test_block_dispatch_keeps_the_grouped_layout_without_fast_paths_or_when_aske
     assert isinstance(block_dispatch(spread, x, blocks=False), Top1Dispatch)
     spread.fast_paths = False
     assert isinstance(block_dispatch(spread, x), Top1Dispatch)
+
+
+def test_a_refused_layout_counts_the_tokens_once_for_the_grouped_one():
+    torch.manual_seed(0)
+    router = Router(8, 4)
+    x = torch.randn(200, 8)
+    with torch.no_grad():
+        router.proj.bias.copy_(torch.tensor([2.0, 0, 0, 0]))  # 150 of 200 tokens to branch 0
+        route = router(x)
+        assert torch.bincount(route.branch, minlength=4).tolist() == [150, 21, 17, 12]
+        with count_ops() as ops:
+            laid = block_dispatch(router, x)
+    assert isinstance(laid, Top1Dispatch)
+    assert ops.names.count("bincount.default") == 1
+    counts = torch.bincount(route.branch, minlength=4)
+    given = BranchGroups.of(route.branch, 4, counts=counts)
+    own = BranchGroups.of(route.branch, 4)
+    assert given.sizes == own.sizes and torch.equal(given.order, own.order)

@@ -78,19 +78,23 @@ class BlockDispatch(Dispatch):
 
     @classmethod
     def of(cls, route: Route, x: Tensor, n_branches: int, max_padding: float = MAX_PADDING,
-           small: int = SMALL_BLOCKS) -> BlockDispatch | None:
+           small: int = SMALL_BLOCKS, counts: Tensor | None = None) -> BlockDispatch | None:
         """Lay out the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)``, or None when
         the blocks would hold more than ``max_padding`` times the M tokens and more than
         ``small`` rows, when one branch holds every token (its plain matmul is cheaper) or M
-        is 0. One host read (P)."""
+        is 0. ``counts``: the tokens per branch (``torch.bincount(branch,
+        minlength=n_branches)``) when the caller has them. One host read (the counts): a
+        refusal costs no more."""
         branch = route.branch.reshape(-1)  # (M,)
         m = branch.numel()
         if m == 0:
             return None
-        one_hot = F.one_hot(branch, n_branches)  # (M, N)
-        p = int(one_hot.sum(0).max())
+        if counts is None:
+            counts = torch.bincount(branch, minlength=n_branches)
+        p = max(counts.tolist())
         if p == m or n_branches * p > max(max_padding * m, small):
             return None
+        one_hot = F.one_hot(branch, n_branches)  # (M, N)
         rank = one_hot.cumsum(0).gather(1, branch[:, None]).squeeze(1) - 1  # (M,) in block
         slot = branch * p + rank
         index = branch.new_zeros(n_branches * p).index_copy_(
@@ -131,8 +135,9 @@ def block_dispatch(router: Router, x: Tensor, blocks: bool = True) -> Dispatch:
     ``blocks``, the router takes fast paths and the padding allows, else the router's
     grouped layout (:class:`Top1Dispatch`, with its own fast paths)."""
     route = router(x)
-    if blocks and router.fast_paths:
-        laid = BlockDispatch.of(route, x, router.n_branches)
-        if laid is not None:
-            return laid
-    return Top1Dispatch.of(route, x, router.n_branches, fast_paths=router.fast_paths)
+    n = router.n_branches
+    if not (blocks and router.fast_paths):
+        return Top1Dispatch.of(route, x, n, fast_paths=router.fast_paths)
+    counts = torch.bincount(route.branch.reshape(-1), minlength=n)  # shared by both layouts
+    laid = BlockDispatch.of(route, x, n, counts=counts)
+    return laid if laid is not None else Top1Dispatch.of(route, x, n, counts=counts)

@@ -214,14 +214,15 @@ class BranchGroups:
 
     @classmethod
     def of(cls, branch: Tensor, n_branches: int, *, validate: bool = True,
-           fast_paths: bool = True) -> BranchGroups:
+           fast_paths: bool = True, counts: Tensor | None = None) -> BranchGroups:
         """Group the tokens of ``branch`` ``(M,)`` long, ids in ``[0, n_branches)``.
 
         ``validate=False`` skips the range check of the ids (one reduction and one host
         sync); for ids that hold by construction, such as a router's argmax.
         ``fast_paths``: tokens that all chose one branch (one token: a single host sync)
         stay as they are (``in_order``, ``only``); False sorts them into the general grouped
-        layout (``ends``, ``branch_sorted``) whatever they chose.
+        layout (``ends``, ``branch_sorted``) whatever they chose. ``counts``: the tokens per
+        branch, ``torch.bincount(branch, minlength=n_branches)``, when the caller has them.
         """
         if branch.dim() != 1 or branch.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"branch must be an (M,) integer tensor, got shape "
@@ -238,7 +239,8 @@ class BranchGroups:
         if validate and m and int(branch.min()) < 0:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
                              f"{int(branch.min())}")
-        counts = torch.bincount(branch, minlength=n_branches)
+        if counts is None:
+            counts = torch.bincount(branch, minlength=n_branches)
         sizes = counts.tolist()  # one host sync
         if len(sizes) > n_branches:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
@@ -290,12 +292,12 @@ class Top1Dispatch(Dispatch):
     sorted_rows: Tensor
 
     @classmethod
-    def of(cls, route: Route, x: Tensor, n_branches: int, *,
-           fast_paths: bool = True) -> Top1Dispatch:
-        """Group the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)`` (``fast_paths``:
-        see :meth:`BranchGroups.of`)."""
+    def of(cls, route: Route, x: Tensor, n_branches: int, *, fast_paths: bool = True,
+           counts: Tensor | None = None) -> Top1Dispatch:
+        """Group the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)`` (``fast_paths``,
+        ``counts``: see :meth:`BranchGroups.of`)."""
         groups = BranchGroups.of(route.branch.reshape(-1), n_branches, validate=False,
-                                 fast_paths=fast_paths)
+                                 fast_paths=fast_paths, counts=counts)
         return cls(route, groups, groups.gather(x.reshape(-1, x.size(-1))))
 
     @property
