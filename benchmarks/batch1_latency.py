@@ -263,17 +263,20 @@ def decode_flops(model: torch.nn.Module, batch: int, beam: int) -> float:
 
 
 def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Median over rounds of each system's per-round time (ms), the systems taking turns.
+    """Median over rounds of each system's per-round time (ms), the systems taking turns,
+    the first of a round moving on by one each round (no system always runs after the
+    same one, whose weights or threads it might find warm).
 
     Each turn starts after a pause of :data:`SETTLE_S`: thread pools spin for a while after
     their last task (Intel OpenMP's default block time, CTranslate2's, is 200 ms), and a
     system that starts while the other's threads spin on the same two cores runs up to twice
     as slow."""
     per: dict[str, list[float]] = {name: [] for name in systems}
-    for _ in range(rounds):
-        for name, run in systems.items():
+    names = list(systems)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             time.sleep(SETTLE_S)
-            per[name].append(run())
+            per[name].append(systems[name]())
     return {name: round(statistics.median(v), 2) for name, v in per.items()}
 
 
@@ -345,7 +348,7 @@ def branching_rows(args) -> list[dict]:
                 return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam,
                                                  batch=batch, repeats=args.repeats, lean=lean)
             systems = {"dense lean": t(base, True), "dense general": t(base),
-                       "dmb lean": t(models["dmb"], True),
+                       "dmb lean": t(models["dmb"], LeanDecoder.prepare(models["dmb"])),
                        "dmb lean grouped": t(models["dmb"], grouped_lean(models["dmb"])),
                        "dmb general": t(models["dmb"]), "moe": t(models["moe"])}
             ms = interleaved(systems, args.rounds)
