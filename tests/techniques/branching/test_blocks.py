@@ -32,16 +32,16 @@ def test_a_hand_worked_routing_is_laid_out_in_padded_blocks():
     assert torch.equal(laid.combine(laid.input_rows()), x)  # padding dropped, token order
 
 
-def test_blocks_are_refused_for_one_branch_no_tokens_and_much_padding_over_many_tokens():
+def test_blocks_are_refused_for_one_branch_no_tokens_and_more_than_small_rows():
     x = torch.randn(100, 8)
     assert BlockDispatch.of(decision([1] * 10), x[:10], 4) is None  # one plain matmul
     assert BlockDispatch.of(decision([]), x[:0], 4) is None
-    skewed = [0] * 97 + [1, 2, 3]  # 4 x 97 rows for 100 tokens
-    assert BlockDispatch.of(decision(skewed), x, 4) is None
-    assert BlockDispatch.of(decision(skewed), x, 4, max_padding=4.0) is not None
+    spread = [0, 1, 2, 3] * 25  # 4 x 25 rows for 100 tokens: no padding, but large
+    assert BlockDispatch.of(decision(spread), x, 4) is None
+    assert BlockDispatch.of(decision(spread), x, 4, small=100) is not None
     # a small call: blocks whatever the padding (9 + 1 tokens: 36 rows)
     assert BlockDispatch.of(decision([0] * 9 + [1]), x[:10], 4) is not None
-    assert BlockDispatch.of(decision([0] * 9 + [1]), x[:10], 4, small=16) is None
+    assert BlockDispatch.of(decision([0] * 9 + [1]), x[:10], 4, small=35) is None
 
 
 PATTERNS = {"spread": lambda g: torch.randint(0, 4, (37,), generator=g),
@@ -63,7 +63,7 @@ def test_a_projection_in_blocks_equals_the_grouped_layout(pattern, shared, bias)
             proj.shared_weight.normal_()
     x = torch.randn(branch.numel(), 16)
     route = Route(torch.zeros(branch.numel(), 4), branch)
-    laid = BlockDispatch.of(route, x, 4, max_padding=4.0)  # whatever the padding
+    laid = BlockDispatch.of(route, x, 4, small=4 * branch.numel())  # whatever the size
     assert laid is not None
     grouped = Top1Dispatch.of(route, x, 4)
     with torch.no_grad():

@@ -10,10 +10,10 @@ holding the tokens that chose branch k and padded to P, the largest group's size
     X_b = gather(X) : (N, P, d_in),   Y_b = X_b W_kᵀ + b_k per block k   (one torch.baddbmm)
 
 and puts the M real rows back in token order. Padding rows copy token 0 and are computed and
-dropped: N·P rows run against M needed. So blocks are laid out only for small calls
-(:data:`SMALL_BLOCKS`) or when ``N·P`` is at most :data:`MAX_PADDING` times M; otherwise (a
-skewed routing over many tokens, or every token in one branch) the router's own grouped
-dispatch runs.
+dropped: N·P rows run against M needed. Blocks are laid out for small calls only, of at
+most :data:`SMALL_BLOCKS` rows (a sentence's tokens at batch 1, a step of a few dozen rows
+whose routing is spread); larger calls, and calls whose tokens all chose one branch, take
+the router's own grouped dispatch.
 
 Why by hand: no library kernel runs a batch of small matmuls of unequal row counts well on
 the CPU. Measured on this project's 2-core AVX-512 EPYC (``benchmarks/dmb_kernels.py``,
@@ -21,10 +21,13 @@ one ``d -> ffn`` projection of M rows over four equal groups, against one dense
 ``F.linear`` of the same rows): at M = 30 (one sentence's tokens) ``torch.baddbmm`` over
 the blocks took 1.13x / 1.02x / 2.37x the dense product at ``tiny`` / ``small`` / ``base``,
 ``F.grouped_mm`` 2.52x / 2.01x / 3.74x; at M = 128, 0.88x / 1.01x / 1.19x against 2.04x /
-1.35x / 1.95x. Padding costs rows: for one sentence of the untrained DMB ``tiny`` the
-encoder took 0.85x the grouped layout's time with blocks limited to padding 1.5 and 0.66x
-at any padding, but the skewed routings of decoding steps of 32 rows (31 of 32 rows in one
-branch) made blocks of every size 1.2x slower than groups at ``small``: hence the limits.
+1.35x / 1.95x; at M = 960 about even (1.05x / 1.21x / 1.06x against 2.20x / 1.25x /
+1.48x), so that the padding of a real routing (N·P = 1.1-1.4 M) loses there. Whole decodes
+agree: with blocks also for calls of up to twice their tokens' rows, batch-32 greedy
+decodes of the untrained DMB took 1.09-1.11x the grouped layout's time
+(``benchmarks/batch1_latency.py``); with small calls only, 0.99x / 1.02x (``tiny`` /
+``small``), and one sentence 0.90x at ``tiny``. For one sentence at ``tiny`` the encoder
+alone took 0.66-0.79x the grouped layout's time.
 
 A top-1 decision (DMB): each token is one row, outputs not scaled. Float
 :class:`~dynaseq.techniques.branching.branched_linear.BranchedLinear` projections only (their
@@ -51,13 +54,10 @@ from dynaseq.techniques.branching.routing import (
 )
 from dynaseq.techniques.branching.traces import RouteTrace
 
-MAX_PADDING = 2.0
-"""Blocks are laid out when their ``N·P`` rows are at most this many times the M tokens..."""
-
 SMALL_BLOCKS = 64
-"""... or at most this many rows, whatever the padding: calls that small are bound by each
-product's fixed cost, not by its rows (a sentence of up to 30 tokens lays out in blocks
-whatever its routing; see the module docstring)."""
+"""Blocks are laid out when their ``N·P`` rows are at most this many, whatever the padding:
+calls that small are bound by each product's fixed cost, not by its rows (see the module
+docstring)."""
 
 
 @dataclass
@@ -77,12 +77,11 @@ class BlockDispatch(Dispatch):
     sorted_rows: Tensor
 
     @classmethod
-    def of(cls, route: Route, x: Tensor, n_branches: int, max_padding: float = MAX_PADDING,
-           small: int = SMALL_BLOCKS, counts: Tensor | None = None) -> BlockDispatch | None:
+    def of(cls, route: Route, x: Tensor, n_branches: int, small: int = SMALL_BLOCKS,
+           counts: Tensor | None = None) -> BlockDispatch | None:
         """Lay out the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)``, or None when
-        the blocks would hold more than ``max_padding`` times the M tokens and more than
-        ``small`` rows, when one branch holds every token (its plain matmul is cheaper) or M
-        is 0. ``counts``: the tokens per branch (``torch.bincount(branch,
+        the blocks would hold more than ``small`` rows, when one branch holds every token
+        (its plain matmul is cheaper) or M is 0. ``counts``: the tokens per branch (``torch.bincount(branch,
         minlength=n_branches)``) when the caller has them. One host read (the counts): a
         refusal costs no more."""
         branch = route.branch.reshape(-1)  # (M,)
@@ -92,7 +91,7 @@ class BlockDispatch(Dispatch):
         if counts is None:
             counts = torch.bincount(branch, minlength=n_branches)
         p = max(counts.tolist())
-        if p == m or n_branches * p > max(max_padding * m, small):
+        if p == m or n_branches * p > small:
             return None
         one_hot = F.one_hot(branch, n_branches)  # (M, N)
         rank = one_hot.cumsum(0).gather(1, branch[:, None]).squeeze(1) - 1  # (M,) in block
@@ -132,7 +131,7 @@ class BlockDispatch(Dispatch):
 
 def block_dispatch(router: Router, x: Tensor, blocks: bool = True) -> Dispatch:
     """``router``'s decision for ``x`` ``(..., d)``: in blocks (:class:`BlockDispatch`) when
-    ``blocks``, the router takes fast paths and the padding allows, else the router's
+    ``blocks``, the router takes fast paths and the call is small enough, else the router's
     grouped layout (:class:`Top1Dispatch`, with its own fast paths)."""
     route = router(x)
     n = router.n_branches

@@ -22,8 +22,8 @@ the router's weights, reads the decisions on the host once and runs each run of 
 rows that chose one branch as that branch's plain matmul, with each branch's weights kept as
 views (copies while a shared part θ_S is unmerged). Larger calls (larger steps, the memory's
 keys and values, an encoder's tokens) lay float projections' rows out in blocks by branch for
-one batched matmul (:func:`~dynaseq.techniques.branching.blocks.block_dispatch`) where the
-padding allows, and otherwise through the router's grouped layout
+one batched matmul (:func:`~dynaseq.techniques.branching.blocks.block_dispatch`) while they
+are few (one sentence's tokens), and otherwise go through the router's grouped layout
 (:meth:`~dynaseq.techniques.branching.routing.Router.dispatch`): rows grouped by branch, each
 group through its own branch only. A router built with ``fast_paths=False`` takes the grouped
 path at every size. Outputs equal the modules' up to float rounding (the same
