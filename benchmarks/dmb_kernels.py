@@ -11,10 +11,10 @@ process, interleaved rounds, median of rounds:
 * **kernels** for one ``d -> ffn`` projection of rows already sorted by branch: one dense
   ``F.linear`` over all M rows; ``F.grouped_mm`` over the 4 groups (what the modules run);
   one ``F.linear`` per group (what they ran before); one ``torch.baddbmm`` over the rows laid
-  out as 4 blocks of ``ceil(M/4)`` rows (what the lean parts run for calls of several rows,
-  :mod:`dynaseq.techniques.branching.blocks`). Their ratio to the dense ``F.linear`` is
-  the floor of the DMB/dense latency ratio that no routing bookkeeping can go below with
-  PyTorch's CPU kernels.
+  out as 4 blocks of ``ceil(M/4)`` rows (what the lean parts run for calls of several rows
+  whose blocks hold at most 64: :mod:`dynaseq.techniques.branching.blocks`). Their ratio to
+  the dense ``F.linear`` is the floor of the DMB/dense latency ratio that no routing
+  bookkeeping can go below with PyTorch's CPU kernels.
 
     python benchmarks/dmb_kernels.py [--sizes tiny small base] [--rounds 5]
 

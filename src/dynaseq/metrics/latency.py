@@ -73,7 +73,7 @@ def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, be
     ``control``: the control-symbol id (trained budget) of a CCT model, or its
     :class:`~dynaseq.techniques.cct.gating.BudgetControl`. ``lean``: None (the default)
     decodes as translation does, through :class:`~dynaseq.models.lean.LeanDecoder` where the
-    model has one (dense and CCT; prepared once, outside the timing) and the general step
+    model has one (dense, CCT, DMB; prepared once, outside the timing) and the general step
     otherwise; True requires the lean step (a model without one is refused), False the
     general one; a prepared :class:`~dynaseq.models.lean.LeanDecoder` of ``model`` decodes
     through that one (a benchmark's variant of the lean step). ``after``: work timed with

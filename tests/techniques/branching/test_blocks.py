@@ -108,7 +108,43 @@ def test_a_refused_layout_counts_the_tokens_once_for_the_grouped_one():
             laid = block_dispatch(router, x)
     assert isinstance(laid, Top1Dispatch)
     assert ops.names.count("bincount.default") == 1
-    counts = torch.bincount(route.branch, minlength=4)
-    given = BranchGroups.of(route.branch, 4, counts=counts)
     own = BranchGroups.of(route.branch, 4)
-    assert given.sizes == own.sizes and torch.equal(given.order, own.order)
+    counts = torch.bincount(route.branch, minlength=4)
+    given = BranchGroups.of(route.branch, 4, counts=(counts, counts.tolist()))
+    assert given.sizes == own.sizes == [150, 21, 17, 12]
+    assert torch.equal(given.order, own.order) and torch.equal(given.ends, own.ends)
+    # the given counts are what it uses (no second count)
+    wrong = torch.tensor([100, 50, 25, 25])
+    assert BranchGroups.of(route.branch, 4, counts=(wrong, wrong.tolist())).sizes == [
+        100, 50, 25, 25]
+
+
+def test_int32_ids_and_batched_rows_lay_out_as_int64_ids_and_flat_rows():
+    branch = torch.tensor([[2, 0, 2], [1, 0, 3]])  # (B, S)
+    x = torch.randn(2, 3, 5)
+    flat = BlockDispatch.of(Route(torch.zeros(6, 4), branch.reshape(-1)), x.reshape(6, 5), 4)
+    ints = BlockDispatch.of(Route(torch.zeros(2, 3, 4), branch.int()), x, 4)
+    assert flat is not None and ints is not None
+    assert torch.equal(ints.index, flat.index) and torch.equal(ints.slot, flat.slot)
+    assert torch.equal(ints.input_rows(), flat.input_rows())
+
+
+def test_bfloat16_blocks_match_each_branchs_own_product():
+    torch.manual_seed(5)
+    proj = BranchedLinear(16, 32, 4, shared=False).to(torch.bfloat16).eval()
+    blocks = torch.randn(4, 3, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = proj.blocked(blocks)
+        for k in range(4):
+            want = torch.nn.functional.linear(blocks[k], proj.weight[k], proj.bias[k])
+            torch.testing.assert_close(got[k], want, rtol=2e-2, atol=2e-2)
+
+
+def test_an_int8_projection_is_refused_by_blocks_with_one_line():
+    from dynaseq.techniques.branching.branched_linear import Int8BranchedLinear
+
+    proj = Int8BranchedLinear.from_float(BranchedLinear(8, 8, 4).eval())
+    laid = BlockDispatch.of(decision([0, 1, 2, 3]), torch.randn(4, 8), 4)
+    with pytest.raises(TypeError, match="blocks run float BranchedLinear projections, got "
+                                        "Int8BranchedLinear"):
+        laid.run(proj, laid.input_rows())

@@ -66,7 +66,8 @@ def test_greedy_and_beam_give_the_general_steps_tokens(case):
     assert greedy_search(lean, row, max_len_b=30) == [greedy[2]]
 
 
-@pytest.mark.parametrize("rows", [5, ROW_RUNS + 3])  # runs of rows; grouped by branch
+# runs of rows; blocks by branch (float) or groups (int8, no fast paths); groups (> 64 rows)
+@pytest.mark.parametrize("rows", [5, ROW_RUNS + 3, 70])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branches(case, rows):
     m = model(seed=5, **case)
@@ -87,6 +88,11 @@ def test_each_steps_logits_equal_the_general_step_with_rows_in_different_branche
             mixed += len(set(router(x).branch.flatten().tolist())) > 1
             tokens = torch.randint(4, 30, (rows, 1), generator=g)
     assert mixed > 0, "the rows of some step chose different branches"
+    with torch.no_grad(), count_ops() as ops:
+        lean.decode_step(tokens, enc, fast)
+    in_blocks = (rows == ROW_RUNS + 3 and not case.get("int8")
+                 and case.get("fast_paths", True))
+    assert ("baddbmm.default" in ops.names) == in_blocks
 
 
 
@@ -105,6 +111,21 @@ def test_the_lean_encoder_of_a_dmb_model_gives_the_modules_outputs(case):
     torch.testing.assert_close(got.out[valid], want.out[valid], rtol=1e-5, atol=1e-5)
     float_blocks = not case.get("int8") and case.get("fast_paths", True)
     assert ("baddbmm.default" in ops.names) == float_blocks  # blocks: float projections only
+
+
+def test_the_lean_encoders_first_token_output_is_its_whole_outputs_first_token():
+    """``encode_first`` (what a first-token head reads) of DMB's lean encoder part."""
+    from dynaseq.models.lean_encoder import lean_layers, run_layers, valid_tokens
+
+    m = model(seed=3)
+    layers = lean_layers(m.encoder.layers)
+    src = sources(n=3, seed=4)
+    with torch.no_grad():
+        x, pad_mask = m.encoder.embed_inputs(src, None)
+        valid = valid_tokens(pad_mask)
+        whole = run_layers(layers, range(len(layers)), x, valid, None)
+        first = run_layers(layers, range(len(layers)), x, valid, None, first_only=True)
+    torch.testing.assert_close(first, whole[:, :1], rtol=1e-5, atol=1e-5)
 
 
 def test_a_batch_1_step_runs_one_plain_matmul_per_projection_and_router():

@@ -21,13 +21,13 @@ one ``d -> ffn`` projection of M rows over four equal groups, against one dense
 ``F.linear`` of the same rows): at M = 30 (one sentence's tokens) ``torch.baddbmm`` over
 the blocks took 1.13x / 1.02x / 2.37x the dense product at ``tiny`` / ``small`` / ``base``,
 ``F.grouped_mm`` 2.52x / 2.01x / 3.74x; at M = 128, 0.88x / 1.01x / 1.19x against 2.04x /
-1.35x / 1.95x; at M = 960 about even (1.05x / 1.21x / 1.06x against 2.20x / 1.25x /
-1.48x), so that the padding of a real routing (N·P = 1.1-1.4 M) loses there. Whole decodes
-agree: with blocks also for calls of up to twice their tokens' rows, batch-32 greedy
-decodes of the untrained DMB took 1.09-1.11x the grouped layout's time
-(``benchmarks/batch1_latency.py``); with small calls only, 0.99x / 1.02x (``tiny`` /
-``small``), and one sentence 0.90x at ``tiny``. For one sentence at ``tiny`` the encoder
-alone took 0.66-0.79x the grouped layout's time.
+1.35x / 1.95x; at M = 960 the two are closer (1.05x / 1.21x / 1.06x against 2.20x /
+1.25x / 1.48x). Whole decodes of the untrained DMB (``benchmarks/batch1_latency.py``,
+interleaved with the grouped layout) decided the limit: blocks also for calls of up to
+twice their tokens' rows (the 960-token encoder and memory at batch 32) made batch-32
+greedy decodes 1.09x / 1.11x slower (``tiny`` / ``small``); with small calls only, 1.02x
+/ 0.98x. For one 30-token sentence, the encoder with blocks took 0.79x / 0.84x its time
+with groups.
 
 A top-1 decision (DMB): each token is one row, outputs not scaled. Float
 :class:`~dynaseq.techniques.branching.branched_linear.BranchedLinear` projections only (their
@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dynaseq.techniques.branching.branched_linear import BranchedLinear
 from dynaseq.techniques.branching.routing import (
     Dispatch,
     Projection,
@@ -78,19 +79,18 @@ class BlockDispatch(Dispatch):
 
     @classmethod
     def of(cls, route: Route, x: Tensor, n_branches: int, small: int = SMALL_BLOCKS,
-           counts: Tensor | None = None) -> BlockDispatch | None:
-        """Lay out the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)``, or None when
-        the blocks would hold more than ``small`` rows, when one branch holds every token
-        (its plain matmul is cheaper) or M is 0. ``counts``: the tokens per branch (``torch.bincount(branch,
-        minlength=n_branches)``) when the caller has them. One host read (the counts): a
-        refusal costs no more."""
-        branch = route.branch.reshape(-1)  # (M,)
+           sizes: list[int] | None = None) -> BlockDispatch | None:
+        """Lay out the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)`` (integer ids),
+        or None when the blocks would hold more than ``small`` rows, when one branch holds
+        every token (its plain matmul is cheaper) or M is 0. ``sizes``: the tokens per
+        branch, read on the host, when the caller has them (else one host read here)."""
+        branch = route.branch.reshape(-1).long()  # (M,)
         m = branch.numel()
         if m == 0:
             return None
-        if counts is None:
-            counts = torch.bincount(branch, minlength=n_branches)
-        p = max(counts.tolist())
+        if sizes is None:
+            sizes = torch.bincount(branch, minlength=n_branches).tolist()
+        p = max(sizes)
         if p == m or n_branches * p > small:
             return None
         one_hot = F.one_hot(branch, n_branches)  # (M, N)
@@ -117,7 +117,10 @@ class BlockDispatch(Dispatch):
 
     def run(self, proj: Projection, rows: Tensor) -> Tensor:
         """``(N·P, in)`` rows in blocks -> ``(N·P, out)``, block k through branch k of
-        ``proj`` (a float :class:`BranchedLinear`)."""
+        ``proj`` (a float :class:`BranchedLinear`; an int8 one has no batched product)."""
+        if not isinstance(proj, BranchedLinear):
+            raise TypeError(f"blocks run float BranchedLinear projections, got "
+                            f"{type(proj).__name__}")
         blocks = rows.view(self.n_branches, self.block_rows, -1)
         return proj.blocked(blocks).view(self.index.numel(), -1)
 
@@ -138,5 +141,6 @@ def block_dispatch(router: Router, x: Tensor, blocks: bool = True) -> Dispatch:
     if not (blocks and router.fast_paths):
         return Top1Dispatch.of(route, x, n, fast_paths=router.fast_paths)
     counts = torch.bincount(route.branch.reshape(-1), minlength=n)  # shared by both layouts
-    laid = BlockDispatch.of(route, x, n, counts=counts)
-    return laid if laid is not None else Top1Dispatch.of(route, x, n, counts=counts)
+    sizes = counts.tolist()  # the one host read
+    laid = BlockDispatch.of(route, x, n, sizes=sizes)
+    return laid if laid is not None else Top1Dispatch.of(route, x, n, counts=(counts, sizes))

@@ -105,15 +105,16 @@ def _branches(p: Projection) -> list[LinearFn]:
 
 ROW_RUNS = 8
 """Steps of up to this many rows (batch 1, beam 4 at batch 1) run each run of consecutive
-rows that chose one branch as one plain matmul against that branch; larger steps are grouped
-by branch (:meth:`Router.dispatch`). At beam 4, runs measured 0.6x the grouped path's time
-per sub-layer on this project's 2-core CPU (tiny and small)."""
+rows that chose one branch as one plain matmul against that branch; larger steps are laid
+out in blocks or grouped by branch (:func:`block_dispatch`). At beam 4, runs measured 0.6x
+the grouped path's time per sub-layer on this project's 2-core CPU (tiny and small);
+blocks for 4 rows cost more to lay out than the runs' extra products."""
 
 
 class _Pick:
     """A router's decisions for a small step: ``__call__(x)`` with x ``(B, 1, d)`` -> the
     branch of each row (one host read), or None for more than :data:`ROW_RUNS` rows or a
-    router without fast paths (the grouped dispatch runs then)."""
+    router without fast paths (:func:`block_dispatch` runs then)."""
 
     def __init__(self, router: Router) -> None:
         self.weight, self.bias = router.proj.weight, router.proj.bias  # live, no copies
@@ -151,18 +152,27 @@ def _sources(*projections: Projection) -> list[Tensor]:
         else (p.weight, p.bias, p.shared_weight, p.shared_bias)) if t is not None]
 
 
-class DMBSelfAttention:
+class _FusedSelfAttention:
+    """What DMB self-attention parts share: the router, each branch's q/k/v projections fused
+    into one ``(3·d, d)`` matrix per branch (a copy), the output projection, and whether the
+    projections are float (rows of several tokens may then go in blocks)."""
+
+    def __init__(self, m: BranchedAttention) -> None:
+        self.router: Router = m.router
+        self.qkv, self.out = _fused((m.q_proj, m.k_proj, m.v_proj)), m.out_proj
+        self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
+        self.n_heads, self.d_head = m.n_heads, m.d_head
+        self.blocks = type(m.out_proj) is BranchedLinear  # all four share one type
+
+
+class DMBSelfAttention(_FusedSelfAttention):
     """Self-attention of one new token per row over the cached keys, each row through the
     branch its router picks (see the module doc)."""
 
     def __init__(self, m: BranchedAttention) -> None:
-        self.router: Router = m.router
+        super().__init__(m)
         self.pick = _Pick(m.router)
-        self.qkv, self.out = _fused((m.q_proj, m.k_proj, m.v_proj)), m.out_proj
         self.qkv_k, self.out_k = _branches(self.qkv), _branches(m.out_proj)
-        self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
-        self.n_heads, self.d_head = m.n_heads, m.d_head
-        self.blocks = type(m.out_proj) is BranchedLinear  # float: rows in blocks
 
     def step(self, x: Tensor, cache: StepCache, offset: object,
              tally: StepTally | None = None) -> Tensor:
@@ -182,7 +192,7 @@ class DMBSelfAttention:
         return route.project(self.out, route.gather(a)).view(b, 1, h * d)
 
 
-class DMBEncoderAttention(DMBSelfAttention):
+class DMBEncoderAttention(_FusedSelfAttention):
     """Bidirectional self-attention over whole sequences (an encoder layer): each token's
     q/k/v and output projections through the branch its router picks, the tokens of a call
     laid out in blocks (:mod:`~dynaseq.techniques.branching.blocks`) or grouped by branch."""
@@ -190,8 +200,9 @@ class DMBEncoderAttention(DMBSelfAttention):
     def encode(self, x: Tensor, valid: Tensor | None, offset: object,
                tally: StepTally | None = None) -> Tensor:
         """x ``(B, S, d)``, valid ``(B, S)`` True at the tokens (None: no padding) ->
-        ``(B, S, d)``. Padding tokens are routed and projected as the module does; no query
-        attends to them."""
+        ``(B, S, d)``. Padding tokens are routed and projected too (no query attends to
+        them); their states, which the lean pass leaves as they come, may route them
+        otherwise than the module's would: outputs at valid tokens are the same."""
         b, s, _ = x.shape
         h, d = self.n_heads, self.d_head
         route = block_dispatch(self.router, x, self.blocks)
@@ -256,7 +267,7 @@ class DMBFeedForward:
         self.fc1, self.fc2 = m.fc1, m.fc2
         self.fc1_k, self.fc2_k = _branches(m.fc1), _branches(m.fc2)
         self.branch_k = [partial(self._branch, k) for k in range(len(self.fc1_k))]
-        self.blocks = type(m.fc1) is BranchedLinear
+        self.blocks = type(m.fc1) is BranchedLinear and type(m.fc2) is BranchedLinear
 
     def step(self, x: Tensor, offset: object, tally: StepTally | None = None) -> Tensor:
         picks = self.pick(x)

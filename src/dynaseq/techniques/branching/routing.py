@@ -214,7 +214,8 @@ class BranchGroups:
 
     @classmethod
     def of(cls, branch: Tensor, n_branches: int, *, validate: bool = True,
-           fast_paths: bool = True, counts: Tensor | None = None) -> BranchGroups:
+           fast_paths: bool = True,
+           counts: tuple[Tensor, list[int]] | None = None) -> BranchGroups:
         """Group the tokens of ``branch`` ``(M,)`` long, ids in ``[0, n_branches)``.
 
         ``validate=False`` skips the range check of the ids (one reduction and one host
@@ -222,7 +223,8 @@ class BranchGroups:
         ``fast_paths``: tokens that all chose one branch (one token: a single host sync)
         stay as they are (``in_order``, ``only``); False sorts them into the general grouped
         layout (``ends``, ``branch_sorted``) whatever they chose. ``counts``: the tokens per
-        branch, ``torch.bincount(branch, minlength=n_branches)``, when the caller has them.
+        branch, ``torch.bincount(branch, minlength=n_branches)`` and its values read on the
+        host, when the caller has them (no second count or host read).
         """
         if branch.dim() != 1 or branch.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"branch must be an (M,) integer tensor, got shape "
@@ -240,8 +242,10 @@ class BranchGroups:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
                              f"{int(branch.min())}")
         if counts is None:
-            counts = torch.bincount(branch, minlength=n_branches)
-        sizes = counts.tolist()  # one host sync
+            count = torch.bincount(branch, minlength=n_branches)
+            sizes = count.tolist()  # one host sync
+        else:
+            count, sizes = counts
         if len(sizes) > n_branches:
             raise ValueError(f"branch ids must lie in [0, {n_branches}), got id "
                              f"{len(sizes) - 1}")
@@ -250,7 +254,7 @@ class BranchGroups:
             return cls(identity, identity, sizes, in_order=True,
                        only=sizes.index(m) if m else None)
         branch_sorted, order = torch.sort(branch, stable=True)
-        return cls(order, order.argsort(), sizes, ends=counts.cumsum(0, dtype=torch.int32),
+        return cls(order, order.argsort(), sizes, ends=count.cumsum(0, dtype=torch.int32),
                    branch_sorted=branch_sorted)
 
     @property
@@ -293,7 +297,7 @@ class Top1Dispatch(Dispatch):
 
     @classmethod
     def of(cls, route: Route, x: Tensor, n_branches: int, *, fast_paths: bool = True,
-           counts: Tensor | None = None) -> Top1Dispatch:
+           counts: tuple[Tensor, list[int]] | None = None) -> Top1Dispatch:
         """Group the rows of ``x`` ``(..., d)`` by ``route.branch`` ``(...)`` (``fast_paths``,
         ``counts``: see :meth:`BranchGroups.of`)."""
         groups = BranchGroups.of(route.branch.reshape(-1), n_branches, validate=False,
