@@ -25,7 +25,7 @@ the blocks took 1.13x / 1.02x / 2.37x the dense product at ``tiny`` / ``small`` 
 1.25x / 1.48x). Whole decodes of the untrained DMB (``benchmarks/batch1_latency.py``,
 interleaved with the grouped layout) decided the limit: blocks also for calls of up to
 twice their tokens' rows (the 960-token encoder and memory at batch 32) made batch-32
-greedy decodes 1.09x / 1.11x slower (``tiny`` / ``small``); with small calls only, 1.02x
+greedy decodes 1.11x / 1.09x slower (``tiny`` / ``small``); with small calls only, 1.02x
 / 0.98x. For one 30-token sentence, the encoder with blocks took 0.79x / 0.84x its time
 with groups.
 
