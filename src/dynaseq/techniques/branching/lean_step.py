@@ -282,14 +282,19 @@ class DMBFeedForward:
         return self.fc2_k[k](self.fc1_k[k](rows).relu_())
 
 
-def _attention_part(m: nn.Module, role: str) -> DMBSelfAttention | DMBCrossAttention | None:
+_ATTENTION_PARTS = {"self": DMBSelfAttention, "cross": DMBCrossAttention,
+                    "encoder": DMBEncoderAttention}
+"""The lean attention part of each role."""
+
+
+def _attention_part(m: nn.Module, role: str
+                    ) -> DMBSelfAttention | DMBCrossAttention | DMBEncoderAttention | None:
     assert isinstance(m, BranchedAttention)
     projections = (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
-    if (role not in ("self", "cross", "encoder") or type(m.router) is not Router
+    if (role not in _ATTENTION_PARTS or type(m.router) is not Router
             or not all(map(_usable, projections)) or len({type(p) for p in projections}) > 1):
         return None
-    part = {"self": DMBSelfAttention, "cross": DMBCrossAttention, "encoder": DMBEncoderAttention}
-    return part[role](m)
+    return _ATTENTION_PARTS[role](m)
 
 
 def _ffn_part(m: nn.Module, role: str) -> DMBFeedForward | None:
