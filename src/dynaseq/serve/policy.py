@@ -290,8 +290,8 @@ class DeadlinePolicy:
             if spent >= least:  # no faster than a larger budget: dominated
                 continue
             fastest, least = budget, spent
-            in_time = (self._within_risk(works, flexible, left_ms, scale, late_share,
-                                         late_tolerance) if late_share is not None
+            in_time = (self._within_risk(works, flexible, lengths, left_ms, scale,
+                                         late_share, late_tolerance) if late_share is not None
                        else all(self.answers_in_time(works, lengths, left_ms, scale)))
             if in_time and self._behind_in_time(spent, behind, scale):
                 return budget
@@ -306,15 +306,16 @@ class DeadlinePolicy:
         return arrival_rate * scale * self.row_ms(budget, length, self.max_batch_rows) / 1000
 
     def _within_risk(self, works: Sequence[Work], flexible: Sequence[Work],
-                     left_ms: Sequence[float], scale: float,
+                     lengths: Sequence[int], left_ms: Sequence[float], scale: float,
                      late_share: Callable[[float], float], tolerance: float) -> bool:
-        """Whether one batch of ``works`` answers its ``flexible`` lines in time with
-        acceptable risk: none is predicted past its ``left_ms`` (no margin), and the
+        """Whether one batch of ``works`` answers its ``flexible`` lines (their longest
+        sources ``lengths``) in time with acceptable risk: none is predicted past its
+        ``left_ms`` (no margin), and the
         expected share of its lines answered late, each line's chance
         ``late_share(left - predicted)`` (the share of recent answers that came later than
         predicted by more than that slack), weighted by the lines, is at most
         ``tolerance``."""
-        times = self.answer_ms(works, [w.length for w in flexible], scale)
+        times = self.answer_ms(works, lengths, scale)
         if any(t > left for t, left in zip(times, left_ms, strict=True)):
             return False
         rows = sum(w.rows for w in flexible)

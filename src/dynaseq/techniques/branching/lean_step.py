@@ -152,17 +152,31 @@ def _sources(*projections: Projection) -> list[Tensor]:
         else (p.weight, p.bias, p.shared_weight, p.shared_bias)) if t is not None]
 
 
-class _FusedSelfAttention:
-    """What DMB self-attention parts share: the router, each branch's q/k/v projections fused
-    into one ``(3·d, d)`` matrix per branch (a copy), the output projection, and whether the
-    projections are float (rows of several tokens may then go in blocks)."""
+def _all_float(*projections: Projection) -> bool:
+    """Whether every one of ``projections`` is a float :class:`BranchedLinear` (calls of
+    several rows may then lay them out in blocks; int8 ones keep groups)."""
+    return all(type(p) is BranchedLinear for p in projections)
+
+
+class _AttentionPart:
+    """What every DMB attention part holds: the router, the output projection, the tensors
+    it copied or viewed, the heads, and whether its projections are float."""
 
     def __init__(self, m: BranchedAttention) -> None:
         self.router: Router = m.router
-        self.qkv, self.out = _fused((m.q_proj, m.k_proj, m.v_proj)), m.out_proj
+        self.out = m.out_proj
         self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
-        self.blocks = type(m.out_proj) is BranchedLinear  # all four share one type
+        self.blocks = _all_float(m.out_proj)  # the four projections share one type
+
+
+class _FusedSelfAttention(_AttentionPart):
+    """A DMB self-attention part: each branch's q/k/v projections fused into one
+    ``(3·d, d)`` matrix per branch (a copy)."""
+
+    def __init__(self, m: BranchedAttention) -> None:
+        super().__init__(m)
+        self.qkv = _fused((m.q_proj, m.k_proj, m.v_proj))
 
 
 class DMBSelfAttention(_FusedSelfAttention):
@@ -218,19 +232,16 @@ class DMBEncoderAttention(_FusedSelfAttention):
         return self.encode(x, valid, offset)[:, :1]
 
 
-class DMBCrossAttention:
+class DMBCrossAttention(_AttentionPart):
     """Cross-attention of one new token per row over the encoder output's keys and values,
     projected once by :meth:`start`, each memory token through its own branch."""
 
     def __init__(self, m: BranchedAttention) -> None:
-        self.router: Router = m.router
+        super().__init__(m)
         self.pick = _Pick(m.router)
-        self.q, self.out = m.q_proj, m.out_proj
+        self.q = m.q_proj
         self.q_k, self.out_k = _branches(m.q_proj), _branches(m.out_proj)
         self.kv = _fused((m.k_proj, m.v_proj))
-        self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
-        self.n_heads, self.d_head = m.n_heads, m.d_head
-        self.blocks = type(m.out_proj) is BranchedLinear
 
     def start(self, memory: Tensor, pad_mask: Tensor, offset: object,
               tally: StepTally | None = None) -> CrossKeys:
@@ -267,7 +278,7 @@ class DMBFeedForward:
         self.fc1, self.fc2 = m.fc1, m.fc2
         self.fc1_k, self.fc2_k = _branches(m.fc1), _branches(m.fc2)
         self.branch_k = [partial(self._branch, k) for k in range(len(self.fc1_k))]
-        self.blocks = type(m.fc1) is BranchedLinear and type(m.fc2) is BranchedLinear
+        self.blocks = _all_float(m.fc1, m.fc2)
 
     def step(self, x: Tensor, offset: object, tally: StepTally | None = None) -> Tensor:
         picks = self.pick(x)
