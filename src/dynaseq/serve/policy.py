@@ -310,11 +310,10 @@ class DeadlinePolicy:
                      late_share: Callable[[float], float], tolerance: float) -> bool:
         """Whether one batch of ``works`` answers its ``flexible`` lines (their longest
         sources ``lengths``) in time with acceptable risk: none is predicted past its
-        ``left_ms`` (no margin), and the
-        expected share of its lines answered late, each line's chance
-        ``late_share(left - predicted)`` (the share of recent answers that came later than
-        predicted by more than that slack), weighted by the lines, is at most
-        ``tolerance``."""
+        ``left_ms`` (no margin), and the expected share of its lines answered late, each
+        line's chance ``late_share(left - predicted)`` (the share of recent answers that
+        came later than predicted by more than that slack), weighted by the lines, is at
+        most ``tolerance``."""
         times = self.answer_ms(works, lengths, scale)
         if any(t > left for t, left in zip(times, left_ms, strict=True)):
             return False
