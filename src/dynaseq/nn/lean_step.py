@@ -394,7 +394,7 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
     return out
 
 
-__all__ = ["LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
+__all__ = ["FEW_ROWS", "LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
            "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
            "WideLinear",
            "apply_linear", "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",

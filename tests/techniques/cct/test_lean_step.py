@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
-from dynaseq.nn.lean_step import lean_part
+from dynaseq.nn.lean_step import FEW_ROWS, lean_part
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.cct.config import CCTConfig
@@ -78,6 +78,53 @@ def test_each_steps_logits_equal_the_general_step(name, capacity, fuse_waste, mo
             got = lean.decode_step(tokens, enc, fast)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             tokens = torch.randint(4, V, (src.size(0), 1), generator=g)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("name", ["on", "zero"])
+def test_steps_of_a_few_rows_give_the_general_steps_logits(rows, name):
+    """Batch 1 and 3 (the feed-forward's second layers with each piece's weight on the
+    left, :meth:`GatedFeedForward._second`)."""
+    m = cct_model(seed=4)
+    lean = LeanDecoder.prepare(m)
+    src = sources()[:rows]
+    enc = m.encode(src, control(OFFSETS[name], rows))
+    general, fast = m.init_state(), lean.init_state()
+    tokens = torch.full((rows, 1), m.bos_id)
+    with torch.no_grad():
+        for step in range(6):
+            torch.testing.assert_close(lean.decode_step(tokens, enc, fast),
+                                       m.decode_step(tokens, enc, general),
+                                       rtol=1e-4, atol=1e-4)
+            tokens = torch.full((rows, 1), 4 + step)
+    assert all(w.ffn.w2_rows is not None for w in lean.layers)
+
+
+@pytest.mark.parametrize("rows", [1, 2, FEW_ROWS, FEW_ROWS + 1, 9])
+def test_ffn_second_layers_take_the_weight_on_the_left_for_a_few_rows(rows):
+    """Up to FEW_ROWS rows each piece's ``(d, f)`` weight is copied once and put on the
+    left; more rows run against the ``(M, f, d)`` stack: both give each piece's fc2."""
+    m = cct_model(seed=6)
+    ffn = m.decoder.layers[0].ffn
+    part = lean_part(ffn, "ffn")
+    h = torch.randn(rows, 4, 16, generator=torch.Generator().manual_seed(rows))  # (N, M, f)
+    with torch.no_grad():
+        want = torch.stack([F.linear(h[:, i], p.ffn.fc2.weight, p.ffn.fc2.bias)
+                            for i, p in enumerate(ffn.pieces)])  # (M, N, d)
+        torch.testing.assert_close(part._second(h), want, rtol=1e-5, atol=1e-5)
+    assert (part.w2_rows is not None) == (rows <= FEW_ROWS)
+
+
+def test_ffn_second_layers_keep_the_stack_for_bfloat16():
+    m = cct_model(seed=6).to(torch.bfloat16)
+    ffn = m.decoder.layers[0].ffn
+    part = lean_part(ffn, "ffn")
+    h = torch.randn(1, 4, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        want = torch.stack([F.linear(h[:, i], p.ffn.fc2.weight, p.ffn.fc2.bias)
+                            for i, p in enumerate(ffn.pieces)])
+        torch.testing.assert_close(part._second(h), want, rtol=2e-2, atol=2e-2)
+    assert not part.few_rows and part.w2_rows is None
 
 
 @pytest.mark.parametrize("out_norms", [True, False])

@@ -37,7 +37,8 @@ control network(s) and reads the decisions with one host sync, then:
 * **feed-forward** (eq. 15): the M pieces' input LayerNorms share their normalisation, so
   their affine weights are folded into the pieces' first layers, which run as one
   ``(ffn_dim, d)`` product when every piece is open for every row, with the second layers
-  as one batched product and the output LayerNorms as one call. Mixed: the same fused
+  as one batched product (a step of a few rows with each piece's weight on the left,
+  :meth:`GatedFeedForward._second`) and the output LayerNorms as one call. Mixed: the same fused
   products over the rows with an open piece, each closed piece's output times 0, when
   that computes at most :attr:`GatedFeedForward.FUSE_WASTE` times the open pieces' work;
   otherwise piece i runs on the rows where it is open (sliced from the folded weights);
@@ -64,6 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.nn.lean_step import (
+    FEW_ROWS,
     CrossKeys,
     Norm,
     Offset,
@@ -454,6 +456,8 @@ class GatedFeedForward:
                                  for p in pieces])
             self.w2 = torch.stack([p.ffn.fc2.weight.t() for p in pieces])  # (M, f, d)
             self.b2 = torch.stack([p.ffn.fc2.bias for p in pieces])[:, None]  # (M, 1, d)
+        self.w2_rows: Tensor | None = None  # (M, d, f), made at the first few-row call
+        self.few_rows = self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
         self.fc1 = float_linear(self.w1, self.b1)  # every piece's first layer, fused
         self.out_norms = out_norms
         if out_norms is not None:
@@ -479,9 +483,8 @@ class GatedFeedForward:
         ``(N, 1, d)``: the sum of the pieces' outputs, each times its gate ``on`` ``(N, M)``
         (None: every gate open)."""
         b, d = n.size(0), n.size(-1)
-        h = self.fc1(n[:, 0]).relu_()  # (N, M·f)
-        h = h.view(b, self.m, self.width).transpose(0, 1)  # (M, N, f)
-        y = torch.baddbmm(self.b2, h, self.w2)  # (M, N, d)
+        h = self.fc1(n[:, 0]).relu_().view(b, self.m, self.width)  # (N, M, f)
+        y = self._second(h)  # (M, N, d)
         if self.out_norms is not None:
             y = F.layer_norm(y, (d,), None, None, self.out_eps)
             if on is None:
@@ -490,6 +493,27 @@ class GatedFeedForward:
         if on is not None:
             y = y * on.t()[:, :, None].to(y.dtype)
         return y.sum(0)[:, None]
+
+    def _second(self, h: Tensor) -> Tensor:
+        """Every piece's second layer: h ``(N, M, f)`` -> ``(M, N, d)``. Up to
+        :data:`~dynaseq.nn.lean_step.FEW_ROWS` rows of float32 on the CPU, as
+        ``W2_i · h_iᵀ`` with each piece's ``(d, f)`` weight (a copy, made at the first such
+        call) on the left, then transposed (a view); more rows as ``h_i · W2_iᵀ`` against the
+        ``(M, f, d)`` stack.
+
+        Why: a batched product of one row against ``(f, d)`` matrices reads them at less
+        than half the rate of the weight-on-the-left form. Measured on this project's
+        AVX-512 EPYC, 1 thread, M = 4 pieces of 256 x 256, the weights out of L2 as in a
+        decode: 1 row 63 against 159 us, 2 rows 70 against 177, 4 rows 96 against 140; at 8
+        rows about even (143 against 157), at 30 rows the stack wins (285 against 520)."""
+        b = h.size(0)
+        if b > FEW_ROWS or not self.few_rows:
+            return torch.baddbmm(self.b2, h.transpose(0, 1), self.w2)
+        w2_rows = self.w2_rows
+        if w2_rows is None:  # a race only makes the same copy twice
+            w2_rows = self.w2_rows = self.w2.transpose(1, 2).contiguous()
+        return torch.baddbmm(self.b2.transpose(1, 2), w2_rows, h.permute(1, 2, 0)
+                             ).transpose(1, 2)
 
     FUSE_WASTE = 2.0
     """Mixed gates run the fused products over the rows with any piece open (the closed
