@@ -241,7 +241,9 @@ def padded_sources(n: int = 7, seed: int = 1, eos: int = 3, vocab: int = 30,
 def count_ops():
     """A ``TorchDispatchMode`` that lists the name of every aten op run inside it
     (``with count_ops() as ops: ...; ops.names``) and the shape of the input operand of every
-    matrix product (``ops.products``: mm, addmm, bmm, baddbmm)."""
+    matrix product (``ops.products``: mm, addmm, bmm, baddbmm). A product with its weight
+    on the left (``addmm(b[:, None], W, xᵀ)``, :class:`~dynaseq.nn.lean_step.StepLinear`;
+    ``baddbmm`` alike) is known by its bias column and counts its input ``x``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountOps(TorchDispatchMode):
@@ -254,8 +256,11 @@ def count_ops():
             self.names.append(func.__name__)
             op = func.__name__.split(".")[0]
             if op in ("mm", "addmm", "bmm", "baddbmm"):
-                self.products.append(tuple(args[1 if op.startswith(("addmm", "baddbmm"))
-                                                else 0].shape))
+                biased = op in ("addmm", "baddbmm")
+                if biased and args[0].dim() >= 2 and args[0].size(-1) == 1:  # W xᵀ + b
+                    self.products.append(tuple(args[2].transpose(-1, -2).shape))
+                else:
+                    self.products.append(tuple(args[1 if biased else 0].shape))
             return func(*args, **(kwargs or {}))
 
     return CountOps()

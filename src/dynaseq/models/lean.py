@@ -20,10 +20,9 @@ arithmetic needs and nothing else:
   writes its key and value in place; a cache doubles its capacity when full;
 * layer norms, residuals and projections called as functions on the model's own tensors (no
   module dispatch), and the output layer as ``x @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)`` once;
-  projections at least twice as wide out as in (fused q/k/v, a feed-forward's first layer)
-  run steps of up to 4 rows against an ``(in, out)`` copy as well
-  (:class:`~dynaseq.nn.lean_step.WideLinear`: a one-row product reads that layout about twice
-  as fast here).
+  projections read in the layout that the step's number of rows reads fastest
+  (:class:`~dynaseq.nn.lean_step.StepLinear`: one row against an ``(in, out)`` copy of a
+  wide projection, 2 to 8 rows with the weight on the left, ``W xᵀ``).
 
 A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a lean part gets
 one (:func:`is_lean`: dense, CCT and DMB models, the dense and DMB ones float or int8; MoE,
@@ -61,8 +60,8 @@ from dynaseq.nn.lean_step import (
     LinearFn,
     Norm,
     StepCache,
+    StepLinear,
     StepTally,
-    WideLinear,
     lean_part,
     linear_fn,
     linear_tensors,
@@ -111,10 +110,10 @@ def _lean_layers(model: nn.Module) -> list[_Layer] | None:
 
 def _output_layer(proj: nn.Module) -> LinearFn:
     """The output layer as a function: a float one (no bias) as ``h @ Wᵀ`` with ``Wᵀ``
-    stored ``(d, V)`` at every row count (:class:`WideLinear` with ``always``), an int8 one
-    through its kernel."""
+    stored ``(d, V)`` (:class:`StepLinear` with ``always``: ``W hᵀ`` for 2 to 8 rows), an
+    int8 one through its kernel."""
     if type(proj) is nn.Linear:
-        return WideLinear(proj.weight, None, always=True)
+        return StepLinear(proj.weight, None, always=True)
     fn = linear_fn(proj, bias=False)
     assert fn is not None, "checked by _lean_layers"
     return fn

@@ -72,58 +72,72 @@ LinearFn = Callable[[Tensor], Tensor]
 """A projection as a function: ``(..., in)`` -> ``(..., out)``."""
 
 
-FEW_ROWS = 4
-"""Calls of up to this many rows (a decoding step at batch 1, beam 4 at batch 1) run a wide
-projection through its ``(in, out)`` copy (:class:`WideLinear`)."""
+LEFT_ROWS = 8
+"""Calls of 2 to this many rows (beam 4 at batch 1, greedy at batch 8) run a projection at
+least as wide out as in with its weight on the left (:class:`StepLinear`); the CCT's
+feed-forward pieces run their second layers so from one row on."""
 
 
-class WideLinear:
-    """``x Wᵀ + b`` for a float projection at least twice as wide out as in (fused q/k/v,
-    a feed-forward's first layer), on the CPU: up to :data:`FEW_ROWS` rows as ``x @ Wᵀ``
-    with ``Wᵀ`` stored ``(in, out)`` (a copy, made at the first such call), more rows as
-    ``F.linear`` on ``W``.
+class StepLinear:
+    """``x Wᵀ + b`` for a float32 projection ``W`` ``(out, in)`` on the CPU, in the layout
+    that reads the weight fastest at the call's number of rows:
 
-    Why by hand: for one row, oneDNN/MKL's product against the ``(out, in)`` layout reads
-    the weight at about half the rate the ``(in, out)`` layout gets. Measured on this
-    project's AVX-512 EPYC, 2 threads, weights out of cache: one row 0.52-0.77x the
-    ``F.linear`` time (1536 x 512: 172 against 304 us; 384 x 128: 23 against 30), four rows
-    0.65-0.86x (one exception, 2048 x 512: 1.09x), 8 rows and more 0.64-1.05x; narrow
-    projections (out < in) lose 1.5-1.7x with it, so they keep ``F.linear``. Whole
-    fixed-length decodes (the lean step, interleaved in one process): greedy at batch 1
-    0.79x the time at ``small`` and 0.82-0.86x at ``base`` (no change at ``tiny``, whose
-    weights stay in cache), beam 4 at batch 1 0.92x at ``small``, 0.99-1.02x at ``base``.
-    ``always``: the copy at every row count (a decoder's output layer, whose ``(d, V)`` copy
-    is read about three times as fast as the tied ``(V, d)`` embedding at one row, and
-    faster at every batch size measured).
-    ``x``: ``(..., in)`` -> ``(..., out)``; the two layouts differ by float rounding only.
+    * **one row**, a projection at least twice as wide out as in (fused q/k/v, a
+      feed-forward's first layer) or ``always``: ``x @ Wᵀ`` with ``Wᵀ`` stored ``(in, out)``
+      (a copy, made at the first such call);
+    * **2 to** :data:`LEFT_ROWS` **rows**, a projection at least as wide out as in:
+      ``(W xᵀ + b)ᵀ``, the weight itself on the left (no copy; the small result made
+      contiguous);
+    * otherwise ``F.linear`` on ``W`` (``always``: the ``(in, out)`` copy).
+
+    Why by hand: oneDNN/MKL read one weight at very different rates depending on which
+    side of a product it stands and how few rows the other side has. Measured on this
+    project's AVX-512 EPYC, 1 thread, weights out of L2 as in a decode, against the best
+    of ``F.linear`` and the ``(in, out)`` copy: one row, the copy reads wide projections
+    at about twice ``F.linear``'s rate (1536 x 512: 201 against 388 us; 768 x 256: 66
+    against 113) and narrow ones at about half (512 x 2048: 403 against 257), the weight
+    on the left no faster than ``F.linear``; 2 to 8 rows, the weight on the left wins for
+    wide and square ones (4 rows, 1536 x 512: 281 against 392 us; 512 x 512: 84 against
+    127; 1024 x 256: 112 against 233; the output layer 8000 x 512: 1563 against 2660) and
+    loses for narrow ones from 4 rows on (512 x 2048: 680 against 445); from 16 rows the
+    two plain layouts are best.
+    ``x``: ``(..., in)`` -> ``(..., out)``; the layouts differ by float rounding only.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, always: bool = False) -> None:
         self.weight, self.bias, self.always = weight, bias, always  # (out, in), (out,)
+        out, n_in = weight.shape
+        self.wide, self.left = always or out >= 2 * n_in, out >= n_in
+        self.bias_column = None if bias is None else bias[:, None]  # (out, 1), a view
         self.weight_t: Tensor | None = None  # (in, out), made at the first call that reads it
 
     def __call__(self, x: Tensor) -> Tensor:
         n_in = self.weight.size(1)
         rows = x.numel() // n_in
-        if rows > FEW_ROWS and not self.always:
+        x2 = x.reshape(rows, n_in)
+        if self.left and 2 <= rows <= LEFT_ROWS:
+            y = (torch.mm(self.weight, x2.t()) if self.bias_column is None
+                 else torch.addmm(self.bias_column, self.weight, x2.t()))  # (out, rows)
+            return y.t().contiguous().view(*x.shape[:-1], -1)
+        if not (self.always or (self.wide and rows == 1)):
             return F.linear(x, self.weight, self.bias)
         weight_t = self.weight_t
         if weight_t is None:  # a race only makes the same copy twice
             with torch.no_grad():
                 weight_t = self.weight_t = self.weight.detach().t().contiguous()
-        x2 = x.reshape(rows, n_in)
         y = torch.mm(x2, weight_t) if self.bias is None else torch.addmm(self.bias, x2,
                                                                           weight_t)
         return y.view(*x.shape[:-1], -1)
 
 
 def float_linear(weight: Tensor, bias: Tensor | None) -> LinearFn:
-    """``x Wᵀ + b`` as a function: :class:`WideLinear` for a float32 CPU weight ``(out, in)``
-    with ``out >= 2·in``, else ``F.linear`` bound to the tensors (no copy). bfloat16 weights
-    keep ``F.linear``: there the two layouts measured within 0.86-1.08x of each other."""
+    """``x Wᵀ + b`` as a function: :class:`StepLinear` for a float32 CPU weight ``(out, in)``
+    with ``out >= in``, else ``F.linear`` bound to the tensors (no copy). bfloat16 weights
+    keep ``F.linear``: there the two plain layouts measured within 0.86-1.08x of each
+    other."""
     if (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.size(0) >= 2 * weight.size(1)):
-        return WideLinear(weight, bias)
+            and weight.size(0) >= weight.size(1)):
+        return StepLinear(weight, bias)
     return partial(F.linear, weight=weight, bias=bias)
 
 
@@ -363,11 +377,6 @@ def lean_part(module: nn.Module, role: str) -> object | None:
     return None if factory is None else factory(module, role)
 
 
-def apply_linear(x: Tensor, m: nn.Linear) -> Tensor:
-    """``m(x)`` without the module call's hook dispatch."""
-    return F.linear(x, m.weight, m.bias)
-
-
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
     """``(B, T, H·hd)`` -> ``(B, H, T, hd)``."""
     b, t, d = x.shape
@@ -394,9 +403,9 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
     return out
 
 
-__all__ = ["FEW_ROWS", "LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
+__all__ = ["LEAN_PARTS", "LEFT_ROWS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
            "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
-           "WideLinear",
-           "apply_linear", "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",
+           "StepLinear",
+           "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",
            "linear_tensors",
            "merge_heads", "refreshed", "register_lean", "split_heads", "uniform_offset"]

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
-from dynaseq.nn.lean_step import FEW_ROWS, lean_part
+from dynaseq.nn.lean_step import LEFT_ROWS, lean_part
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.cct.config import CCTConfig
@@ -100,9 +100,9 @@ def test_steps_of_a_few_rows_give_the_general_steps_logits(rows, name):
     assert all(w.ffn.w2_rows is not None for w in lean.layers)
 
 
-@pytest.mark.parametrize("rows", [1, 2, FEW_ROWS, FEW_ROWS + 1, 9])
+@pytest.mark.parametrize("rows", [1, 2, LEFT_ROWS, LEFT_ROWS + 1, 9])
 def test_ffn_second_layers_take_the_weight_on_the_left_for_a_few_rows(rows):
-    """Up to FEW_ROWS rows each piece's ``(d, f)`` weight is copied once and put on the
+    """Up to LEFT_ROWS rows each piece's ``(d, f)`` weight is copied once and put on the
     left; more rows run against the ``(M, f, d)`` stack: both give each piece's fc2."""
     m = cct_model(seed=6)
     ffn = m.decoder.layers[0].ffn
@@ -112,7 +112,7 @@ def test_ffn_second_layers_take_the_weight_on_the_left_for_a_few_rows(rows):
         want = torch.stack([F.linear(h[:, i], p.ffn.fc2.weight, p.ffn.fc2.bias)
                             for i, p in enumerate(ffn.pieces)])  # (M, N, d)
         torch.testing.assert_close(part._second(h), want, rtol=1e-5, atol=1e-5)
-    assert (part.w2_rows is not None) == (rows <= FEW_ROWS)
+    assert (part.w2_rows is not None) == (rows <= LEFT_ROWS)
 
 
 def test_ffn_second_layers_keep_the_stack_for_bfloat16():

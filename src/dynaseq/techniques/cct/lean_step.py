@@ -65,13 +65,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.nn.lean_step import (
-    FEW_ROWS,
+    LEFT_ROWS,
     CrossKeys,
     Norm,
     Offset,
     StepCache,
     StepTally,
-    apply_linear,
     float_linear,
     linear_of,
     merge_heads,
@@ -188,13 +187,14 @@ class _GatedAttention:
 
     def __init__(self, m: ConditionalAttention, norms: tuple[Norm | str, ...]) -> None:
         self.k_norm, self.v_norm, self.out_norm = norms
-        self.q, self.k, self.v, self.out = m.q_proj, m.k_proj, m.v_proj, m.out_proj
         self.gate, self.name = m.gate, m.name
         self.n_heads, self.d = m.n_heads, m.d_model
         with torch.no_grad():  # rows [q; k; v]: k/v alone are the slice [d:]
             self.qkv_weight = torch.cat([p.weight for p in (m.q_proj, m.k_proj, m.v_proj)])
             self.qkv_bias = torch.cat([p.bias for p in (m.q_proj, m.k_proj, m.v_proj)])
         self.qkv = float_linear(self.qkv_weight, self.qkv_bias)  # every query and key open
+        self.q_fn = float_linear(m.q_proj.weight, m.q_proj.bias)  # the weights themselves
+        self.out_fn = float_linear(m.out_proj.weight, m.out_proj.bias)
         self.kv = float_linear(self.qkv_weight[self.d:], self.qkv_bias[self.d:])
         self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj) for t in (p.weight, p.bias)]
 
@@ -205,7 +205,7 @@ class _GatedAttention:
 
     def _output(self, a: Tensor) -> Tensor:
         """LN(a) W_o of merged attention outputs ``a`` ``(N, 1, d)``."""
-        return apply_linear(_apply(self.out_norm, a), self.out)
+        return self.out_fn(_apply(self.out_norm, a))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q ``(N, T, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, T, d)``."""
@@ -223,8 +223,7 @@ class _GatedAttention:
         copying its keys and values; the projections and norms run for the open rows
         only."""
         b, d = x.size(0), self.d
-        q = x.new_zeros(b, 1, d).index_copy_(0, rows, apply_linear(x.index_select(0, rows),
-                                                                   self.q))
+        q = x.new_zeros(b, 1, d).index_copy_(0, rows, self.q_fn(x.index_select(0, rows)))
         a = F.scaled_dot_product_attention(split_heads(q, self.n_heads), k, v, attn_mask=mask)
         y = self._output(merge_heads(a).index_select(0, rows))
         return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
@@ -266,7 +265,7 @@ class GatedSelfAttention(_GatedAttention):
         if n_q == 0:
             return None
         if n_q == b:
-            q = apply_linear(x, self.q) if q is None else q
+            q = self.q_fn(x) if q is None else q
             return self._attend(q, keys, values, None)
         return self._attend_rows(x, _rows(on[:, 0]), keys, values, None)
 
@@ -314,9 +313,9 @@ class GatedEncoderAttention(_GatedAttention):
         keys, values = self._keys_values(x, None if n_kv == b * s else kv_on)
         mask = None if valid is None else valid[:, None, None, :]
         if n_q == b * s:
-            return self._attend(apply_linear(x, self.q), keys, values, mask)
+            return self._attend(self.q_fn(x), keys, values, mask)
         qp = Packing.of(q_on)  # the open queries, packed per sequence
-        q = apply_linear(x.reshape(b * s, d).index_select(0, qp.flat), self.q)  # (Nq, d)
+        q = self.q_fn(x.reshape(b * s, d).index_select(0, qp.flat))  # (Nq, d)
         if qp.n_rows < b:
             keys, values = keys.index_select(0, qp.rows), values.index_select(0, qp.rows)
             mask = None if mask is None else mask.index_select(0, qp.rows)
@@ -379,7 +378,7 @@ class GatedEncoderAttention(_GatedAttention):
         keys, values = self._keys_values(x, kv_on)
         mask = None if valid is None else valid[:, None, None, :]
         if first is None:
-            return self._attend(apply_linear(x[:, :1], self.q), keys, values, mask)
+            return self._attend(self.q_fn(x[:, :1]), keys, values, mask)
         return self._attend_rows(x[:, :1], rows, keys, values, mask)
 
 
@@ -437,7 +436,7 @@ class GatedCrossAttention(_GatedAttention):
         if n_q == 0:
             return None
         if n_q == b:
-            return self._attend(apply_linear(x, self.q), keys.k, keys.v, keys.mask)
+            return self._attend(self.q_fn(x), keys.k, keys.v, keys.mask)
         return self._attend_rows(x, _rows(on[:, 0]), keys.k, keys.v, keys.mask)
 
 
@@ -496,7 +495,7 @@ class GatedFeedForward:
 
     def _second(self, h: Tensor) -> Tensor:
         """Every piece's second layer: h ``(N, M, f)`` -> ``(M, N, d)``. Up to
-        :data:`~dynaseq.nn.lean_step.FEW_ROWS` rows of float32 on the CPU, as
+        :data:`~dynaseq.nn.lean_step.LEFT_ROWS` rows of float32 on the CPU, as
         ``W2_i · h_iᵀ`` with each piece's ``(d, f)`` weight (a copy, made at the first such
         call) on the left, then transposed (a view); more rows as ``h_i · W2_iᵀ`` against the
         ``(M, f, d)`` stack.
@@ -507,7 +506,7 @@ class GatedFeedForward:
         decode: 1 row 63 against 159 us, 2 rows 70 against 177, 4 rows 96 against 140; at 8
         rows about even (143 against 157), at 30 rows the stack wins (285 against 520)."""
         b = h.size(0)
-        if b > FEW_ROWS or not self.few_rows:
+        if b > LEFT_ROWS or not self.few_rows:
             return torch.baddbmm(self.b2, h.transpose(0, 1), self.w2)
         w2_rows = self.w2_rows
         if w2_rows is None:  # a race only makes the same copy twice
