@@ -114,10 +114,10 @@ class StepLinear:
     def __call__(self, x: Tensor) -> Tensor:
         n_in = self.weight.size(1)
         rows = x.numel() // n_in
-        x2 = x.reshape(rows, n_in)
         if self.left and 2 <= rows <= LEFT_ROWS:
-            y = (torch.mm(self.weight, x2.t()) if self.bias_column is None
-                 else torch.addmm(self.bias_column, self.weight, x2.t()))  # (out, rows)
+            xt = x.reshape(rows, n_in).t()  # (in, rows)
+            y = (torch.mm(self.weight, xt) if self.bias_column is None
+                 else torch.addmm(self.bias_column, self.weight, xt))  # (out, rows)
             return y.t().contiguous().view(*x.shape[:-1], -1)
         if not (self.always or (self.wide and rows == 1)):
             return F.linear(x, self.weight, self.bias)
@@ -125,6 +125,7 @@ class StepLinear:
         if weight_t is None:  # a race only makes the same copy twice
             with torch.no_grad():
                 weight_t = self.weight_t = self.weight.detach().t().contiguous()
+        x2 = x.reshape(rows, n_in)
         y = torch.mm(x2, weight_t) if self.bias is None else torch.addmm(self.bias, x2,
                                                                           weight_t)
         return y.view(*x.shape[:-1], -1)
