@@ -8,6 +8,7 @@ import torch
 from dynaseq.compress.int8 import quantize_int8
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
+from dynaseq.nn import attention
 from dynaseq.nn.lean_step import StepTally
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
@@ -34,7 +35,12 @@ def sources(n: int = 7, seed: int = 1) -> torch.Tensor:
     return padded_sources(n, seed, eos=EOS)
 
 
-def test_greedy_and_beam_give_the_general_steps_tokens_with_rows_finishing_apart():
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_greedy_and_beam_give_the_general_steps_tokens_with_rows_finishing_apart(
+        by_hand, monkeypatch):
+    """by_hand: every attention step by hand (:func:`step_attention`), not only wide ones."""
+    if by_hand:
+        monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", 1)
     m = model()
     lean = LeanDecoder.prepare(m)
     assert_same_searches(m, lean, sources(), beams=(2, 4), max_len_b=40)
