@@ -2,9 +2,9 @@
 
 Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_head)) V  (Vaswani et al. 2017, eq. 1), computed
 with ``torch.nn.functional.scaled_dot_product_attention``, a decoding step's one query per row
-by hand where that is faster (:func:`step_attention`, also for the lean steps). The q/k/v/output projections are
-modules handed to the constructor (torchtune style), so gated or branched projections swap in
-without flags; :func:`dense_attention` builds the plain version.
+by hand where that is faster (:func:`step_attention`, also for the lean steps). The q/k/v/output
+projections are modules handed to the constructor (torchtune style), so gated or branched
+projections swap in without flags; :func:`dense_attention` builds the plain version.
 """
 
 from __future__ import annotations
