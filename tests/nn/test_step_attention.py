@@ -57,6 +57,13 @@ def test_fewer_pairs_and_longer_queries_go_through_sdpa(rows, length):
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=m))
 
 
+def test_bfloat16_goes_through_sdpa():
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(40))
+    with count_ops() as ops:
+        step_attention(q, k, v)
+    assert "bmm.default" not in ops.names
+
+
 def test_the_mask_is_not_written():
     q, k, v = _qkv(32)
     masks = _masks(32, k.size(2))

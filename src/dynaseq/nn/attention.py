@@ -54,8 +54,9 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) 
     q ``(B, H, L, hd)``, k and v ``(B, H, T, hd)`` (a cache's first T positions may be a
     view), mask None, bool ``(B, 1, 1, T)`` (True: attend) or float, added to the scores ->
     ``(B, H, L, hd)``. One query per row (``L == 1``: a decoding step, a first-token head)
-    over at least :data:`STEP_ATTENTION_PAIRS` (row, head) pairs runs as two batched
-    products and a softmax; anything else through SDPA.
+    over at least :data:`STEP_ATTENTION_PAIRS` (row, head) pairs, float32 on the CPU, runs as
+    two batched products and a softmax; anything else through SDPA (a GPU's kernels, and
+    bfloat16, which SDPA accumulates in float32, were not measured against it).
 
     Why by hand: for one query per head, the CPU kernel SDPA picks (flash attention, blocked
     for long queries) costs more than the arithmetic. Measured on this project's AVX-512
@@ -65,7 +66,8 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) 
     costs SDPA more still). At 16 pairs and fewer SDPA is faster (4 x 4: 19 against 26
     us)."""
     b, h, length, d = q.shape
-    if length != 1 or b * h < STEP_ATTENTION_PAIRS:
+    if (length != 1 or b * h < STEP_ATTENTION_PAIRS or q.dtype != torch.float32
+            or q.device.type != "cpu"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     t = k.size(2)
     scores = torch.bmm((q * d ** -0.5).view(b * h, 1, d),
