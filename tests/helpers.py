@@ -243,7 +243,8 @@ def count_ops():
     (``with count_ops() as ops: ...; ops.names``) and the shape of the input operand of every
     matrix product (``ops.products``: mm, addmm, bmm, baddbmm). A product with its weight
     on the left (``addmm(b[:, None], W, xᵀ)``, :class:`~dynaseq.nn.lean_step.StepLinear`;
-    ``baddbmm`` alike) is known by its bias column and counts its input ``x``."""
+    ``baddbmm`` alike) is known by its bias column and counts its input ``x``; one without a
+    bias (``mm(W, xᵀ)``: an output layer at 2 to 8 rows) counts the weight."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountOps(TorchDispatchMode):

@@ -35,15 +35,26 @@ def sources(n: int = 7, seed: int = 1) -> torch.Tensor:
     return padded_sources(n, seed, eos=EOS)
 
 
-@pytest.mark.parametrize("by_hand", [False, True])
+@pytest.mark.parametrize("pairs", [1, attention.STEP_ATTENTION_PAIRS, 10**9])
 def test_greedy_and_beam_give_the_general_steps_tokens_with_rows_finishing_apart(
-        by_hand, monkeypatch):
-    """by_hand: every attention step by hand (:func:`step_attention`), not only wide ones."""
-    if by_hand:
-        monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", 1)
+        pairs, monkeypatch):
+    """pairs: attention steps by hand from this many (row, head) pairs (1: every one, 10**9:
+    none, SDPA's); each gives the same tokens."""
+    monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", pairs)
     m = model()
     lean = LeanDecoder.prepare(m)
     assert_same_searches(m, lean, sources(), beams=(2, 4), max_len_b=40)
+
+
+def test_attention_by_hand_gives_sdpas_tokens(monkeypatch):
+    m, src = model(), sources()
+    searches = []
+    for pairs in (1, 10**9):  # every step by hand, none
+        monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", pairs)
+        lean = LeanDecoder.prepare(m)
+        searches.append((greedy_search(lean, src, max_len_b=40),
+                         beam_search(lean, src, beam=4, max_len_b=40)))
+    assert searches[0] == searches[1]
 
 
 def test_batched_equals_one_at_a_time():

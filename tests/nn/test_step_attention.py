@@ -57,6 +57,26 @@ def test_fewer_pairs_and_longer_queries_go_through_sdpa(rows, length):
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=m))
 
 
+def test_transposed_key_views_a_fully_masked_row_and_another_value_width():
+    """k/v as heads split off a ``(B, T, d)`` projection (a transposed view), values of
+    another width, a row whose keys are all masked (0, as SDPA gives)."""
+    b, h, t = 20, 4, 7
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(b, h, 1, 8, generator=g)
+    k = torch.randn(b, t, h * 8, generator=g).view(b, t, h, 8).transpose(1, 2)
+    v = torch.randn(b, t, h * 6, generator=g).view(b, t, h, 6).transpose(1, 2)
+    for m in (torch.ones(b, 1, 1, t, dtype=torch.bool), torch.zeros(b, 1, 1, t)):
+        if m.dtype == torch.bool:
+            m[3] = False
+        else:
+            m[3] = -math.inf
+        got = step_attention(q, k, v, m)
+        assert got.shape == (b, h, 1, 6)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                                   rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[3], torch.zeros(h, 1, 6))
+
+
 def test_bfloat16_goes_through_sdpa():
     q, k, v = (t.to(torch.bfloat16) for t in _qkv(40))
     with count_ops() as ops:

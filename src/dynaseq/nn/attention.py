@@ -53,7 +53,8 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) 
     """``softmax(q kᵀ / √hd + mask) v`` as ``F.scaled_dot_product_attention`` computes it:
     q ``(B, H, L, hd)``, k and v ``(B, H, T, hd)`` (a cache's first T positions may be a
     view), mask None, bool ``(B, 1, 1, T)`` (True: attend) or float, added to the scores ->
-    ``(B, H, L, hd)``. One query per row (``L == 1``: a decoding step, a first-token head)
+    ``(B, H, L, hd_v)`` (a row whose keys are all masked: 0). k and v broadcast or grouped
+    over heads are for SDPA only. One query per row (``L == 1``: a decoding step, a first-token head)
     over at least :data:`STEP_ATTENTION_PAIRS` (row, head) pairs, float32 on the CPU, runs as
     two batched products and a softmax; anything else through SDPA (a GPU's kernels, and
     bfloat16, which SDPA accumulates in float32, were not measured against it).
@@ -69,14 +70,16 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) 
     if (length != 1 or b * h < STEP_ATTENTION_PAIRS or q.dtype != torch.float32
             or q.device.type != "cpu"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    t = k.size(2)
+    t, dv = k.size(2), v.size(-1)
     scores = torch.bmm((q * d ** -0.5).view(b * h, 1, d),
                        k.reshape(b * h, t, d).transpose(1, 2)).view(b, h, 1, t)
     if mask is not None:
         scores = (scores.masked_fill_(mask.logical_not(), -math.inf) if mask.dtype == torch.bool
                   else scores.add_(mask))
     weights = torch.softmax(scores, -1).view(b * h, 1, t)
-    return torch.bmm(weights, v.reshape(b * h, t, d)).view(b, h, 1, d)
+    if mask is not None:  # a row with every key masked: 0, as SDPA gives (softmax: NaN)
+        weights.nan_to_num_(0.0)
+    return torch.bmm(weights, v.reshape(b * h, t, dv)).view(b, h, 1, dv)
 
 
 def padding_to_attn_mask(pad_mask: Tensor) -> Tensor:
@@ -183,6 +186,8 @@ class MultiHeadAttention(AttentionHeads):
                 if cache.k is not None:
                     k = torch.cat([cache.k, k], dim=2)
                     v = torch.cat([cache.v, v], dim=2)
+                elif cache.static:  # read at every step: contiguous once, not copied each time
+                    k, v = k.contiguous(), v.contiguous()
                 cache.k, cache.v = k, v
         if is_causal and q.size(2) == 1:
             is_causal = False  # one query attends to everything cached so far

@@ -88,7 +88,8 @@ class StepLinear:
     * **2 to** :data:`LEFT_ROWS` **rows**, a projection at least as wide out as in:
       ``(W xᵀ + b)ᵀ``, the weight itself on the left (no copy; the small result made
       contiguous);
-    * otherwise ``F.linear`` on ``W`` (``always``: the ``(in, out)`` copy).
+    * otherwise ``F.linear`` on ``W`` (``always``: the ``(in, out)`` copy; a weight that is
+      not float32 on the CPU, which only ``always`` brings here, never goes on the left).
 
     Why by hand: oneDNN/MKL read one weight at very different rates depending on which
     side of a product it stands and how few rows the other side has. Measured on this
@@ -107,7 +108,8 @@ class StepLinear:
     def __init__(self, weight: Tensor, bias: Tensor | None, always: bool = False) -> None:
         self.weight, self.bias, self.always = weight, bias, always  # (out, in), (out,)
         out, n_in = weight.shape
-        self.wide, self.left = always or out >= 2 * n_in, out >= n_in
+        self.wide = always or out >= 2 * n_in
+        self.left = out >= n_in and weight.device.type == "cpu" and weight.dtype == torch.float32
         self.bias_column = None if bias is None else bias[:, None]  # (out, 1), a view
         self.weight_t: Tensor | None = None  # (in, out), made at the first call that reads it
 
@@ -219,13 +221,18 @@ class StepCache:
 class CrossKeys:
     """A cross-attention's keys and values for every later step, projected once.
 
-    k, v: ``(B, H, W, d_head)``; mask: broadcastable to ``(B, H, 1, W)``, bool (True =
-    attend) or float (added to the scores), or None (every key attended).
+    k, v: ``(B, H, W, d_head)``, made contiguous here once (heads split off a ``(B, W, d)``
+    projection are a transposed view, which every step's batched products would copy again);
+    mask: broadcastable to ``(B, H, 1, W)``, bool (True = attend) or float (added to the
+    scores), or None (every key attended).
     """
 
     k: Tensor
     v: Tensor
     mask: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.k, self.v = self.k.contiguous(), self.v.contiguous()
 
     def index_select(self, index: Tensor) -> CrossKeys:
         mask = None if self.mask is None else self.mask.index_select(0, index)

@@ -101,7 +101,7 @@ def test_steps_of_a_few_rows_give_the_general_steps_logits(rows, name):
     assert all(w.ffn.w2_rows is not None for w in lean.layers)
 
 
-@pytest.mark.parametrize("rows", [1, 2, LEFT_ROWS, LEFT_ROWS + 1, 9])
+@pytest.mark.parametrize("rows", [1, 2, LEFT_ROWS, LEFT_ROWS + 1, 30])
 def test_ffn_second_layers_take_the_weight_on_the_left_for_a_few_rows(rows):
     """Up to LEFT_ROWS rows each piece's ``(d, f)`` weight is copied once and put on the
     left; more rows run against the ``(M, f, d)`` stack: both give each piece's fc2."""

@@ -197,7 +197,8 @@ class _GatedAttention:
         self.q_fn = float_linear(m.q_proj.weight, m.q_proj.bias)  # the weights themselves
         self.out_fn = float_linear(m.out_proj.weight, m.out_proj.bias)
         self.kv = float_linear(self.qkv_weight[self.d:], self.qkv_bias[self.d:])
-        self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj) for t in (p.weight, p.bias)]
+        self.sources = [t for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
+                        for t in (p.weight, p.bias)]
 
     def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """LN(x W_k), LN(x W_v) of rows ``x`` ``(N, ..., d)``."""
@@ -457,7 +458,8 @@ class GatedFeedForward:
             self.w2 = torch.stack([p.ffn.fc2.weight.t() for p in pieces])  # (M, f, d)
             self.b2 = torch.stack([p.ffn.fc2.bias for p in pieces])[:, None]  # (M, 1, d)
         self.w2_rows: Tensor | None = None  # (M, d, f), made at the first few-row call
-        self.few_rows = self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
+        self.few_rows = (self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
+                         and self.w2.size(2) >= self.w2.size(1))  # as wide out (d) as in (f)
         self.fc1 = float_linear(self.w1, self.b1)  # every piece's first layer, fused
         self.out_norms = out_norms
         if out_norms is not None:
@@ -505,7 +507,9 @@ class GatedFeedForward:
         than half the rate of the weight-on-the-left form. Measured on this project's
         AVX-512 EPYC, 1 thread, M = 4 pieces of 256 x 256, the weights out of L2 as in a
         decode: 1 row 63 against 159 us, 2 rows 70 against 177, 4 rows 96 against 140; at 8
-        rows about even (143 against 157), at 30 rows the stack wins (285 against 520)."""
+        rows about even (143 against 157), at 30 rows the stack wins (285 against 520).
+        Pieces narrower out than in (``d < f``) keep the stack, as
+        :class:`~dynaseq.nn.lean_step.StepLinear` keeps narrow weights off the left."""
         b = h.size(0)
         if b > LEFT_ROWS or not self.few_rows:
             return torch.baddbmm(self.b2, h.transpose(0, 1), self.w2)
