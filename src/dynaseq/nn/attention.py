@@ -54,10 +54,11 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) 
     q ``(B, H, L, hd)``, k and v ``(B, H, T, hd)`` (a cache's first T positions may be a
     view), mask None, bool ``(B, 1, 1, T)`` (True: attend) or float, added to the scores ->
     ``(B, H, L, hd_v)`` (a row whose keys are all masked: 0). k and v broadcast or grouped
-    over heads are for SDPA only. One query per row (``L == 1``: a decoding step, a first-token head)
-    over at least :data:`STEP_ATTENTION_PAIRS` (row, head) pairs, float32 on the CPU, runs as
-    two batched products and a softmax; anything else through SDPA (a GPU's kernels, and
-    bfloat16, which SDPA accumulates in float32, were not measured against it).
+    over heads are for SDPA only. One query per row (``L == 1``: a decoding step, a
+    first-token head) over at least :data:`STEP_ATTENTION_PAIRS` (row, head) pairs, float32
+    on the CPU, runs as two batched products and a softmax; anything else through SDPA (a
+    GPU's kernels, and bfloat16, which SDPA accumulates in float32, were not measured
+    against it).
 
     Why by hand: for one query per head, the CPU kernel SDPA picks (flash attention, blocked
     for long queries) costs more than the arithmetic. Measured on this project's AVX-512
