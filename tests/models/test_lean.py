@@ -8,7 +8,6 @@ import torch
 from dynaseq.compress.int8 import quantize_int8
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
-from dynaseq.nn import attention
 from dynaseq.nn.lean_step import StepTally
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
@@ -35,26 +34,10 @@ def sources(n: int = 7, seed: int = 1) -> torch.Tensor:
     return padded_sources(n, seed, eos=EOS)
 
 
-@pytest.mark.parametrize("pairs", [1, attention.STEP_ATTENTION_PAIRS, 10**9])
-def test_greedy_and_beam_give_the_general_steps_tokens_with_rows_finishing_apart(
-        pairs, monkeypatch):
-    """pairs: attention steps by hand from this many (row, head) pairs (1: every one, 10**9:
-    none, SDPA's); each gives the same tokens."""
-    monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", pairs)
+def test_greedy_and_beam_give_the_general_steps_tokens_with_rows_finishing_apart():
     m = model()
     lean = LeanDecoder.prepare(m)
     assert_same_searches(m, lean, sources(), beams=(2, 4), max_len_b=40)
-
-
-def test_attention_by_hand_gives_sdpas_tokens(monkeypatch):
-    m, src = model(), sources()
-    searches = []
-    for pairs in (1, 10**9):  # every step by hand, none
-        monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", pairs)
-        lean = LeanDecoder.prepare(m)
-        searches.append((greedy_search(lean, src, max_len_b=40),
-                         beam_search(lean, src, beam=4, max_len_b=40)))
-    assert searches[0] == searches[1]
 
 
 def test_batched_equals_one_at_a_time():

@@ -1,15 +1,13 @@
 """Multi-head attention whose projections are passed in, with a key/value cache.
 
 Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_head)) V  (Vaswani et al. 2017, eq. 1), computed
-with ``torch.nn.functional.scaled_dot_product_attention``, a decoding step's one query per row
-by hand where that is faster (:func:`step_attention`, also for the lean steps). The q/k/v/output
-projections are modules handed to the constructor (torchtune style), so gated or branched
-projections swap in without flags; :func:`dense_attention` builds the plain version.
+with ``torch.nn.functional.scaled_dot_product_attention``. The q/k/v/output projections are
+modules handed to the constructor (torchtune style), so gated or branched projections swap in
+without flags; :func:`dense_attention` builds the plain version.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -42,45 +40,6 @@ class KVCache:
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.size(2)
-
-
-STEP_ATTENTION_PAIRS = 64
-"""One-query attention over at least this many (row, head) pairs runs by hand
-(:func:`step_attention`); fewer through ``F.scaled_dot_product_attention``."""
-
-
-def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """``softmax(q kᵀ / √hd + mask) v`` as ``F.scaled_dot_product_attention`` computes it:
-    q ``(B, H, L, hd)``, k and v ``(B, H, T, hd)`` (a cache's first T positions may be a
-    view), mask None, bool ``(B, 1, 1, T)`` (True: attend) or float, added to the scores ->
-    ``(B, H, L, hd_v)`` (a row whose keys are all masked: 0). k and v broadcast or grouped
-    over heads are for SDPA only. One query per row (``L == 1``: a decoding step, a
-    first-token head) over at least :data:`STEP_ATTENTION_PAIRS` (row, head) pairs, float32
-    on the CPU, runs as two batched products and a softmax; anything else through SDPA (a
-    GPU's kernels, and bfloat16, which SDPA accumulates in float32, were not measured
-    against it).
-
-    Why by hand: for one query per head, the CPU kernel SDPA picks (flash attention, blocked
-    for long queries) costs more than the arithmetic. Measured on this project's AVX-512
-    EPYC, 1 thread: 32 rows x 4 heads over 31 keys of 32 dims 157 against 105 us, 128 x 8
-    heads of 64 dims 4.1 against 1.9 ms; a whole greedy decode of 32 sentences at
-    ``small`` 0.78x the time (the step's queries and cache views are not contiguous, which
-    costs SDPA more still). At 16 pairs and fewer SDPA is faster (4 x 4: 19 against 26
-    us)."""
-    b, h, length, d = q.shape
-    if (length != 1 or b * h < STEP_ATTENTION_PAIRS or q.dtype != torch.float32
-            or q.device.type != "cpu"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    t, dv = k.size(2), v.size(-1)
-    scores = torch.bmm((q * d ** -0.5).view(b * h, 1, d),
-                       k.reshape(b * h, t, d).transpose(1, 2)).view(b, h, 1, t)
-    if mask is not None:
-        scores = (scores.masked_fill_(mask.logical_not(), -math.inf) if mask.dtype == torch.bool
-                  else scores.add_(mask))
-    weights = torch.softmax(scores, -1).view(b * h, 1, t)
-    if mask is not None:  # a row with every key masked: 0, as SDPA gives (softmax: NaN)
-        weights.nan_to_num_(0.0)
-    return torch.bmm(weights, v.reshape(b * h, t, dv)).view(b, h, 1, dv)
 
 
 def padding_to_attn_mask(pad_mask: Tensor) -> Tensor:
@@ -187,8 +146,6 @@ class MultiHeadAttention(AttentionHeads):
                 if cache.k is not None:
                     k = torch.cat([cache.k, k], dim=2)
                     v = torch.cat([cache.v, v], dim=2)
-                elif cache.static:  # read at every step: contiguous once, not copied each time
-                    k, v = k.contiguous(), v.contiguous()
                 cache.k, cache.v = k, v
         if is_causal and q.size(2) == 1:
             is_causal = False  # one query attends to everything cached so far
@@ -197,12 +154,9 @@ class MultiHeadAttention(AttentionHeads):
                 "position scores are for full-sequence self-attention"
             # (B, H, T, S), added to the scaled scores
             attn_mask = with_position_scores(self.position_scores(q, k), attn_mask)
-        dropout = self.dropout if self.training else 0.0
-        if dropout or is_causal:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                 is_causal=is_causal, dropout_p=dropout)
-        else:
-            out = step_attention(q, k, v, attn_mask)  # (B, H, T, hd)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd)
         b, _, t, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, t, self.inner))
 

@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from dynaseq.nn.attention import (
     MultiHeadAttention,
     padding_to_attn_mask,
-    step_attention,
     with_position_scores,
 )
 from dynaseq.nn.feedforward import FeedForward
@@ -60,7 +59,7 @@ class DenseSelfAttention:
         qkv = self.qkv(x)  # (B, 1, 3·H·hd)
         q, k, v = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
         keys, values = cache.append(k, v)  # (B, H, t+1, hd)
-        a = step_attention(q, keys, values)  # (B, H, 1, hd)
+        a = F.scaled_dot_product_attention(q, keys, values)  # (B, H, 1, hd)
         return self.out(a.reshape(b, 1, h * d))
 
 
@@ -85,7 +84,7 @@ class DenseCrossAttention:
              tally: StepTally | None = None) -> Tensor:
         b, h, d = x.size(0), self.n_heads, self.d_head
         q = self.q(x).view(b, h, 1, d)
-        a = step_attention(q, keys.k, keys.v, keys.mask)
+        a = F.scaled_dot_product_attention(q, keys.k, keys.v, attn_mask=keys.mask)
         return self.out(a.reshape(b, 1, h * d))
 
 
@@ -124,7 +123,7 @@ class DenseEncoderAttention:
         h, d = self.n_heads, self.d_head
         q, k, v = self.qkv(x).view(b, s, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
         mask = None if valid is None else valid[:, None, None, :]
-        a = step_attention(q[:, :, :1], k, v, mask)  # (B, H, 1, hd)
+        a = F.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=mask)  # (B, H, 1, hd)
         return self.out(a.reshape(b, 1, h * d))
 
 

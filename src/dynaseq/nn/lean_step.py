@@ -221,18 +221,13 @@ class StepCache:
 class CrossKeys:
     """A cross-attention's keys and values for every later step, projected once.
 
-    k, v: ``(B, H, W, d_head)``, made contiguous here once (heads split off a ``(B, W, d)``
-    projection are a transposed view, which every step's batched products would copy again);
-    mask: broadcastable to ``(B, H, 1, W)``, bool (True = attend) or float (added to the
-    scores), or None (every key attended).
+    k, v: ``(B, H, W, d_head)``; mask: broadcastable to ``(B, H, 1, W)``, bool (True =
+    attend) or float (added to the scores), or None (every key attended).
     """
 
     k: Tensor
     v: Tensor
     mask: Tensor | None = None
-
-    def __post_init__(self) -> None:
-        self.k, self.v = self.k.contiguous(), self.v.contiguous()
 
     def index_select(self, index: Tensor) -> CrossKeys:
         mask = None if self.mask is None else self.mask.index_select(0, index)

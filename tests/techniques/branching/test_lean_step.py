@@ -12,7 +12,6 @@ import torch
 from dynaseq.compress.int8 import quantize_int8
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import greedy_search
-from dynaseq.nn import attention
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
@@ -57,11 +56,7 @@ IDS = ["merged", "unmerged", "no-fast-paths", "ffn-only", "int8", "int8-no-fast-
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-@pytest.mark.parametrize("by_hand", [False, True])
-def test_greedy_and_beam_give_the_general_steps_tokens(case, by_hand, monkeypatch):
-    """by_hand: every attention step by hand (:func:`step_attention`)."""
-    if by_hand:
-        monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", 1)
+def test_greedy_and_beam_give_the_general_steps_tokens(case):
     m = model(**case)
     lean = LeanDecoder.prepare(m)
     assert lean is not None

@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
-from dynaseq.nn import attention
 from dynaseq.nn.lean_step import LEFT_ROWS, lean_part
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
@@ -150,12 +149,7 @@ def test_mixed_ffn_gates_fused_and_masked_equal_each_piece_on_its_rows(out_norms
 
 
 @pytest.mark.parametrize("cct", [{}, {"output_norms": False}])
-@pytest.mark.parametrize("by_hand", [False, True])
-def test_greedy_and_beam_give_the_general_steps_tokens(cct, by_hand, monkeypatch):
-    """by_hand: every attention step by hand (:func:`step_attention`), the CCT's zero key
-    slot and its bias included."""
-    if by_hand:
-        monkeypatch.setattr(attention, "STEP_ATTENTION_PAIRS", 1)
+def test_greedy_and_beam_give_the_general_steps_tokens(cct):
     m = cct_model(seed=2, **cct)
     lean = LeanDecoder.prepare(m)
     src = sources(seed=3)

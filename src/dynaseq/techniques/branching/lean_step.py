@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.nn.attention import padding_to_attn_mask, step_attention
+from dynaseq.nn.attention import padding_to_attn_mask
 from dynaseq.nn.int8 import Int8Linear
 from dynaseq.nn.lean_step import (
     CrossKeys,
@@ -200,7 +200,7 @@ class DMBSelfAttention(_FusedSelfAttention):
             qkv = _runs(x.view(b, -1), picks, self.qkv_k)
         q, key, value = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
         keys, values = cache.append(key, value)  # (B, H, t+1, hd)
-        a = step_attention(q, keys, values).reshape(b, h * d)  # (B, H·hd)
+        a = F.scaled_dot_product_attention(q, keys, values).reshape(b, h * d)  # (B, H·hd)
         if picks is not None:
             return _runs(a, picks, self.out_k).view(b, 1, h * d)
         return route.project(self.out, route.gather(a)).view(b, 1, h * d)
@@ -261,7 +261,8 @@ class DMBCrossAttention(_AttentionPart):
             q = route.project(self.q, route.input_rows())
         else:
             q = _runs(x.view(b, -1), picks, self.q_k)
-        a = step_attention(q.view(b, h, 1, d), keys.k, keys.v, keys.mask).reshape(b, h * d)
+        a = F.scaled_dot_product_attention(q.view(b, h, 1, d), keys.k, keys.v,
+                                           attn_mask=keys.mask).reshape(b, h * d)
         if picks is not None:
             return _runs(a, picks, self.out_k).view(b, 1, h * d)
         return route.project(self.out, route.gather(a)).view(b, 1, h * d)

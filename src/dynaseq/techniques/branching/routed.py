@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.nn.attention import AttentionHeads, KVCache, step_attention
+from dynaseq.nn.attention import AttentionHeads, KVCache
 from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
 from dynaseq.techniques.branching.branched_linear import BranchedLinear
 from dynaseq.techniques.branching.routing import GatingUnit
@@ -46,10 +46,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal:
         allowed = torch.arange(k.size(2), device=q.device)[None, :] <= pos_q
         attn_mask = allowed if attn_mask is None else attn_mask & allowed
         causal = False
-    if causal or dropout_p:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                              dropout_p=dropout_p)
-    return step_attention(q, k, v, attn_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                          dropout_p=dropout_p)
 
 
 class _Gated:

@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.nn.attention import KVCache, step_attention
+from dynaseq.nn.attention import KVCache
 from dynaseq.nn.int8 import Int8Linear
 from dynaseq.nn.outputs import MACS_TRACE, AuxOutputs, MacsRecord
 from dynaseq.techniques.cct.gating import ControlNet, Gate, NoiseSchedule, trace_gate
@@ -364,7 +364,7 @@ class ConditionalAttention(nn.Module):
         mask = None
         if allowed is not None:  # padding query slots take position 0's row (always valid)
             mask = qp.gather(allowed.expand(b, allowed.size(1), t, k.size(1)), 2)
-        a = step_attention(q, k_r, v_r, mask)  # (B', H, Q, hd)
+        a = F.scaled_dot_product_attention(q, k_r, v_r, attn_mask=mask)  # (B', H, Q, hd)
         return self.out_proj(self.out_norm(qp.unpack(self._merge(a))))
 
     def _attend_static_packed(self, x: Tensor, packed: PackedKeys, qp: Packing) -> Tensor:
@@ -402,10 +402,9 @@ class ConditionalAttention(nn.Module):
     def _attend_all(self, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> Tensor:
         """LN(MultiHeadAtten(K, V, x W_q)) W_o for every query: x ``(B, T, d)``, k/v
         ``(B, S, d)`` -> ``(B, T, d)`` (the ungated part of eq. 13; dropout in training)."""
-        q, dropout = self._split(self.q_proj(x)), self.dropout if self.training else 0.0
-        a = (F.scaled_dot_product_attention(q, self._split(k), self._split(v),
-                                            attn_mask=allowed, dropout_p=dropout) if dropout
-             else step_attention(q, self._split(k), self._split(v), allowed))
+        a = F.scaled_dot_product_attention(self._split(self.q_proj(x)), self._split(k),
+                                           self._split(v), attn_mask=allowed,
+                                           dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(self.out_norm(self._merge(a)))
 
     def _project_kv(self, src: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:

@@ -64,7 +64,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dynaseq.nn.attention import step_attention
 from dynaseq.nn.lean_step import (
     LEFT_ROWS,
     CrossKeys,
@@ -212,7 +211,7 @@ class _GatedAttention:
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q ``(N, T, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, T, d)``."""
         q = split_heads(q, self.n_heads)
-        a = step_attention(q, k, v, mask)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self._output(merge_heads(a))
 
     def _attend_rows(self, x: Tensor, rows: Tensor, k: Tensor, v: Tensor,
@@ -226,7 +225,7 @@ class _GatedAttention:
         only."""
         b, d = x.size(0), self.d
         q = x.new_zeros(b, 1, d).index_copy_(0, rows, self.q_fn(x.index_select(0, rows)))
-        a = step_attention(split_heads(q, self.n_heads), k, v, mask)
+        a = F.scaled_dot_product_attention(split_heads(q, self.n_heads), k, v, attn_mask=mask)
         y = self._output(merge_heads(a).index_select(0, rows))
         return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
 
