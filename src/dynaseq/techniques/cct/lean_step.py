@@ -24,8 +24,8 @@ control network(s) and reads the decisions with one host sync, then:
 * **encoder self-attention** (role ``"encoder"``, whole sequences, eq. 12-13): both
   control nets as one product over the valid tokens (none over padding), one host sync for
   the open queries and keys/values. Queries and keys/values are limited to valid
-  (non-padding) tokens, keys/values also to rows with an open query (as the module does). Every token open and no padding:
-  one fused q/k/v product. Otherwise keys/values are projected and normalised for the open
+  (non-padding) tokens, keys/values also to rows with an open query (as the module does).
+  Every token open and no padding: one fused q/k/v product. Otherwise keys/values are projected and normalised for the open
   tokens only (zero rows elsewhere, entering the softmax with score 0, eq. 12), and the
   query, the output LayerNorm and projection run for the open queries only, packed per
   sequence (:class:`~dynaseq.techniques.cct.packing.Packing`), attending over all of
