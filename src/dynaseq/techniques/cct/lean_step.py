@@ -457,6 +457,7 @@ class GatedFeedForward:
             self.w2 = torch.stack([p.ffn.fc2.weight.t() for p in pieces])  # (M, f, d)
             self.b2 = torch.stack([p.ffn.fc2.bias for p in pieces])[:, None]  # (M, 1, d)
         self.w2_rows: Tensor | None = None  # (M, d, f), made at the first few-row call
+        self.b2_column = self.b2.transpose(1, 2)  # (M, d, 1), a view
         self.few_rows = (self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
                          and self.w2.size(2) >= self.w2.size(1))  # as wide out (d) as in (f)
         self.fc1 = float_linear(self.w1, self.b1)  # every piece's first layer, fused
@@ -515,8 +516,7 @@ class GatedFeedForward:
         w2_rows = self.w2_rows
         if w2_rows is None:  # a race only makes the same copy twice
             w2_rows = self.w2_rows = self.w2.transpose(1, 2).contiguous()
-        return torch.baddbmm(self.b2.transpose(1, 2), w2_rows, h.permute(1, 2, 0)
-                             ).transpose(1, 2)
+        return torch.baddbmm(self.b2_column, w2_rows, h.permute(1, 2, 0)).transpose(1, 2)
 
     FUSE_WASTE = 2.0
     """Mixed gates run the fused products over the rows with any piece open (the closed
