@@ -108,13 +108,14 @@ class StepLinear:
     def __init__(self, weight: Tensor, bias: Tensor | None, always: bool = False) -> None:
         self.weight, self.bias, self.always = weight, bias, always  # (out, in), (out,)
         out, n_in = weight.shape
+        self.n_in = n_in
         self.wide = always or out >= 2 * n_in
         self.left = out >= n_in and weight.device.type == "cpu" and weight.dtype == torch.float32
         self.bias_column = None if bias is None else bias[:, None]  # (out, 1), a view
         self.weight_t: Tensor | None = None  # (in, out), made at the first call that reads it
 
     def __call__(self, x: Tensor) -> Tensor:
-        n_in = self.weight.size(1)
+        n_in = self.n_in
         rows = x.numel() // n_in
         if self.left and 2 <= rows <= LEFT_ROWS:
             xt = x.reshape(rows, n_in).t()  # (in, rows)
