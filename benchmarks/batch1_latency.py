@@ -24,7 +24,12 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
   branch each router picks, :mod:`dynaseq.techniques.branching.lean_step`), the same lean
   step as it ran before rows were laid out in blocks ("grouped": the source through the
   modules' own pass, every call of several rows in the router's grouped layout) and its
-  general step; MoE has only the general step.
+  general step; MoE has only the general step. Beside them, "dmb one branch": the same DMB
+  model with every decoder router set to pick branch 0 for every token (its projection
+  zeroed, one bias up), so a step reads one weight matrix per projection as the dense model
+  does whatever its rows are; and the mean number of distinct branches one lean call of a
+  router's sub-layer reads (counted over one decode of the DMB model as it routes): at beam
+  4 the rows of a step are four different prefixes, each routed on its own.
 * **cct**: ``configs/multi30k_cct_small.yaml`` untrained (control symbol 0) at fixed gate
   patterns, lean and general step, against the dense model of its shape (``small``, 3+3):
   every gate open with one offset of +inf (the decisions need no control network), every
@@ -54,6 +59,7 @@ Writes benchmarks/results/batch1_latency.{json,md}. Run from the repository root
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -73,6 +79,7 @@ from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
+from dynaseq.techniques.branching.routing import Router
 
 import _lib
 
@@ -337,6 +344,48 @@ def grouped_lean(model: torch.nn.Module) -> LeanDecoder:
     return lean
 
 
+def one_branch(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the DMB ``model`` whose decoder routers pick branch 0 for every token."""
+    one = copy.deepcopy(model)
+    with torch.no_grad():
+        for router in one.decoder.modules():
+            if isinstance(router, Router):
+                router.proj.weight.zero_()
+                router.proj.bias.zero_()
+                router.proj.bias[0] = 1.0
+    return one
+
+
+class CountBranches:
+    """Wraps a lean DMB part's ``pick``: counts its small-step calls and the distinct
+    branches each reads."""
+
+    def __init__(self, pick: Callable[[torch.Tensor], list[int] | None]) -> None:
+        self.pick, self.calls, self.branches = pick, 0, 0
+
+    def __call__(self, x: torch.Tensor) -> list[int] | None:
+        picks = self.pick(x)
+        if picks is not None:
+            self.calls += 1
+            self.branches += len(set(picks))
+        return picks
+
+
+def branches_read(model: torch.nn.Module, beam: int, batch: int) -> float | None:
+    """Mean distinct branches per small-step call of the lean DMB parts over one decode
+    (None when every call took the blocked path: more rows than a small step)."""
+    lean = LeanDecoder.prepare(model)
+    assert lean is not None, "a DMB model has a lean step"
+    counters = []
+    for layer in lean.layers:
+        for part in (layer.self_attn, layer.cross_attn, layer.ffn):
+            part.pick = CountBranches(part.pick)
+            counters.append(part.pick)
+    decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam, batch=batch, repeats=1, lean=lean)
+    calls = sum(c.calls for c in counters)
+    return round(sum(c.branches for c in counters) / calls, 3) if calls else None
+
+
 def branching_rows(args) -> list[dict]:
     """DMB (lean and general step) and MoE ÷ the dense model of their size, at each of
     ``--branching-batches``."""
@@ -344,6 +393,7 @@ def branching_rows(args) -> list[dict]:
     for size in [s for s in args.sizes if s in ("tiny", "small")]:
         base = build_dense_like(size)
         models = {kind: branched(kind, size) for kind in BRANCHING}
+        models["dmb one branch"] = one_branch(models["dmb"])
         for batch, (search, beam) in itertools.product(args.branching_batches, BEAMS.items()):
             def t(model, lean=False, beam=beam, batch=batch) -> Callable[[], float]:
                 return lambda: decode_latency_ms(model, SRC_LEN, TGT_LEN, beam=beam,
@@ -351,7 +401,9 @@ def branching_rows(args) -> list[dict]:
             systems = {"dense lean": t(base, True), "dense general": t(base),
                        "dmb lean": t(models["dmb"], LeanDecoder.prepare(models["dmb"])),
                        "dmb lean grouped": t(models["dmb"], grouped_lean(models["dmb"])),
-                       "dmb general": t(models["dmb"]), "moe": t(models["moe"])}
+                       "dmb general": t(models["dmb"]), "moe": t(models["moe"]),
+                       "dmb one branch": t(models["dmb one branch"],
+                                           LeanDecoder.prepare(models["dmb one branch"]))}
             ms = interleaved(systems, args.rounds)
             row = {"size": size, "batch": batch, "search": search, "ms": ms,
                    "dmb_lean_vs_dense_lean": round(ms["dmb lean"] / ms["dense lean"], 3),
@@ -359,7 +411,10 @@ def branching_rows(args) -> list[dict]:
                                                          / ms["dense general"], 3),
                    "dmb_lean_vs_general": round(ms["dmb lean"] / ms["dmb general"], 3),
                    "dmb_lean_vs_grouped": round(ms["dmb lean"] / ms["dmb lean grouped"], 3),
-                   "moe_vs_dense_lean": round(ms["moe"] / ms["dense lean"], 3)}
+                   "moe_vs_dense_lean": round(ms["moe"] / ms["dense lean"], 3),
+                   "dmb_one_branch_vs_dense_lean": round(ms["dmb one branch"]
+                                                         / ms["dense lean"], 3),
+                   "branches_read": branches_read(models["dmb"], beam, batch)}
             rows.append(row)
             print(f"branching {size} b{batch} {search}: {ms}", flush=True)
     return rows
@@ -567,21 +622,25 @@ def branching_markdown(section: dict) -> list[str]:
              "", "Target: DMB ≤ 1.05× the dense model at batch 1 (lean step against lean "
              "step), greedy and beam 4, tiny and small; no regression at batch 32.", ""]
     systems = ("dense lean", "dense general", "dmb lean", "dmb lean grouped", "dmb general",
-               "moe")
+               "moe", "dmb one branch")
     ratios = {"dmb lean ÷ dense lean": "dmb_lean_vs_dense_lean",
               "dmb general ÷ dense general": "dmb_general_vs_dense_general",
               "dmb lean ÷ general": "dmb_lean_vs_general",
               "dmb lean ÷ lean grouped": "dmb_lean_vs_grouped", "moe ÷ dense lean":
-              "moe_vs_dense_lean"}
+              "moe_vs_dense_lean", "dmb one branch ÷ dense lean": "dmb_one_branch_vs_dense_lean",
+              "branches a small-step call reads": "branches_read"}
     rows = section["rows"]
     if not all("dmb lean grouped" in r["ms"] for r in rows):  # rows from before blocks
         systems = tuple(k for k in systems if k != "dmb lean grouped")
         del ratios["dmb lean ÷ lean grouped"]
+    if not all("dmb one branch" in r["ms"] for r in rows):  # rows from before one branch
+        systems = tuple(k for k in systems if k != "dmb one branch")
+        del ratios["dmb one branch ÷ dense lean"], ratios["branches a small-step call reads"]
     return lines + _lib.md_table(
         ["size", "batch", "search", *systems, *ratios],
         "lrl" + "r" * (len(systems) + len(ratios)),
         [[r["size"], r.get("batch", 1), r["search"], *(r["ms"][k] for k in systems),
-          *(r[key] for key in ratios.values())] for r in rows])
+          *("–" if r[key] is None else r[key] for key in ratios.values())] for r in rows])
 
 
 def cct_markdown(cct: dict) -> list[str]:
