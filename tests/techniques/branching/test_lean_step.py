@@ -16,7 +16,8 @@ from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.branching.config import DMBConfig, MoEConfig
-from dynaseq.techniques.branching.lean_step import ROW_RUNS
+from dynaseq.techniques.branching.lean_step import ROW_RUNS, first_max
+from dynaseq.techniques.branching.routing import Router
 
 from helpers import assert_same_searches, count_ops, padded_sources, step_ops
 
@@ -143,6 +144,40 @@ def test_a_batch_1_step_runs_one_plain_matmul_per_projection_and_router():
     assert routers == [LAYERS * 3] * 4
     assert counts[0].count("baddbmm.default") == LAYERS
     assert "_grouped_mm.default" not in counts[0]
+
+
+@pytest.mark.parametrize("logits", [
+    [0.5, 2.0, -1.0, 2.0], [3.0, 3.0, 3.0], [-1.0], [float("-inf"), float("-inf"), -5.0],
+    [1.0, float("nan"), 9.0, float("nan")], [float("inf"), 1.0, float("inf")],
+    [0.0, -0.0, 0.0], [float("nan")]])
+def test_first_max_is_torch_argmax_on_one_row(logits):
+    """Ties go to the first; a NaN wins over any number, the first NaN over later ones."""
+    assert first_max(logits) == int(torch.tensor(logits).argmax())
+
+
+def test_tied_router_logits_pick_the_lower_branch_as_the_module_does():
+    """Every decoder router with branches 1 and 2 tied (equal rows): the module's argmax
+    takes branch 1, and so must the lean step's host-side pick (branch 2 holds other
+    weights, so taking it changes the tokens)."""
+    m = model(seed=5)
+    with torch.no_grad():
+        for router in m.decoder.modules():
+            if isinstance(router, Router):
+                router.proj.weight[2] = router.proj.weight[1]
+                router.proj.bias[2] = router.proj.bias[1]
+    lean = LeanDecoder.prepare(m)
+    for rows in (1, 5):
+        src = sources(n=rows, seed=6)
+        enc = m.encode(src)
+        general, fast = m.init_state(), lean.init_state(8)
+        tokens = torch.full((rows, 1), m.bos_id)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for _ in range(10):
+                want = m.decode_step(tokens, enc, general)
+                torch.testing.assert_close(lean.decode_step(tokens, enc, fast), want,
+                                           rtol=1e-5, atol=1e-5)
+                tokens = torch.randint(4, 30, (rows, 1), generator=g)
 
 
 def test_the_fused_copy_takes_the_models_dtype_and_device():
