@@ -234,3 +234,27 @@ def test_the_source_is_encoded_through_the_lean_encoder_pass(kind):
         assert (a is None and b is None) or torch.equal(a, b)
     traced = lean.encode(src, control, aux=AuxOutputs())
     torch.testing.assert_close(traced.out, ref.out, rtol=0, atol=0)
+
+
+def test_a_reorder_that_keeps_the_row_count_copies_only_the_moved_rows_in_place():
+    """``StepCache.reorder`` with :func:`moved_rows` equals the full gather, writes into
+    the same storage, and leaves the rows that stay untouched; an index that changes the
+    row count gathers."""
+    from dynaseq.nn.lean_step import StepCache, moved_rows
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(6, 2, 5, 4, generator=g), torch.randn(6, 2, 5, 4, generator=g)
+    index = torch.tensor([0, 0, 2, 5, 4, 3])
+    for moved in (None, moved_rows(index, 6)):
+        cache = StepCache(8)
+        for t in range(5):
+            cache.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
+        storage = cache.k.data_ptr()
+        cache.reorder(index, moved)
+        got_k, got_v = cache.filled()
+        torch.testing.assert_close(got_k, k[index], rtol=0, atol=0)
+        torch.testing.assert_close(got_v, v[index], rtol=0, atol=0)
+        assert (cache.k.data_ptr() == storage) == (moved is not None)
+    assert moved_rows(index, 6).tolist() == [1, 3, 5]
+    assert moved_rows(torch.arange(6), 6).numel() == 0
+    assert moved_rows(torch.tensor([0, 2]), 6) is None

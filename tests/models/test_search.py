@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from dynaseq.models.search import beam_search, greedy_search
+import dynaseq.models.search as search_module
+from dynaseq.models.search import beam_search, greedy_search, stay_in_place
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 
@@ -167,3 +168,36 @@ def test_each_sentence_is_reported_once_when_it_finishes_with_its_final_tokens()
         out = search(m, src, max_len_a=0.0, max_len_b=12, expires=[float("inf")] * 5 + [0.0],
                      clock=StepClock(), on_done=record, **kw)
         assert out[5] is None and 5 not in {r for c in calls for r in c}
+
+
+@pytest.mark.parametrize("parents, want", [
+    ([[0, 1, 2, 3]], [[0, 1, 2, 3]]),  # every slot extends itself: nothing moves
+    ([[2, 0, 3, 1]], [[1, 3, 0, 2]]),  # a permutation: each continuation to its parent's slot
+    ([[0, 0, 0, 0]], [[0, 1, 2, 3]]),  # one parent: it keeps the best, the rest in rank order
+    ([[1, 1, 3, 0]], [[3, 0, 1, 2]]),  # slot 2 died: the second child of 1 takes it
+    ([[0, 1], [1, 1]], [[0, 1], [1, 0]])])
+def test_stay_in_place_keeps_continuations_in_their_parents_slots(parents, want):
+    got = stay_in_place(parents)
+    assert got == want
+    for ranked, order in zip(parents, got, strict=True):
+        assert sorted(order) == list(range(len(ranked)))  # each continuation once
+        # a parent's slot holds one of its children whenever it has any
+        assert all(ranked[order[t]] == t for t in set(ranked))
+
+
+def test_beam_results_do_not_depend_on_the_slots_beams_sit_in(monkeypatch):
+    """Beams in rank order every step (the order before :func:`stay_in_place`) give the
+    same hypotheses, general and lean step alike."""
+    from dynaseq.models.lean import LeanDecoder
+
+    m = model(seed=3)
+    src = sources(n=6, seed=4)
+    lean = LeanDecoder.prepare(m)
+    kept = {k: [beam_search(d, src, beam=k, max_len_a=1.0, max_len_b=8) for d in (m, lean)]
+            for k in (2, 4)}
+    monkeypatch.setattr(search_module, "stay_in_place",
+                        lambda parents: [list(range(len(p))) for p in parents])
+    for k, (general, fast) in kept.items():
+        ranked = beam_search(m, src, beam=k, max_len_a=1.0, max_len_b=8)
+        assert general == fast == ranked
+        assert beam_search(lean, src, beam=k, max_len_a=1.0, max_len_b=8) == ranked

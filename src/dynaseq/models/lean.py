@@ -65,6 +65,7 @@ from dynaseq.nn.lean_step import (
     lean_part,
     linear_fn,
     linear_tensors,
+    moved_rows,
     uniform_offset,
 )
 from dynaseq.nn.outputs import AuxOutputs
@@ -159,9 +160,12 @@ class LeanState:
             self.tally.reorder(index)
 
     def reorder_self(self, index: Tensor) -> None:
-        """Keep/reorder batch rows of the self-attention caches (filled positions only)."""
+        """Keep/reorder batch rows of the self-attention caches (filled positions only; an
+        index that keeps the row count copies only the rows it moves)."""
+        rows = next((c.k.size(0) for c in self.caches if c.k is not None), None)
+        moved = None if rows is None else moved_rows(index, rows)
         for cache in self.caches:
-            cache.reorder(index)
+            cache.reorder(index, moved)
 
     def reorder_cross(self, index: Tensor) -> None:
         """Keep/reorder batch rows of the cross-attention keys, values and masks."""

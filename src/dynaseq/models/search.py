@@ -271,6 +271,9 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 on_done(ended, [_best(finished[s]) for s in ended])
         if done.all():
             break
+        if k > 1:  # each beam slot takes a child of its own hypothesis where it can
+            slots = torch.tensor(stay_in_place(beams.tolist()), device=device)
+            beams, toks, live_scores = (t.gather(1, slots) for t in (beams, toks, live_scores))
         keep = (~done).nonzero().squeeze(1)
         rows = (keep.unsqueeze(1) * k + beams[keep]).view(-1)  # flat rows to continue
         history = torch.cat([history[rows], toks[keep].view(-1, 1)], dim=1)
@@ -284,6 +287,31 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         active_list = [active_list[i] for i in keep.tolist()]
         tokens = toks[keep].view(-1, 1)
     return [None if gone else _best(hyps) for hyps, gone in zip(finished, expired, strict=True)]
+
+
+def stay_in_place(parents: list[list[int]]) -> list[list[int]]:
+    """For each sentence, the order in which its ranked continuations fill its beam slots:
+    ``parents[s][j]`` is the slot (beam) that continuation j extends, and the result's
+    ``[s][t]`` is the continuation that slot t holds. A continuation takes its parent's own
+    slot when no better-ranked one has; the rest fill the freed slots in rank order.
+
+    Why: a slot that keeps extending itself keeps its keys and values where they are, so
+    the caches copy only the rows that moved (:meth:`StepCache.reorder`) instead of every
+    row every step. The beams of a sentence are a set: the search's result does not depend
+    on the slot each sits in."""
+    orders = []
+    for ranked in parents:
+        order, rest = [-1] * len(ranked), []
+        for j, slot in enumerate(ranked):
+            if order[slot] < 0:
+                order[slot] = j
+            else:
+                rest.append(j)
+        free = (t for t, j in enumerate(order) if j < 0)
+        for t, j in zip(free, rest, strict=True):
+            order[t] = j
+        orders.append(order)
+    return orders
 
 
 def _best(hyps: list[tuple[float, list[int]]]) -> list[int]:

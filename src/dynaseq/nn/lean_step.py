@@ -211,11 +211,21 @@ class StepCache:
         assert self.k is not None and self.v is not None, "nothing written yet"
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep/reorder batch rows (filled positions only are copied)."""
-        if self.k is not None:
+    def reorder(self, index: Tensor, moved: Tensor | None = None) -> None:
+        """Keep/reorder batch rows (filled positions only are copied). ``moved``: the rows
+        ``i`` with ``index[i] != i`` when ``index`` keeps the row count (:func:`moved_rows`):
+        only those are copied, in place."""
+        if self.k is None:
+            return
+        assert self.v is not None
+        if moved is None:
             self.k = _take_rows(self.k, index, self.length)
             self.v = _take_rows(self.v, index, self.length)
+        elif moved.numel():
+            sources = index.index_select(0, moved)
+            for cache in (self.k, self.v):
+                filled = cache[:, :, : self.length]
+                filled.index_copy_(0, moved, filled.index_select(0, sources))
 
 
 @dataclass
@@ -400,6 +410,14 @@ def _grow(cache: Tensor, filled: int) -> Tensor:
     return bigger
 
 
+def moved_rows(index: Tensor, rows: int) -> Tensor | None:
+    """The rows ``i`` whose ``index[i] != i``, ``(n,)`` long, for an ``index`` that keeps
+    ``rows`` rows (a beam step's); None when it keeps another count (a gather then)."""
+    if index.numel() != rows:
+        return None
+    return (index != torch.arange(rows, device=index.device)).nonzero().squeeze(1)
+
+
 def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
     """Rows ``index`` of a cache, same capacity, its first ``filled`` positions copied."""
     out = cache.new_empty((index.numel(), *cache.shape[1:]))
@@ -411,5 +429,5 @@ __all__ = ["LEAN_PARTS", "LEFT_ROWS", "CrossKeys", "LeanCrossAttention", "LeanEn
            "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
            "StepLinear",
            "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",
-           "linear_tensors",
+           "linear_tensors", "moved_rows",
            "merge_heads", "refreshed", "register_lean", "split_heads", "uniform_offset"]
