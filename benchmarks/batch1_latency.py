@@ -372,8 +372,9 @@ class CountBranches:
 
 
 def branches_read(model: torch.nn.Module, beam: int, batch: int) -> float | None:
-    """Mean distinct branches per small-step call of the lean DMB parts over one decode
-    (None when every call took the blocked path: more rows than a small step)."""
+    """Mean distinct branches per small-step call of the lean DMB parts over a timed
+    decode and its warm-up (beam search's one-row first step included); None when every
+    call took the blocked path (more rows than a small step)."""
     lean = LeanDecoder.prepare(model)
     assert lean is not None, "a DMB model has a lean step"
     counters = []

@@ -237,9 +237,8 @@ def test_the_source_is_encoded_through_the_lean_encoder_pass(kind):
 
 
 def test_a_reorder_that_keeps_the_row_count_copies_only_the_moved_rows_in_place():
-    """``StepCache.reorder`` with :func:`moved_rows` equals the full gather, writes into
-    the same storage, and leaves the rows that stay untouched; an index that changes the
-    row count gathers."""
+    """``StepCache.reorder`` with :func:`moved_rows` equals the full gather and writes into
+    the same storage; an index that changes the row count gathers."""
     from dynaseq.nn.lean_step import StepCache, moved_rows
 
     g = torch.Generator().manual_seed(0)

@@ -298,7 +298,9 @@ def stay_in_place(parents: list[list[int]]) -> list[list[int]]:
     Why: a slot that keeps extending itself keeps its keys and values where they are, so
     the caches copy only the rows that moved (:meth:`StepCache.reorder`) instead of every
     row every step. The beams of a sentence are a set: the search's result does not depend
-    on the slot each sits in."""
+    on the slot each sits in, up to exact ties between scores (``topk`` breaks those by
+    position). The parents are read to the host once a step, beside the search's other
+    host reads."""
     orders = []
     for ranked in parents:
         order, rest = [-1] * len(ranked), []

@@ -222,6 +222,7 @@ class StepCache:
             self.k = _take_rows(self.k, index, self.length)
             self.v = _take_rows(self.v, index, self.length)
         elif moved.numel():
+            assert index.numel() == self.k.size(0), "moved rows go with a same-size index"
             sources = index.index_select(0, moved)
             for cache in (self.k, self.v):
                 filled = cache[:, :, : self.length]
