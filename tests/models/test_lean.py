@@ -257,3 +257,61 @@ def test_a_reorder_that_keeps_the_row_count_copies_only_the_moved_rows_in_place(
     assert moved_rows(index, 6).tolist() == [1, 3, 5]
     assert moved_rows(torch.arange(6), 6).numel() == 0
     assert moved_rows(torch.tensor([0, 2]), 6) is None
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_a_block_of_queries_over_shared_keys_equals_each_query_over_its_copy(mask):
+    """``attend_keys`` with keys shared by groups of 3 rows equals SDPA of every row over
+    its own copy of its group's keys (eq. 1), for no mask, a bool and a float mask."""
+    from dynaseq.nn.lean_step import CrossKeys, attend_keys
+
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(4, 2, 5, 8, generator=g), torch.randn(4, 2, 5, 8, generator=g)
+    q = torch.randn(12, 2, 1, 8, generator=g)
+    m = {"none": None, "bool": torch.rand(4, 1, 1, 5, generator=g) > 0.3,
+         "float": torch.randn(4, 1, 1, 5, generator=g)}[mask]
+    if m is not None and m.dtype == torch.bool:
+        m[:, ..., 0] = True  # every row attends some key
+    shared = CrossKeys(k, v, m).shared(3)
+    copies = CrossKeys(k, v, m).index_select(torch.arange(4).repeat_interleave(3))
+    assert copies.group == 1 and shared.group == 3 and shared.k is k
+    torch.testing.assert_close(attend_keys(q, shared), attend_keys(q, copies),
+                               rtol=1e-5, atol=1e-5)
+    # dropping a group keeps the others' keys shared
+    kept = shared.index_select(torch.tensor([0, 0, 0, 9, 9, 9]))
+    assert kept.group == 3 and torch.equal(kept.k, k[[0, 3]])
+
+
+@pytest.mark.parametrize("kind", ["dense", "dmb"])
+def test_beams_share_their_sentences_cross_keys_and_decode_as_the_general_step(
+        kind, monkeypatch):
+    """With sharing from one sentence on, a lean beam search keeps one row of cross keys
+    per sentence and gives the general step's hypotheses as sentences finish apart."""
+    import dynaseq.models.lean as lean_module
+
+    monkeypatch.setattr(lean_module, "SHARE_MIN", 1)
+    m = model(seed=4, **({"dmb": DMBConfig(n_branches=3)} if kind == "dmb" else {}))
+    lean = LeanDecoder.prepare(m)
+    src = sources(n=6, seed=5)
+    state = lean.init_state()
+    lean.decode_step(torch.full((6, 1), m.bos_id), lean.encode(src), state)
+    state.expand_beams(torch.arange(6).repeat_interleave(4), 4)
+    assert [(keys.group, keys.k.size(0)) for keys in state.cross] == [(4, 6)] * 2
+    assert_same_searches(m, lean, src, beams=(2, 4), max_len_b=12)
+
+
+def test_below_share_min_sentences_or_with_cct_cross_parts_each_beam_keeps_a_copy():
+    """Fewer sentences than SHARE_MIN copy the keys per beam; a CCT's cross part (packed
+    keys, per-row gates) does not attend shared keys, so its state never shares."""
+    from dynaseq.nn.lean_step import SHARE_MIN
+
+    m = model(seed=4)
+    lean = LeanDecoder.prepare(m)
+    n = SHARE_MIN - 1
+    state = lean.init_state()
+    lean.decode_step(torch.full((n, 1), m.bos_id), lean.encode(sources(n=n)), state)
+    state.expand_beams(torch.arange(n).repeat_interleave(4), 4)
+    assert [(keys.group, keys.k.size(0)) for keys in state.cross] == [(1, 4 * n)] * 2
+    cct = model(cct=CCTConfig(ffn_pieces=2, control_hidden=8))
+    assert not LeanDecoder.prepare(cct).init_state().share_keys
+    assert lean.init_state().share_keys

@@ -56,6 +56,7 @@ import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lea
 from dynaseq.models.lean_encoder import layer_modules, lean_layers, run_layers, valid_tokens
 from dynaseq.models.seq2seq import DecoderLayer, EncoderOutput, Seq2SeqTransformer
 from dynaseq.nn.lean_step import (
+    SHARE_MIN,
     CrossKeys,
     LinearFn,
     Norm,
@@ -135,8 +136,9 @@ class LeanState:
     :class:`~dynaseq.models.seq2seq.DecoderState`, with the same ``reorder`` methods, so the
     searches keep, drop and copy rows of both alike."""
 
-    def __init__(self, n_layers: int, capacity: int = 32) -> None:
+    def __init__(self, n_layers: int, capacity: int = 32, share_keys: bool = False) -> None:
         self.caches = [StepCache(capacity) for _ in range(n_layers)]
+        self.share_keys = share_keys  # every layer's cross part attends shared keys
         self.cross: list[CrossKeys] = []
         self.length = 0
         self.offset: Tensor | float | None = None  # the rows' gate offsets (see _uniform)
@@ -170,6 +172,20 @@ class LeanState:
     def reorder_cross(self, index: Tensor) -> None:
         """Keep/reorder batch rows of the cross-attention keys, values and masks."""
         self.cross = [keys.index_select(index) for keys in self.cross]
+
+    def expand_beams(self, index: Tensor, beams: int) -> None:
+        """:meth:`reorder` by ``index``, which repeats each row ``beams`` times (beam
+        search after its first step), except that from :data:`SHARE_MIN` sentences the
+        beams of a sentence share its cross-attention keys instead of a copy each (where
+        every layer's cross part attends shared keys)."""
+        sentences = index.numel() // beams
+        if not (self.share_keys and beams > 1 and sentences >= SHARE_MIN and self.cross):
+            self.reorder(index)
+            return
+        self.reorder_self(index)
+        self.cross = [keys.shared(beams) for keys in self.cross]
+        if self.tally is not None:
+            self.tally.reorder(index)
 
 
 def _decoder_modules(model: Seq2SeqTransformer) -> list[nn.Module]:
@@ -245,7 +261,8 @@ class LeanDecoder:
 
     def init_state(self, capacity: int = 32) -> LeanState:
         """Empty caches (``capacity`` steps before the first doubling)."""
-        return LeanState(len(self.layers), capacity)
+        share = all(getattr(w.cross_attn, "shares_keys", False) for w in self.layers)
+        return LeanState(len(self.layers), capacity, share_keys=share)
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor, enc: EncoderOutput, state: LeanState) -> Tensor:

@@ -10,7 +10,9 @@ server's deadline): a sentence still decoding when its expiry passes is dropped 
 of that step like a finished one, and its result is None (its answer would be late).
 
 Models only need ``encode(src, control=None) -> EncoderOutput``, ``init_state()`` (a state
-with ``reorder``, ``reorder_self`` and ``reorder_cross`` of batch rows),
+with ``reorder``, ``reorder_self`` and ``reorder_cross`` of batch rows, and optionally
+``expand_beams(index, beams)``: the first beam step's ``reorder``, free to let a sentence's
+beams share what is the same for all of them),
 ``decode_step(tokens (B, 1), enc, state) -> logits (B, V)`` and ``bos_id``/``eos_id``.
 """
 
@@ -228,7 +230,11 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
         if step == 0:  # the k beams of each sentence start from its one row
             logp = logp.index_select(0, expand)
             enc = enc0.index_select(expand)
-            state.reorder(expand)
+            expand_beams = getattr(state, "expand_beams", None)  # a lean state's
+            if expand_beams is None:
+                state.reorder(expand)
+            else:
+                expand_beams(expand, k)
         vocab = logp.size(-1)
         if step < min_len:
             logp[:, model.eos_id] = float("-inf")

@@ -35,6 +35,7 @@ from dynaseq.nn.lean_step import (
     LinearFn,
     StepCache,
     StepTally,
+    attend_keys,
     fused_linear,
     linear_fn,
     linear_tensors,
@@ -80,11 +81,13 @@ class DenseCrossAttention:
         return CrossKeys(split_heads(self.k(memory), self.n_heads),
                          split_heads(self.v(memory), self.n_heads), mask)
 
+    shares_keys = True
+    """Its step attends keys shared by groups of rows (:func:`attend_keys`)."""
+
     def step(self, x: Tensor, keys: CrossKeys, offset: Tensor | None,
              tally: StepTally | None = None) -> Tensor:
         b, h, d = x.size(0), self.n_heads, self.d_head
-        q = self.q(x).view(b, h, 1, d)
-        a = F.scaled_dot_product_attention(q, keys.k, keys.v, attn_mask=keys.mask)
+        a = attend_keys(self.q(x).view(b, h, 1, d), keys)  # (B, H, 1, hd)
         return self.out(a.reshape(b, 1, h * d))
 
 

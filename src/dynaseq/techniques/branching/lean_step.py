@@ -50,6 +50,7 @@ from dynaseq.nn.lean_step import (
     LinearFn,
     StepCache,
     StepTally,
+    attend_keys,
     float_linear,
     linear_tensors,
     register_lean,
@@ -270,6 +271,9 @@ class DMBCrossAttention(_AttentionPart):
         mask = padding_to_attn_mask(pad_mask) if bool(pad_mask.any()) else None
         return CrossKeys(split_heads(k, self.n_heads), split_heads(v, self.n_heads), mask)
 
+    shares_keys = True
+    """Its step attends keys shared by groups of rows (:func:`attend_keys`)."""
+
     def step(self, x: Tensor, keys: CrossKeys, offset: object,
              tally: StepTally | None = None) -> Tensor:
         b, h, d = x.size(0), self.n_heads, self.d_head
@@ -279,8 +283,7 @@ class DMBCrossAttention(_AttentionPart):
             q = route.project(self.q, route.input_rows())
         else:
             q = _runs(x.view(b, -1), picks, self.q_k)
-        a = F.scaled_dot_product_attention(q.view(b, h, 1, d), keys.k, keys.v,
-                                           attn_mask=keys.mask).reshape(b, h * d)
+        a = attend_keys(q.view(b, h, 1, d), keys).reshape(b, h * d)
         if picks is not None:
             return _runs(a, picks, self.out_k).view(b, 1, h * d)
         return route.project(self.out, route.gather(a)).view(b, 1, h * d)
