@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dynaseq.compress.int8 import quantize_int8
-from dynaseq.models.lean import LeanDecoder, is_lean
+from dynaseq.models.lean import LeanDecoder, LeanState, is_lean
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn.lean_step import StepTally
 from dynaseq.tasks.translation.config import ModelConfig
@@ -298,6 +298,11 @@ def test_beams_share_their_sentences_cross_keys_and_decode_as_the_general_step(
     state.expand_beams(torch.arange(6).repeat_interleave(4), 4)
     assert [(keys.group, keys.k.size(0)) for keys in state.cross] == [(4, 6)] * 2
     assert_same_searches(m, lean, src, beams=(2, 4), max_len_b=12)
+    states = []  # beam search itself shares: the state it decoded with
+    monkeypatch.setattr(lean, "init_state", lambda: states.append(LeanState(2, 32, True))
+                        or states[-1])
+    beam_search(lean, src, beam=4, max_len_b=12)
+    assert [keys.group for keys in states[0].cross] == [4, 4]
 
 
 def test_below_share_min_sentences_or_with_cct_cross_parts_each_beam_keeps_a_copy():

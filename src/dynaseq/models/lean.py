@@ -170,16 +170,19 @@ class LeanState:
             cache.reorder(index, moved)
 
     def reorder_cross(self, index: Tensor) -> None:
-        """Keep/reorder batch rows of the cross-attention keys, values and masks."""
+        """Keep/reorder batch rows of the cross-attention keys, values and masks (while
+        beams share keys, ``index`` keeps or drops whole sentences' groups of rows, as beam
+        search's does: :meth:`CrossKeys.index_select`)."""
         self.cross = [keys.index_select(index) for keys in self.cross]
 
     def expand_beams(self, index: Tensor, beams: int) -> None:
         """:meth:`reorder` by ``index``, which repeats each row ``beams`` times (beam
-        search after its first step), except that from :data:`SHARE_MIN` sentences the
-        beams of a sentence share its cross-attention keys instead of a copy each (where
-        every layer's cross part attends shared keys)."""
+        search after its first step), except that from :data:`SHARE_MIN` sentences on a
+        CPU the beams of a sentence share its cross-attention keys instead of a copy each
+        (where every layer's cross part attends shared keys)."""
         sentences = index.numel() // beams
-        if not (self.share_keys and beams > 1 and sentences >= SHARE_MIN and self.cross):
+        if not (self.share_keys and beams > 1 and sentences >= SHARE_MIN and self.cross
+                and index.device.type == "cpu"):  # measured on CPUs only
             self.reorder(index)
             return
         self.reorder_self(index)

@@ -202,7 +202,8 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     ``beam`` finished hypotheses; at its length limit every live beam is closed with eos.
     The beams of a sentence are identical until the first token, so the first step runs
     one row per sentence (projecting its cross-attention keys/values once, not ``beam``
-    times) and then copies its rows and caches to the ``beam`` beams. ``control`` as in
+    times) and then copies its rows and caches to the ``beam`` beams (a lean state's
+    ``expand_beams`` may let them share the cross-attention keys). ``control`` as in
     :func:`greedy_search` (each sentence's beams run at its budget).
     """
     if beam < 1:

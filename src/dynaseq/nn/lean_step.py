@@ -294,7 +294,10 @@ def attend_keys(q: Tensor, keys: CrossKeys) -> Tensor:
     if mask is not None:
         scores = (scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool
                   else scores.add_(mask))
-    a = torch.matmul(scores.softmax(-1), keys.v)  # (B, H, g, hd)
+    # the weights in float32 whatever the dtype (SDPA's accumulate so); a row with every
+    # key masked attends nothing (0, as SDPA gives), not NaN
+    weights = scores.softmax(-1, dtype=torch.float32).nan_to_num_(0.0).to(keys.v.dtype)
+    a = torch.matmul(weights, keys.v)  # (B, H, g, hd)
     return a.transpose(1, 2).reshape(r, h, 1, d)
 
 
@@ -480,7 +483,7 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
 
 __all__ = ["LEAN_PARTS", "LEFT_ROWS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
            "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
-           "StepLinear",
-           "SHARE_MIN", "attend_keys", "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",
+           "StepLinear", "SHARE_MIN", "attend_keys",
+           "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",
            "linear_tensors", "moved_rows",
            "merge_heads", "refreshed", "register_lean", "split_heads", "uniform_offset"]
