@@ -305,9 +305,9 @@ def test_beams_share_their_sentences_cross_keys_and_decode_as_the_general_step(
     assert [keys.group for keys in states[0].cross] == [4, 4]
 
 
-def test_below_share_min_sentences_or_with_cct_cross_parts_each_beam_keeps_a_copy():
-    """Fewer sentences than SHARE_MIN copy the keys per beam; a CCT's cross part (packed
-    keys, per-row gates) does not attend shared keys, so its state never shares."""
+def test_below_share_min_sentences_each_beam_keeps_a_copy():
+    """Fewer sentences than SHARE_MIN copy the keys per beam; the dense and CCT cross parts
+    attend shared keys (a model's state shares when every layer's part does)."""
     from dynaseq.nn.lean_step import SHARE_MIN
 
     m = model(seed=4)
@@ -318,5 +318,5 @@ def test_below_share_min_sentences_or_with_cct_cross_parts_each_beam_keeps_a_cop
     state.expand_beams(torch.arange(n).repeat_interleave(4), 4)
     assert [(keys.group, keys.k.size(0)) for keys in state.cross] == [(1, 4 * n)] * 2
     cct = model(cct=CCTConfig(ffn_pieces=2, control_hidden=8))
-    assert not LeanDecoder.prepare(cct).init_state().share_keys
+    assert LeanDecoder.prepare(cct).init_state().share_keys
     assert lean.init_state().share_keys

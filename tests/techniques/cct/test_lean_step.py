@@ -149,7 +149,13 @@ def test_mixed_ffn_gates_fused_and_masked_equal_each_piece_on_its_rows(out_norms
 
 
 @pytest.mark.parametrize("cct", [{}, {"output_norms": False}])
-def test_greedy_and_beam_give_the_general_steps_tokens(cct):
+@pytest.mark.parametrize("share_from", [1, 100])
+def test_greedy_and_beam_give_the_general_steps_tokens(cct, share_from, monkeypatch):
+    """Also with the beams of a sentence sharing its packed cross keys (every offset
+    pattern: all queries open, none, mixed within and across rows)."""
+    import dynaseq.models.lean as lean_module
+
+    monkeypatch.setattr(lean_module, "SHARE_MIN", share_from)
     m = cct_model(seed=2, **cct)
     lean = LeanDecoder.prepare(m)
     src = sources(seed=3)

@@ -71,6 +71,7 @@ from dynaseq.nn.lean_step import (
     Offset,
     StepCache,
     StepTally,
+    attend_keys,
     float_linear,
     linear_of,
     merge_heads,
@@ -208,16 +209,19 @@ class _GatedAttention:
         """LN(a) W_o of merged attention outputs ``a`` ``(N, 1, d)``."""
         return self.out_fn(_apply(self.out_norm, a))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """q ``(N, T, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, T, d)``."""
-        q = split_heads(q, self.n_heads)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                group: int = 1) -> Tensor:
+        """q ``(N, T, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, T, d)``;
+        ``group`` > 1: one query per row (T = 1), keys and values ``(N / group, H, W, hd)``
+        shared by each ``group`` consecutive rows (:func:`attend_keys`)."""
+        a = attend_keys(split_heads(q, self.n_heads), CrossKeys(k, v, mask, group))
         return self._output(merge_heads(a))
 
     def _attend_rows(self, x: Tensor, rows: Tensor, k: Tensor, v: Tensor,
-                     mask: Tensor | None) -> Tensor:
+                     mask: Tensor | None, group: int = 1) -> Tensor:
         """The open queries of rows ``rows`` of ``x`` ``(B, 1, d)`` over every row's keys
-        and values ``(B, H, W, hd)`` -> ``(B, 1, d)``, zero where the query is off.
+        and values ``(B, H, W, hd)`` (``(B / group, ...)`` shared as in :meth:`_attend`) ->
+        ``(B, 1, d)``, zero where the query is off.
 
         Every row attends (the off rows with a zero query), so the keys and values are
         not gathered per step: a row's scores cost ``2·d·W`` multiply-adds, far less than
@@ -225,7 +229,7 @@ class _GatedAttention:
         only."""
         b, d = x.size(0), self.d
         q = x.new_zeros(b, 1, d).index_copy_(0, rows, self.q_fn(x.index_select(0, rows)))
-        a = F.scaled_dot_product_attention(split_heads(q, self.n_heads), k, v, attn_mask=mask)
+        a = attend_keys(split_heads(q, self.n_heads), CrossKeys(k, v, mask, group))
         y = self._output(merge_heads(a).index_select(0, rows))
         return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
 
@@ -387,6 +391,9 @@ class GatedCrossAttention(_GatedAttention):
     """CCT cross-attention of one new token per row over the encoder output's on keys,
     packed once by :meth:`start` (see the module docstring)."""
 
+    shares_keys = True
+    """Its step attends keys shared by groups of rows (:func:`attend_keys`)."""
+
     def __init__(self, m: ConditionalAttention, norms: tuple[Norm | str, ...]) -> None:
         super().__init__(m, norms)
         self.q_control = _Controls([m.q_control])
@@ -437,8 +444,8 @@ class GatedCrossAttention(_GatedAttention):
         if n_q == 0:
             return None
         if n_q == b:
-            return self._attend(self.q_fn(x), keys.k, keys.v, keys.mask)
-        return self._attend_rows(x, _rows(on[:, 0]), keys.k, keys.v, keys.mask)
+            return self._attend(self.q_fn(x), keys.k, keys.v, keys.mask, keys.group)
+        return self._attend_rows(x, _rows(on[:, 0]), keys.k, keys.v, keys.mask, keys.group)
 
 
 class GatedFeedForward:
