@@ -209,19 +209,14 @@ class _GatedAttention:
         """LN(a) W_o of merged attention outputs ``a`` ``(N, 1, d)``."""
         return self.out_fn(_apply(self.out_norm, a))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                group: int = 1) -> Tensor:
-        """q ``(N, T, d)`` over keys/values ``(N, H, W, hd)`` -> ``LN(a) W_o`` ``(N, T, d)``;
-        ``group`` > 1: one query per row (T = 1), keys and values ``(N / group, H, W, hd)``
-        shared by each ``group`` consecutive rows (:func:`attend_keys`)."""
-        a = attend_keys(split_heads(q, self.n_heads), CrossKeys(k, v, mask, group))
-        return self._output(merge_heads(a))
+    def _attend(self, q: Tensor, keys: CrossKeys) -> Tensor:
+        """q ``(N, T, d)`` over ``keys`` (``(N, H, W, hd)``; shared by groups of rows, one
+        query each: :func:`attend_keys`) -> ``LN(a) W_o`` ``(N, T, d)``."""
+        return self._output(merge_heads(attend_keys(split_heads(q, self.n_heads), keys)))
 
-    def _attend_rows(self, x: Tensor, rows: Tensor, k: Tensor, v: Tensor,
-                     mask: Tensor | None, group: int = 1) -> Tensor:
-        """The open queries of rows ``rows`` of ``x`` ``(B, 1, d)`` over every row's keys
-        and values ``(B, H, W, hd)`` (``(B / group, ...)`` shared as in :meth:`_attend`) ->
-        ``(B, 1, d)``, zero where the query is off.
+    def _attend_rows(self, x: Tensor, rows: Tensor, keys: CrossKeys) -> Tensor:
+        """The open queries of rows ``rows`` of ``x`` ``(B, 1, d)`` over every row's
+        ``keys`` (as in :meth:`_attend`) -> ``(B, 1, d)``, zero where the query is off.
 
         Every row attends (the off rows with a zero query), so the keys and values are
         not gathered per step: a row's scores cost ``2·d·W`` multiply-adds, far less than
@@ -229,7 +224,7 @@ class _GatedAttention:
         only."""
         b, d = x.size(0), self.d
         q = x.new_zeros(b, 1, d).index_copy_(0, rows, self.q_fn(x.index_select(0, rows)))
-        a = attend_keys(split_heads(q, self.n_heads), CrossKeys(k, v, mask, group))
+        a = attend_keys(split_heads(q, self.n_heads), keys)
         y = self._output(merge_heads(a).index_select(0, rows))
         return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
 
@@ -271,8 +266,8 @@ class GatedSelfAttention(_GatedAttention):
             return None
         if n_q == b:
             q = self.q_fn(x) if q is None else q
-            return self._attend(q, keys, values, None)
-        return self._attend_rows(x, _rows(on[:, 0]), keys, values, None)
+            return self._attend(q, CrossKeys(keys, values))
+        return self._attend_rows(x, _rows(on[:, 0]), CrossKeys(keys, values))
 
 
 class GatedEncoderAttention(_GatedAttention):
@@ -313,12 +308,12 @@ class GatedEncoderAttention(_GatedAttention):
             qkv = self.qkv(x)
             k = _apply(self.k_norm, qkv[..., d: 2 * d])
             v = _apply(self.v_norm, qkv[..., 2 * d:])
-            return self._attend(qkv[..., :d], split_heads(k, self.n_heads),
-                                split_heads(v, self.n_heads), None)
+            return self._attend(qkv[..., :d], CrossKeys(split_heads(k, self.n_heads),
+                                                        split_heads(v, self.n_heads)))
         keys, values = self._keys_values(x, None if n_kv == b * s else kv_on)
         mask = None if valid is None else valid[:, None, None, :]
         if n_q == b * s:
-            return self._attend(self.q_fn(x), keys, values, mask)
+            return self._attend(self.q_fn(x), CrossKeys(keys, values, mask))
         qp = Packing.of(q_on)  # the open queries, packed per sequence
         q = self.q_fn(x.reshape(b * s, d).index_select(0, qp.flat))  # (Nq, d)
         if qp.n_rows < b:
@@ -383,8 +378,8 @@ class GatedEncoderAttention(_GatedAttention):
         keys, values = self._keys_values(x, kv_on)
         mask = None if valid is None else valid[:, None, None, :]
         if first is None:
-            return self._attend(self.q_fn(x[:, :1]), keys, values, mask)
-        return self._attend_rows(x[:, :1], rows, keys, values, mask)
+            return self._attend(self.q_fn(x[:, :1]), CrossKeys(keys, values, mask))
+        return self._attend_rows(x[:, :1], rows, CrossKeys(keys, values, mask))
 
 
 class GatedCrossAttention(_GatedAttention):
@@ -444,8 +439,8 @@ class GatedCrossAttention(_GatedAttention):
         if n_q == 0:
             return None
         if n_q == b:
-            return self._attend(self.q_fn(x), keys.k, keys.v, keys.mask, keys.group)
-        return self._attend_rows(x, _rows(on[:, 0]), keys.k, keys.v, keys.mask, keys.group)
+            return self._attend(self.q_fn(x), keys)
+        return self._attend_rows(x, _rows(on[:, 0]), keys)
 
 
 class GatedFeedForward:
