@@ -215,6 +215,7 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     limits = max_lengths((~enc0.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
     limits = limits.clamp(min=min_len + 1)
     expand = torch.arange(n, device=device).repeat_interleave(k)  # (n*k,)
+    ranks = list(range(k))  # a sentence's beam slots in rank order
     enc = enc0  # one row per sentence for the first step, then k
     state = model.init_state()
     active = torch.arange(n, device=device)
@@ -278,8 +279,9 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 on_done(ended, [_best(finished[s]) for s in ended])
         if done.all():
             break
-        if k > 1:  # each beam slot takes a child of its own hypothesis where it can
-            slots = torch.tensor(stay_in_place(beams.tolist()), device=device)
+        orders = stay_in_place(beams.tolist()) if k > 1 else []
+        if any(order != ranks for order in orders):  # rank order stays as it is
+            slots = torch.tensor(orders, device=device)  # slot t takes a child of its own
             beams, toks, live_scores = (t.gather(1, slots) for t in (beams, toks, live_scores))
         keep = (~done).nonzero().squeeze(1)
         rows = (keep.unsqueeze(1) * k + beams[keep]).view(-1)  # flat rows to continue
