@@ -201,3 +201,43 @@ def test_beam_results_do_not_depend_on_the_slots_beams_sit_in(monkeypatch):
         ranked = beam_search(m, src, beam=k, max_len_a=1.0, max_len_b=8)
         assert general == fast == ranked
         assert beam_search(lean, src, beam=k, max_len_a=1.0, max_len_b=8) == ranked
+
+
+@torch.no_grad()
+def naive_beam(m, src_row, k, limit, length_penalty=1.0):
+    """The search as its docstring states it, for one sentence, with no cache and no
+    shortcuts: each step ranks every (beam, token) continuation of the live beams."""
+    live = [(0.0, [])]  # (log p, tokens)
+    finished: list[tuple[float, list[int]]] = []
+    for step in range(limit):
+        cands = []
+        for score, toks in live:
+            logp = m(src_row, torch.tensor([[m.bos_id, *toks]])).logits[0, -1].log_softmax(-1)
+            if step + 1 >= limit:  # at the limit only eos
+                cands.append((score + float(logp[EOS]), toks, EOS))
+                continue
+            cands += [(score + float(v), toks, t) for t, v in enumerate(logp.tolist())]
+        cands.sort(key=lambda c: -c[0])
+        top = cands[: 2 * k]
+        for rank, (score, toks, t) in enumerate(top):
+            if t == EOS and rank < k and len(finished) < k:
+                finished.append((score / (len(toks) + 1) ** length_penalty, toks))
+        live = [(s, [*toks, t]) for s, toks, t in top if t != EOS][:k]
+        if len(finished) >= k or not live:
+            break
+    return max(finished, key=lambda h: h[0])[1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_beam_search_equals_ranking_every_continuation(seed):
+    """Batched beam search (each row's best k + 1 tokens, then the sentence's best 2k of
+    those) picks what ranking every (beam, token) continuation picks. Fails when each row
+    keeps only its best k: then a row whose eos ranks in its top k loses its (k + 1)-th
+    token, which some of these sentences continue with."""
+    m = model(seed)
+    src = sources(n=6, seed=seed + 1)
+    for k in (2, 3):
+        got = beam_search(m, src, beam=k, max_len_a=0.0, max_len_b=7)
+        for i in range(src.size(0)):
+            row = src[i: i + 1, : int(src[i].ne(0).sum())]
+            assert got[i] == naive_beam(m, row, k, 7), (k, i)

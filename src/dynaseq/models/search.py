@@ -198,7 +198,10 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
 
     A finished hypothesis of n tokens (eos included) scores ``log p / n^length_penalty``.
     Each step takes the top 2·beam candidates of every sentence: eos candidates within the
-    first ``beam`` are finished, the best ``beam`` others go on. A sentence stops once it has
+    first ``beam`` are finished, the best ``beam`` others go on. Only each beam's best
+    beam + 1 tokens are ranked against the other beams': a kept candidate ranks at most
+    beam-th among its own beam's tokens, or beam + 1-th behind its beam's eos (ranking
+    every beam × vocabulary sum cost a full-vocabulary pass and a top-k over it per step). A sentence stops once it has
     ``beam`` finished hypotheses; at its length limit every live beam is closed with eos.
     The beams of a sentence are identical until the first token, so the first step runs
     one row per sentence (projecting its cross-attention keys/values once, not ``beam``
@@ -229,23 +232,25 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     for step in range(int(limits.max())):
         m = active.numel()
         logp = torch.log_softmax(model.decode_step(tokens, enc, state).float(), dim=-1)
+        if step < min_len:
+            logp[:, model.eos_id] = float("-inf")
+        at_limit = step + 1 >= limits[active]
+        _force_eos(logp, model.eos_id, at_limit if step == 0 else at_limit.repeat_interleave(k))
+        # a row's best k + 1 tokens hold every candidate the step keeps (see the doc)
+        row_scores, row_toks = logp.topk(min(k + 1, logp.size(-1)), dim=1)  # (rows, c)
         if step == 0:  # the k beams of each sentence start from its one row
-            logp = logp.index_select(0, expand)
+            row_scores, row_toks = row_scores[expand], row_toks[expand]
             enc = enc0.index_select(expand)
             expand_beams = getattr(state, "expand_beams", None)  # a lean state's
             if expand_beams is None:
                 state.reorder(expand)
             else:
                 expand_beams(expand, k)
-        vocab = logp.size(-1)
-        if step < min_len:
-            logp[:, model.eos_id] = float("-inf")
-        at_limit = (step + 1 >= limits[active]).repeat_interleave(k)
-        _force_eos(logp, model.eos_id, at_limit)
-        cand = (scores.unsqueeze(2) + logp.view(m, k, vocab)).view(m, k * vocab)
+        c = row_scores.size(1)
+        cand = (scores.unsqueeze(2) + row_scores.view(m, k, c)).view(m, k * c)
         top_scores, top_idx = cand.topk(2 * k, dim=1)  # (m, 2k)
-        top_beam = torch.div(top_idx, vocab, rounding_mode="floor")
-        top_tok = top_idx % vocab
+        top_beam = torch.div(top_idx, c, rounding_mode="floor")
+        top_tok = row_toks.view(m, k * c).gather(1, top_idx)
         is_eos = top_tok.eq(model.eos_id) & torch.isfinite(top_scores)
         closing = is_eos.clone()
         closing[:, k:] = False
