@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import signal
 import sys
 import warnings
@@ -48,16 +49,20 @@ def _read_input(path: str | None) -> list[str]:
     return read_lines(path)
 
 
-def _check_output(out: str | None, *inputs: str | None) -> None:
-    """Refuse an output file that is one of the inputs (it would be overwritten), before
-    anything is read or written."""
-    from dynaseq.core.files import same_file
+def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = None) -> None:
+    """Refuse an output file that is one of the inputs, or that lies in the run directory
+    ``run_dir`` (it would overwrite the model's files, or add one that a later load reads),
+    before anything is read or written."""
+    from dynaseq.core.files import inside, same_file
 
     if out is None or out == "-":
         return
     for inp in inputs:
         if inp is not None and inp != "-" and same_file(out, inp):
             raise DynaseqError(f"the output {out} is the input {inp}: choose another file")
+    if run_dir is not None and inside(out, run_dir):
+        raise DynaseqError(f"the output {out} is inside the run directory {run_dir}: write "
+                           "it elsewhere")
 
 
 def _print_result(args: argparse.Namespace, result: object, text: Callable[[], str]) -> int:
@@ -112,7 +117,7 @@ def _translator(args: argparse.Namespace):
 def cmd_translate(args: argparse.Namespace) -> int:
     if args.stream:
         return _translate_stream(args)
-    _check_output(args.output, args.input)
+    _check_output(args.output, args.input, run_dir=args.run_dir)
     lines = _read_input(args.input)
     t = _translator(args)
     out = t.translate(lines, beam=args.beam, length_penalty=args.length_penalty,
@@ -182,6 +187,7 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
+    _refuse_given(args, ("data",), "classification")
     if args.src is None or args.ref is None:
         raise DynaseqError("calibrate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -199,8 +205,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"{c.offsets['encoder']:>+10.3f}  {c.offsets['decoder']:>+10.3f}  "
               f"({before['encoder']:.3f}, {before['decoder']:.3f}) -> "
               f"({after['encoder']:.3f}, {after['decoder']:.3f})")
+    _warn_unreached(fitted, args.tol)
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _warn_unreached(fitted: list, tol: float) -> None:
+    """A warning for each calibrated budget whose realized compute stays far from it (the
+    closest any offset reached: the model cannot run that little, or that much)."""
+    for c in fitted:
+        got = [c.realized[k] for k in c.offsets]
+        if max(abs(r - b) for r, b in zip(got, c.budget, strict=True)) > max(4 * tol, 0.02):
+            shown = ", ".join(f"{r:.3f}" for r in got)
+            print(f"dynaseq: warning: budget {', '.join(f'{b:g}' for b in c.budget)} is out "
+                  f"of reach: the closest realized compute is {shown}", file=sys.stderr)
 
 
 def _at_precision(model, args: argparse.Namespace):
@@ -431,11 +449,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    from dynaseq.core.files import inside
     from dynaseq.data import read_lines
     from dynaseq.workflows.analyze import analyze, write_analysis
 
     if args.max_lines is not None and args.max_lines < 1:
         raise DynaseqError("--max-lines must be >= 1")
+    _check_output(args.out, run_dir=args.run_dir)
+    for flag, path in (("--src", args.src), ("--ref", args.ref)):
+        if path is not None and inside(path, args.out):  # analyze writes into --out
+            raise DynaseqError(f"{flag} {path} is inside --out {args.out}, which analyze "
+                               "writes into: choose another --out")
     src = read_lines(args.src)
     ref = None if args.ref is None else read_lines(args.ref)
     t = _translator(args)
@@ -459,8 +483,8 @@ def _quantize_seq2seq(args: argparse.Namespace) -> int:
     """``dynaseq quantize RUN_DIR --out NEW_DIR``: int8 weights (translation runs)."""
     from dynaseq.workflows.quantize import quantize_run
 
-    if args.bits is not None or args.steps:
-        raise DynaseqError("quantize: --bits and --steps are for language-model runs "
+    if args.bits is not None or args.steps or args.lr is not None:
+        raise DynaseqError("quantize: --bits, --steps and --lr are for language-model runs "
                            "(translation runs are quantized to int8)")
 
     rep = quantize_run(args.run_dir, args.out, checkpoint=args.checkpoint)
@@ -473,6 +497,9 @@ def _quantize_seq2seq(args: argparse.Namespace) -> int:
           f"({rep.weights_before / max(rep.weights_after, 1):.1f}x smaller; from "
           f"{rep.checkpoint})\n"
           f"run dir  {mb(rep.run_before)} -> {mb(rep.run_after)}")
+    if rep.calibrated:
+        print(f"calibration of {rep.calibrated} budget(s) carried over, as fitted on the float "
+              f"model (dynaseq calibrate {rep.out_dir} fits it to the int8 one)")
     return 0
 
 
@@ -482,8 +509,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     from dynaseq.data.datasets import DATASETS, check_data, data_root
 
     root = Path(args.root) if args.root else data_root()
-    if args.root and not root.is_dir():
-        raise DynaseqError(f"data root {root} is not a directory")
+    if not root.is_dir():
+        raise DynaseqError(f"data root {root} is not a directory" + (
+            "" if args.root else " (give ROOT, or set $DYNASEQ_DATA)"))
     checks = check_data(root, args.dataset)
     bad = 0
     for name in dict.fromkeys(c.dataset for c in checks):
@@ -544,7 +572,13 @@ def _quantize_lm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_lr(args: argparse.Namespace) -> None:
+    if args.lr is not None and args.lr <= 0:
+        raise DynaseqError(f"--lr must be > 0, got {args.lr}")
+
+
 def _check_quantize(args: argparse.Namespace) -> None:
+    _check_lr(args)
     if args.bits is not None:  # checked before anything is read or written
         from dynaseq.compress.qat import check_bits
 
@@ -554,6 +588,7 @@ def _check_quantize(args: argparse.Namespace) -> None:
 def _check_prune(args: argparse.Namespace) -> None:
     from dynaseq.compress.prune import _check_sparsity
 
+    _check_lr(args)
     _check_sparsity(args.sparsity)  # before anything is read or written
 
 
@@ -622,6 +657,7 @@ def _distill_data_lm(args: argparse.Namespace) -> int:
         args.k = 30
     if Path(args.out).exists():
         raise DynaseqError(f"{args.out} already exists (choose a new --out)")
+    _check_output(args.out, run_dir=args.run_dir)
     lm = _language_model(args)
     topk = dump_lm_teacher(lm, args.out, args.k, args.batch_size, args.window, args.src,
                            progress=not args.quiet)
@@ -640,7 +676,7 @@ def _distill_data_seq2seq(args: argparse.Namespace) -> int:
     _refuse_given(args, ("k", "window"), "language-model")
     if args.beam is None:
         args.beam = 4
-    _check_output(args.out, args.src)
+    _check_output(args.out, args.src, run_dir=args.run_dir)
     read_lines(args.src)  # a missing source fails before the model loads
     t = _translator(args)
     n = write_distill_data(t, args.src, args.out, beam=args.beam, batch_size=args.batch_size,
@@ -673,6 +709,7 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     and with the neural cache (``ppl_cache``: the run's cache parameters, or n_cache 2000,
     θ 0.016, λ 0.07 for a run without a cache)."""
     _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
+    _refuse_given(args, ("data",), "classification and MLM")
     _refuse_classify_exits(args)
     lm = _language_model(args)
     result = {"split": args.split,
@@ -722,7 +759,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
             return lambda line: classify(c, [line], 1, False)[0]
 
         return _stream(args, "classify", answerer)
-    _check_output(args.output, args.input)
+    _check_output(args.output, args.input, run_dir=args.run_dir)
     lines = _read_input(args.input)
     _write_output(classify(_classifier(args), lines, args.batch_size, not args.quiet),
                   args.output)
@@ -795,6 +832,7 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
 def _calibrate_classify(args: argparse.Namespace) -> int:
     """``dynaseq calibrate CLASSIFY_RUN --data dev.tsv [--budgets 0.5 0.4]``: one gate offset
     per budget so that its realized compute meets it (CCT-BERT)."""
+    _refuse_given(args, ("src", "ref"), "translation")
     if args.data is None:
         raise DynaseqError("calibrate: --data FILE (a TSV in the run's layout) is required for "
                            "classification runs")
@@ -810,6 +848,7 @@ def _calibrate_classify(args: argparse.Namespace) -> int:
     for cal in fitted:
         print(f"{cal.budget[0]:<7g} {cal.control:>7}  {cal.offsets['encoder']:>+6.3f}  "
               f"{cal.uncalibrated['encoder']:.3f} -> {cal.realized['encoder']:.3f}")
+    _warn_unreached(fitted, args.tol)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -1455,9 +1494,31 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed; ``key=value`` overrides of ``train``/``profile`` may also stand after
+    the options (argparse alone reads them only before the first option)."""
+    args, extra = parser.parse_known_args(argv)
+    takes = hasattr(args, "overrides")
+    unknown = [a for a in extra if not (takes and "=" in a and not a.startswith("-"))]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed (Python's, or torch's on any device)."""
+    if isinstance(e, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    return (torch is not None and isinstance(e, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     for name, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             parser.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
@@ -1470,8 +1531,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "minutes", None) is not None and args.minutes <= 0:
         parser.error("--minutes must be > 0")
-    if getattr(args, "tol", 1) <= 0:
-        parser.error("--tol must be > 0")
+    if not 0 < getattr(args, "tol", 0.1) <= 0.1:
+        parser.error(f"--tol must be in (0, 0.1], got {args.tol}")
     try:
         with warnings.catch_warnings():  # restored when the command ends
             warnings.showwarning = _one_line_warning
@@ -1488,6 +1549,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dynaseq: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except (MemoryError, RuntimeError) as e:  # sizes, batches or beams too large to fit
+        if not _out_of_memory(e):
+            raise
+        asked = re.search(r"allocate (\d+) bytes", str(e))
+        size = f" ({int(asked.group(1)) / 2**30:.1f} GiB at once)" if asked else ""
+        print(f"dynaseq: error: out of memory{size}: ask for smaller sizes, batches or beams",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -42,6 +42,7 @@ T = TypeVar("T")
 WEIGHTS = "model.safetensors"
 TRAINER = "trainer.pt"
 META = "meta.json"
+MODEL_DIRS = ("best", "averaged")  # the kept models beside the step checkpoints
 _PREFIX = "step_"
 
 
@@ -280,7 +281,7 @@ def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
         raise CheckpointError(f"run directory not found: {run}")
     if which == "auto" and (run / WEIGHTS).is_file() and (run / META).is_file():
         return run
-    named = {"best": run / "best", "averaged": run / "averaged"}
+    named = {name: run / name for name in MODEL_DIRS}
     for d in named.values():
         recover_dir(d)
     if which == "latest" or which == "auto":

@@ -54,6 +54,12 @@ def same_file(a: str | Path, b: str | Path) -> bool:
         return False
 
 
+def inside(path: str | Path, folder: str | Path) -> bool:
+    """True when ``path`` is ``folder`` or lies below it, links and relative paths resolved
+    (neither need exist)."""
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
 def sha256_file(path: str | Path) -> str:
     """The hex sha256 of a file's bytes, read in 1 MiB blocks (checkpoint checksums, the
     dataset manifest)."""

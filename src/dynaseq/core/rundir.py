@@ -14,7 +14,7 @@ from typing import Any
 
 from dynaseq.core.config import config_task, parse_config, read_yaml
 from dynaseq.core.errors import CheckpointError, ConfigError, DynaseqError
-from dynaseq.core.files import read_text
+from dynaseq.core.files import inside, read_text
 
 
 def open_run(run_dir: str | Path, types: Mapping[str, type],
@@ -35,6 +35,8 @@ def open_run(run_dir: str | Path, types: Mapping[str, type],
         raise CheckpointError(f"run directory not found: {run}")
     if (run / "config.yaml").is_file():
         raw = read_yaml(run / "config.yaml")
+        if not raw:  # a run's saved config always holds its settings
+            raise ConfigError(f"{run / 'config.yaml'} is empty")
     elif (run / MODEL_CONFIG).is_file():
         raw = read_model_config(run / MODEL_CONFIG)
     else:
@@ -49,6 +51,8 @@ def open_run(run_dir: str | Path, types: Mapping[str, type],
 MODEL_CONFIG = "config.json"
 #: ``format`` of :data:`MODEL_CONFIG`.
 MODEL_FORMAT = "dynaseq-model"
+#: Version of the :data:`MODEL_CONFIG` layout.
+MODEL_VERSION = 1
 
 
 def read_model_config(path: Path) -> dict[str, Any]:
@@ -65,6 +69,12 @@ def read_model_config(path: Path) -> dict[str, Any]:
     if not (isinstance(payload, dict) and payload.get("format") == MODEL_FORMAT
             and isinstance(payload.get("config"), dict)):
         raise ConfigError(f"{path} is not a dynaseq model config (format {MODEL_FORMAT!r})")
+    if payload.get("version") != MODEL_VERSION:
+        raise ConfigError(f"{path} has layout version {payload.get('version')!r}; this "
+                          f"dynaseq reads version {MODEL_VERSION}")
+    unknown = sorted(set(payload) - {"format", "version", "config"})
+    if unknown:
+        raise ConfigError(f"{path} has unknown keys: {', '.join(map(str, unknown))}")
     return payload["config"]
 
 
@@ -72,8 +82,7 @@ def check_new_run_dir(run_dir: Path, out_dir: Path) -> None:
     """Refuse an ``out_dir`` that exists and is not empty, or one inside ``run_dir``."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise DynaseqError(f"{out_dir} already exists and is not empty (choose a new --out)")
-    r, o = run_dir.resolve(), out_dir.resolve()
-    if o == r or r in o.parents:
+    if inside(out_dir, run_dir):
         raise DynaseqError(f"--out {out_dir} must lie outside the run directory {run_dir}")
 
 

@@ -103,6 +103,8 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
         if latest:  # a resumed run: its checkpoint must fit this config's model
             ckpt.load_weights(task.model, latest[0])
             resumed = (latest[0], task.model)
+        else:
+            _check_no_model(run_dir)
         if env.is_main:  # only now: a refused run keeps its config and log
             save_config(cfg, run_dir / "config.yaml")
             log.start_writing()
@@ -127,6 +129,16 @@ def _check_same_task(run_dir: Path, cfg: Any) -> None:
         if saved != given:
             raise ConfigError(f"{run_dir} holds a {saved} run; this config is a {given} run "
                               "(use a new run_dir)")
+
+
+def _check_no_model(run_dir: Path) -> None:
+    """Refuse to start a new run in a directory that holds a trained model but no checkpoint
+    to resume: the new run would replace its config and log and leave weights that no
+    longer fit them."""
+    held = [name for name in ckpt.MODEL_DIRS if (run_dir / name).is_dir()]
+    if held:
+        raise ConfigError(f"{run_dir} holds a trained model ({held[0]}/) but no checkpoint to "
+                          "resume from: train into a new run_dir")
 
 
 def fit(run: Run, progress: bool = True) -> TrainResult:

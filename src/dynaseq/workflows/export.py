@@ -31,6 +31,7 @@ from dynaseq.core.files import atomic_write
 from dynaseq.core.rundir import (
     MODEL_CONFIG,
     MODEL_FORMAT,
+    MODEL_VERSION,
     check_new_run_dir,
     open_run,
     writing_new_dir,
@@ -39,9 +40,6 @@ from dynaseq.metrics.profile import count_params
 from dynaseq.tasks.registry import PREDICTORS, RUN_CONFIGS, load
 from dynaseq.techniques.cct.calibration_file import CALIBRATION_FILE as CALIBRATION
 from dynaseq.techniques.cct.calibration_file import write_calibrations
-
-#: Version of the ``config.json`` layout.
-MODEL_VERSION = 1
 
 
 @dataclass

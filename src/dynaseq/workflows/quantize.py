@@ -11,6 +11,7 @@ from pathlib import Path
 from dynaseq.compress.int8 import WEIGHTS, is_int8, quantize_int8, save_int8
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import check_new_run_dir, dir_size, writing_new_dir
+from dynaseq.techniques.cct.calibration_file import write_calibrations
 
 
 @dataclass
@@ -24,6 +25,7 @@ class QuantizeReport:
     weights_after: int
     run_before: int
     run_after: int
+    calibrated: int = 0  # budgets whose calibration was carried over
 
 
 def quantize_run(run_dir: str | Path, out_dir: str | Path,
@@ -33,7 +35,9 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
     ``run_dir`` is only read. ``out_dir`` gets ``config.yaml`` (``run_dir`` set to it),
     the tokenizer files and one checkpoint at the same relative place as the source one
     (``averaged/``, ``best/`` or ``checkpoints/step_N/``, so ``--checkpoint auto`` finds it)
-    whose ``meta.json`` records ``"quantization": "int8"``. Everything is written to a
+    whose ``meta.json`` records ``"quantization": "int8"``, and the calibration of that
+    checkpoint (CCT: fitted on the float model, whose gate logits int8 moves a little;
+    ``dynaseq calibrate`` on ``out_dir`` fits it again). Everything is written to a
     temporary sibling directory that is renamed into place at the end: a failure leaves no
     half-written run directory.
 
@@ -68,5 +72,8 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
         meta = {k: v for k, v in read_meta(ckpt).items() if k in ("step", "averaged", "valid")}
         meta.update(source_run=str(run), source_checkpoint=str(ckpt))
         save_int8(qmodel, tmp / rel, meta)
+        if t.calibrations:
+            write_calibrations(tmp, tmp / rel, t.calibrations,
+                               {"fitted_on": f"{run} (float)", "checkpoint": str(ckpt)})
     return QuantizeReport(run, out, ckpt, dir_size(ckpt / WEIGHTS), dir_size(out / rel / WEIGHTS),
-                          dir_size(run), dir_size(out))
+                          dir_size(run), dir_size(out), len(t.calibrations))

@@ -128,7 +128,8 @@ def test_finetuned_run_classifies_and_evaluates(finetuned, sst2_small):
     (["evaluate", "{run}", "--data", "{empty}"], None, "is empty"),
     (["evaluate", "{run}", "--data", "{badlabel}"], None, "label '7' is not one of 0, 1"),
     (["evaluate", "{run}"], None, "--data FILE"),
-    (["evaluate", "{run}", "--data", "{dev}", "--budget", "0.5"], None, "no compute-budget"),
+    (["evaluate", "{run}", "--data", "{dev}", "--budget", "0.5"], None,  # no calibrate hint
+     "no compute-budget knob (train it with a model.cct section to get one)\n"),
     (["classify", "{run}"], b"one\ttwo\n", "takes one sentence per line"),
     (["classify", "{run}", "--budget", "1,0.5"], b"x\n", "one fraction"),
     (["translate", "{run}"], b"x\n", "translate takes translation runs"),

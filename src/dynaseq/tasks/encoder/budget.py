@@ -77,6 +77,8 @@ def budget_setting(cfg: EncoderModelConfig, budget: Budget,
         for cal in calibrations:
             if math.isclose(cal.budget[0], b, abs_tol=1e-6):
                 return cal.control, cal
+    if cfg.cct is None:
+        return control_id(cfg, budget), None  # a dense encoder: nothing to calibrate
     try:
         return control_id(cfg, budget), None
     except DynaseqError as e:

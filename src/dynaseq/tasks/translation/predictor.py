@@ -103,6 +103,22 @@ def control_rows(control: Control, n: int, idx: list[int],
     return control.index_select(0, index).to(device)
 
 
+MAX_LENGTH_PENALTY = 100.0
+"""The largest ``|length_penalty|``: a finished hypothesis scores ``log p / n^lp``, and
+``n^lp`` stays within float range for every length up to 1024 tokens."""
+
+
+def check_decode(model: nn.Module, beam: int, length_penalty: float) -> None:
+    """Refuse (:class:`DynaseqError`) a beam wider than ``model``'s target vocabulary or a
+    length penalty beyond :data:`MAX_LENGTH_PENALTY`."""
+    vocab = model.decoder.output_proj.out_features
+    if beam > vocab:
+        raise DynaseqError(f"beam {beam} is wider than the target vocabulary ({vocab} tokens)")
+    if not abs(length_penalty) <= MAX_LENGTH_PENALTY:
+        raise DynaseqError(f"length penalty must be within +-{MAX_LENGTH_PENALTY:g}, got "
+                           f"{length_penalty}")
+
+
 def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   length_penalty: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
                   batch_size: int = 64, min_len: int = 0,
@@ -129,6 +145,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     if expires is not None and len(expires) != len(src_ids):
         raise ValueError(f"expires needs one time per sentence: {len(src_ids)} sentences, "
                          f"{len(expires)} times")
+    check_decode(model, beam, length_penalty)
     if on_batch is not None and (beam != 1 or lean is None):
         raise ValueError("per-batch counts come from greedy decoding through a lean decoder")
     assert lean is None or lean.model is model, "a lean decoder of this model"

@@ -1,0 +1,211 @@
+"""Refusals a new user's sweep of the command line found missing: outputs inside the run
+directory, a new run over a trained model, beams and length penalties out of range, running
+out of memory, overrides after the options, options a run kind would ignore, unreachable
+calibrated budgets, exported layouts of another version. Each is one line and exit status
+2, and leaves the files as they were."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from dynaseq.cli import main
+from dynaseq.data import read_lines
+from dynaseq.tasks.translation.predictor import Translator
+from dynaseq.workflows.export import export_model
+from dynaseq.workflows.quantize import quantize_run
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def _status(argv: list[str]) -> int:
+    """``main``'s exit status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return int(e.code)
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    return run
+
+
+def test_outputs_inside_the_run_directory_are_refused(run_copy, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("kalo mintu\nsum 3 4\n")
+    before = _snapshot(run_copy)
+    for argv in (["translate", str(run_copy), "-i", str(src), "-o",
+                  str(run_copy / "config.yaml")],
+                 ["translate", str(run_copy), "-i", str(src), "-o",
+                  str(run_copy / "best" / "new.txt")],
+                 ["distill-data", str(run_copy), "--src", str(src), "--out",
+                  str(run_copy / "spm.model")],
+                 ["analyze", str(run_copy), "--src", str(src), "--out", str(run_copy)]):
+        assert main(argv) == 2, argv
+        assert f"is inside the run directory {run_copy}" in _err(capsys)
+    assert _snapshot(run_copy) == before
+    out = tmp_path / "analysis"
+    out.mkdir()
+    shutil.copy(src, out / "src.txt")
+    assert main(["analyze", str(run_copy), "--src", str(out / "src.txt"), "--out",
+                 str(out)]) == 2
+    assert "which analyze writes into" in _err(capsys)
+    assert read_lines(out / "src.txt") == read_lines(src)
+
+
+def test_a_new_run_over_a_trained_model_without_checkpoints_is_refused(run_copy, capsys):
+    shutil.rmtree(run_copy / "checkpoints")
+    before = _snapshot(run_copy)
+    assert main(["train", str(run_copy / "config.yaml"), f"run_dir={run_copy}",
+                 "model.d_model=16", "--quiet"]) == 2
+    assert "holds a trained model (best/) but no checkpoint to resume from" in _err(capsys)
+    assert _snapshot(run_copy) == before
+
+
+def test_beams_and_length_penalties_out_of_range_are_one_line(trained_run, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("kalo mintu\n")
+    vocab = Translator.load(trained_run).model.decoder.output_proj.out_features
+    cases = {("--beam", str(vocab + 1)): f"wider than the target vocabulary ({vocab} tokens)",
+             ("--length-penalty", "1000"): "length penalty must be within +-100",
+             ("--length-penalty=-1e308", None): "length penalty must be within +-100"}
+    for (flag, value), message in cases.items():
+        assert _status(["translate", str(trained_run), "-i", str(src), flag,
+                        *([value] if value else [])]) == 2
+        assert message in _err(capsys)
+    assert main(["translate", str(trained_run), "-i", str(src), "--beam", str(vocab),
+                 "--length-penalty", "100", "-o", str(tmp_path / "out.txt")]) == 0
+    assert len(read_lines(tmp_path / "out.txt")) == 1
+
+
+def test_running_out_of_memory_is_one_line_and_other_errors_still_raise(trained_run, tmp_path,
+                                                                        monkeypatch, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("kalo mintu\n")
+
+    def fails(message):
+        def translate(self, *args, **kwargs):
+            raise RuntimeError(message)
+        return translate
+
+    monkeypatch.setattr(Translator, "translate", fails(
+        "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
+        "tried to allocate 96000000000 bytes. Error code 12 (Cannot allocate memory)"))
+    assert main(["translate", str(trained_run), "-i", str(src)]) == 2
+    assert _err(capsys) == ("dynaseq: error: out of memory (89.4 GiB at once): ask for "
+                            "smaller sizes, batches or beams")
+    monkeypatch.setattr(Translator, "translate", fails("a bug"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["translate", str(trained_run), "-i", str(src)])
+
+
+def test_overrides_may_follow_the_options(trained_run, capsys):
+    config = str(trained_run / "config.yaml")
+    assert main(["train", config, "--print-config", "train.max_steps=7", "model.dropout=0.2"]
+                ) == 0
+    printed = capsys.readouterr().out
+    assert "max_steps: 7" in printed and "dropout: 0.2" in printed
+    assert _status(["train", config, "--print-config", "--nonsense", "train.max_steps=7"]) == 2
+    assert _err(capsys) == "dynaseq: error: unrecognized arguments: --nonsense"
+    assert _status(["translate", str(trained_run), "--beam", "2", "x=1"]) == 2
+    assert "unrecognized arguments: x=1" in _err(capsys)
+
+
+def test_options_a_run_kind_would_ignore_are_refused(trained_run, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("kalo mintu\n")
+    missing = str(tmp_path / "no_run")  # checked before the run is read
+    for argv, message in (
+            (["prune", missing, "--out", str(tmp_path / "p"), "--sparsity", "0.4", "--lr",
+              "-1"], "--lr must be > 0, got -1.0"),
+            (["quantize", missing, "--out", str(tmp_path / "q"), "--lr", "0"],
+             "--lr must be > 0, got 0.0"),
+            (["quantize", str(trained_run), "--out", str(tmp_path / "q"), "--lr", "0.1"],
+             "--bits, --steps and --lr are for language-model runs"),
+            (["calibrate", str(trained_run), "--src", str(src), "--ref", str(src), "--data",
+              str(src)], "--data is for classification runs"),
+            (["calibrate", str(trained_run), "--src", str(src), "--ref", str(src), "--tol",
+              "5"], "--tol must be in (0, 0.1], got 5.0")):
+        assert _status(argv) == 2, argv
+        assert message in _err(capsys)
+    assert not (tmp_path / "q").exists() and not (tmp_path / "p").exists()
+
+
+def test_an_evaluated_language_model_refuses_a_data_file(tmp_path, capsys):
+    from dynaseq.train.loop import train
+
+    from helpers import lm_config
+
+    lm = lm_config(tmp_path, "train.max_steps=1")
+    train(lm, progress=False)
+    assert main(["evaluate", lm.run_dir, "--data", str(tmp_path / "x.txt")]) == 2
+    assert "--data is for classification and MLM runs" in _err(capsys)
+
+
+def test_an_unreachable_calibrated_budget_is_warned_about(cct_run, synthetic_paths, tmp_path,
+                                                          capsys):
+    run = tmp_path / "run"
+    shutil.copytree(cct_run[0], run)
+    args = ["calibrate", str(run), "--src", str(synthetic_paths["valid.src"]), "--ref",
+            str(synthetic_paths["valid.tgt"]), "--lines", "8", "--budgets"]
+    assert main([*args, "1e-9"]) == 0
+    err = capsys.readouterr().err
+    assert "dynaseq: warning: budget 1e-09, 1e-09 is out of reach: the closest realized " \
+           "compute is" in err
+    assert main([*args, "1"]) == 0
+    assert "out of reach" not in capsys.readouterr().err
+
+
+def test_a_quantized_cct_keeps_its_calibration(cct_run, synthetic_paths, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(cct_run[0], run)
+    src = read_lines(synthetic_paths["valid.src"])[:8]
+    ref = read_lines(synthetic_paths["valid.tgt"])[:8]
+    t = Translator.load(run)
+    t.calibrate(src, ref, budgets=[0.4])
+    t.save_calibration(run)
+    rep = quantize_run(run, tmp_path / "q")
+    q = Translator.load(tmp_path / "q")
+    assert rep.calibrated == 1
+    assert [(c.budget, c.offsets) for c in q.calibrations] == [
+        (c.budget, c.offsets) for c in t.calibrations]
+    assert q.control_for(0.4) == t.control_for(0.4)
+
+
+def test_exported_layouts_of_another_version_or_with_unknown_keys_are_refused(
+        trained_run, tmp_path, capsys):
+    out = tmp_path / "model"
+    export_model(trained_run, out)
+    payload = json.loads((out / "config.json").read_text())
+    for changed, message in (({**payload, "version": 999},
+                              "has layout version 999; this dynaseq reads version 1"),
+                             ({**payload, "extra": 1}, "has unknown keys: extra")):
+        (out / "config.json").write_text(json.dumps(changed))
+        assert main(["translate", str(out), "-i", str(tmp_path / "none.txt")]) == 2
+        assert message in _err(capsys)
+
+
+def test_an_empty_saved_config_and_a_missing_data_root_are_one_line(run_copy, tmp_path,
+                                                                   monkeypatch, capsys):
+    (run_copy / "config.yaml").write_text("")
+    assert main(["translate", str(run_copy), "-i", str(tmp_path / "none.txt")]) == 2
+    assert _err(capsys) == f"dynaseq: error: {run_copy / 'config.yaml'} is empty"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DYNASEQ_DATA", str(tmp_path / "nowhere"))
+    assert main(["data", "check"]) == 2
+    assert "is not a directory" in _err(capsys)
