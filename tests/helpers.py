@@ -32,6 +32,24 @@ def micro_config(run_dir: Path, paths: dict[str, Path], **train_kw) -> RunConfig
     )
 
 
+def calibrated_cct(cct_run, paths: dict[str, Path], tmp_path: Path, lines: int = 16):
+    """A copy of the ``cct_run`` fixture's run in ``tmp_path / "run"``, calibrated at 0.4 on
+    the first ``lines`` validation pairs and saved: ``(run, translator, src, ref)``."""
+    import shutil
+
+    from dynaseq.data import read_lines
+    from dynaseq.tasks.translation.predictor import Translator
+
+    run = tmp_path / "run"
+    shutil.copytree(cct_run[0], run)
+    src = read_lines(paths["valid.src"])[:lines]
+    ref = read_lines(paths["valid.tgt"])[:lines]
+    t = Translator.load(run)
+    t.calibrate(src, ref, budgets=[0.4])
+    t.save_calibration(run)
+    return run, t, src, ref
+
+
 def load_benchmark(name: str):
     """The module of ``benchmarks/NAME.py`` (with ``benchmarks/`` on the path while it
     loads, for its ``import _lib``, and the module in ``sys.modules`` while it runs, for

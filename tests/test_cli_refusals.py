@@ -18,6 +18,8 @@ from dynaseq.tasks.translation.predictor import Translator
 from dynaseq.workflows.export import export_model
 from dynaseq.workflows.quantize import quantize_run
 
+from helpers import calibrated_cct
+
 
 def _snapshot(folder):
     return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -172,13 +174,7 @@ def test_an_unreachable_calibrated_budget_is_warned_about(cct_run, synthetic_pat
 
 
 def test_a_quantized_cct_keeps_its_calibration(cct_run, synthetic_paths, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(cct_run[0], run)
-    src = read_lines(synthetic_paths["valid.src"])[:8]
-    ref = read_lines(synthetic_paths["valid.tgt"])[:8]
-    t = Translator.load(run)
-    t.calibrate(src, ref, budgets=[0.4])
-    t.save_calibration(run)
+    run, t, _, _ = calibrated_cct(cct_run, synthetic_paths, tmp_path, lines=8)
     rep = quantize_run(run, tmp_path / "q")
     q = Translator.load(tmp_path / "q")
     assert rep.calibrated == 1

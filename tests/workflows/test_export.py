@@ -4,7 +4,6 @@ for a translation model (dense, CCT with calibrated budgets, int8) and a languag
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -17,7 +16,7 @@ from dynaseq.train.loop import train
 from dynaseq.workflows.export import export_model
 from dynaseq.workflows.quantize import quantize_run
 
-from helpers import lm_config
+from helpers import calibrated_cct, lm_config
 
 
 def _no_paths(out, *path_fields: str) -> dict:
@@ -58,13 +57,7 @@ def test_exported_translation_model_is_bit_identical(trained_run, synthetic_path
 
 
 def test_exported_cct_keeps_its_calibrated_budgets(cct_run, synthetic_paths, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(cct_run[0], run)
-    src = read_lines(synthetic_paths["valid.src"])[:16]
-    ref = read_lines(synthetic_paths["valid.tgt"])[:16]
-    t = Translator.load(run)
-    t.calibrate(src, ref, budgets=[0.4])
-    t.save_calibration(run)
+    run, t, src, ref = calibrated_cct(cct_run, synthetic_paths, tmp_path)
     out = tmp_path / "model"
     export_model(run, out)
     e = Translator.load(out)
