@@ -320,9 +320,9 @@ def load_weights_prefixed(model: nn.Module, directory: str | Path,
                           prefixes: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[str]:
     """Load the weights of ``model`` whose names start with one of ``prefixes`` (and none of
     ``exclude``) from a checkpoint of another model (e.g. a pre-trained encoder under a new
-    head); the others keep their values. Every such weight must be in the checkpoint with the same shape and
-    dtype, else :class:`CheckpointError` names the first that is not. Returns the names
-    loaded."""
+    head); the others keep their values. Every such weight must be in the checkpoint with
+    the same shape and dtype, else :class:`CheckpointError` names the first that is not.
+    Returns the names loaded."""
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"no checkpoint in {directory} (missing {WEIGHTS})")
