@@ -205,20 +205,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"{c.offsets['encoder']:>+10.3f}  {c.offsets['decoder']:>+10.3f}  "
               f"({before['encoder']:.3f}, {before['decoder']:.3f}) -> "
               f"({after['encoder']:.3f}, {after['decoder']:.3f})")
-    _warn_unreached(fitted, args.tol)
     print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def _warn_unreached(fitted: list, tol: float) -> None:
-    """A warning for each calibrated budget whose realized compute stays far from it (the
-    closest any offset reached: the model cannot run that little, or that much)."""
-    for c in fitted:
-        got = [c.realized[k] for k in c.offsets]
-        if max(abs(r - b) for r, b in zip(got, c.budget, strict=True)) > max(4 * tol, 0.02):
-            shown = ", ".join(f"{r:.3f}" for r in got)
-            print(f"dynaseq: warning: budget {', '.join(f'{b:g}' for b in c.budget)} is out "
-                  f"of reach: the closest realized compute is {shown}", file=sys.stderr)
 
 
 def _at_precision(model, args: argparse.Namespace):
@@ -848,7 +836,6 @@ def _calibrate_classify(args: argparse.Namespace) -> int:
     for cal in fitted:
         print(f"{cal.budget[0]:<7g} {cal.control:>7}  {cal.offsets['encoder']:>+6.3f}  "
               f"{cal.uncalibrated['encoder']:.3f} -> {cal.realized['encoder']:.3f}")
-    _warn_unreached(fitted, args.tol)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -127,6 +127,15 @@ def test_bad_input_gets_a_one_line_4xx_and_the_server_answers_the_next(server, l
     assert ok.status_code == 200
 
 
+def test_text_without_a_utf8_form_is_a_422_and_the_server_goes_on(server, lines):
+    body = b'{"texts": ["a dog", "a \\udfff cat"]}'  # JSON's escape of a lone surrogate
+    r = server.client.post("/v1/translate", content=body,
+                           headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert r.json() == {"error": "line 2 is not valid text: surrogates not allowed (\\udfff)"}
+    assert server.post("/v1/translate", json={"text": lines[0]}).is_success
+
+
 def test_unknown_paths_and_methods_are_json_errors(server):
     assert server.client.get("/v1/nothing").json() == {"error": "Not Found"}
     r = server.client.get("/v1/translate")
@@ -156,6 +165,10 @@ def test_metrics_count_what_was_sent(serve_run, lines, tmp_path):
         assert s.post("/v1/translate", json={"text": "a", "budget": 0.7}).status_code == 422
         assert s.metric("dynaseq_requests_total", endpoint="/v1/translate", status="200") == 4
         assert s.metric("dynaseq_requests_total", endpoint="/v1/translate", status="422") == 2
+        for path in ("/v1/a", "/v1/b"):  # paths not served share one label value
+            assert s.post(path, json={"text": "a"}).status_code == 404
+        assert s.metric("dynaseq_requests_total", endpoint="other", status="404") == 2
+        assert "/v1/a" not in s.client.get("/metrics").text
         assert s.metric("dynaseq_lines_total", endpoint="translate", budget="0.5,0.5") == 3
         assert s.metric("dynaseq_lines_total", endpoint="translate", budget="1,0.33") == 4
         assert s.metric("dynaseq_request_latency_seconds_count", endpoint="translate",

@@ -92,6 +92,23 @@ def _spm_message(e: Exception) -> str:
     return message or f"check failed: {check}"
 
 
+def check_text(lines: Sequence[str]) -> None:
+    """Refuse (:class:`DynaseqError`, naming the first bad line, 1-based) lines that are not
+    strings or not valid Unicode text (a lone surrogate such as ``"\\udfff"`` has no UTF-8
+    form, which SentencePiece needs)."""
+    if isinstance(lines, str) or not isinstance(lines, Sequence):
+        raise DynaseqError(f"lines must be a list of strings, not a {type(lines).__name__}")
+    for n, line in enumerate(lines, start=1):
+        if not isinstance(line, str):
+            raise DynaseqError(f"line {n} is a {type(line).__name__}, not a string")
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DynaseqError(f"line {n} is not valid text: {e.reason} "
+                               f"({line[e.start:e.end].encode('unicode_escape').decode()})"
+                               ) from None
+
+
 class Tokenizer:
     """A loaded SentencePiece model; build one with :meth:`train` or :meth:`load`.
 
@@ -230,9 +247,23 @@ class Tokenizer:
         """
         if not lines:
             return []
+        check_text(lines)
         if len(lines) < self.BATCH_LINES:  # one call per line: no thread pool to start
             return [self._sp.encode(line, out_type=int) for line in lines]
         return [list(ids) for ids in self._sp.encode(list(lines), out_type=int)]
+
+    def encode_kept(self, lines: list[str]) -> tuple[list[int], list[list[int]]]:
+        """The indices of the ``lines`` that hold at least one subword and their ids: a line
+        that is empty, all whitespace or only characters the model drops (a zero-width
+        space) is left out, to be answered with an empty line.
+
+        Example::
+
+            tok.encode_kept(["a dog", " ", "\u200b"])   # ([0], [[9, 312]])
+        """
+        ids = self.encode(lines)
+        keep = [i for i, x in enumerate(ids) if x]
+        return keep, [ids[i] for i in keep]
 
     BATCH_LINES = 64
     """From this many lines on, :meth:`encode` makes one batched SentencePiece call. A

@@ -252,11 +252,13 @@ class InFlightLimit:
 
 
 class AccessLogMiddleware:
-    """ASGI middleware: times every request, counts it in ``dynaseq_requests`` and writes
-    its access-log line (with what the endpoint put in ``request.state.log``)."""
+    """ASGI middleware: times every request, counts it in ``dynaseq_requests`` (a ``/v1/``
+    path this server does not serve as ``other``: a client cannot add label values) and
+    writes its access-log line (with what the endpoint put in ``request.state.log``)."""
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app, self.state = app, state
+        self.served = {e.path for e in ep.TASK_ENDPOINTS[state.kind]}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -277,7 +279,8 @@ class AccessLogMiddleware:
             path = scope.get("path", "")
             info = scope["state"].get("log", {})
             if path.startswith("/v1/"):
-                self.state.metrics.requests.labels(path, str(status["code"])).inc()
+                self.state.metrics.requests.labels(path if path in self.served else "other",
+                                                   str(status["code"])).inc()
             if path not in ("/metrics", "/healthz", "/readyz") or status["code"] >= 400:
                 client = scope.get("client")
                 self.state.log.write({

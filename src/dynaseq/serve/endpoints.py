@@ -279,10 +279,9 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     budgets = [job.payload.budget for job in jobs for _ in range(job.rows)]
     d = t.config.decode
     control = t.control_for(budgets, len(lines))
-    keep = [i for i, line in enumerate(lines) if line.strip()]
+    keep, src = t.tokenizer.encode_kept(lines)
     if isinstance(control, BudgetControl):
         control = control.select(torch.tensor(keep, dtype=torch.long, device=t.device))
-    src = t.tokenizer.encode([lines[i] for i in keep])
     lean = t.lean_decoder()
     needs_pass = report_compute and counts_while_decoding(t.model, control, len(src))
     tally = needs_pass and beam == 1 and lean is not None
@@ -291,9 +290,8 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     texts = [""] * len(lines)
     compute: list[dict | None] = [None] * len(lines)
     left = [job.rows for job in jobs]  # lines of each job not yet done
-    for i, line in enumerate(lines):
-        if not line.strip():
-            left[owner[i]] -= 1
+    for i in set(range(len(lines))) - set(keep):  # an empty line is done
+        left[owner[i]] -= 1
 
     def result(k: int) -> tuple[list[str], list[dict | None]]:
         a = starts[k]

@@ -68,12 +68,12 @@ def encode_pairs(translator: Translator, src_lines: list[str],
     if ref_lines is not None and len(ref_lines) != len(src_lines):
         raise DynaseqError(f"source has {len(src_lines)} lines but reference has "
                            f"{len(ref_lines)}")
-    keep = [i for i, line in enumerate(src_lines) if line.strip()]
+    tok = translator.tokenizer
+    keep, src = tok.encode_kept(src_lines)
     if not keep:
         raise DynaseqError("nothing to analyze: every source line is empty")
     limit = translator.model.encoder.positions.max_positions - 1
-    tok = translator.tokenizer
-    src = [s[:limit] for s in tok.encode([src_lines[i] for i in keep])]
+    src = [s[:limit] for s in src]
     if ref_lines is None:
         return src, None
     return src, [r[:limit] for r in tok.encode([ref_lines[i] for i in keep])]

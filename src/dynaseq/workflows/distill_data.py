@@ -34,9 +34,9 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
     """The teacher's translation of each line, in input order (``""`` for an empty line).
 
     ``beam``: beam size (1 = greedy); ``batch_size``: sentences per batch (default the run's
-    ``decode.batch_size``); ``budget``: a trained (or calibrated) budget of a CCT teacher. Length penalty and
-    output-length limits come from the teacher's ``decode`` config. ``progress`` shows a tqdm
-    bar over sentences.
+    ``decode.batch_size``); ``budget``: a trained (or calibrated) budget of a CCT teacher.
+    Length penalty and output-length limits come from the teacher's ``decode`` config.
+    ``progress`` shows a tqdm bar over sentences.
     """
     if beam < 1:
         raise DynaseqError(f"beam must be >= 1, got {beam}")
@@ -44,8 +44,7 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
     batch = batch_size or d.batch_size
     if batch < 1:
         raise DynaseqError(f"batch size must be >= 1, got {batch}")
-    keep = [i for i, line in enumerate(lines) if line.strip()]
-    ids = teacher.tokenizer.encode([lines[i] for i in keep])
+    keep, ids = teacher.tokenizer.encode_kept(lines)
     order = sorted(range(len(ids)), key=lambda j: len(ids[j]))  # similar lengths batch well
     hyps: list[list[int]] = [[] for _ in ids]
     with teacher.at_budget(budget) as control:  # refuses an unknown budget first

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import sacrebleu
 import torch
@@ -30,6 +30,7 @@ from dynaseq.core.checkpoint import load_weights, read_meta
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
+from dynaseq.data.tokenizer import check_text
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import (
@@ -43,7 +44,7 @@ from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.loading import load_predictor
-from dynaseq.tasks.translation.config import TASK, ModelConfig, RunConfig
+from dynaseq.tasks.translation.config import TASK, DecodeConfig, ModelConfig, RunConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets
@@ -117,6 +118,39 @@ def check_decode(model: nn.Module, beam: int, length_penalty: float) -> None:
     if not abs(length_penalty) <= MAX_LENGTH_PENALTY:
         raise DynaseqError(f"length penalty must be within +-{MAX_LENGTH_PENALTY:g}, got "
                            f"{length_penalty}")
+
+
+def check_pairs(src: list[str], ref: list[str]) -> None:
+    """Refuse (:class:`DynaseqError`) sources or references that are not lists of text
+    (:func:`~dynaseq.data.tokenizer.check_text`), or lists of different lengths."""
+    check_text(src)
+    check_text(ref)
+    if len(src) != len(ref):
+        raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+
+
+def decode_settings(d: DecodeConfig, beam: int | None, length_penalty: float | None,
+                    batch_size: int | None, max_len_a: float | None,
+                    max_len_b: int | None) -> dict[str, Any]:
+    """The search settings of one call, each None taken from the run's ``decode`` section,
+    as :func:`decode_corpus`'s keywords; a :class:`DynaseqError` for a beam or batch size
+    that is not a positive integer, or a length limit that is negative or not a number."""
+    out = {"beam": d.beam if beam is None else beam,
+           "batch_size": d.batch_size if batch_size is None else batch_size,
+           "length_penalty": d.length_penalty if length_penalty is None else length_penalty,
+           "max_len_a": d.max_len_a if max_len_a is None else max_len_a,
+           "max_len_b": d.max_len_b if max_len_b is None else max_len_b}
+    for name in ("beam", "batch_size", "max_len_b"):
+        v, least = out[name], 0 if name == "max_len_b" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise DynaseqError(f"{name} must be an integer >= {least}, got {v!r}")
+    for name in ("length_penalty", "max_len_a"):
+        v = out[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise DynaseqError(f"{name} must be a finite number, got {v!r}")
+    if out["max_len_a"] < 0:
+        raise DynaseqError(f"max_len_a must be >= 0, got {out['max_len_a']}")
+    return out
 
 
 def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
@@ -437,19 +471,15 @@ class Translator:
         default the largest; or a list with one budget per line (``[1.0, 0.5, (1.0, 0.33)]``),
         the lines batched together whatever their budgets. ``progress``: a bar on a terminal.
         """
-        d = self.config.decode
+        check_text(lines)
+        settings = decode_settings(self.config.decode, beam, length_penalty, batch_size,
+                                   max_len_a, max_len_b)
         control = self.control_for(budget, len(lines))
-        keep = [i for i, line in enumerate(lines) if line.strip()]
+        keep, ids = self.tokenizer.encode_kept(lines)
         if isinstance(control, BudgetControl) and isinstance(budget, list):  # per line
             control = control.select(torch.tensor(keep, dtype=torch.long, device=self.device))
-        ids = self.tokenizer.encode([lines[i] for i in keep])
-        hyps = decode_corpus(
-            self.model, ids, beam=beam or d.beam,
-            length_penalty=d.length_penalty if length_penalty is None else length_penalty,
-            max_len_a=d.max_len_a if max_len_a is None else max_len_a,
-            max_len_b=d.max_len_b if max_len_b is None else max_len_b,
-            batch_size=batch_size or d.batch_size, device=self.device, control=control,
-            progress=progress, lean=self.lean_decoder())
+        hyps = decode_corpus(self.model, ids, **settings, device=self.device, control=control,
+                             progress=progress, lean=self.lean_decoder())
         out = [""] * len(lines)
         for i, text in zip(keep, self.tokenizer.decode(hyps), strict=True):
             out[i] = text
@@ -458,8 +488,7 @@ class Translator:
     def score(self, src: list[str], ref: list[str], budget: Budgets = None) -> dict[str, float]:
         """Teacher-forced loss (NLL per target token) and perplexity of the references;
         ``budget`` as in :meth:`translate` (a list: one per sentence pair)."""
-        if len(src) != len(ref):
-            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        check_pairs(src, ref)
         return score_corpus(self.model, self.tokenizer.encode(src), self.tokenizer.encode(ref),
                             self.config.data.max_len, self.config.data.max_tokens, self.device,
                             self.control_for(budget, len(src)))
@@ -474,8 +503,9 @@ class Translator:
         ``budget`` as in :meth:`translate`; with a list (one per line) ``budget`` and
         ``gate_offsets`` are reported per line, and the realized compute is over the lines,
         each at its own budget."""
-        if len(src) != len(ref):
-            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        check_pairs(src, ref)
+        if not src:
+            raise DynaseqError("nothing to evaluate: no sentence pairs")
         hyps = self.translate(src, beam=beam, budget=budget, **kwargs)
         score, signature = bleu(hyps, ref)
         macs = pair_macs(self.model)
@@ -535,8 +565,7 @@ class Translator:
 
         if self.config.model.cct is None:
             raise DynaseqError("realized compute is reported for CCT models only")
-        if len(src) != len(ref):
-            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        check_pairs(src, ref)
         batches = self._pair_batches(src, ref, batch_size)
         if not batches:
             raise DynaseqError("nothing to count: every sentence pair is empty")
@@ -606,11 +635,12 @@ class Translator:
         if cct is None:
             raise DynaseqError(f"this is {model_kind(self.config.model)}, which has no "
                                "compute-budget knob to calibrate")
-        if len(src) != len(ref):
-            raise DynaseqError(f"source has {len(src)} lines but reference has {len(ref)}")
+        check_pairs(src, ref)
         batches = self._pair_batches(src, ref, batch_size)
         if not batches:
             raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
+        if budgets is not None and not isinstance(budgets, list):  # one budget
+            budgets = [budgets]
         targets = list(cct.controls) if budgets is None else [budget_pair(b) for b in budgets]
         for pair in targets:
             if not all(0 < b <= 1 for b in pair):

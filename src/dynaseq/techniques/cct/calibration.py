@@ -29,12 +29,14 @@ Example::
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.nn.modes import evaluating
 from dynaseq.techniques.cct.gating import (
     ALL_GATES_ON,
@@ -166,6 +168,16 @@ def _solve(f, target: float, tol: float, max_calls: int) -> tuple[float, float]:
     return best()
 
 
+MAX_TOL = 0.1
+"""The largest tolerance :func:`calibrate_budget` takes: within it of its target, a
+realized compute fraction is taken as the budget's."""
+
+
+UNREACHED = 0.02
+"""A calibrated budget whose realized compute stays further than this (or 4 ``tol``) from
+it gets a warning: no offset made the model run that little, or that much."""
+
+
 def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], control: int,
                      budget: tuple[float, ...], *, tol: float = 0.005,
                      max_calls: int = 16,
@@ -188,8 +200,8 @@ def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], c
         what = ("an (encoder, decoder) pair of fractions" if subnetworks == SUBNETWORKS
                 else f"one fraction per sub-network {list(subnetworks)}")
         raise ValueError(f"a budget is {what} in (0, 1], got {budget}")
-    if not tol > 0:
-        raise ValueError(f"tol must be > 0, got {tol}")
+    if not (isinstance(tol, (int, float)) and 0 < tol <= MAX_TOL):
+        raise DynaseqError(f"tol must be in (0, {MAX_TOL:g}], got {tol!r}")
     with evaluating(model):
         meter = _Meter(model, pairs, control, subnetworks, measure)
         offsets = dict.fromkeys(subnetworks, 0.0)
@@ -201,6 +213,11 @@ def calibrate_budget(model: nn.Module, pairs: Sequence[tuple[Tensor, Tensor]], c
             offsets[j], _ = _solve(f, target, tol, max_calls)
         realized = meter(offsets)
     assert all(math.isfinite(v) for v in offsets.values())
+    got = [realized[j] for j in subnetworks]
+    if max(abs(r - b) for r, b in zip(got, budget, strict=True)) > max(4 * tol, UNREACHED):
+        warnings.warn(f"budget {', '.join(f'{b:g}' for b in budget)} is out of reach: the "
+                      f"closest realized compute is {', '.join(f'{r:.3f}' for r in got)}",
+                      stacklevel=2)
     return BudgetCalibration(tuple(float(b) for b in budget), control, offsets,
                              {k: round(v, 4) for k, v in realized.items()},
                              {k: round(v, 4) for k, v in uncalibrated.items()})

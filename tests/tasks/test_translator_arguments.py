@@ -1,0 +1,88 @@
+"""The translation predictor's API refuses bad arguments with one :class:`DynaseqError`
+(never an error from deep inside torch or SentencePiece), and answers a line with no
+subwords with an empty line, as it answers an empty one."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+
+from dynaseq.core.errors import DynaseqError
+from dynaseq.data.tokenizer import check_text
+from dynaseq.tasks.translation.predictor import Translator
+
+from helpers import calibrated_cct
+
+
+@pytest.fixture(scope="module")
+def t(trained_run):
+    return Translator.load(trained_run)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"beam": 0}, "beam must be an integer >= 1, got 0"),
+    ({"beam": 1.5}, "beam must be an integer >= 1, got 1.5"),
+    ({"beam": True}, "beam must be an integer >= 1, got True"),
+    ({"batch_size": -1}, "batch_size must be an integer >= 1, got -1"),
+    ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+    ({"max_len_a": -1}, "max_len_a must be >= 0, got -1"),
+    ({"max_len_a": math.nan}, "max_len_a must be a finite number, got nan"),
+    ({"max_len_b": -5}, "max_len_b must be an integer >= 0, got -5"),
+    ({"length_penalty": math.inf}, "length_penalty must be a finite number, got inf"),
+])
+def test_bad_search_settings_are_refused(t, kwargs, message):
+    with pytest.raises(DynaseqError) as e:
+        t.translate(["kalo mintu"], **kwargs)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("lines, message", [
+    ("kalo mintu", "lines must be a list of strings, not a str"),
+    (None, "lines must be a list of strings, not a NoneType"),
+    (["kalo", None], "line 2 is a NoneType, not a string"),
+    (["kalo", 1], "line 2 is a int, not a string"),
+    (["a \udfff b"], "line 1 is not valid text: surrogates not allowed (\\udfff)"),
+])
+def test_lines_that_are_not_text_are_refused_everywhere(t, lines, message):
+    for call in (lambda: t.translate(lines), lambda: t.score(lines, lines),
+                 lambda: t.evaluate(lines, lines)):
+        with pytest.raises(DynaseqError) as e:
+            call()
+        assert str(e.value) == message
+
+
+def test_nothing_to_evaluate_and_unequal_pairs_are_refused(t):
+    with pytest.raises(DynaseqError, match="nothing to evaluate: no sentence pairs"):
+        t.evaluate([], [])
+    with pytest.raises(DynaseqError, match="source has 1 lines but reference has 2"):
+        t.score(["a"], ["a", "b"])
+
+
+def test_a_line_without_subwords_translates_to_an_empty_line(t):
+    assert t.tokenizer.encode(["\u200b"]) == [[]]  # a zero-width space: no subword
+    got = t.translate(["kalo mintu", "\u200b", " ", "sum 3 4"], beam=1)
+    assert got[1:3] == ["", ""]
+    assert [got[0], got[3]] == t.translate(["kalo mintu", "sum 3 4"], beam=1)
+    assert t.tokenizer.encode_kept(["kalo", " ", "\u200b", "sum"])[0] == [0, 3]
+
+
+def test_check_text_takes_any_sequence_of_strings():
+    check_text(("a", "b"))
+    check_text([])
+
+
+def test_calibrate_takes_one_budget_refuses_a_bad_tolerance_and_warns_out_of_reach(
+        cct_run, synthetic_paths, tmp_path):
+    run, t, src, ref = calibrated_cct(cct_run, synthetic_paths, tmp_path, lines=8)
+    for tol in (0, -1, 5, math.nan):
+        with pytest.raises(DynaseqError, match=r"tol must be in \(0, 0.1\]"):
+            t.calibrate(src, ref, budgets=[0.5], tol=tol)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for a budget it reaches
+        (one,) = t.calibrate(src, ref, budgets=0.4)
+    assert one.budget == (0.4, 0.4)
+    with pytest.warns(UserWarning, match="budget 1e-09, 1e-09 is out of reach: the closest "
+                                         "realized compute is"):
+        t.calibrate(src, ref, budgets=[1e-9])
