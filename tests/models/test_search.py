@@ -204,7 +204,7 @@ def test_beam_results_do_not_depend_on_the_slots_beams_sit_in(monkeypatch):
 
 
 @torch.no_grad()
-def naive_beam(m, src_row, k, limit, length_penalty=1.0):
+def naive_beam(m, src_row, k, limit, length_penalty=1.0, min_len=0):
     """The search as its docstring states it, for one sentence, with no cache and no
     shortcuts: each step ranks every (beam, token) continuation of the live beams."""
     live = [(0.0, [])]  # (log p, tokens)
@@ -213,6 +213,8 @@ def naive_beam(m, src_row, k, limit, length_penalty=1.0):
         cands = []
         for score, toks in live:
             logp = m(src_row, torch.tensor([[m.bos_id, *toks]])).logits[0, -1].log_softmax(-1)
+            if step < min_len:
+                logp[EOS] = float("-inf")
             if step + 1 >= limit:  # at the limit only eos
                 cands.append((score + float(logp[EOS]), toks, EOS))
                 continue
@@ -236,8 +238,8 @@ def test_beam_search_equals_ranking_every_continuation(seed):
     token, which some of these sentences continue with."""
     m = model(seed)
     src = sources(n=6, seed=seed + 1)
-    for k in (2, 3):
-        got = beam_search(m, src, beam=k, max_len_a=0.0, max_len_b=7)
+    for k, min_len in ((2, 0), (3, 0), (3, 2)):
+        got = beam_search(m, src, beam=k, max_len_a=0.0, max_len_b=7, min_len=min_len)
         for i in range(src.size(0)):
             row = src[i: i + 1, : int(src[i].ne(0).sum())]
-            assert got[i] == naive_beam(m, row, k, 7), (k, i)
+            assert got[i] == naive_beam(m, row, k, 7, min_len=min_len), (k, i)

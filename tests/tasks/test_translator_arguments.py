@@ -39,10 +39,10 @@ def test_bad_search_settings_are_refused(t, kwargs, message):
 
 
 @pytest.mark.parametrize("lines, message", [
-    ("kalo mintu", "lines must be a list of strings, not a str"),
-    (None, "lines must be a list of strings, not a NoneType"),
-    (["kalo", None], "line 2 is a NoneType, not a string"),
-    (["kalo", 1], "line 2 is a int, not a string"),
+    ("kalo mintu", "lines must be a list of strings, not str"),
+    (None, "lines must be a list of strings, not NoneType"),
+    (["kalo", None], "line 2 has type NoneType, not str"),
+    (["kalo", 1], "line 2 has type int, not str"),
     (["a \udfff b"], "line 1 is not valid text: surrogates not allowed (\\udfff)"),
 ])
 def test_lines_that_are_not_text_are_refused_everywhere(t, lines, message):

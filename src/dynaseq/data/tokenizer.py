@@ -97,10 +97,10 @@ def check_text(lines: Sequence[str]) -> None:
     strings or not valid Unicode text (a lone surrogate such as ``"\\udfff"`` has no UTF-8
     form, which SentencePiece needs)."""
     if isinstance(lines, str) or not isinstance(lines, Sequence):
-        raise DynaseqError(f"lines must be a list of strings, not a {type(lines).__name__}")
+        raise DynaseqError(f"lines must be a list of strings, not {type(lines).__name__}")
     for n, line in enumerate(lines, start=1):
         if not isinstance(line, str):
-            raise DynaseqError(f"line {n} is a {type(line).__name__}, not a string")
+            raise DynaseqError(f"line {n} has type {type(line).__name__}, not str")
         try:
             line.encode("utf-8")
         except UnicodeEncodeError as e:

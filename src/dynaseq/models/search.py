@@ -201,7 +201,8 @@ def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
     first ``beam`` are finished, the best ``beam`` others go on. Only each beam's best
     beam + 1 tokens are ranked against the other beams': a kept candidate ranks at most
     beam-th among its own beam's tokens, or beam + 1-th behind its beam's eos (ranking
-    every beam × vocabulary sum cost a full-vocabulary pass and a top-k over it per step).
+    every beam × vocabulary sum cost a full-vocabulary pass and a top-k over it per step;
+    the kept candidates are the same, up to the order of exact ties).
     A sentence stops once it has ``beam`` finished hypotheses; at its length limit every
     live beam is closed with eos.
     The beams of a sentence are identical until the first token, so the first step runs

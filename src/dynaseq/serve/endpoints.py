@@ -91,7 +91,7 @@ def check_lines(state: ServeState, lines: list[str]) -> None:
     cfg = state.config
     if len(lines) > cfg.max_lines:
         raise TooLarge(f"{len(lines)} lines in one request; the limit is {cfg.max_lines}")
-    for i, line in enumerate(lines):
+    for i, line in enumerate(lines, start=1):  # counted from 1, as check_text counts
         if len(line) > cfg.max_line_chars:
             raise TooLarge(f"line {i} has {len(line)} characters; the limit is "
                            f"{cfg.max_line_chars}")

@@ -96,15 +96,15 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
     try:
         _check_same_task(run_dir, cfg)
+        latest = ckpt.list_checkpoints(run_dir)[-1:]
+        if not latest:
+            _check_no_model(run_dir)
         log = RunLog(run_dir / "log.jsonl", False)  # held until the run is accepted
         task.prepare(env, device, log)
         resumed = None
-        latest = ckpt.list_checkpoints(run_dir)[-1:]
         if latest:  # a resumed run: its checkpoint must fit this config's model
             ckpt.load_weights(task.model, latest[0])
             resumed = (latest[0], task.model)
-        else:
-            _check_no_model(run_dir)
         if env.is_main:  # only now: a refused run keeps its config and log
             save_config(cfg, run_dir / "config.yaml")
             log.start_writing()
@@ -135,9 +135,11 @@ def _check_no_model(run_dir: Path) -> None:
     """Refuse to start a new run in a directory that holds a trained model but no checkpoint
     to resume: the new run would replace its config and log and leave weights that no
     longer fit them."""
-    held = [name for name in ckpt.MODEL_DIRS if (run_dir / name).is_dir()]
+    held = [f"{name}/" for name in ckpt.MODEL_DIRS if (run_dir / name).is_dir()]
+    if (run_dir / ckpt.WEIGHTS).is_file():  # an exported model directory
+        held.append(ckpt.WEIGHTS)
     if held:
-        raise ConfigError(f"{run_dir} holds a trained model ({held[0]}/) but no checkpoint to "
+        raise ConfigError(f"{run_dir} holds a trained model ({held[0]}) but no checkpoint to "
                           "resume from: train into a new run_dir")
 
 

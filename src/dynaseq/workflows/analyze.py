@@ -193,6 +193,13 @@ def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] |
     }
 
 
+def output_names() -> list[str]:
+    """The files :func:`write_analysis` writes into its folder."""
+    from dynaseq.analysis.plots import PLOTTERS
+
+    return [JSON_NAME, *PLOTTERS]
+
+
 def write_analysis(result: dict[str, object], out_dir: str | Path) -> list[Path]:
     """Write ``analysis.json`` and the fig. 9-13 PNGs into ``out_dir``; return the paths."""
     from dynaseq.analysis.plots import plot_all

@@ -25,7 +25,12 @@ from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import write_lines
-from dynaseq.tasks.translation.predictor import Budget, Translator, decode_corpus
+from dynaseq.tasks.translation.predictor import (
+    Budget,
+    Translator,
+    decode_corpus,
+    decode_settings,
+)
 
 
 def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
@@ -38,12 +43,8 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
     Length penalty and output-length limits come from the teacher's ``decode`` config.
     ``progress`` shows a tqdm bar over sentences.
     """
-    if beam < 1:
-        raise DynaseqError(f"beam must be >= 1, got {beam}")
-    d = teacher.config.decode
-    batch = batch_size or d.batch_size
-    if batch < 1:
-        raise DynaseqError(f"batch size must be >= 1, got {batch}")
+    settings = decode_settings(teacher.config.decode, beam, None, batch_size, None, None)
+    batch = settings["batch_size"]
     keep, ids = teacher.tokenizer.encode_kept(lines)
     order = sorted(range(len(ids)), key=lambda j: len(ids[j]))  # similar lengths batch well
     hyps: list[list[int]] = [[] for _ in ids]
@@ -56,9 +57,7 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
         try:
             for start in range(0, len(order), batch):
                 chunk = order[start: start + batch]
-                out = decode_corpus(teacher.model, [ids[j] for j in chunk], beam=beam,
-                                    length_penalty=d.length_penalty, max_len_a=d.max_len_a,
-                                    max_len_b=d.max_len_b, batch_size=batch,
+                out = decode_corpus(teacher.model, [ids[j] for j in chunk], **settings,
                                     device=teacher.device, control=control,
                                     lean=teacher.lean_decoder())
                 for j, h in zip(chunk, out, strict=True):

@@ -4,6 +4,7 @@ its int8 version (:func:`dynaseq.compress.int8.quantize_int8`)."""
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 from dynaseq.compress.int8 import WEIGHTS, is_int8, quantize_int8, save_int8
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import check_new_run_dir, dir_size, writing_new_dir
-from dynaseq.techniques.cct.calibration_file import write_calibrations
+from dynaseq.techniques.cct.calibration_file import CALIBRATION_FILE, write_calibrations
 
 
 @dataclass
@@ -72,8 +73,9 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
         meta = {k: v for k, v in read_meta(ckpt).items() if k in ("step", "averaged", "valid")}
         meta.update(source_run=str(run), source_checkpoint=str(ckpt))
         save_int8(qmodel, tmp / rel, meta)
-        if t.calibrations:
+        if t.calibrations:  # what they were fitted on, and that it was the float model
+            data = json.loads((run / CALIBRATION_FILE).read_text()).get("data", {})
             write_calibrations(tmp, tmp / rel, t.calibrations,
-                               {"fitted_on": f"{run} (float)", "checkpoint": str(ckpt)})
+                               {**data, "fitted_on_float_model": str(run)})
     return QuantizeReport(run, out, ckpt, dir_size(ckpt / WEIGHTS), dir_size(out / rel / WEIGHTS),
                           dir_size(run), dir_size(out), len(t.calibrations))

@@ -72,13 +72,12 @@ def budget_setting(cfg: EncoderModelConfig, budget: Budget,
                    ) -> tuple[int | None, BudgetCalibration | None]:
     """The control id a budget runs with and its calibration (None if none): a calibrated
     budget (trained or not) takes its calibration, else it must be trained."""
-    if cfg.cct is not None:
-        b = cfg.cct.controls[cfg.cct.largest_control] if budget is None else as_fraction(budget)
-        for cal in calibrations:
-            if math.isclose(cal.budget[0], b, abs_tol=1e-6):
-                return cal.control, cal
     if cfg.cct is None:
         return control_id(cfg, budget), None  # a dense encoder: nothing to calibrate
+    b = cfg.cct.controls[cfg.cct.largest_control] if budget is None else as_fraction(budget)
+    for cal in calibrations:
+        if math.isclose(cal.budget[0], b, abs_tol=1e-6):
+            return cal.control, cal
     try:
         return control_id(cfg, budget), None
     except DynaseqError as e:

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -119,3 +120,17 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        bound = length_penalty_bound(self.model.max_positions)
+        if not abs(self.decode.length_penalty) <= bound:
+            raise ConfigError(f"decode.length_penalty must be within +-{bound:g} for "
+                              f"model.max_positions {self.model.max_positions}, got "
+                              f"{self.decode.length_penalty}")
+
+
+def length_penalty_bound(max_positions: int) -> float:
+    """The largest ``|length_penalty|`` beam search takes: a finished hypothesis of ``n``
+    tokens scores ``log p / n^lp``, and ``n^lp`` must stay within float range (``e^700``) for
+    every ``n`` up to ``max_positions``; 100 at 1024 positions."""
+    return math.floor(700 / math.log(max(max_positions, 2)))

@@ -44,7 +44,13 @@ from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.loading import load_predictor
-from dynaseq.tasks.translation.config import TASK, DecodeConfig, ModelConfig, RunConfig
+from dynaseq.tasks.translation.config import (
+    TASK,
+    DecodeConfig,
+    ModelConfig,
+    RunConfig,
+    length_penalty_bound,
+)
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets
@@ -104,20 +110,16 @@ def control_rows(control: Control, n: int, idx: list[int],
     return control.index_select(0, index).to(device)
 
 
-MAX_LENGTH_PENALTY = 100.0
-"""The largest ``|length_penalty|``: a finished hypothesis scores ``log p / n^lp``, and
-``n^lp`` stays within float range for every length up to 1024 tokens."""
-
-
 def check_decode(model: nn.Module, beam: int, length_penalty: float) -> None:
-    """Refuse (:class:`DynaseqError`) a beam wider than ``model``'s target vocabulary or a
-    length penalty beyond :data:`MAX_LENGTH_PENALTY`."""
+    """Refuse (:class:`DynaseqError`) a beam wider than ``model``'s target vocabulary or,
+    for beam search, a length penalty whose ``n^lp`` leaves float range for an output as
+    long as the model's positions allow (:func:`length_penalty_bound`)."""
     vocab = model.decoder.output_proj.out_features
     if beam > vocab:
         raise DynaseqError(f"beam {beam} is wider than the target vocabulary ({vocab} tokens)")
-    if not abs(length_penalty) <= MAX_LENGTH_PENALTY:
-        raise DynaseqError(f"length penalty must be within +-{MAX_LENGTH_PENALTY:g}, got "
-                           f"{length_penalty}")
+    bound = length_penalty_bound(model.decoder.positions.max_positions)
+    if beam > 1 and not abs(length_penalty) <= bound:
+        raise DynaseqError(f"length penalty must be within +-{bound:g}, got {length_penalty}")
 
 
 def check_pairs(src: list[str], ref: list[str]) -> None:
@@ -175,6 +177,8 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     a sentence still decoding then is dropped and gives None
     (:func:`~dynaseq.models.search.greedy_search`).
     ``on_done``: called as sentences finish (:class:`LinesDone`), before their batch ends.
+    A beam wider than the vocabulary, or a length penalty that would overflow, is a
+    :class:`DynaseqError` (:func:`check_decode`).
     """
     if expires is not None and len(expires) != len(src_ids):
         raise ValueError(f"expires needs one time per sentence: {len(src_ids)} sentences, "
@@ -466,7 +470,8 @@ class Translator:
                   budget: Budgets = None, progress: bool = False) -> list[str]:
         """Translate raw sentences; returns detokenized sentences in the same order.
 
-        An empty (or all-whitespace) line translates to an empty line. ``budget`` (CCT
+        An empty line, or one with no subwords (all whitespace, say), translates to an
+        empty line. ``budget`` (CCT
         models): a trained or calibrated compute budget, ``0.33`` or ``(1.0, 0.33)``,
         default the largest; or a list with one budget per line (``[1.0, 0.5, (1.0, 0.33)]``),
         the lines batched together whatever their budgets. ``progress``: a bar on a terminal.
