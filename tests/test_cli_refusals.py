@@ -171,6 +171,10 @@ def test_an_evaluated_language_model_refuses_a_data_file(tmp_path, capsys):
     train(lm, progress=False)
     assert main(["evaluate", lm.run_dir, "--data", str(tmp_path / "x.txt")]) == 2
     assert "--data is for classification and MLM runs" in _err(capsys)
+    for flag in ("--budget", "--keep-layers"):
+        assert main(["profile", lm.run_dir, flag, "1"]) == 2
+        assert (f"profile: {flag} is for translation and classification runs; "
+                f"{lm.run_dir} is a language model") in _err(capsys)
 
 
 def test_an_unreachable_calibrated_budget_is_warned_about(cct_run, synthetic_paths, tmp_path,

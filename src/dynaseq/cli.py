@@ -670,15 +670,17 @@ def _distill_data_seq2seq(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_given(args: argparse.Namespace, names: tuple[str, ...], runs: str) -> None:
+def _refuse_given(args: argparse.Namespace, names: tuple[str, ...], runs: str,
+                  this: str | None = None) -> None:
     """Refuse (one line) the options in ``names`` that were given: they are for ``runs``
-    only and would be silently dropped on this run."""
+    only and would be silently dropped on this run (``this``: what it is; default the
+    run directory's kind)."""
     given = [f"--{name.replace('_', '-')}" for name in names
              if getattr(args, name, None) is not None]
     if given:
         verb = "is" if len(given) == 1 else "are"
-        raise DynaseqError(f"{args.command}: {', '.join(given)} {verb} for {runs} runs; "
-                           f"{args.run_dir} is a {KIND_NAMES[_run_dir_kind(args.run_dir)]} run")
+        this = this or f"{args.run_dir} is a {KIND_NAMES[_run_dir_kind(args.run_dir)]} run"
+        raise DynaseqError(f"{args.command}: {', '.join(given)} {verb} for {runs} runs; {this}")
 
 
 def _language_model(args: argparse.Namespace):
@@ -913,6 +915,8 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
     from dynaseq.metrics.lm_profile import profile_lm
 
     _refuse_exit(args)
+    _refuse_given(args, ("budget", "keep_layers"), "translation and classification",
+                  f"{args.target} is a language model")
     if cfg is None:
         args.run_dir = args.target
         model = _language_model(args).model

@@ -205,6 +205,9 @@ def test_cct_bert_finetunes_and_reports_realized_compute(tmp_path, text_corpus, 
     assert full["budget"] == 0.8 and 0 < full["realized_fraction"] <= 1
     low = c.evaluate(sst2_small["dev"], budget=0.2)
     assert low["budget"] == 0.2 and 0 < low["realized_fraction"] <= 1
+    one = c.evaluate(sst2_small["dev"], budget=0.2, batch_size=1)  # no padding counted
+    for key in ("realized_fraction", "realized_macs_per_token", "accuracy"):
+        assert one[key] == pytest.approx(low[key], rel=1e-9), key
     lines = ["a fine film", "bad", "an ok one"]
     mixed = c.classify(lines, budget=[0.8, 0.2, 0.5])
     assert mixed == [c.classify([line], budget=b)[0]

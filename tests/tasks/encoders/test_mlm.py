@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 import dynaseq
 from dynaseq.core.checkpoint import list_checkpoints
+from dynaseq.core.errors import DynaseqError
 from dynaseq.tasks.encoder.vocab import EncoderVocab
 from dynaseq.tasks.mlm.data import MaskSpec, mask_tokens, pack_blocks
 from dynaseq.tasks.mlm.predictor import MaskedLM
@@ -202,3 +203,12 @@ def test_cct_gate_warmup_trains_soft_gates_without_noise_or_budget_loss(tmp_path
                          for g in gates)
     best = [e["step"] for e in read_events(tmp_path / "warm") if e["event"] == "best"]
     assert best and min(best) >= 4
+
+
+def test_mlm_evaluation_masks_do_not_depend_on_the_batch_size(mlm_run):
+    m = dynaseq.load(mlm_run)
+    runs = [m.evaluate("valid", batch_size=b) for b in (1, 3, 16)]
+    assert len({r["n_masked"] for r in runs}) == 1
+    assert runs[0]["loss"] == pytest.approx(runs[2]["loss"], rel=1e-5)
+    with pytest.raises(DynaseqError, match="batch_size must be an integer >= 1, got 0"):
+        m.evaluate("valid", batch_size=0)

@@ -133,7 +133,7 @@ def test_batched_calibration_counts_what_one_pair_at_a_time_counts(cct_run, synt
     want = realized_fraction(t.model, pairs, [rows.select(torch.tensor([i]))
                                               for i in range(len(src))])
     assert t.realized_compute(src, ref, per_line, batch_size=16) == want
-    with pytest.raises(DynaseqError, match="batch_size must be at least 1, got 0"):
+    with pytest.raises(DynaseqError, match="batch_size must be an integer >= 1, got 0"):
         t.calibrate(src, ref, budgets=[0.7], batch_size=0)
 
 

@@ -25,8 +25,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from dynaseq.core.arguments import check_int
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
+from dynaseq.data.tokenizer import check_text
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
 from dynaseq.models.lean_encoder import LeanEncoder
@@ -168,6 +170,14 @@ def _macs_per_row(aux: AuxOutputs, n_rows: int, valid: dict[str, Tensor]) -> Ten
     for per_row in realized_macs_by_row(aux, valid=valid).values():
         total += per_row.cpu()
     return total
+
+
+def _sequence(lines: object) -> list:
+    """``lines`` as a list, if it is a list or tuple of lines (not one string)."""
+    if isinstance(lines, str) or not isinstance(lines, list | tuple):
+        raise DynaseqError(f"lines must be a list of strings (or of pairs), not "
+                           f"{type(lines).__name__}")
+    return list(lines)
 
 
 @torch.no_grad()
@@ -330,10 +340,17 @@ class Classifier:
                                read_calibrations(r.run, r.checkpoint, r.model.n_controls)),
             precision=precision)
 
+    def _batch_size(self, batch_size: int | None) -> int:
+        """``batch_size``, checked (a positive integer), or the run's ``data.batch_size``."""
+        return (self.config.data.batch_size if batch_size is None
+                else check_int("batch_size", batch_size))
+
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
         """Examples of the non-empty inputs and their indices. A pair task needs two
         tab-separated sentences (or a tuple) per line, a single-sentence task one."""
         layout = self.layout
+        check_text([p for line in _sequence(lines) for p in
+                    (line if isinstance(line, tuple) else (line,))])
         a, b, keep = [], [], []
         for n, line in enumerate(lines):
             parts = list(line) if isinstance(line, tuple) else line.split("\t")
@@ -377,9 +394,8 @@ class Classifier:
         layers = layers_for(self.config.model, keep_layers)
         if not rows:
             return []
-        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute, progress, exit, layers,
-                                self.lean_encoder())
+        logits = predict_logits(self.model, rows, self._batch_size(batch_size), self.device,
+                                control, compute, progress, exit, layers, self.lean_encoder())
         return decide(logits, self.layout)
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
@@ -398,6 +414,7 @@ class Classifier:
         a list, one per line). ``keep_layers`` (models without a structure predictor, e.g.
         trained with LayerDrop): run N of the layers, evenly spaced ("every other").
         ``progress``: a bar on a terminal."""
+        lines = _sequence(lines)
         self._control(budget, len(lines))  # a bad budget is refused before the lines
         self._exit(gamma, depth, exit_rule, threshold, patience, len(lines))  # a bad exit too
         layers_for(self.config.model, keep_layers)
@@ -430,6 +447,8 @@ class Classifier:
         ``keep_layers`` (see :meth:`classify`): ``keep_layers``, ``layers_run`` (the plan
         positions), ``avg_layers`` and ``depth_fraction``."""
         layout = self.layout
+        if not isinstance(path, str | Path):
+            raise DynaseqError(f"path must be a file path, got {type(path).__name__}")
         ex = read_table(path, layout)
         if not len(ex):
             raise DynaseqError(f"{path}: every row has an empty sentence")
@@ -438,8 +457,8 @@ class Classifier:
         layers = layers_for(self.config.model, keep_layers)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         compute = RealizedCompute()
-        logits = predict_logits(self.model, rows, batch_size or self.config.data.batch_size,
-                                self.device, control, compute, progress, exit, layers)
+        logits = predict_logits(self.model, rows, self._batch_size(batch_size), self.device,
+                                control, compute, progress, exit, layers)
         result: dict[str, object] = {
             "task": layout.name, "path": str(path),
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
@@ -447,8 +466,9 @@ class Classifier:
         if self.config.model.cct is not None:
             result["budget"] = ([self.budget_ran(b) for b in budget]
                                 if isinstance(budget, list) else self.budget_ran(budget))
-            result["realized_fraction"] = compute.ran / compute.full
-            result["realized_macs_per_token"] = compute.ran / compute.tokens
+            ran = int(compute.row_ran.sum())  # each row over its own tokens: any batching
+            result["realized_fraction"] = ran / int(compute.row_full.sum())
+            result["realized_macs_per_token"] = ran / int(compute.row_tokens.sum())
         if exit is not None:
             result.update(depth_report(exit, compute, self.config.model.layers))
         if layers is not None:
@@ -470,8 +490,12 @@ class Classifier:
         if cct is None:
             raise DynaseqError("this is a dense encoder, which has no compute-budget knob to "
                                "calibrate")
-        if batch_size < 1:
-            raise DynaseqError(f"batch_size must be at least 1, got {batch_size}")
+        check_int("batch_size", batch_size)
+        check_int("lines", lines)
+        if budgets is not None and not isinstance(budgets, list):  # one budget
+            budgets = [budgets]
+        if not isinstance(path, str | Path):
+            raise DynaseqError(f"path must be a file path, got {type(path).__name__}")
         ex = read_table(path, self.layout, labelled=False)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)[:lines]
         if not rows:

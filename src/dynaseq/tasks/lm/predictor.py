@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from dynaseq.core.arguments import check_int, check_number
 from dynaseq.core.config import read_yaml
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
+from dynaseq.data.tokenizer import check_text
 from dynaseq.models.lm import LMState, TransformerLM
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.neural_cache import NeuralCache
@@ -186,6 +188,13 @@ class LanguageModel:
         it replaces ``adjust``. ``progress``: a bar on a terminal.
         """
         _no_budget(budget)
+        if not isinstance(split_or_path, str | Path):
+            raise DynaseqError(f"split_or_path must be a split name or a file path, got "
+                               f"{type(split_or_path).__name__}")
+        if batch_size is not None:
+            check_int("batch_size", batch_size)
+        if max_tokens is not None:
+            check_int("max_tokens", max_tokens)
         path = (self.split_path(split_or_path)
                 if split_or_path in ("train", "valid", "test") else split_or_path)
         cache = eval_cache(self.model) if with_cache else None
@@ -216,6 +225,15 @@ class LanguageModel:
         """Sample ``n_tokens`` words after ``prompt``; ``<eos>`` is shown as a newline.
         ``budget``: as in :meth:`evaluate` (None only)."""
         _no_budget(budget)
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise DynaseqError(f"prompt must be a string, got {type(prompt).__name__}")
+            check_text([prompt])
+        check_int("n_tokens", n_tokens, least=0)
+        check_number("temperature", temperature, least=0)
+        check_int("seed", seed, least=0, most=2**63 - 1)
+        if top_k is not None:
+            check_int("top_k", top_k, most=len(self.vocab.itos))
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out = self.model.generate(self.encode_prompt(prompt), n_tokens, temperature, top_k,
                                   gen)

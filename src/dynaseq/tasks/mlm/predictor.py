@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from dynaseq.core.arguments import check_int
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data.text import read_lines
@@ -28,7 +29,7 @@ from dynaseq.tasks.encoder.model import MLM, build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.tasks.loading import load_predictor
 from dynaseq.tasks.mlm.config import TASK, MLMRunConfig
-from dynaseq.tasks.mlm.data import MaskSpec, mask_tokens, pack_blocks
+from dynaseq.tasks.mlm.data import MaskedBatch, MaskSpec, mask_tokens, pack_blocks
 
 #: Validation and evaluation masks come from this seed (the same positions every time).
 EVAL_MASK_SEED = 20_200_707
@@ -44,13 +45,18 @@ def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: 
                 batch_size: int, device: torch.device, control: int | None,
                 progress: bool = False) -> dict[str, float]:
     """Masked-token loss (nats per chosen token), perplexity and accuracy over ``blocks``
-    (N, L), masked from :data:`EVAL_MASK_SEED` (fixed positions, comparable across runs);
+    (N, L), masked from :data:`EVAL_MASK_SEED` (fixed positions, comparable across runs and
+    the same at any ``batch_size``: every block is masked at once, then run in batches);
     ``progress``: a bar of blocks on a terminal."""
-    gen = torch.Generator().manual_seed(EVAL_MASK_SEED)
+    masked = mask_tokens(blocks, vocab, spec, torch.Generator().manual_seed(EVAL_MASK_SEED))
+    ends = masked.select.sum(1).cumsum(0).tolist()  # each block's last target, exclusive
     nll, correct, n = 0.0, 0, 0
     with evaluating(model), progress_bar(blocks.size(0), "block", "evaluate", progress) as bar:
         for i in range(0, blocks.size(0), batch_size):
-            b = mask_tokens(blocks[i:i + batch_size], vocab, spec, gen).to(device)
+            j = min(i + batch_size, blocks.size(0))
+            first = ends[i - 1] if i else 0
+            b = MaskedBatch(masked.inputs[i:j], masked.select[i:j],
+                            masked.targets[first:ends[j - 1]]).to(device)
             logits = model(b.inputs, None, control, select=b.select).logits.float()
             nll += float(nn.functional.cross_entropy(logits, b.targets, reduction="sum"))
             correct += int((logits.argmax(-1) == b.targets).sum())
@@ -104,8 +110,12 @@ class MaskedLM:
         ``budget``: a trained CCT budget (default the largest); ``progress``: a bar on a
         terminal."""
         control = control_id(self.config.model, budget)
+        if not isinstance(split_or_path, str | Path):
+            raise DynaseqError(f"split_or_path must be a split name or a file path, got "
+                               f"{type(split_or_path).__name__}")
+        batch = (self.config.data.batch_size if batch_size is None
+                 else check_int("batch_size", batch_size))
         result = mlm_metrics(self.model, self.blocks(split_or_path), self.vocab,
-                             mask_spec(self.config), batch_size or self.config.data.batch_size,
-                             self.device, control, progress)
+                             mask_spec(self.config), batch, self.device, control, progress)
         return {"path": split_or_path, "budget": trained_budget(self.config.model, budget),
                 **result, "checkpoint": str(self.checkpoint)}

@@ -26,6 +26,7 @@ import sacrebleu
 import torch
 from torch import nn
 
+from dynaseq.core.arguments import check_int, check_number
 from dynaseq.core.checkpoint import load_weights, read_meta
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
@@ -143,15 +144,9 @@ def decode_settings(d: DecodeConfig, beam: int | None, length_penalty: float | N
            "max_len_a": d.max_len_a if max_len_a is None else max_len_a,
            "max_len_b": d.max_len_b if max_len_b is None else max_len_b}
     for name in ("beam", "batch_size", "max_len_b"):
-        v, least = out[name], 0 if name == "max_len_b" else 1
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
-            raise DynaseqError(f"{name} must be an integer >= {least}, got {v!r}")
-    for name in ("length_penalty", "max_len_a"):
-        v = out[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise DynaseqError(f"{name} must be a finite number, got {v!r}")
-    if out["max_len_a"] < 0:
-        raise DynaseqError(f"max_len_a must be >= 0, got {out['max_len_a']}")
+        check_int(name, out[name], least=0 if name == "max_len_b" else 1)
+    check_number("length_penalty", out["length_penalty"])
+    check_number("max_len_a", out["max_len_a"], least=0)
     return out
 
 
@@ -589,8 +584,7 @@ class Translator:
         ``batch_size`` by source length (a side longer than ``data.max_len`` cut to it);
         ``lines`` ``(B,)``: each row's index in ``src`` (pairs with an empty side are left
         out)."""
-        if batch_size < 1:
-            raise DynaseqError(f"batch_size must be at least 1, got {batch_size}")
+        check_int("batch_size", batch_size)
         src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
         keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
         corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],
