@@ -53,6 +53,19 @@ def test_lines_that_are_not_text_are_refused_everywhere(t, lines, message):
         assert str(e.value) == message
 
 
+@pytest.mark.parametrize("budget", [True, "0.5", (1.0, "0.5"), b"1", (True, 1.0)])
+def test_budgets_that_are_not_numbers_are_refused(budget):
+    from dynaseq.tasks.encoder.budget import as_fraction
+    from dynaseq.tasks.translation.predictor import budget_pair
+
+    with pytest.raises(DynaseqError, match="a budget is one fraction or an"):
+        budget_pair(budget)
+    if not isinstance(budget, tuple):
+        with pytest.raises(DynaseqError, match=r"a budget is a fraction in \(0, 1\]"):
+            as_fraction(budget)
+    assert budget_pair(0.5) == (0.5, 0.5) and as_fraction(1) == 1.0
+
+
 def test_nothing_to_evaluate_and_unequal_pairs_are_refused(t):
     with pytest.raises(DynaseqError, match="nothing to evaluate: no sentence pairs"):
         t.evaluate([], [])

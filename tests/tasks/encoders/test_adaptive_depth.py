@@ -12,7 +12,7 @@ import torch
 
 import dynaseq
 from dynaseq.core.distributed import DistEnv
-from dynaseq.core.errors import ConfigError
+from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.classify.task import ClassifyTask
 from dynaseq.train.loop import train
@@ -92,6 +92,13 @@ def test_classify_and_evaluate_exit_early(depth_runs, sst2_small):
     assert full["avg_layers"] == 4 and full["depth"] == 3
     none = c.evaluate(sst2_small["dev"], depth=0)
     assert none["avg_layers"] == 1
+    for bad, message in (({"depth": 1.5}, "depth must be an integer, got 1.5"),
+                         ({"depth": True}, "depth must be an integer, got True"),
+                         ({"gamma": "0.5"}, "gamma is an exit threshold in (0, 1), got '0.5'"),
+                         ({"gamma": [0.5, True, 0.5, 0.5]}, "got True")):
+        with pytest.raises(DynaseqError) as e:
+            c.classify(lines, **bad)
+        assert message in str(e.value)
 
 
 def test_cli_gamma_and_depth(depth_runs, sst2_small):

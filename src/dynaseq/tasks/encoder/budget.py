@@ -39,8 +39,10 @@ Control = int | torch.Tensor | BudgetControl | None
 
 
 def as_fraction(budget: object) -> float:
-    """``budget`` as a float in (0, 1]; DynaseqError otherwise."""
+    """``budget`` as a float in (0, 1]; DynaseqError otherwise (a bool or a string too)."""
     try:
+        if isinstance(budget, bool | str | bytes):
+            raise TypeError("not a number")
         b = float(budget)
     except (TypeError, ValueError):
         raise DynaseqError(f"a budget is a fraction in (0, 1], got {budget!r}") from None
@@ -152,6 +154,8 @@ def exit_for(cfg: EncoderModelConfig, gamma: Gamma = None, depth: int | None = N
         raise DynaseqError("give --gamma or --depth, not both")
     if depth is not None:
         k = cfg.layers - cfg.depth.first_group
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise DynaseqError(f"depth must be an integer, got {depth!r}")
         if not 0 <= depth <= k:
             raise DynaseqError(f"depth {depth} is not in [0, {k}]: this model has {k} adaptive "
                                f"layers after its first {cfg.depth.first_group}")

@@ -100,7 +100,10 @@ def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: 
                     adjust: Adjust | None = None, progress: bool = False) -> dict[str, float]:
     """Perplexity of ``ids`` (N,) read as ``batch_size`` streams in consecutive windows,
     carrying the per-layer state so every token sees its full context (``progress``: a bar
-    of windows on a terminal).
+    of windows on a terminal). As in the usual LM evaluation, the tokens that do not fill
+    the ``batch_size`` streams evenly are left out, and the streams start cold, so the
+    token count and perplexity move a little with ``batch_size`` (``tokens`` says how many
+    were scored; compare runs at one ``batch_size``).
 
     Returns ``{"loss": mean NLL (nats), "ppl": exp(loss), "tokens": n}`` and, with
     ``adjust``, also ``loss_adjusted`` / ``ppl_adjusted`` from the adjusted log-probs.

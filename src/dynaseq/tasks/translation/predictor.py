@@ -294,6 +294,10 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
 def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
     """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats, each in (0, 1]."""
     try:
+        if isinstance(budget, bool | str | bytes) or (
+                isinstance(budget, tuple | list) and any(isinstance(b, bool | str | bytes)
+                                                         for b in budget)):
+            raise TypeError("not a number")
         pair = ((float(budget), float(budget)) if isinstance(budget, (int, float))
                 else tuple(float(b) for b in budget))
     except (TypeError, ValueError):

@@ -12,6 +12,8 @@ from dynaseq.core.errors import ConfigError
 def check_gamma(gamma: float) -> float:
     """γ as a float in (0, 1); :class:`ConfigError` (a one-line message) otherwise."""
     try:
+        if isinstance(gamma, bool | str | bytes):
+            raise TypeError("not a number")
         g = float(gamma)
     except (TypeError, ValueError):
         raise ConfigError(f"gamma is an exit threshold in (0, 1), got {gamma!r}") from None
