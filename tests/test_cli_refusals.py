@@ -173,7 +173,7 @@ def test_an_evaluated_language_model_refuses_a_data_file(tmp_path, capsys):
     assert "--data is for classification and MLM runs" in _err(capsys)
     for flag in ("--budget", "--keep-layers"):
         assert main(["profile", lm.run_dir, flag, "1"]) == 2
-        assert (f"profile: {flag} is for translation and classification runs; "
+        assert (f"profile: {flag} is for translation and encoder runs; "
                 f"{lm.run_dir} is a language model") in _err(capsys)
 
 

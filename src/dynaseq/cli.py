@@ -915,7 +915,7 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
     from dynaseq.metrics.lm_profile import profile_lm
 
     _refuse_exit(args)
-    _refuse_given(args, ("budget", "keep_layers"), "translation and classification",
+    _refuse_given(args, ("budget", "keep_layers"), "translation and encoder",
                   f"{args.target} is a language model")
     if cfg is None:
         args.run_dir = args.target

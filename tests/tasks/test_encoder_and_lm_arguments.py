@@ -40,6 +40,10 @@ def lm(tmp_path_factory):
     (lambda c, dev: c.classify(None), "not NoneType"),
     (lambda c, dev: c.classify(["a", None]), "line 2 has type NoneType, not str"),
     (lambda c, dev: c.classify(["a \udfff"]), "line 1 is not valid text"),
+    (lambda c, dev: c.classify(["", ""], batch_size=0), "batch_size must be an integer >= 1"),
+    (lambda c, dev: c.classify([], batch_size=-1), "batch_size must be an integer >= 1"),
+    (lambda c, dev: c.evaluate("/nonexistent.tsv", batch_size=0),
+     "batch_size must be an integer >= 1"),
     (lambda c, dev: c.evaluate(None), "path must be a file path, got NoneType"),
 ])
 def test_the_classifier_refuses_bad_arguments(classifier, sst2_small, call, message):
@@ -60,17 +64,23 @@ def test_classification_does_not_depend_on_the_batch_size(classifier, sst2_small
     ({"n_tokens": 1.5}, "n_tokens must be an integer >= 0, got 1.5"),
     ({"temperature": math.nan}, "temperature must be a finite number, got nan"),
     ({"temperature": -1}, "temperature must be >= 0, got -1"),
-    ({"seed": -1}, "seed must be an integer in [0, 9223372036854775807], got -1"),
-    ({"seed": 2**70}, "seed must be an integer in [0, 9223372036854775807]"),
-    ({"top_k": 0}, "top_k must be an integer in [1, "),
-    ({"top_k": True}, "top_k must be an integer in [1, "),
-    ({"prompt": 123}, "prompt must be a string, got int"),
-    ({"prompt": "a \udfff"}, "line 1 is not valid text"),
+    ({"seed": -1}, "seed must be an integer in [0, 18446744073709551615], got -1"),
+    ({"seed": 2**70}, "seed must be an integer in [0, 18446744073709551615]"),
+    ({"top_k": 0}, "top_k must be an integer >= 1, got 0"),
+    ({"top_k": True}, "top_k must be an integer >= 1, got True"),
+    ({"prompt": 123}, "prompt has type int, not str"),
+    ({"prompt": "a \udfff"}, "prompt is not valid text"),
 ])
 def test_generate_refuses_bad_arguments(lm, kwargs, message):
     with pytest.raises(DynaseqError) as e:
         lm.generate(**{"prompt": "the", "n_tokens": 3, **kwargs})
     assert message in str(e.value)
+
+
+def test_generate_takes_any_64_bit_seed_and_a_top_k_past_the_vocabulary(lm):
+    assert lm.generate("the", 3, seed=2**64 - 1) == lm.generate("the", 3, seed=2**64 - 1)
+    assert (lm.generate("the", 3, top_k=10**6, seed=1)
+            == lm.generate("the", 3, top_k=None, seed=1))  # no filter either way
 
 
 def test_lm_evaluate_refuses_bad_arguments(lm):

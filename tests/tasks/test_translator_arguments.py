@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 
+from dynaseq.core.arguments import check_text
 from dynaseq.core.errors import DynaseqError
-from dynaseq.data.tokenizer import check_text
 from dynaseq.tasks.translation.predictor import Translator
 
 from helpers import calibrated_cct

@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import sentencepiece as spm
 
+from dynaseq.core.arguments import check_text
 from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.core.files import atomic_write
 from dynaseq.data.text import os_reason, read_bytes
@@ -90,23 +91,6 @@ def _spm_message(e: Exception) -> str:
         return text
     check, message = match.groups()
     return message or f"check failed: {check}"
-
-
-def check_text(lines: Sequence[str]) -> None:
-    """Refuse (:class:`DynaseqError`, naming the first bad line, 1-based) lines that are not
-    strings or not valid Unicode text (a lone surrogate such as ``"\\udfff"`` has no UTF-8
-    form, which SentencePiece needs)."""
-    if isinstance(lines, str) or not isinstance(lines, Sequence):
-        raise DynaseqError(f"lines must be a list of strings, not {type(lines).__name__}")
-    for n, line in enumerate(lines, start=1):
-        if not isinstance(line, str):
-            raise DynaseqError(f"line {n} has type {type(line).__name__}, not str")
-        try:
-            line.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise DynaseqError(f"line {n} is not valid text: {e.reason} "
-                               f"({line[e.start:e.end].encode('unicode_escape').decode()})"
-                               ) from None
 
 
 class Tokenizer:

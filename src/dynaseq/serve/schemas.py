@@ -75,7 +75,7 @@ class GenerateRequest(_Budgeted):
     tokens: int = Field(50, ge=0, description="words to generate")
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_k: int | None = Field(None, ge=1)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**64 - 1)
 
 
 class ScoreRequest(_Budgeted):

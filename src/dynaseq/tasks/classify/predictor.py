@@ -25,10 +25,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dynaseq.core.arguments import check_int
+from dynaseq.core.arguments import check_int, check_str, int_or
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
-from dynaseq.data.tokenizer import check_text
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
 from dynaseq.models.lean_encoder import LeanEncoder
@@ -340,17 +339,13 @@ class Classifier:
                                read_calibrations(r.run, r.checkpoint, r.model.n_controls)),
             precision=precision)
 
-    def _batch_size(self, batch_size: int | None) -> int:
-        """``batch_size``, checked (a positive integer), or the run's ``data.batch_size``."""
-        return (self.config.data.batch_size if batch_size is None
-                else check_int("batch_size", batch_size))
-
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
         """Examples of the non-empty inputs and their indices. A pair task needs two
         tab-separated sentences (or a tuple) per line, a single-sentence task one."""
         layout = self.layout
-        check_text([p for line in _sequence(lines) for p in
-                    (line if isinstance(line, tuple) else (line,))])
+        for n, line in enumerate(_sequence(lines), start=1):
+            for part in line if isinstance(line, tuple) else (line,):
+                check_str(f"line {n}", part)
         a, b, keep = [], [], []
         for n, line in enumerate(lines):
             parts = list(line) if isinstance(line, tuple) else line.split("\t")
@@ -389,13 +384,14 @@ class Classifier:
         multi-exit model's (default the run's), one or a list; ``keep_layers``: a fixed
         depth of a model without a predictor; ``compute``: receives what ran
         (:class:`RealizedCompute`)."""
+        batch = int_or("batch_size", batch_size, self.config.data.batch_size)
         control = self._control(budget, len(rows))
         exit = self._exit(gamma, depth, exit_rule, threshold, patience, len(rows))
         layers = layers_for(self.config.model, keep_layers)
         if not rows:
             return []
-        logits = predict_logits(self.model, rows, self._batch_size(batch_size), self.device,
-                                control, compute, progress, exit, layers, self.lean_encoder())
+        logits = predict_logits(self.model, rows, batch, self.device, control, compute,
+                                progress, exit, layers, self.lean_encoder())
         return decide(logits, self.layout)
 
     def classify(self, lines: list[str] | list[tuple[str, str]], budget: Budgets = None,
@@ -415,6 +411,7 @@ class Classifier:
         trained with LayerDrop): run N of the layers, evenly spaced ("every other").
         ``progress``: a bar on a terminal."""
         lines = _sequence(lines)
+        int_or("batch_size", batch_size, 0)  # as the budget, refused before the lines
         self._control(budget, len(lines))  # a bad budget is refused before the lines
         self._exit(gamma, depth, exit_rule, threshold, patience, len(lines))  # a bad exit too
         layers_for(self.config.model, keep_layers)
@@ -447,6 +444,7 @@ class Classifier:
         ``keep_layers`` (see :meth:`classify`): ``keep_layers``, ``layers_run`` (the plan
         positions), ``avg_layers`` and ``depth_fraction``."""
         layout = self.layout
+        batch = int_or("batch_size", batch_size, self.config.data.batch_size)
         if not isinstance(path, str | Path):
             raise DynaseqError(f"path must be a file path, got {type(path).__name__}")
         ex = read_table(path, layout)
@@ -457,8 +455,8 @@ class Classifier:
         layers = layers_for(self.config.model, keep_layers)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)
         compute = RealizedCompute()
-        logits = predict_logits(self.model, rows, self._batch_size(batch_size), self.device,
-                                control, compute, progress, exit, layers)
+        logits = predict_logits(self.model, rows, batch, self.device, control, compute,
+                                progress, exit, layers)
         result: dict[str, object] = {
             "task": layout.name, "path": str(path),
             **task_metrics(layout, ex.targets(), decide(logits, layout)),
@@ -492,7 +490,7 @@ class Classifier:
                                "calibrate")
         check_int("batch_size", batch_size)
         check_int("lines", lines)
-        if budgets is not None and not isinstance(budgets, list):  # one budget
+        if budgets is not None and not isinstance(budgets, list | tuple):  # one budget
             budgets = [budgets]
         if not isinstance(path, str | Path):
             raise DynaseqError(f"path must be a file path, got {type(path).__name__}")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dynaseq.core.arguments import as_real
 from dynaseq.core.errors import ConfigError, DynaseqError
 from dynaseq.tasks.encoder.config import EncoderModelConfig
 from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets
@@ -41,9 +42,7 @@ Control = int | torch.Tensor | BudgetControl | None
 def as_fraction(budget: object) -> float:
     """``budget`` as a float in (0, 1]; DynaseqError otherwise (a bool or a string too)."""
     try:
-        if isinstance(budget, bool | str | bytes):
-            raise TypeError("not a number")
-        b = float(budget)
+        b = as_real(budget)
     except (TypeError, ValueError):
         raise DynaseqError(f"a budget is a fraction in (0, 1], got {budget!r}") from None
     if not 0 < b <= 1:

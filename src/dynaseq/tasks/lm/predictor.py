@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from dynaseq.core.arguments import check_int, check_number
+from dynaseq.core.arguments import check_int, check_number, check_str, int_or
 from dynaseq.core.config import read_yaml
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines, tokenize
-from dynaseq.data.tokenizer import check_text
 from dynaseq.models.lm import LMState, TransformerLM
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.neural_cache import NeuralCache
@@ -194,8 +193,7 @@ class LanguageModel:
         if not isinstance(split_or_path, str | Path):
             raise DynaseqError(f"split_or_path must be a split name or a file path, got "
                                f"{type(split_or_path).__name__}")
-        if batch_size is not None:
-            check_int("batch_size", batch_size)
+        batch = int_or("batch_size", batch_size, self.config.data.eval_batch_size)
         if max_tokens is not None:
             check_int("max_tokens", max_tokens)
         path = (self.split_path(split_or_path)
@@ -204,7 +202,7 @@ class LanguageModel:
         if cache is not None:
             adjust = cache_adjust(cache)
         result = evaluate_stream(self.model, self.ids(split_or_path),
-                                 batch_size or self.config.data.eval_batch_size,
+                                 batch,
                                  self.config.model.extended_context, self.device, max_tokens,
                                  adjust, progress)
         if cache is not None:
@@ -229,14 +227,12 @@ class LanguageModel:
         ``budget``: as in :meth:`evaluate` (None only)."""
         _no_budget(budget)
         if prompt is not None:
-            if not isinstance(prompt, str):
-                raise DynaseqError(f"prompt must be a string, got {type(prompt).__name__}")
-            check_text([prompt])
+            check_str("prompt", prompt)
         check_int("n_tokens", n_tokens, least=0)
         check_number("temperature", temperature, least=0)
-        check_int("seed", seed, least=0, most=2**63 - 1)
+        check_int("seed", seed, least=0, most=2**64 - 1)  # torch's generator takes 64 bits
         if top_k is not None:
-            check_int("top_k", top_k, most=len(self.vocab.itos))
+            check_int("top_k", top_k)  # from the vocabulary's size on: no filter
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out = self.model.generate(self.encode_prompt(prompt), n_tokens, temperature, top_k,
                                   gen)

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core.arguments import check_int
+from dynaseq.core.arguments import int_or
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data.text import read_lines
@@ -61,7 +61,7 @@ def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: 
             nll += float(nn.functional.cross_entropy(logits, b.targets, reduction="sum"))
             correct += int((logits.argmax(-1) == b.targets).sum())
             n += b.targets.numel()
-            bar.update(min(batch_size, blocks.size(0) - i))
+            bar.update(j - i)
     if n == 0:
         raise DynaseqError("no maskable tokens to evaluate")
     loss = nll / n
@@ -113,8 +113,7 @@ class MaskedLM:
         if not isinstance(split_or_path, str | Path):
             raise DynaseqError(f"split_or_path must be a split name or a file path, got "
                                f"{type(split_or_path).__name__}")
-        batch = (self.config.data.batch_size if batch_size is None
-                 else check_int("batch_size", batch_size))
+        batch = int_or("batch_size", batch_size, self.config.data.batch_size)
         result = mlm_metrics(self.model, self.blocks(split_or_path), self.vocab,
                              mask_spec(self.config), batch, self.device, control, progress)
         return {"path": split_or_path, "budget": trained_budget(self.config.model, budget),

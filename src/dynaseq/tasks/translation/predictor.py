@@ -26,12 +26,11 @@ import sacrebleu
 import torch
 from torch import nn
 
-from dynaseq.core.arguments import check_int, check_number
+from dynaseq.core.arguments import as_real, check_int, check_number, check_text
 from dynaseq.core.checkpoint import load_weights, read_meta
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data import Tokenizer, collate, collate_source, make_corpus
-from dynaseq.data.tokenizer import check_text
 from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import (
@@ -294,12 +293,8 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
 def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
     """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats, each in (0, 1]."""
     try:
-        if isinstance(budget, bool | str | bytes) or (
-                isinstance(budget, tuple | list) and any(isinstance(b, bool | str | bytes)
-                                                         for b in budget)):
-            raise TypeError("not a number")
-        pair = ((float(budget), float(budget)) if isinstance(budget, (int, float))
-                else tuple(float(b) for b in budget))
+        pair = ((as_real(budget),) * 2 if isinstance(budget, int | float)
+                else tuple(as_real(b) for b in budget))
     except (TypeError, ValueError):
         raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got "
                            f"{budget!r}") from None

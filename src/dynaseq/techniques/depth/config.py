@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dynaseq.core.arguments import as_real
 from dynaseq.core.config import check_positive
 from dynaseq.core.errors import ConfigError
 
@@ -12,9 +13,7 @@ from dynaseq.core.errors import ConfigError
 def check_gamma(gamma: float) -> float:
     """γ as a float in (0, 1); :class:`ConfigError` (a one-line message) otherwise."""
     try:
-        if isinstance(gamma, bool | str | bytes):
-            raise TypeError("not a number")
-        g = float(gamma)
+        g = as_real(gamma)
     except (TypeError, ValueError):
         raise ConfigError(f"gamma is an exit threshold in (0, 1), got {gamma!r}") from None
     if not 0 < g < 1:
