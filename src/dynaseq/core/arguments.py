@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import PurePath
 
 from dynaseq.core.errors import DynaseqError
 
@@ -51,6 +52,13 @@ def check_number(name: str, value: object, least: float | None = None) -> float:
     if least is not None and x < least:
         raise DynaseqError(f"{name} must be >= {least:g}, got {value!r}")
     return x
+
+
+def check_path(name: str, value: object, what: str = "a file path") -> None:
+    """Refuse a ``value`` that is neither a string nor a :class:`~pathlib.Path` (``what``:
+    what it should be, e.g. "a split name or a file path")."""
+    if not isinstance(value, str | PurePath):
+        raise DynaseqError(f"{name} must be {what}, got {type(value).__name__}")
 
 
 def check_str(name: str, value: object) -> str:

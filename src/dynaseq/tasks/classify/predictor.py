@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dynaseq.core.arguments import check_int, check_str, int_or
+from dynaseq.core.arguments import check_int, check_path, check_str, int_or
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
@@ -411,7 +411,7 @@ class Classifier:
         trained with LayerDrop): run N of the layers, evenly spaced ("every other").
         ``progress``: a bar on a terminal."""
         lines = _sequence(lines)
-        int_or("batch_size", batch_size, 0)  # as the budget, refused before the lines
+        int_or("batch_size", batch_size, 0)  # refused before the lines are read
         self._control(budget, len(lines))  # a bad budget is refused before the lines
         self._exit(gamma, depth, exit_rule, threshold, patience, len(lines))  # a bad exit too
         layers_for(self.config.model, keep_layers)
@@ -445,8 +445,7 @@ class Classifier:
         positions), ``avg_layers`` and ``depth_fraction``."""
         layout = self.layout
         batch = int_or("batch_size", batch_size, self.config.data.batch_size)
-        if not isinstance(path, str | Path):
-            raise DynaseqError(f"path must be a file path, got {type(path).__name__}")
+        check_path("path", path)
         ex = read_table(path, layout)
         if not len(ex):
             raise DynaseqError(f"{path}: every row has an empty sentence")
@@ -492,8 +491,7 @@ class Classifier:
         check_int("lines", lines)
         if budgets is not None and not isinstance(budgets, list | tuple):  # one budget
             budgets = [budgets]
-        if not isinstance(path, str | Path):
-            raise DynaseqError(f"path must be a file path, got {type(path).__name__}")
+        check_path("path", path)
         ex = read_table(path, self.layout, labelled=False)
         rows = encode_examples(self.vocab, ex, self.config.data.max_len)[:lines]
         if not rows:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from dynaseq.core.arguments import check_int, check_number, check_str, int_or
+from dynaseq.core.arguments import check_int, check_number, check_path, check_str, int_or
 from dynaseq.core.config import read_yaml
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
@@ -190,9 +190,7 @@ class LanguageModel:
         it replaces ``adjust``. ``progress``: a bar on a terminal.
         """
         _no_budget(budget)
-        if not isinstance(split_or_path, str | Path):
-            raise DynaseqError(f"split_or_path must be a split name or a file path, got "
-                               f"{type(split_or_path).__name__}")
+        check_path("split_or_path", split_or_path, "a split name or a file path")
         batch = int_or("batch_size", batch_size, self.config.data.eval_batch_size)
         if max_tokens is not None:
             check_int("max_tokens", max_tokens)
@@ -201,8 +199,7 @@ class LanguageModel:
         cache = eval_cache(self.model) if with_cache else None
         if cache is not None:
             adjust = cache_adjust(cache)
-        result = evaluate_stream(self.model, self.ids(split_or_path),
-                                 batch,
+        result = evaluate_stream(self.model, self.ids(split_or_path), batch,
                                  self.config.model.extended_context, self.device, max_tokens,
                                  adjust, progress)
         if cache is not None:

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from dynaseq.core.arguments import int_or
+from dynaseq.core.arguments import check_path, int_or
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.progress import progress_bar
 from dynaseq.data.text import read_lines
@@ -110,9 +110,7 @@ class MaskedLM:
         ``budget``: a trained CCT budget (default the largest); ``progress``: a bar on a
         terminal."""
         control = control_id(self.config.model, budget)
-        if not isinstance(split_or_path, str | Path):
-            raise DynaseqError(f"split_or_path must be a split name or a file path, got "
-                               f"{type(split_or_path).__name__}")
+        check_path("split_or_path", split_or_path, "a split name or a file path")
         batch = int_or("batch_size", batch_size, self.config.data.batch_size)
         result = mlm_metrics(self.model, self.blocks(split_or_path), self.vocab,
                              mask_spec(self.config), batch, self.device, control, progress)
