@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from dynaseq.cli import main
+from dynaseq.core.errors import DynaseqError
 from dynaseq.core.run_lock import LOCK_FILE
 from dynaseq.data import read_lines
 from dynaseq.tasks.translation.predictor import Translator
@@ -175,6 +176,31 @@ def test_an_evaluated_language_model_refuses_a_data_file(tmp_path, capsys):
         assert main(["profile", lm.run_dir, flag, "1"]) == 2
         assert (f"profile: {flag} is for translation and encoder runs; "
                 f"{lm.run_dir} is a language model") in _err(capsys)
+    assert main(["serve", lm.run_dir, "--beam", "2"]) == 2  # refused before it listens
+    assert "serve: --beam is for translation runs" in _err(capsys)
+
+
+def test_average_and_serve_settings_refused_before_anything_is_written(run_copy, tmp_path,
+                                                                      capsys):
+    from dynaseq.serve.config import ServeConfig
+
+    exported = tmp_path / "model"
+    export_model(run_copy, exported)
+    before = sorted(p.name for p in exported.iterdir())
+    assert main(["average", str(exported), "-k", "1"]) == 2
+    assert "no step checkpoints (checkpoints/step_*) to average" in _err(capsys)
+    assert sorted(p.name for p in exported.iterdir()) == before  # no lock file either
+    assert main(["average", str(run_copy), "-k", "100"]) == 0
+    assert "averaged 2 checkpoints into" in (err := capsys.readouterr().err)
+    assert err.rstrip().endswith("(-k 100: the run has 2)")
+    with pytest.raises(DynaseqError, match="--max-batch-lines must be >= 1"):
+        ServeConfig(max_batch_rows=0)
+    src = tmp_path / "in.txt"
+    src.write_text("kalo mintu\n")
+    (tmp_path / "adir").mkdir()
+    assert main(["distill-data", str(run_copy), "--src", str(src), "--out",
+                 str(tmp_path / "adir")]) == 2
+    assert "is a directory: give a file" in _err(capsys)
 
 
 def test_an_unreachable_calibrated_budget_is_warned_about(cct_run, synthetic_paths, tmp_path,

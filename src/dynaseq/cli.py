@@ -49,14 +49,18 @@ def _read_input(path: str | None) -> list[str]:
     return read_lines(path)
 
 
-def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = None) -> None:
-    """Refuse an output file that is one of the inputs, or that lies in the run directory
+def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = None,
+                  folder: bool = False) -> None:
+    """Refuse an output file that is one of the inputs, that lies in the run directory
     ``run_dir`` (it would overwrite the model's files, or add one that a later load reads),
-    before anything is read or written."""
+    or that is a directory (unless the output is a ``folder``), before anything is read or
+    written."""
     from dynaseq.core.files import inside, same_file
 
     if out is None or out == "-":
         return
+    if not folder and Path(out).is_dir():
+        raise DynaseqError(f"the output {out} is a directory: give a file")
     for inp in inputs:
         if inp is not None and inp != "-" and same_file(out, inp):
             raise DynaseqError(f"the output {out} is the input {inp}: choose another file")
@@ -395,6 +399,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dynaseq.serve.config import ServeConfig
     from dynaseq.serve.server import serve
 
+    if _run_dir_kind(args.run_dir) != "seq2seq":
+        _refuse_given(args, ("beam",), "translation")
     cfg = ServeConfig(
         host=args.host, port=args.port, batch_window_ms=args.batch_window_ms,
         max_batch_rows=args.max_batch_lines, max_queue_rows=args.max_queue_lines,
@@ -417,14 +423,21 @@ def cmd_average(args: argparse.Namespace) -> int:
 
     if not Path(args.run_dir).is_dir():
         raise DynaseqError(f"run directory not found: {args.run_dir}")
-    # the run's lock: a training run or another `average` writing here is refused, one line
-    with RunDirLock(Path(args.run_dir)):
+
+    def picked() -> list[Path]:
         found = list_checkpoints(args.run_dir)
         if not found:
-            raise DynaseqError(f"no checkpoint in run directory {args.run_dir}")
-        picked = found[-args.k:]
-        out = average_checkpoints(picked, Path(args.run_dir) / "averaged")
-    print(f"averaged {len(picked)} checkpoints into {out}", file=sys.stderr)
+            raise DynaseqError(f"no step checkpoints (checkpoints/step_*) to average in "
+                               f"{args.run_dir}")
+        return found[-args.k:]
+
+    picked()  # refused before the lock file is made
+    # the run's lock: a training run or another `average` writing here is refused, one line
+    with RunDirLock(Path(args.run_dir)):
+        chosen = picked()
+        out = average_checkpoints(chosen, Path(args.run_dir) / "averaged")
+    fewer = f" (-k {args.k}: the run has {len(chosen)})" if len(chosen) < args.k else ""
+    print(f"averaged {len(chosen)} checkpoints into {out}{fewer}", file=sys.stderr)
     return 0
 
 
@@ -442,7 +455,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     if args.max_lines is not None and args.max_lines < 1:
         raise DynaseqError("--max-lines must be >= 1")
-    _check_output(args.out, run_dir=args.run_dir)
+    _check_output(args.out, run_dir=args.run_dir, folder=True)
     for name in output_names():
         _check_output(str(Path(args.out) / name), args.src, args.ref)
     src = read_lines(args.src)
@@ -641,7 +654,7 @@ def _distill_data_lm(args: argparse.Namespace) -> int:
         args.k = 30
     if Path(args.out).exists():
         raise DynaseqError(f"{args.out} already exists (choose a new --out)")
-    _check_output(args.out, run_dir=args.run_dir)
+    _check_output(args.out, run_dir=args.run_dir, folder=True)
     lm = _language_model(args)
     topk = dump_lm_teacher(lm, args.out, args.k, args.batch_size, args.window, args.src,
                            progress=not args.quiet)

@@ -70,6 +70,19 @@ def test_language_model_refusals(lm_server, body, words):
     assert lm_server.post("/v1/generate", json={"text": "w1", "tokens": 2}).status_code == 200
 
 
+def test_text_and_numbers_a_batch_cannot_take_are_422_not_500(lm_server):
+    raw = {"content-type": "application/json"}
+    for path, body in (("/v1/generate", b'{"text": "w1", "temperature": Infinity}'),
+                       ("/v1/generate", b'{"text": "w1 \\ud800", "tokens": 2}'),
+                       ("/v1/score", b'{"text": "w1 \\ud800"}')):
+        r = lm_server.client.post(path, content=body, headers=raw)
+        assert r.status_code == 422, (path, body, r.text)
+        assert "error" in r.json()
+    assert lm_server.metric("dynaseq_requests_total", endpoint="/v1/generate",
+                            status="500") == 0
+    assert lm_server.post("/v1/generate", json={"text": "w1", "tokens": 2}).status_code == 200
+
+
 def test_language_model_server_serves_no_translation(lm_server):
     assert lm_server.post("/v1/translate", json={"text": "a"}).status_code == 404
     assert lm_server.client.get("/readyz").json()["endpoints"] == ["/v1/generate",

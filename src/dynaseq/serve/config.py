@@ -100,8 +100,9 @@ class ServeConfig:
         for name in ("max_batch_rows", "max_queue_rows", "max_body_bytes", "max_lines",
                      "max_line_chars", "max_tokens", "retry_after_min_s",
                      "max_generate_tokens", "workers"):
-            if getattr(self, name) < 1:
-                raise DynaseqError(f"--{name.replace('_', '-')} must be >= 1")
+            if getattr(self, name) < 1:  # named as the command line names it
+                flag = name.replace("_rows", "_lines").replace("_", "-")
+                raise DynaseqError(f"--{flag} must be >= 1")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise DynaseqError("--max-in-flight must be >= 1")
         if self.precision not in PRECISIONS:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import BaseModel
 
+from dynaseq.core.arguments import check_text
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate_source
 from dynaseq.metrics.encoder_profile import encoder_macs
@@ -87,7 +88,9 @@ class Endpoint:
 
 
 def check_lines(state: ServeState, lines: list[str]) -> None:
-    """The per-request line limits (413)."""
+    """The per-request line limits (413), and text every endpoint can read (422: a lone
+    surrogate has no UTF-8 form)."""
+    check_text(lines)
     cfg = state.config
     if len(lines) > cfg.max_lines:
         raise TooLarge(f"{len(lines)} lines in one request; the limit is {cfg.max_lines}")

@@ -73,7 +73,7 @@ class GenerateRequest(_Budgeted):
     line). A language model has no budget: ``budget`` and ``deadline_ms`` are refused."""
 
     tokens: int = Field(50, ge=0, description="words to generate")
-    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description="0 = greedy")
     top_k: int | None = Field(None, ge=1)
     seed: int = Field(0, ge=0, le=2**64 - 1)
 
