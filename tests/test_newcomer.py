@@ -150,7 +150,13 @@ def test_plot_draws_curves_of_two_runs(tmp_path, capsys):
     assert main(["plot", str(a), "--out", str(tmp_path / "c.jpg")]) == 2
     assert main(["plot", str(tmp_path / "none"), "--out", str(tmp_path / "d.png")]) == 2
     assert not (tmp_path / "d.png").exists()
-    capsys.readouterr()
+    with open(a / "log.jsonl", "a") as f:  # a run killed while it wrote a line
+        f.write('{"event": "train", "st')
+    assert main(["plot", str(a), "--out", str(tmp_path / "e.png")]) == 0
+    (a / "log.jsonl").write_text((a / "log.jsonl").read_text() + "\n")  # now a whole line
+    assert main(["plot", str(a), "--out", str(tmp_path / "f.png")]) == 2
+    assert "line 6 is not JSON" in capsys.readouterr().err
+    assert not (tmp_path / "f.png").exists()
 
 
 def _stderr_of(args: list[str], stdin: bytes, tty: bool) -> tuple[int, str, str]:

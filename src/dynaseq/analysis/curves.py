@@ -40,9 +40,11 @@ class RunCurves:
 def read_curves(run_dirs: list[str | Path]) -> list[RunCurves]:
     """The ``train`` loss and every numeric ``valid`` metric of each run's ``log.jsonl``.
 
+    A last line without its newline is one a killed run was writing, and is left out.
+
     Raises:
-        DynaseqError: a run directory without a readable ``log.jsonl``, a line that is not
-            JSON, or a run that logged no training or validation step.
+        DynaseqError: a run directory without a readable ``log.jsonl``, a (whole) line that
+            is not JSON, or a run that logged no training or validation step.
     """
     runs = []
     for run_dir in run_dirs:
@@ -54,7 +56,8 @@ def read_curves(run_dirs: list[str | Path]) -> list[RunCurves]:
         except (OSError, UnicodeDecodeError) as e:
             raise DynaseqError(f"cannot read {path}: {e}") from None
         curves = RunCurves(str(run_dir))
-        for n, line in enumerate(text.splitlines(), 1):
+        lines = text.split("\n")[:-1]  # an unterminated last line is not a record yet
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
