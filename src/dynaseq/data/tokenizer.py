@@ -93,6 +93,13 @@ def _spm_message(e: Exception) -> str:
     return message or f"check failed: {check}"
 
 
+def with_subwords(ids: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """The indices of the id lists that are not empty, and those lists
+    (:meth:`Tokenizer.encode_kept` of lines already encoded)."""
+    keep = [i for i, x in enumerate(ids) if x]
+    return keep, [ids[i] for i in keep]
+
+
 class Tokenizer:
     """A loaded SentencePiece model; build one with :meth:`train` or :meth:`load`.
 
@@ -245,9 +252,7 @@ class Tokenizer:
 
             tok.encode_kept(["a dog", " ", "\u200b"])   # ([0], [[9, 312]])
         """
-        ids = self.encode(lines)
-        keep = [i for i, x in enumerate(ids) if x]
-        return keep, [ids[i] for i in keep]
+        return with_subwords(self.encode(lines))
 
     BATCH_LINES = 64
     """From this many lines on, :meth:`encode` makes one batched SentencePiece call. A

@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from dynaseq.core.arguments import check_text
 from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate_source
+from dynaseq.data.tokenizer import with_subwords
 from dynaseq.metrics.encoder_profile import encoder_macs
 from dynaseq.metrics.latency_table import Pair
 from dynaseq.metrics.macs import count_macs
@@ -114,7 +115,7 @@ def _check_tokens(state: ServeState, n_tokens: int) -> None:
 @dataclass(frozen=True)
 class TranslateWork:
     lines: list[str]
-    ids: list[list[int]]
+    ids: list[list[int]]  # each line's subwords, encoded once by the plan; the batch reuses them
     budget: Budget | None  # what Translator.control_for takes for every line
     pair: Pair | None  # the (encoder, decoder) budget that runs (None: dense model)
     degraded: bool
@@ -282,7 +283,7 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
     budgets = [job.payload.budget for job in jobs for _ in range(job.rows)]
     d = t.config.decode
     control = t.control_for(budgets, len(lines))
-    keep, src = t.tokenizer.encode_kept(lines)
+    keep, src = with_subwords([x for job in jobs for x in job.payload.ids])  # as planned
     if isinstance(control, BudgetControl):
         control = control.select(torch.tensor(keep, dtype=torch.long, device=t.device))
     lean = t.lean_decoder()
