@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from dynaseq.core.config import TrainConfig
 from dynaseq.tasks.registry import load_config
 from dynaseq.tasks.translation.config import DataConfig, DecodeConfig, ModelConfig, RunConfig
@@ -256,6 +258,25 @@ def padded_sources(n: int = 7, seed: int = 1, eos: int = 3, vocab: int = 30,
     return src
 
 
+class AtenMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` that sees the aten ops autograd's dispatch would run: a
+    composite op (``linear``, ``layer_norm``: what reaches a mode under
+    ``torch.inference_mode``, which the library's inference runs in) is run as its parts.
+    Subclasses define :meth:`seen`, called with every other op before it runs."""
+
+    def seen(self, func, args, kwargs) -> None:
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with self:
+            out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+        self.seen(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
 def count_ops():
     """A ``TorchDispatchMode`` that lists the name of every aten op run inside it
     (``with count_ops() as ops: ...; ops.names``) and the shape of the input operand of every
@@ -263,15 +284,13 @@ def count_ops():
     on the left (``addmm(b[:, None], W, xᵀ)``, :class:`~dynaseq.nn.lean_step.StepLinear`;
     ``baddbmm`` alike) is known by its bias column and counts its input ``x``; one without a
     bias (``mm(W, xᵀ)``: an output layer at 2 to 8 rows) counts the weight."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOps(TorchDispatchMode):
+    class CountOps(AtenMode):
         def __init__(self):
             super().__init__()
             self.names: list[str] = []
             self.products: list[tuple[int, ...]] = []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def seen(self, func, args, kwargs):
             self.names.append(func.__name__)
             op = func.__name__.split(".")[0]
             if op in ("mm", "addmm", "bmm", "baddbmm"):
@@ -280,7 +299,6 @@ def count_ops():
                     self.products.append(tuple(args[2].transpose(-1, -2).shape))
                 else:
                     self.products.append(tuple(args[1 if biased else 0].shape))
-            return func(*args, **(kwargs or {}))
 
     return CountOps()
 

@@ -141,7 +141,7 @@ def token_compute(traces: Iterable[GateTrace], part: Part, n_tokens: int) -> Tok
     return TokenCompute(used, full)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sentence_traces(model: nn.Module, src: Tensor, tgt_in: Tensor,
                     control: int) -> list[GateTrace]:
     """The gated-work traces of one teacher-forced pass in eval mode (hard 0/1 gates).

@@ -61,7 +61,7 @@ def encoder_macs(model: nn.Module, n_tokens: int,
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def flop_counter_encoder_macs(model: nn.Module, tokens: torch.Tensor,
                               control: Any = None, exit: Any = None,
                               layers: Sequence[int] | None = None) -> float:
@@ -72,7 +72,7 @@ def flop_counter_encoder_macs(model: nn.Module, tokens: torch.Tensor,
     return fc.get_total_flops() / 2
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def encoder_latency_ms(model: nn.Module, n_tokens: int, batch: int, repeats: int = 5,
                        control: Any = None, seed: int = 0, exit: Any = None,
                        layers: Sequence[int] | None = None, lean: bool = True) -> float:

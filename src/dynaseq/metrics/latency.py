@@ -61,7 +61,7 @@ def search(searcher: Any, src: Tensor, beam: int, after: AfterDecode | None,
     return counted_greedy_search(searcher, src, **kwargs)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_latency_ms(model: nn.Module, src_len: int = 30, tgt_len: int = 30, beam: int = 1,
                       batch: int = 1, repeats: int = 5, seed: int = 0,
                       control: object = None, lean: bool | LeanDecoder | None = None,

@@ -205,7 +205,7 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def free_decode_ms(model: nn.Module, src: torch.Tensor, beam: int, repeats: int,
                    control: Any = None, max_len_a: float = 1.2, max_len_b: int = 10,
                    after: AfterDecode | None = None) -> float:

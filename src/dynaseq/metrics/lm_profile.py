@@ -39,7 +39,7 @@ def lm_macs_per_token(model: TransformerLM) -> dict[str, int]:
     return total
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def prefill(model: TransformerLM, tokens: torch.Tensor, window: int) -> LMState | None:
     """Run ``tokens`` (B, P) through the model in windows; return the incremental state."""
     state = None
@@ -48,7 +48,7 @@ def prefill(model: TransformerLM, tokens: torch.Tensor, window: int) -> LMState 
     return state
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def step_ms(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000), steps: int = 20,
             window: int = 512, seed: int = 0) -> dict[int, float]:
     """Median ms for one incremental step (``model.step``: full distribution + sampling),
@@ -74,7 +74,7 @@ def step_ms(model: TransformerLM, positions: tuple[int, ...] = (100, 10_000), st
     return {p: 1000.0 * statistics.median(t) for p, t in times.items()}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def micronet_profile(model: TransformerLM, n_tokens: int = 16, seed: int = 0
                      ) -> dict[str, Any]:
     """MicroNet score of ``model`` (MicroNet §2.1; :mod:`dynaseq.metrics.micronet`).

@@ -87,6 +87,7 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.nn.versions import version_of
 
 __all__ = [
     "BASELINE_OPS", "BASELINE_PARAMS", "MicroNetOpCounter", "MicroNetScore", "OpCount",
@@ -272,7 +273,7 @@ class MicroNetOpCounter(TorchDispatchMode):
     def _nnz(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Non-zeros of a weight operand along ``dim`` (cached while the weight is unchanged)."""
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               tuple(t.stride()), t._version, dim)
+               tuple(t.stride()), version_of(t), dim)
         hit = self._nnz_cache.get(key)
         if hit is None:
             if len(self._nnz_cache) > 4096:
@@ -323,6 +324,10 @@ class MicroNetOpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        with self:  # a composite op (under inference mode: linear, layer_norm) as its parts,
+            out = func.decompose(*args, **kwargs)  # which autograd's dispatch would show
+        if out is not NotImplemented:
+            return out
         out = func(*args, **kwargs)
         if _in_conversion():  # fake quantize/dequantize and observers: free
             self.counts.ignored.add(f"{func} (quantization conversion)")

@@ -70,6 +70,7 @@ from dynaseq.nn.lean_step import (
     uniform_offset,
 )
 from dynaseq.nn.outputs import AuxOutputs
+from dynaseq.nn.versions import versions_of
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,9 @@ class LeanDecoder:
         self.final_norm = Norm(model.decoder.norm.weight, model.decoder.norm.bias,
                                model.decoder.norm.eps)
         self._sources = sources
-        self._versions = [t._version for t in sources]
+        self._versions = versions_of(sources)
         self._enc_sources = [t for la in self.encoder_layers or () for t in la.sources]
-        self._enc_versions = [t._version for t in self._enc_sources]
+        self._enc_versions = versions_of(self._enc_sources)
         self._modules = _decoder_modules(model) + layer_modules(model.encoder.layers)
         self.pad_id, self.bos_id, self.eos_id = model.pad_id, model.bos_id, model.eos_id
 
@@ -241,9 +242,8 @@ class LeanDecoder:
         return (self._modules == _decoder_modules(model) + layer_modules(model.encoder.layers)
                 and all(a is b for a, b in zip(output, self._sources[-len(output):],
                                                strict=True))
-                and all(t._version == v for t, v in zip(
-                    self._sources + self._enc_sources, self._versions + self._enc_versions,
-                    strict=True)))
+                and versions_of(self._sources + self._enc_sources)
+                == self._versions + self._enc_versions)
 
     def encode(self, src: Tensor, control: object = None,
                aux: AuxOutputs | None = None) -> EncoderOutput:
@@ -254,7 +254,7 @@ class LeanDecoder:
         model = self.model
         if aux is not None or self.encoder_layers is None or model.training:
             return model.encode(src, control, aux)
-        with torch.no_grad():
+        with torch.inference_mode():
             embedding, offsets = model.control_inputs(control, src.size(0), src.device)
             x, pad_mask = model.encoder.embed_inputs(src, embedding)
             x = run_layers(self.encoder_layers, range(len(self.encoder_layers)), x,
@@ -267,7 +267,7 @@ class LeanDecoder:
         share = all(getattr(w.cross_attn, "shares_keys", False) for w in self.layers)
         return LeanState(len(self.layers), capacity, share_keys=share)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode_step(self, tokens: Tensor, enc: EncoderOutput, state: LeanState) -> Tensor:
         """tokens (B, 1) at position ``state.step`` -> next-token logits (B, V)."""
         if not state.started:  # project the encoder output once for every later step

@@ -54,6 +54,7 @@ import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lea
 from dynaseq.models.encoder import Control, EncoderModel, EncoderModelOutput
 from dynaseq.nn import AuxOutputs, EncoderLayer
 from dynaseq.nn.lean_step import Norm, StepTally, lean_part, uniform_offset
+from dynaseq.nn.versions import versions_of
 
 Counts = dict[str, Tensor]
 """One layer application's per-row counts of open gates: ``NAME.q``, ``NAME.kv`` ``(B,)``
@@ -192,7 +193,7 @@ class LeanEncoder:
         self.model = model
         self.layers = layers
         self._sources = [t for layer in layers for t in layer.sources]
-        self._versions = [t._version for t in self._sources]
+        self._versions = versions_of(self._sources)
         self._modules = layer_modules(model.encoder.layers)
 
     @classmethod
@@ -207,10 +208,9 @@ class LeanEncoder:
         """False once a copied weight changed in place (its version counter moved) or a
         layer module was replaced."""
         return (self._modules == layer_modules(self.model.encoder.layers)
-                and all(t._version == v for t, v in zip(self._sources, self._versions,
-                                                          strict=True)))
+                and versions_of(self._sources) == self._versions)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
                counts: list[Counts] | None = None, first_only: bool = False
                ) -> tuple[Tensor, Tensor]:
@@ -244,10 +244,10 @@ class LeanEncoder:
         first_only = (counts is None and self.model.encoder.predictor is None
                       and getattr(self.model.head, "reads_first_token", False))
         hidden, _ = self.encode(tokens, segments, control, counts, first_only=first_only)
-        with torch.no_grad():
+        with torch.inference_mode():
             return self.model.head(hidden)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def output(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,
                **kw: object) -> EncoderModelOutput:
         """The model's forward pass with every layer application through its lean part

@@ -124,7 +124,7 @@ class TransformerLM(nn.Module):
         h = self(tokens, state).hidden
         return self.softmax(h.reshape(-1, h.size(-1)), targets.reshape(-1)).view(targets.shape)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, tokens: Tensor, state: LMState | None = None) -> LMStepOutput:
         """One token per row: tokens (B,) -> next-word log-probabilities (B, V).
 
@@ -135,7 +135,7 @@ class TransformerLM(nn.Module):
         h = out.hidden[:, -1]
         return LMStepOutput(self.softmax.log_prob(h), h, out.state)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompt: Tensor, n_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
                  mix: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:

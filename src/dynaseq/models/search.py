@@ -88,7 +88,7 @@ def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
         logits[rows, eos_id] = eos_col
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 10,
                   min_len: int = 0, max_positions: int = 1024,
                   control: Tensor | int | None = None, aux: object = None,
@@ -184,7 +184,7 @@ def counted_greedy_search(model, src: Tensor,
     return hyps, (aux, tally.counts())
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
                 max_positions: int = 1024,

@@ -34,6 +34,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from dynaseq.nn.versions import version_of
+
 #: Handler value: keep this module and everything inside it in float.
 KEEP_FLOAT = "keep-float"
 
@@ -226,7 +228,7 @@ class Int8Linear(nn.Module):
         return self._packed_for(bufs["weight_int8"], bufs["weight_scale"])
 
     def _packed_for(self, w: Tensor, s: Tensor) -> Int8Packed:
-        key = (w.data_ptr(), w._version, s.data_ptr(), s._version)
+        key = (w.data_ptr(), version_of(w), s.data_ptr(), version_of(s))
         cached = self._packed
         if cached is None or cached[0] != key:
             cached = self._packed = (key, pack_int8(w, s))

@@ -368,6 +368,7 @@ class StepTally:
         self._store()
         return dict(self._final)
 
+    @torch.inference_mode()  # the counts of a decode (run under it) are inference tensors
     def _store(self) -> None:
         for key, value in self._active.items():
             final = self._final.get(key)

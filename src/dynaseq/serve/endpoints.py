@@ -368,7 +368,7 @@ def _counted_as_lines_finish(idx: list[int], src: torch.Tensor, aux: AuxOutputs,
     end."""
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def realized_per_row(model: torch.nn.Module, src_ids: list[list[int]], hyps: list[list[int]],
                      control: Any) -> list[dict]:
     """Each line's realized compute: its source and its own output run teacher forced once

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynaseq.models.search import beam_search, greedy_search
 from dynaseq.nn import AuxOutputs, DecoderLayer, padding_to_attn_mask
@@ -25,21 +24,22 @@ from dynaseq.techniques.cct.layers import (
     realized_macs_by_layer,
 )
 
+from helpers import AtenMode
+
 D, H, F, M = 32, 4, 64, 4
 GATHER_OPS = {"index_select", "index_add", "index_add_", "index_copy", "index_copy_",
               "nonzero", "gather"}
 
 
-class AtenOps(TorchDispatchMode):
+class AtenOps(AtenMode):
     """Records the name of every aten op that runs inside the block."""
 
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def seen(self, func, args, kwargs) -> None:
         self.names.append(str(func).split(".")[1])  # "aten.index_select.default"
-        return func(*args, **(kwargs or {}))
 
 
 def _pair(make):

@@ -18,7 +18,7 @@ from dynaseq.metrics.latency_table import LatencyTable, budget_key
 from dynaseq.tasks.classify.predictor import Classifier, RealizedCompute
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def measure_classify_latency_table(classifier: Classifier, budgets: Sequence[float | None],
                                    batch_sizes: Sequence[int], lengths: Sequence[int],
                                    rows: Sequence[Any], repeats: int = 3,

@@ -179,7 +179,7 @@ def _sequence(lines: object) -> list:
     return list(lines)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def predict_logits(model: EncoderModel, rows: list[Row], batch_size: int,
                    device: torch.device, control: Control = None,
                    compute: RealizedCompute | None = None, progress: bool = False,

@@ -93,7 +93,7 @@ def is_lm_run(run_dir: str | Path) -> bool:
     return path.is_file() and read_yaml(path).get("task") == "lm"
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def evaluate_stream(model: TransformerLM, ids: Tensor, batch_size: int, window: int,
                     device: torch.device | str = "cpu", max_tokens: int | None = None,
                     adjust: Adjust | None = None, progress: bool = False) -> dict[str, float]:

@@ -40,7 +40,7 @@ def mask_spec(cfg: MLMRunConfig) -> MaskSpec:
     return MaskSpec(d.mask_prob, d.mask_token_prob, d.random_token_prob)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: MaskSpec,
                 batch_size: int, device: torch.device, control: int | None,
                 progress: bool = False) -> dict[str, float]:

@@ -218,7 +218,7 @@ def _lines_done(on_done: Callable[[LinesDone], None], idx: list[int], src: torch
     on_done(LinesDone([idx[r] for r in rows], tokens, src, rows, counted))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[int]],
                  max_len: int, max_tokens: int = 4096, device: torch.device | None = None,
                  control: Control = None) -> dict[str, float]:
@@ -598,7 +598,7 @@ class Translator:
                         torch.tensor([keep[j] for j in idx], device=self.device)))
         return out
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _macs_ran(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                   control: int | BudgetControl) -> dict[str, int]:
         """What the gated sub-networks ran on ``batches`` (:meth:`_pair_batches`) at

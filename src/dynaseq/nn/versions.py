@@ -1,0 +1,24 @@
+"""Version counters of the tensors that lean decoders and encoders, packed int8 weights and
+cached counts copy from: a holder compares them to know whether its copy is stale.
+
+Why by hand: ``Tensor._version`` raises for an inference tensor (one made under
+``torch.inference_mode``, e.g. a model a user loaded inside that mode), which keeps no
+counter; nothing in torch answers "the counter, or none".
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def version_of(t: Tensor) -> int | None:
+    """``t._version`` (moves at every in-place change, ``load_state_dict`` included), or None
+    for an inference tensor, which keeps no counter: a copy of one stays current while it is
+    the same tensor (a change made to it in place, only possible under inference mode, is
+    not seen)."""
+    return None if t.is_inference() else t._version
+
+
+def versions_of(tensors: list[Tensor]) -> list[int | None]:
+    """:func:`version_of` of each tensor."""
+    return [version_of(t) for t in tensors]

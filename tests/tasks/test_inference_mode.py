@@ -1,0 +1,96 @@
+"""Inference runs under ``torch.inference_mode`` (no autograd bookkeeping per op), and a run
+loaded and used inside the caller's own ``torch.inference_mode`` works and answers the same.
+
+Before, a lean decoder read every weight's version counter, which an inference tensor does
+not keep: ``Translator.load(...).translate(...)`` inside ``with torch.inference_mode():``
+raised "Inference tensors do not track version counter"."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import dynaseq
+from dynaseq.tasks.translation.predictor import Translator
+from dynaseq.train.loop import train
+
+from encoder_helpers import classify_config
+from helpers import lm_config
+
+LINES = ["kalo mintu sum 3 4 end", "sum 1 2 end", "rev 5 6 7 end"]
+BUDGETS = [(1.0, 1.0), (0.5, 0.5), (1.0, 0.33)]
+
+
+def _translations(run) -> list[list[str]]:
+    t = Translator.load(run)
+    return [t.translate(LINES, budget=BUDGETS), t.translate(LINES, budget=0.5, beam=3),
+            t.translate(LINES[:1], budget=(1.0, 0.33))]
+
+
+def test_a_translator_loaded_inside_inference_mode_answers_the_same(cct_run):
+    run, _ = cct_run
+    plain = _translations(run)
+    with torch.inference_mode():
+        inside = _translations(run)
+    assert inside == plain
+    assert all(any(s.strip() for s in out) for out in plain)
+
+
+def test_decoding_runs_under_inference_mode_and_the_model_still_trains(cct_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(cct_run[0], run)
+    t = Translator.load(run)
+    lean = t.lean_decoder()
+    assert lean is not None
+    modes = []
+    real = lean.output
+
+    def output(x):
+        modes.append(torch.is_inference_mode_enabled())
+        return real(x)
+
+    lean.output = output
+    first = t.translate(LINES, budget=BUDGETS)
+    assert modes and all(modes)
+    assert not torch.is_inference_mode_enabled()
+    # nothing the decode made is kept where training reads it: a backward pass runs
+    model = t.model.train()
+    src = torch.tensor([[5, 6, 7, model.eos_id]])
+    tgt = torch.tensor([[model.bos_id, 8, 9]])
+    out = model(src, tgt, 0)
+    out.logits.float().logsumexp(-1).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    with torch.no_grad():  # a changed weight: the lean decoder is prepared anew
+        next(model.parameters()).add_(0.0)
+    model.eval()
+    assert not lean.is_current()
+    assert t.translate(LINES, budget=BUDGETS) == first
+
+
+@pytest.fixture(scope="module")
+def lm_and_classifier(tmp_path_factory, sst2_small):
+    root = tmp_path_factory.mktemp("inference_mode")
+    (root / "lm").mkdir()
+    lm = lm_config(root / "lm")
+    train(lm, progress=False)
+    clf = root / "clf"
+    train(classify_config(clf, sst2_small), progress=False)
+    return lm.run_dir, clf
+
+
+def _answers(lm_run, clf_run) -> tuple:
+    lm, clf = dynaseq.load(lm_run), dynaseq.load(clf_run)
+    rows = ["a fine film .", "dull and slow ."]
+    return (lm.generate("the", n_tokens=8, temperature=0.0),
+            round(lm.evaluate("valid")["ppl"], 6), clf.classify(rows))
+
+
+def test_a_language_model_and_a_classifier_inside_inference_mode_answer_the_same(
+        lm_and_classifier):
+    plain = _answers(*lm_and_classifier)
+    with torch.inference_mode():
+        inside = _answers(*lm_and_classifier)
+    assert inside == plain
