@@ -83,6 +83,13 @@ def test_generate_takes_any_64_bit_seed_and_a_top_k_past_the_vocabulary(lm):
             == lm.generate("the", 3, top_k=None, seed=1))  # no filter either way
 
 
+def test_generate_of_no_tokens_is_the_prompt_alone(lm):
+    assert lm.generate("the game", 0) == "the game"
+    assert lm.generate(None, 0) == lm.generate("", 0) == ""
+    text = lm.generate("the", 4, seed=3)
+    assert text.startswith("the ") and not text.endswith(" ")
+
+
 def test_lm_evaluate_refuses_bad_arguments(lm):
     for kwargs, message in (({"batch_size": -1}, "batch_size must be an integer >= 1"),
                             ({"max_tokens": 0}, "max_tokens must be an integer >= 1")):

@@ -235,4 +235,4 @@ class LanguageModel:
                                   gen)
         words = [self.vocab.itos[int(i)] for i in out[0]]
         text = " ".join(words).replace(" <eos> ", "\n").replace("<eos>", "\n")
-        return (prompt + " " if prompt else "") + text
+        return " ".join(part for part in (prompt, text) if part)  # no space after nothing
