@@ -99,3 +99,23 @@ def test_calibrate_takes_one_budget_refuses_a_bad_tolerance_and_warns_out_of_rea
     with pytest.warns(UserWarning, match="budget 1e-09, 1e-09 is out of reach: the closest "
                                          "realized compute is"):
         t.calibrate(src, ref, budgets=[1e-9])
+
+
+def test_compute_and_scores_in_train_mode_are_those_of_eval_mode(cct_run, synthetic_paths):
+    from dynaseq.data import read_lines
+
+    t = Translator.load(cct_run[0])
+    src = read_lines(synthetic_paths["valid.src"])[:8]
+    ref = read_lines(synthetic_paths["valid.tgt"])[:8]
+    compute, scores = t.realized_compute(src, ref, budget=0.5), t.score(src, ref, budget=0.5)
+    assert scores["ppl"] == math.exp(scores["loss"])
+    t.model.train()  # gates record what ran in eval mode only: the count switches to it
+    assert t.realized_compute(src, ref, budget=0.5) == compute
+    assert t.model.training
+
+
+def test_a_budget_asked_twice_is_calibrated_once(cct_run, synthetic_paths, tmp_path):
+    run, t, src, ref = calibrated_cct(cct_run, synthetic_paths, tmp_path, lines=8)
+    fitted = t.calibrate(src, ref, budgets=[0.4, (0.4, 0.4), 0.5, 0.4 + 1e-9])
+    assert [c.budget for c in fitted] == [(0.4, 0.4), (0.5, 0.5)]
+    assert sorted(c.budget for c in t.calibrations) == [(0.4, 0.4), (0.5, 0.5)]

@@ -40,17 +40,39 @@ def init_distributed(device: torch.device) -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def pick_device(name: str, env_local_rank: int | None = None) -> torch.device:
-    """``auto`` uses CUDA when present (one GPU per local rank), else CPU."""
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+def pick_device(name: str | torch.device | None, env_local_rank: int | None = None,
+                what: str = "device") -> torch.device:
+    """The device ``name`` names: ``auto`` (or None) uses CUDA when present (one GPU per
+    local rank), else the CPU; ``cpu`` (any case, any index, or a ``torch.device``) the
+    CPU; ``cuda`` the local rank's GPU and ``cuda:N`` GPU N. Raises
+    :class:`~dynaseq.core.errors.ConfigError` naming ``what`` for another device type, a
+    value that is not one, or CUDA asked of a machine without it."""
+    from dynaseq.core.errors import ConfigError
+
+    if name is None or (isinstance(name, str) and name.lower() == "auto"):
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        name = "cuda"
+    dev = None
+    if isinstance(name, str | torch.device):
+        try:
+            dev = torch.device(name.lower() if isinstance(name, str) else name)
+        except (RuntimeError, ValueError):
+            pass
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        from dynaseq.core.errors import ConfigError
-
-        raise ConfigError("train.device=cuda but no CUDA device is available")
-    rank = int(os.environ.get("LOCAL_RANK", 0)) if env_local_rank is None else env_local_rank
-    torch.cuda.set_device(rank)
-    return torch.device("cuda", rank)
+        raise ConfigError(f"{what}={name} but no CUDA device is available")
+    if dev.index is None:
+        rank = int(os.environ.get("LOCAL_RANK", 0)) if env_local_rank is None else env_local_rank
+        dev = torch.device("cuda", rank)
+    if dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"{what}={name}: this machine has {torch.cuda.device_count()} "
+                          "CUDA device(s)")
+    torch.cuda.set_device(dev.index)
+    return dev
 
 
 def pick_dtype(precision: str) -> torch.dtype:

@@ -87,7 +87,7 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     asks for."""
     task = cfg if isinstance(cfg, Task) else task_for(cfg, hooks)
     cfg = task.cfg
-    device = pick_device(cfg.train.device)
+    device = pick_device(cfg.train.device, what="train.device")
     env = init_distributed(device)
     run_dir = Path(cfg.run_dir)
     if cfg.train.tensorboard:

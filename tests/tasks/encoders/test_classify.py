@@ -242,7 +242,9 @@ def test_cct_bert_finetunes_and_reports_realized_compute(tmp_path, text_corpus, 
     c.fast_encode = False
     one_at_a_time = c.calibrate(sst2_small["dev"], [0.4, 0.5], lines=30, tol=0.02)
     c.fast_encode = True
-    batched = c.calibrate(sst2_small["dev"], [0.4, 0.5], lines=30, tol=0.02, batch_size=7)
+    batched = c.calibrate(sst2_small["dev"], [0.4, 0.5, 0.4], lines=30, tol=0.02,
+                          batch_size=7)  # a budget asked twice is calibrated once
+    assert sorted(x.budget[0] for x in c.calibrations) == [0.4, 0.5, 0.8]
     for a, b in zip(one_at_a_time, batched, strict=True):
         assert a.realized == b.realized and a.uncalibrated == b.uncalibrated
         assert a.offsets == pytest.approx(b.offsets, abs=1e-9)

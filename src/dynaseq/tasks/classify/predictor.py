@@ -53,7 +53,12 @@ from dynaseq.tasks.encoder.budget import (
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
 from dynaseq.tasks.loading import load_predictor
-from dynaseq.techniques.cct.calibration import BudgetCalibration, calibrate_budget
+from dynaseq.techniques.cct.calibration import (
+    BudgetCalibration,
+    calibrate_budget,
+    distinct_budgets,
+    merge_calibrations,
+)
 from dynaseq.techniques.cct.calibration_file import read_calibrations, write_calibrations
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_layer, realized_macs_by_row
@@ -509,13 +514,12 @@ class Classifier:
                 predict_logits(self.model, rows, batch_size, self.device, control, compute,
                                lean=lean)
                 return {"encoder": compute.ran}
-        targets = cct.controls if budgets is None else [as_fraction(b) for b in budgets]
+        targets = (cct.controls if budgets is None
+                   else [b for (b,) in distinct_budgets([(as_fraction(b),) for b in budgets])])
         fitted = [calibrate_budget(self.model, pairs, nearest_trained(self.config.model, b),
                                    (b,), tol=tol, subnetworks=("encoder",), measure=measure)
                   for b in targets]
-        kept = [c for c in self.calibrations
-                if not any(abs(c.budget[0] - f.budget[0]) < 1e-6 for f in fitted)]
-        self.calibrations = kept + fitted
+        self.calibrations = merge_calibrations(self.calibrations, fitted)
         return fitted
 
     def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:

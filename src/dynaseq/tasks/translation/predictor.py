@@ -53,7 +53,7 @@ from dynaseq.tasks.translation.config import (
 )
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.branching import merge_shared_
-from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets
+from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets, same_budget
 from dynaseq.techniques.cct.calibration_file import (
     read_calibrations,
     write_calibrations,
@@ -249,7 +249,7 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
             nll_sum += float(nll)
             n_tok += n
     loss = nll_sum / n_tok
-    return {"loss": loss, "ppl": float(torch.tensor(loss).exp()), "n_tokens": n_tok}
+    return {"loss": loss, "ppl": math.exp(loss), "n_tokens": n_tok}
 
 
 Budget = float | tuple[float, float] | None
@@ -303,10 +303,6 @@ def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
     if not all(0 < b <= 1 for b in pair):
         raise DynaseqError(f"a budget is a fraction in (0, 1], got {budget}")
     return pair
-
-
-def same_budget(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    return all(math.isclose(x, y, abs_tol=1e-6) for x, y in zip(a, b, strict=True))
 
 
 def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
@@ -609,12 +605,13 @@ class Translator:
         from dynaseq.techniques.cct.layers import realized_macs_by_row
 
         m, totals = self.model, {"encoder": 0, "decoder": 0}
-        for s, t, lines in batches:
-            rows = control.select(lines) if isinstance(control, BudgetControl) else control
-            aux = m(s, t, rows).aux
-            valid = {"encoder": s.ne(m.pad_id), "decoder": t.ne(m.pad_id)}
-            for layer, per_row in realized_macs_by_row(aux, valid=valid).items():
-                totals[layer.split(".")[0]] += int(per_row.sum())
+        with evaluating(m):  # hard gates, which alone record what ran
+            for s, t, lines in batches:
+                rows = control.select(lines) if isinstance(control, BudgetControl) else control
+                aux = m(s, t, rows).aux
+                valid = {"encoder": s.ne(m.pad_id), "decoder": t.ne(m.pad_id)}
+                for layer, per_row in realized_macs_by_row(aux, valid=valid).items():
+                    totals[layer.split(".")[0]] += int(per_row.sum())
         return totals
 
     def calibrate(self, src: list[str], ref: list[str],
@@ -627,7 +624,12 @@ class Translator:
         :meth:`save_calibration` to keep them with the run. The pairs run in padded batches
         of ``batch_size``, each counted over its own tokens (:meth:`_macs_ran`): the
         count of one pair at a time."""
-        from dynaseq.techniques.cct.calibration import calibrate_budget, nearest_control
+        from dynaseq.techniques.cct.calibration import (
+            calibrate_budget,
+            distinct_budgets,
+            merge_calibrations,
+            nearest_control,
+        )
 
         cct = self.config.model.cct
         if cct is None:
@@ -639,7 +641,8 @@ class Translator:
             raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
         if budgets is not None and not isinstance(budgets, list):  # one budget
             budgets = [budgets]
-        targets = list(cct.controls) if budgets is None else [budget_pair(b) for b in budgets]
+        targets = (list(cct.controls) if budgets is None
+                   else distinct_budgets([budget_pair(b) for b in budgets]))
         for pair in targets:
             if not all(0 < b <= 1 for b in pair):
                 raise DynaseqError(f"a budget is a fraction in (0, 1], got {pair}")
@@ -652,9 +655,7 @@ class Translator:
                                                tol=tol, measure=partial(self._macs_ran,
                                                                         batches)))
                 bar.update(1)
-        kept = [c for c in self.calibrations
-                if not any(same_budget(c.budget, f.budget) for f in fitted)]
-        self.calibrations = kept + fitted
+        self.calibrations = merge_calibrations(self.calibrations, fitted)
         return fitted
 
     def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:

@@ -230,3 +230,26 @@ def nearest_control(trained: Sequence[tuple[float, ...]], budget: tuple[float, .
         raise ValueError("no trained budgets")
     return min(range(len(trained)),
                key=lambda i: (math.dist(trained[i], budget), -sum(trained[i]), i))
+
+
+def same_budget(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two budgets (one fraction per sub-network) are the same within 1e-6."""
+    return len(a) == len(b) and all(math.isclose(x, y, abs_tol=1e-6)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def merge_calibrations(held: Sequence[BudgetCalibration], fitted: Sequence[BudgetCalibration]
+                       ) -> list[BudgetCalibration]:
+    """``held`` without the budgets ``fitted`` calibrates again, then ``fitted``."""
+    return [c for c in held if not any(same_budget(c.budget, f.budget) for f in fitted)
+            ] + list(fitted)
+
+
+def distinct_budgets(budgets: Sequence[tuple[float, ...]]) -> list[tuple[float, ...]]:
+    """``budgets`` with each repeat (:func:`same_budget`) left out, the first kept: a
+    budget asked twice is calibrated once."""
+    out: list[tuple[float, ...]] = []
+    for b in budgets:
+        if not any(same_budget(b, o) for o in out):
+            out.append(b)
+    return out
