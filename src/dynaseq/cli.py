@@ -1070,7 +1070,7 @@ def _add_run_args(p: argparse.ArgumentParser, precision: bool = True) -> None:
     """``--checkpoint``, ``--device``, ``--quiet`` and, unless ``precision`` is False (the
     commands whose workflow loads the run itself: prune-heads, cache-search), ``--precision``."""
     p.add_argument("--checkpoint", default="auto",
-                   help="auto (averaged > best > latest), best, latest, averaged or a path")
+                   help="auto (averaged > best > latest), best, latest, averaged, a step or a path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     if precision:
         p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
@@ -1109,7 +1109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the model directory (must not exist, or be "
                                                 "empty)")
     p.add_argument("--checkpoint", default="auto",
-                   help="auto (averaged > best > latest), best, latest, averaged or a path")
+                   help="auto (averaged > best > latest), best, latest, averaged, a step or a path")
 
     p = sub.add_parser("plot", help="training and validation curves of runs, as a PNG")
     p.add_argument("runs", nargs="+", help="run directories (their log.jsonl)")
@@ -1333,7 +1333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="new run directory (must not exist, or be empty)")
     p.add_argument("--checkpoint", default="auto",
-                   help="auto (averaged > best > latest), best, latest, averaged or a path")
+                   help="auto (averaged > best > latest), best, latest, averaged, a step or a path")
     p.add_argument("--bits", type=int, default=None,
                    help="language models: QAT bit width, 2..16 (default 9)")
     p.add_argument("--steps", type=int, default=0,

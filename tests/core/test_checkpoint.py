@@ -171,3 +171,25 @@ def test_a_shape_mismatch_names_the_first_tensor_and_both_shapes(tmp_path):
     with pytest.raises(CheckpointError, match=r"0\.bias has shape \(3,\), the model "
                                               r"expects \(5,\)"):
         load_weights(nn.Sequential(nn.Linear(4, 5)), tmp_path / "c")
+
+
+def test_a_checkpoint_is_named_by_its_step_or_a_path_inside_the_run(trained_run, monkeypatch,
+                                                                     tmp_path):
+    import dynaseq
+    from dynaseq.core.checkpoint import list_checkpoints, resolve_checkpoint
+
+    first, last = list_checkpoints(trained_run)
+    assert resolve_checkpoint(trained_run, 10) == resolve_checkpoint(trained_run, "10") == first
+    assert resolve_checkpoint(trained_run, 20) == last
+    monkeypatch.chdir(tmp_path)  # a path inside the run, from elsewhere
+    assert resolve_checkpoint(trained_run, f"checkpoints/{first.name}") == trained_run / (
+        f"checkpoints/{first.name}")
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 15 in .* \(steps: 10, "
+                                              r"20\)"):
+        resolve_checkpoint(trained_run, 15)
+    with pytest.raises(CheckpointError, match="a checkpoint is auto, best, latest, averaged, "
+                                              "a step or a path, got True"):
+        resolve_checkpoint(trained_run, True)
+    line = ["kalo sum 3 4 end"]
+    assert (dynaseq.load(trained_run, checkpoint=20).translate(line)
+            == dynaseq.load(trained_run, checkpoint="latest").translate(line))

@@ -59,6 +59,12 @@ def test_classification_does_not_depend_on_the_batch_size(classifier, sst2_small
             == classifier.evaluate(sst2_small["dev"])["accuracy"])
 
 
+def test_a_blank_line_of_tabs_is_skipped_like_one_of_spaces(classifier):
+    assert classifier.classify(["\t", " \t ", "   ", "a fine film"])[:3] == [None] * 3
+    with pytest.raises(DynaseqError, match="line 1: sst2 takes one sentence per line, got 2"):
+        classifier.classify(["a fine\tfilm"])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"n_tokens": -1}, "n_tokens must be an integer >= 0, got -1"),
     ({"n_tokens": 1.5}, "n_tokens must be an integer >= 0, got 1.5"),
@@ -81,6 +87,12 @@ def test_generate_takes_any_64_bit_seed_and_a_top_k_past_the_vocabulary(lm):
     assert lm.generate("the", 3, seed=2**64 - 1) == lm.generate("the", 3, seed=2**64 - 1)
     assert (lm.generate("the", 3, top_k=10**6, seed=1)
             == lm.generate("the", 3, top_k=None, seed=1))  # no filter either way
+
+
+def test_generate_at_a_vanishing_temperature_is_greedy(lm):
+    greedy = lm.generate("the", 6, temperature=0.0)
+    assert lm.generate("the", 6, temperature=1e-300, seed=5) == greedy
+    assert lm.generate("the", 6, temperature=5e-324, seed=9) == greedy
 
 
 def test_generate_of_no_tokens_is_the_prompt_alone(lm):

@@ -119,3 +119,18 @@ def test_a_budget_asked_twice_is_calibrated_once(cct_run, synthetic_paths, tmp_p
     fitted = t.calibrate(src, ref, budgets=[0.4, (0.4, 0.4), 0.5, 0.4 + 1e-9])
     assert [c.budget for c in fitted] == [(0.4, 0.4), (0.5, 0.5)]
     assert sorted(c.budget for c in t.calibrations) == [(0.4, 0.4), (0.5, 0.5)]
+
+
+def test_numpy_and_torch_numbers_are_taken_as_python_numbers(cct_run):
+    import numpy as np
+    import torch
+
+    t = Translator.load(cct_run[0])
+    lines = ["kalo mintu sum 3 4 end", "sum 1 2 end", "rev 5 6 7 end"]
+    want = t.translate(lines, budget=0.5, beam=2, batch_size=2)
+    for budget in (np.float32(0.5), torch.tensor(0.5), (np.float64(0.5), 0.5)):
+        assert t.translate(lines, budget=budget, beam=np.int64(2),
+                           batch_size=np.int32(2)) == want
+    assert t.translate(lines, budget=[np.float32(1), 0.5, (1.0, np.float32(0.33))]) == [
+        t.translate([line], budget=b)[0]
+        for line, b in zip(lines, [1.0, 0.5, (1.0, 0.33)], strict=True)]

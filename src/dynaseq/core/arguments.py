@@ -9,6 +9,7 @@ Why by hand: the values come from Python calls, not from a config or the command
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from pathlib import PurePath
 
@@ -16,14 +17,14 @@ from dynaseq.core.errors import DynaseqError
 
 
 def check_int(name: str, value: object, least: int = 1, most: int | None = None) -> int:
-    """``value`` if it is an integer (not a bool) in ``[least, most]``, else a
-    :class:`DynaseqError`: ``check_int("batch_size", 0)`` -> "batch_size must be an integer
-    >= 1, got 0"."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least or (
+    """``value`` as an int if it is an integer (a Python or numpy one, not a bool) in
+    ``[least, most]``, else a :class:`DynaseqError`: ``check_int("batch_size", 0)`` ->
+    "batch_size must be an integer >= 1, got 0"."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least or (
             most is not None and value > most):
         within = f">= {least}" if most is None else f"in [{least}, {most}]"
         raise DynaseqError(f"{name} must be an integer {within}, got {value!r}")
-    return value
+    return int(value)
 
 
 def int_or(name: str, value: object, default: int, least: int = 1) -> int:

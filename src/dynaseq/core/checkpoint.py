@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 import torch
@@ -269,16 +269,28 @@ def average_checkpoints(directories: list[Path], out_dir: str | Path) -> Path:
     return Path(out_dir)
 
 
-def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
+def resolve_checkpoint(run_dir: str | Path, which: str | int = "auto") -> Path:
     """Directory holding the weights to use.
 
-    ``which``: ``auto`` (averaged, else best, else latest), ``best``, ``latest``, ``averaged``
-    or a path to a checkpoint directory. An exported model directory (its weights at the top)
-    is its own checkpoint for ``auto``.
+    ``which``: ``auto`` (averaged, else best, else latest), ``best``, ``latest``, ``averaged``,
+    a step (``1400`` or ``"1400"``: the run's checkpoint of that update) or a path to a
+    checkpoint directory (as given, else inside the run: ``checkpoints/step_00001400``). An
+    exported model directory (its weights at the top) is its own checkpoint for ``auto``.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
+    if isinstance(which, bool) or not isinstance(which, str | int | PurePath):
+        raise CheckpointError(f"a checkpoint is auto, best, latest, averaged, a step or a "
+                              f"path, got {which!r}")
+    if isinstance(which, int) or (isinstance(which, str) and which.isascii() and which.isdigit()):
+        ckpts = {int(p.name[len(_PREFIX):]): p for p in list_checkpoints(run)}
+        if int(which) not in ckpts:
+            steps = ", ".join(map(str, ckpts)) or "none"
+            raise CheckpointError(f"no checkpoint of step {int(which)} in {run} (steps: "
+                                  f"{steps})")
+        return ckpts[int(which)]
+    which = str(which)
     if which == "auto" and (run / WEIGHTS).is_file() and (run / META).is_file():
         return run
     named = {name: run / name for name in MODEL_DIRS}
@@ -296,6 +308,8 @@ def resolve_checkpoint(run_dir: str | Path, which: str = "auto") -> Path:
                 return cand
         raise CheckpointError(f"no checkpoint in run directory {run}")
     path = named.get(which, Path(which))
+    if not (path / WEIGHTS).is_file() and (run / path / WEIGHTS).is_file():
+        path = run / path  # a path inside the run
     if not (path / WEIGHTS).is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     return path

@@ -165,7 +165,10 @@ def sample_next(log_probs: Tensor, temperature: float = 1.0, top_k: int | None =
     """(B, V) log-probabilities -> (B,) sampled ids (temperature 0: argmax)."""
     if temperature <= 0:
         return log_probs.argmax(-1)
-    logits = log_probs.float() / temperature
+    # shifted so the best is 0, divided in float64 (which holds any float temperature): a
+    # tiny temperature leaves the best at 0 and sends the others to -inf, never NaN
+    lp = log_probs.double()
+    logits = (lp - lp.max(-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -91,7 +91,8 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
         check(run, cfg)
 
     def from_checkpoint(path: Path) -> P:
-        model, placed = weights(build(cfg, vocab), path, dev)
+        # float32, as trained and saved, whatever torch's default dtype (precision= casts)
+        model, placed = weights(build(cfg, vocab).float(), path, dev)
         if dtype != torch.float32:
             if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8
                    for t in model.state_dict().values()):

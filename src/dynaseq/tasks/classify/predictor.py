@@ -357,7 +357,7 @@ class Classifier:
             if layout.is_pair and len(parts) != 2 and any(p.strip() for p in parts):
                 raise DynaseqError(f"line {n + 1}: {layout.name} is a sentence-pair task: give "
                                    f"two tab-separated sentences per line")
-            if not layout.is_pair and len(parts) != 1:
+            if not layout.is_pair and len(parts) != 1 and any(p.strip() for p in parts):
                 raise DynaseqError(f"line {n + 1}: {layout.name} takes one sentence per line, "
                                    f"got {len(parts)} tab-separated fields")
             if not all(p.strip() for p in parts):
@@ -492,8 +492,7 @@ class Classifier:
         if cct is None:
             raise DynaseqError("this is a dense encoder, which has no compute-budget knob to "
                                "calibrate")
-        check_int("batch_size", batch_size)
-        check_int("lines", lines)
+        batch_size, lines = check_int("batch_size", batch_size), check_int("lines", lines)
         if budgets is not None and not isinstance(budgets, list | tuple):  # one budget
             budgets = [budgets]
         check_path("path", path)

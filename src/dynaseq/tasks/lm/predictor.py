@@ -193,7 +193,7 @@ class LanguageModel:
         check_path("split_or_path", split_or_path, "a split name or a file path")
         batch = int_or("batch_size", batch_size, self.config.data.eval_batch_size)
         if max_tokens is not None:
-            check_int("max_tokens", max_tokens)
+            max_tokens = check_int("max_tokens", max_tokens)
         path = (self.split_path(split_or_path)
                 if split_or_path in ("train", "valid", "test") else split_or_path)
         cache = eval_cache(self.model) if with_cache else None
@@ -225,11 +225,11 @@ class LanguageModel:
         _no_budget(budget)
         if prompt is not None:
             check_str("prompt", prompt)
-        check_int("n_tokens", n_tokens, least=0)
-        check_number("temperature", temperature, least=0)
-        check_int("seed", seed, least=0, most=2**64 - 1)  # torch's generator takes 64 bits
+        n_tokens = check_int("n_tokens", n_tokens, least=0)
+        temperature = check_number("temperature", temperature, least=0)
+        seed = check_int("seed", seed, least=0, most=2**64 - 1)  # the generator takes 64 bits
         if top_k is not None:
-            check_int("top_k", top_k)  # from the vocabulary's size on: no filter
+            top_k = check_int("top_k", top_k)  # from the vocabulary's size on: no filter
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out = self.model.generate(self.encode_prompt(prompt), n_tokens, temperature, top_k,
                                   gen)

@@ -143,9 +143,9 @@ def decode_settings(d: DecodeConfig, beam: int | None, length_penalty: float | N
            "max_len_a": d.max_len_a if max_len_a is None else max_len_a,
            "max_len_b": d.max_len_b if max_len_b is None else max_len_b}
     for name in ("beam", "batch_size", "max_len_b"):
-        check_int(name, out[name], least=0 if name == "max_len_b" else 1)
-    check_number("length_penalty", out["length_penalty"])
-    check_number("max_len_a", out["max_len_a"], least=0)
+        out[name] = check_int(name, out[name], least=0 if name == "max_len_b" else 1)
+    out["length_penalty"] = check_number("length_penalty", out["length_penalty"])
+    out["max_len_a"] = check_number("max_len_a", out["max_len_a"], least=0)
     return out
 
 
@@ -293,8 +293,8 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
 def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
     """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats, each in (0, 1]."""
     try:
-        pair = ((as_real(budget),) * 2 if isinstance(budget, int | float)
-                else tuple(as_real(b) for b in budget))
+        pair = ((as_real(budget),) * 2 if not isinstance(budget, tuple | list)
+                else tuple(as_real(b) for b in budget))  # one number: numpy's, torch's too
     except (TypeError, ValueError):
         raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got "
                            f"{budget!r}") from None
@@ -579,7 +579,7 @@ class Translator:
         ``batch_size`` by source length (a side longer than ``data.max_len`` cut to it);
         ``lines`` ``(B,)``: each row's index in ``src`` (pairs with an empty side are left
         out)."""
-        check_int("batch_size", batch_size)
+        batch_size = check_int("batch_size", batch_size)
         src_ids, ref_ids = self.tokenizer.encode(src), self.tokenizer.encode(ref)
         keep = [i for i, (s, r) in enumerate(zip(src_ids, ref_ids, strict=True)) if s and r]
         corpus, _ = make_corpus([src_ids[i] for i in keep], [ref_ids[i] for i in keep],

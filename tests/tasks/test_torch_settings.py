@@ -1,5 +1,7 @@
-"""Inference runs under ``torch.inference_mode`` (no autograd bookkeeping per op), and a run
-loaded and used inside the caller's own ``torch.inference_mode`` works and answers the same.
+"""The caller's torch settings do not change what a run answers. Inference runs under
+``torch.inference_mode`` (no autograd bookkeeping per op); a run loaded and used inside the
+caller's own ``torch.inference_mode``, or after ``torch.set_default_dtype``, answers the
+same (before, the dtype check refused the float32 weights of a model built in float64).
 
 Before, a lean decoder read every weight's version counter, which an inference tensor does
 not keep: ``Translator.load(...).translate(...)`` inside ``with torch.inference_mode():``
@@ -94,3 +96,16 @@ def test_a_language_model_and_a_classifier_inside_inference_mode_answer_the_same
     with torch.inference_mode():
         inside = _answers(*lm_and_classifier)
     assert inside == plain
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_a_run_loads_as_trained_whatever_the_default_dtype(cct_run, default):
+    plain = Translator.load(cct_run[0]).translate(LINES, budget=BUDGETS)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        t = Translator.load(cct_run[0])
+        assert next(t.model.parameters()).dtype == torch.float32
+        assert t.translate(LINES, budget=BUDGETS) == plain
+    finally:
+        torch.set_default_dtype(before)
