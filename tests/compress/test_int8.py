@@ -244,6 +244,19 @@ def test_load_rejects_a_checkpoint_of_another_model(tmp_path):
         load_int8(micro_model(**KINDS["dmb"]), tmp_path / "ckpt")
 
 
+def test_a_damaged_int8_checkpoint_is_refused(tmp_path):
+    from dynaseq.core.errors import CheckpointError
+
+    ckpt = save_int8(quantize_int8(micro_model()), tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    load_int8(micro_model(), ckpt)  # as written: loads
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # a flipped byte among the weights
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="its SHA-256 does not match the one recorded"):
+        load_int8(micro_model(), ckpt)
+
+
 # --------------------------------------------------------------------------- run directories
 
 

@@ -44,14 +44,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from dynaseq.core.checkpoint import os_errors
+from dynaseq.core.checkpoint import META, WEIGHTS, os_errors, verify_file, write_meta
 from dynaseq.core.errors import CheckpointError, DynaseqError
 from dynaseq.nn.int8 import INT8_HANDLERS, KEEP_FLOAT, Int8Linear, quantize_rows
 
 #: The value of ``meta.json``'s ``"quantization"`` key in an int8 checkpoint.
 INT8 = "int8"
-WEIGHTS = "model.safetensors"
-META = "meta.json"
 _FORMAT = "dynaseq-int8-v2"
 _FORMAT_V1 = "dynaseq-int8-v1"  # torch.ao packed weights: int8 + scale + zero_point per matrix
 
@@ -289,8 +287,7 @@ def save_int8(model: nn.Module, directory: str | Path, meta: dict[str, Any] | No
     tensors, metadata = int8_state(model)
     with os_errors():
         save_file(tensors, str(d / WEIGHTS), metadata=metadata)
-    (d / META).write_text(json.dumps({**(meta or {}), "quantization": INT8}, indent=1),
-                          encoding="utf-8")
+        write_meta(d, {**(meta or {}), "quantization": INT8})  # with the weights' SHA-256
     return d
 
 
@@ -303,6 +300,8 @@ def load_int8(float_model: nn.Module, directory: str | Path) -> nn.Module:
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"no checkpoint in {directory} (missing {WEIGHTS})")
+    if (Path(directory) / META).is_file():  # a damaged file is refused, as a float one is
+        verify_file(Path(directory), WEIGHTS)
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}

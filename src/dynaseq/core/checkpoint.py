@@ -156,7 +156,7 @@ def write_meta(tmp: Path, meta: dict[str, Any]) -> None:
     (tmp / META).write_text(json.dumps({**meta, "sha256": sums}, indent=1), encoding="utf-8")
 
 
-def _verify(directory: Path, name: str, what: str = "checkpoint") -> None:
+def verify_file(directory: Path, name: str, what: str = "checkpoint") -> None:
     """Refuse ``directory/name`` if ``meta.json`` records another SHA-256 for it."""
     expected = read_meta(directory).get("sha256", {}).get(name)
     if expected is not None and sha256_file(directory / name) != expected:
@@ -220,7 +220,7 @@ def load_weights(model: nn.Module, directory: str | Path) -> None:
         raise CheckpointError(f"no checkpoint in {directory} (missing {WEIGHTS})")
     try:
         if (Path(directory) / META).is_file():
-            _verify(Path(directory), WEIGHTS)
+            verify_file(Path(directory), WEIGHTS)
         _check_tensors(path, model)
         missing, unexpected = load_model(model, str(path), strict=False)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
@@ -234,7 +234,7 @@ def load_weights(model: nn.Module, directory: str | Path) -> None:
 def load_trainer_state(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / TRAINER
     if path.is_file():
-        _verify(Path(directory), TRAINER, "trainer state")
+        verify_file(Path(directory), TRAINER, "trainer state")
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
@@ -341,7 +341,7 @@ def load_weights_prefixed(model: nn.Module, directory: str | Path,
     if not path.is_file():
         raise CheckpointError(f"no checkpoint in {directory} (missing {WEIGHTS})")
     if (Path(directory) / META).is_file():
-        _verify(Path(directory), WEIGHTS)
+        verify_file(Path(directory), WEIGHTS)
     try:
         saved = load_file(str(path))
     except (SafetensorError, OSError) as e:

@@ -9,7 +9,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynaseq.compress.int8 import WEIGHTS, is_int8, quantize_int8, save_int8
+from dynaseq.compress.int8 import is_int8, quantize_int8, save_int8
+from dynaseq.core.checkpoint import WEIGHTS
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import check_new_run_dir, dir_size, writing_new_dir
 from dynaseq.techniques.cct.calibration_file import CALIBRATION_FILE, write_calibrations

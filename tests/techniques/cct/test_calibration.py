@@ -193,6 +193,27 @@ def test_a_calibration_of_another_checkpoint_is_not_used(run_copy, synthetic_pat
         dynaseq.load(run_copy)
 
 
+def test_a_calibration_of_weights_rewritten_since_is_not_used(run_copy, synthetic_paths):
+    """Training on (or ``dynaseq average``) rewrites ``best/`` / ``averaged/`` in place: the
+    same checkpoint name, other weights. Offsets fitted on the old ones are ignored."""
+    import torch
+
+    from dynaseq.core.checkpoint import read_meta, write_checkpoint
+
+    t = dynaseq.load(run_copy)
+    src, ref = _lines(synthetic_paths, "valid", 10)
+    t.calibrate(src, ref, budgets=[0.7], tol=0.05)
+    t.save_calibration(run_copy)
+    assert len(dynaseq.load(run_copy).calibrations) == 1  # the same weights: used
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.add_(1e-3)
+    write_checkpoint(t.checkpoint, t.model, read_meta(t.checkpoint))
+    with pytest.warns(UserWarning, match="was fitted on other weights of checkpoint "):
+        again = dynaseq.load(run_copy)
+    assert again.calibrations == []
+
+
 def test_calibrate_refuses_a_language_model_run(tmp_path, synthetic_paths):
     from dynaseq.core.config import save_config
 

@@ -1,7 +1,10 @@
 """``calibration.json`` of a CCT run (translation or encoder): the gate offsets ``dynaseq
 calibrate`` fitted for the run's checkpoint (a file made for another checkpoint is ignored,
 with a warning). The checkpoint is recorded relative to the run, so an exported model
-directory, its own checkpoint, records ``"."``."""
+directory, its own checkpoint, records ``"."``; with it the SHA-256 of the checkpoint's
+weights, since training on, ``dynaseq average`` or a resumed run rewrite ``best/`` and
+``averaged/`` in place: offsets fitted on the weights before are then ignored too (a file
+written before the digest was recorded is read as before)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import json
 import warnings
 from pathlib import Path
 
+from dynaseq.core.checkpoint import WEIGHTS, read_meta
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import atomic_write
+from dynaseq.core.files import atomic_write, sha256_file
 from dynaseq.techniques.cct.calibration import BudgetCalibration
 
 CALIBRATION_FILE = "calibration.json"
@@ -22,6 +26,15 @@ def checkpoint_id(run: Path, ckpt: Path) -> str:
         return str(ckpt.resolve().relative_to(run.resolve()))
     except ValueError:
         return str(ckpt.resolve())
+
+
+def weights_digest(ckpt: Path) -> str | None:
+    """The SHA-256 of checkpoint ``ckpt``'s weights: the one its ``meta.json`` records (which
+    loading checks against the file), else the file's own; None without a weights file."""
+    recorded = (read_meta(ckpt).get("sha256") or {}).get(WEIGHTS)
+    if recorded is not None:
+        return recorded
+    return sha256_file(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
 
 
 def read_calibrations(run: Path, ckpt: Path, n_controls: int,
@@ -37,6 +50,7 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int,
         payload = json.loads(path.read_text())
         cals = [BudgetCalibration.from_json(d) for d in payload["budgets"]]
         made_for = payload["checkpoint"]
+        fitted_on = payload.get("weights_sha256")
         for c in cals:
             if len(c.budget) != parts or not 0 <= c.control < n_controls:
                 raise ValueError(f"budget {list(c.budget)} / control {c.control} is not one "
@@ -49,14 +63,22 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int,
                       f"{checkpoint_id(run, ckpt)}: its gate offsets are not used (run "
                       "dynaseq calibrate again)", stacklevel=3)
         return []
+    if fitted_on is not None and fitted_on != weights_digest(ckpt):
+        warnings.warn(f"{path} was fitted on other weights of checkpoint {made_for}, which "
+                      "has changed since (trained on or averaged again): its gate offsets are "
+                      "not used (run dynaseq calibrate again)", stacklevel=3)
+        return []
     return cals
 
 
 def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
                        data: dict) -> Path:
-    """Write ``cals`` to ``run/calibration.json`` (atomically), tied to checkpoint ``ckpt``;
-    ``data`` describes the calibration data."""
+    """Write ``cals`` to ``run/calibration.json`` (atomically), tied to checkpoint ``ckpt``
+    and the SHA-256 of its weights file as it is now; ``data`` describes the calibration
+    data."""
     path = run / CALIBRATION_FILE
-    atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt), "data": data,
+    digest = sha256_file(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
+    atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt),
+                                   "weights_sha256": digest, "data": data,
                                    "budgets": [c.to_json() for c in cals]}, indent=1))
     return path
