@@ -32,7 +32,8 @@ from dynaseq.train.loop import train
 from helpers import lm_config, micro_config, signal_at_step, train_killed_at
 
 N = 7  # updates of every run
-EVERY = {"save_every": 2, "valid_every": 3, "log_every": 1}
+EVERY = {"save_every": 2, "valid_every": 3, "log_every": 1, "keep_last": 3,
+         "average_last_k": 3}
 #: log fields that measure time, not training
 TIMING = {"tokens_per_s", "elapsed_s", "time"}
 
@@ -108,6 +109,11 @@ def assert_same_run(reference: Path, resumed: Path, resumed_from: int) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    # the same checkpoints kept and averaged: a stop's off-schedule checkpoint is gone
+    assert ([p.name for p in ckpt.list_checkpoints(resumed)]
+            == [p.name for p in ckpt.list_checkpoints(reference)])
+    a, b = (load_file(str(r / "averaged" / ckpt.WEIGHTS)) for r in (reference, resumed))
+    assert all(torch.equal(a[name], b[name]) for name in a)
     want, got = _train_records(reference), _train_records(resumed)
     assert sorted(got) == list(range(1, N + 1))
     for step in range(resumed_from + 1, N + 1):
@@ -151,3 +157,18 @@ KILL_9_FAST = ("dense", "lm_cache")
                                   for k in KINDS])
 def test_resume_after_kill_9_is_exact(kind, tmp_path, synthetic_paths, lm_teacher):
     _check_exact_resume(kind, signal.SIGKILL, tmp_path, synthetic_paths, lm_teacher)
+
+
+def test_a_run_that_used_its_minutes_trains_nothing_when_run_again(tmp_path, synthetic_paths):
+    """As with ``max_steps``: the same command again stops before any update (it trained one
+    more each time, wrote a checkpoint and averaged another set)."""
+    cfg = micro_config(tmp_path / "run", synthetic_paths, max_steps=10_000, max_minutes=1e-9,
+                       average_last_k=2)
+    first = train(cfg, progress=False)
+    assert first.state.step == 1  # the limit is checked after each update
+    kept = [p.name for p in ckpt.list_checkpoints(tmp_path / "run")]
+    again = train(cfg, progress=False)
+    assert again.state.step == 1
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == kept
+    stops = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in stops if r["event"] == "stop"] == ["max_minutes"] * 2

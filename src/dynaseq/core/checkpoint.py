@@ -198,9 +198,23 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def scheduled_checkpoints(run_dir: str | Path, every: int = 1) -> list[Path]:
+    """The step checkpoints a run never stopped would hold, oldest first: those on the
+    schedule (a step that is a multiple of ``every``) and the latest. An off-schedule one (a
+    signal's, a time limit's, an epoch end's) that a resumed run has gone past is left out,
+    so stopping and resuming changes neither which checkpoints are kept nor their average."""
+    ckpts = list_checkpoints(run_dir)
+    return [p for i, p in enumerate(ckpts)
+            if int(p.name[len(_PREFIX):]) % every == 0 or i == len(ckpts) - 1]
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int, every: int = 1) -> None:
+    """Delete every step checkpoint but the last ``keep_last`` of
+    :func:`scheduled_checkpoints` (``every``: the save schedule)."""
+    kept = set(scheduled_checkpoints(run_dir, every)[-keep_last:])
+    for old in list_checkpoints(run_dir):
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:

@@ -206,7 +206,7 @@ class _Trainer:
                        "state": asdict(s), **self.task.trainer_state()}
             path = ckpt.write_checkpoint(ckpt.step_dir(run.run_dir, s.step), self.task.model,
                                          meta, trainer)
-            ckpt.prune_checkpoints(run.run_dir, self.tc.keep_last)
+            ckpt.prune_checkpoints(run.run_dir, self.tc.keep_last, self.tc.save_every)
             run.log.write("checkpoint", step=s.step, path=str(path))
         barrier(self.run.env)
 
@@ -278,6 +278,9 @@ class _Trainer:
                 if s.step >= tc.max_steps:
                     stop_reason = "max_steps"
                     break
+                if tc.max_minutes is not None and s.elapsed >= tc.max_minutes * 60:
+                    stop_reason = "max_minutes"  # a resumed run that has used its time
+                    break
                 if s.epoch >= tc.max_epochs:
                     stop_reason = "max_epochs"
                     break
@@ -318,7 +321,8 @@ class _Trainer:
                 metrics = self._validate_and_keep_best()
                 self._save(metrics)
             if tc.average_last_k and self.main and stop_reason != "signal":
-                recent = ckpt.list_checkpoints(run.run_dir)[-tc.average_last_k:]
+                recent = ckpt.scheduled_checkpoints(run.run_dir,
+                                                    tc.save_every)[-tc.average_last_k:]
                 ckpt.average_checkpoints(recent, run.run_dir / "averaged")
                 run.log.write("average", checkpoints=[p.name for p in recent])
             run.log.write("stop", reason=stop_reason, step=s.step, elapsed_s=s.elapsed)
