@@ -244,3 +244,21 @@ def test_an_empty_saved_config_is_one_line(run_copy, tmp_path, capsys):
     (run_copy / "config.yaml").write_text("")
     assert main(["translate", str(run_copy), "-i", str(tmp_path / "none.txt")]) == 2
     assert _err(capsys) == f"dynaseq: error: {run_copy / 'config.yaml'} is empty"
+
+
+def test_an_empty_run_dir_is_refused_not_the_working_directory(trained_run, tmp_path,
+                                                               monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    for args, message in ((["run_dir="], "run_dir must name a directory, got ''"),
+                          (["run_dir= "], "run_dir: expected a string, got None"),
+                          (["run_dir=''"], "run_dir must name a directory, got ''"),
+                          (["--run-dir", ""], "run_dir must name a directory, got ''"),
+                          (["--run-dir", " "], "run_dir must name a directory, got ''")):
+        assert main(["train", str(trained_run / "config.yaml"), *args, "--quiet"]) == 2
+        assert message in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    # --run-dir is a name as it is, never read as YAML (yes: a bool, 1: an int)
+    assert main(["train", str(trained_run / "config.yaml"), "--run-dir", "yes",
+                 "--print-config"]) == 0
+    assert "run_dir: 'yes'" in capsys.readouterr().out

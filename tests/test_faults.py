@@ -48,6 +48,24 @@ def test_a_refused_train_leaves_the_run_as_it_was(trained_run, tmp_path, capsys)
     Translator.load(run)  # still loads
 
 
+def test_a_train_refused_for_what_a_directory_holds_writes_not_even_a_lock(
+        trained_run, tmp_path, capsys):
+    from dynaseq.workflows.export import export_model
+
+    exported = tmp_path / "model"
+    export_model(trained_run, exported)
+    before = sorted(p.name for p in exported.iterdir())
+    assert main(["train", str(trained_run / "config.yaml"), f"run_dir={exported}",
+                 "--quiet"]) == 2
+    assert "holds a trained model (model.safetensors) but no checkpoint" in (
+        capsys.readouterr().err)
+    assert sorted(p.name for p in exported.iterdir()) == before  # no .train.lock
+    lm = lm_config(tmp_path, f"run_dir={exported}")
+    save_config(lm, tmp_path / "lm.yaml")
+    assert main(["train", str(tmp_path / "lm.yaml"), "--quiet"]) == 2
+    assert sorted(p.name for p in exported.iterdir()) == before
+
+
 def test_clearing_a_run_takes_its_lock_and_keeps_the_lock_file(tmp_path):
     run = tmp_path / "run"
     held = RunDirLock(run).acquire()

@@ -92,8 +92,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dynaseq.train.loop import train
 
     overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run_dir={args.run_dir}")
+    if args.run_dir is not None:  # as a string ("yes", "1" too); an empty one is refused
+        overrides.append(f"run_dir={json.dumps(args.run_dir)}")
     cfg = load_config(args.config, overrides)
     if args.print_config:  # the resolved config, defaults included; nothing is written
         import yaml

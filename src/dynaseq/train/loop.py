@@ -85,6 +85,8 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     :class:`~dynaseq.tasks.protocol.Task` built by the caller. ``hooks``: task-specific
     extension points (e.g. :class:`~dynaseq.tasks.lm.task.LMHooks`) replacing those the config
     asks for."""
+    if not str(getattr(cfg, "cfg", cfg).run_dir).strip():  # "" is the working directory
+        raise ConfigError("run_dir must name a directory, got ''")
     task = cfg if isinstance(cfg, Task) else task_for(cfg, hooks)
     cfg = task.cfg
     device = pick_device(cfg.train.device, what="train.device")
@@ -93,12 +95,11 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     if cfg.train.tensorboard:
         check_tensorboard()  # before anything is written
     created = not run_dir.exists()  # a refused new run leaves no directory behind
+    if not created:  # refused before the lock file is written (and again under the lock)
+        _check_fits(run_dir, cfg)
     lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
     try:
-        _check_same_task(run_dir, cfg)
-        latest = ckpt.list_checkpoints(run_dir)[-1:]
-        if not latest:
-            _check_no_model(run_dir)
+        latest = _check_fits(run_dir, cfg)
         log = RunLog(run_dir / "log.jsonl", False)  # held until the run is accepted
         task.prepare(env, device, log)
         resumed = None
@@ -118,6 +119,16 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
         cleanup(env)
         raise
     return Run(task, run_dir, env, device, log, lock, resumed)
+
+
+def _check_fits(run_dir: Path, cfg: Any) -> list[Path]:
+    """Refuse ``cfg`` for a run directory of another task, or one that holds a trained model
+    but no checkpoint; the latest checkpoint to resume from (none: ``[]``)."""
+    _check_same_task(run_dir, cfg)
+    latest = ckpt.list_checkpoints(run_dir)[-1:]
+    if not latest:
+        _check_no_model(run_dir)
+    return latest
 
 
 def _check_same_task(run_dir: Path, cfg: Any) -> None:
