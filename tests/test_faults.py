@@ -66,6 +66,25 @@ def test_a_train_refused_for_what_a_directory_holds_writes_not_even_a_lock(
     assert sorted(p.name for p in exported.iterdir()) == before
 
 
+def test_a_train_that_would_change_the_tokenizer_settings_is_refused(trained_run, tmp_path,
+                                                                      capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = _snapshot(run)
+    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "data.vocab_size=300",
+                 "--quiet"]) == 2
+    assert ("data.vocab_size=300 differs from the run's 200, with which its tokenizer was "
+            "trained") in capsys.readouterr().err
+    assert _snapshot(run) == before
+    fresh = tmp_path / "fresh"  # a tokenizer left in a new directory by a bigger config
+    fresh.mkdir()
+    shutil.copy(run / "spm.model", fresh / "spm.model")
+    assert main(["train", str(run / "config.yaml"), f"run_dir={fresh}", "data.vocab_size=50",
+                 "--quiet"]) == 2
+    assert "pieces, more than data.vocab_size=50" in capsys.readouterr().err
+    assert not (fresh / "config.yaml").exists()
+
+
 def test_clearing_a_run_takes_its_lock_and_keeps_the_lock_file(tmp_path):
     run = tmp_path / "run"
     held = RunDirLock(run).acquire()

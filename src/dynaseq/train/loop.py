@@ -125,6 +125,7 @@ def _check_fits(run_dir: Path, cfg: Any) -> list[Path]:
     """Refuse ``cfg`` for a run directory of another task, or one that holds a trained model
     but no checkpoint; the latest checkpoint to resume from (none: ``[]``)."""
     _check_same_task(run_dir, cfg)
+    _check_same_tokenizer(run_dir, cfg)
     latest = ckpt.list_checkpoints(run_dir)[-1:]
     if not latest:
         _check_no_model(run_dir)
@@ -140,6 +141,24 @@ def _check_same_task(run_dir: Path, cfg: Any) -> None:
         if saved != given:
             raise ConfigError(f"{run_dir} holds a {saved} run; this config is a {given} run "
                               "(use a new run_dir)")
+
+
+TOKENIZER_KEYS = ("vocab_size", "spm_model_type", "character_coverage")
+"""The ``data`` settings that made a run's tokenizer, trained once when the run starts."""
+
+
+def _check_same_tokenizer(run_dir: Path, cfg: Any) -> None:
+    """Refuse a config whose tokenizer settings (:data:`TOKENIZER_KEYS`) differ from the run's
+    ``config.yaml``: its tokenizer is trained and kept, so the new values would be recorded
+    but not used."""
+    if not (run_dir / "config.yaml").is_file():
+        return
+    saved = read_yaml(run_dir / "config.yaml").get("data") or {}
+    given = to_dict(cfg).get("data") or {}
+    for key in TOKENIZER_KEYS:
+        if key in saved and key in given and saved[key] != given[key]:
+            raise ConfigError(f"data.{key}={given[key]} differs from the run's {saved[key]}, "
+                              f"with which its tokenizer was trained (use a new run_dir)")
 
 
 def _check_no_model(run_dir: Path) -> None:

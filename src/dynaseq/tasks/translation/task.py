@@ -111,6 +111,9 @@ class TranslationTask:
                             cfg.data.spm_model_type, cfg.data.character_coverage)
         barrier(env)
         tok = Tokenizer.load(spm_path)
+        if tok.vocab_size > cfg.data.vocab_size:  # a tokenizer left by another config
+            raise ConfigError(f"{spm_path} holds {tok.vocab_size} pieces, more than "
+                              f"data.vocab_size={cfg.data.vocab_size} (use a new run_dir)")
         train, stats = make_corpus(tok.encode(src_lines), tok.encode(tgt_lines),
                                    cfg.data.max_len, cfg.data.long_lines)
         if len(train) == 0:
