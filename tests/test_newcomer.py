@@ -148,6 +148,9 @@ def test_plot_draws_curves_of_two_runs(tmp_path, capsys):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 300
     assert image.std() > 0  # not a blank canvas
     assert main(["plot", str(a), "--out", str(tmp_path / "c.jpg")]) == 2
+    assert main(["plot", str(a), str(b), "--out", str(b / "curves.png")]) == 2  # in a run
+    assert "is inside the run directory" in capsys.readouterr().err
+    assert not (b / "curves.png").exists()
     assert main(["plot", str(tmp_path / "none"), "--out", str(tmp_path / "d.png")]) == 2
     assert not (tmp_path / "d.png").exists()
     with open(a / "log.jsonl", "a") as f:  # a run killed while it wrote a line

@@ -546,6 +546,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     if Path(args.out).suffix.lower() != ".png":
         raise DynaseqError(f"--out {args.out} must be a .png file")
+    for run in args.runs:
+        _check_output(args.out, run_dir=run)
     out = plot_curves(read_curves(args.runs), args.out)
     print(f"curves of {len(args.runs)} run(s) written to {out}")
     return 0
@@ -1295,7 +1297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("average", help="average the last K checkpoints into run_dir/averaged")
     p.add_argument("run_dir")
-    p.add_argument("-k", type=int, default=5)
+    p.add_argument("-k", "--k", type=int, default=5, help="how many of the last checkpoints")
 
     p = sub.add_parser("demo", help="show one CCT at four budgets on the built-in synthetic "
                        "task: the shipped model, or one trained anew (--train)")

@@ -122,6 +122,12 @@ def test_bad_yaml_files(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping at top level"):
         load_config(bad)
+    bad.write_text("train:\n  lr: 0.1\n  warmup_steps: 5\n  lr: 0.2\n")  # PyYAML: the last
+    with pytest.raises(ConfigError, match=r"not valid YAML: duplicate key 'lr' .* line 4"):
+        load_config(bad)
+    bad.write_text("train:\n  lr: 0.1\nmodel:\n  lr: 0.1\n")  # the same key, two mappings
+    with pytest.raises(ConfigError, match="unknown"):
+        load_config(bad)
 
 
 def test_defaults_are_valid():

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -263,13 +263,35 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a key given twice in one mapping (PyYAML keeps the last
+    one silently and has no option for this, hence by hand): a config that sets
+    ``train.lr`` twice is a mistake to report, not a value to guess."""
+
+
+def _mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, Hashable):
+            continue  # construct_mapping refuses it below
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                    key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     text = read_text(p, "config file", ConfigError)
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeys)  # noqa: S506  (a safe loader)
     except yaml.YAMLError as e:
-        msg = str(e).replace("\n", " ")
+        msg = " ".join(str(e).split())
         raise ConfigError(f"config {p} is not valid YAML: {msg}") from None
     if raw is None:
         raw = {}
