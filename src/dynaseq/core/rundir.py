@@ -33,18 +33,25 @@ def open_run(run_dir: str | Path, types: Mapping[str, type],
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
+    raw = read_run_config(run)
+    if what is not None and config_task(raw) not in types:
+        raise DynaseqError(f"{run} is not a {what} run")
+    return run, parse_config(raw, types)
+
+
+def read_run_config(run: Path) -> dict[str, Any]:
+    """The run-config mapping of a run directory (``config.yaml``) or an exported model
+    directory (``config.json``). Raises CheckpointError when it has neither, ConfigError for
+    an empty or unreadable one."""
     if (run / "config.yaml").is_file():
         raw = read_yaml(run / "config.yaml")
         if not raw:  # a run's saved config always holds its settings
             raise ConfigError(f"{run / 'config.yaml'} is empty")
-    elif (run / MODEL_CONFIG).is_file():
-        raw = read_model_config(run / MODEL_CONFIG)
-    else:
-        raise CheckpointError(f"{run} is not a run directory (no config.yaml) nor an exported "
-                              f"model ({MODEL_CONFIG})")
-    if what is not None and config_task(raw) not in types:
-        raise DynaseqError(f"{run} is not a {what} run")
-    return run, parse_config(raw, types)
+        return raw
+    if (run / MODEL_CONFIG).is_file():
+        return read_model_config(run / MODEL_CONFIG)
+    raise CheckpointError(f"{run} is not a run directory (no config.yaml) nor an exported "
+                          f"model ({MODEL_CONFIG})")
 
 
 #: The config of an exported model directory (``dynaseq export``).

@@ -66,6 +66,22 @@ def test_pretrained_weights_are_loaded(tmp_path, mlm_run, sst2_small):
                            own["encoder.layers.0.ffn.fc1.weight"])
 
 
+def test_an_exported_pretrained_model_initializes_as_its_run_does(tmp_path, mlm_run,
+                                                                     sst2_small):
+    from dynaseq.workflows.export import export_model
+
+    exported = tmp_path / "mlm_model"
+    export_model(mlm_run, exported)
+    from_run = _prepared(classify_config(tmp_path / "a", sst2_small,
+                                         f"train.init_from={mlm_run}"))
+    from_export = _prepared(classify_config(tmp_path / "b", sst2_small,
+                                            f"train.init_from={exported}"))
+    a, b = from_run.model.state_dict(), from_export.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="is not a run directory .* nor an exported model"):
+        ClassifyTask(classify_config(tmp_path / "c", sst2_small, f"train.init_from={tmp_path}"))
+
+
 def test_init_from_mismatch_is_refused_before_writing(tmp_path, mlm_run, sst2_small):
     for extra, message in (("model.layers=3", "model.layers=2, this config 3"),
                            ("model.embedding_dim=16", "model.embedding_dim=32, this config 16"),

@@ -34,9 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from dynaseq.core import checkpoint as ckpt
-from dynaseq.core.config import from_dict, read_yaml
+from dynaseq.core.config import from_dict
 from dynaseq.core.distributed import DistEnv, barrier
-from dynaseq.core.errors import ConfigError, DynaseqError
+from dynaseq.core.errors import CheckpointError, ConfigError, DynaseqError
+from dynaseq.core.rundir import read_run_config
 from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.classify.config import ClassifyRunConfig
 from dynaseq.tasks.classify.data import collate_rows, encode_examples, target_tensor
@@ -83,9 +84,13 @@ def check_pretrained(init_from: str, model: EncoderModelConfig) -> tuple[Path, P
     this config's dimensions (one-line ConfigError naming the first difference; the structure
     predictor's only where fine-tuning loads it, ``depth.predictor_from_init``)."""
     run = Path(init_from)
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"train.init_from {run} is not a run directory (no config.yaml)")
-    raw = read_yaml(run / "config.yaml")
+    if not str(init_from).strip():
+        raise ConfigError("train.init_from must name a run, got ''")
+    try:
+        raw = read_run_config(run)  # a run or an exported model directory
+    except CheckpointError:
+        raise ConfigError(f"train.init_from {run} is not a run directory (no config.yaml) "
+                          "nor an exported model (config.json)") from None
     if raw.get("task") not in ("mlm", "classify"):
         raise ConfigError(f"train.init_from {run} is a {raw.get('task', 'seq2seq')} run; "
                           "fine-tuning starts from an mlm (or classify) run")
