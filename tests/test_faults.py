@@ -85,6 +85,19 @@ def test_a_train_that_would_change_the_tokenizer_settings_is_refused(trained_run
     assert not (fresh / "config.yaml").exists()
 
 
+def test_a_train_with_max_steps_below_the_run_s_step_is_refused(trained_run, tmp_path,
+                                                                capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = _snapshot(run)
+    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "train.max_steps=5",
+                 "--quiet"]) == 2
+    assert "is at update 20, past train.max_steps=5: nothing to train" in (
+        capsys.readouterr().err)
+    assert _snapshot(run) == before
+    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "--quiet"]) == 0  # =
+
+
 def test_clearing_a_run_takes_its_lock_and_keeps_the_lock_file(tmp_path):
     run = tmp_path / "run"
     held = RunDirLock(run).acquire()

@@ -129,6 +129,10 @@ def _check_fits(run_dir: Path, cfg: Any) -> list[Path]:
     latest = ckpt.list_checkpoints(run_dir)[-1:]
     if not latest:
         _check_no_model(run_dir)
+    elif (step := ckpt.read_meta(latest[0]).get("step", 0)) > cfg.train.max_steps:
+        raise ConfigError(f"{run_dir} is at update {step}, past train.max_steps="
+                          f"{cfg.train.max_steps}: nothing to train (its config would record "
+                          "the smaller value; raise max_steps to go on)")
     return latest
 
 
