@@ -33,19 +33,27 @@ def _snapshot(run):
             for p in sorted(run.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 
-def test_a_refused_train_leaves_the_run_as_it_was(trained_run, tmp_path, capsys):
+@pytest.mark.parametrize("override, message", [
+    ("model.encoder_layers=2", "encoder"),
+    ("data.vocab_size=300", "data.vocab_size=300 differs from the run's 200, with which its "
+                            "tokenizer was trained"),
+    ("train.max_steps=5", "is at update 20, past train.max_steps=5: nothing to train"),
+])
+def test_a_refused_train_leaves_the_run_as_it_was(trained_run, tmp_path, capsys, override,
+                                                  message):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     before = _snapshot(run)
-    assert main(["train", str(run / "config.yaml"), f"run_dir={run}",
-                 "model.encoder_layers=2", "--quiet"]) == 2
-    assert "encoder" in capsys.readouterr().err
+    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", override,
+                 "--quiet"]) == 2
+    assert message in capsys.readouterr().err
     lm = lm_config(tmp_path, f"run_dir={run}")  # another task's config into this run
     save_config(lm, tmp_path / "lm.yaml")
     assert main(["train", str(tmp_path / "lm.yaml"), "--quiet"]) == 2
     assert "holds a seq2seq run; this config is a lm run" in capsys.readouterr().err
     assert _snapshot(run) == before
     Translator.load(run)  # still loads
+    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "--quiet"]) == 0  # as it
 
 
 def test_a_train_refused_for_what_a_directory_holds_writes_not_even_a_lock(
@@ -66,36 +74,14 @@ def test_a_train_refused_for_what_a_directory_holds_writes_not_even_a_lock(
     assert sorted(p.name for p in exported.iterdir()) == before
 
 
-def test_a_train_that_would_change_the_tokenizer_settings_is_refused(trained_run, tmp_path,
-                                                                      capsys):
-    run = tmp_path / "run"
-    shutil.copytree(trained_run, run)
-    before = _snapshot(run)
-    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "data.vocab_size=300",
-                 "--quiet"]) == 2
-    assert ("data.vocab_size=300 differs from the run's 200, with which its tokenizer was "
-            "trained") in capsys.readouterr().err
-    assert _snapshot(run) == before
-    fresh = tmp_path / "fresh"  # a tokenizer left in a new directory by a bigger config
+def test_a_tokenizer_left_by_a_bigger_config_is_refused(trained_run, tmp_path, capsys):
+    fresh = tmp_path / "fresh"  # a tokenizer left in a new directory (a killed first run)
     fresh.mkdir()
-    shutil.copy(run / "spm.model", fresh / "spm.model")
-    assert main(["train", str(run / "config.yaml"), f"run_dir={fresh}", "data.vocab_size=50",
-                 "--quiet"]) == 2
+    shutil.copy(trained_run / "spm.model", fresh / "spm.model")
+    assert main(["train", str(trained_run / "config.yaml"), f"run_dir={fresh}",
+                 "data.vocab_size=50", "--quiet"]) == 2
     assert "pieces, more than data.vocab_size=50" in capsys.readouterr().err
     assert not (fresh / "config.yaml").exists()
-
-
-def test_a_train_with_max_steps_below_the_run_s_step_is_refused(trained_run, tmp_path,
-                                                                capsys):
-    run = tmp_path / "run"
-    shutil.copytree(trained_run, run)
-    before = _snapshot(run)
-    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "train.max_steps=5",
-                 "--quiet"]) == 2
-    assert "is at update 20, past train.max_steps=5: nothing to train" in (
-        capsys.readouterr().err)
-    assert _snapshot(run) == before
-    assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "--quiet"]) == 0  # =
 
 
 def test_clearing_a_run_takes_its_lock_and_keeps_the_lock_file(tmp_path):
