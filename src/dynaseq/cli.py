@@ -405,7 +405,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, batch_window_ms=args.batch_window_ms,
         max_batch_rows=args.max_batch_lines, max_queue_rows=args.max_queue_lines,
         max_in_flight=args.max_in_flight,
-        max_body_bytes=args.max_body_bytes, max_lines=args.max_lines,
+        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+        max_lines=args.max_lines,
         max_line_chars=args.max_line_chars, max_tokens=args.max_tokens, beam=args.beam,
         overload=args.overload, slack=args.slack, batch_margin=args.batch_margin,
         max_utilization=args.max_utilization,
@@ -1254,6 +1255,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests handled at once at most; beyond, 503 + Retry-After before "
                         "the body is read (default: no limit)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--body-timeout-s", type=float, default=10.0,
+                   help="a body's next bytes must arrive within this, else 408 (default 10)")
     p.add_argument("--max-lines", type=int, default=32, help="lines per request at most")
     p.add_argument("--max-line-chars", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per request at most")

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import run_cli
+from helpers import free_port, run_cli
 from serve_helpers import BUDGETS, Server
 
 
@@ -116,6 +116,16 @@ def test_sigterm_drains_every_worker_then_exits_0(serve_run, lines, tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         s.proc.send_signal(signal.SIGTERM)
+        refused_by = time.monotonic() + 5  # a new connection is refused, not queued and reset
+        while True:
+            try:
+                httpx.get(s.url + "/healthz", timeout=1)
+            except httpx.ConnectError:
+                break
+            except httpx.TimeoutException:  # accepted by the kernel, never by a worker
+                raise AssertionError("a connection after SIGTERM was queued") from None
+            assert time.monotonic() < refused_by, "still accepting connections after SIGTERM"
+            time.sleep(0.1)
         answers = [f.result() for f in futures]
     assert [a.status_code for a in answers] == [200] * len(jobs)
     assert s.proc.wait(60) == 0
@@ -144,7 +154,7 @@ def test_bad_workers_values_are_one_line_exit_2(serve_run):
         (("--workers", "2", "--threads", "0"), "--threads must be >= 1"),
         (("--workers", "2", "--default-budget", "0.4"), "was not trained"),
     ]:
-        r = run_cli("serve", str(serve_run), *args, "--port", "1")
+        r = run_cli("serve", str(serve_run), *args, "--port", free_port())
         err = r.stderr.decode()
         assert r.returncode == 2 and words in err, (args, err)
         assert err.count("\n") == 1 and err.startswith("dynaseq: error:")

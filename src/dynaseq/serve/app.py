@@ -185,30 +185,78 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None,
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class BodyLimit:
-    """ASGI middleware: a request whose ``Content-Length`` is over ``limit`` bytes gets 413
-    before its body is read (a chunked body is measured by the endpoint)."""
+class _BodyRefused(Exception):
+    """Raised into the app by :class:`BodyLimit`'s ``receive``: the body is refused."""
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413, one whose next bytes
+    do not arrive within ``timeout_s`` seconds 408. A ``Content-Length`` over the limit is
+    refused before the body is read; a chunked body (or one longer than it said) is counted
+    as it arrives and refused at the first chunk past the limit, so no more of it is read
+    or parsed. The refusal replaces whatever the app would answer (it sees the body end in
+    an error and answers nothing)."""
+
+    def __init__(self, app: Any, limit: int, timeout_s: float) -> None:
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            for k, v in scope.get("headers", []):
-                if k == b"content-length":
-                    try:
-                        n = int(v)
-                    except ValueError:
-                        n = -1
-                    if n > self.limit or n < 0:
-                        msg = (f"body of {n} bytes; the limit is {self.limit}" if n >= 0
-                               else "bad Content-Length")
-                        status = 413 if n >= 0 else 400
-                        resp = _error(status, msg)
-                        scope.setdefault("state", {})["log"] = {"error": msg}
-                        await resp(scope, receive, send)
-                        return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    n = -1
+                if n > self.limit or n < 0:
+                    await self._refuse(scope, receive, send, _BodyRefused(
+                        413 if n >= 0 else 400,
+                        f"body of {n} bytes; the limit is {self.limit}" if n >= 0
+                        else "bad Content-Length"))
+                    return
+        seen = {"bytes": 0, "done": False, "refused": None}
+
+        async def body_receive() -> dict:
+            if seen["done"]:  # the body is in: waiting for a disconnect, unbounded
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                seen["refused"] = _BodyRefused(408, f"the request body stalled: no bytes for "
+                                                    f"{self.timeout_s:g} s")
+                raise seen["refused"] from None
+            if message["type"] == "http.request":
+                seen["bytes"] += len(message.get("body", b""))
+                seen["done"] = not message.get("more_body", False)
+                if seen["bytes"] > self.limit:
+                    seen["refused"] = _BodyRefused(413, f"body of more than {self.limit} "
+                                                        f"bytes; the limit is {self.limit}")
+                    raise seen["refused"]
+            return message
+
+        async def app_send(message: dict) -> None:
+            if seen["refused"] is None:  # after a refusal the app's own answer is dropped
+                await send(message)
+
+        try:
+            await self.app(scope, body_receive, app_send)
+        except _BodyRefused as e:
+            await self._refuse(scope, receive, send, e)
+        except Exception:
+            if seen["refused"] is None:
+                raise
+            await self._refuse(scope, receive, send, seen["refused"])  # re-raised as another
+
+    @staticmethod
+    async def _refuse(scope: dict, receive: Any, send: Any, e: _BodyRefused) -> None:
+        scope.setdefault("state", {})["log"] = {"error": str(e)}
+        await _error(e.status, str(e))(scope, receive, send)
 
 
 class InFlightLimit:
@@ -420,6 +468,7 @@ def build_app(state: ServeState) -> Any:
             state.batcher.start()
         monitor = asyncio.create_task(watch_loop()) if state.policy is not None else None
         state.log.write({"ts": round(time.time(), 3), "event": "ready", "run": state.run_dir,
+                         "host": state.config.host, "port": state.config.port,
                          "kind": state.kind,
                          "budgets": [ep.budget_json(b) for b in state.budgets],
                          "deadline_policy": state.policy is not None})
@@ -484,7 +533,8 @@ def build_app(state: ServeState) -> Any:
 
     cap = state.config.max_in_flight
     state.metrics.in_flight_limit.set(math.inf if cap is None else cap)
-    inner = InFlightLimit(BodyLimit(app, state.config.max_body_bytes), state, cap)
+    inner = InFlightLimit(BodyLimit(app, state.config.max_body_bytes,
+                                    state.config.body_timeout_s), state, cap)
     return AccessLogMiddleware(inner, state)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dynaseq.core.config import PRECISIONS
@@ -38,7 +39,10 @@ class ServeConfig:
     max_queue_rows: lines waiting at most; beyond, requests get 503 + ``Retry-After``.
     max_in_flight: requests to the task's endpoints handled at once at most (None: no
         limit); one more gets 503 + ``Retry-After`` before its body is read or parsed.
-    max_body_bytes, max_lines, max_line_chars, max_tokens: per-request limits (413/422).
+    max_body_bytes, max_lines, max_line_chars, max_tokens: per-request limits (413/422);
+        a body is measured as it arrives, chunked or not.
+    body_timeout_s: a request body's next bytes must arrive within this many seconds, else
+        408 (a client that sends half a body holds no slot of ``max_in_flight`` forever).
     beam: beam size for translation (None: the run's ``decode.beam``).
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
     slack: a deadline request's predicted completion must be within ``slack × deadline``.
@@ -74,6 +78,7 @@ class ServeConfig:
     max_queue_rows: int = 4096
     max_in_flight: int | None = None
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0
     max_lines: int = 32
     max_line_chars: int = 2000
     max_tokens: int = 4096
@@ -95,8 +100,13 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise DynaseqError(f"--port must be in [0, 65535], got {self.port}")
+        if not self.host.strip():
+            raise DynaseqError("--host must name an address (0.0.0.0 for every interface)")
         if self.batch_window_ms < 0:
             raise DynaseqError("--batch-window-ms must be >= 0")
+        if not 0 < self.body_timeout_s < math.inf:
+            raise DynaseqError(f"--body-timeout-s must be a positive number of seconds, got "
+                               f"{self.body_timeout_s}")
         for name in ("max_batch_rows", "max_queue_rows", "max_body_bytes", "max_lines",
                      "max_line_chars", "max_tokens", "retry_after_min_s",
                      "max_generate_tokens", "workers"):

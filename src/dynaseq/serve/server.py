@@ -1,17 +1,22 @@
-"""``dynaseq serve RUN``: load the run, build the app, run uvicorn until SIGTERM/SIGINT.
+"""``dynaseq serve RUN``: bind the address, load the run, build the app, run uvicorn until
+SIGTERM/SIGINT.
 
+The socket is bound first (:func:`bind`: an address in use is one error line before the
+model loads) and listens only once the model is loaded and warm; the ``ready`` record of
+the access log names the address (with ``--port 0``, the port the system chose).
 uvicorn's graceful shutdown stops accepting connections and waits for the requests in
 flight; the app's shutdown then drains the batcher (every queued batch still runs), so a
 SIGTERM answers everything already received; uvicorn then re-raises the signal, so one
 server process exits by it (status 143 for SIGTERM).
 
-``--workers N`` (N > 1): the parent checks the run and the options once (loading the model,
-then freeing it), binds the port, creates a ``PROMETHEUS_MULTIPROC_DIR`` and starts N
+``--workers N`` (N > 1): the parent binds the port, checks the run and the options once
+(loading the model, then freeing it), creates a ``PROMETHEUS_MULTIPROC_DIR`` and starts N
 uvicorn worker processes (:class:`uvicorn.supervisors.Multiprocess`, spawned) on the one
 socket; each builds its own app from :func:`worker_app`, reading what to serve from the
 environment variable :data:`WORKER_ENV`. uvicorn's supervisor restarts a worker that dies.
-On SIGTERM or SIGINT the parent passes SIGTERM to every worker, each drains as above, and
-once all have exited the parent removes the metrics directory and exits 0.
+On SIGTERM or SIGINT the parent closes its copy of the socket (new connections are
+refused), passes SIGTERM to every worker, each drains as above, and once all have exited
+the parent removes the metrics directory and exits 0.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import gc
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -82,54 +88,74 @@ def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
     if config.workers > 1:
         return _serve_workers(run_dir, config, checkpoint, device, latency_table,
                               threads or default_threads(config.workers))
-    state = _build_state(run_dir, config, checkpoint, device, latency_table)
-    app = build_app(state)
-    freeze_heap()
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="warning", access_log=False,
-        lifespan="on", timeout_graceful_shutdown=None))
+    sock = bind(config)  # before the model loads: a port in use costs no start-up
     try:
-        server.run()
-    except SystemExit as e:  # uvicorn exits 1 when it cannot bind
-        raise DynaseqError(f"cannot serve on {config.host}:{config.port}") from e
+        config = dataclasses.replace(config, port=sock.getsockname()[1])  # --port 0: chosen
+        state = _build_state(run_dir, config, checkpoint, device, latency_table)
+        app = build_app(state)
+        freeze_heap()
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="warning", access_log=False,
+            lifespan="on", timeout_graceful_shutdown=None))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if not server.started:
         print(f"dynaseq: error: cannot serve on {config.host}:{config.port}", file=sys.stderr)
         return 2
     return 0
 
 
+def bind(config: ServeConfig) -> socket.socket:
+    """A socket bound to ``config.host``/``config.port`` (not yet listening: connections are
+    refused until the server is warm and serves); a DynaseqError naming the address and the
+    reason when it cannot be bound (in use, not this machine's, no permission)."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family=family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise DynaseqError(f"cannot serve on {config.host}:{config.port}: {reason}") from None
+    sock.set_inheritable(True)  # --workers: the spawned workers serve on it
+    return sock
+
+
 def _serve_workers(run_dir: str | Path, config: ServeConfig, checkpoint: str, device: str,
                    latency_table: str | Path | None, threads: int) -> int:
-    """``--workers N``: check once here, then N uvicorn worker processes on one socket."""
+    """``--workers N``: bind, check once here, then N uvicorn worker processes on the one
+    socket."""
     import uvicorn
     from uvicorn.config import STARTUP_FAILURE
-    from uvicorn.supervisors import Multiprocess
 
-    # every refusal of one server, here, before a worker starts (one line, exit 2)
-    _build_state(run_dir, dataclasses.replace(config, workers=1), checkpoint, device,
-                 latency_table)
-    gc.collect()  # the checked model is not kept: each worker loads its own
-    spec = {"run_dir": str(run_dir), "checkpoint": checkpoint, "device": device,
-            "latency_table": None if latency_table is None else str(latency_table),
-            "threads": threads, "config": dataclasses.asdict(config)}
-    uv = uvicorn.Config(
-        "dynaseq.serve.server:worker_app", factory=True, host=config.host, port=config.port,
-        workers=config.workers, log_level="warning", access_log=False, lifespan="on",
-        timeout_graceful_shutdown=None, timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
-    try:
-        sock = uv.bind_socket()
-    except SystemExit as e:  # uvicorn exits when it cannot bind
-        raise DynaseqError(f"cannot serve on {config.host}:{config.port}") from e
-    metrics_dir = tempfile.mkdtemp(prefix=f"dynaseq-metrics-{os.getpid()}-")
+    sock = bind(config)
+    metrics_dir = None
     saved = {k: os.environ.get(k) for k in (WORKER_ENV, "PROMETHEUS_MULTIPROC_DIR")}
-    os.environ[WORKER_ENV] = json.dumps(spec)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the spawned workers
     try:
-        supervisor = Multiprocess(uv, sockets=[sock])
+        config = dataclasses.replace(config, port=sock.getsockname()[1])  # --port 0: chosen
+        # every refusal of one server, here, before a worker starts (one line, exit 2)
+        _build_state(run_dir, dataclasses.replace(config, workers=1), checkpoint, device,
+                     latency_table)
+        gc.collect()  # the checked model is not kept: each worker loads its own
+        spec = {"run_dir": str(run_dir), "checkpoint": checkpoint, "device": device,
+                "latency_table": None if latency_table is None else str(latency_table),
+                "threads": threads, "config": dataclasses.asdict(config)}
+        uv = uvicorn.Config(
+            "dynaseq.serve.server:worker_app", factory=True, host=config.host,
+            port=config.port, workers=config.workers, log_level="warning", access_log=False,
+            lifespan="on", timeout_graceful_shutdown=None,
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
+        metrics_dir = tempfile.mkdtemp(prefix=f"dynaseq-metrics-{os.getpid()}-")
+        os.environ[WORKER_ENV] = json.dumps(spec)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the spawned workers
+        supervisor = _supervisor(uv, [sock])
         supervisor.run()
     finally:
         sock.close()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -138,6 +164,31 @@ def _serve_workers(run_dir: str | Path, config: ServeConfig, checkpoint: str, de
     if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes):
         raise DynaseqError("a worker process failed to start (its error is above)")
     return 0
+
+
+def _supervisor(config: Any, sockets: list[socket.socket]) -> Any:
+    """uvicorn's :class:`~uvicorn.supervisors.Multiprocess`, closing the parent's copy of
+    the listening socket on SIGTERM or SIGINT. Each worker closes its own when it starts
+    draining; the parent's kept the socket listening, so connections made after the signal
+    were queued by the kernel, never accepted, and reset when the parent exited. Now they
+    are refused at once, as by one server process."""
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        def handle_term(self) -> None:
+            _close_all(self.sockets)
+            super().handle_term()
+
+        def handle_int(self) -> None:
+            _close_all(self.sockets)
+            super().handle_int()
+
+    return Supervisor(config, sockets=sockets)
+
+
+def _close_all(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
 
 
 def worker_app() -> Any:

@@ -1,0 +1,84 @@
+"""The server's body limits, as ASGI middleware around a small app: a chunked body is
+measured as it arrives (before, only ``Content-Length`` was checked, and a 200 MiB chunked
+body was read and parsed whole), and a stalled body is refused after ``timeout_s`` (before,
+a client that sent half a body held a ``--max-in-flight`` slot until it hung up)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+
+from dynaseq.serve.app import BodyLimit
+
+
+def _app(seen: dict) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        body = await request.body()
+        seen["answered"] = True
+        return {"bytes": len(body)}
+
+    return app
+
+
+def _call(chunks: list[bytes | None], limit: int, timeout_s: float = 5.0,
+          headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, dict, dict]:
+    """POST ``chunks`` (None: a pause past ``timeout_s``) through :class:`BodyLimit`; the
+    status, the JSON answer, and what the app saw (``reads``: messages it received)."""
+    seen = {"reads": 0}
+    sent: list[dict] = []
+    pending = list(chunks)
+
+    async def receive() -> dict:
+        seen["reads"] += 1
+        if not pending:  # the body is in: the client waits for its answer
+            await asyncio.sleep(3 * timeout_s)
+            return {"type": "http.disconnect"}
+        chunk = pending.pop(0)
+        if chunk is None:
+            await asyncio.sleep(3 * timeout_s)
+            chunk = pending.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/echo", "raw_path": b"/echo",
+             "query_string": b"", "headers": list(headers), "http_version": "1.1",
+             "scheme": "http", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1)}
+    asyncio.run(BodyLimit(_app(seen), limit, timeout_s)(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body), seen
+
+
+def test_a_chunked_body_within_the_limit_is_served():
+    status, answer, _ = _call([b"a" * 60, b"b" * 40], limit=100)
+    assert (status, answer) == (200, {"bytes": 100})
+
+
+def test_a_chunked_body_past_the_limit_is_refused_at_the_chunk_that_passes_it():
+    status, answer, seen = _call([b"a" * 60, b"b" * 60, b"c" * 60, b"d" * 60], limit=100)
+    assert status == 413
+    assert answer == {"error": "body of more than 100 bytes; the limit is 100"}
+    assert seen["reads"] == 2 and "answered" not in seen  # the rest was never read
+
+
+def test_a_content_length_past_the_limit_is_refused_before_any_read():
+    status, answer, seen = _call([b"a" * 10], limit=5, headers=[(b"content-length", b"10")])
+    assert (status, answer["error"]) == (413, "body of 10 bytes; the limit is 5")
+    assert seen["reads"] == 0
+
+
+def test_a_stalled_body_is_refused_after_the_timeout_but_a_waiting_client_is_not():
+    status, answer, seen = _call([b"a" * 10, None, b"b" * 10], limit=100, timeout_s=0.05)
+    assert (status, answer) == (408, {"error": "the request body stalled: no bytes for "
+                                               "0.05 s"})
+    assert "answered" not in seen
+    # once the body is in, waiting for the answer (or a disconnect) has no time limit
+    status, answer, _ = _call([b"a" * 10], limit=100, timeout_s=0.05)
+    assert (status, answer) == (200, {"bytes": 10})
