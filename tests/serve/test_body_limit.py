@@ -9,8 +9,13 @@ import asyncio
 import json
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 
 from dynaseq.serve.app import BodyLimit
+
+
+class Echo(BaseModel):
+    text: str
 
 
 def _app(seen: dict) -> FastAPI:
@@ -22,11 +27,17 @@ def _app(seen: dict) -> FastAPI:
         seen["answered"] = True
         return {"bytes": len(body)}
 
+    @app.post("/parsed")  # FastAPI reads the body itself (a failed read answers 400)
+    async def parsed(body: Echo) -> dict:
+        seen["answered"] = True
+        return {"bytes": len(body.text)}
+
     return app
 
 
 def _call(chunks: list[bytes | None], limit: int, timeout_s: float = 5.0,
-          headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, dict, dict]:
+          headers: list[tuple[bytes, bytes]] = (), path: str = "/echo"
+          ) -> tuple[int, dict, dict]:
     """POST ``chunks`` (None: a pause past ``timeout_s``) through :class:`BodyLimit`; the
     status, the JSON answer, and what the app saw (``reads``: messages it received)."""
     seen = {"reads": 0}
@@ -47,8 +58,9 @@ def _call(chunks: list[bytes | None], limit: int, timeout_s: float = 5.0,
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/echo", "raw_path": b"/echo",
-             "query_string": b"", "headers": list(headers), "http_version": "1.1",
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "headers": [(b"content-type", b"application/json"),
+                                              *headers], "http_version": "1.1",
              "scheme": "http", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1)}
     asyncio.run(BodyLimit(_app(seen), limit, timeout_s)(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
@@ -66,6 +78,15 @@ def test_a_chunked_body_past_the_limit_is_refused_at_the_chunk_that_passes_it():
     assert status == 413
     assert answer == {"error": "body of more than 100 bytes; the limit is 100"}
     assert seen["reads"] == 2 and "answered" not in seen  # the rest was never read
+
+
+def test_a_body_fastapi_reads_itself_is_refused_as_well():
+    status, answer, seen = _call([b'{"text": "' + b"a" * 80, b'"}'], limit=100, path="/parsed")
+    assert (status, answer) == (200, {"bytes": 80})
+    status, answer, seen = _call([b'{"text": "' + b"a" * 80, b"a" * 80, b'"}'], limit=100,
+                                 path="/parsed")
+    assert (status, answer["error"]) == (413, "body of more than 100 bytes; the limit is 100")
+    assert "answered" not in seen
 
 
 def test_a_content_length_past_the_limit_is_refused_before_any_read():

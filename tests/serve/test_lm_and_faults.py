@@ -78,7 +78,7 @@ def test_text_and_numbers_a_batch_cannot_take_are_422_not_500(lm_server):
         r = lm_server.client.post(path, content=body, headers=raw)
         assert r.status_code == 422, (path, body, r.text)
         assert "error" in r.json()
-    assert lm_server.metric("dynaseq_requests_total", endpoint="/v1/generate",
+    assert lm_server.metric("dynaseq_requests_total", endpoint="generate",
                             status="500") == 0
     assert lm_server.post("/v1/generate", json={"text": "w1", "tokens": 2}).status_code == 200
 

@@ -103,6 +103,13 @@ BAD = [
     ("budget over 1", {"json": {"text": "a", "budget": 1.5}}, 422, "(0, 1]"),
     ("deadline 0", {"json": {"text": "a", "deadline_ms": 0}}, 422, "deadline_ms"),
     ("negative deadline", {"json": {"text": "a", "deadline_ms": -5}}, 422, "deadline_ms"),
+    ("infinite deadline", {"content": b'{"text": "a", "deadline_ms": Infinity}',
+                           "headers": {"content-type": "application/json"}}, 422,
+     "deadline_ms"),
+    ("chunked body too large", {"content": iter([b'{"texts": ["' + b"a" * 3000,
+                                                 b'"]}'] * 2),
+                                "headers": {"content-type": "application/json"}}, 413,
+     "body of more than"),
     ("budget and deadline", {"json": {"text": "a", "budget": 1, "deadline_ms": 100}}, 422,
      "not both"),
     ("too many lines", {"json": {"texts": ["a"] * 9}}, 413, "limit is 8"),
@@ -163,8 +170,8 @@ def test_metrics_count_what_was_sent(serve_run, lines, tmp_path):
                       ).is_success
         assert s.post("/v1/translate", json={"text": 1}).status_code == 422
         assert s.post("/v1/translate", json={"text": "a", "budget": 0.7}).status_code == 422
-        assert s.metric("dynaseq_requests_total", endpoint="/v1/translate", status="200") == 4
-        assert s.metric("dynaseq_requests_total", endpoint="/v1/translate", status="422") == 2
+        assert s.metric("dynaseq_requests_total", endpoint="translate", status="200") == 4
+        assert s.metric("dynaseq_requests_total", endpoint="translate", status="422") == 2
         for path in ("/v1/a", "/v1/b"):  # paths not served share one label value
             assert s.post(path, json={"text": "a"}).status_code == 404
         assert s.metric("dynaseq_requests_total", endpoint="other", status="404") == 2

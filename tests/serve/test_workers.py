@@ -63,13 +63,13 @@ def test_two_workers_answer_as_offline_spread_and_sum_their_metrics(serve_run, o
         assert s.post("/v1/translate", json={"text": 1}).status_code == 422
         # /metrics, whichever worker answers it, counts both workers' requests
         deadline = time.monotonic() + 10
-        while s.metric("dynaseq_requests_total", endpoint="/v1/translate", status="200") < sent:
+        while s.metric("dynaseq_requests_total", endpoint="translate", status="200") < sent:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         for _ in range(4):  # the same sums from either worker
-            assert s.metric("dynaseq_requests_total", endpoint="/v1/translate",
+            assert s.metric("dynaseq_requests_total", endpoint="translate",
                             status="200") == sent
-            assert s.metric("dynaseq_requests_total", endpoint="/v1/translate",
+            assert s.metric("dynaseq_requests_total", endpoint="translate",
                             status="422") == 1
             assert s.metric("dynaseq_lines_total", endpoint="translate",
                             budget="0.5,0.5") == len(lines) + sent - 3

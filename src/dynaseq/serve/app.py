@@ -246,12 +246,12 @@ class BodyLimit:
 
         try:
             await self.app(scope, body_receive, app_send)
-        except _BodyRefused as e:
-            await self._refuse(scope, receive, send, e)
         except Exception:
             if seen["refused"] is None:
                 raise
-            await self._refuse(scope, receive, send, seen["refused"])  # re-raised as another
+        # the app may have answered the error itself (FastAPI: 400, dropped) or raised it
+        if seen["refused"] is not None:
+            await self._refuse(scope, receive, send, seen["refused"])
 
     @staticmethod
     async def _refuse(scope: dict, receive: Any, send: Any, e: _BodyRefused) -> None:
@@ -300,13 +300,14 @@ class InFlightLimit:
 
 
 class AccessLogMiddleware:
-    """ASGI middleware: times every request, counts it in ``dynaseq_requests`` (a ``/v1/``
-    path this server does not serve as ``other``: a client cannot add label values) and
-    writes its access-log line (with what the endpoint put in ``request.state.log``)."""
+    """ASGI middleware: times every request, counts it in ``dynaseq_requests`` under its
+    endpoint's name, as every metric names it (``translate``; a ``/v1/`` path this server
+    does not serve as ``other``: a client cannot add label values) and writes its
+    access-log line (with what the endpoint put in ``request.state.log``)."""
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app, self.state = app, state
-        self.served = {e.path for e in ep.TASK_ENDPOINTS[state.kind]}
+        self.served = {e.path: e.name for e in ep.TASK_ENDPOINTS[state.kind]}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -327,7 +328,7 @@ class AccessLogMiddleware:
             path = scope.get("path", "")
             info = scope["state"].get("log", {})
             if path.startswith("/v1/"):
-                self.state.metrics.requests.labels(path if path in self.served else "other",
+                self.state.metrics.requests.labels(self.served.get(path, "other"),
                                                    str(status["code"])).inc()
             if path not in ("/metrics", "/healthz", "/readyz") or status["code"] >= 400:
                 client = scope.get("client")

@@ -37,7 +37,7 @@ class _Budgeted(_Request):
         None, description="compute budget: a fraction for encoder and decoder alike, or an "
                           "[encoder, decoder] pair; a trained or calibrated one")
     deadline_ms: float | None = Field(
-        None, gt=0, description="answer within this many milliseconds: the server runs the "
+        None, gt=0, allow_inf_nan=False, description="answer within this many milliseconds: the server runs the "
                                 "largest budget predicted to make it")
 
     @field_validator("budget", mode="before")
@@ -93,7 +93,7 @@ class ClassifyRequest(_Request):
         None, description="encoder compute budget of a CCT classifier: a trained or "
                           "calibrated fraction in (0, 1]; a dense classifier takes none")
     deadline_ms: float | None = Field(
-        None, gt=0, description="answer within this many milliseconds: the server runs the "
+        None, gt=0, allow_inf_nan=False, description="answer within this many milliseconds: the server runs the "
                                 "largest budget predicted to make it (needs the run's "
                                 "latency table)")
     gamma: float | None = Field(
