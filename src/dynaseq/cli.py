@@ -1237,9 +1237,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve RUN over HTTP: translation runs POST /v1/translate, language "
                     "models POST /v1/generate and /v1/score, classification runs POST "
                     "/v1/classify; GET /healthz, /readyz, /metrics (Prometheus), /docs. "
-                    "Each request may carry a budget, a translation request a deadline_ms "
-                    "instead (needs RUN/latency_table.json from dynaseq profile RUN "
-                    "--latency-table). SIGTERM answers the requests in flight, then exits. "
+                    "Each request may carry a budget, or (translation and classification) "
+                    "a deadline_ms instead (needs RUN/latency_table.json from dynaseq "
+                    "profile RUN --latency-table). SIGTERM answers the requests in flight, then exits. "
                     "Example: dynaseq serve runs/demo/run --port 8000")
     from dynaseq.serve.config import BATCH_MARGINS, OVERLOAD_ACTIONS  # light: no server
 

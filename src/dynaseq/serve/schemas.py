@@ -174,10 +174,11 @@ class ErrorResponse(BaseModel):
     label of ``dynaseq_rejected_total``): ``"deadline"`` (no budget meets the deadline on
     arrival), ``"late"`` (admitted, then dropped: predicted late when its batch formed, or
     its deadline passed while the batch decoded), ``"queue"`` (the queue is full),
-    ``"draining"`` (the server is shutting down)."""
+    ``"busy"`` (``--max-in-flight`` requests already in flight), ``"draining"`` (the server
+    is shutting down)."""
 
     error: str
-    reason: Literal["deadline", "late", "queue", "draining"] | None = None
+    reason: Literal["deadline", "late", "queue", "busy", "draining"] | None = None
 
 
 def one_line(errors: list[dict[str, Any]]) -> str:
