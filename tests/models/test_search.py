@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -136,6 +138,31 @@ def test_a_sentence_past_its_expiry_is_dropped_and_the_others_are_unchanged():
         assert got[1] is None and got[3] is None  # expired after steps 3 and 1
         assert got[5] == free[5]  # it ended before its time
         assert [got[i] for i in (0, 2, 4)] == [free[i] for i in (0, 2, 4)]
+
+
+def test_a_sentence_whose_expiry_moves_to_minus_inf_is_dropped_at_that_step():
+    """An expiry may be a function read at every step (a server's row whose client went
+    away turns ``-inf``): that sentence gives None, the others what they give without it,
+    and no clock is read for it."""
+    m = model()
+    src = sources()
+    for search, kw in ((greedy_search, {}), (beam_search, {"beam": 3})):
+        free = search(m, src, max_len_a=0.0, max_len_b=12, **kw)
+        reads = [0]
+
+        def gone_after_two_steps() -> float:
+            reads[0] += 1
+            return -math.inf if reads[0] > 2 else math.inf
+
+        def no_clock() -> float:
+            raise AssertionError("the clock was read")
+
+        expires = [math.inf, gone_after_two_steps, *[math.inf] * (src.size(0) - 2)]
+        got = search(m, src, max_len_a=0.0, max_len_b=12, expires=expires, clock=no_clock,
+                     **kw)
+        assert got[1] is None and reads[0] == 3
+        assert [got[i] for i in range(src.size(0)) if i != 1] == [
+            free[i] for i in range(src.size(0)) if i != 1]
 
 
 def test_expiries_must_match_the_sentences():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import threading
@@ -351,3 +352,14 @@ def test_the_batch_thread_runs_at_a_lower_priority_than_the_event_loop():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
     with pytest.raises(ValueError, match="nice must be >= 0"):
         Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=4, nice=-1)
+
+
+def test_a_job_s_expiry_is_minus_inf_once_its_client_has_gone():
+    """What a decode reads at every step: a job whose client went away stops being
+    decoded at the next step, not at the end of its batch."""
+    job = Job(group="a", run=lambda jobs: None, payload=0, rows=1, endpoint="t")
+    assert job.expiry() == math.inf
+    job.expires = 12.5
+    assert job.expiry() == 12.5
+    job.cancel()
+    assert job.expiry() == -math.inf

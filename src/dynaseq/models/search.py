@@ -6,8 +6,10 @@ dropped from the batch (their rows are removed from every cache), so a batch cos
 unfinished sentences need.
 
 A search may also be given each sentence's expiry (``expires``, seconds on ``clock``, e.g. a
-server's deadline): a sentence still decoding when its expiry passes is dropped at the end
-of that step like a finished one, and its result is None (its answer would be late).
+server's deadline, or a function giving it at each step, e.g. ``-inf`` once the server's
+client has gone): a sentence still decoding when its expiry passes is dropped at the end
+of that step like a finished one, and its result is None (its answer would be late, or
+nobody would read it).
 
 Models only need ``encode(src, control=None) -> EncoderOutput``, ``init_state()`` (a state
 with ``reorder``, ``reorder_self`` and ``reorder_cross`` of batch rows, and optionally
@@ -18,6 +20,7 @@ beams share what is the same for all of them),
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -43,31 +46,37 @@ def max_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int, cap: int)
     return lengths.clamp(min=1, max=cap)
 
 
+Expires = float | Callable[[], float]
+"""A sentence's expiry: a time on the search's clock (``inf``: never), or a function giving
+it at each step (it may move, e.g. to ``-inf`` when nobody waits for the answer any more)."""
+
+
 class Expiry:
     """Which sentences of a search have run past their expiry.
 
-    expires: one time per sentence (seconds on ``clock``; ``inf``: never). :meth:`due`
-    reads the clock only while some active sentence can still expire, and compares
-    per sentence only once the earliest has passed.
+    expires: one :data:`Expires` per sentence. :meth:`due` reads the clock only while some
+    active sentence can expire (an expiry of ``-inf`` needs no clock), and compares per
+    sentence only once the earliest has passed.
     """
 
-    def __init__(self, expires: Sequence[float], clock: Callable[[], float]) -> None:
-        self.expires = [float(e) for e in expires]
+    def __init__(self, expires: Sequence[Expires], clock: Callable[[], float]) -> None:
+        self.expires = [e if callable(e) else float(e) for e in expires]
         self.clock = clock
 
     def due(self, active: list[int]) -> list[bool] | None:
         """For the sentences ``active`` (original indices): which have expired now (None:
         none has)."""
-        first = min((self.expires[i] for i in active), default=float("inf"))
-        if first == float("inf"):
+        times = [e() if callable(e) else e for e in (self.expires[i] for i in active)]
+        first = min(times, default=math.inf)
+        if first == math.inf:
             return None
-        now = self.clock()
+        now = -math.inf if first == -math.inf else self.clock()
         if now < first:
             return None
-        return [self.expires[i] <= now for i in active]
+        return [t <= now for t in times]
 
 
-def _expiry(expires: Sequence[float] | None, n: int,
+def _expiry(expires: Sequence[Expires] | None, n: int,
             clock: Callable[[], float]) -> Expiry | None:
     """The search's :class:`Expiry`; None when no sentence can expire (no per-step check)."""
     if expires is None:
@@ -75,7 +84,7 @@ def _expiry(expires: Sequence[float] | None, n: int,
     if len(expires) != n:
         raise ValueError(f"expires needs one time per sentence: {n} sentences, "
                          f"{len(expires)} times")
-    if all(e == float("inf") for e in expires):
+    if all(not callable(e) and e == math.inf for e in expires):
         return None
     return Expiry(expires, clock)
 
@@ -92,7 +101,7 @@ def _force_eos(logits: Tensor, eos_id: int, rows: Tensor) -> None:
 def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 10,
                   min_len: int = 0, max_positions: int = 1024,
                   control: Tensor | int | None = None, aux: object = None,
-                  tally: object = None, expires: Sequence[float] | None = None,
+                  tally: object = None, expires: Sequence[Expires] | None = None,
                   clock: Callable[[], float] = time.perf_counter,
                   on_done: Finished | None = None) -> list[list[int] | None]:
     """src (B, S) padded with ``model.pad_id`` -> one token list per sentence (no bos/eos);
@@ -188,7 +197,7 @@ def counted_greedy_search(model, src: Tensor,
 def beam_search(model, src: Tensor, beam: int = 4, length_penalty: float = 1.0,
                 max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
                 max_positions: int = 1024,
-                control: Tensor | int | None = None, expires: Sequence[float] | None = None,
+                control: Tensor | int | None = None, expires: Sequence[Expires] | None = None,
                 clock: Callable[[], float] = time.perf_counter,
                 on_done: Finished | None = None) -> list[list[int] | None]:
     """Batched beam search; src (B, S) -> best hypothesis per sentence (no bos/eos); None

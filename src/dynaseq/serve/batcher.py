@@ -126,8 +126,17 @@ class Job:
         _deliver(self, result=result)
 
     def cancel(self) -> None:
-        """The client went away: drop the job if it has not started."""
+        """The client went away: drop the job if it has not started; a decode that has
+        drops its lines at its next step (:meth:`expiry`)."""
         self.cancelled = True
+
+    def expiry(self) -> float:
+        """When decoding the job's lines stops being worth it (``time.perf_counter()``
+        seconds, read at every step of a decode): ``-inf`` once its client has gone, else
+        its :attr:`expires` (``inf``: never)."""
+        if self.cancelled:
+            return -math.inf
+        return math.inf if self.expires is None else self.expires
 
     def work(self, default: tuple[float, float] = (1.0, 1.0)) -> Work:
         """The job as the deadline policy counts it: its budget (``default`` when it has

@@ -24,7 +24,6 @@ a pair as a list and a single fraction as a number (:func:`budget_json`).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -335,8 +334,7 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
         for k, job in enumerate(jobs):
             if left[k] == 0:  # only empty lines
                 job.settle(result(k))
-    expires = [job.expires if job.expires is not None else math.inf
-               for job in jobs for _ in range(job.rows)]
+    expires = [job.expiry for job in jobs for _ in range(job.rows)]  # read at every step
     hyps = decode_corpus(t.model, src, beam=beam, length_penalty=d.length_penalty,
                          max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                          batch_size=max(len(src), 1), device=t.device, control=control,
@@ -344,8 +342,8 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
                          expires=[expires[i] for i in keep],
                          on_done=on_done if per_line else None)
     for j, h in enumerate(hyps):
-        if h is None:  # expired while decoding: its job gets a 503, the others answers
-            job = jobs[owner[keep[j]]]
+        job = jobs[owner[keep[j]]]
+        if h is None and not job.cancelled:  # expired while decoding: a 503, others answer
             job.shed = Shed(f"the deadline of {job.deadline_ms:g} ms passed while the "
                             "batch was decoding", retry_after_s)
     if not per_line:  # beam search with gates that decide: one pass over what finished

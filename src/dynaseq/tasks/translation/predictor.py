@@ -35,6 +35,7 @@ from dynaseq.metrics.macs import pair_macs, ptr
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import (
     Counted,
+    Expires,
     beam_search,
     counted_greedy_search,
     greedy_search,
@@ -156,7 +157,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   control: Control = None, progress: bool = False,
                   lean: LeanDecoder | None = None,
                   on_batch: BatchCounts | None = None,
-                  expires: Sequence[float] | None = None,
+                  expires: Sequence[Expires] | None = None,
                   on_done: Callable[[LinesDone], None] | None = None
                   ) -> list[list[int] | None]:
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
@@ -167,8 +168,9 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     the searches then run instead of the model's general one (same tokens, less work).
     ``on_batch``: greedy decoding through ``lean`` only: called after each batch with what
     its decode ran (:data:`BatchCounts`).
-    ``expires``: one time per sentence (``time.perf_counter()`` seconds; ``inf``: never);
-    a sentence still decoding then is dropped and gives None
+    ``expires``: one time per sentence (``time.perf_counter()`` seconds; ``inf``: never),
+    or a function giving it at each step (:data:`~dynaseq.models.search.Expires`); a
+    sentence still decoding then is dropped and gives None
     (:func:`~dynaseq.models.search.greedy_search`).
     ``on_done``: called as sentences finish (:class:`LinesDone`), before their batch ends.
     A beam wider than the vocabulary, or a length penalty that would overflow, is a
