@@ -150,7 +150,7 @@ def test_a_sentence_whose_expiry_moves_to_minus_inf_is_dropped_at_that_step():
         free = search(m, src, max_len_a=0.0, max_len_b=12, **kw)
         reads = [0]
 
-        def gone_after_two_steps() -> float:
+        def gone_after_two_steps(reads: list[int] = reads) -> float:
             reads[0] += 1
             return -math.inf if reads[0] > 2 else math.inf
 
