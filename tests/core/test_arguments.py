@@ -1,4 +1,5 @@
-"""The argument checks of the public API take numpy's and torch's numbers as Python's."""
+"""The argument checks of the public API take numpy's integers and numbers as Python's (a
+budget also a torch scalar: ``tests/tasks/test_translator_arguments.py``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from dynaseq.core.config import from_dict, save_config
+from dynaseq.core.config import from_dict, read_yaml, save_config
 from dynaseq.core.errors import ConfigError
 from dynaseq.metrics import count_macs
 from dynaseq.tasks.registry import load_config
@@ -125,6 +125,11 @@ def test_bad_yaml_files(tmp_path):
     bad.write_text("train:\n  lr: 0.1\n  warmup_steps: 5\n  lr: 0.2\n")  # PyYAML: the last
     with pytest.raises(ConfigError, match=r"not valid YAML: duplicate key 'lr' .* line 4"):
         load_config(bad)
+    merged = tmp_path / "merged.yaml"  # a merge key is not a duplicate; its keys give way
+    merged.write_text("base: &b {lr: 0.1, warmup_steps: 7}\n")
+    assert read_yaml(merged)["base"]["lr"] == 0.1
+    merged.write_text("b: &b {lr: 0.1, warmup_steps: 7}\nt: {<<: *b, lr: 0.2}\n")
+    assert read_yaml(merged)["t"] == {"lr": 0.2, "warmup_steps": 7}
     bad.write_text("train:\n  lr: 0.1\nmodel:\n  lr: 0.1\n")  # the same key, two mappings
     with pytest.raises(ConfigError, match="unknown"):
         load_config(bad)

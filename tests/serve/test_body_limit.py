@@ -27,6 +27,12 @@ def _app(seen: dict) -> FastAPI:
         seen["answered"] = True
         return {"bytes": len(body)}
 
+    @app.post("/wait")  # reads the body, then waits for the client to go (no time limit)
+    async def wait(request: Request) -> dict:
+        body = await request.body()
+        seen["after_body"] = (await request.receive())["type"]
+        return {"bytes": len(body)}
+
     @app.post("/parsed")  # FastAPI reads the body itself (a failed read answers 400)
     async def parsed(body: Echo) -> dict:
         seen["answered"] = True
@@ -100,6 +106,6 @@ def test_a_stalled_body_is_refused_after_the_timeout_but_a_waiting_client_is_not
     assert (status, answer) == (408, {"error": "the request body stalled: no bytes for "
                                                "0.05 s"})
     assert "answered" not in seen
-    # once the body is in, waiting for the answer (or a disconnect) has no time limit
-    status, answer, _ = _call([b"a" * 10], limit=100, timeout_s=0.05)
-    assert (status, answer) == (200, {"bytes": 10})
+    # once the body is in, waiting for a disconnect (0.15 s here) has no time limit
+    status, answer, seen = _call([b"a" * 10], limit=100, timeout_s=0.05, path="/wait")
+    assert (status, answer, seen["after_body"]) == (200, {"bytes": 10}, "http.disconnect")

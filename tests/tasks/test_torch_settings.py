@@ -109,3 +109,25 @@ def test_a_run_loads_as_trained_whatever_the_default_dtype(cct_run, default):
         assert t.translate(LINES, budget=BUDGETS) == plain
     finally:
         torch.set_default_dtype(before)
+
+
+def test_weights_loaded_anew_inside_inference_mode_are_used(cct_run):
+    """A run loaded inside the caller's inference mode has normal tensors (version counters),
+    so new weights loaded in place are seen by the lean decoder's copies; a model built of
+    inference tensors is never taken as unchanged."""
+    from dynaseq.nn.versions import unchanged, versions_of
+
+    with torch.inference_mode():
+        t = Translator.load(cct_run[0])
+        before = t.translate(LINES, budget=BUDGETS)
+        assert not any(p.is_inference() for p in t.model.parameters())
+        state = {k: v + 0.05 if v.is_floating_point() else v
+                 for k, v in t.model.state_dict().items()}
+        t.model.load_state_dict(state)
+        after = t.translate(LINES, budget=BUDGETS)
+        fresh = Translator.load(cct_run[0])
+        fresh.model.load_state_dict(state)
+        assert after == fresh.translate(LINES, budget=BUDGETS)
+        assert after != before
+        made = torch.ones(3)  # an inference tensor
+    assert not unchanged([made], versions_of([made]))

@@ -128,7 +128,8 @@ def test_numpy_and_torch_numbers_are_taken_as_python_numbers(cct_run):
     t = Translator.load(cct_run[0])
     lines = ["kalo mintu sum 3 4 end", "sum 1 2 end", "rev 5 6 7 end"]
     want = t.translate(lines, budget=0.5, beam=2, batch_size=2)
-    for budget in (np.float32(0.5), torch.tensor(0.5), (np.float64(0.5), 0.5)):
+    for budget in (np.float32(0.5), torch.tensor(0.5), (np.float64(0.5), 0.5),
+                   np.array([0.5, 0.5]), torch.tensor([0.5, 0.5])):
         assert t.translate(lines, budget=budget, beam=np.int64(2),
                            batch_size=np.int32(2)) == want
     assert t.translate(lines, budget=[np.float32(1), 0.5, (1.0, np.float32(0.33))]) == [

@@ -198,20 +198,21 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
-def scheduled_checkpoints(run_dir: str | Path, every: int = 1) -> list[Path]:
-    """The step checkpoints a run never stopped would hold, oldest first: those on the
-    schedule (a step that is a multiple of ``every``) and the latest. An off-schedule one (a
-    signal's, a time limit's, an epoch end's) that a resumed run has gone past is left out,
-    so stopping and resuming changes neither which checkpoints are kept nor their average."""
+def scheduled_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The step checkpoints a run never stopped would hold, oldest first: those written on
+    the schedule (their ``meta.json`` has ``"scheduled": true``, or no such key) and the
+    latest. An off-schedule one (a signal's or a time limit's) that a resumed run has gone
+    past is left out, so stopping and resuming changes neither which checkpoints are kept
+    nor their average (a changed ``save_every`` changes nothing already written)."""
     ckpts = list_checkpoints(run_dir)
     return [p for i, p in enumerate(ckpts)
-            if int(p.name[len(_PREFIX):]) % every == 0 or i == len(ckpts) - 1]
+            if i == len(ckpts) - 1 or read_meta(p).get("scheduled", True)]
 
 
-def prune_checkpoints(run_dir: str | Path, keep_last: int, every: int = 1) -> None:
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
     """Delete every step checkpoint but the last ``keep_last`` of
-    :func:`scheduled_checkpoints` (``every``: the save schedule)."""
-    kept = set(scheduled_checkpoints(run_dir, every)[-keep_last:])
+    :func:`scheduled_checkpoints`."""
+    kept = set(scheduled_checkpoints(run_dir)[-keep_last:])
     for old in list_checkpoints(run_dir):
         if old not in kept:
             shutil.rmtree(old, ignore_errors=True)

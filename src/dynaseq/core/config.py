@@ -272,6 +272,8 @@ class _UniqueKeys(yaml.SafeLoader):
 def _mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *base, expanded by PyYAML below
+            continue
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, Hashable):
             continue  # construct_mapping refuses it below

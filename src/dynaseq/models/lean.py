@@ -70,7 +70,7 @@ from dynaseq.nn.lean_step import (
     uniform_offset,
 )
 from dynaseq.nn.outputs import AuxOutputs
-from dynaseq.nn.versions import versions_of
+from dynaseq.nn.versions import unchanged, versions_of
 
 
 @dataclass(frozen=True)
@@ -242,8 +242,8 @@ class LeanDecoder:
         return (self._modules == _decoder_modules(model) + layer_modules(model.encoder.layers)
                 and all(a is b for a, b in zip(output, self._sources[-len(output):],
                                                strict=True))
-                and versions_of(self._sources + self._enc_sources)
-                == self._versions + self._enc_versions)
+                and unchanged(self._sources + self._enc_sources,
+                              self._versions + self._enc_versions))
 
     def encode(self, src: Tensor, control: object = None,
                aux: AuxOutputs | None = None) -> EncoderOutput:

@@ -54,7 +54,7 @@ import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lea
 from dynaseq.models.encoder import Control, EncoderModel, EncoderModelOutput
 from dynaseq.nn import AuxOutputs, EncoderLayer
 from dynaseq.nn.lean_step import Norm, StepTally, lean_part, uniform_offset
-from dynaseq.nn.versions import versions_of
+from dynaseq.nn.versions import unchanged, versions_of
 
 Counts = dict[str, Tensor]
 """One layer application's per-row counts of open gates: ``NAME.q``, ``NAME.kv`` ``(B,)``
@@ -208,7 +208,7 @@ class LeanEncoder:
         """False once a copied weight changed in place (its version counter moved) or a
         layer module was replaced."""
         return (self._modules == layer_modules(self.model.encoder.layers)
-                and versions_of(self._sources) == self._versions)
+                and unchanged(self._sources, self._versions))
 
     @torch.inference_mode()
     def encode(self, tokens: Tensor, segments: Tensor | None = None, control: Control = None,

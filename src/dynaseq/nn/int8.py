@@ -229,6 +229,8 @@ class Int8Linear(nn.Module):
 
     def _packed_for(self, w: Tensor, s: Tensor) -> Int8Packed:
         key = (w.data_ptr(), version_of(w), s.data_ptr(), version_of(s))
+        if None in key:  # inference tensors: a change is not seen, so nothing is kept
+            return pack_int8(w, s)
         cached = self._packed
         if cached is None or cached[0] != key:
             cached = self._packed = (key, pack_int8(w, s))

@@ -1,7 +1,8 @@
 """The FastAPI application of ``dynaseq serve``: one loaded predictor, its task's endpoints
 (:data:`~dynaseq.serve.endpoints.TASK_ENDPOINTS`), ``/healthz``, ``/readyz``, ``/metrics``.
 
-Every refusal is ``{"error": "one line"}``: 400 malformed JSON or an empty body, 413 a body,
+Every refusal is ``{"error": "one line"}``: 400 malformed JSON or an empty body, 408 a body
+that stalls (``--body-timeout-s``), 413 a body (measured as it arrives, chunked or not),
 line count, line or token count over its limit, 422 a wrong type, an unknown field, an
 untrained budget (naming the trained ones), a budget for a model without one, a deadline
 <= 0 or one this run cannot plan, a line the task cannot read, 503 with ``Retry-After``
@@ -198,8 +199,8 @@ class BodyLimit:
     do not arrive within ``timeout_s`` seconds 408. A ``Content-Length`` over the limit is
     refused before the body is read; a chunked body (or one longer than it said) is counted
     as it arrives and refused at the first chunk past the limit, so no more of it is read
-    or parsed. The refusal replaces whatever the app would answer (it sees the body end in
-    an error and answers nothing)."""
+    or parsed. The refusal replaces whatever the app answers (it sees the body end in an
+    error and answers 400 or 500, which is dropped)."""
 
     def __init__(self, app: Any, limit: int, timeout_s: float) -> None:
         self.app, self.limit, self.timeout_s = app, limit, timeout_s
@@ -227,7 +228,7 @@ class BodyLimit:
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), self.timeout_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not on 3.10
                 seen["refused"] = _BodyRefused(408, f"the request body stalled: no bytes for "
                                                     f"{self.timeout_s:g} s")
                 raise seen["refused"] from None
@@ -353,10 +354,6 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
         t0 = request.state.t0 if hasattr(request.state, "t0") else time.perf_counter()
         log = {"lines": len(body.lines)}
         request.state.log = log
-        raw = await request.body()
-        if len(raw) > state.config.max_body_bytes:
-            return _refuse(state, endpoint, log, 413, f"body of {len(raw)} bytes; the limit "
-                           f"is {state.config.max_body_bytes}")
         if state.draining:
             return _refuse(state, endpoint, log, 503, "the server is shutting down",
                            retry=state.config.retry_after_min_s, reason="draining")
@@ -486,7 +483,8 @@ def build_app(state: ServeState) -> Any:
     app = FastAPI(title="dynaseq serve", lifespan=lifespan,
                   description="A budget-aware inference server: each request carries its "
                               "compute budget or its deadline.")
-    errors = {400: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
+    errors = {400: {"model": ErrorResponse}, 408: {"model": ErrorResponse},
+              413: {"model": ErrorResponse},
               422: {"model": ErrorResponse}, 500: {"model": ErrorResponse},
               503: {"model": ErrorResponse}}
     for endpoint in ep.TASK_ENDPOINTS[state.kind]:

@@ -97,7 +97,11 @@ def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
             lifespan="on", timeout_graceful_shutdown=None))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except SystemExit as e:  # uvicorn exits 3 when the app fails to start, 1 to listen
+            raise DynaseqError(f"the server on {config.host}:{config.port} failed to start "
+                               f"(status {e.code}; the reason is above)") from None
     finally:
         sock.close()
     if not server.started:
@@ -109,7 +113,10 @@ def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
 def bind(config: ServeConfig) -> socket.socket:
     """A socket bound to ``config.host``/``config.port`` (not yet listening: connections are
     refused until the server is warm and serves); a DynaseqError naming the address and the
-    reason when it cannot be bound (in use, not this machine's, no permission)."""
+    reason when it cannot be bound (in use, not this machine's, no permission). Bound with
+    ``SO_REUSEADDR``, as uvicorn binds (a restart need not wait out the old connections),
+    two servers started at once on one port can both bind; the second then fails when it
+    starts listening, after loading, with one error line."""
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     sock = socket.socket(family=family)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

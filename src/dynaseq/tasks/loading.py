@@ -91,14 +91,16 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
         check(run, cfg)
 
     def from_checkpoint(path: Path) -> P:
-        # float32, as trained and saved, whatever torch's default dtype (precision= casts)
-        model, placed = weights(build(cfg, vocab).float(), path, dev)
-        if dtype != torch.float32:
-            if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8
-                   for t in model.state_dict().values()):
-                raise DynaseqError(f"{path}: an int8 model runs in int8; precision {precision} "
-                                   "is for a float model")
-            model = model.to(dtype)
+        # float32, as trained and saved, whatever torch's default dtype (precision= casts);
+        # outside inference mode, so a copy of a weight sees a later change to it
+        with torch.inference_mode(False):
+            model, placed = weights(build(cfg, vocab).float(), path, dev)
+            if dtype != torch.float32:
+                if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8
+                       for t in model.state_dict().values()):
+                    raise DynaseqError(f"{path}: an int8 model runs in int8; precision "
+                                       f"{precision} is for a float model")
+                model = model.to(dtype)
         return make(LoadedRun(run, cfg, vocab, model, path, placed))
 
     return load_resolved(run, checkpoint, from_checkpoint)

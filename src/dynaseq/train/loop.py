@@ -95,10 +95,11 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     if cfg.train.tensorboard:
         check_tensorboard()  # before anything is written
     created = not run_dir.exists()  # a refused new run leaves no directory behind
-    if not created:  # refused before the lock file is written (and again under the lock)
-        _check_fits(run_dir, cfg)
-    lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before writing anything
+    lock = None
     try:
+        if not created:  # refused before the lock file is written (and again under the lock)
+            _check_fits(run_dir, cfg)
+        lock = RunDirLock(run_dir).acquire() if env.is_main else None  # before any write
         latest = _check_fits(run_dir, cfg)
         log = RunLog(run_dir / "log.jsonl", False)  # held until the run is accepted
         task.prepare(env, device, log)
@@ -155,10 +156,12 @@ def _check_same_tokenizer(run_dir: Path, cfg: Any) -> None:
     """Refuse a config whose tokenizer settings (:data:`TOKENIZER_KEYS`) differ from the run's
     ``config.yaml``: its tokenizer is trained and kept, so the new values would be recorded
     but not used."""
-    if not (run_dir / "config.yaml").is_file():
+    given_all = to_dict(cfg)
+    if not (run_dir / "config.yaml").is_file() or (given_all.get("train") or {}).get(
+            "init_from") is not None:  # fine-tuning takes the pre-trained run's tokenizer
         return
     saved = read_yaml(run_dir / "config.yaml").get("data") or {}
-    given = to_dict(cfg).get("data") or {}
+    given = given_all.get("data") or {}
     for key in TOKENIZER_KEYS:
         if key in saved and key in given and saved[key] != given[key]:
             raise ConfigError(f"data.{key}={given[key]} differs from the run's {saved[key]}, "
@@ -230,17 +233,19 @@ class _Trainer:
         self.run.log.write("resume", step=state.step, path=str(latest))
         return state
 
-    def _save(self, metrics: dict[str, float]) -> None:
+    def _save(self, metrics: dict[str, float], scheduled: bool = True) -> None:
+        """A step checkpoint; ``scheduled``: one a run never stopped writes too (not a
+        signal's or a time limit's: :func:`~dynaseq.core.checkpoint.scheduled_checkpoints`)."""
         if self.main:
             s, run = self.state, self.run
             meta = {"step": s.step, "epoch": s.epoch, "metrics": metrics,
-                    "config": to_dict(self.task.cfg)}
+                    "config": to_dict(self.task.cfg), "scheduled": scheduled}
             trainer = {"optimizer": self.optimizer.state_dict(),
                        "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
                        "state": asdict(s), **self.task.trainer_state()}
             path = ckpt.write_checkpoint(ckpt.step_dir(run.run_dir, s.step), self.task.model,
                                          meta, trainer)
-            ckpt.prune_checkpoints(run.run_dir, self.tc.keep_last, self.tc.save_every)
+            ckpt.prune_checkpoints(run.run_dir, self.tc.keep_last)
             run.log.write("checkpoint", step=s.step, path=str(path))
         barrier(self.run.env)
 
@@ -340,7 +345,7 @@ class _Trainer:
                     if s.step % tc.valid_every == 0 or last or flag:
                         metrics = self._validate_and_keep_best()
                     if s.step % tc.save_every == 0 or last or flag:
-                        self._save(metrics)
+                        self._save(metrics, scheduled=s.step % tc.save_every == 0 or last)
                     if flag:
                         stop_reason = "signal" if stop.signum is not None else "max_minutes"
                         break
@@ -355,8 +360,7 @@ class _Trainer:
                 metrics = self._validate_and_keep_best()
                 self._save(metrics)
             if tc.average_last_k and self.main and stop_reason != "signal":
-                recent = ckpt.scheduled_checkpoints(run.run_dir,
-                                                    tc.save_every)[-tc.average_last_k:]
+                recent = ckpt.scheduled_checkpoints(run.run_dir)[-tc.average_last_k:]
                 ckpt.average_checkpoints(recent, run.run_dir / "averaged")
                 run.log.write("average", checkpoints=[p.name for p in recent])
             run.log.write("stop", reason=stop_reason, step=s.step, elapsed_s=s.elapsed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -294,10 +295,11 @@ def control_for_budget(cfg: ModelConfig, budget: Budget = None) -> int | None:
 
 def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
     """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats, each in (0, 1]."""
+    one = isinstance(budget, numbers.Real) or (isinstance(budget, torch.Tensor)
+                                               and budget.dim() == 0)  # numpy's, torch's
     try:
-        pair = ((as_real(budget),) * 2 if not isinstance(budget, tuple | list)
-                else tuple(as_real(b) for b in budget))  # one number: numpy's, torch's too
-    except (TypeError, ValueError):
+        pair = (as_real(budget),) * 2 if one else tuple(as_real(b) for b in budget)
+    except (TypeError, ValueError, RuntimeError):
         raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got "
                            f"{budget!r}") from None
     if len(pair) != 2:

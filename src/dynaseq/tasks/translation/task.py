@@ -98,6 +98,12 @@ class TranslationTask:
                            TECHNIQUE_TRAINING.items() if getattr(cfg.model, name) is not None]
         self.last_step = 0  # the last update's step (set by update), for keeps_best
         self.model: nn.Module | None = None
+        spm_path = self.run_dir / "spm.model"
+        if spm_path.is_file():  # a tokenizer left by another config: refused, nothing written
+            pieces = Tokenizer.load(spm_path).vocab_size
+            if pieces > cfg.data.vocab_size:
+                raise ConfigError(f"{spm_path} holds {pieces} pieces, more than "
+                                  f"data.vocab_size={cfg.data.vocab_size} (use a new run_dir)")
 
     def prepare(self, env: DistEnv, device: torch.device, log: RunLog) -> None:
         cfg = self.cfg
@@ -111,9 +117,6 @@ class TranslationTask:
                             cfg.data.spm_model_type, cfg.data.character_coverage)
         barrier(env)
         tok = Tokenizer.load(spm_path)
-        if tok.vocab_size > cfg.data.vocab_size:  # a tokenizer left by another config
-            raise ConfigError(f"{spm_path} holds {tok.vocab_size} pieces, more than "
-                              f"data.vocab_size={cfg.data.vocab_size} (use a new run_dir)")
         train, stats = make_corpus(tok.encode(src_lines), tok.encode(tgt_lines),
                                    cfg.data.max_len, cfg.data.long_lines)
         if len(train) == 0:

@@ -12,7 +12,7 @@ import json
 import warnings
 from pathlib import Path
 
-from dynaseq.core.checkpoint import WEIGHTS, read_meta
+from dynaseq.core.checkpoint import META, WEIGHTS, read_meta
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, sha256_file
 from dynaseq.techniques.cct.calibration import BudgetCalibration
@@ -31,7 +31,8 @@ def checkpoint_id(run: Path, ckpt: Path) -> str:
 def weights_digest(ckpt: Path) -> str | None:
     """The SHA-256 of checkpoint ``ckpt``'s weights: the one its ``meta.json`` records (which
     loading checks against the file), else the file's own; None without a weights file."""
-    recorded = (read_meta(ckpt).get("sha256") or {}).get(WEIGHTS)
+    recorded = ((read_meta(ckpt).get("sha256") or {}).get(WEIGHTS)
+                if (ckpt / META).is_file() else None)
     if recorded is not None:
         return recorded
     return sha256_file(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
