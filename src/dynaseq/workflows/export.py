@@ -92,13 +92,27 @@ def model_card(cfg: Any, meta: dict[str, Any], run: Path, ckpt: Path, n_params: 
                   *(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}"
                     for k, v in metrics.items())]
     if technique == "cct":
-        lines += ["", "## Budgets", "", "Trained (encoder, decoder) budgets: " + ", ".join(
-            f"({e:g}, {d:g})" for e, d in cfg.model.cct.controls) + "."]
+        trained = cfg.model.cct.controls  # (encoder, decoder) pairs; an encoder's fractions
+        parts = "(encoder, decoder) " if trained and _is_pair(trained[0]) else "encoder "
+        lines += ["", "## Budgets", "", f"Trained {parts}budgets: " + ", ".join(
+            _budget_text(b) for b in trained) + "."]
         for c in (calibration or {}).get("budgets", []):
             realized = ", ".join(f"{k} {v:.3f}" for k, v in c["realized"].items())
-            lines.append(f"- calibrated ({c['budget'][0]:g}, {c['budget'][1]:g}): realized "
-                         f"compute {realized} (gate offsets {c['offsets']})")
+            lines.append(f"- calibrated {_budget_text(c['budget'])}: realized compute "
+                         f"{realized} (gate offsets {c['offsets']})")
     return "\n".join(lines) + "\n"
+
+
+def _is_pair(budget: object) -> bool:
+    return isinstance(budget, list | tuple) and len(budget) > 1
+
+
+def _budget_text(budget: float | list[float] | tuple[float, ...]) -> str:
+    """``0.5`` or ``[0.5]`` -> ``0.5``; ``(1, 0.33)`` -> ``(1, 0.33)``."""
+    if not isinstance(budget, list | tuple):
+        return f"{budget:g}"
+    return f"{budget[0]:g}" if len(budget) == 1 else "(" + ", ".join(
+        f"{b:g}" for b in budget) + ")"
 
 
 def export_model(run_dir: str | Path, out_dir: str | Path,

@@ -254,6 +254,14 @@ def test_cct_bert_finetunes_and_reports_realized_compute(tmp_path, text_corpus, 
     mixed = c.classify(lines, budget=[0.4, 0.2, 0.8])  # calibrated and trained rows mixed
     assert mixed == [c.classify([line], budget=b)[0]
                      for line, b in zip(lines, [0.4, 0.2, 0.8], strict=True)]
+    # exported with its encoder budgets (the model card took them for translation pairs)
+    from dynaseq.workflows.export import export_model
+
+    export_model(run, tmp_path / "exported")
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert "Trained encoder budgets: 0.8, 0.5, 0.33, 0.2." in card
+    assert "- calibrated 0.4: realized compute encoder" in card
+    assert dynaseq.load(tmp_path / "exported").classify(lines, budget=[0.4, 0.2, 0.8]) == mixed
     # the lean pass's batches count what the model's own pass counts one row at a time
     c.fast_encode = False
     one_at_a_time = c.calibrate(sst2_small["dev"], [0.4, 0.5], lines=30, tol=0.02)
