@@ -112,6 +112,19 @@ def test_vocab_size_must_leave_room_after_the_special_ids(config, reserved):
         load_config(path, [f"data.vocab_size={reserved}"])
 
 
+def test_numbers_in_exponent_form_are_numbers(tmp_path):
+    """YAML 1.2 reads ``3e-3`` as a number; PyYAML (1.1) read a string, refused as "expected
+    a number" in a config file and in an override alike."""
+    cfg = load_config(None, ["train.lr=3e-3", "train.adam_eps=1E-9", "train.clip_norm=+2e0"])
+    assert (cfg.train.lr, cfg.train.adam_eps, cfg.train.clip_norm) == (3e-3, 1e-9, 2.0)
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 5e-4\n")
+    assert load_config(path).train.lr == 5e-4
+    with pytest.raises(ConfigError, match="expected an integer, got 1000.0"):
+        load_config(None, ["train.warmup_steps=1e3"])  # a number, but not an integer
+    assert read_yaml(path) == {"train": {"lr": 5e-4}}
+
+
 def test_bad_yaml_files(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")

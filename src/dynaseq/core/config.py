@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Hashable, Mapping
@@ -256,7 +257,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, text = item.split("=", 1)
         try:
-            value = yaml.safe_load(text) if text != "" else ""
+            value = yaml.load(text, Loader=_UniqueKeys) if text != "" else ""  # noqa: S506
         except yaml.YAMLError:
             value = text
         _set_dotted(raw, key.strip(), value)
@@ -266,7 +267,14 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 class _UniqueKeys(yaml.SafeLoader):
     """PyYAML's safe loader refusing a key given twice in one mapping (PyYAML keeps the last
     one silently and has no option for this, hence by hand): a config that sets
-    ``train.lr`` twice is a mistake to report, not a value to guess."""
+    ``train.lr`` twice is a mistake to report, not a value to guess. It also reads
+    ``3e-3`` as the number YAML 1.2 and every user mean (PyYAML, YAML 1.1, wants a dot:
+    ``3.0e-3``, and gave the string ``"3e-3"``, refused as "expected a number")."""
+
+
+_UniqueKeys.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 
 
 def _mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
