@@ -262,3 +262,36 @@ def test_an_empty_run_dir_is_refused_not_the_working_directory(trained_run, tmp_
     assert main(["train", str(trained_run / "config.yaml"), "--run-dir", "yes",
                  "--print-config"]) == 0
     assert "run_dir: 'yes'" in capsys.readouterr().out
+
+
+def test_an_empty_output_path_and_a_target_past_the_positions_are_refused(trained_run,
+                                                                          cct_run, tmp_path,
+                                                                          monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "in.txt"
+    src.write_text("kalo sum 3 4 end\n")
+    for args in (["translate", str(trained_run), "-i", str(src), "-o", ""],
+                 ["analyze", str(cct_run[0]), "--src", str(src), "--out", ""]):
+        assert main(args) == 2
+        assert "an output path must not be empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+    cfg = Translator.load(trained_run).config.model
+    assert main(["profile", str(trained_run), "--src-len", "5", "--tgt-len",
+                 str(cfg.max_positions), "--repeats", "1"]) == 2
+    assert "(--src-len, or --tgt-len + 1 for the decoder's bos) exceed" in (
+        capsys.readouterr().err)
+
+
+def test_the_demo_refuses_a_run_directory_as_its_folder(trained_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = _snapshot(run)
+    assert main(["demo", "--out", str(run)]) == 2
+    assert "is a run or model directory (config.yaml)" in capsys.readouterr().err
+    assert _snapshot(run) == before
+
+
+def test_branch_usage_is_for_branching_models(trained_run):
+    with pytest.raises(DynaseqError, match="branch_usage is for DMB and MoE models; this is a "
+                                           "dense model"):
+        Translator.load(trained_run).branch_usage(["kalo end"], ["kalo end"])

@@ -59,6 +59,8 @@ def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = No
 
     if out is None or out == "-":
         return
+    if not out.strip():
+        raise DynaseqError("an output path must not be empty")
     if not folder and Path(out).is_dir():
         raise DynaseqError(f"the output {out} is a directory: give a file")
     for inp in inputs:
@@ -255,9 +257,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
     _refuse_exit(args)
-    longest = max(args.src_len, args.tgt_len)
+    longest = max(args.src_len, args.tgt_len + 1)  # the decoder reads bos + the target
     if longest > model_cfg.max_positions:
-        raise DynaseqError(f"profile: {longest} positions exceed the model's max_positions="
+        raise DynaseqError(f"profile: {longest} positions (--src-len, or --tgt-len + 1 for "
+                           f"the decoder's bos) exceed the model's max_positions="
                            f"{model_cfg.max_positions}")
     with budget_ctx as control:
         result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
@@ -445,6 +448,11 @@ def cmd_average(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dynaseq.workflows.demo import run_demo
 
+    _check_output(args.out, folder=True)
+    for held in ("config.yaml", "config.json"):  # the demo's folder holds data/ and run/
+        if (Path(args.out) / held).is_file():
+            raise DynaseqError(f"--out {args.out} is a run or model directory ({held}): give "
+                               "the demo a folder of its own")
     run_demo(args.out, train_new=args.train, minutes=args.minutes, steps=args.steps,
              seed=args.seed, progress=not args.quiet)
     return 0

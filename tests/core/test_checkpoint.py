@@ -193,3 +193,25 @@ def test_a_checkpoint_is_named_by_its_step_or_a_path_inside_the_run(trained_run,
     line = ["kalo sum 3 4 end"]
     assert (dynaseq.load(trained_run, checkpoint=20).translate(line)
             == dynaseq.load(trained_run, checkpoint="latest").translate(line))
+
+
+def test_an_atomic_write_gets_the_mode_a_plain_write_gets(tmp_path):
+    """0666 less the umask (it was mkstemp's 0600: unreadable to a server of another user),
+    and an existing file keeps its own."""
+    import os
+    import stat
+
+    from dynaseq.core.files import atomic_write
+
+    old = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "new.txt", "x")
+        assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o644
+        (tmp_path / "kept.txt").write_text("old")
+        os.chmod(tmp_path / "kept.txt", 0o640)
+        atomic_write(tmp_path / "kept.txt", "new")
+        assert stat.S_IMODE((tmp_path / "kept.txt").stat().st_mode) == 0o640
+        assert (tmp_path / "kept.txt").read_text() == "new"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt", "new.txt"]
+    finally:
+        os.umask(old)

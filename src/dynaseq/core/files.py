@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
+import secrets
+import stat
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
@@ -28,14 +29,20 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
     """Write ``data`` (str as UTF-8) to ``path`` so that a reader sees the old file or the
     whole new one, never a part: written to a temporary sibling, flushed to disk, then
     renamed over ``path``. The temporary file is removed if anything fails (a full disk),
-    and the old file stays. Parent folders are created. Raises OSError as the OS reports it.
+    and the old file stays. Parent folders are created. The file gets the mode a plain
+    ``open(path, "w")`` gives (0666 less the umask; an existing file's own mode): not
+    ``mkstemp``'s 0600, which no server or job of another user could read. Raises OSError
+    as the OS reports it.
     """
     p = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{p.name}-", dir=p.parent)
+    tmp = p.parent / f".tmp-{p.name}-{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     try:
         with os.fdopen(fd, "wb") as f:
+            with contextlib.suppress(FileNotFoundError):  # an existing file keeps its mode
+                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(p).st_mode))
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.progress import progress_bar
 from dynaseq.data import write_lines
 from dynaseq.tasks.translation.predictor import (
     Budget,
@@ -49,12 +50,8 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
     order = sorted(range(len(ids)), key=lambda j: len(ids[j]))  # similar lengths batch well
     hyps: list[list[int]] = [[] for _ in ids]
     with teacher.at_budget(budget) as control:  # refuses an unknown budget first
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), unit="sent", desc="distill", dynamic_ncols=True)
-        try:
+        # a bar on a terminal only, as every command's (tqdm wrote one into a redirected file)
+        with progress_bar(len(ids), "sent", "distill", progress) as bar:
             for start in range(0, len(order), batch):
                 chunk = order[start: start + batch]
                 out = decode_corpus(teacher.model, [ids[j] for j in chunk], **settings,
@@ -62,11 +59,7 @@ def distill_lines(teacher: Translator, lines: list[str], beam: int = 4,
                                     lean=teacher.lean_decoder())
                 for j, h in zip(chunk, out, strict=True):
                     hyps[j] = h
-                if bar is not None:
-                    bar.update(len(chunk))
-        finally:
-            if bar is not None:
-                bar.close()
+                bar.update(len(chunk))
     result = [""] * len(lines)
     for i, text in zip(keep, teacher.tokenizer.decode(hyps), strict=True):
         result[i] = text.replace("\n", " ").strip()

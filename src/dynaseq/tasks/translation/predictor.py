@@ -543,6 +543,11 @@ class Translator:
         from dynaseq.data import token_batches
         from dynaseq.techniques.branching.usage import branch_usage
 
+        cfg = self.config.model
+        if cfg.dmb is None and cfg.moe is None:
+            raise DynaseqError(f"branch_usage is for DMB and MoE models; this is "
+                               f"{model_kind(cfg)}")
+        check_pairs(src, ref)
         corpus, _ = make_corpus(self.tokenizer.encode(src), self.tokenizer.encode(ref),
                                 self.config.data.max_len, long_lines="truncate")
         m = self.model
