@@ -215,3 +215,22 @@ def test_an_atomic_write_gets_the_mode_a_plain_write_gets(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt", "new.txt"]
     finally:
         os.umask(old)
+
+
+def test_an_atomic_write_to_a_device_or_a_pipe_writes_into_it(tmp_path):
+    """``-o /dev/null`` renamed a regular file over the device (as root, every later write
+    to /dev/null went into that file): a path that is not a regular file is written to."""
+    import os
+    import threading
+
+    from dynaseq.core.files import atomic_write
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    atomic_write(fifo, "through the pipe\n")
+    reader.join(10)
+    assert got == [b"through the pipe\n"]
+    assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["pipe"]

@@ -29,13 +29,18 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
     """Write ``data`` (str as UTF-8) to ``path`` so that a reader sees the old file or the
     whole new one, never a part: written to a temporary sibling, flushed to disk, then
     renamed over ``path``. The temporary file is removed if anything fails (a full disk),
-    and the old file stays. Parent folders are created. The file gets the mode a plain
+    and the old file stays. Parent folders are created. A path that is not a regular file
+    (``/dev/null``, a named pipe) is written to as it is. The file gets the mode a plain
     ``open(path, "w")`` gives (0666 less the umask; an existing file's own mode): not
     ``mkstemp``'s 0600, which no server or job of another user could read. Raises OSError
     as the OS reports it.
     """
     p = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
+    if p.exists() and not p.is_file():  # /dev/null, a pipe: written to, never replaced
+        with open(p, "wb") as f:  # (a rename put a regular file in place of /dev/null)
+            f.write(payload)
+        return
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.parent / f".tmp-{p.name}-{secrets.token_hex(6)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies

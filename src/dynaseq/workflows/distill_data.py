@@ -20,10 +20,10 @@ Sentences are sorted by length and decoded in batches with the batched beam sear
 from __future__ import annotations
 
 import gzip
-import os
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import atomic_write
 from dynaseq.core.progress import progress_bar
 from dynaseq.data import write_lines
 from dynaseq.tasks.translation.predictor import (
@@ -80,15 +80,12 @@ def write_distill_data(teacher: Translator, src_path: str | Path, out_path: str 
     src = read_lines(src_path)
     out = Path(out_path)
     hyps = distill_lines(teacher, src, beam, batch_size, budget, progress)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if out.suffix != ".gz":
+        write_lines(out, hyps)  # atomic, and /dev/null stays a device
+        return len(hyps)
+    payload = gzip.compress("".join(h + "\n" for h in hyps).encode("utf-8"), mtime=0)
     try:
-        write_lines(tmp, hyps)
-        if out.suffix == ".gz":
-            tmp.write_bytes(gzip.compress(tmp.read_bytes(), mtime=0))
-        os.replace(tmp, out)
+        atomic_write(out, payload)
     except OSError as e:
         raise DynaseqError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return len(hyps)
