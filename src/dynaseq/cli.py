@@ -1247,8 +1247,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "/v1/classify; GET /healthz, /readyz, /metrics (Prometheus), /docs. "
                     "Each request may carry a budget, or (translation and classification) "
                     "a deadline_ms instead (needs RUN/latency_table.json from dynaseq "
-                    "profile RUN --latency-table). SIGTERM answers the requests in flight, then exits. "
-                    "Example: dynaseq serve runs/demo/run --port 8000")
+                    "profile RUN --latency-table). SIGTERM answers the requests in flight, "
+                    "then exits. Example: dynaseq serve runs/demo/run --port 8000")
     from dynaseq.serve.config import BATCH_MARGINS, OVERLOAD_ACTIONS  # light: no server
 
     p.add_argument("run_dir")

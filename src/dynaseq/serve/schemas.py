@@ -37,8 +37,9 @@ class _Budgeted(_Request):
         None, description="compute budget: a fraction for encoder and decoder alike, or an "
                           "[encoder, decoder] pair; a trained or calibrated one")
     deadline_ms: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="answer within this many milliseconds: the server runs the "
-                                "largest budget predicted to make it")
+        None, gt=0, allow_inf_nan=False,
+        description="answer within this many milliseconds: the server runs the "
+                    "largest budget predicted to make it")
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -93,9 +94,9 @@ class ClassifyRequest(_Request):
         None, description="encoder compute budget of a CCT classifier: a trained or "
                           "calibrated fraction in (0, 1]; a dense classifier takes none")
     deadline_ms: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="answer within this many milliseconds: the server runs the "
-                                "largest budget predicted to make it (needs the run's "
-                                "latency table)")
+        None, gt=0, allow_inf_nan=False,
+        description="answer within this many milliseconds: the server runs the "
+                    "largest budget predicted to make it (needs the run's latency table)")
     gamma: float | None = Field(
         None, description="exit threshold of an adaptive-depth classifier, in (0, 1): 0.1 "
                           "slow and accurate ... 0.9 fast (default the run's depth.gamma)")
