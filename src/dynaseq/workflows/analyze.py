@@ -159,7 +159,10 @@ def analyze(translator: Translator, src_lines: list[str], ref_lines: list[str] |
 
     Returns a JSON-ready dict: ``target`` ("reference" / "hypothesis"), ``bins`` (histogram
     edges) and ``budgets``, one record per budget with ``budget`` [enc, dec], ``control``,
-    ``gated_fraction`` (encoder / decoder MACs the gates ran over the MACs they control),
+    ``gated_fraction`` (encoder / decoder MACs the gates ran over the MACs they control;
+    unlike ``evaluate``'s realized fraction, which ``calibrate`` aims at, it leaves out the
+    control networks, which run whatever the gates decide: on a small model at a low
+    budget they are much of what ran, e.g. the demo model at (.2, .2): 0.098 against 0.212),
     ``encoder`` and ``decoder`` (fig. 9 ``histogram``, fig. 10 ``by_rank`` buckets and
     ``by_subword`` means), ``layers`` (fig. 11: sub-layer -> gate -> activation rate) and
     ``by_step`` (fig. 12-13: q-gate rate per decoding step, per layer and averaged).
