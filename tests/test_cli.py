@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import dynaseq
+from dynaseq.cli import main
 from dynaseq.core.config import save_config
 
 from helpers import micro_config, run_cli
@@ -111,6 +112,19 @@ def test_profile_json_for_run_and_config(trained_run):
         for key in ("macs_per_token", "macs_per_token_flop_counter"):
             assert set(res[key]) == {"encoder", "decoder", "total"}
         assert res["macs_per_token_flop_counter"] == res["macs_per_token"]
+
+
+def test_profile_json_at_a_budget_records_it(cct_run, synthetic_paths, tmp_path, capsys):
+    from helpers import calibrated_cct
+
+    run, _, _, _ = calibrated_cct(cct_run, synthetic_paths, tmp_path, lines=8)
+    for budget, offsets in (("0.5", None), ("0.4", True)):  # trained; calibrated
+        assert main(["profile", str(run), "--budget", budget, "--json", "--repeats", "1"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["budget"] == [float(budget)] * 2
+        assert (res["gate_offsets"] is None) == (offsets is None)
+        if offsets:
+            assert set(res["gate_offsets"]) == {"encoder", "decoder"}
 
 
 def test_average_command(trained_run, tmp_path):

@@ -225,7 +225,7 @@ def _at_precision(model, args: argparse.Namespace):
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from dynaseq.metrics.profile import profile_model
-    from dynaseq.tasks.translation.predictor import control_for_budget
+    from dynaseq.tasks.translation.predictor import budget_pair, control_for_budget
 
     target = Path(args.target)
     if args.latency_table:
@@ -265,6 +265,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     with budget_ctx as control:
         result = profile_model(model, args.src_len, args.tgt_len, args.repeats, args.batch,
                                control=control)
+    if args.budget is not None:  # what the flop counter's count and the latencies ran at
+        result["budget"] = list(budget_pair(args.budget))
+        offsets = getattr(control, "offsets", None)
+        result["gate_offsets"] = None if offsets is None else {
+            k: "+inf" if v == math.inf else v for k, v in offsets.items()}
 
     def text() -> str:
         mpt, fc = result["macs_per_token"], result["macs_per_token_flop_counter"]
