@@ -291,6 +291,18 @@ def test_the_demo_refuses_a_run_directory_as_its_folder(trained_run, tmp_path, c
     assert _snapshot(run) == before
 
 
+def test_options_a_translation_evaluate_or_a_latency_table_would_ignore_are_refused(
+        trained_run, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("kalo sum 3 4 end\n")
+    assert main(["evaluate", str(trained_run), "--src", str(src), "--ref", str(src),
+                 "--data", str(src)]) == 2
+    assert "evaluate: --data is for classification and MLM runs" in capsys.readouterr().err
+    assert main(["profile", str(trained_run), "--latency-table", "--budget", "0.5"]) == 2
+    assert "--latency-table times every trained and calibrated budget" in (
+        capsys.readouterr().err)
+
+
 def test_branch_usage_is_for_branching_models(trained_run):
     with pytest.raises(DynaseqError, match="branch_usage is for DMB and MoE models; this is a "
                                            "dense model"):

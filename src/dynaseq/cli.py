@@ -166,6 +166,7 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
     from dynaseq.data import read_lines
 
     _refuse_classify_exits(args)
+    _refuse_given(args, ("data",), "classification and MLM")
     if args.src is None or args.ref is None:
         raise DynaseqError("evaluate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -230,6 +231,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if args.latency_table:
         _refuse_exit(args)
+        if args.budget is not None:
+            raise DynaseqError("profile: --latency-table times every trained and calibrated "
+                               "budget; --budget is for a profile at one")
         return _profile_latency_table(args)
     if target.is_dir() and _run_dir_kind(str(target)) == "lm":
         return _profile_lm(args)
