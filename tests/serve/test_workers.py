@@ -124,6 +124,8 @@ def test_sigterm_drains_every_worker_then_exits_0(serve_run, lines, tmp_path):
                 break
             except httpx.TimeoutException:  # accepted by the kernel, never by a worker
                 raise AssertionError("a connection after SIGTERM was queued") from None
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                pass  # queued just as a worker closed its socket: reset, not left hanging
             assert time.monotonic() < refused_by, "still accepting connections after SIGTERM"
             time.sleep(0.1)
         answers = [f.result() for f in futures]
