@@ -272,10 +272,11 @@ class MicroNetOpCounter(TorchDispatchMode):
     # -- matmuls
     def _nnz(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Non-zeros of a weight operand along ``dim`` (cached while the weight is unchanged)."""
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               tuple(t.stride()), version_of(t), dim)
-        if key[4] is None:  # an inference tensor: a change is not seen, so nothing is kept
+        version = version_of(t)
+        if version is None:  # an inference tensor: a change is not seen, so nothing is kept
             return (t != 0).sum(dim=dim)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), version, dim)
         hit = self._nnz_cache.get(key)
         if hit is None:
             if len(self._nnz_cache) > 4096:

@@ -125,8 +125,10 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
 def _check_fits(run_dir: Path, cfg: Any) -> list[Path]:
     """Refuse ``cfg`` for a run directory of another task, or one that holds a trained model
     but no checkpoint; the latest checkpoint to resume from (none: ``[]``)."""
-    _check_same_task(run_dir, cfg)
-    _check_same_tokenizer(run_dir, cfg)
+    if (run_dir / "config.yaml").is_file():  # read once for both checks
+        saved, given = read_yaml(run_dir / "config.yaml"), to_dict(cfg)
+        _check_same_task(run_dir, saved, given)
+        _check_same_tokenizer(saved, given)
     latest = ckpt.list_checkpoints(run_dir)[-1:]
     if not latest:
         _check_no_model(run_dir)
@@ -137,35 +139,31 @@ def _check_fits(run_dir: Path, cfg: Any) -> list[Path]:
     return latest
 
 
-def _check_same_task(run_dir: Path, cfg: Any) -> None:
-    """Refuse a config of another task than the run directory's (before anything is
-    written into it)."""
-    if (run_dir / "config.yaml").is_file():
-        saved = read_yaml(run_dir / "config.yaml").get("task", "seq2seq")
-        given = to_dict(cfg).get("task", "seq2seq")
-        if saved != given:
-            raise ConfigError(f"{run_dir} holds a {saved} run; this config is a {given} run "
-                              "(use a new run_dir)")
+def _check_same_task(run_dir: Path, saved: dict, given: dict) -> None:
+    """Refuse a config (``given``, as a mapping) of another task than the run directory's
+    saved one (before anything is written into it)."""
+    saved_task, given_task = saved.get("task", "seq2seq"), given.get("task", "seq2seq")
+    if saved_task != given_task:
+        raise ConfigError(f"{run_dir} holds a {saved_task} run; this config is a {given_task} "
+                          "run (use a new run_dir)")
 
 
 TOKENIZER_KEYS = ("vocab_size", "spm_model_type", "character_coverage")
 """The ``data`` settings that made a run's tokenizer, trained once when the run starts."""
 
 
-def _check_same_tokenizer(run_dir: Path, cfg: Any) -> None:
-    """Refuse a config whose tokenizer settings (:data:`TOKENIZER_KEYS`) differ from the run's
-    ``config.yaml``: its tokenizer is trained and kept, so the new values would be recorded
-    but not used."""
-    given_all = to_dict(cfg)
-    if not (run_dir / "config.yaml").is_file() or (given_all.get("train") or {}).get(
-            "init_from") is not None:  # fine-tuning takes the pre-trained run's tokenizer
+def _check_same_tokenizer(saved: dict, given: dict) -> None:
+    """Refuse a config (``given``) whose tokenizer settings (:data:`TOKENIZER_KEYS`) differ
+    from the run's saved one: its tokenizer is trained and kept, so the new values would be
+    recorded but not used. Fine-tuning (``train.init_from``) takes the pre-trained run's."""
+    if (given.get("train") or {}).get("init_from") is not None:
         return
-    saved = read_yaml(run_dir / "config.yaml").get("data") or {}
-    given = given_all.get("data") or {}
+    saved_data, given_data = saved.get("data") or {}, given.get("data") or {}
     for key in TOKENIZER_KEYS:
-        if key in saved and key in given and saved[key] != given[key]:
-            raise ConfigError(f"data.{key}={given[key]} differs from the run's {saved[key]}, "
-                              f"with which its tokenizer was trained (use a new run_dir)")
+        if key in saved_data and key in given_data and saved_data[key] != given_data[key]:
+            raise ConfigError(f"data.{key}={given_data[key]} differs from the run's "
+                              f"{saved_data[key]}, with which its tokenizer was trained (use "
+                              "a new run_dir)")
 
 
 def _check_no_model(run_dir: Path) -> None:

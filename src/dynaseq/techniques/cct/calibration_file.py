@@ -75,11 +75,10 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int,
 def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
                        data: dict) -> Path:
     """Write ``cals`` to ``run/calibration.json`` (atomically), tied to checkpoint ``ckpt``
-    and the SHA-256 of its weights file as it is now; ``data`` describes the calibration
-    data."""
+    and the SHA-256 of its weights (:func:`weights_digest`); ``data`` describes the
+    calibration data."""
     path = run / CALIBRATION_FILE
-    digest = sha256_file(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
     atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt),
-                                   "weights_sha256": digest, "data": data,
+                                   "weights_sha256": weights_digest(ckpt), "data": data,
                                    "budgets": [c.to_json() for c in cals]}, indent=1))
     return path
