@@ -298,6 +298,10 @@ def test_options_a_translation_evaluate_or_a_latency_table_would_ignore_are_refu
     assert main(["evaluate", str(trained_run), "--src", str(src), "--ref", str(src),
                  "--data", str(src)]) == 2
     assert "evaluate: --data is for classification and MLM runs" in capsys.readouterr().err
+    assert main(["evaluate", str(trained_run), "--src", str(src), "--ref", str(src),
+                 "--split", "test"]) == 2
+    assert (f"evaluate: --split is for language-model and MLM runs; {trained_run} is a "
+            "translation run") in capsys.readouterr().err
     assert main(["profile", str(trained_run), "--latency-table", "--budget", "0.5"]) == 2
     assert "--latency-table times every trained and calibrated budget" in (
         capsys.readouterr().err)

@@ -167,6 +167,7 @@ def _evaluate_seq2seq(args: argparse.Namespace) -> int:
 
     _refuse_classify_exits(args)
     _refuse_given(args, ("data",), "classification and MLM")
+    _refuse_given(args, ("split",), "language-model and MLM")
     if args.src is None or args.ref is None:
         raise DynaseqError("evaluate: --src and --ref are required for translation runs")
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -730,15 +731,16 @@ def _evaluate_lm(args: argparse.Namespace) -> int:
     _refuse_given(args, ("src", "ref", "budget", "beam", "length_penalty"), "translation")
     _refuse_given(args, ("data",), "classification and MLM")
     _refuse_classify_exits(args)
+    split = args.split or "valid"
     lm = _language_model(args)
-    result = {"split": args.split,
-              **lm.evaluate(args.split, batch_size=args.batch_size, with_cache=True,
+    result = {"split": split,
+              **lm.evaluate(split, batch_size=args.batch_size, with_cache=True,
                             progress=not args.quiet),
               "checkpoint": str(lm.checkpoint)}
 
     def text() -> str:
         c = result["cache"]
-        return (f"{args.split} ppl {result['ppl']:.2f}  ppl_cache {result['ppl_cache']:.2f}  "
+        return (f"{split} ppl {result['ppl']:.2f}  ppl_cache {result['ppl_cache']:.2f}  "
                 f"loss {result['loss']:.4f}  ({result['tokens']:,} tokens, "
                 f"{result['checkpoint']}; cache {c['source']}: n {c['n_cache']}, "
                 f"theta {c['theta']:.4g}, lambda {c['lam']:.4g})")
@@ -797,6 +799,7 @@ def _evaluate_classify(args: argparse.Namespace) -> int:
     """``dynaseq evaluate RUN --data dev.tsv [--budget B] [--json]``: the task's official
     metrics (and, for CCT-BERT, the realized compute)."""
     _refuse_translation_args(args, "a classification")
+    _refuse_given(args, ("split",), "language-model and MLM")
     if args.data is None:
         raise DynaseqError("evaluate: --data FILE (a labelled TSV in the run's layout) is "
                            "required for classification runs")
@@ -836,7 +839,7 @@ def _evaluate_mlm(args: argparse.Namespace) -> int:
     _refuse_translation_args(args, "an MLM")
     _refuse_classify_exits(args)
     budget = _encoder_budget(args)
-    if args.split != "valid" and args.data is None:
+    if args.split == "test" and args.data is None:
         raise DynaseqError("evaluate: an MLM run's config has a valid file only; give "
                            "--data FILE for other text")
     m = MaskedLM.load(args.run_dir, checkpoint=args.checkpoint, device=args.device,
@@ -1168,8 +1171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--src", default=None, help="source sentences (translation runs)")
     p.add_argument("--ref", default=None, help="references (translation runs)")
-    p.add_argument("--split", default="valid", choices=["valid", "test"],
-                   help="language models: which data file of the run's config")
+    p.add_argument("--split", default=None, choices=["valid", "test"],
+                   help="language models (default valid): which data file of the run's "
+                        "config; MLM runs: valid only (--data FILE for other text)")
     p.add_argument("--data", default=None,
                    help="classification runs: a labelled TSV in the run's layout (GLUE "
                         "dev.tsv); MLM runs: a text file (default the run's valid file)")

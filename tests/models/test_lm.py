@@ -149,8 +149,9 @@ def test_cli_train_evaluate_generate(tmp_path, capsys):
     assert main(["generate", str(run), "--prompt", "w1 w2", "--tokens", "7", "--seed", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("w1 w2") and len(out.split()) >= 2 + 5
-    assert main(["evaluate", str(run), "--split", "valid"]) == 0
-    assert capsys.readouterr().out.startswith("valid ppl ")
+    for split in (["--split", "valid"], []):  # valid is the default
+        assert main(["evaluate", str(run), *split]) == 0
+        assert capsys.readouterr().out.startswith("valid ppl ")
     for target in (str(run), str(tmp_path / "c.yaml")):  # trained, or random weights
         assert main(["profile", target, "--json", "--repeats", "1"]) == 0
         prof = json.loads(capsys.readouterr().out)
