@@ -40,13 +40,14 @@ from dynaseq.data.text import os_reason
 EXIT_BAD_INPUT = 2
 
 
-def _read_input(path: str | None) -> list[str]:
-    """The lines of ``path`` or of standard input (``None``/``-``), split by one rule."""
+def _read_input(path: str | None, strip: bool = True) -> list[str]:
+    """The lines of ``path`` or of standard input (``None``/``-``), split by one rule
+    (:func:`~dynaseq.data.text.decode_lines`; ``strip``: each line stripped)."""
     from dynaseq.data.text import decode_lines, read_lines
 
     if path is None or path == "-":
-        return decode_lines(sys.stdin.buffer.read(), "stdin")
-    return read_lines(path)
+        return decode_lines(sys.stdin.buffer.read(), "stdin", strip=strip)
+    return read_lines(path, strip=strip)
 
 
 def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = None,
@@ -143,11 +144,12 @@ def _translate_stream(args: argparse.Namespace) -> int:
 
 
 def _stream(args: argparse.Namespace, command: str,
-            answerer: Callable[[], Callable[[str], str]]) -> int:
+            answerer: Callable[[], Callable[[str], str]], strip: bool = True) -> int:
     """``COMMAND --stream``: each line of standard input answered as soon as it is read (batch
     1) and the answer printed at once, for interactive use (a terminal, or a pipe whose
     other end waits for each answer), where the end of input never comes. ``answerer``
-    loads the model (after the options are checked) and gives the one-line function."""
+    loads the model (after the options are checked) and gives the one-line function;
+    ``strip``: each line stripped (:func:`~dynaseq.data.text.decode_lines`)."""
     from dynaseq.data.text import decode_lines
 
     for flag, value in (("--input", args.input), ("--output", args.output)):
@@ -156,7 +158,7 @@ def _stream(args: argparse.Namespace, command: str,
                                f"output: drop {flag} {value}")
     answer = answerer()
     for n, raw in enumerate(iter(sys.stdin.buffer.readline, b""), start=1):
-        (line,) = decode_lines(raw, "stdin", first_line=n)
+        (line,) = decode_lines(raw, "stdin", first_line=n, strip=strip)
         sys.stdout.write(answer(line) + "\n")
         sys.stdout.flush()
     return 0
@@ -779,9 +781,9 @@ def cmd_classify(args: argparse.Namespace) -> int:
             c = _classifier(args)
             return lambda line: classify(c, [line], 1, False)[0]
 
-        return _stream(args, "classify", answerer)
+        return _stream(args, "classify", answerer, strip=False)
     _check_output(args.output, args.input, run_dir=args.run_dir)
-    lines = _read_input(args.input)
+    lines = _read_input(args.input, strip=False)  # a pair's fields are stripped one by one
     _write_output(classify(_classifier(args), lines, args.batch_size, not args.quiet),
                   args.output)
     return 0

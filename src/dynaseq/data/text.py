@@ -57,7 +57,7 @@ def _read_bytes(p: Path) -> bytes:
         raise DynaseqError(f"{p}: corrupt gzip file ({detail})") from None
 
 
-def read_lines(path: str | Path) -> list[str]:
+def read_lines(path: str | Path, strip: bool = True) -> list[str]:
     """Read one sentence per line from a plain-text or gzip file.
 
     Gzip is detected by the magic bytes ``1f 8b`` (the ``.gz`` suffix is neither needed nor
@@ -66,7 +66,8 @@ def read_lines(path: str | Path) -> list[str]:
     separators such as U+2028 inside a sentence do not split it), and each line is then
     stripped of surrounding whitespace with :meth:`str.strip`. A final newline does not
     add an empty last line; empty lines elsewhere are kept as ``""`` so that the lines of
-    a parallel corpus stay aligned.
+    a parallel corpus stay aligned. ``strip=False`` leaves each line as it is (a
+    classifier's pair line ``"\\tb"`` keeps its tab; the fields are stripped there).
 
     The whole file is read into memory. A path starting ``$DATA/`` is under the data root
     (:func:`~dynaseq.data.datasets.resolve_data_path`).
@@ -83,12 +84,13 @@ def read_lines(path: str | Path) -> list[str]:
             under the data root.
     """
     p = resolve_data_path(path)
-    return decode_lines(_read_bytes(p), str(p))
+    return decode_lines(_read_bytes(p), str(p), strip=strip)
 
 
-def decode_lines(data: bytes, name: str, first_line: int = 1) -> list[str]:
+def decode_lines(data: bytes, name: str, first_line: int = 1, strip: bool = True) -> list[str]:
     """The lines of UTF-8 ``data`` as :func:`read_lines` splits them (``"\\n"`` only, a final
-    newline adds no line, a byte-order mark dropped, each line stripped): the one rule for
+    newline adds no line, a byte-order mark dropped, each line stripped unless ``strip`` is
+    False): the one rule for
     files and standard input alike, so one line in is one line out. ``first_line``: the
     number of ``data``'s first line in its stream (a stream read line by line: only the
     stream's first line may start with a byte-order mark).
@@ -106,7 +108,7 @@ def decode_lines(data: bytes, name: str, first_line: int = 1) -> list[str]:
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()
-    return [line.strip() for line in lines]
+    return [line.strip() for line in lines] if strip else lines
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:

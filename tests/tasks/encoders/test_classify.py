@@ -105,11 +105,13 @@ def test_init_from_mismatch_is_refused_before_writing(tmp_path, mlm_run, sst2_sm
 def test_classify_stream_answers_as_classify(finetuned, tmp_path):
     """``classify --stream`` (each line answered at batch 1 as it is read, through the same
     loop as ``translate --stream``) gives ``classify``'s lines; a file option is refused."""
-    stdin = b"a charming film\n\ndull and lifeless\nbright\n"
+    stdin = b"a charming film\n\ndull and lifeless\t\r\nbright\n"  # a trailing tab is space
     want = run_cli("classify", str(finetuned), stdin=stdin)
     got = run_cli("classify", str(finetuned), "--stream", stdin=stdin)
     assert want.returncode == got.returncode == 0, got.stderr.decode()
     assert got.stdout == want.stdout and got.stdout.decode().split("\n")[1] == ""
+    assert got.stdout.decode().split("\n")[2] == dynaseq.load(finetuned).classify(
+        ["dull and lifeless"])[0]
     out = tmp_path / "labels.txt"
     proc = run_cli("classify", str(finetuned), "--stream", "-o", str(out), stdin=stdin)
     assert proc.returncode == 2 and "drop --output" in proc.stderr.decode()
@@ -176,6 +178,13 @@ def test_a_pair_task_refuses_single_sentences(tmp_path, mlm_run):
                                                                       "not_entailment")
     with pytest.raises(DynaseqError, match="sentence-pair task"):
         c.classify(["the cat sat"])
+    # a pair with an empty side is an empty line (skipped) on the command line as in Python
+    lines = b"the cat sat\ta cat sat\r\n\ta cat sat\nthe cat sat\t\n \t \n"
+    proc = run_cli("classify", str(run), stdin=lines)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().split("\n") == [c.classify([("the cat sat", "a cat sat")])[0],
+                                                "", "", "", ""]
+    assert c.classify(["\ta cat sat", "the cat sat\t"]) == [None, None]
     # single-sentence data for a pair task: the header lacks the second sentence
     single = tmp_path / "single.tsv"
     single.write_text("sentence\tlabel\nthe cat\t1\n")

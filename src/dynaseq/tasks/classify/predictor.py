@@ -346,14 +346,17 @@ class Classifier:
 
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
         """Examples of the non-empty inputs and their indices. A pair task needs two
-        tab-separated sentences (or a tuple) per line, a single-sentence task one."""
+        tab-separated sentences (or a tuple) per line, each stripped (a pair with an empty
+        side, ``"\\tb"``, is empty), a single-sentence task one (the line stripped first, so
+        a trailing tab is white space)."""
         layout = self.layout
         for n, line in enumerate(_sequence(lines), start=1):
             for part in line if isinstance(line, tuple) else (line,):
                 check_str(f"line {n}", part)
         a, b, keep = [], [], []
         for n, line in enumerate(lines):
-            parts = list(line) if isinstance(line, tuple) else line.split("\t")
+            parts = (list(line) if isinstance(line, tuple)
+                     else (line if layout.is_pair else line.strip()).split("\t"))
             if layout.is_pair and len(parts) != 2 and any(p.strip() for p in parts):
                 raise DynaseqError(f"line {n + 1}: {layout.name} is a sentence-pair task: give "
                                    f"two tab-separated sentences per line")
