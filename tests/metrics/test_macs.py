@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from dynaseq.core.errors import DynaseqError
 from dynaseq.metrics import count_macs, flop_counter_macs
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
@@ -19,6 +20,9 @@ def test_hand_count_for_a_small_model():
     assert rep.decoder["output_proj"] == t * d * v
     assert rep.encoder["embedding"] == 0 and rep.decoder["embedding"] == 0
     assert rep.per_token() == {"encoder": enc / s, "decoder": dec / t, "total": enc / s + dec / t}
+    for src, tgt, bad in ((s + 0.5, t, "src_tokens"), (s, 0, "tgt_tokens"), (True, t, "src")):
+        with pytest.raises(DynaseqError, match=f"{bad}.* must be an integer >= 1"):
+            count_macs(build_seq2seq(cfg, v), src, tgt)
 
 
 @pytest.mark.parametrize("size, s, t", [("tiny", 30, 30), ("small", 12, 21)])

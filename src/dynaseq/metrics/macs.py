@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from dynaseq.core.arguments import check_int
 from dynaseq.nn.modes import evaluating
 
 aten = torch.ops.aten
@@ -76,11 +77,10 @@ def count_macs(model: nn.Module, src_tokens: int, tgt_tokens: int) -> MacReport:
     """Analytic MACs of ``model`` (a Seq2SeqTransformer) for one S/T sentence pair.
 
     Every sub-layer reports its own count through its ``macs`` method, so adaptive
-    sub-layers that swap in are counted by their own rule.
+    sub-layers that swap in are counted by their own rule. The lengths are whole numbers
+    >= 1 (a DynaseqError names the bad one).
     """
-    if src_tokens < 1 or tgt_tokens < 1:
-        raise ValueError("src_tokens and tgt_tokens must be >= 1")
-    s, t = src_tokens, tgt_tokens
+    s, t = check_int("src_tokens", src_tokens), check_int("tgt_tokens", tgt_tokens)
     rep = MacReport(s, t)
     rep.encoder["embedding"] = 0
     for i, layer in enumerate(model.encoder.layers):
