@@ -162,10 +162,32 @@ def test_threshold_binary_search_hits_target():
             sum(sizes[n] * plan.sparsities[n] for n in sizes) / total)
         assert plan.sparsities["b"] >= plan.sparsities["a"] >= plan.sparsities["c"]
         for n, s in plan.sparsities.items():  # every matrix sits at the threshold's inverse
-            assert 30.0 + sens[n] * s ** 2 <= plan.threshold
+            assert 30.0 + sens[n] * (s - 1 / sizes[n]) ** 2 <= plan.threshold  # (a whole
+            assert s * sizes[n] == pytest.approx(round(s * sizes[n]))  # count, rounded up)
     assert thresholds_for_target(curves, sizes, 0.0).achieved == 0.0
     with pytest.raises(DynaseqError, match="above"):
         thresholds_for_target({"a": [(0.0, 30.0), (0.5, 31.0)]}, {"a": 10}, 0.7)
+    # matrices whose curves reach the threshold together (a barely trained model): the
+    # grid alone steps from 0.2 to 0.4 overall; read as lines, the plan meets the target
+    flat = {n: [(0.0, 30.0), (0.2, 30.5), (0.4, 31.0), (0.6, 35.0)] for n in "abc"}
+    steep = {**flat, "d": [(0.0, 30.0), (0.2, 30.6), (0.4, 40.0)]}
+    flat_sizes, steep_sizes = {"a": 100, "b": 200, "c": 300}, {"a": 100, "b": 200, "c": 300,
+                                                                "d": 400}
+    for target in (0.1, 0.3, 0.5):
+        plan = thresholds_for_target(flat, flat_sizes, target)
+        assert target <= plan.achieved <= target + 0.01
+        assert plan.sparsities == pytest.approx(dict.fromkeys("abc", target), abs=0.01)
+        plan = thresholds_for_target(steep, steep_sizes, target)
+        assert target <= plan.achieved <= target + 4 / 400  # a count rounded up per matrix
+        for n, curve in steep.items():  # one perplexity rule: each line's inverse at ξ*
+            rising = [(a, b) for a, b in zip(curve, curve[1:], strict=False)
+                      if a[1] <= plan.threshold <= b[1]]
+            if not rising:  # ξ* above the whole curve
+                assert plan.sparsities[n] == curve[-1][0] and curve[-1][1] <= plan.threshold
+                continue
+            (s0, p0), (s1, p1) = rising[-1]
+            assert plan.sparsities[n] == pytest.approx(
+                s0 + (plan.threshold - p0) / (p1 - p0) * (s1 - s0), abs=1 / steep_sizes[n])
     # every matrix at the grid's one sparsity reaches exactly that target (no rounding miss)
     odd = {n: [(0.0, 30.0), (0.3, 31.0 + i)] for i, n in enumerate("abc")}
     assert thresholds_for_target(odd, {"a": 500, "b": 333, "c": 1024}, 0.3).sparsities == {
