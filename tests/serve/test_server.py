@@ -90,6 +90,11 @@ BAD = [
     ("empty body", {"content": b"", "headers": {"content-type": "application/json"}}, 400,
      "empty body"),
     ("not an object", {"json": ["a"]}, 400, "JSON object"),
+    ("a form, not JSON", {"content": b'{"text": "a"}', "headers": {
+        "content-type": "application/x-www-form-urlencoded"}}, 415,
+     "unsupported Content-Type 'application/x-www-form-urlencoded'"),
+    ("plain text", {"content": b"a", "headers": {"content-type": "text/plain"}}, 415,
+     "application/json"),
     ("wrong type", {"json": {"text": 5}}, 422, "text"),
     ("wrong type in list", {"json": {"texts": ["a", 5]}}, 422, "texts.1"),
     ("budget as string", {"json": {"text": "a", "budget": "0.5"}}, 422, "budget"),

@@ -484,7 +484,7 @@ def build_app(state: ServeState) -> Any:
                   description="A budget-aware inference server: each request carries its "
                               "compute budget or its deadline.")
     errors = {400: {"model": ErrorResponse}, 408: {"model": ErrorResponse},
-              413: {"model": ErrorResponse},
+              413: {"model": ErrorResponse}, 415: {"model": ErrorResponse},
               422: {"model": ErrorResponse}, 500: {"model": ErrorResponse},
               503: {"model": ErrorResponse}}
     for endpoint in ep.TASK_ENDPOINTS[state.kind]:
@@ -494,7 +494,11 @@ def build_app(state: ServeState) -> Any:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = list(exc.errors())
-        if any(e.get("type") == "json_invalid" for e in errs):
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media and not _is_json(media):  # a body read as another type: not a JSON one
+            msg, status = (f"unsupported Content-Type {media!r}: send a JSON object as "
+                           "application/json"), 415
+        elif any(e.get("type") == "json_invalid" for e in errs):
             msg, status = "malformed JSON: " + one_line(errs), 400
         elif any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",)
                  for e in errs):
@@ -535,6 +539,13 @@ def build_app(state: ServeState) -> Any:
     inner = InFlightLimit(BodyLimit(app, state.config.max_body_bytes,
                                     state.config.body_timeout_s), state, cap)
     return AccessLogMiddleware(inner, state)
+
+
+def _is_json(media: str) -> bool:
+    """Whether a Content-Type's media type (lower case, no parameters) names JSON:
+    ``application/json`` or a structured ``application/*+json`` (RFC 6839)."""
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
 
 
 def load_table(run_dir: str | Path, path: str | Path | None) -> LatencyTable | None:
