@@ -312,15 +312,19 @@ def test_sigterm_answers_the_requests_in_flight_then_exits(serve_run, lines, tmp
 def test_access_log_is_json_lines(server):
     server.post("/v1/translate", json={"text": "a", "budget": 0.5})
     server.post("/v1/translate", json={"text": "a", "budget": 0.9})
+    server.post("/v1/nowhere", json={"text": "a"})  # the router's own 404: a reason too
+    server.post("/v1/translate", content=b"a", headers={"content-type": "text/plain"})
     deadline = time.monotonic() + 10  # a request's line is written once its answer is sent
     while True:
         records = [json.loads(x) for x in server.log_text().splitlines()]
         ok = [r for r in records if r.get("status") == 200 and r.get("budget") == [0.5, 0.5]]
         bad = [r for r in records if r.get("status") == 422 and "0.9" in r.get("error", "")]
-        if (ok and bad) or time.monotonic() > deadline:
+        lost = [r for r in records if r.get("status") == 404 and r.get("error") == "Not Found"]
+        plain = [r for r in records if r.get("status") == 415 and "text/plain" in r["error"]]
+        if (ok and bad and lost and plain) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert ok and bad
+    assert ok and bad and lost and plain
     assert {"ts", "method", "path", "latency_ms", "lines", "batch_lines"} <= set(ok[-1])
 
 

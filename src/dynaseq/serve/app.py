@@ -514,6 +514,7 @@ def build_app(state: ServeState) -> Any:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        request.state.log = {"error": str(exc.detail)}  # the access log says why, too
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.get("/healthz", summary="The process is up")
