@@ -131,3 +131,26 @@ def test_weights_loaded_anew_inside_inference_mode_are_used(cct_run):
         assert after != before
         made = torch.ones(3)  # an inference tensor
     assert not unchanged([made], versions_of([made]))
+
+
+def test_weights_given_new_storage_or_dtype_are_used(cct_run, lm_and_classifier):
+    """``param.data = ...`` (what ``Module.to(dtype)`` does) moves no version counter; the
+    lean decoder's and encoder's copies are still prepared anew, so the answers are the
+    general path's (before: the old copies decoded on, or a dtype mismatch was raised)."""
+    t = Translator.load(cct_run[0])
+    t.translate(LINES, budget=BUDGETS)  # prepares the lean decoder
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.data = p.data + 0.05 if p.is_floating_point() else p.data.clone()
+    general = Translator.load(cct_run[0])
+    general.model.load_state_dict(t.model.state_dict())
+    general.fast_decode = False
+    assert t.translate(LINES, budget=BUDGETS) == general.translate(LINES, budget=BUDGETS)
+    t.model.to(torch.float64)
+    general.model.to(torch.float64)
+    assert t.translate(LINES, budget=BUDGETS) == general.translate(LINES, budget=BUDGETS)
+    clf = dynaseq.load(lm_and_classifier[1])
+    rows = ["a fine film .", "dull and slow ."]
+    first = clf.classify(rows)  # prepares the lean encoder
+    clf.model.to(torch.float64)
+    assert clf.classify(rows) == first

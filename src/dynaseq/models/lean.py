@@ -235,8 +235,10 @@ class LeanDecoder:
 
     def is_current(self) -> bool:
         """False once a copied weight was changed in place (training, ``load_state_dict``:
-        each tensor's version counter, ``Tensor._version``, moves) or a decoder module was
-        replaced (e.g. by int8 quantization): prepare anew then."""
+        each tensor's version counter, ``Tensor._version``, moves) or given new storage or
+        dtype (``param.data = ...``, ``model.to(torch.bfloat16)``:
+        :func:`~dynaseq.nn.versions.version_of`), or a decoder module was replaced (e.g. by
+        int8 quantization): prepare anew then."""
         model = self.model
         output = linear_tensors(model.decoder.output_proj)
         return (self._modules == _decoder_modules(model) + layer_modules(model.encoder.layers)

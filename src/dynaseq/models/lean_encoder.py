@@ -205,8 +205,8 @@ class LeanEncoder:
         return None if layers is None else cls(model, layers)
 
     def is_current(self) -> bool:
-        """False once a copied weight changed in place (its version counter moved) or a
-        layer module was replaced."""
+        """False once a copied weight changed in place or was given new storage or dtype
+        (:func:`~dynaseq.nn.versions.version_of`) or a layer module was replaced."""
         return (self._modules == layer_modules(self.model.encoder.layers)
                 and unchanged(self._sources, self._versions))
 
