@@ -86,6 +86,13 @@ def test_empty_sentences_are_counted_and_skipped(tmp_path):
     ex = read_table(path, GLUE_TASKS["wnli"])
     assert (ex.text_a, ex.text_b, ex.labels, ex.skipped, ex.line_numbers) == (
         ["c"], ["d"], ["1"], 2, [4])
+    # the empty sentence in the first column (SST-2) or the last (CoLA), CRLF line ends
+    path.write_text("sentence\tlabel\r\na charming film\t1\r\n\t0\r\ndull\t0\r\n")
+    ex = read_table(path, GLUE_TASKS["sst2"])
+    assert (ex.text_a, ex.labels, ex.skipped) == (["a charming film", "dull"], ["1", "0"], 1)
+    path.write_text("gj04\t1\t\ta good sentence .\ngj04\t0\t*\t\n")
+    ex = read_table(path, GLUE_TASKS["cola"])
+    assert (ex.text_a, ex.labels, ex.skipped) == (["a good sentence ."], ["1"], 1)
 
 
 def test_pair_segments(mlm_run):

@@ -119,7 +119,7 @@ def read_table(path: str | Path, layout: TableLayout, labelled: bool = True) -> 
     ``labelled``; without ``layout.labels`` (a column spec to learn them) any label is
     taken."""
     p = Path(path)
-    lines = read_lines(p)
+    lines = read_lines(p, strip=False)  # an empty first or last field keeps its tab
     while lines and not lines[-1].strip():
         lines.pop()  # a trailing blank line is no row
     if not lines or (layout.header and len(lines) == 1):
