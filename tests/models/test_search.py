@@ -1,10 +1,11 @@
 import math
+import sys
 
 import pytest
 import torch
 
 import dynaseq.models.search as search_module
-from dynaseq.models.search import beam_search, greedy_search, stay_in_place
+from dynaseq.models.search import beam_search, greedy_search, max_lengths, stay_in_place
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 
@@ -270,3 +271,13 @@ def test_beam_search_equals_ranking_every_continuation(seed):
         for i in range(src.size(0)):
             row = src[i: i + 1, : int(src[i].ne(0).sum())]
             assert got[i] == naive_beam(m, row, k, 7, min_len=min_len), (k, i)
+
+
+def test_length_limits_cap_huge_values_instead_of_wrapping_around():
+    """``a · src_len + b`` is capped at the model's positions however large ``a`` or ``b``
+    (before, int64 wrapped around: ``max_len_b=sys.maxsize`` gave empty translations)."""
+    src = torch.tensor([3, 7])
+    assert max_lengths(src, 1.2, 10, 100).tolist() == [13, 18]
+    for a, b in ((1.0, sys.maxsize), (1e19, 0), (0.0, 10**30), (1e300, 10**30)):
+        assert max_lengths(src, a, b, 100).tolist() == [100, 100], (a, b)
+    assert max_lengths(src, 0.0, 0, 100).tolist() == [1, 1]

@@ -41,9 +41,11 @@ encoder's records and each row's decoding counts (:meth:`StepTally.counts`)."""
 
 
 def max_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int, cap: int) -> Tensor:
-    """Per-sentence output budget ``a · src_len + b`` (tokens incl. eos), capped at ``cap``."""
-    lengths = (src_lengths.double() * max_len_a).floor().long() + max_len_b
-    return lengths.clamp(min=1, max=cap)
+    """Per-sentence output budget ``a · src_len + b`` (tokens incl. eos), capped at ``cap``
+    (reckoned in float64 and capped before the cast, so a huge ``a`` or ``b``, "no limit",
+    is the cap rather than a wrapped-around int64)."""
+    lengths = (src_lengths.double() * max_len_a).floor_() + float(max_len_b)
+    return lengths.clamp_(min=1, max=cap).long()
 
 
 Expires = float | Callable[[], float]
