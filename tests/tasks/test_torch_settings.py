@@ -154,3 +154,18 @@ def test_weights_given_new_storage_or_dtype_are_used(cct_run, lm_and_classifier)
     first = clf.classify(rows)  # prepares the lean encoder
     clf.model.to(torch.float64)
     assert clf.classify(rows) == first
+
+
+def test_inside_the_callers_autocast_the_general_path_answers(cct_run, lm_and_classifier):
+    """Inside ``torch.autocast`` the lean parts (products on float32 copies, buffers of
+    the weights' dtype) step aside for the general path, which follows autocast; before,
+    a batch of two lines raised a dtype error in the lean encoder."""
+    t = Translator.load(cct_run[0])
+    general = Translator.load(cct_run[0])
+    general.fast_decode = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert t.lean_decoder() is None
+        assert t.translate(LINES, budget=BUDGETS) == general.translate(LINES, budget=BUDGETS)
+        clf = dynaseq.load(lm_and_classifier[1])
+        assert clf.lean_encoder() is None and len(clf.classify(["a fine film .", "dull ."])) == 2
+    assert t.lean_decoder() is not None and clf.lean_encoder() is not None

@@ -305,6 +305,15 @@ Offset = Tensor | float | None
 """The rows' gate offsets a part's step receives (see the module docstring)."""
 
 
+def autocast_on(model: nn.Module) -> bool:
+    """Whether the caller's ``torch.autocast`` is on for ``model``'s device. The lean parts
+    call their products on copies in the weights' own dtype and write into buffers of it,
+    which autocast's lower-precision products do not match (a dtype error): a predictor
+    runs the model's general path then, which follows autocast."""
+    p = next(model.parameters(), None)
+    return p is not None and torch.is_autocast_enabled(p.device.type)
+
+
 def refreshed(held: Any, prepare: Callable[[nn.Module], Any], model: nn.Module) -> Any:
     """``held`` (a lean decoder or encoder a predictor keeps) while it is current (its
     ``is_current()``: no copied weight or module changed), else ``prepare(model)`` anew

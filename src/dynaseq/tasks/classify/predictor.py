@@ -31,7 +31,7 @@ from dynaseq.core.progress import progress_bar
 from dynaseq.metrics.classification import classification_metrics, regression_metrics
 from dynaseq.models.encoder import EncoderModel
 from dynaseq.models.lean_encoder import LeanEncoder
-from dynaseq.nn.lean_step import refreshed
+from dynaseq.nn.lean_step import autocast_on, refreshed
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.classify.config import TASK, ClassifyRunConfig
@@ -300,9 +300,10 @@ class Classifier:
 
     def lean_encoder(self) -> LeanEncoder | None:
         """The lean encoder classification runs with (None: the model's own forward, for
-        models without one or with ``fast_encode`` off); prepared once and reused while the
-        model's weights and modules stay as they were."""
-        if not self.fast_encode:
+        models without one, with ``fast_encode`` off or inside the caller's
+        ``torch.autocast``: :func:`~dynaseq.nn.lean_step.autocast_on`); prepared once and
+        reused while the model's weights and modules stay as they were."""
+        if not self.fast_encode or autocast_on(self.model):
             return None
         self._lean = refreshed(self._lean, LeanEncoder.prepare, self.model)
         return self._lean

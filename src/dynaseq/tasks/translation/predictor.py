@@ -41,7 +41,7 @@ from dynaseq.models.search import (
     counted_greedy_search,
     greedy_search,
 )
-from dynaseq.nn.lean_step import refreshed
+from dynaseq.nn.lean_step import autocast_on, refreshed
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
@@ -352,9 +352,10 @@ class Translator:
 
     def lean_decoder(self) -> LeanDecoder | None:
         """The lean decoder translation runs with (None: the model's general step, for
-        models that are not dense or with ``fast_decode`` off); prepared once and reused
-        while the model's weights stay as they were."""
-        if not self.fast_decode:
+        models that are not dense, with ``fast_decode`` off or inside the caller's
+        ``torch.autocast``: :func:`~dynaseq.nn.lean_step.autocast_on`); prepared once and
+        reused while the model's weights stay as they were."""
+        if not self.fast_decode or autocast_on(self.model):
             return None
         self._lean = refreshed(self._lean, LeanDecoder.prepare, self.model)
         return self._lean

@@ -128,8 +128,8 @@ class ExpertPairs:
 
     def combine(self, ys: Tensor, n_tokens: int) -> Tensor:
         """``(M·k, d')`` pair outputs -> ``(M, d')``: ``Σ_pairs g(x, i) · y`` per token."""
-        out = ys.new_zeros(n_tokens, ys.size(-1))
-        return out.index_add_(0, self.token, ys * self.weight[:, None])
+        weighted = ys * self.weight[:, None]  # (autocast: ys lower, the weights float32)
+        return weighted.new_zeros(n_tokens, ys.size(-1)).index_add_(0, self.token, weighted)
 
     def mix(self, proj: BranchedLinear, flat: Tensor) -> Tensor:
         """``Σ_i g(x, i) · (W_i x + b_i)`` over each token's k experts: ``(M, in) -> (M, out)``."""

@@ -337,7 +337,7 @@ class ConditionalAttention(nn.Module):
                     y = self._attend_static_packed(x, cache.packed, qp)
                 else:
                     y = self._attend_packed(x, k, v, allowed, key_on, qp)
-                out.index_copy_(0, qp.flat, y)
+                out.index_copy_(0, qp.flat, y.to(out.dtype))  # (autocast: y lower)
         if aux is not None:
             dtype = x.dtype
             self._trace(aux, q_on[..., None].to(dtype),

@@ -115,7 +115,7 @@ class ConditionalFeedForward(nn.Module):
                 continue
             idx = flat_on[:, i].nonzero().squeeze(1)  # (N_i,)
             if idx.numel():
-                out.index_add_(0, idx, piece(flat_x.index_select(0, idx)))
+                out.index_add_(0, idx, piece(flat_x.index_select(0, idx)).to(out.dtype))
         return out.view(b, t, d)
 
     def _piece_costs(self, g: Tensor) -> Tensor:
