@@ -38,7 +38,14 @@ def test_exported_translation_model_is_bit_identical(trained_run, synthetic_path
     assert cfg["decode"] and cfg["data"]["vocab_size"]
     assert {"model.safetensors", "meta.json", "spm.model", "README.md"} <= {
         p.name for p in out.iterdir()}
-    assert "## Validation scores" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "## Validation scores" in card and "- optimiser: lr " in card
+    again = tmp_path / "again"  # an exported model exported: its training was not kept
+    assert main(["export", str(out), "--out", str(again)]) == 0
+    capsys.readouterr()
+    card = (again / "README.md").read_text()
+    assert "- optimiser: not recorded" in card and "- data: not recorded" in card
+    assert f"an exported model of `{trained_run}`" in card
     src = read_lines(synthetic_paths["valid.src"])[:24]
     ref = read_lines(synthetic_paths["valid.tgt"])[:24]
     a, b = Translator.load(trained_run), dynaseq.load(out)

@@ -34,6 +34,7 @@ from dynaseq.core.rundir import (
     MODEL_VERSION,
     check_new_run_dir,
     open_run,
+    read_run_config,
     writing_new_dir,
 )
 from dynaseq.metrics.profile import count_params
@@ -62,9 +63,10 @@ def portable_config(cfg: Any) -> dict[str, Any]:
 
 
 def model_card(cfg: Any, meta: dict[str, Any], run: Path, ckpt: Path, n_params: int,
-               calibration: dict[str, Any] | None) -> str:
+               calibration: dict[str, Any] | None, origin: str | None = None) -> str:
     """The ``README.md`` of an exported model: what it is, what it was trained on, its
-    validation scores, its budgets and how it was trained."""
+    validation scores, its budgets and how it was trained. ``origin``: the run an exported
+    ``run`` was itself exported from (its training settings were not kept: not recorded)."""
     task = next(name for name, cls in RUN_CONFIGS.items() if isinstance(cfg, cls))
     model = to_dict(cfg.model)
     technique = next((k for k in ("cct", "dmb", "moe") if model.get(k)), None)
@@ -83,7 +85,9 @@ def model_card(cfg: Any, meta: dict[str, Any], run: Path, ckpt: Path, n_params: 
         lines.append(f"- weights: {meta['quantization']}")
     lines += ["", "## Training", "",
               f"- data: {', '.join(f'{k} `{v}`' for k, v in data.items()) or 'not recorded'}",
-              f"- from run `{run}`, checkpoint `{ckpt.name}` (step {meta.get('step', '?')})",
+              f"- from run `{run}`, checkpoint `{ckpt.name}` (step {meta.get('step', '?')})"
+              + (f", an exported model of `{origin}`" if origin else ""),
+              "- optimiser: not recorded" if origin else
               f"- optimiser: lr {tc.lr:g} ({tc.schedule}, warm-up {tc.warmup_steps}), "
               f"max_steps {tc.max_steps}, seed {tc.seed}, label smoothing {tc.label_smoothing:g}"]
     metrics = meta.get("metrics") or meta.get("valid") or {}
@@ -132,6 +136,9 @@ def export_model(run_dir: str | Path, out_dir: str | Path,
     ckpt = resolve_checkpoint(run, checkpoint)
     predictor = load(run, checkpoint=str(ckpt), device="cpu")  # the weights load and fit
     meta = {k: v for k, v in read_meta(ckpt).items() if k != "sha256"}
+    # an exported model keeps no training settings (portable_config): its card says so
+    origin = (str(meta.get("exported_from", "a run not recorded"))
+              if "train" not in read_run_config(run) else None)
     meta.update(exported_from=str(run), exported_checkpoint=str(ckpt))
     cals = getattr(predictor, "calibrations", None) or []  # those made for this checkpoint
     calibration = None
@@ -150,7 +157,8 @@ def export_model(run_dir: str | Path, out_dir: str | Path,
         if calibration is not None:  # the model directory is its own checkpoint
             write_calibrations(tmp, tmp, cals, calibration["data"])
         atomic_write(tmp / "README.md", model_card(cfg, meta, run, ckpt,
-                                                   count_params(predictor.model), calibration))
+                                                   count_params(predictor.model), calibration,
+                                                   origin))
         write_meta(tmp, meta)  # the SHA-256 of every file, as a checkpoint's meta.json
         files = sorted(p.name for p in tmp.iterdir())
     return ExportReport(run, out, ckpt, files)
