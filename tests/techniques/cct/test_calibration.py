@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -191,6 +192,21 @@ def test_a_calibration_of_another_checkpoint_is_not_used(run_copy, synthetic_pat
     path.write_text("{not json")
     with pytest.raises(DynaseqError, match="is not a calibration file"):
         dynaseq.load(run_copy)
+    # saved elsewhere than a run or model directory: refused, nothing written or made
+    with pytest.raises(DynaseqError, match="run directory not found"):
+        t.save_calibration(run_copy.parent / "new_dir")
+    with pytest.raises(DynaseqError, match="no config.yaml"):
+        t.save_calibration(run_copy / "checkpoints")
+    assert not (run_copy.parent / "new_dir").exists()
+    assert not (run_copy / "checkpoints" / "calibration.json").exists()
+    # a hand-edited file: a NaN offset or a budget outside (0, 1] is refused at load (before,
+    # every later call at that budget failed deep inside, the file unnamed)
+    for key, value, words in (("offsets", {"encoder": math.nan, "decoder": 0.1}, "NaN"),
+                              ("budget", [5, -1], r"\[5.0, -1.0\] is not fractions")):
+        path.write_text(json.dumps({**payload, "budgets": [{**payload["budgets"][0],
+                                                             key: value}]}))
+        with pytest.raises(DynaseqError, match=f"{path}.* is not a calibration file.*{words}"):
+            dynaseq.load(run_copy)
 
 
 def test_a_calibration_of_weights_rewritten_since_is_not_used(run_copy, synthetic_paths):

@@ -76,11 +76,18 @@ class BudgetCalibration:
 
     @classmethod
     def from_json(cls, d: dict) -> BudgetCalibration:
-        return cls(budget=tuple(float(b) for b in d["budget"]),
-                   control=int(d["control"]),
-                   offsets={k: float(v) for k, v in d["offsets"].items()},
-                   realized={k: float(v) for k, v in d["realized"].items()},
-                   uncalibrated={k: float(v) for k, v in d["uncalibrated"].items()})
+        """The calibration :meth:`to_json` wrote; ValueError for a budget fraction outside
+        (0, 1] or a NaN offset (a hand-edited file: every call at that budget would fail)."""
+        cal = cls(budget=tuple(float(b) for b in d["budget"]),
+                  control=int(d["control"]),
+                  offsets={k: float(v) for k, v in d["offsets"].items()},
+                  realized={k: float(v) for k, v in d["realized"].items()},
+                  uncalibrated={k: float(v) for k, v in d["uncalibrated"].items()})
+        if not all(0 < b <= 1 for b in cal.budget):
+            raise ValueError(f"budget {list(cal.budget)} is not fractions in (0, 1]")
+        if any(math.isnan(v) for v in cal.offsets.values()):
+            raise ValueError(f"budget {list(cal.budget)} has a NaN gate offset")
+        return cal
 
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from dynaseq.core.checkpoint import META, WEIGHTS, read_meta
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, sha256_file
+from dynaseq.core.rundir import read_run_config, run_path
 from dynaseq.techniques.cct.calibration import BudgetCalibration
 
 CALIBRATION_FILE = "calibration.json"
@@ -76,7 +77,9 @@ def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
                        data: dict) -> Path:
     """Write ``cals`` to ``run/calibration.json`` (atomically), tied to checkpoint ``ckpt``
     and the SHA-256 of its weights (:func:`weights_digest`); ``data`` describes the
-    calibration data."""
+    calibration data. ``run`` must be a run or exported model directory (CheckpointError
+    otherwise: a file elsewhere is read by no load)."""
+    read_run_config(run_path(run))
     path = run / CALIBRATION_FILE
     atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt),
                                    "weights_sha256": weights_digest(ckpt), "data": data,
