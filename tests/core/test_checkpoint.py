@@ -1,5 +1,6 @@
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -180,7 +181,8 @@ def test_a_checkpoint_is_named_by_its_step_or_a_path_inside_the_run(trained_run,
 
     first, last = list_checkpoints(trained_run)
     assert resolve_checkpoint(trained_run, 10) == resolve_checkpoint(trained_run, "10") == first
-    assert resolve_checkpoint(trained_run, 20) == last
+    assert resolve_checkpoint(trained_run, 20) == resolve_checkpoint(
+        trained_run, np.int64(20)) == last  # numpy's integers too
     monkeypatch.chdir(tmp_path)  # a path inside the run, from elsewhere
     assert resolve_checkpoint(trained_run, f"checkpoints/{first.name}") == trained_run / (
         f"checkpoints/{first.name}")

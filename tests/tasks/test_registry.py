@@ -46,6 +46,13 @@ def test_load_and_task_for_refuse_bad_input(tmp_path):
         dynaseq.load(tmp_path / "missing")
     with pytest.raises(CheckpointError, match="no config.yaml"):
         dynaseq.load(tmp_path)
+    for bad in (None, 3):  # not a path: the error says so (before: a bare TypeError)
+        with pytest.raises(CheckpointError, match=rf"a run directory is a path .*got {bad}"):
+            dynaseq.load(bad)
+    (tmp_path / "config.yaml").write_text("task: lm\n")
+    with pytest.raises(CheckpointError, match="config.yaml is a file, not a run directory"):
+        dynaseq.load(tmp_path / "config.yaml")
+    (tmp_path / "config.yaml").unlink()
     with pytest.raises(ConfigError, match="no task trains a dict"):
         task_for({})
     with pytest.raises(ConfigError, match="data.train_src is required"):

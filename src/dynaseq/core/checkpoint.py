@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import numbers
 import os
 import re
 import shutil
@@ -288,17 +289,17 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "auto") -> Path:
     """Directory holding the weights to use.
 
     ``which``: ``auto`` (averaged, else best, else latest), ``best``, ``latest``, ``averaged``,
-    a step (``1400`` or ``"1400"``: the run's checkpoint of that update) or a path to a
+    a step (``1400``, numpy's too, or ``"1400"``: the run's checkpoint of that update) or a path to a
     checkpoint directory (as given, else inside the run: ``checkpoints/step_00001400``). An
     exported model directory (its weights at the top) is its own checkpoint for ``auto``.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise CheckpointError(f"run directory not found: {run}")
-    if isinstance(which, bool) or not isinstance(which, str | int | PurePath):
+    if isinstance(which, bool) or not isinstance(which, str | numbers.Integral | PurePath):
         raise CheckpointError(f"a checkpoint is auto, best, latest, averaged, a step or a "
                               f"path, got {which!r}")
-    if isinstance(which, int) or (isinstance(which, str) and which.isascii() and which.isdigit()):
+    if isinstance(which, numbers.Integral) or (isinstance(which, str) and which.isascii() and which.isdigit()):
         ckpts = {int(p.name[len(_PREFIX):]): p for p in list_checkpoints(run)}
         if int(which) not in ckpts:
             steps = ", ".join(map(str, ckpts)) or "none"

@@ -30,13 +30,27 @@ def open_run(run_dir: str | Path, types: Mapping[str, type],
         ConfigError: a config that does not parse.
         DynaseqError: with ``what``, a run of a task ``types`` does not list.
     """
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise CheckpointError(f"run directory not found: {run}")
+    run = run_path(run_dir)
     raw = read_run_config(run)
     if what is not None and config_task(raw) not in types:
         raise DynaseqError(f"{run} is not a {what} run")
     return run, parse_config(raw, types)
+
+
+def run_path(run_dir: object) -> Path:
+    """``run_dir`` as the path of an existing directory. Raises CheckpointError naming what
+    it is instead: not a path (None, a number), a file (e.g. the run's ``config.yaml``), or
+    nothing."""
+    if not isinstance(run_dir, str | os.PathLike):
+        raise CheckpointError(f"a run directory is a path (str or pathlib.Path), got "
+                              f"{run_dir!r}")
+    run = Path(run_dir)
+    if run.is_file():
+        raise CheckpointError(f"{run} is a file, not a run directory: give the directory "
+                              "that holds it")
+    if not run.is_dir():
+        raise CheckpointError(f"run directory not found: {run}")
+    return run
 
 
 def read_run_config(run: Path) -> dict[str, Any]:
