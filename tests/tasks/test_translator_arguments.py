@@ -66,6 +66,16 @@ def test_budgets_that_are_not_numbers_are_refused(budget):
     assert budget_pair(0.5) == (0.5, 0.5) and as_fraction(1) == 1.0
 
 
+def test_per_line_budgets_not_in_a_list_are_refused_with_the_way_to_give_them():
+    import numpy as np
+
+    from dynaseq.tasks.translation.predictor import budget_pair
+
+    for budget in (np.array([0.5, 0.5, 0.5]), (1.0, 0.5, 0.5)):
+        with pytest.raises(DynaseqError, match="; one budget per line is a list"):
+            budget_pair(budget)
+
+
 def test_nothing_to_evaluate_and_unequal_pairs_are_refused(t):
     with pytest.raises(DynaseqError, match="nothing to evaluate: no sentence pairs"):
         t.evaluate([], [])
@@ -135,3 +145,11 @@ def test_numpy_and_torch_numbers_are_taken_as_python_numbers(cct_run):
     assert t.translate(lines, budget=[np.float32(1), 0.5, (1.0, np.float32(0.33))]) == [
         t.translate([line], budget=b)[0]
         for line, b in zip(lines, [1.0, 0.5, (1.0, 0.33)], strict=True)]
+
+
+def test_a_translator_prints_as_one_short_line(t, trained_run):
+    """``repr`` names the class, checkpoint, device and size (the dataclass default printed
+    the module tree, the vocabulary and every calibration: ~9,000 characters)."""
+    text = repr(t)
+    assert text.startswith(f"Translator(checkpoint='{t.checkpoint}', device=cpu, params=")
+    assert "\n" not in text and len(text) < 200 and str(t) == text

@@ -38,7 +38,7 @@ from dynaseq.nn.modes import evaluating
 from dynaseq.nn.neural_cache import NeuralCache
 from dynaseq.tasks.lm.config import TASK, LMCacheConfig, LMRunConfig
 from dynaseq.tasks.lm.model import build_lm
-from dynaseq.tasks.loading import load_predictor
+from dynaseq.tasks.loading import load_predictor, predictor_repr
 
 if TYPE_CHECKING:
     from dynaseq.compress.qat import QATConfig
@@ -136,12 +136,13 @@ def _no_budget(budget: object) -> None:
         raise DynaseqError("a language model has no compute-budget knob (budget must be None)")
 
 
-@dataclass
+@dataclass(repr=False)
 class LanguageModel:
     """A trained LM: model (eval mode), vocabulary, run config and checkpoint used."""
 
     #: the run files an exported model carries besides config and weights (the vocabulary)
     EXPORT_FILES: ClassVar[tuple[str, ...]] = (VOCAB_FILE,)
+    __repr__ = predictor_repr
 
     model: TransformerLM
     vocab: Vocab

@@ -45,7 +45,7 @@ from dynaseq.nn.lean_step import autocast_on, refreshed
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
-from dynaseq.tasks.loading import load_predictor
+from dynaseq.tasks.loading import load_predictor, predictor_repr
 from dynaseq.tasks.translation.config import (
     TASK,
     DecodeConfig,
@@ -303,7 +303,9 @@ def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
         raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got "
                            f"{budget!r}") from None
     if len(pair) != 2:
-        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got {budget}")
+        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got "
+                           f"{budget}" + ("; one budget per line is a list" if len(pair) > 2
+                                          else ""))
     if not all(0 < b <= 1 for b in pair):
         raise DynaseqError(f"a budget is a fraction in (0, 1], got {budget}")
     return pair
@@ -316,7 +318,7 @@ def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
     return float(result.score), str(metric.get_signature())
 
 
-@dataclass
+@dataclass(repr=False)
 class Translator:
     """A trained model with its tokenizer and config, ready for inference.
 
@@ -340,6 +342,7 @@ class Translator:
 
     #: the run files an exported model carries besides config and weights (the tokenizer)
     EXPORT_FILES: ClassVar[tuple[str, ...]] = ("spm.model", "spm.vocab")
+    __repr__ = predictor_repr
 
     model: nn.Module
     tokenizer: Tokenizer
