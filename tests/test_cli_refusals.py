@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -311,3 +312,21 @@ def test_branch_usage_is_for_branching_models(trained_run):
     with pytest.raises(DynaseqError, match="branch_usage is for DMB and MoE models; this is a "
                                            "dense model"):
         Translator.load(trained_run).branch_usage(["kalo end"], ["kalo end"])
+
+
+def test_a_closed_standard_stream_is_one_line(trained_run, tmp_path, monkeypatch, capsys):
+    """Started with standard output or input closed (cron, a daemon: Python's ``sys.stdout``
+    is None), a command that needs it says so in one line (before: an AttributeError
+    traceback); with ``-o``/``-i`` it runs."""
+    src = tmp_path / "in.txt"
+    src.write_text("kalo sum 3 4 end\n")
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["translate", str(trained_run), "-i", str(src), "--quiet"]) == 2
+    assert "standard output is closed: give --output FILE" in capsys.readouterr().err
+    assert main(["translate", str(trained_run), "-i", str(src), "-o",
+                 str(tmp_path / "out.txt"), "--quiet"]) == 0
+    assert (tmp_path / "out.txt").read_text().count("\n") == 1
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["translate", str(trained_run), "-o", str(tmp_path / "o2.txt")]) == 2
+    assert "standard input is closed: give --input FILE" in capsys.readouterr().err
+    assert not (tmp_path / "o2.txt").exists()

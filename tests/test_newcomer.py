@@ -160,6 +160,17 @@ def test_plot_draws_curves_of_two_runs(tmp_path, capsys):
     assert main(["plot", str(a), "--out", str(tmp_path / "f.png")]) == 2
     assert "line 6 is not JSON" in capsys.readouterr().err
     assert not (tmp_path / "f.png").exists()
+    good = (a / "log.jsonl").read_text().splitlines()[:5]
+    for line, words in (("[1, 2]", "line 6 is not a log record"),
+                        ('{"event": "train", "step": 1, "loss": ' + "9" * 400 + "}",
+                         "line 6: the step or loss is too large")):
+        (a / "log.jsonl").write_text("\n".join([*good, line]) + "\n")
+        assert main(["plot", str(a), "--out", str(tmp_path / "g.png")]) == 2
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "g.png").exists()
+    # an output nothing can be written to is refused by its own name, before the plot
+    assert main(["plot", str(b), "--out", "/proc/version/x.png"]) == 2
+    assert "cannot write /proc/version/x.png: not a directory" in capsys.readouterr().err
 
 
 def _stderr_of(args: list[str], stdin: bytes, tty: bool) -> tuple[int, str, str]:

@@ -1,7 +1,5 @@
 """``python -m dynaseq`` (also what ``torchrun -m dynaseq`` runs)."""
 
-import sys
+from dynaseq.cli import entry
 
-from dynaseq.cli import main
-
-sys.exit(main())
+entry()

@@ -31,13 +31,23 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dynaseq import __version__
 from dynaseq.core.errors import DynaseqError
-from dynaseq.data.text import os_reason
+from dynaseq.core.files import os_reason
 
 EXIT_BAD_INPUT = 2
+
+
+def _std(which: str) -> Any:
+    """``sys.stdin`` (``which="input"``) or ``sys.stdout`` (``"output"``); a DynaseqError
+    when the process was started with it closed (cron, a daemon): Python sets it to None."""
+    stream = sys.stdin if which == "input" else sys.stdout
+    if stream is None:
+        flag = "--input" if which == "input" else "--output"
+        raise DynaseqError(f"standard {which} is closed: give {flag} FILE")
+    return stream
 
 
 def _read_input(path: str | None, strip: bool = True) -> list[str]:
@@ -46,7 +56,7 @@ def _read_input(path: str | None, strip: bool = True) -> list[str]:
     from dynaseq.data.text import decode_lines, read_lines
 
     if path is None or path == "-":
-        return decode_lines(sys.stdin.buffer.read(), "stdin", strip=strip)
+        return decode_lines(_std("input").buffer.read(), "stdin", strip=strip)
     return read_lines(path, strip=strip)
 
 
@@ -54,9 +64,9 @@ def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = No
                   folder: bool = False) -> None:
     """Refuse an output file that is one of the inputs, that lies in the run directory
     ``run_dir`` (it would overwrite the model's files, or add one that a later load reads),
-    or that is a directory (unless the output is a ``folder``), before anything is read or
-    written."""
-    from dynaseq.core.files import inside, same_file
+    or that is a directory (unless the output is a ``folder``), or that cannot be written
+    (:func:`~dynaseq.core.files.check_writable`), before anything is read or written."""
+    from dynaseq.core.files import check_writable, inside, same_file
 
     if out is None or out == "-":
         return
@@ -70,6 +80,7 @@ def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = No
     if run_dir is not None and inside(out, run_dir):
         raise DynaseqError(f"the output {out} is inside the run directory {run_dir}: write "
                            "it elsewhere")
+    check_writable(Path(out) / "_" if folder else out)  # not hours of work, then refused
 
 
 def _print_result(args: argparse.Namespace, result: object, text: Callable[[], str]) -> int:
@@ -82,8 +93,9 @@ def _print_result(args: argparse.Namespace, result: object, text: Callable[[], s
 def _write_output(lines: list[str], path: str | None) -> None:
     """Standard output, or ``path`` written atomically (a failure leaves the old file)."""
     if path is None or path == "-":
-        sys.stdout.write("".join(line + "\n" for line in lines))
-        sys.stdout.flush()
+        out = _std("output")
+        out.write("".join(line + "\n" for line in lines))
+        out.flush()
     else:
         from dynaseq.data import write_lines
 
@@ -157,10 +169,11 @@ def _stream(args: argparse.Namespace, command: str,
             raise DynaseqError(f"{command} --stream reads standard input and writes standard "
                                f"output: drop {flag} {value}")
     answer = answerer()
-    for n, raw in enumerate(iter(sys.stdin.buffer.readline, b""), start=1):
+    stdin, stdout = _std("input"), _std("output")
+    for n, raw in enumerate(iter(stdin.buffer.readline, b""), start=1):
         (line,) = decode_lines(raw, "stdin", first_line=n, strip=strip)
-        sys.stdout.write(answer(line) + "\n")
-        sys.stdout.flush()
+        stdout.write(answer(line) + "\n")
+        stdout.flush()
     return 0
 
 
@@ -1594,7 +1607,14 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def entry() -> None:
-    sys.exit(main())
+    """The ``dynaseq`` command (and ``python -m dynaseq``): :func:`main`, with a Ctrl-C
+    while the arguments are read the same one line as during a command."""
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print("dynaseq: interrupted", file=sys.stderr)
+        status = 128 + signal.SIGINT
+    sys.exit(status)
 
 
 if __name__ == "__main__":

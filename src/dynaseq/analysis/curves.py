@@ -64,15 +64,23 @@ def read_curves(run_dirs: list[str | Path]) -> list[RunCurves]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 raise DynaseqError(f"{path}: line {n} is not JSON") from None
+            if not isinstance(rec, dict):
+                raise DynaseqError(f"{path}: line {n} is not a log record (a JSON object)")
             event, step = rec.get("event"), rec.get("step")
             if event not in ("train", "valid") or not isinstance(step, int):
                 continue
             for key, value in rec.items():
                 wanted = key in TRAIN_METRICS if event == "train" else key not in SKIP
                 if wanted and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    try:  # a plot reads both as floats
+                        float(step)
+                        y = float(value)
+                    except OverflowError:
+                        raise DynaseqError(f"{path}: line {n}: the step or {key} is too large "
+                                           "for a float") from None
                     steps, values = curves.series.setdefault((event, key), ([], []))
                     steps.append(step)
-                    values.append(float(value))
+                    values.append(y)
         if not curves.series:
             raise DynaseqError(f"{path} records no training or validation step")
         runs.append(curves)

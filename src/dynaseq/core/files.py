@@ -25,6 +25,36 @@ def read_text(path: str | Path, what: str, error: type[DynaseqError] = DynaseqEr
         raise error(f"cannot read {what} {p}: {e}") from None
 
 
+def os_reason(e: OSError) -> str:
+    """A short lower-case reason for an ``OSError`` ("permission denied")."""
+    text = e.strerror or str(e) or type(e).__name__
+    text = " ".join(text.split())
+    return text[:1].lower() + text[1:]
+
+
+def check_writable(path: str | Path) -> None:
+    """Refuse (DynaseqError ``"cannot write PATH: <reason>"``) an output ``path`` that
+    :func:`atomic_write` could not write, before any work is done: a file is made and removed
+    in its folder (or the nearest folder above it that exists: the rest would be created).
+    A path that exists and is not a regular file (``/dev/null``) is written as it is, and is
+    not probed. Permission bits do not tell (root passes ``os.access`` on ``/sys``, where
+    nothing can be created): only trying does."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        return
+    folder = p.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    probe = folder / f".tmp-probe-{secrets.token_hex(6)}"
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(20, "not a directory", str(folder))
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise DynaseqError(f"cannot write {p}: {os_reason(e)}") from None
+
+
 def atomic_write(path: str | Path, data: bytes | str) -> None:
     """Write ``data`` (str as UTF-8) to ``path`` so that a reader sees the old file or the
     whole new one, never a part: written to a temporary sibling, flushed to disk, then
@@ -33,7 +63,7 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
     (``/dev/null``, a named pipe) is written to as it is. The file gets the mode a plain
     ``open(path, "w")`` gives (0666 less the umask; an existing file's own mode): not
     ``mkstemp``'s 0600, which no server or job of another user could read. Raises OSError
-    as the OS reports it.
+    as the OS reports it, naming ``path`` (not the temporary file).
     """
     p = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
@@ -42,8 +72,12 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
             f.write(payload)
         return
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.parent / f".tmp-{p.name}-{secrets.token_hex(6)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    # the name cut short: any name the file system takes leaves room for the affixes
+    tmp = p.parent / f".tmp-{p.name[:100]}-{secrets.token_hex(6)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(p)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             with contextlib.suppress(FileNotFoundError):  # an existing file keeps its mode
@@ -52,9 +86,11 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename == str(tmp):
+            raise OSError(e.errno, e.strerror, str(p)) from None
         raise
 
 

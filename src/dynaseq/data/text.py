@@ -18,18 +18,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import atomic_write
+from dynaseq.core.files import atomic_write, os_reason
 from dynaseq.data.datasets import resolve_data_path
 
 #: The first two bytes of every gzip stream (RFC 1952).
 GZIP_MAGIC = b"\x1f\x8b"
-
-
-def os_reason(e: OSError) -> str:
-    """A short lower-case reason for an ``OSError`` ("permission denied")."""
-    text = e.strerror or str(e) or type(e).__name__
-    text = " ".join(text.split())
-    return text[:1].lower() + text[1:]
 
 
 def read_bytes(p: Path) -> bytes:

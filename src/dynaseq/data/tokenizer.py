@@ -29,8 +29,8 @@ import sentencepiece as spm
 
 from dynaseq.core.arguments import check_text
 from dynaseq.core.errors import ConfigError, DynaseqError
-from dynaseq.core.files import atomic_write
-from dynaseq.data.text import os_reason, read_bytes
+from dynaseq.core.files import atomic_write, os_reason
+from dynaseq.data.text import read_bytes
 
 PAD_ID = 0
 UNK_ID = 1
