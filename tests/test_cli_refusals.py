@@ -177,6 +177,9 @@ def test_an_evaluated_language_model_refuses_a_data_file(tmp_path, capsys):
         assert main(["profile", lm.run_dir, flag, "1"]) == 2
         assert (f"profile: {flag} is for translation and encoder runs; "
                 f"{lm.run_dir} is a language model") in _err(capsys)
+    for flag in ("--src-len", "--tgt-len", "--batch"):  # they were ignored
+        assert main(["profile", lm.run_dir, flag, "3"]) == 2
+        assert f"profile: {flag} is for translation runs" in _err(capsys)
     assert main(["serve", lm.run_dir, "--beam", "2"]) == 2  # refused before it listens
     assert "serve: --beam is for translation runs" in _err(capsys)
 

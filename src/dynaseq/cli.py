@@ -277,6 +277,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         raise DynaseqError(f"profile: {target} is neither a run directory nor a config file")
     _refuse_exit(args)
+    args.src_len, args.tgt_len = args.src_len or 30, args.tgt_len or 30
+    args.batch = args.batch or 1
     longest = max(args.src_len, args.tgt_len + 1)  # the decoder reads bos + the target
     if longest > model_cfg.max_positions:
         raise DynaseqError(f"profile: {longest} positions (--src-len, or --tgt-len + 1 for "
@@ -892,11 +894,13 @@ def _calibrate_classify(args: argparse.Namespace) -> int:
 def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
     """An encoder run directory, or an encoder config (random weights): params, MACs/token
     (analytic and flop counter), latency at batch 1 and throughput at batch 32 for 32- and
-    128-token inputs."""
+    128-token inputs (those the model's positions take; ``--src-len``: that length)."""
     from dynaseq.metrics.encoder_profile import profile_encoder
     from dynaseq.tasks.encoder.budget import control_for, exit_for, layer_exit_for, layers_for
 
     budget = _encoder_budget(args)
+    _refuse_given(args, ("tgt_len", "batch"), "translation",
+                  f"{args.target} is an encoder (batch 1 and 32 are timed)")
     calibrations = []
     if cfg is None:
         args.run_dir = args.target
@@ -910,10 +914,13 @@ def _profile_encoder(args: argparse.Namespace, cfg=None) -> int:
         head = MLM if cfg.task == "mlm" else (cfg.data.layout().n_outputs or 2)
         model = _at_precision(build_encoder_model(model_cfg, cfg.data.vocab_size, head).eval(),
                               args)
-    lengths = (32, 128)
-    if max(lengths) > model_cfg.max_positions:
+    # --src-len, else 32 and 128 tokens where the model takes them (else its longest)
+    longest = model_cfg.max_positions
+    lengths = ((args.src_len,) if args.src_len is not None
+               else tuple(n for n in (32, 128) if n <= longest) or (longest,))
+    if max(lengths) > longest:
         raise DynaseqError(f"profile: {max(lengths)} tokens exceed the model's max_positions="
-                           f"{model_cfg.max_positions}")
+                           f"{longest}")
     control = control_for(model_cfg, budget, 1, next(model.parameters()).device, calibrations)
     exit = exit_for(model_cfg, args.gamma, args.depth)
     layers = layers_for(model_cfg, args.keep_layers)
@@ -968,6 +975,8 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
     _refuse_exit(args)
     _refuse_given(args, ("budget", "keep_layers"), "translation and encoder",
                   f"{args.target} is a language model")
+    _refuse_given(args, ("src_len", "tgt_len", "batch"), "translation",
+                  f"{args.target} is a language model (timed at positions 100 and 10,000)")
     if cfg is None:
         args.run_dir = args.target
         model = _language_model(args).model
@@ -1225,9 +1234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="a run directory or a YAML config (random weights)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for a config")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--src-len", type=int, default=30)
-    p.add_argument("--tgt-len", type=int, default=30)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--src-len", type=int, default=None,
+                   help="translation: source tokens (default 30); encoders: the one input "
+                        "length to time (default 32 and 128, as far as max_positions goes)")
+    p.add_argument("--tgt-len", type=int, default=None,
+                   help="translation: target tokens (default 30)")
+    p.add_argument("--batch", type=int, default=None, help="translation: batch (default 1)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--latency-table", action="store_true",
                    help="translation and classification runs: measure service time per "

@@ -21,7 +21,7 @@ from dynaseq.tasks.classify.task import ClassifyTask
 from dynaseq.train.loop import train
 
 from encoder_helpers import classify_config, write_pair_table
-from helpers import run_cli
+from helpers import REPO, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +139,15 @@ def test_finetuned_run_classifies_and_evaluates(finetuned, sst2_small):
         row = res["lengths"][s]
         assert row["macs_per_token"] == row["macs_per_token_flop_counter"]
         assert row["latency_ms_b1"] > 0 and row["sentences_per_s_b32"] > 0
+    # one length of the user's; a model of fewer positions than 128 times what it takes
+    proc = run_cli("profile", str(finetuned), "--json", "--repeats", "1", "--src-len", "7")
+    assert proc.returncode == 0 and list(json.loads(proc.stdout)["lengths"]) == ["7"]
+    proc = run_cli("profile", str(REPO / "configs/sst2_small.yaml"), "model.max_positions=64",
+                   "data.max_len=60", "--json", "--repeats", "1")
+    assert proc.returncode == 0 and list(json.loads(proc.stdout)["lengths"]) == ["32"], (
+        proc.stderr)
+    proc = run_cli("profile", str(finetuned), "--tgt-len", "7")
+    assert proc.returncode == 2 and b"--tgt-len is for translation runs" in proc.stderr
 
 
 @pytest.mark.parametrize("args,stdin,message", [
