@@ -333,3 +333,11 @@ def test_a_closed_standard_stream_is_one_line(trained_run, tmp_path, monkeypatch
     assert main(["translate", str(trained_run), "-o", str(tmp_path / "o2.txt")]) == 2
     assert "standard input is closed: give --input FILE" in capsys.readouterr().err
     assert not (tmp_path / "o2.txt").exists()
+
+
+def test_an_empty_output_path_is_refused_before_anything_runs(trained_run, capsys):
+    """``--out ""`` is the current folder to ``Path``: never what was meant."""
+    for argv in (["export", str(trained_run), "--out", ""],
+                 ["translate", str(trained_run), "-o", " "]):
+        assert main(argv) == 2
+        assert "an output path must not be empty" in capsys.readouterr().err

@@ -257,3 +257,6 @@ def test_without_a_data_root_the_error_says_where_it_looked(tmp_path):
     assert_clean_error(proc, "dataset wikitext-2 is missing", f"{DATA_ENV} unset",
                        DATASETS["wikitext-2"].upstream, "dynaseq data check")
     assert not (work / "run").exists()
+    from dynaseq.data.datasets import _root_origin
+
+    assert _root_origin({DATA_ENV: ""}).startswith(f"{DATA_ENV} empty, no ")  # set, not used

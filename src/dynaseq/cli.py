@@ -1587,6 +1587,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "minutes", None) is not None and args.minutes <= 0:
         parser.error("--minutes must be > 0")
     try:
+        for name in ("out", "output"):  # "" is the current folder to Path: never meant
+            value = getattr(args, name, None)
+            if isinstance(value, str) and not value.strip():
+                raise DynaseqError(f"--{name}: an output path must not be empty")
         with warnings.catch_warnings():  # restored when the command ends
             warnings.showwarning = _one_line_warning
             return COMMANDS[args.command](args)

@@ -228,3 +228,11 @@ def test_a_named_size_gives_that_size_from_python_too():
     assert ModelConfig().d_model == 128  # no size: tiny's
     model = build_seq2seq(ModelConfig(size="small", encoder_layers=1, decoder_layers=1), 100)
     assert model.encoder.layers[0].ffn_norm.normalized_shape == (256,)
+
+
+def test_a_sections_own_check_reads_after_the_sections_name():
+    """A message that starts with one of the section's keys reads as its path; another
+    follows the section's name (before: "model.unknown model size")."""
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS[0].parent / "multi30k_tiny.yaml", ["model.size=huge"])
+    assert str(err.value).startswith("model: unknown model size 'huge'; known: ")

@@ -81,6 +81,8 @@ def test_nothing_to_evaluate_and_unequal_pairs_are_refused(t):
         t.evaluate([], [])
     with pytest.raises(DynaseqError, match="source has 1 lines but reference has 2"):
         t.score(["a"], ["a", "b"])
+    with pytest.raises(DynaseqError, match="every sentence pair has an empty source or target"):
+        t.score(["kalo mintu", ""], ["", "sum 3 4"])  # no pair is empty: one side of each
 
 
 def test_a_line_without_subwords_translates_to_an_empty_line(t):

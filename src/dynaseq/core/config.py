@@ -224,7 +224,12 @@ def from_dict(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{prefix}{e}" if prefix else str(e)) from None
+        # a message that starts with a key reads as its path ("data.spm_model_type must be
+        # ..."); another after the section's name ("model: unknown model size 'huge'")
+        key = re.match(r"[A-Za-z_]\w*", str(e))
+        joined = (f"{prefix}{e}" if key and key.group() in names
+                  else f"{prefix.rstrip('.')}: {e}")
+        raise ConfigError(joined if prefix else str(e)) from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -108,7 +108,8 @@ def _root_origin(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     if env.get(DATA_ENV):
         return f"{DATA_ENV}={env[DATA_ENV]}"
-    return f"{DATA_ENV} unset, no {' or '.join(p + '/' for p in DEFAULT_ROOTS)} here"
+    state = "empty" if DATA_ENV in env else "unset"  # an empty one is not used either
+    return f"{DATA_ENV} {state}, no {' or '.join(p + '/' for p in DEFAULT_ROOTS)} here"
 
 
 def resolve_data_path(path: str | Path, environ: Mapping[str, str] | None = None) -> Path:

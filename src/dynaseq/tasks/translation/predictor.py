@@ -240,7 +240,8 @@ def score_corpus(model: nn.Module, src_ids: list[list[int]], tgt_ids: list[list[
                             long_lines="truncate")
     assert len(corpus) == len(kept), "truncation keeps every non-empty pair"
     if len(corpus) == 0:
-        raise DynaseqError("nothing to score: every sentence pair is empty")
+        raise DynaseqError("nothing to score: every sentence pair has an empty source or "
+                           "target")
     nll_sum, n_tok = 0.0, 0
     with evaluating(model):
         for idx in token_batches(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
@@ -576,7 +577,8 @@ class Translator:
         check_pairs(src, ref)
         batches = self._pair_batches(src, ref, batch_size)
         if not batches:
-            raise DynaseqError("nothing to count: every sentence pair is empty")
+            raise DynaseqError("nothing to count: every sentence pair has an empty source "
+                               "or target")
         control = self.control_for(budget, len(src) if isinstance(budget, list) else None)
         ids = control.ids if isinstance(control, BudgetControl) else control
         opened = BudgetControl(ids, dict.fromkeys(GATE_SUBNETWORKS, ALL_GATES_ON))
@@ -651,7 +653,8 @@ class Translator:
         check_pairs(src, ref)
         batches = self._pair_batches(src, ref, batch_size)
         if not batches:
-            raise DynaseqError("nothing to calibrate on: every sentence pair is empty")
+            raise DynaseqError("nothing to calibrate on: every sentence pair has an empty "
+                               "source or target")
         if budgets is not None and not isinstance(budgets, list):  # one budget
             budgets = [budgets]
         targets = (list(cct.controls) if budgets is None
