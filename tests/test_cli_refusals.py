@@ -10,6 +10,7 @@ import hashlib
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -341,3 +342,21 @@ def test_an_empty_output_path_is_refused_before_anything_runs(trained_run, capsy
                  ["translate", str(trained_run), "-o", " "]):
         assert main(argv) == 2
         assert "an output path must not be empty" in capsys.readouterr().err
+
+
+def test_the_shipped_model_is_never_written_into(tmp_path, capsys):
+    """``calibrate`` and ``profile --latency-table`` on the model inside the package are
+    refused before any work: a file there changed what ``dynaseq demo`` shows, outlived
+    ``pip uninstall`` and, in a checkout, entered the next wheel."""
+    from dynaseq.workflows.demo import DEMO_MODEL
+
+    before = sorted(p.name for p in Path(DEMO_MODEL).iterdir())
+    src = tmp_path / "in.txt"
+    src.write_text("kalo sum 3 4 end\n")
+    for argv, what in ((["calibrate", str(DEMO_MODEL), "--src", str(src), "--ref", str(src)],
+                        "calibration.json"),
+                       (["profile", str(DEMO_MODEL), "--latency-table"], "latency_table.json")):
+        assert main(argv) == 2
+        assert (f"is the model shipped with dynaseq, which is read only: write {what} into a "
+                "copy (dynaseq export") in capsys.readouterr().err
+    assert sorted(p.name for p in Path(DEMO_MODEL).iterdir()) == before

@@ -47,6 +47,16 @@ def test_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"dynaseq {dynaseq.__version__}"
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the version is written once
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "dynaseq.__version__"}
+    shipped = project["tool"]["setuptools"]["package-data"]["dynaseq.workflows"]
+    from dynaseq.workflows.demo import DEMO_MODEL  # packaged by name: tracked files only
+
+    assert sorted(shipped) == sorted(f"demo_model/{p.name}" for p in DEMO_MODEL.iterdir())
 
 
 def test_shipped_configs_name_their_data_under_the_root():

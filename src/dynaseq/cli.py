@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 
 from dynaseq import __version__
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.rundir import check_not_shipped
 from dynaseq.core.files import os_reason
 
 EXIT_BAD_INPUT = 2
@@ -328,6 +329,7 @@ def _profile_latency_table(args: argparse.Namespace) -> int:
         values = getattr(args, name)
         if not values or min(values) < 1:
             raise DynaseqError(f"--{name.replace('_', '-')} must be integers >= 1")
+    check_not_shipped(target, LATENCY_TABLE_FILE)
     args.run_dir = str(target)
     table = (_translate_latency_table if kind == "seq2seq" else _classify_latency_table)(args)
     path = table.save(target / LATENCY_TABLE_FILE)
@@ -1531,7 +1533,9 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm,
                          "mlm": _evaluate_mlm, "classify": _evaluate_classify}),
     "classify": Command({"classify": cmd_classify}),
-    "calibrate": Command({"seq2seq": cmd_calibrate, "classify": _calibrate_classify}),
+    "calibrate": Command({"seq2seq": cmd_calibrate, "classify": _calibrate_classify},
+                         check=lambda args: check_not_shipped(args.run_dir,
+                                                              "calibration.json")),
     "profile": Command({None: cmd_profile}),  # a run directory or a config file
     "generate": Command({"lm": cmd_generate}, check=_check_generate),
     "average": Command({None: cmd_average}),

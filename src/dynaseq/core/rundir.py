@@ -53,6 +53,20 @@ def run_path(run_dir: object) -> Path:
     return run
 
 
+#: the installed package: the model shipped in it (``dynaseq demo``'s) is read only
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def check_not_shipped(run: str | Path, what: str) -> None:
+    """Refuse (DynaseqError) to write ``what`` (e.g. "calibration.json") into a model inside
+    the installed dynaseq package, the shipped demo model: a file there would change what
+    ``dynaseq demo`` shows, outlive ``pip uninstall`` and, in a checkout, enter the next
+    wheel."""
+    if Path(run).resolve().is_relative_to(PACKAGE_DIR):
+        raise DynaseqError(f"{run} is the model shipped with dynaseq, which is read only: "
+                           f"write {what} into a copy (dynaseq export {run} --out DIR)")
+
+
 def read_run_config(run: Path) -> dict[str, Any]:
     """The run-config mapping of a run directory (``config.yaml``) or an exported model
     directory (``config.json``). Raises CheckpointError when it has neither, ConfigError for

@@ -15,7 +15,7 @@ from pathlib import Path
 from dynaseq.core.checkpoint import META, WEIGHTS, read_meta
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, sha256_file
-from dynaseq.core.rundir import read_run_config, run_path
+from dynaseq.core.rundir import check_not_shipped, read_run_config, run_path
 from dynaseq.techniques.cct.calibration import BudgetCalibration
 
 CALIBRATION_FILE = "calibration.json"
@@ -80,6 +80,7 @@ def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
     calibration data. ``run`` must be a run or exported model directory (CheckpointError
     otherwise: a file elsewhere is read by no load)."""
     read_run_config(run_path(run))
+    check_not_shipped(run, CALIBRATION_FILE)
     path = run / CALIBRATION_FILE
     atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt),
                                    "weights_sha256": weights_digest(ckpt), "data": data,
