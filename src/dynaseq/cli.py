@@ -35,8 +35,8 @@ from typing import Any, NoReturn
 
 from dynaseq import __version__
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.rundir import check_not_shipped
 from dynaseq.core.files import os_reason
+from dynaseq.core.rundir import check_not_shipped
 
 EXIT_BAD_INPUT = 2
 
