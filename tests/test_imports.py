@@ -54,3 +54,25 @@ def test_the_command_starts_without_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+def test_commands_outside_the_server_need_no_web_framework():
+    """``profile --latency-table`` counts compute as the server does
+    (:mod:`dynaseq.serve.compute`), on an install without the ``serve`` extra; ``serve``
+    itself, without it, is one line naming the extra (before: tracebacks)."""
+    code = ("import sys\n"
+            "for m in ('pydantic', 'fastapi', 'uvicorn', 'prometheus_client'):\n"
+            "    sys.modules[m] = None  # as if not installed\n"
+            "import dynaseq.serve.compute, dynaseq.metrics.latency\n"
+            "import importlib.util\n"
+            "importlib.util.find_spec = lambda name, *a: None if name in ('fastapi',) else 1\n"
+            "from dynaseq.cli import main\n"
+            "sys.exit(main(['serve', sys.argv[1]]))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    run = SRC / "workflows" / "demo_model"
+    r = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == ("dynaseq: error: serve needs the serve extra (missing fastapi): "
+                                "pip install 'dynaseq[serve]'")

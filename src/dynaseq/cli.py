@@ -372,7 +372,7 @@ def _translate_latency_table(args: argparse.Namespace):
     d = t.config.decode
     after, timed = None, "decode"
     if not args.no_compute:  # time what dynaseq serve runs: the decode, then each line's
-        from dynaseq.serve.endpoints import ServedCompute  # realized compute
+        from dynaseq.serve.compute import ServedCompute  # realized compute
 
         after = ServedCompute(t.model)
         timed = "decode + realized compute per line (dynaseq serve's default)"
@@ -389,7 +389,7 @@ def _classify_latency_table(args: argparse.Namespace):
     one row, ``(1,)``) over real sentences, with each row's realized compute as the server
     reports it unless ``--no-compute``."""
     from dynaseq.data import read_lines
-    from dynaseq.serve.endpoints import encoder_compute_per_row
+    from dynaseq.serve.compute import encoder_compute_per_row
     from dynaseq.tasks.classify.latency_table import measure_classify_latency_table
 
     if args.beam is not None:
@@ -428,8 +428,16 @@ def _classify_latency_table(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``dynaseq serve RUN --host 127.0.0.1 --port 8000``: the budget-aware HTTP server."""
+    import importlib.util
+
     from dynaseq.serve.config import ServeConfig
     from dynaseq.serve.server import serve
+
+    missing = [m for m in ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+               if importlib.util.find_spec(m) is None]
+    if missing:  # the server's libraries are an extra: say which, not a traceback
+        raise DynaseqError(f"serve needs the serve extra (missing {', '.join(missing)}): "
+                           "pip install 'dynaseq[serve]'")
 
     if _run_dir_kind(args.run_dir) != "seq2seq":
         _refuse_given(args, ("beam",), "translation")

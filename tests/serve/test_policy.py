@@ -201,7 +201,7 @@ def test_table_times_what_runs_after_each_decode(serve_run, synthetic_paths):
     and, where the server's decode counts what it runs (a gated budget, greedy, lean), what
     it counted; the table names what it timed; the server's compute report fits the hook."""
     from dynaseq.metrics.latency_table import measure_latency_table
-    from dynaseq.serve.endpoints import ServedCompute
+    from dynaseq.serve.compute import ServedCompute
 
     t = dynaseq.load(serve_run)
     calls = []

@@ -180,7 +180,7 @@ def test_all_on_counts_of_one_call_are_those_of_a_call_with_every_gate_open(cali
 def test_served_compute_is_the_two_call_count(calibrated):
     """The server's compute of a line (one teacher-forced call, no output layer) equals
     the count of two calls: at the line's budget, and with every gate open."""
-    from dynaseq.serve.endpoints import realized_per_row
+    from dynaseq.serve.compute import realized_per_row
 
     t, lines, _ = calibrated
     m = t.model
@@ -206,7 +206,7 @@ def test_served_compute_is_the_two_call_count(calibrated):
 def test_a_served_lines_compute_does_not_depend_on_what_it_was_batched_with(calibrated):
     """The server's compute of each line of a batch mixing budgets and lengths equals the
     line's compute served alone."""
-    from dynaseq.serve.endpoints import realized_per_row
+    from dynaseq.serve.compute import realized_per_row
 
     t, lines, _ = calibrated
     budgets = _interleaved(BUDGETS, 2)
@@ -223,7 +223,7 @@ def test_all_on_counts_from_the_lengths_equal_those_the_pass_records(calibrated)
     """A line at a budget of 1 in both sub-networks is reported without a forward pass
     (:func:`all_on_macs`); that count equals the all-on count a teacher-forced pass
     records for the line's own tokens, and the served report at budget 1 equals it."""
-    from dynaseq.serve.endpoints import all_on_macs, all_open_reports, realized_per_row
+    from dynaseq.serve.compute import all_on_macs, all_open_reports, realized_per_row
 
     m, b, control = _mixed_batch(calibrated)
     valid = {"encoder": b.src.ne(m.pad_id), "decoder": b.tgt_in.ne(m.pad_id)}
@@ -258,7 +258,7 @@ def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrat
     and the encoder's records equals the teacher-forced pass's, line by line, for a batch
     mixing budgets (every gate open, calibrated, trained) and lengths, and for each line
     alone (batch 1: the parts read one row's gates without a mask)."""
-    from dynaseq.serve.endpoints import counted_per_row, realized_per_row
+    from dynaseq.serve.compute import counted_per_row, realized_per_row
     from dynaseq.tasks.translation.predictor import decode_corpus
 
     t, lines, _ = calibrated
@@ -288,7 +288,7 @@ def test_compute_formed_as_lines_finish_equals_the_teacher_forced_count(calibrat
     """The same count, formed for each group of lines when it finishes (``on_done`` with
     the counts so far, :class:`CountedRows` made once per batch), line by line equal to
     the teacher-forced pass's; each line is handed over once, with its final tokens."""
-    from dynaseq.serve.endpoints import CountedRows, realized_per_row
+    from dynaseq.serve.compute import CountedRows, realized_per_row
     from dynaseq.tasks.translation.predictor import decode_corpus
 
     t, lines, _ = calibrated
@@ -323,7 +323,7 @@ def test_compute_formed_as_lines_finish_equals_the_teacher_forced_count(calibrat
     def refuse(*args):
         raise AssertionError("all-open counts recomputed")
 
-    monkeypatch.setattr("dynaseq.serve.endpoints.all_on_macs", refuse)
+    monkeypatch.setattr("dynaseq.serve.compute.all_on_macs", refuse)
     assert CountedRows(t.model, rows_src, aux, cache).reports(counts) == first
 
 

@@ -47,7 +47,7 @@ control network(s) and reads the decisions with one host sync, then:
 * **counting**: given a :class:`~dynaseq.nn.lean_step.StepTally`, each part adds every
   row's open gates of the step under its sub-layer's name (``.q``, ``.kv``; ``.keys``, the
   on memory keys, once at ``start``; ``.pieces``, ``(B, M)``), from which a row's realized
-  MACs follow without a teacher-forced pass (``dynaseq.serve.endpoints.counted_per_row``).
+  MACs follow without a teacher-forced pass (``dynaseq.serve.compute.counted_per_row``).
 
 Folding and fusing change float rounding only: outputs equal the modules' up to it (the
 tests compare every step's logits). Parts decline (the general step runs) for int8 or
