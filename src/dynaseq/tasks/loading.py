@@ -106,13 +106,17 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
     return load_resolved(run, checkpoint, from_checkpoint)
 
 
-def predictor_repr(p: Any) -> str:
-    """A predictor's one-line ``repr``: its class, checkpoint, device, parameter count and,
-    for a model with budgets, its calibrated ones (the dataclass default printed the whole
-    module tree, the vocabulary and every calibration: thousands of characters)."""
-    n = sum(t.numel() for t in p.model.parameters())
-    cals = getattr(p, "calibrations", None)
-    budgets = "" if not cals else ", calibrated=[" + ", ".join(
-        "(" + ", ".join(f"{b:g}" for b in c.budget) + ")" for c in cals) + "]"
-    return (f"{type(p).__name__}(checkpoint='{p.checkpoint}', device={p.device}, "
-            f"params={n:,}{budgets})")
+class ShortRepr:
+    """A predictor's one-line ``repr`` (its dataclass says ``repr=False``): its class,
+    checkpoint, device, parameter count and, for a model with budgets, its calibrated ones
+    (the dataclass default printed the whole module tree, the vocabulary and every
+    calibration: thousands of characters)."""
+
+    def __repr__(self) -> str:
+        p: Any = self
+        n = sum(t.numel() for t in p.model.parameters())
+        cals = getattr(p, "calibrations", None)
+        budgets = "" if not cals else ", calibrated=[" + ", ".join(
+            "(" + ", ".join(f"{b:g}" for b in c.budget) + ")" for c in cals) + "]"
+        return (f"{type(p).__name__}(checkpoint='{p.checkpoint}', device={p.device}, "
+                f"params={n:,}{budgets})")

@@ -52,7 +52,7 @@ from dynaseq.tasks.encoder.budget import (
 )
 from dynaseq.tasks.encoder.model import build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
-from dynaseq.tasks.loading import load_predictor, predictor_repr
+from dynaseq.tasks.loading import ShortRepr, load_predictor
 from dynaseq.techniques.cct.calibration import (
     BudgetCalibration,
     calibrate_budget,
@@ -280,13 +280,12 @@ def task_metrics(layout: TableLayout, gold: list, pred: list) -> dict[str, float
 
 
 @dataclass(repr=False)
-class Classifier:
+class Classifier(ShortRepr):
     """A fine-tuned encoder with its vocabulary, config, checkpoint and table layout;
     ``calibrations``: the run's ``calibration.json`` for this checkpoint (CCT-BERT)."""
 
     #: the run files an exported model carries besides config and weights (the vocabulary)
     EXPORT_FILES: ClassVar[tuple[str, ...]] = (SPM_FILE, "spm.vocab")
-    __repr__ = predictor_repr
 
     model: EncoderModel
     vocab: EncoderVocab

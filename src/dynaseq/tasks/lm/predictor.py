@@ -38,7 +38,7 @@ from dynaseq.nn.modes import evaluating
 from dynaseq.nn.neural_cache import NeuralCache
 from dynaseq.tasks.lm.config import TASK, LMCacheConfig, LMRunConfig
 from dynaseq.tasks.lm.model import build_lm
-from dynaseq.tasks.loading import load_predictor, predictor_repr
+from dynaseq.tasks.loading import ShortRepr, load_predictor
 
 if TYPE_CHECKING:
     from dynaseq.compress.qat import QATConfig
@@ -137,12 +137,11 @@ def _no_budget(budget: object) -> None:
 
 
 @dataclass(repr=False)
-class LanguageModel:
+class LanguageModel(ShortRepr):
     """A trained LM: model (eval mode), vocabulary, run config and checkpoint used."""
 
     #: the run files an exported model carries besides config and weights (the vocabulary)
     EXPORT_FILES: ClassVar[tuple[str, ...]] = (VOCAB_FILE,)
-    __repr__ = predictor_repr
 
     model: TransformerLM
     vocab: Vocab

@@ -27,7 +27,7 @@ from dynaseq.nn.modes import evaluating
 from dynaseq.tasks.encoder.budget import Budget, control_id, trained_budget
 from dynaseq.tasks.encoder.model import MLM, build_encoder_model
 from dynaseq.tasks.encoder.vocab import SPM_FILE, EncoderVocab
-from dynaseq.tasks.loading import load_predictor, predictor_repr
+from dynaseq.tasks.loading import ShortRepr, load_predictor
 from dynaseq.tasks.mlm.config import TASK, MLMRunConfig
 from dynaseq.tasks.mlm.data import MaskedBatch, MaskSpec, mask_tokens, pack_blocks
 
@@ -70,12 +70,11 @@ def mlm_metrics(model: EncoderModel, blocks: Tensor, vocab: EncoderVocab, spec: 
 
 
 @dataclass(repr=False)
-class MaskedLM:
+class MaskedLM(ShortRepr):
     """A pre-trained encoder with its MLM head, vocabulary, config and checkpoint."""
 
     #: the run files an exported model carries besides config and weights (the vocabulary)
     EXPORT_FILES: ClassVar[tuple[str, ...]] = (SPM_FILE, "spm.vocab")
-    __repr__ = predictor_repr
 
     model: EncoderModel
     vocab: EncoderVocab

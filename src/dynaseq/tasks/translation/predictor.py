@@ -45,7 +45,7 @@ from dynaseq.nn.lean_step import autocast_on, refreshed
 from dynaseq.nn.losses import label_smoothed_loss
 from dynaseq.nn.modes import evaluating
 from dynaseq.nn.outputs import AuxOutputs
-from dynaseq.tasks.loading import load_predictor, predictor_repr
+from dynaseq.tasks.loading import ShortRepr, load_predictor
 from dynaseq.tasks.translation.config import (
     TASK,
     DecodeConfig,
@@ -320,7 +320,7 @@ def bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
 
 
 @dataclass(repr=False)
-class Translator:
+class Translator(ShortRepr):
     """A trained model with its tokenizer and config, ready for inference.
 
     :meth:`load` folds the shared part of a DMB model's branches into each branch
@@ -343,7 +343,6 @@ class Translator:
 
     #: the run files an exported model carries besides config and weights (the tokenizer)
     EXPORT_FILES: ClassVar[tuple[str, ...]] = ("spm.model", "spm.vocab")
-    __repr__ = predictor_repr
 
     model: nn.Module
     tokenizer: Tokenizer
