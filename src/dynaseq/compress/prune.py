@@ -297,8 +297,9 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
     0.4 target gave 0.58), ξ* is searched again by bisection on its value with each curve
     read as piecewise linear between its points (:func:`_linear_inverse`), so every matrix
     is pruned by the same perplexity rule and the plan meets the target (up to the float
-    bisection, each matrix's count of zeroed entries rounded up): a matrix whose curve rises
-    through ξ* gets a sparsity between its points.
+    bisection, each matrix's count of zeroed entries rounded up; a curve that falls again,
+    as noisy ones do, makes ρ jump, and the plan nearer the target of the two is kept): a
+    matrix whose curve rises through ξ* gets a sparsity between its points.
 
     Args:
         curves: ``{name: [(sparsity, perplexity), ...]}`` (:class:`SensitivityResult`).
@@ -340,12 +341,13 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
                 hi_xi = mid
             else:
                 lo_xi = mid
-        threshold = hi_xi
-        _, per = _overall(curves, sizes, threshold, _linear_inverse)
+        _, lin = _overall(curves, sizes, hi_xi, _linear_inverse)
         # whole counts, rounded up: the pruner zeroes round(ρ·n) entries, which then sum to
         # at least the target
-        per = {n: math.ceil(rho * sizes[n] - 1e-9) / sizes[n] for n, rho in per.items()}
-        achieved = sum(sizes[n] * per[n] for n in curves) / sum(sizes[n] for n in curves)
+        lin = {n: math.ceil(rho * sizes[n] - 1e-9) / sizes[n] for n, rho in lin.items()}
+        reached = sum(sizes[n] * lin[n] for n in curves) / sum(sizes[n] for n in curves)
+        if reached < achieved:  # a noisy curve's jump can overshoot more than the grid did
+            threshold, achieved, per = hi_xi, reached, lin
     return PruningPlan(threshold=threshold, sparsities=per, achieved=achieved, target=target)
 
 
