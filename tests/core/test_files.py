@@ -12,11 +12,30 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.core.files import atomic_write, check_writable
 
 
-def test_the_longest_name_the_file_system_takes_is_written(tmp_path):
-    name = "x" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 4) + ".txt"
+@pytest.mark.parametrize("char", ["x", "日"])  # 1 and 3 bytes in UTF-8
+def test_the_longest_name_the_file_system_takes_is_written(tmp_path, char):
+    room = os.pathconf(tmp_path, "PC_NAME_MAX") - 4  # bytes, ".txt" aside
+    name = char * (room // len(char.encode())) + ".txt"
+    check_writable(tmp_path / name)
     atomic_write(tmp_path / name, "hi\n")  # the temporary sibling's name was 18 longer
     assert (tmp_path / name).read_text() == "hi\n"
     assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_a_link_to_a_file_replaces_the_file_and_a_stream_is_written_in_place(tmp_path):
+    (tmp_path / "target.txt").write_text("old\n")
+    (tmp_path / "link").symlink_to("target.txt")
+    check_writable(tmp_path / "link")
+    atomic_write(tmp_path / "link", "new\n")  # as open("link", "w"): the link stays
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target.txt").read_text() == "new\n"
+    r, w = os.pipe()  # /dev/fd/N: the process's own stream, not a file to rename over
+    try:
+        check_writable(f"/dev/fd/{w}")
+        atomic_write(f"/dev/fd/{w}", "piped\n")
+        assert os.read(r, 100) == b"piped\n"
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_a_failed_write_names_the_file_asked_for(tmp_path):

@@ -32,52 +32,75 @@ def os_reason(e: OSError) -> str:
     return text[:1].lower() + text[1:]
 
 
+#: paths that name a process's own streams (``-o /dev/stdout``): written in place, as streams
+_STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+
+
+def _target(path: str | Path) -> Path | None:
+    """Where :func:`atomic_write` puts ``path``'s file: None for a path written in place (a
+    stream of the process, or an existing path that is not a regular file: ``/dev/null``, a
+    pipe); else the path with its links resolved (a link to a file: that file is replaced,
+    the link stays)."""
+    p = Path(path)
+    if str(p).startswith(_STREAMS) or (p.exists() and not p.is_file()):
+        return None
+    return Path(os.path.realpath(p))
+
+
+def _tmp_name(p: Path, tag: str) -> Path:
+    """A temporary sibling of ``p``: its name cut to 100 bytes, so that any name the file
+    system takes (255 bytes) leaves room for the affixes whatever its characters."""
+    stem = os.fsencode(p.name)[:100].decode("utf-8", "ignore")
+    return p.parent / f".tmp-{tag}{stem}-{secrets.token_hex(6)}"
+
+
 def check_writable(path: str | Path) -> None:
     """Refuse (DynaseqError ``"cannot write PATH: <reason>"``) an output ``path`` that
-    :func:`atomic_write` could not write, before any work is done: a file is made and removed
-    in its folder (or the nearest folder above it that exists: the rest would be created).
-    A path that exists and is not a regular file (``/dev/null``) is written as it is, and is
+    :func:`atomic_write` could not write, before any work is done: a file of the temporary
+    name's length is made and removed in its folder (or the nearest folder above it that
+    exists: the rest would be created). A path written in place (a stream, ``/dev/null``) is
     not probed. Permission bits do not tell (root passes ``os.access`` on ``/sys``, where
     nothing can be created): only trying does."""
-    p = Path(path)
-    if p.exists() and not p.is_file():
+    target = _target(path)
+    if target is None:
         return
-    folder = p.parent
+    folder = target.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
-    probe = folder / f".tmp-probe-{secrets.token_hex(6)}"
+    probe = _tmp_name(folder / target.name, "probe-")
     try:
         if not folder.is_dir():
             raise NotADirectoryError(20, "not a directory", str(folder))
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         os.unlink(probe)
     except OSError as e:
-        raise DynaseqError(f"cannot write {p}: {os_reason(e)}") from None
+        raise DynaseqError(f"cannot write {path}: {os_reason(e)}") from None
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> None:
     """Write ``data`` (str as UTF-8) to ``path`` so that a reader sees the old file or the
     whole new one, never a part: written to a temporary sibling, flushed to disk, then
     renamed over ``path``. The temporary file is removed if anything fails (a full disk),
-    and the old file stays. Parent folders are created. A path that is not a regular file
-    (``/dev/null``, a named pipe) is written to as it is. The file gets the mode a plain
-    ``open(path, "w")`` gives (0666 less the umask; an existing file's own mode): not
-    ``mkstemp``'s 0600, which no server or job of another user could read. Raises OSError
-    as the OS reports it, naming ``path`` (not the temporary file).
+    and the old file stays. Parent folders are created. A link to a file replaces that
+    file (the link stays, as ``open(path, "w")`` would leave it); a stream of the process
+    (``/dev/stdout``) or a path that is not a regular file (``/dev/null``, a named pipe) is
+    written to as it is. The file gets the mode a plain ``open(path, "w")`` gives (0666
+    less the umask; an existing file's own mode): not ``mkstemp``'s 0600, which no server
+    or job of another user could read. Raises OSError as the OS reports it, naming ``path``
+    (not the temporary file).
     """
-    p = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    if p.exists() and not p.is_file():  # /dev/null, a pipe: written to, never replaced
-        with open(p, "wb") as f:  # (a rename put a regular file in place of /dev/null)
+    p = _target(path)
+    if p is None:  # written to, never replaced (a rename put a file in place of /dev/null)
+        with open(path, "wb") as f:
             f.write(payload)
         return
     p.parent.mkdir(parents=True, exist_ok=True)
-    # the name cut short: any name the file system takes leaves room for the affixes
-    tmp = p.parent / f".tmp-{p.name[:100]}-{secrets.token_hex(6)}"
+    tmp = _tmp_name(p, "")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     except OSError as e:
-        raise OSError(e.errno, e.strerror, str(p)) from None
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             with contextlib.suppress(FileNotFoundError):  # an existing file keeps its mode
@@ -90,7 +113,7 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, OSError) and e.filename == str(tmp):
-            raise OSError(e.errno, e.strerror, str(p)) from None
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
 
