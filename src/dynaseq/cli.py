@@ -399,8 +399,8 @@ def _classify_latency_table(args: argparse.Namespace):
     if longest > c.config.data.max_len:
         raise DynaseqError(f"profile: length {longest} exceeds the run's data.max_len="
                            f"{c.config.data.max_len}")
-    if args.table_src is not None:
-        lines = [x for x in read_lines(args.table_src) if x.strip()]
+    if args.table_src is not None:  # read as classify reads it (empty lines skipped there)
+        lines = read_lines(args.table_src, strip=False)
     else:
         from dynaseq.data.datasets import resolve_data_path
         from dynaseq.tasks.classify.glue import read_table

@@ -194,6 +194,9 @@ def test_a_pair_task_refuses_single_sentences(tmp_path, mlm_run):
     assert proc.stdout.decode().split("\n") == [c.classify([("the cat sat", "a cat sat")])[0],
                                                 "", "", "", ""]
     assert c.classify(["\ta cat sat", "the cat sat\t"]) == [None, None]
+    # a stray tab at either end of a whole pair (a spreadsheet's export) is white space
+    pair = c.classify([("the cat sat", "a cat sat")])
+    assert c.classify(["the cat sat\ta cat sat\t", "\tthe cat sat\ta cat sat"]) == pair * 2
     # single-sentence data for a pair task: the header lacks the second sentence
     single = tmp_path / "single.tsv"
     single.write_text("sentence\tlabel\nthe cat\t1\n")

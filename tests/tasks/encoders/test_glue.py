@@ -90,9 +90,11 @@ def test_empty_sentences_are_counted_and_skipped(tmp_path):
     path.write_text("sentence\tlabel\r\na charming film\t1\r\n\t0\r\ndull\t0\r\n")
     ex = read_table(path, GLUE_TASKS["sst2"])
     assert (ex.text_a, ex.labels, ex.skipped) == (["a charming film", "dull"], ["1", "0"], 1)
-    path.write_text("gj04\t1\t\ta good sentence .\ngj04\t0\t*\t\n")
+    path.write_text("gj04\t1\t\ta good sentence .\ngj04\t0\t*\t\n"
+                    "gj04\t0\t*\tbad sentence a .\t\r\n")  # a stray tab at the end: space
     ex = read_table(path, GLUE_TASKS["cola"])
-    assert (ex.text_a, ex.labels, ex.skipped) == (["a good sentence ."], ["1"], 1)
+    assert (ex.text_a, ex.labels, ex.skipped) == (["a good sentence .", "bad sentence a ."],
+                                                  ["1", "0"], 1)
 
 
 def test_pair_segments(mlm_run):

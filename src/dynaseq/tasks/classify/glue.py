@@ -138,6 +138,9 @@ def read_table(path: str | Path, layout: TableLayout, labelled: bool = True) -> 
                   [] if labelled and layout.regression else None)
     for n, line in enumerate(lines[first - 1:], start=first):
         cols = line.split("\t")
+        while layout.n_columns is not None and len(cols) > layout.n_columns and not (
+                cols[-1].strip()):
+            cols.pop()  # a stray tab (or "\r") at the end of the row
         if layout.n_columns is not None and len(cols) != layout.n_columns:
             raise DynaseqError(f"{p} line {n}: {len(cols)} columns, {layout.name} files have "
                                f"{layout.n_columns}")
