@@ -163,9 +163,14 @@ def test_inside_the_callers_autocast_the_general_path_answers(cct_run, lm_and_cl
     t = Translator.load(cct_run[0])
     general = Translator.load(cct_run[0])
     general.fast_decode = False
+    from dynaseq.models.lean import LeanDecoder, lean_or_model
+    from dynaseq.models.lean_encoder import LeanEncoder
+
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert LeanDecoder.prepare(t.model) is None and lean_or_model(t.model) is t.model
         assert t.lean_decoder() is None
         assert t.translate(LINES, budget=BUDGETS) == general.translate(LINES, budget=BUDGETS)
         clf = dynaseq.load(lm_and_classifier[1])
         assert clf.lean_encoder() is None and len(clf.classify(["a fine film .", "dull ."])) == 2
+        assert LeanEncoder.prepare(clf.model) is None
     assert t.lean_decoder() is not None and clf.lean_encoder() is not None

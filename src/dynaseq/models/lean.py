@@ -63,6 +63,7 @@ from dynaseq.nn.lean_step import (
     StepCache,
     StepLinear,
     StepTally,
+    autocast_on,
     lean_part,
     linear_fn,
     linear_tensors,
@@ -224,7 +225,10 @@ class LeanDecoder:
     @classmethod
     def prepare(cls, model: nn.Module) -> LeanDecoder | None:
         """The lean decoder of ``model``, or None when :func:`is_lean` is False (MoE, int8 CCT,
-        relative-position and head-pruned-to-nothing models keep the general step)."""
+        relative-position and head-pruned-to-nothing models keep the general step) or inside
+        the caller's ``torch.autocast`` (:func:`~dynaseq.nn.lean_step.autocast_on`)."""
+        if autocast_on(model):
+            return None
         with torch.no_grad():
             layers = _lean_layers(model)
             if layers is None:

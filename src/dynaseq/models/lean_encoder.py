@@ -53,7 +53,7 @@ from torch import Tensor, nn
 import dynaseq.nn.lean_dense  # noqa: F401  (registers the dense sub-layers' lean parts)
 from dynaseq.models.encoder import Control, EncoderModel, EncoderModelOutput
 from dynaseq.nn import AuxOutputs, EncoderLayer
-from dynaseq.nn.lean_step import Norm, StepTally, lean_part, uniform_offset
+from dynaseq.nn.lean_step import Norm, StepTally, autocast_on, lean_part, uniform_offset
 from dynaseq.nn.versions import unchanged, versions_of
 
 Counts = dict[str, Tensor]
@@ -199,7 +199,10 @@ class LeanEncoder:
     @classmethod
     def prepare(cls, model: nn.Module) -> LeanEncoder | None:
         """The lean encoder of ``model``, or None where it has none (MoE sub-layers, int8
-        CCT: the model's own forward runs)."""
+        CCT: the model's own forward runs) or inside the caller's ``torch.autocast``
+        (:func:`~dynaseq.nn.lean_step.autocast_on`)."""
+        if autocast_on(model):
+            return None
         with torch.no_grad():
             layers = _lean_layers(model)
         return None if layers is None else cls(model, layers)
