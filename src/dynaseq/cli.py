@@ -70,6 +70,7 @@ def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = No
     from dynaseq.core.files import check_writable, inside, same_file
 
     if out is None or out == "-":
+        _std("output")  # standard output it is: refused now if closed, not after the work
         return
     if not out.strip():
         raise DynaseqError("an output path must not be empty")
@@ -86,8 +87,9 @@ def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = No
 
 def _print_result(args: argparse.Namespace, result: object, text: Callable[[], str]) -> int:
     """A command's report on stdout: ``result`` as indented JSON with ``--json``, else
-    ``text()``, the human-readable lines. Returns the exit status, 0."""
-    print(json.dumps(result, indent=1) if args.json else text())
+    ``text()``, the human-readable lines (a closed stdout: an error, not a report lost).
+    Returns the exit status, 0."""
+    print(json.dumps(result, indent=1) if args.json else text(), file=_std("output"))
     return 0
 
 
@@ -169,8 +171,8 @@ def _stream(args: argparse.Namespace, command: str,
         if value not in (None, "-"):
             raise DynaseqError(f"{command} --stream reads standard input and writes standard "
                                f"output: drop {flag} {value}")
+    stdin, stdout = _std("input"), _std("output")  # before the model loads
     answer = answerer()
-    stdin, stdout = _std("input"), _std("output")
     for n, raw in enumerate(iter(stdin.buffer.readline, b""), start=1):
         (line,) = decode_lines(raw, "stdin", first_line=n, strip=strip)
         stdout.write(answer(line) + "\n")
