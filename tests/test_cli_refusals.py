@@ -178,9 +178,10 @@ def test_an_evaluated_language_model_refuses_a_data_file(tmp_path, capsys):
         assert main(["profile", lm.run_dir, flag, "1"]) == 2
         assert (f"profile: {flag} is for translation and encoder runs; "
                 f"{lm.run_dir} is a language model") in _err(capsys)
-    for flag in ("--src-len", "--tgt-len", "--batch"):  # they were ignored
+    for flag, runs in (("--src-len", "translation and encoder"), ("--tgt-len", "translation"),
+                       ("--batch", "translation")):  # they were ignored
         assert main(["profile", lm.run_dir, flag, "3"]) == 2
-        assert f"profile: {flag} is for translation runs" in _err(capsys)
+        assert f"profile: {flag} is for {runs} runs" in _err(capsys)
     assert main(["serve", lm.run_dir, "--beam", "2"]) == 2  # refused before it listens
     assert "serve: --beam is for translation runs" in _err(capsys)
 
@@ -307,6 +308,8 @@ def test_options_a_translation_evaluate_or_a_latency_table_would_ignore_are_refu
                  "--split", "test"]) == 2
     assert (f"evaluate: --split is for language-model and MLM runs; {trained_run} is a "
             "translation run") in capsys.readouterr().err
+    assert main(["profile", str(trained_run), "--latency-table", "--src-len", "5"]) == 2
+    assert "--table-batches; --src-len is for one profile" in capsys.readouterr().err
     assert main(["profile", str(trained_run), "--latency-table", "--budget", "0.5"]) == 2
     assert "--latency-table times every trained and calibrated budget" in (
         capsys.readouterr().err)

@@ -253,6 +253,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if args.budget is not None:
             raise DynaseqError("profile: --latency-table times every trained and calibrated "
                                "budget; --budget is for a profile at one")
+        given = [f"--{n.replace('_', '-')}" for n in ("src_len", "tgt_len", "batch")
+                 if getattr(args, n) is not None]
+        if given:  # they would be ignored
+            raise DynaseqError(f"profile: --latency-table times --table-lengths x "
+                               f"--table-batches; {', '.join(given)} "
+                               f"{'is' if len(given) == 1 else 'are'} for one profile")
         return _profile_latency_table(args)
     if target.is_dir() and _run_dir_kind(str(target)) == "lm":
         return _profile_lm(args)
@@ -987,7 +993,9 @@ def _profile_lm(args: argparse.Namespace, cfg=None) -> int:
     _refuse_exit(args)
     _refuse_given(args, ("budget", "keep_layers"), "translation and encoder",
                   f"{args.target} is a language model")
-    _refuse_given(args, ("src_len", "tgt_len", "batch"), "translation",
+    _refuse_given(args, ("src_len",), "translation and encoder",
+                  f"{args.target} is a language model (timed at positions 100 and 10,000)")
+    _refuse_given(args, ("tgt_len", "batch"), "translation",
                   f"{args.target} is a language model (timed at positions 100 and 10,000)")
     if cfg is None:
         args.run_dir = args.target

@@ -236,3 +236,7 @@ def test_a_sections_own_check_reads_after_the_sections_name():
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS[0].parent / "multi30k_tiny.yaml", ["model.size=huge"])
     assert str(err.value).startswith("model: unknown model size 'huge'; known: ")
+    with pytest.raises(ConfigError) as err:  # a check that names its own section: once
+        load_config(CONFIGS[0].parent / "sst2_small.yaml", ["model.layerdrop=0.1",
+                                                            "model.depth.gamma=0.5"])
+    assert str(err.value).startswith("model.layerdrop is for dense encoders")

@@ -227,8 +227,13 @@ def from_dict(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
         # a message that starts with a key reads as its path ("data.spm_model_type must be
         # ..."); another after the section's name ("model: unknown model size 'huge'")
         key = re.match(r"[A-Za-z_]\w*", str(e))
-        joined = (f"{prefix}{e}" if key and key.group() in names
-                  else f"{prefix.rstrip('.')}: {e}")
+        section = prefix.rstrip(".").rsplit(".", 1)[-1]
+        if str(e).startswith(f"{section}."):  # it names its own section: the path above it
+            joined = f"{prefix[: -len(section) - 1]}{e}"
+        elif key and key.group() in names:
+            joined = f"{prefix}{e}"
+        else:
+            joined = f"{prefix.rstrip('.')}: {e}"
         raise ConfigError(joined if prefix else str(e)) from None
 
 
