@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -286,3 +288,11 @@ def test_a_plan_reaches_its_target_and_never_overshoots_more_than_the_grid(ppls,
     grid_plan = next(a for a in (_overall(curves, size, c)[0] for c in candidates)
                      if a >= target - 1e-9)
     assert target - 1e-9 <= plan.achieved <= grid_plan + 1e-12
+
+
+def test_nan_perplexities_and_empty_matrices_do_not_break_a_plan():
+    curves = {"a": [(0.0, 30.0), (0.3, math.nan), (0.6, 31.0)],
+              "b": [(0.0, 30.0), (0.3, 30.2), (0.6, 33.0)], "c": [(0.0, 30.0), (0.6, 30.1)]}
+    plan = thresholds_for_target(curves, {"a": 100, "b": 300, "c": 0}, 0.5)
+    assert 0.5 <= plan.achieved <= 0.51 and not math.isnan(plan.threshold)
+    assert all(0.0 <= v <= 0.6 for v in plan.sparsities.values())

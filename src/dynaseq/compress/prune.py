@@ -319,7 +319,8 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
     if target == 0.0:
         return PruningPlan(threshold=-math.inf, sparsities=dict.fromkeys(curves, 0.0),
                            achieved=0.0, target=0.0)
-    candidates = sorted({ppl for c in curves.values() for _, ppl in c})
+    # NaN perplexities (a diverged evaluation) meet no threshold: not candidates either
+    candidates = sorted({ppl for c in curves.values() for _, ppl in c if not math.isnan(ppl)})
     tol = 1e-9  # Σ|φ|ρ/Σ|φ| rounds: every matrix at exactly ρ must reach ρ
     max_rho, _ = _overall(curves, sizes, math.inf)
     if max_rho < target - tol:
@@ -330,8 +331,7 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
     lo = bisect.bisect_left(
         range(len(candidates)), True,
         key=lambda i: _overall(curves, sizes, candidates[i])[0] >= target - tol)
-    if lo == len(candidates):  # NaN perplexities on some curve: fall back to every point
-        lo = len(candidates) - 1
+    lo = min(lo, len(candidates) - 1)  # (the largest reaches max_rho: never past it)
     threshold = candidates[lo]
     achieved, per = _overall(curves, sizes, threshold)
     if achieved > target + INTERPOLATE_TOL:  # stepped past it: read the curves as lines
@@ -344,7 +344,9 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
         _, lin = _overall(curves, sizes, hi_xi, _linear_inverse)
         # whole counts, rounded up: the pruner zeroes round(ρ·n) entries, which then sum to
         # at least the target
-        lin = {n: math.ceil(rho * sizes[n] - 1e-9) / sizes[n] for n, rho in lin.items()}
+        lin = {n: rho if not sizes[n] else min(math.ceil(rho * sizes[n] - 1e-9) / sizes[n],
+                                               max(s for s, _ in curves[n]))
+               for n, rho in lin.items()}  # (no further than the curve was analysed)
         reached = sum(sizes[n] * lin[n] for n in curves) / sum(sizes[n] for n in curves)
         if reached < achieved:  # a noisy curve's jump can overshoot more than the grid did
             threshold, achieved, per = hi_xi, reached, lin

@@ -77,6 +77,6 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
         if t.calibrations:  # what they were fitted on, and that it was the float model
             data = json.loads((run / CALIBRATION_FILE).read_text()).get("data", {})
             write_calibrations(tmp, tmp / rel, t.calibrations,
-                               {**data, "fitted_on_float_model": str(run)})
+                               {**data, "fitted_on_float_model": str(run)}, new_model=True)
     return QuantizeReport(run, out, ckpt, dir_size(ckpt / WEIGHTS), dir_size(out / rel / WEIGHTS),
                           dir_size(run), dir_size(out), len(t.calibrations))

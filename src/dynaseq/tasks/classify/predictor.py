@@ -531,5 +531,6 @@ class Classifier(ShortRepr):
 
     def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:
         """Write :attr:`calibrations` to ``run_dir/calibration.json``, tied to the loaded
-        checkpoint."""
+        checkpoint. ``run_dir`` must be a run or model directory, not the model shipped in
+        the package (DynaseqError)."""
         return write_calibrations(Path(run_dir), self.checkpoint, self.calibrations, data or {})

@@ -675,5 +675,6 @@ class Translator(ShortRepr):
 
     def save_calibration(self, run_dir: str | Path, data: dict | None = None) -> Path:
         """Write :attr:`calibrations` to ``run_dir/calibration.json`` (atomically), tied to
-        the loaded checkpoint; ``data`` describes the calibration data."""
+        the loaded checkpoint; ``data`` describes the calibration data. ``run_dir`` must be
+        a run or model directory, not the model shipped in the package (DynaseqError)."""
         return write_calibrations(Path(run_dir), self.checkpoint, self.calibrations, data or {})

@@ -74,13 +74,16 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int,
 
 
 def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
-                       data: dict) -> Path:
+                       data: dict, new_model: bool = False) -> Path:
     """Write ``cals`` to ``run/calibration.json`` (atomically), tied to checkpoint ``ckpt``
     and the SHA-256 of its weights (:func:`weights_digest`); ``data`` describes the
     calibration data. ``run`` must be a run or exported model directory (CheckpointError
-    otherwise: a file elsewhere is read by no load)."""
+    otherwise: a file elsewhere is read by no load), and not the model shipped in the
+    package (DynaseqError), unless it is a ``new_model`` being written (``dynaseq export``,
+    which makes the shipped one)."""
     read_run_config(run_path(run))
-    check_not_shipped(run, CALIBRATION_FILE)
+    if not new_model:
+        check_not_shipped(run, CALIBRATION_FILE)
     path = run / CALIBRATION_FILE
     atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt),
                                    "weights_sha256": weights_digest(ckpt), "data": data,
