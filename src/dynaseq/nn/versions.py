@@ -5,6 +5,8 @@ A version is the tensor's counter of in-place changes (``Tensor._version``) toge
 its storage address and dtype (a move to another device is new storage): ``param.data =
 ...`` (what ``Module.to(dtype)`` and ``.half()`` do) gives a parameter new contents without
 moving its counter, and a copy made from the old storage would otherwise still look current.
+Not seen: a conversion there and back (``.to(bfloat16).to(float32)``) whose last storage
+happens to land at the first one's address; prepare anew after such round trips.
 
 Why by hand: ``Tensor._version`` raises for an inference tensor (one made under
 ``torch.inference_mode``, e.g. a model a user loaded inside that mode), which keeps no
