@@ -17,7 +17,7 @@ from dynaseq.cli import main
 from dynaseq.core import files
 from dynaseq.core.config import save_config
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.run_lock import LOCK_FILE, RunDirBusy, RunDirLock, clear_run_dir
+from dynaseq.core.run_lock import CALIBRATE_LOCK, LOCK_FILE, RunDirBusy, RunDirLock, clear_run_dir
 from dynaseq.data import Tokenizer, read_lines, write_lines
 from dynaseq.data.text import decode_lines
 from dynaseq.tasks.translation.predictor import Translator
@@ -255,7 +255,7 @@ def test_a_full_disk_while_averaging_or_checkpointing_is_one_line(trained_run, t
     _one_line(capsys, "no space left on device")
     assert _snapshot(run) == before  # the old averaged/ is whole
     assert not [p for p in run.iterdir() if p.name.startswith(".")
-                and p.name != LOCK_FILE]  # no temporary directories left
+                and p.name not in (LOCK_FILE, CALIBRATE_LOCK)]  # no temporary directories
     assert main(["train", str(run / "config.yaml"), f"run_dir={run}", "train.max_steps=30",
                  "--quiet"]) == 2
     _one_line(capsys, "no space left on device")

@@ -1537,6 +1537,20 @@ class Command:
         return self.by_kind[kind](args)
 
 
+def _calibrating(command: Callable[[argparse.Namespace], int]
+                 ) -> Callable[[argparse.Namespace], int]:
+    """``command`` holding the run's calibration lock from reading ``calibration.json`` (at
+    load) to writing it: a second ``calibrate`` of the run is refused in one line (two at
+    once each wrote what it had read plus its own budgets, and one's were lost)."""
+    def locked(args: argparse.Namespace) -> int:
+        from dynaseq.core.run_lock import CALIBRATE_LOCK, RunDirLock
+
+        with RunDirLock(Path(args.run_dir), CALIBRATE_LOCK, "calibrated"):
+            return command(args)
+
+    return locked
+
+
 KIND_NAMES = {"seq2seq": "translation", "lm": "language-model", "mlm": "MLM",
               "classify": "classification"}
 ENCODER_KINDS = ("mlm", "classify")
@@ -1551,7 +1565,8 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm,
                          "mlm": _evaluate_mlm, "classify": _evaluate_classify}),
     "classify": Command({"classify": cmd_classify}),
-    "calibrate": Command({"seq2seq": cmd_calibrate, "classify": _calibrate_classify},
+    "calibrate": Command({"seq2seq": _calibrating(cmd_calibrate),
+                          "classify": _calibrating(_calibrate_classify)},
                          check=lambda args: check_not_shipped(args.run_dir,
                                                               "calibration.json")),
     "profile": Command({None: cmd_profile}),  # a run directory or a config file

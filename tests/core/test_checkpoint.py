@@ -236,3 +236,50 @@ def test_an_atomic_write_to_a_device_or_a_pipe_writes_into_it(tmp_path):
     reader.join(10)
     assert got == [b"through the pipe\n"]
     assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+def test_latest_read_while_training_deletes_it_or_rewrites_it_is_read_again(trained_run,
+                                                                             tmp_path):
+    """A training run's ``keep_last`` deletes the checkpoint being read (its weights gone,
+    its folder not yet): ``latest`` takes the next newest, not "corrupt checkpoint"; a
+    checkpoint rewritten while read (:class:`CheckpointChanged`) is read again."""
+    from dynaseq.core.checkpoint import CheckpointChanged, list_checkpoints, load_resolved
+
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    first, last = list_checkpoints(run)
+    read = []
+
+    def load(path):
+        read.append(path)
+        if path == last and len(read) == 1:  # deleted mid-read: the weights first
+            (path / "model.safetensors").unlink()
+            raise CheckpointError(f"corrupt checkpoint {path}: No such file or directory")
+        return path
+
+    assert load_resolved(run, "latest", load) == first and read == [last, first]
+    assert list_checkpoints(run) == [first]  # no weights: not a complete checkpoint
+    tries = []
+
+    def rewritten(path):
+        tries.append(path)
+        if len(tries) == 1:
+            raise CheckpointChanged(f"{path} was rewritten while it was read")
+        return path
+
+    assert load_resolved(run, "best", rewritten) == run / "best" and len(tries) == 2
+
+
+def test_a_checkpoint_rewritten_while_loaded_is_loaded_again(trained_run, monkeypatch):
+    """The weights' digest is read before and after the model is loaded; when they differ
+    (``best/`` replaced meanwhile) the load starts again, and the predictor keeps the digest
+    of the weights it holds (its calibrations are tied to it)."""
+    import dynaseq
+    from dynaseq.core.checkpoint import weights_digest
+    from dynaseq.tasks import loading
+
+    digests = iter(["old", "new"])
+    monkeypatch.setattr(loading, "weights_digest",
+                        lambda path: next(digests, None) or weights_digest(path))
+    t = dynaseq.load(trained_run, checkpoint="best")
+    assert t.weights_sha256 == weights_digest(trained_run / "best")
+    assert next(digests, "done") == "done"  # the first, mismatched pair was used up

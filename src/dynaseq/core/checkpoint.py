@@ -157,6 +157,20 @@ def write_meta(tmp: Path, meta: dict[str, Any]) -> None:
     (tmp / META).write_text(json.dumps({**meta, "sha256": sums}, indent=1), encoding="utf-8")
 
 
+class CheckpointChanged(CheckpointError):
+    """A checkpoint was rewritten while it was read (a training run replaced ``best/``)."""
+
+
+def weights_digest(ckpt: Path) -> str | None:
+    """The SHA-256 of checkpoint ``ckpt``'s weights: the one its ``meta.json`` records (which
+    loading checks against the file), else the file's own; None without a weights file."""
+    recorded = ((read_meta(ckpt).get("sha256") or {}).get(WEIGHTS)
+                if (ckpt / META).is_file() else None)
+    if recorded is not None:
+        return recorded
+    return sha256_file(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
+
+
 def verify_file(directory: Path, name: str, what: str = "checkpoint") -> None:
     """Refuse ``directory/name`` if ``meta.json`` records another SHA-256 for it."""
     expected = read_meta(directory).get("sha256", {}).get(name)
@@ -189,13 +203,14 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete step checkpoints of a run, oldest first."""
+    """Complete step checkpoints of a run (their meta and weights there: not one a training
+    run's ``keep_last`` is deleting), oldest first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir()  # step_<digits> only: a stray step_abc/ is no checkpoint
              if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and (p / META).is_file()]
+             and (p / META).is_file() and (p / WEIGHTS).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -333,15 +348,19 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "auto") -> Path:
 
 def load_resolved(run_dir: str | Path, which: str, load: Callable[[Path], T],
                   attempts: int = 3) -> T:
-    """``load(resolve_checkpoint(run_dir, which))``. With ``auto`` or ``latest``, a checkpoint
-    that vanishes while it is read (a training run's ``keep_last`` deleting it) is replaced
-    by the next newest, up to ``attempts`` times; any other failure is raised as it is."""
+    """``load(resolve_checkpoint(run_dir, which))``. A checkpoint rewritten while it is read
+    (:class:`CheckpointChanged`: a training run replacing ``best/``) is read again; with
+    ``auto`` or ``latest``, one that vanishes while it is read (a training run's ``keep_last``
+    deleting it: its weights gone, the folder maybe not yet) is replaced by the next newest;
+    up to ``attempts`` times. Any other failure is raised as it is."""
     for _ in range(attempts - 1):
         path = resolve_checkpoint(run_dir, which)
         try:
             return load(path)
+        except CheckpointChanged:
+            continue
         except (CheckpointError, FileNotFoundError):
-            if which not in ("auto", "latest") or path.exists():
+            if which not in ("auto", "latest") or (path / WEIGHTS).is_file():
                 raise
     return load(resolve_checkpoint(run_dir, which))
 

@@ -26,6 +26,10 @@ from dynaseq.core.errors import DynaseqError
 LOCK_FILE = ".train.lock"
 """The lock's file inside a run directory; it holds the process id of the trainer."""
 
+CALIBRATE_LOCK = ".calibrate.lock"
+"""The lock a ``dynaseq calibrate`` holds from reading ``calibration.json`` to writing it
+(two at once each merged their budgets into what they had read: one's were lost)."""
+
 
 class RunDirBusy(DynaseqError):
     """Another process is training into this run directory."""
@@ -36,10 +40,14 @@ class RunDirLock:
 
     ``acquire()`` raises :class:`RunDirBusy` naming the holder's process id when another
     process (or another open lock in this process) holds it; ``release()`` is idempotent.
+    ``lock_file`` and ``doing``: another lock of the directory (:data:`CALIBRATE_LOCK`,
+    ``"calibrated"``), independent of the trainer's.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, lock_file: str = LOCK_FILE,
+                 doing: str = "trained") -> None:
         self.run_dir = Path(run_dir)
+        self.lock_file, self.doing = lock_file, doing
         self._fd: int | None = None
 
     @property
@@ -50,16 +58,16 @@ class RunDirLock:
         if self._fd is not None:
             raise RuntimeError(f"the lock on {self.run_dir} is already held by this object")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.run_dir / self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip()
             os.close(fd)
             who = f" (pid {holder})" if holder.isdigit() else ""
-            raise RunDirBusy(f"{self.run_dir} is being trained by another process{who}; "
-                             "wait for it to finish or stop it, or train into another "
-                             "run_dir") from None
+            other = ", or train into another run_dir" if self.lock_file == LOCK_FILE else ""
+            raise RunDirBusy(f"{self.run_dir} is being {self.doing} by another process{who}; "
+                             f"wait for it to finish or stop it{other}") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd

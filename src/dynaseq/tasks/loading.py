@@ -24,7 +24,12 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from dynaseq.core.checkpoint import load_resolved, load_weights
+from dynaseq.core.checkpoint import (
+    CheckpointChanged,
+    load_resolved,
+    load_weights,
+    weights_digest,
+)
 from dynaseq.core.distributed import pick_device, pick_dtype
 from dynaseq.core.errors import DynaseqError
 from dynaseq.core.rundir import open_run
@@ -40,7 +45,7 @@ Weights = Callable[[nn.Module, Path, torch.device], tuple[nn.Module, torch.devic
 class LoadedRun(Generic[V]):
     """What a predictor is made from: the run directory, its parsed ``config``, its
     vocabulary, the ``model`` with the weights of ``checkpoint`` (eval mode, on
-    ``device``)."""
+    ``device``) and their SHA-256 ``digest`` (None: no record of it)."""
 
     run: Path
     config: Any
@@ -48,6 +53,7 @@ class LoadedRun(Generic[V]):
     model: nn.Module
     checkpoint: Path
     device: torch.device
+    digest: str | None = None
 
 
 def place_weights(model: nn.Module, path: Path, device: torch.device
@@ -91,6 +97,7 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
         check(run, cfg)
 
     def from_checkpoint(path: Path) -> P:
+        digest = weights_digest(path)  # the same before and after: these weights were read
         # float32, as trained and saved, whatever torch's default dtype (precision= casts);
         # outside inference mode, so a copy of a weight sees a later change to it
         with torch.inference_mode(False):
@@ -101,7 +108,9 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
                     raise DynaseqError(f"{path}: an int8 model runs in int8; precision "
                                        f"{precision} is for a float model")
                 model = model.to(dtype)
-        return make(LoadedRun(run, cfg, vocab, model, path, placed))
+        if weights_digest(path) != digest:
+            raise CheckpointChanged(f"{path} was rewritten while it was read")
+        return make(LoadedRun(run, cfg, vocab, model, path, placed, digest))
 
     return load_resolved(run, checkpoint, from_checkpoint)
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from dynaseq.core.checkpoint import WEIGHTS, read_meta, resolve_checkpoint, write_meta
 from dynaseq.core.config import to_dict
-from dynaseq.core.files import atomic_write
+from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import atomic_write, sha256_file
 from dynaseq.core.rundir import (
     MODEL_CONFIG,
     MODEL_FORMAT,
@@ -148,6 +149,10 @@ def export_model(run_dir: str | Path, out_dir: str | Path,
     files = []
     with writing_new_dir(out) as tmp:
         shutil.copy2(ckpt / WEIGHTS, tmp / WEIGHTS)
+        loaded = getattr(predictor, "weights_sha256", None)
+        if loaded is not None and sha256_file(tmp / WEIGHTS) != loaded:  # what was checked
+            raise DynaseqError(f"{ckpt} was rewritten (by a training run?) while it was "
+                               "exported; export again")
         atomic_write(tmp / MODEL_CONFIG, json.dumps(
             {"format": MODEL_FORMAT, "version": MODEL_VERSION,
              "config": portable_config(cfg)}, indent=1))

@@ -228,6 +228,33 @@ def test_a_calibration_of_weights_rewritten_since_is_not_used(run_copy, syntheti
     with pytest.warns(UserWarning, match="was fitted on other weights of checkpoint "):
         again = dynaseq.load(run_copy)
     assert again.calibrations == []
+    # rewritten while a calibration was being fitted (a training run replacing the
+    # checkpoint): saving it is refused, not tied to weights it was not fitted on
+    again.calibrate(src, ref, budgets=[0.7], tol=0.05)
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.add_(1e-3)
+    write_checkpoint(t.checkpoint, t.model, read_meta(t.checkpoint))
+    with pytest.raises(DynaseqError, match="was rewritten .* after it was loaded: its "
+                                           "calibration would not fit it; calibrate again"):
+        again.save_calibration(run_copy)
+
+
+def test_two_calibrations_of_one_run_at_once_are_refused(run_copy, synthetic_paths, capsys):
+    """The second ``calibrate`` of a run is refused in one line while the first holds the
+    run's calibration lock (two at once each wrote what they had read plus their own
+    budgets: one's were lost)."""
+    from dynaseq.cli import main
+    from dynaseq.core.run_lock import CALIBRATE_LOCK, RunDirLock
+
+    args = ["calibrate", str(run_copy), "--src", str(synthetic_paths["valid.src"]), "--ref",
+            str(synthetic_paths["valid.tgt"]), "--lines", "8", "--budgets", "0.7", "--quiet"]
+    with RunDirLock(run_copy, CALIBRATE_LOCK, "calibrated"):
+        assert main(args) == 2
+        assert "is being calibrated by another process" in capsys.readouterr().err
+        assert not (run_copy / "calibration.json").exists()
+    assert main(args) == 0
+    assert (run_copy / "calibration.json").exists()
 
 
 def test_calibrate_refuses_a_language_model_run(tmp_path, synthetic_paths):

@@ -59,7 +59,7 @@ from dynaseq.techniques.cct.calibration import (
     distinct_budgets,
     merge_calibrations,
 )
-from dynaseq.techniques.cct.calibration_file import read_calibrations, write_calibrations
+from dynaseq.techniques.cct.calibration_file import read_calibrations, save_calibrations
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, BudgetControl
 from dynaseq.techniques.cct.layers import realized_macs_by_layer, realized_macs_by_row
 from dynaseq.techniques.depth.exits import DEPTH_RUN, DepthExit
@@ -296,6 +296,8 @@ class Classifier(ShortRepr):
     #: classify through :class:`LeanEncoder` where the model has one (False: always the
     #: model's own forward pass; tests and benchmarks compare the two)
     fast_encode: bool = True
+    #: the SHA-256 of the weights loaded (calibrations are tied to it)
+    weights_sha256: str | None = field(default=None, compare=False)
     _lean: LeanEncoder | None = field(default=None, init=False, repr=False, compare=False)
 
     def lean_encoder(self) -> LeanEncoder | None:
@@ -342,7 +344,9 @@ class Classifier(ShortRepr):
             build=lambda cfg, vocab: build_encoder_model(
                 cfg.model, vocab.size, cfg.data.layout().n_outputs, vocab.pad_id),
             make=lambda r: cls(r.model, r.vocab, r.config, r.checkpoint, r.device,
-                               read_calibrations(r.run, r.checkpoint, r.model.n_controls)),
+                               read_calibrations(r.run, r.checkpoint, r.model.n_controls,
+                                                 digest=r.digest),
+                               weights_sha256=r.digest),
             precision=precision)
 
     def _examples(self, lines: list[str] | list[tuple[str, str]]) -> tuple[Examples, list[int]]:
@@ -533,4 +537,5 @@ class Classifier(ShortRepr):
         """Write :attr:`calibrations` to ``run_dir/calibration.json``, tied to the loaded
         checkpoint. ``run_dir`` must be a run or model directory, not the model shipped in
         the package (DynaseqError)."""
-        return write_calibrations(Path(run_dir), self.checkpoint, self.calibrations, data or {})
+        return save_calibrations(run_dir, self.checkpoint, self.calibrations, data,
+                                 self.weights_sha256)

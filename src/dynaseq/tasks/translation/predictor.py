@@ -58,7 +58,7 @@ from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.cct.calibration import BudgetCalibration, budget_offsets, same_budget
 from dynaseq.techniques.cct.calibration_file import (
     read_calibrations,
-    write_calibrations,
+    save_calibrations,
 )
 from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS, BudgetControl
 
@@ -351,6 +351,8 @@ class Translator(ShortRepr):
     checkpoint: Path
     calibrations: list[BudgetCalibration] = field(default_factory=list)
     fast_decode: bool = True
+    #: the SHA-256 of the weights loaded (calibrations are tied to it)
+    weights_sha256: str | None = field(default=None, compare=False)
     _lean: LeanDecoder | None = field(default=None, init=False, repr=False, compare=False)
 
     def lean_decoder(self) -> LeanDecoder | None:
@@ -459,7 +461,8 @@ class Translator(ShortRepr):
                                                  tok.bos_id, tok.eos_id),
             make=lambda r: cls(r.model, r.vocab, r.config, r.device, r.checkpoint,
                                read_calibrations(r.run, r.checkpoint, r.model.n_controls,
-                                                 parts=2)),
+                                                 parts=2, digest=r.digest),
+                               weights_sha256=r.digest),
             precision=precision)
 
     def translate(self, lines: list[str], beam: int | None = None,
@@ -677,4 +680,5 @@ class Translator(ShortRepr):
         """Write :attr:`calibrations` to ``run_dir/calibration.json`` (atomically), tied to
         the loaded checkpoint; ``data`` describes the calibration data. ``run_dir`` must be
         a run or model directory, not the model shipped in the package (DynaseqError)."""
-        return write_calibrations(Path(run_dir), self.checkpoint, self.calibrations, data or {})
+        return save_calibrations(run_dir, self.checkpoint, self.calibrations, data,
+                                 self.weights_sha256)

@@ -12,9 +12,9 @@ import json
 import warnings
 from pathlib import Path
 
-from dynaseq.core.checkpoint import META, WEIGHTS, read_meta
+from dynaseq.core.checkpoint import weights_digest
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import atomic_write, sha256_file
+from dynaseq.core.files import atomic_write
 from dynaseq.core.rundir import check_not_shipped, read_run_config, run_path
 from dynaseq.techniques.cct.calibration import BudgetCalibration
 
@@ -29,22 +29,13 @@ def checkpoint_id(run: Path, ckpt: Path) -> str:
         return str(ckpt.resolve())
 
 
-def weights_digest(ckpt: Path) -> str | None:
-    """The SHA-256 of checkpoint ``ckpt``'s weights: the one its ``meta.json`` records (which
-    loading checks against the file), else the file's own; None without a weights file."""
-    recorded = ((read_meta(ckpt).get("sha256") or {}).get(WEIGHTS)
-                if (ckpt / META).is_file() else None)
-    if recorded is not None:
-        return recorded
-    return sha256_file(ckpt / WEIGHTS) if (ckpt / WEIGHTS).is_file() else None
-
-
-def read_calibrations(run: Path, ckpt: Path, n_controls: int,
-                      parts: int = 1) -> list[BudgetCalibration]:
+def read_calibrations(run: Path, ckpt: Path, n_controls: int, parts: int = 1,
+                      digest: str | None = None) -> list[BudgetCalibration]:
     """The calibrations in ``run/calibration.json`` made for checkpoint ``ckpt`` of a model
     with ``n_controls`` control symbols, each budget of ``parts`` fractions (2: encoder and
-    decoder, 1: an encoder). No file: none. A file made for another checkpoint: none, with a
-    warning. An unreadable file: a :class:`DynaseqError`."""
+    decoder, 1: an encoder), fitted on the weights of SHA-256 ``digest`` (those loaded;
+    default the checkpoint's now). No file: none. A file made for another checkpoint or
+    other weights: none, with a warning. An unreadable file: a :class:`DynaseqError`."""
     path = run / CALIBRATION_FILE
     if not path.is_file():
         return []
@@ -65,7 +56,7 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int,
                       f"{checkpoint_id(run, ckpt)}: its gate offsets are not used (run "
                       "dynaseq calibrate again)", stacklevel=3)
         return []
-    if fitted_on is not None and fitted_on != weights_digest(ckpt):
+    if fitted_on is not None and fitted_on != (digest or weights_digest(ckpt)):
         warnings.warn(f"{path} was fitted on other weights of checkpoint {made_for}, which "
                       "has changed since (trained on or averaged again): its gate offsets are "
                       "not used (run dynaseq calibrate again)", stacklevel=3)
@@ -74,10 +65,14 @@ def read_calibrations(run: Path, ckpt: Path, n_controls: int,
 
 
 def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
-                       data: dict, new_model: bool = False) -> Path:
+                       data: dict, new_model: bool = False, digest: str | None = None
+                       ) -> Path:
     """Write ``cals`` to ``run/calibration.json`` (atomically), tied to checkpoint ``ckpt``
     and the SHA-256 of its weights (:func:`weights_digest`); ``data`` describes the
-    calibration data. ``run`` must be a run or exported model directory (CheckpointError
+    calibration data; ``digest``: the SHA-256 of the weights they were fitted on (those a
+    predictor loaded: the checkpoint may have been rewritten since, and then a later load
+    ignores them; default the checkpoint's now). ``run`` must be a run or exported model
+    directory (CheckpointError
     otherwise: a file elsewhere is read by no load), and not the model shipped in the
     package (DynaseqError), unless it is a ``new_model`` being written (``dynaseq export``,
     which makes the shipped one)."""
@@ -86,6 +81,19 @@ def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
         check_not_shipped(run, CALIBRATION_FILE)
     path = run / CALIBRATION_FILE
     atomic_write(path, json.dumps({"checkpoint": checkpoint_id(run, ckpt),
-                                   "weights_sha256": weights_digest(ckpt), "data": data,
+                                   "weights_sha256": digest or weights_digest(ckpt),
+                                   "data": data,
                                    "budgets": [c.to_json() for c in cals]}, indent=1))
     return path
+
+
+def save_calibrations(run_dir: str | Path, ckpt: Path, cals: list[BudgetCalibration],
+                      data: dict | None, digest: str | None) -> Path:
+    """A predictor's :meth:`save_calibration`: :func:`write_calibrations` of ``cals``
+    fitted on the weights of SHA-256 ``digest`` that it loaded from ``ckpt``; a DynaseqError
+    when the checkpoint was rewritten since (a training run replaced ``best/``: the offsets
+    would be tied to weights they were not fitted on)."""
+    if digest is not None and weights_digest(ckpt) not in (digest, None):
+        raise DynaseqError(f"{ckpt} was rewritten (by a training run?) after it was loaded: "
+                           "its calibration would not fit it; calibrate again")
+    return write_calibrations(Path(run_dir), ckpt, cals, data or {}, digest=digest)
