@@ -304,9 +304,10 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "auto") -> Path:
     """Directory holding the weights to use.
 
     ``which``: ``auto`` (averaged, else best, else latest), ``best``, ``latest``, ``averaged``,
-    a step (``1400``, numpy's too, or ``"1400"``: the run's checkpoint of that update) or a path to a
-    checkpoint directory (as given, else inside the run: ``checkpoints/step_00001400``). An
-    exported model directory (its weights at the top) is its own checkpoint for ``auto``.
+    a step (``1400``, numpy's too, or ``"1400"``: the run's checkpoint of that update) or a
+    path to a checkpoint directory (as given, else inside the run:
+    ``checkpoints/step_00001400``). An exported model directory (its weights at the top) is
+    its own checkpoint for ``auto``.
     """
     run = Path(run_dir)
     if not run.is_dir():
@@ -314,7 +315,8 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "auto") -> Path:
     if isinstance(which, bool) or not isinstance(which, str | numbers.Integral | PurePath):
         raise CheckpointError(f"a checkpoint is auto, best, latest, averaged, a step or a "
                               f"path, got {which!r}")
-    if isinstance(which, numbers.Integral) or (isinstance(which, str) and which.isascii() and which.isdigit()):
+    if isinstance(which, numbers.Integral) or (isinstance(which, str) and which.isascii()
+                                               and which.isdigit()):
         ckpts = {int(p.name[len(_PREFIX):]): p for p in list_checkpoints(run)}
         if int(which) not in ckpts:
             steps = ", ".join(map(str, ckpts)) or "none"

@@ -72,10 +72,9 @@ def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
     calibration data; ``digest``: the SHA-256 of the weights they were fitted on (those a
     predictor loaded: the checkpoint may have been rewritten since, and then a later load
     ignores them; default the checkpoint's now). ``run`` must be a run or exported model
-    directory (CheckpointError
-    otherwise: a file elsewhere is read by no load), and not the model shipped in the
-    package (DynaseqError), unless it is a ``new_model`` being written (``dynaseq export``,
-    which makes the shipped one)."""
+    directory (CheckpointError otherwise: a file elsewhere is read by no load), and not the
+    model shipped in the package (DynaseqError), unless it is a ``new_model`` being written
+    (``dynaseq export``, which makes the shipped one)."""
     read_run_config(run_path(run))
     if not new_model:
         check_not_shipped(run, CALIBRATION_FILE)
