@@ -337,6 +337,8 @@ def test_a_closed_standard_stream_is_one_line(trained_run, tmp_path, monkeypatch
     assert main(["translate", str(trained_run), "-o", str(tmp_path / "o2.txt")]) == 2
     assert "standard input is closed: give --input FILE" in capsys.readouterr().err
     assert not (tmp_path / "o2.txt").exists()
+    assert main(["translate", str(trained_run), "--stream"]) == 2  # it takes no --input
+    assert capsys.readouterr().err.strip() == "dynaseq: error: standard input is closed"
 
 
 def test_an_empty_output_path_is_refused_before_anything_runs(trained_run, capsys):

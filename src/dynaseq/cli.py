@@ -41,13 +41,15 @@ from dynaseq.core.rundir import check_not_shipped
 EXIT_BAD_INPUT = 2
 
 
-def _std(which: str) -> Any:
+def _std(which: str, files: bool = True) -> Any:
     """``sys.stdin`` (``which="input"``) or ``sys.stdout`` (``"output"``); a DynaseqError
-    when the process was started with it closed (cron, a daemon): Python sets it to None."""
+    when the process was started with it closed (cron, a daemon): Python sets it to None.
+    ``files``: the command takes ``--input``/``--output`` instead (the error says so)."""
     stream = sys.stdin if which == "input" else sys.stdout
     if stream is None:
         flag = "--input" if which == "input" else "--output"
-        raise DynaseqError(f"standard {which} is closed: give {flag} FILE")
+        raise DynaseqError(f"standard {which} is closed" + (f": give {flag} FILE" if files
+                                                            else ""))
     return stream
 
 
@@ -171,7 +173,7 @@ def _stream(args: argparse.Namespace, command: str,
         if value not in (None, "-"):
             raise DynaseqError(f"{command} --stream reads standard input and writes standard "
                                f"output: drop {flag} {value}")
-    stdin, stdout = _std("input"), _std("output")  # before the model loads
+    stdin, stdout = _std("input", False), _std("output", False)  # before the model loads
     answer = answerer()
     for n, raw in enumerate(iter(stdin.buffer.readline, b""), start=1):
         (line,) = decode_lines(raw, "stdin", first_line=n, strip=strip)
