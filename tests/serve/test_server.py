@@ -284,7 +284,10 @@ def test_a_deadline_without_a_latency_table_is_refused(run_copy, lines):
         s.stop()
 
 
-def test_sigterm_answers_the_requests_in_flight_then_exits(serve_run, lines, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # HUP: a closed terminal
+def test_sigterm_answers_the_requests_in_flight_then_exits(serve_run, lines, tmp_path, sig):
+    """SIGTERM drains; so does SIGHUP (its default ended the process at once, dropping the
+    requests in flight), as a SIGTERM."""
     log = tmp_path / "server.log"
     s = Server(serve_run, "--beam", "1", "--batch-window-ms", "600", log=log)
     with ThreadPoolExecutor(6) as pool:
@@ -295,7 +298,7 @@ def test_sigterm_answers_the_requests_in_flight_then_exits(serve_run, lines, tmp
         while s.metric("dynaseq_queue_depth_lines") < 6:  # all six are queued
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        s.proc.send_signal(signal.SIGTERM)
+        s.proc.send_signal(sig)
         answers = [f.result() for f in futures]
     assert [a.status_code for a in answers] == [200] * 6
     # uvicorn re-raises the signal once drained: the exit status of a SIGTERM (143)

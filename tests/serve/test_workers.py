@@ -5,6 +5,7 @@ SIGTERM to the parent drains every worker and exits 0, a bad ``--workers`` is re
 from __future__ import annotations
 
 import json
+import os
 import signal
 import tempfile
 import time
@@ -38,7 +39,8 @@ def metrics_dirs(server: Server) -> list[Path]:
 
 def test_two_workers_answer_as_offline_spread_and_sum_their_metrics(serve_run, offline, lines,
                                                                     tmp_path):
-    s = start(serve_run, tmp_path / "server.log", "--batch-window-ms", "0")
+    s = start(serve_run, tmp_path / "server.log", "--batch-window-ms", "0",
+              "--max-in-flight", "8")
     try:
         assert s.client.get("/healthz").json() == {"status": "ok"}
         assert s.client.get("/readyz").json()["ready"] is True
@@ -74,6 +76,17 @@ def test_two_workers_answer_as_offline_spread_and_sum_their_metrics(serve_run, o
             assert s.metric("dynaseq_lines_total", endpoint="translate",
                             budget="0.5,0.5") == len(lines) + sent - 3
             assert s.metric("dynaseq_queue_depth_lines") == 0
+        assert s.metric("dynaseq_in_flight_limit") == 16
+        # a worker killed is replaced, and its live gauges leave the sums (they stayed)
+        ready = [r["pid"] for r in records(s) if r.get("event") == "ready"]
+        os.kill(ready[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while len({r["pid"] for r in records(s) if r.get("event") == "ready"}) < 3:
+            assert time.monotonic() < deadline, s.log_text()
+            time.sleep(0.1)
+        assert s.metric("dynaseq_in_flight_limit") == 16
+        assert s.metric("dynaseq_in_flight_requests") == 0
+        assert s.post("/v1/translate", json={"text": lines[0]}).status_code == 200
     finally:
         assert s.stop() == 0
     assert not metrics_dirs(s)

@@ -22,14 +22,18 @@ the parent removes the metrics directory and exits 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
+import pickle
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +101,10 @@ def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
             lifespan="on", timeout_graceful_shutdown=None))
+        # SIGHUP (a closed terminal, a "reload") drains as SIGTERM does; its default ended
+        # the process at once, dropping the requests in flight (with --workers, uvicorn
+        # restarts the workers one by one on it)
+        signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         try:
             server.run(sockets=[sock])
         except SystemExit as e:  # uvicorn exits 3 when the app fails to start, 1 to listen
@@ -174,14 +182,32 @@ def _serve_workers(run_dir: str | Path, config: ServeConfig, checkpoint: str, de
 
 
 def _supervisor(config: Any, sockets: list[socket.socket]) -> Any:
-    """uvicorn's :class:`~uvicorn.supervisors.Multiprocess`, closing the parent's copy of
-    the listening socket on SIGTERM or SIGINT. Each worker closes its own when it starts
-    draining; the parent's kept the socket listening, so connections made after the signal
-    were queued by the kernel, never accepted, and reset when the parent exited. Now they
-    are refused at once, as by one server process."""
+    """uvicorn's :class:`~uvicorn.supervisors.Multiprocess`, with three changes.
+
+    * On SIGTERM or SIGINT it closes the parent's copy of the listening socket. Each worker
+      closes its own when it starts draining; the parent's kept the socket listening, so
+      connections made after the signal were queued by the kernel, never accepted, and reset
+      when the parent exited. Now they are refused at once, as by one server process.
+    * A worker that is gone (killed, crashed) leaves ``/metrics``' live sums
+      (``mark_process_dead``): its queue depth, requests in flight and in-flight limit were
+      summed for the rest of the server's life (a limit of 8 read 20 after three kills).
+    * A worker that dies while it is being pinged is seen within half a second: the
+      parent holds both ends of the ping's pipe, so no end-of-file came, and it waited out
+      the whole :data:`WORKER_HEALTHCHECK_S` (30 s) with no worker replaced and signals
+      unhandled."""
+    from prometheus_client.multiprocess import mark_process_dead
     from uvicorn.supervisors import Multiprocess
 
     class Supervisor(Multiprocess):
+        def keep_subprocess_alive(self) -> None:
+            before = {p.pid for p in self.processes}
+            for p in self.processes:
+                if hasattr(p, "_healthcheck") and hasattr(p, "parent_conn"):  # uvicorn's
+                    p._healthcheck = functools.partial(_ping_while_alive, p)
+            super().keep_subprocess_alive()
+            for pid in before - {p.pid for p in self.processes}:
+                mark_process_dead(pid)
+
         def handle_term(self) -> None:
             _close_all(self.sockets)
             super().handle_term()
@@ -191,6 +217,24 @@ def _supervisor(config: Any, sockets: list[socket.socket]) -> Any:
             super().handle_int()
 
     return Supervisor(config, sockets=sockets)
+
+
+def _ping_while_alive(process: Any, timeout: float) -> bool | None:
+    """uvicorn's worker health check (ping, then the worker's answer: its start-up flag;
+    None when none comes within ``timeout`` seconds), waiting in half-second slices and
+    giving up as soon as the worker process is gone."""
+    conn = process.parent_conn
+    try:
+        conn.send(b"ping")
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if conn.poll(min(left, 0.5)):
+                return conn.recv()
+            if not process.process.is_alive():
+                return None
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+    return None
 
 
 def _close_all(sockets: list[socket.socket]) -> None:
