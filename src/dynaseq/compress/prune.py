@@ -348,7 +348,7 @@ def thresholds_for_target(curves: Mapping[str, Sequence[tuple[float, float]]],
                                                max(s for s, _ in curves[n]))
                for n, rho in lin.items()}  # (no further than the curve was analysed)
         reached = sum(sizes[n] * lin[n] for n in curves) / sum(sizes[n] for n in curves)
-        if reached < achieved:  # a noisy curve's jump can overshoot more than the grid did
+        if target - tol <= reached < achieved:  # a noisy curve's jump can overshoot more
             threshold, achieved, per = hi_xi, reached, lin
     return PruningPlan(threshold=threshold, sparsities=per, achieved=achieved, target=target)
 
