@@ -101,15 +101,20 @@ def serve(run_dir: str | Path, config: ServeConfig, checkpoint: str = "auto",
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", access_log=False,
             lifespan="on", timeout_graceful_shutdown=None))
-        # SIGHUP (a closed terminal, a "reload") drains as SIGTERM does; its default ended
-        # the process at once, dropping the requests in flight (with --workers, uvicorn
-        # restarts the workers one by one on it)
-        signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+        # SIGHUP (a closed terminal, a "reload") drains as SIGTERM does while it serves; its
+        # default ended the process at once, dropping the requests in flight (with
+        # --workers, uvicorn restarts the workers one by one on it)
+        main = threading.current_thread() is threading.main_thread()  # (signals: main only)
+        hup = (signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+               if main else None)
         try:
             server.run(sockets=[sock])
         except SystemExit as e:  # uvicorn exits 3 when the app fails to start, 1 to listen
             raise DynaseqError(f"the server on {config.host}:{config.port} failed to start "
                                f"(status {e.code}; the reason is above)") from None
+        finally:
+            if main:
+                signal.signal(signal.SIGHUP, hup)
     finally:
         sock.close()
     if not server.started:
