@@ -28,6 +28,17 @@ def test_a_link_to_a_file_replaces_the_file_and_a_stream_is_written_in_place(tmp
     check_writable(tmp_path / "link")
     atomic_write(tmp_path / "link", "new\n")  # as open("link", "w"): the link stays
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target.txt").read_text() == "new\n"
+    log = tmp_path / "log.txt"  # -o /dev/stdout >> log: appended through the descriptor
+    log.write_text("before\n")
+    with open(log, "ab") as f:
+        fd = f.fileno()
+        check_writable(f"/dev/fd/{fd}")
+        atomic_write(f"/dev/fd/{fd}", "after\n")  # reopening the path truncated the file
+    assert log.read_text() == "before\nafter\n"
+    with pytest.raises(DynaseqError, match="cannot write /dev/fd/"):
+        check_writable(f"/dev/fd/{fd}")  # closed now: refused before any work
+    with pytest.raises(DynaseqError, match="file name too long"):
+        check_writable(tmp_path / ("x" * 300 + ".txt"))
     r, w = os.pipe()  # /dev/fd/N: the process's own stream, not a file to rename over
     try:
         check_writable(f"/dev/fd/{w}")

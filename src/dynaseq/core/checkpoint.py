@@ -205,12 +205,17 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete step checkpoints of a run (their meta and weights there: not one a training
     run's ``keep_last`` is deleting), oldest first."""
+    return [p for p in _step_dirs(run_dir) if (p / META).is_file() and (p / WEIGHTS).is_file()]
+
+
+def _step_dirs(run_dir: str | Path) -> list[Path]:
+    """Every ``checkpoints/step_<digits>`` folder of a run, complete or not, oldest first (a
+    stray ``step_abc/`` is no checkpoint)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir()  # step_<digits> only: a stray step_abc/ is no checkpoint
-             if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and (p / META).is_file() and (p / WEIGHTS).is_file()]
+    found = [p for p in root.iterdir()
+             if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -229,7 +234,7 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
     """Delete every step checkpoint but the last ``keep_last`` of
     :func:`scheduled_checkpoints`."""
     kept = set(scheduled_checkpoints(run_dir)[-keep_last:])
-    for old in list_checkpoints(run_dir):
+    for old in _step_dirs(run_dir):  # one a killed prune left half deleted, too
         if old not in kept:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -4,10 +4,13 @@ writing atomically (a crash or a full disk never leaves half a file in place of 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import re
 import secrets
 import stat
+import sys
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
@@ -32,17 +35,26 @@ def os_reason(e: OSError) -> str:
     return text[:1].lower() + text[1:]
 
 
-#: paths that name a process's own streams (``-o /dev/stdout``): written in place, as streams
-_STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+#: paths that name one of the process's own descriptors (``-o /dev/stdout``)
+_STREAM = re.compile(r"/dev/(std(out|err))|/(dev|proc/self)/fd/(?P<fd>\d+)")
+
+
+def _stream_fd(path: str | Path) -> int | None:
+    """The descriptor ``path`` names (``/dev/stdout`` 1, ``/dev/stderr`` 2, ``/dev/fd/N`` and
+    ``/proc/self/fd/N`` N), or None."""
+    m = _STREAM.fullmatch(str(path))
+    if m is None:
+        return None
+    return int(m["fd"]) if m["fd"] is not None else (1 if m.group(1) == "stdout" else 2)
 
 
 def _target(path: str | Path) -> Path | None:
     """Where :func:`atomic_write` puts ``path``'s file: None for a path written in place (a
-    stream of the process, or an existing path that is not a regular file: ``/dev/null``, a
-    pipe); else the path with its links resolved (a link to a file: that file is replaced,
-    the link stays)."""
+    descriptor of the process, or an existing path that is not a regular file:
+    ``/dev/null``, a pipe); else the path with its links resolved (a link to a file: that
+    file is replaced, the link stays)."""
     p = Path(path)
-    if str(p).startswith(_STREAMS) or (p.exists() and not p.is_file()):
+    if _stream_fd(p) is not None or (p.exists() and not p.is_file()):
         return None
     return Path(os.path.realpath(p))
 
@@ -54,6 +66,17 @@ def _tmp_name(p: Path, tag: str) -> Path:
     return p.parent / f".tmp-{tag}{stem}-{secrets.token_hex(6)}"
 
 
+def _name_max(folder: Path) -> int:
+    """The longest file name (bytes) the file system of ``folder`` (or the nearest folder
+    above it that exists) takes."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def check_writable(path: str | Path) -> None:
     """Refuse (DynaseqError ``"cannot write PATH: <reason>"``) an output ``path`` that
     :func:`atomic_write` could not write, before any work is done: a file of the temporary
@@ -61,7 +84,21 @@ def check_writable(path: str | Path) -> None:
     exists: the rest would be created). A path written in place (a stream, ``/dev/null``) is
     not probed. Permission bits do not tell (root passes ``os.access`` on ``/sys``, where
     nothing can be created): only trying does."""
-    target = _target(path)
+    fd = _stream_fd(path)
+    if fd is not None:  # it must be open for writing
+        try:
+            writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+        except OSError as e:
+            raise DynaseqError(f"cannot write {path}: {os_reason(e)}") from None
+        if not writable:
+            raise DynaseqError(f"cannot write {path}: it is open for reading only")
+        return
+    if len(os.fsencode(Path(path).name)) > _name_max(Path(path).parent):
+        raise DynaseqError(f"cannot write {path}: file name too long")
+    try:
+        target = _target(path)
+    except OSError as e:
+        raise DynaseqError(f"cannot write {path}: {os_reason(e)}") from None
     if target is None:
         return
     folder = target.parent
@@ -90,6 +127,13 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
     (not the temporary file).
     """
     payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd = _stream_fd(path)
+    if fd is not None:  # through the descriptor itself: reopening the path would truncate
+        if fd in (1, 2):  # what Python has buffered goes first
+            (sys.stdout if fd == 1 else sys.stderr).flush()
+        with os.fdopen(os.dup(fd), "wb") as f:  # the file redirected to (>> appends)
+            f.write(payload)
+        return
     p = _target(path)
     if p is None:  # written to, never replaced (a rename put a file in place of /dev/null)
         with open(path, "wb") as f:
