@@ -221,11 +221,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     src, ref = read_lines(args.src), read_lines(args.ref)
     if len(src) != len(ref):
         raise DynaseqError(f"{args.src} has {len(src)} lines but {args.ref} has {len(ref)}")
-    t = _translator(args)
-    fitted = t.calibrate(src[: args.lines], ref[: args.lines], budgets=args.budgets,
-                         tol=args.tol, progress=not args.quiet)
-    path = t.save_calibration(args.run_dir, {"src": args.src, "ref": args.ref,
-                                             "lines": min(args.lines, len(src))})
+    with _calibration_lock(args):
+        t = _translator(args)
+        fitted = t.calibrate(src[: args.lines], ref[: args.lines], budgets=args.budgets,
+                             tol=args.tol, progress=not args.quiet)
+        path = t.save_calibration(args.run_dir, {"src": args.src, "ref": args.ref,
+                                                 "lines": min(args.lines, len(src))})
     print("budget (enc, dec)  control  offset enc  offset dec  realized before -> after")
     for c in fitted:
         before, after = c.uncalibrated, c.realized
@@ -900,9 +901,14 @@ def _calibrate_classify(args: argparse.Namespace) -> int:
         if any(isinstance(b, tuple) for b in args.budgets):
             raise DynaseqError("an encoder's budget is one fraction (e.g. 0.5), not ENC,DEC")
         budgets = list(args.budgets)
-    c = _classifier(args)
-    fitted = c.calibrate(args.data, budgets, lines=args.lines, tol=args.tol)
-    path = c.save_calibration(args.run_dir, {"data": args.data, "lines": args.lines})
+    from dynaseq.data.datasets import resolve_data_path
+
+    if not resolve_data_path(args.data).is_file():
+        raise DynaseqError(f"cannot read {args.data}: no such file")
+    with _calibration_lock(args):
+        c = _classifier(args)
+        fitted = c.calibrate(args.data, budgets, lines=args.lines, tol=args.tol)
+        path = c.save_calibration(args.run_dir, {"data": args.data, "lines": args.lines})
     print("budget  control  offset  realized before -> after")
     for cal in fitted:
         print(f"{cal.budget[0]:<7g} {cal.control:>7}  {cal.offsets['encoder']:>+6.3f}  "
@@ -1539,18 +1545,14 @@ class Command:
         return self.by_kind[kind](args)
 
 
-def _calibrating(command: Callable[[argparse.Namespace], int]
-                 ) -> Callable[[argparse.Namespace], int]:
-    """``command`` holding the run's calibration lock from reading ``calibration.json`` (at
-    load) to writing it: a second ``calibrate`` of the run is refused in one line (two at
-    once each wrote what it had read plus its own budgets, and one's were lost)."""
-    def locked(args: argparse.Namespace) -> int:
-        from dynaseq.core.run_lock import CALIBRATE_LOCK, RunDirLock
+def _calibration_lock(args: argparse.Namespace) -> Any:
+    """The run's calibration lock, held from reading ``calibration.json`` (at load) to
+    writing it, once the arguments and inputs are checked (a refused command writes not even
+    the lock's file): a second ``calibrate`` of the run is refused in one line (two at once
+    each wrote what it had read plus its own budgets, and one's were lost)."""
+    from dynaseq.core.run_lock import CALIBRATE_LOCK, RunDirLock
 
-        with RunDirLock(Path(args.run_dir), CALIBRATE_LOCK, "calibrated"):
-            return command(args)
-
-    return locked
+    return RunDirLock(Path(args.run_dir), CALIBRATE_LOCK, "calibrated")
 
 
 KIND_NAMES = {"seq2seq": "translation", "lm": "language-model", "mlm": "MLM",
@@ -1567,8 +1569,7 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command({"seq2seq": _evaluate_seq2seq, "lm": _evaluate_lm,
                          "mlm": _evaluate_mlm, "classify": _evaluate_classify}),
     "classify": Command({"classify": cmd_classify}),
-    "calibrate": Command({"seq2seq": _calibrating(cmd_calibrate),
-                          "classify": _calibrating(_calibrate_classify)},
+    "calibrate": Command({"seq2seq": cmd_calibrate, "classify": _calibrate_classify},
                          check=lambda args: check_not_shipped(args.run_dir,
                                                               "calibration.json")),
     "profile": Command({None: cmd_profile}),  # a run directory or a config file

@@ -96,7 +96,7 @@ def clear_run_dir(run_dir: Path) -> None:
     new file would let a second trainer in beside the one holding the old)."""
     with RunDirLock(run_dir):
         for entry in Path(run_dir).iterdir():
-            if entry.name == LOCK_FILE:
+            if entry.name in (LOCK_FILE, CALIBRATE_LOCK):  # (a new file: a second holder)
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)

@@ -249,6 +249,9 @@ def test_two_calibrations_of_one_run_at_once_are_refused(run_copy, synthetic_pat
 
     args = ["calibrate", str(run_copy), "--src", str(synthetic_paths["valid.src"]), "--ref",
             str(synthetic_paths["valid.tgt"]), "--lines", "8", "--budgets", "0.7", "--quiet"]
+    assert main(args[:4]) == 2  # no --ref: refused, and not even the lock's file written
+    assert "--src and --ref are required" in capsys.readouterr().err
+    assert not (run_copy / CALIBRATE_LOCK).exists()
     with RunDirLock(run_copy, CALIBRATE_LOCK, "calibrated"):
         assert main(args) == 2
         assert "is being calibrated by another process" in capsys.readouterr().err
