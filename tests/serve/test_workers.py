@@ -87,6 +87,13 @@ def test_two_workers_answer_as_offline_spread_and_sum_their_metrics(serve_run, o
         assert s.metric("dynaseq_in_flight_limit") == 16
         assert s.metric("dynaseq_in_flight_requests") == 0
         assert s.post("/v1/translate", json={"text": lines[0]}).status_code == 200
+        s.proc.send_signal(signal.SIGHUP)  # uvicorn restarts both: the old pids leave too
+        deadline = time.monotonic() + 120
+        while (len({r["pid"] for r in records(s) if r.get("event") == "ready"}) < 5
+               or s.metric("dynaseq_in_flight_limit") != 16):
+            assert time.monotonic() < deadline, (s.metric("dynaseq_in_flight_limit"),
+                                                 s.log_text())
+            time.sleep(0.2)
     finally:
         assert s.stop() == 0
     assert not metrics_dirs(s)

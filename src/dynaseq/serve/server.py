@@ -204,14 +204,20 @@ def _supervisor(config: Any, sockets: list[socket.socket]) -> Any:
     from uvicorn.supervisors import Multiprocess
 
     class Supervisor(Multiprocess):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.known: set[int] = set()  # the workers' pids at the last look
+
         def keep_subprocess_alive(self) -> None:
-            before = {p.pid for p in self.processes}
             for p in self.processes:
                 if hasattr(p, "_healthcheck") and hasattr(p, "parent_conn"):  # uvicorn's
                     p._healthcheck = functools.partial(_ping_while_alive, p)
             super().keep_subprocess_alive()
-            for pid in before - {p.pid for p in self.processes}:
+            # gone since: replaced here, or by a restart on SIGHUP, or dropped on SIGTTOU
+            now = {p.pid for p in self.processes if p.pid is not None}
+            for pid in self.known - now:
                 mark_process_dead(pid)
+            self.known = now
 
         def handle_term(self) -> None:
             _close_all(self.sockets)

@@ -31,7 +31,7 @@ from dynaseq.core.checkpoint import (
     weights_digest,
 )
 from dynaseq.core.distributed import pick_device, pick_dtype
-from dynaseq.core.errors import DynaseqError
+from dynaseq.core.errors import CheckpointError, DynaseqError
 from dynaseq.core.rundir import open_run
 
 V = TypeVar("V")
@@ -101,7 +101,12 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
         # float32, as trained and saved, whatever torch's default dtype (precision= casts);
         # outside inference mode, so a copy of a weight sees a later change to it
         with torch.inference_mode(False):
-            model, placed = weights(build(cfg, vocab).float(), path, dev)
+            try:
+                model, placed = weights(build(cfg, vocab).float(), path, dev)
+            except (CheckpointError, OSError):  # swapped mid-read: read again, not "corrupt"
+                if _digest_now(path) != digest:
+                    raise CheckpointChanged(f"{path} was rewritten while it was read") from None
+                raise
             if dtype != torch.float32:
                 if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8
                        for t in model.state_dict().values()):
@@ -113,6 +118,14 @@ def load_predictor(run_dir: str | Path, checkpoint: str, device: str,
         return make(LoadedRun(run, cfg, vocab, model, path, placed, digest))
 
     return load_resolved(run, checkpoint, from_checkpoint)
+
+
+def _digest_now(path: Path) -> str | None:
+    """:func:`weights_digest` of ``path``, None where it cannot be read now."""
+    try:
+        return weights_digest(path)
+    except (CheckpointError, OSError):
+        return None
 
 
 class ShortRepr:
