@@ -283,3 +283,32 @@ def test_a_checkpoint_rewritten_while_loaded_is_loaded_again(trained_run, monkey
     t = dynaseq.load(trained_run, checkpoint="best")
     assert t.weights_sha256 == weights_digest(trained_run / "best")
     assert next(digests, "done") == "done"  # the first, mismatched pair was used up
+
+
+def test_a_load_that_fails_while_the_checkpoint_is_swapped_is_read_again(trained_run,
+                                                                         monkeypatch):
+    """``best/`` replaced mid-read can fail the read itself (the old meta, the new weights):
+    when the digest has moved since the read began, it is read again, not "corrupt"."""
+    import dynaseq
+    from dynaseq.core.checkpoint import weights_digest
+    from dynaseq.tasks import loading
+    from dynaseq.tasks.translation import predictor
+
+    real = predictor.load_weights
+    calls, digests = [], iter(["old", "new"])
+
+    def flaky(model, path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise CheckpointError(f"corrupt checkpoint {path}: its SHA-256 does not match")
+        real(model, path)
+
+    monkeypatch.setattr(predictor, "load_weights", flaky)  # a translation run's weights
+    monkeypatch.setattr(loading, "weights_digest",
+                        lambda path: next(digests, None) or weights_digest(path))
+    t = dynaseq.load(trained_run, checkpoint="best")
+    assert len(calls) == 2 and t.weights_sha256 == weights_digest(trained_run / "best")
+    monkeypatch.setattr(loading, "weights_digest", weights_digest)  # the same digest: real
+    calls.clear()
+    with pytest.raises(CheckpointError, match="does not match"):
+        dynaseq.load(trained_run, checkpoint="best")
