@@ -74,8 +74,6 @@ def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = No
     if out is None or out == "-":
         _std("output")  # standard output it is: refused now if closed, not after the work
         return
-    if not out.strip():
-        raise DynaseqError("an output path must not be empty")
     if not folder and Path(out).is_dir():
         raise DynaseqError(f"the output {out} is a directory: give a file")
     for inp in inputs:

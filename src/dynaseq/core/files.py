@@ -66,13 +66,18 @@ def _tmp_name(p: Path, tag: str) -> Path:
     return p.parent / f".tmp-{tag}{stem}-{secrets.token_hex(6)}"
 
 
+def _existing(folder: Path) -> Path:
+    """``folder``, or the nearest folder above it that exists (the rest would be created)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
 def _name_max(folder: Path) -> int:
     """The longest file name (bytes) the file system of ``folder`` (or the nearest folder
     above it that exists) takes."""
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
     try:
-        return os.pathconf(folder, "PC_NAME_MAX")
+        return os.pathconf(_existing(folder), "PC_NAME_MAX")
     except (OSError, ValueError):
         return 255
 
@@ -101,9 +106,7 @@ def check_writable(path: str | Path) -> None:
         raise DynaseqError(f"cannot write {path}: {os_reason(e)}") from None
     if target is None:
         return
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = _existing(target.parent)
     probe = _tmp_name(folder / target.name, "probe-")
     try:
         if not folder.is_dir():

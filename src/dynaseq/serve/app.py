@@ -483,10 +483,7 @@ def build_app(state: ServeState) -> Any:
     app = FastAPI(title="dynaseq serve", lifespan=lifespan,
                   description="A budget-aware inference server: each request carries its "
                               "compute budget or its deadline.")
-    errors = {400: {"model": ErrorResponse}, 408: {"model": ErrorResponse},
-              413: {"model": ErrorResponse}, 415: {"model": ErrorResponse},
-              422: {"model": ErrorResponse}, 500: {"model": ErrorResponse},
-              503: {"model": ErrorResponse}}
+    errors = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 500, 503)}
     for endpoint in ep.TASK_ENDPOINTS[state.kind]:
         app.post(endpoint.path, response_model=endpoint.response, summary=endpoint.summary,
                  responses=errors, response_model_exclude_none=True)(_route(state, endpoint))

@@ -160,7 +160,8 @@ def export_model(run_dir: str | Path, out_dir: str | Path,
             if (run / name).is_file():
                 shutil.copy2(run / name, tmp / name)
         if calibration is not None:  # the model directory is its own checkpoint
-            write_calibrations(tmp, tmp, cals, calibration["data"], new_model=True)
+            write_calibrations(tmp, tmp, cals, calibration["data"], new_model=True,
+                               digest=loaded)  # the copy's, checked above: not hashed again
         atomic_write(tmp / "README.md", model_card(cfg, meta, run, ckpt,
                                                    count_params(predictor.model), calibration,
                                                    origin))

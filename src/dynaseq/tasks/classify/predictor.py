@@ -362,11 +362,10 @@ class Classifier(ShortRepr):
         for n, line in enumerate(lines):
             parts = (list(line) if isinstance(line, tuple)
                      else (line if layout.is_pair else line.strip()).split("\t"))
-            while (layout.is_pair and not isinstance(line, tuple) and len(parts) > 2
-                   and not parts[-1].strip()):
-                parts.pop()  # a stray tab at the end of a line (a spreadsheet's export)
-            while (layout.is_pair and not isinstance(line, tuple) and len(parts) > 2
-                   and not parts[0].strip()):
+            trim = layout.is_pair and not isinstance(line, tuple)  # a line's stray tabs
+            while trim and len(parts) > 2 and not parts[-1].strip():
+                parts.pop()  # at its end (a spreadsheet's export)
+            while trim and len(parts) > 2 and not parts[0].strip():
                 parts.pop(0)  # or at its start
             if layout.is_pair and len(parts) != 2 and any(p.strip() for p in parts):
                 raise DynaseqError(f"line {n + 1}: {layout.name} is a sentence-pair task: give "
