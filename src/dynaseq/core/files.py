@@ -28,6 +28,19 @@ def read_text(path: str | Path, what: str, error: type[DynaseqError] = DynaseqEr
         raise error(f"cannot read {what} {p}: {e}") from None
 
 
+def user_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded to that home directory, as a shell
+    expands it on a command line: a config's ``run_dir: ~/runs/x`` or a Python call's
+    ``load("~/runs/x")`` name the same folder as ``--out ~/runs/x`` does, not a folder named
+    ``~``. A ``~user`` with no home directory is left as it is (:meth:`Path.expanduser`
+    raises there)."""
+    p = Path(path)
+    try:
+        return p.expanduser()
+    except RuntimeError:
+        return p
+
+
 def os_reason(e: OSError) -> str:
     """A short lower-case reason for an ``OSError`` ("permission denied")."""
     text = e.strerror or str(e) or type(e).__name__

@@ -14,7 +14,7 @@ from typing import Any
 
 from dynaseq.core.config import config_task, parse_config, read_yaml
 from dynaseq.core.errors import CheckpointError, ConfigError, DynaseqError
-from dynaseq.core.files import inside, read_text
+from dynaseq.core.files import inside, read_text, user_path
 
 
 def open_run(run_dir: str | Path, types: Mapping[str, type],
@@ -40,11 +40,11 @@ def open_run(run_dir: str | Path, types: Mapping[str, type],
 def run_path(run_dir: object) -> Path:
     """``run_dir`` as the path of an existing directory. Raises CheckpointError naming what
     it is instead: not a path (None, a number), a file (e.g. the run's ``config.yaml``), or
-    nothing."""
+    nothing. A leading ``~`` is the home directory (:func:`~dynaseq.core.files.user_path`)."""
     if not isinstance(run_dir, str | os.PathLike):
         raise CheckpointError(f"a run directory is a path (str or pathlib.Path), got "
                               f"{run_dir!r}")
-    run = Path(run_dir)
+    run = user_path(run_dir)
     if run.is_file():
         raise CheckpointError(f"{run} is a file, not a run directory: give the directory "
                               "that holds it")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import sha256_file
+from dynaseq.core.files import sha256_file, user_path
 
 #: The environment variable that names the data root.
 DATA_ENV = "DYNASEQ_DATA"
@@ -113,7 +113,8 @@ def _root_origin(environ: Mapping[str, str] | None = None) -> str:
 
 
 def resolve_data_path(path: str | Path, environ: Mapping[str, str] | None = None) -> Path:
-    """``path`` with a leading ``$DATA/`` replaced by the data root; other paths unchanged.
+    """``path`` with a leading ``$DATA/`` replaced by the data root, a leading ``~`` by the
+    home directory (:func:`~dynaseq.core.files.user_path`); other paths unchanged.
 
     Raises:
         DynaseqError: a ``$DATA/`` file that does not exist under the root, in one line
@@ -121,7 +122,7 @@ def resolve_data_path(path: str | Path, environ: Mapping[str, str] | None = None
     """
     text = str(path)
     if not text.startswith(DATA_PREFIX):
-        return Path(path)
+        return user_path(path)
     rel = text[len(DATA_PREFIX):]
     root = data_root(environ)
     resolved = root / rel

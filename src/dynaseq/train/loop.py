@@ -43,6 +43,7 @@ from dynaseq.core.distributed import (
     pick_device,
 )
 from dynaseq.core.errors import CheckpointError, ConfigError
+from dynaseq.core.files import user_path
 from dynaseq.core.run_lock import RunDirLock
 from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.protocol import Task
@@ -91,7 +92,7 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
     cfg = task.cfg
     device = pick_device(cfg.train.device, what="train.device")
     env = init_distributed(device)
-    run_dir = Path(cfg.run_dir)
+    run_dir = user_path(cfg.run_dir)
     if cfg.train.tensorboard:
         check_tensorboard()  # before anything is written
     created = not run_dir.exists()  # a refused new run leaves no directory behind

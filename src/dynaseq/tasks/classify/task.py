@@ -37,6 +37,7 @@ from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.config import from_dict
 from dynaseq.core.distributed import DistEnv, barrier
 from dynaseq.core.errors import CheckpointError, ConfigError, DynaseqError
+from dynaseq.core.files import user_path
 from dynaseq.core.rundir import read_run_config
 from dynaseq.core.runlog import RunLog
 from dynaseq.tasks.classify.config import ClassifyRunConfig
@@ -83,7 +84,7 @@ def check_pretrained(init_from: str, model: EncoderModelConfig) -> tuple[Path, P
     """The pre-trained run's vocabulary and checkpoint, after checking that its encoder has
     this config's dimensions (one-line ConfigError naming the first difference; the structure
     predictor's only where fine-tuning loads it, ``depth.predictor_from_init``)."""
-    run = Path(init_from)
+    run = user_path(init_from)
     if not str(init_from).strip():
         raise ConfigError("train.init_from must name a run, got ''")
     try:
@@ -118,7 +119,7 @@ class ClassifyTask(EncoderTask):
         if cfg.data.train is None:
             raise ConfigError("data.train is required for training")
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = user_path(cfg.run_dir)
         layout = cfg.data.layout()
         self.train_ex = read_table(cfg.data.train, layout)
         if not len(self.train_ex):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from torch import Tensor
 
 from dynaseq.core.distributed import DistEnv
 from dynaseq.core.errors import ConfigError
+from dynaseq.core.files import user_path
 from dynaseq.core.runlog import RunLog
 from dynaseq.data.lm_corpus import VOCAB_FILE, StreamBatches, Vocab, read_lm_lines
 from dynaseq.models.lm import LMOutput, LMState, TransformerLM
@@ -97,7 +97,7 @@ class LMTask:
         if cfg.data.train is None:
             raise ConfigError("data.train is required for training")
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = user_path(cfg.run_dir)
         train_lines = read_lm_lines(cfg.data.train, min_lines=2)
         vocab_path = self.run_dir / VOCAB_FILE
         self.vocab = Vocab.load(vocab_path) if vocab_path.is_file() else Vocab.build(train_lines)

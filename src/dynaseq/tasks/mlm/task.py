@@ -19,7 +19,6 @@ Run directory: ``config.yaml``, ``spm.model``, ``log.jsonl``, ``checkpoints/``, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 
 from dynaseq.core.distributed import DistEnv, barrier
 from dynaseq.core.errors import ConfigError
+from dynaseq.core.files import user_path
 from dynaseq.core.runlog import RunLog
 from dynaseq.data.text import read_lines
 from dynaseq.tasks.encoder.model import MLM, build_encoder_model
@@ -67,7 +67,7 @@ class MLMTask(EncoderTask):
         if not cfg.data.train:
             raise ConfigError("data.train (one or more text files) is required for training")
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = user_path(cfg.run_dir)
         self.techniques = techniques_for(cfg.model, cfg.train)
         self.spec = mask_spec(cfg)
         self.model: nn.Module | None = None

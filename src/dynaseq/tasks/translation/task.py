@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +25,7 @@ from torch import Tensor, nn
 from dynaseq.core.config import TrainConfig
 from dynaseq.core.distributed import DistEnv, barrier
 from dynaseq.core.errors import ConfigError
+from dynaseq.core.files import user_path
 from dynaseq.core.runlog import RunLog
 from dynaseq.data import (
     Batch,
@@ -93,7 +93,7 @@ class TranslationTask:
             if getattr(cfg.data, name) is None:
                 raise ConfigError(f"data.{name} is required for training")
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = user_path(cfg.run_dir)
         self.techniques = [make(getattr(cfg.model, name), cfg.train) for name, make in
                            TECHNIQUE_TRAINING.items() if getattr(cfg.model, name) is not None]
         self.last_step = 0  # the last update's step (set by update), for keeps_best

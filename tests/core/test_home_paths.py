@@ -1,0 +1,41 @@
+"""A leading ``~`` in a config or a Python call is the home directory, as on a command line."""
+
+from __future__ import annotations
+
+import shutil
+
+import dynaseq
+from dynaseq.core.files import user_path
+from dynaseq.data import read_lines
+
+from helpers import micro_config
+
+
+def test_user_path_expands_a_leading_tilde_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert user_path("~/runs/x") == tmp_path / "runs" / "x"
+    assert user_path("~") == tmp_path
+    assert str(user_path("runs/~x")) == "runs/~x"
+    assert str(user_path("~no_such_user_here/x")) == "~no_such_user_here/x"  # no home: as is
+
+
+def test_a_run_dir_under_tilde_trains_in_the_home_directory_and_loads_from_there(
+        tmp_path, monkeypatch, synthetic_paths):
+    from dynaseq.train.loop import train
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    shutil.copy(synthetic_paths["valid.src"], home / "valid.src")
+    paths = {**synthetic_paths, "valid.src": "~/valid.src"}  # a data file under ~ too
+    cfg = micro_config("~/runs/micro", paths, max_steps=2, valid_every=2, save_every=2,
+                       valid_bleu_lines=4)
+    result = train(cfg, progress=False)
+    assert result.run_dir == home / "runs" / "micro"
+    assert (home / "runs" / "micro" / "config.yaml").is_file()
+    assert not (cwd / "~").exists()  # before: a folder named "~" in the working directory
+    t = dynaseq.load("~/runs/micro")
+    assert t.translate(["a b"]) == dynaseq.load(home / "runs" / "micro").translate(["a b"])
+    assert read_lines("~/valid.src") == read_lines(synthetic_paths["valid.src"])
