@@ -32,14 +32,26 @@ class _Request(BaseModel):
         return [self.text] if self.text is not None else list(self.texts or [])
 
 
-class _Budgeted(_Request):
-    budget: float | list[float] | None = Field(
-        None, description="compute budget: a fraction for encoder and decoder alike, or an "
-                          "[encoder, decoder] pair; a trained or calibrated one")
+class _Deadlined(_Request):
+    """A request that names its ``budget`` (declared by each subclass: a translation's may be
+    a pair, a classifier's is one fraction) or its ``deadline_ms``, not both."""
+
     deadline_ms: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="answer within this many milliseconds: the server runs the "
-                    "largest budget predicted to make it")
+                    "largest budget predicted to make it (from the run's latency table)")
+
+    @model_validator(mode="after")
+    def _budget_or_deadline(self) -> _Deadlined:
+        if getattr(self, "budget", None) is not None and self.deadline_ms is not None:
+            raise ValueError('give "budget" or "deadline_ms", not both')
+        return self
+
+
+class _Budgeted(_Deadlined):
+    budget: float | list[float] | None = Field(
+        None, description="compute budget: a fraction for encoder and decoder alike, or an "
+                          "[encoder, decoder] pair; a trained or calibrated one")
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -57,12 +69,6 @@ class _Budgeted(_Request):
         """``budget`` as :class:`Translator` takes it (a pair as a tuple)."""
         b = self.budget
         return (b[0], b[1]) if isinstance(b, list) else b
-
-    @model_validator(mode="after")
-    def _budget_or_deadline(self) -> _Budgeted:
-        if self.budget is not None and self.deadline_ms is not None:
-            raise ValueError('give "budget" or "deadline_ms", not both')
-        return self
 
 
 class TranslateRequest(_Budgeted):
@@ -84,7 +90,7 @@ class ScoreRequest(_Budgeted):
     the end of line, from a line start)."""
 
 
-class ClassifyRequest(_Request):
+class ClassifyRequest(_Deadlined):
     """``POST /v1/classify``: a label (or a regression score) per line. A sentence-pair task
     takes two tab-separated sentences per line (``"A man plays.\tA person plays."``), as
     :meth:`Classifier.classify` and ``dynaseq classify``; an empty line (or pair) gets
@@ -93,19 +99,9 @@ class ClassifyRequest(_Request):
     budget: float | None = Field(
         None, description="encoder compute budget of a CCT classifier: a trained or "
                           "calibrated fraction in (0, 1]; a dense classifier takes none")
-    deadline_ms: float | None = Field(
-        None, gt=0, allow_inf_nan=False,
-        description="answer within this many milliseconds: the server runs the "
-                    "largest budget predicted to make it (needs the run's latency table)")
     gamma: float | None = Field(
         None, description="exit threshold of an adaptive-depth classifier, in (0, 1): 0.1 "
                           "slow and accurate ... 0.9 fast (default the run's depth.gamma)")
-
-    @model_validator(mode="after")
-    def _budget_or_deadline(self) -> ClassifyRequest:
-        if self.budget is not None and self.deadline_ms is not None:
-            raise ValueError('give "budget" or "deadline_ms", not both')
-        return self
 
 
 class Compute(BaseModel):
