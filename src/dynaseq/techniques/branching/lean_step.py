@@ -60,7 +60,7 @@ from dynaseq.techniques.branching.blocks import block_dispatch
 from dynaseq.techniques.branching.branched_linear import BranchedLinear, Int8BranchedLinear
 from dynaseq.techniques.branching.dmb_attention import BranchedAttention
 from dynaseq.techniques.branching.dmb_ffn import BranchedFeedForward
-from dynaseq.techniques.branching.routing import Router
+from dynaseq.techniques.branching.routing import Dispatch, Router
 
 Projection = BranchedLinear | Int8BranchedLinear
 """A DMB projection the lean parts run: float, or quantized by ``dynaseq quantize``."""
@@ -187,6 +187,25 @@ class _AttentionPart:
         self.sources = _sources(m.q_proj, m.k_proj, m.v_proj, m.out_proj)
         self.n_heads, self.d_head = m.n_heads, m.d_head
         self.blocks = _all_float(m.out_proj)  # the four projections share one type
+        self.out_k: list[LinearFn] = []  # a step part's output projection per branch
+
+    def _step_in(self, x: Tensor, picks: list[int] | None, proj: nn.Module,
+                 proj_k: Sequence[LinearFn]) -> tuple[Tensor, Dispatch | None]:
+        """A step's rows x ``(B, 1, d)`` through each row's branch of ``proj`` -> ``(B, out)``
+        in row order, and the dispatch that ran it: runs of rows by ``picks``
+        (``proj_k``, its branches), or, where ``picks`` is None, laid out by the router
+        (:func:`block_dispatch`; returned, for :meth:`_step_out` to gather by)."""
+        if picks is not None:
+            return _runs(x.view(x.size(0), -1), picks, proj_k), None
+        route = block_dispatch(self.router, x, self.blocks)
+        return route.project(proj, route.input_rows()), route
+
+    def _step_out(self, a: Tensor, picks: list[int] | None, route: Dispatch | None) -> Tensor:
+        """The attention output ``a`` ``(B, H·hd)`` through each row's branch of the output
+        projection, as :meth:`_step_in` routed the rows -> ``(B, 1, H·hd)``."""
+        y = (_runs(a, picks, self.out_k) if route is None
+             else route.project(self.out, route.gather(a)))
+        return y.view(a.size(0), 1, -1)
 
 
 class _FusedSelfAttention(_AttentionPart):
@@ -212,17 +231,11 @@ class DMBSelfAttention(_FusedSelfAttention):
         """x ``(B, 1, d)`` -> ``(B, 1, d)``; appends this step's keys and values to ``cache``."""
         b, h, d = x.size(0), self.n_heads, self.d_head
         picks = self.pick(x)
-        if picks is None:
-            route = block_dispatch(self.router, x, self.blocks)
-            qkv = route.project(self.qkv, route.input_rows())  # (B, 3·H·hd), token order
-        else:
-            qkv = _runs(x.view(b, -1), picks, self.qkv_k)
+        qkv, route = self._step_in(x, picks, self.qkv, self.qkv_k)  # (B, 3·H·hd)
         q, key, value = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
         keys, values = cache.append(key, value)  # (B, H, t+1, hd)
         a = F.scaled_dot_product_attention(q, keys, values).reshape(b, h * d)  # (B, H·hd)
-        if picks is not None:
-            return _runs(a, picks, self.out_k).view(b, 1, h * d)
-        return route.project(self.out, route.gather(a)).view(b, 1, h * d)
+        return self._step_out(a, picks, route)
 
 
 class DMBEncoderAttention(_FusedSelfAttention):
@@ -278,15 +291,9 @@ class DMBCrossAttention(_AttentionPart):
              tally: StepTally | None = None) -> Tensor:
         b, h, d = x.size(0), self.n_heads, self.d_head
         picks = self.pick(x)
-        if picks is None:
-            route = block_dispatch(self.router, x, self.blocks)
-            q = route.project(self.q, route.input_rows())
-        else:
-            q = _runs(x.view(b, -1), picks, self.q_k)
+        q, route = self._step_in(x, picks, self.q, self.q_k)  # (B, H·hd)
         a = attend_keys(q.view(b, h, 1, d), keys).reshape(b, h * d)
-        if picks is not None:
-            return _runs(a, picks, self.out_k).view(b, 1, h * d)
-        return route.project(self.out, route.gather(a)).view(b, 1, h * d)
+        return self._step_out(a, picks, route)
 
 
 class DMBFeedForward:
