@@ -397,3 +397,41 @@ def test_dense_models_refuse_per_row_budgets(trained_run):
     with pytest.raises(DynaseqError, match="no compute-budget knob"):
         t.translate(["a b"], budget=[0.5])
     assert t.translate(["a b"], budget=[None]) == t.translate(["a b"])
+
+
+def test_a_corpus_of_per_line_budgets_is_batched_by_budget_then_length():
+    from dynaseq.tasks.translation.predictor import budget_order
+
+    lengths = [5, 1, 4, 2, 3, 6]
+    assert budget_order(None, lengths) == [1, 3, 4, 2, 0, 5]  # one budget: by length
+    assert budget_order(BudgetControl(1, {"decoder": 0.5}), lengths) == [1, 3, 4, 2, 0, 5]
+    ids = torch.tensor([0, 1, 0, 1, 0, 1])
+    per_row = BudgetControl(ids, {"decoder": torch.tensor([0.0, 2.0, 0.0, 2.0, 0.0, 2.0])})
+    assert budget_order(per_row, lengths) == [4, 2, 0, 1, 3, 5]  # id 0's by length, then 1's
+    assert budget_order(ids, lengths) == [4, 2, 0, 1, 3, 5]  # plain per-row ids alike
+    same_id = BudgetControl(0, {"decoder": torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])})
+    assert budget_order(same_id, lengths) == [1, 3, 5, 4, 2, 0]  # calibrated offsets count
+    with pytest.raises(ValueError, match="one entry per sentence"):
+        budget_order(ids[:3], lengths)
+
+
+def test_decoding_per_line_budgets_runs_single_budget_batches_that_translate_as_alone(
+        calibrated, monkeypatch):
+    from dynaseq.tasks.translation import predictor
+
+    t, lines, _ = calibrated
+    budgets = [BUDGETS[i % 2] for i in range(len(lines))]  # alternating 1.0, 0.5
+    alone = {b: t.translate(lines, beam=1, budget=b) for b in BUDGETS[:2]}
+    seen: list[list[float]] = []
+    search = predictor.greedy_search
+
+    def recording(model, src, *, control, **kw):
+        seen.append(control.offsets["decoder"].tolist())  # one offset per row
+        return search(model, src, control=control, **kw)
+
+    monkeypatch.setattr(predictor, "greedy_search", recording)
+    out = t.translate(lines, beam=1, budget=budgets, batch_size=len(lines) // 2)
+    assert [len(s) for s in seen] == [len(lines) // 2] * 2
+    assert all(len(set(s)) == 1 for s in seen), seen  # each batch at one budget
+    assert len({s[0] for s in seen}) == 2
+    assert out == [alone[b][i] for i, b in enumerate(budgets)]
