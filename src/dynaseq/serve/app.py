@@ -199,8 +199,10 @@ class BodyLimit:
     do not arrive within ``timeout_s`` seconds 408. A ``Content-Length`` over the limit is
     refused before the body is read; a chunked body (or one longer than it said) is counted
     as it arrives and refused at the first chunk past the limit, so no more of it is read
-    or parsed. The refusal replaces whatever the app answers (it sees the body end in an
-    error and answers 400 or 500, which is dropped)."""
+    or parsed. A client that leaves before its body is in is logged 499, as one that leaves
+    while its request runs (before: 400, the app's answer to a body that ended short). The
+    refusal replaces whatever the app answers (it sees the body end in an error and answers
+    400 or 500, which is dropped)."""
 
     def __init__(self, app: Any, limit: int, timeout_s: float) -> None:
         self.app, self.limit, self.timeout_s = app, limit, timeout_s
@@ -232,6 +234,10 @@ class BodyLimit:
                 seen["refused"] = _BodyRefused(408, f"the request body stalled: no bytes for "
                                                     f"{self.timeout_s:g} s")
                 raise seen["refused"] from None
+            if message["type"] == "http.disconnect":  # gone before its body was in
+                seen["refused"] = _BodyRefused(499, "the client closed the connection "
+                                                    "before its body was in")
+                raise seen["refused"]
             if message["type"] == "http.request":
                 seen["bytes"] += len(message.get("body", b""))
                 seen["done"] = not message.get("more_body", False)
