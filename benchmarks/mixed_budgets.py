@@ -19,7 +19,8 @@ are also compared with the same lines translated at that budget alone.
 
     python benchmarks/mixed_budgets.py [--run DIR] [--src FILE] [--lines 192] [--rounds 5]
 
-Writes benchmarks/results/mixed_budgets.{json,md}. Run from the repository root, alone.
+Writes benchmarks/results/STEM.{json,md} (``--stem``, default ``mixed_budgets``). Run from the
+repository root, alone.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def main() -> None:
     p.add_argument("--mid", type=float, default=0.5, help="the middle reference budget (b, b)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stem", default="mixed_budgets",
+                   help="the result files' name (default mixed_budgets)")
     _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -126,7 +129,7 @@ def main() -> None:
                               [[k, v] for k, v in ms.items()] + [["linear mix", round(linear, 3)]])
     lines_md += ["", *_lib.md_table(["ratio", "value"], "lr", out["ratios"].items()), "",
                  f"Lines equal to their budget alone: {out['lines_equal_to_their_budget_alone']}."]
-    _lib.write_results(args.results, "mixed_budgets", out, lines_md)
+    _lib.write_results(args.results, args.stem, out, lines_md)
     print("\n".join(lines_md))
 
 
