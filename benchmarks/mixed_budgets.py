@@ -1,15 +1,20 @@
-"""Benchmark `mixed_budgets`: a corpus whose lines carry different budgets, batched by budget
-against batched by length alone (issue 30: mixed-budget throughput).
+"""Benchmark `mixed_budgets`: lines that carry different budgets, decoded by budget against
+as mixed batches (issue 30: mixed-budget throughput).
 
 One CCT (default: the model `make demo` shows, shipped in the package), greedy decoding,
 batches of ``--batch`` lines, in one process, the systems taking turns round by round:
 
 * ``by budget``: ``Translator.translate(lines, budget=[one per line])`` over the whole
-  corpus, which batches the lines by budget, then by length
-  (:func:`dynaseq.tasks.translation.predictor.budget_order`);
-* ``by length``: the same lines and budgets, sorted by length and handed over one batch at a
-  time (each call one batch that mixes the budgets: what the decoder ran for every
-  per-line corpus before ``budget_order``, and what a caller that forms its own batches gets);
+  corpus, which batches the lines by budget, then by length, and decodes a batch that
+  holds the full budget and one other as two
+  (:func:`dynaseq.tasks.translation.predictor.budget_batches`);
+* ``mixed batches``: the same lines and budgets sorted by length, each batch of ``--batch``
+  decoded as one batch whatever its budgets (the search on the lean decoder, as
+  ``decode_corpus`` ran every batch before ``budget_batches``, and as a server batch of
+  requests at several budgets would be run without it);
+* ``one batch, by budget``: the first ``--batch`` lines alone through ``translate`` (a
+  server's batch: its full-budget lines and the others as two batches) against
+  ``one batch, mixed``, the same lines as one mixed batch;
 * every line at the largest budget, at the smallest, and at ``--mid``: the references.
 
 A share ``--full-share`` of the lines (default 12 of 32, as in the issue's analysis) asks
@@ -33,6 +38,9 @@ from pathlib import Path
 import torch
 
 from dynaseq.data import read_lines, write_task
+from dynaseq.data.batching import collate_source
+from dynaseq.models.search import greedy_search
+from dynaseq.nn.modes import evaluating
 from dynaseq.tasks.translation.predictor import Translator
 
 import _lib
@@ -58,6 +66,20 @@ def by_length_batches(t: Translator, lines: list[str], budgets: list, batch: int
     order = sorted(range(len(lines)), key=lambda i: lengths[i])
     return [([lines[i] for i in order[k: k + batch]], [budgets[i] for i in order[k: k + batch]])
             for k in range(0, len(order), batch)]
+
+
+def one_mixed_batch(t: Translator, lines: list[str], budgets: list) -> list[list[int] | None]:
+    """``lines`` (non-empty) decoded greedily as one batch at their ``budgets``, through the
+    lean decoder as ``decode_corpus`` decodes a batch."""
+    d, m = t.config.decode, t.model
+    src = collate_source([ids[: m.encoder.positions.max_positions - 1]
+                          for ids in t.tokenizer.encode(lines)], m.pad_id, m.eos_id)
+    lean = t.lean_decoder()
+    with evaluating(m):
+        return greedy_search(m if lean is None else lean, src, max_len_a=d.max_len_a,
+                             max_len_b=d.max_len_b,
+                             max_positions=m.encoder.positions.max_positions,
+                             control=t.control_for(budgets, len(lines)))
 
 
 def main() -> None:
@@ -88,17 +110,20 @@ def main() -> None:
     def translate(budget: object) -> list[str]:
         return t.translate(lines, beam=1, batch_size=args.batch, budget=budget)
 
+    first, first_budgets = lines[: args.batch], budgets[: args.batch]
     systems = {
         "by budget": lambda: translate(budgets),
-        "by length": lambda: [x for b, bud in batches
-                              for x in t.translate(b, beam=1, batch_size=args.batch,
-                                                   budget=bud)],
+        "mixed batches": lambda: [one_mixed_batch(t, b, bud) for b, bud in batches],
+        "one batch, by budget": lambda: t.translate(first, beam=1, batch_size=args.batch,
+                                                    budget=first_budgets),
+        "one batch, mixed": lambda: one_mixed_batch(t, first, first_budgets),
         f"all {full}": lambda: translate(full),
         f"all {small}": lambda: translate(small),
         f"all {mid}": lambda: translate(mid),
     }
     sec = _lib.interleaved_seconds(systems, args.rounds)
-    ms = {k: round(1000 * v / len(lines), 3) for k, v in sec.items()}  # per line
+    ms = {k: round(1000 * v / (len(first) if k.startswith("one batch") else len(lines)), 3)
+          for k, v in sec.items()}  # per line
 
     alone = {b: translate(b) for b in (full, small)}
     mixed_out = translate(budgets)
@@ -110,15 +135,19 @@ def main() -> None:
         "lines_at_full": n_full, "full": list(full), "smallest": list(small), "mid": list(mid),
         "ms_per_line": ms, "linear_mix_ms_per_line": round(linear, 3),
         "ratios": {
-            "by budget ÷ by length (time)": round(ms["by budget"] / ms["by length"], 3),
+            "by budget ÷ mixed batches (time)": round(ms["by budget"] / ms["mixed batches"],
+                                                      3),
+            "one batch: by budget ÷ mixed (time)": round(
+                ms["one batch, by budget"] / ms["one batch, mixed"], 3),
             "by budget ÷ linear mix (time)": round(ms["by budget"] / linear, 3),
             f"by budget throughput ÷ all {mid}": round(ms[f"all {mid}"] / ms["by budget"], 3),
-            f"by length throughput ÷ all {mid}": round(ms[f"all {mid}"] / ms["by length"], 3),
+            f"mixed batches throughput ÷ all {mid}": round(
+                ms[f"all {mid}"] / ms["mixed batches"], 3),
         },
         "lines_equal_to_their_budget_alone": f"{same} of {len(lines)}",
     }
     lines_md = _lib.md_head(
-        "mixed_budgets: a corpus of per-line budgets, batched by budget or by length",
+        "mixed_budgets: lines at several budgets, decoded by budget or as mixed batches",
         out["command"], f"Code: {(out['commit'] or 'no git checkout')[:12]}"
         f"{' (with uncommitted changes)' if out['dirty'] else ''} ({out['date']} UTC)",
         f"Machine: {out['machine']}",

@@ -400,19 +400,40 @@ def test_dense_models_refuse_per_row_budgets(trained_run):
 
 
 def test_a_corpus_of_per_line_budgets_is_batched_by_budget_then_length():
-    from dynaseq.tasks.translation.predictor import budget_order
+    from dynaseq.tasks.translation.predictor import budget_batches
 
     lengths = [5, 1, 4, 2, 3, 6]
-    assert budget_order(None, lengths) == [1, 3, 4, 2, 0, 5]  # one budget: by length
-    assert budget_order(BudgetControl(1, {"decoder": 0.5}), lengths) == [1, 3, 4, 2, 0, 5]
+    assert budget_batches(None, lengths, 4) == [[1, 3, 4, 2], [0, 5]]  # one budget: length
+    assert budget_batches(BudgetControl(1, {"decoder": 0.5}), lengths, 6) == [[1, 3, 4, 2, 0, 5]]
     ids = torch.tensor([0, 1, 0, 1, 0, 1])
     per_row = BudgetControl(ids, {"decoder": torch.tensor([0.0, 2.0, 0.0, 2.0, 0.0, 2.0])})
-    assert budget_order(per_row, lengths) == [4, 2, 0, 1, 3, 5]  # id 0's by length, then 1's
-    assert budget_order(ids, lengths) == [4, 2, 0, 1, 3, 5]  # plain per-row ids alike
+    # id 0's by length, then id 1's; a batch of two budgets neither of them full stays one
+    assert budget_batches(per_row, lengths, 4) == [[4, 2, 0, 1], [3, 5]]
+    assert budget_batches(ids, lengths, 6) == [[4, 2, 0, 1, 3, 5]]  # plain per-row ids alike
     same_id = BudgetControl(0, {"decoder": torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])})
-    assert budget_order(same_id, lengths) == [1, 3, 5, 4, 2, 0]  # calibrated offsets count
+    assert budget_batches(same_id, lengths, 6) == [[1, 3, 5, 4, 2, 0]]  # offsets count
     with pytest.raises(ValueError, match="one entry per sentence"):
-        budget_order(ids[:3], lengths)
+        budget_batches(ids[:3], lengths, 6)
+
+
+def test_a_batch_of_the_full_budget_and_one_other_is_decoded_as_two():
+    from dynaseq.tasks.translation.predictor import budget_batches
+
+    inf = ALL_GATES_ON
+    lengths = [5, 1, 4, 2, 3, 6]
+    full_and_one = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {
+        "encoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5]),
+        "decoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5])})
+    assert budget_batches(full_and_one, lengths, 6) == [[4, 2, 0], [1, 3, 5]]
+    assert budget_batches(full_and_one, lengths, 4) == [[4, 2, 0], [1], [3, 5]]
+    three = BudgetControl(torch.tensor([0, 1, 2, 1, 0, 1]), {
+        "encoder": torch.tensor([inf, 0.5, 0.2, 0.5, inf, 0.5]),
+        "decoder": torch.tensor([inf, 0.5, 0.2, 0.5, inf, 0.5])})
+    assert budget_batches(three, lengths, 6) == [[4, 0, 1, 3, 5, 2]]  # three budgets: one
+    half_open = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {  # the encoder's gates only
+        "encoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5]),
+        "decoder": torch.tensor([0.1, 0.5, 0.1, 0.5, 0.1, 0.5])})
+    assert budget_batches(half_open, lengths, 6) == [[4, 2, 0, 1, 3, 5]]
 
 
 def test_decoding_per_line_budgets_runs_single_budget_batches_that_translate_as_alone(
@@ -420,8 +441,8 @@ def test_decoding_per_line_budgets_runs_single_budget_batches_that_translate_as_
     from dynaseq.tasks.translation import predictor
 
     t, lines, _ = calibrated
-    budgets = [BUDGETS[i % 2] for i in range(len(lines))]  # alternating 1.0, 0.5
-    alone = {b: t.translate(lines, beam=1, budget=b) for b in BUDGETS[:2]}
+    budgets = [BUDGETS[1 + i % 2] for i in range(len(lines))]  # alternating 0.5, 0.33
+    alone = {b: t.translate(lines, beam=1, budget=b) for b in BUDGETS[1:]}
     seen: list[list[float]] = []
     search = predictor.greedy_search
 
@@ -434,4 +455,24 @@ def test_decoding_per_line_budgets_runs_single_budget_batches_that_translate_as_
     assert [len(s) for s in seen] == [len(lines) // 2] * 2
     assert all(len(set(s)) == 1 for s in seen), seen  # each batch at one budget
     assert len({s[0] for s in seen}) == 2
+    assert out == [alone[b][i] for i, b in enumerate(budgets)]
+
+
+def test_one_batch_of_the_full_budget_and_another_decodes_as_two_that_translate_as_alone(
+        calibrated, monkeypatch):
+    from dynaseq.tasks.translation import predictor
+
+    t, lines, _ = calibrated
+    budgets = [BUDGETS[2 * (i % 2)] for i in range(len(lines))]  # alternating 1.0, 0.33
+    alone = {b: t.translate(lines, beam=1, budget=b) for b in (1.0, 0.33)}
+    seen: list[int] = []
+    search = predictor.greedy_search
+
+    def recording(model, src, **kw):
+        seen.append(src.size(0))
+        return search(model, src, **kw)
+
+    monkeypatch.setattr(predictor, "greedy_search", recording)
+    out = t.translate(lines, beam=1, budget=budgets)  # one batch of the run's size
+    assert seen == [len(lines) // 2] * 2
     assert out == [alone[b][i] for i, b in enumerate(budgets)]

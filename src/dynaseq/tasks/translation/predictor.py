@@ -107,23 +107,42 @@ def _per_row(control: Control, n: int) -> list[torch.Tensor]:
     return per_row
 
 
-def budget_order(control: Control, lengths: Sequence[int]) -> list[int]:
-    """The order in which :func:`decode_corpus` batches sentences of ``lengths``: by length,
-    and, where ``control`` gives each sentence its own budget, by budget first (its control
-    id and offsets), so that a batch holds one budget where the corpus allows.
+def budget_batches(control: Control, lengths: Sequence[int], batch_size: int
+                   ) -> list[list[int]]:
+    """The batches, as sentence indices, in which :func:`decode_corpus` decodes sentences of
+    ``lengths``: consecutive ``batch_size`` sentences by length, and, where ``control`` gives
+    each sentence its own budget, by budget first (its control id and offsets), so that a
+    batch holds one budget where the corpus allows. A batch that would hold the full
+    budget (every gate open: :meth:`BudgetControl.all_open`) and one other budget is cut in
+    two at the budget's boundary, each part decoded on its own.
 
     Why: a decoding step's gated sub-layers run for a batch whenever one of its rows opens
-    them, and at decoding's sizes a sub-layer costs about the same for 12 rows as for 32
-    (op-bound). A batch that mixes full-budget rows with small-budget ones therefore pays
-    the full network every step, plus the gathers of the gated rows: on the demo model,
-    batches of 32 of which 12 lines at (1, 1) and 20 at (.2, .2) took 1.08x the time of
-    32 lines at (1, 1) and 2.6x that of 32 at (.2, .2); the same lines in single-budget
-    batches take the mix of the two."""
-    per_row = _per_row(control, len(lengths))
+    them, through the gathers and per-row decisions of the mixed path; rows at the full
+    budget alone skip the control networks and run every sub-layer as one fused product.
+    Measured on the demo model (1 thread, AMD EPYC, 4 interleaved rounds over 4 sets of 32
+    synthetic lines): 12 lines at (1, 1) and 20 at (.2, .2) took 0.81x the time of their
+    mixed batch as two batches, 28 + 4 0.90x, 4 + 28 0.83x; but 16 at (.5, .5) and 16 at
+    (.33, .33) took 1.28x as two, and 8 at each of four budgets 1.38x as four, so other
+    mixes stay one batch. By budget, 192 lines (72 at (1, 1), 120 at (.2, .2)) took 0.72x
+    the time of the same lines batched by length alone (``benchmarks/mixed_budgets.py``)."""
+    n = len(lengths)
+    per_row = _per_row(control, n)
     if not per_row:
-        return sorted(range(len(lengths)), key=lambda i: lengths[i])
+        order = sorted(range(n), key=lambda i: lengths[i])
+        return [order[k: k + batch_size] for k in range(0, n, batch_size)]
     keys = list(zip(*(v.tolist() for v in per_row), strict=True))
-    return sorted(range(len(lengths)), key=lambda i: (keys[i], lengths[i]))
+    order = sorted(range(n), key=lambda i: (keys[i], lengths[i]))
+    full = control.all_open(n) if isinstance(control, BudgetControl) else [False] * n
+    batches = []
+    for k in range(0, n, batch_size):
+        idx = order[k: k + batch_size]
+        cut = next((j for j in range(1, len(idx)) if keys[idx[j]] != keys[idx[0]]), None)
+        if (cut is not None and keys[idx[cut]] == keys[idx[-1]]  # two budgets
+                and (full[idx[0]] or full[idx[-1]])):  # one of them the full network
+            batches += [idx[:cut], idx[cut:]]
+        else:
+            batches.append(idx)
+    return batches
 
 
 def control_rows(control: Control, n: int, idx: list[int],
@@ -190,7 +209,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); per
-    sentence, the sentences are batched by budget, then by length (:func:`budget_order`),
+    sentence, the sentences are batched by budget, then by length (:func:`budget_batches`),
     and a batch mixes budgets only where one budget's sentences do not fill it. ``progress``: a bar of sentences on a terminal.
     ``lean``: :meth:`LeanDecoder.prepare` of ``model`` (dense models), whose decoding step
     the searches then run instead of the model's general one (same tokens, less work).
@@ -214,11 +233,9 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     searcher = model if lean is None else lean
     device = device or next(model.parameters()).device
     max_pos = model.encoder.positions.max_positions
-    order = budget_order(control, [len(s) for s in src_ids])
     out: list[list[int] | None] = [[] for _ in src_ids]
     with evaluating(model), progress_bar(len(src_ids), "sent", "decode", progress) as bar:
-        for start in range(0, len(order), batch_size):
-            idx = order[start: start + batch_size]
+        for idx in budget_batches(control, [len(s) for s in src_ids], batch_size):
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
                                  model.pad_id, model.eos_id).to(device)
             rows = control_rows(control, len(src_ids), idx, device)
