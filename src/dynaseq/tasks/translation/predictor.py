@@ -123,8 +123,9 @@ def budget_batches(control: Control, lengths: Sequence[int], batch_size: int
     synthetic lines): 12 lines at (1, 1) and 20 at (.2, .2) took 0.81x the time of their
     mixed batch as two batches, 28 + 4 0.90x, 4 + 28 0.83x; but 16 at (.5, .5) and 16 at
     (.33, .33) took 1.28x as two, and 8 at each of four budgets 1.38x as four, so other
-    mixes stay one batch. By budget, 192 lines (72 at (1, 1), 120 at (.2, .2)) took 0.72x
-    the time of the same lines batched by length alone (``benchmarks/mixed_budgets.py``)."""
+    mixes stay one batch. In all, 192 lines (72 at (1, 1), 120 at (.2, .2)) took 0.66x the
+    time of the same lines in length-sorted mixed batches, and one batch of 32 of them 0.83x
+    (``benchmarks/results/mixed_budgets.md``)."""
     n = len(lengths)
     per_row = _per_row(control, n)
     if not per_row:
@@ -210,7 +211,8 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); per
     sentence, the sentences are batched by budget, then by length (:func:`budget_batches`),
-    and a batch mixes budgets only where one budget's sentences do not fill it. ``progress``: a bar of sentences on a terminal.
+    and a batch mixes budgets only where one budget's sentences do not fill it.
+    ``progress``: a bar of sentences on a terminal.
     ``lean``: :meth:`LeanDecoder.prepare` of ``model`` (dense models), whose decoding step
     the searches then run instead of the model's general one (same tokens, less work).
     ``on_batch``: greedy decoding through ``lean`` only: called after each batch with what
