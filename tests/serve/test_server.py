@@ -430,3 +430,39 @@ def test_serve_load_keeps_a_cells_access_log_when_asked(serve_run, lines, tmp_pa
     # replanned as its batch was formed: the margin kept then, and how late against it
     assert asked[0]["batch_margin_ms"] >= 0 and isinstance(asked[0]["formed_late_ms"], float)
     assert server.log.closed
+
+
+def test_a_batch_decoded_as_two_reports_each_lines_compute_as_its_budget_alone(
+        offline, lines, monkeypatch):
+    """The server's batch (in process): lines at the full budget and at one other are
+    decoded as two batches (``budget_batches``); each line's translation and realized
+    compute equal those of its budget's lines run as a batch of their own (the second
+    part's compute once came from the first part's counts when Python reused the freed
+    source tensor's id)."""
+    from dynaseq.serve.batcher import Job
+    from dynaseq.serve.endpoints import TranslateWork, run_translate
+
+    full, other = (1.0, 1.0), (0.5, 0.5)
+    budgets = [full if i % 2 else other for i in range(len(lines))]
+
+    def jobs_of(which):
+        return [Job(group=("translate", 1), run=None, rows=1, payload=TranslateWork(
+            [lines[i]], offline.tokenizer.encode([lines[i]]), budgets[i], budgets[i], False))
+            for i in which]
+
+    from dynaseq.tasks.translation import predictor
+
+    searched, search = [], predictor.counted_greedy_search
+
+    def counting(model, src, **kw):  # the counting decode, which reports as lines finish
+        searched.append(src.size(0))
+        return search(model, src, **kw)
+
+    monkeypatch.setattr(predictor, "counted_greedy_search", counting)
+    both = run_translate(offline, 1, True, jobs_of(range(len(lines))))
+    assert sorted(searched) == sorted([budgets.count(full), budgets.count(other)])
+    for budget in (full, other):
+        own = [i for i, b in enumerate(budgets) if b == budget]
+        alone = run_translate(offline, 1, True, jobs_of(own))
+        for i, result in zip(own, alone, strict=True):
+            assert both[i] == result, (i, budget)

@@ -298,18 +298,20 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
         a = starts[k]
         return texts[a: a + jobs[k].rows], compute[a: a + jobs[k].rows]
 
-    counters: dict[int, CountedRows] = {}  # per decoded batch (its src), made once
+    # per decoded batch (budget_batches may make several), made once; keyed by the id of
+    # its source, which the entry keeps alive so that no later batch's source reuses it
+    counters: dict[int, tuple[torch.Tensor, CountedRows]] = {}
 
     def on_done(done: LinesDone) -> None:  # lines finished while the batch decodes
         if not report_compute:
             reports: list[dict | None] = [None] * len(done.idx)
         elif done.counted is not None:
             aux, counts = done.counted
-            counter = counters.get(id(done.src))
-            if counter is None:
-                counter = counters[id(done.src)] = CountedRows(t.model, done.src, aux,
-                                                               all_on)
-            reports = counter.reports(counts, done.rows)
+            entry = counters.get(id(done.src))
+            if entry is None:
+                entry = counters[id(done.src)] = (
+                    done.src, CountedRows(t.model, done.src, aux, all_on))
+            reports = entry[1].reports(counts, done.rows)
         else:  # every gate open, or no gates: the lengths tell
             rows = control_rows(control, len(src), done.idx, t.device)
             if (t.model.n_controls and isinstance(rows, BudgetControl)
