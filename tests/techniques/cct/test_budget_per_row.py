@@ -464,15 +464,19 @@ def test_one_batch_of_the_full_budget_and_another_decodes_as_two_that_translate_
 
     t, lines, _ = calibrated
     budgets = [BUDGETS[2 * (i % 2)] for i in range(len(lines))]  # alternating 1.0, 0.33
-    alone = {b: t.translate(lines, beam=1, budget=b) for b in (1.0, 0.33)}
     seen: list[int] = []
-    search = predictor.greedy_search
 
-    def recording(model, src, **kw):
-        seen.append(src.size(0))
-        return search(model, src, **kw)
+    def recording(search):
+        def run(model, src, *args, **kw):
+            seen.append(src.size(0))
+            return search(model, src, *args, **kw)
+        return run
 
-    monkeypatch.setattr(predictor, "greedy_search", recording)
-    out = t.translate(lines, beam=1, budget=budgets)  # one batch of the run's size
-    assert seen == [len(lines) // 2] * 2
-    assert out == [alone[b][i] for i, b in enumerate(budgets)]
+    for name in ("greedy_search", "beam_search"):
+        monkeypatch.setattr(predictor, name, recording(getattr(predictor, name)))
+    for beam in (1, 2):
+        alone = {b: t.translate(lines, beam=beam, budget=b) for b in (1.0, 0.33)}
+        seen.clear()
+        out = t.translate(lines, beam=beam, budget=budgets)  # one batch of the run's size
+        assert seen == [len(lines) // 2] * 2, beam
+        assert out == [alone[b][i] for i, b in enumerate(budgets)], beam
