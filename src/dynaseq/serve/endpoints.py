@@ -263,8 +263,10 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
                   retry_after_s: int = 1, early: bool = True,
                   all_on: dict[tuple[int, int], dict[str, int]] | None = None
                   ) -> list[tuple[list[str], list[dict | None]]]:
-    """One batch: every job's lines decoded together, each at its job's budget, exactly as
-    :meth:`Translator.translate` decodes (same search, same settings) -> per job its
+    """One batch: every job's lines decoded at its job's budget, exactly as
+    :meth:`Translator.translate` decodes (same search, same settings, the same batches:
+    lines at the full budget and at one other decode as two, the other first,
+    :func:`~dynaseq.tasks.translation.predictor.budget_batches`) -> per job its
     translations and each line's realized compute (None for an empty line).
 
     ``early``: a job is answered (:meth:`~dynaseq.serve.batcher.Job.settle`) as soon as its
@@ -298,20 +300,17 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
         a = starts[k]
         return texts[a: a + jobs[k].rows], compute[a: a + jobs[k].rows]
 
-    # per decoded batch (budget_batches may make several), made once; keyed by the id of
-    # its source, which the entry keeps alive so that no later batch's source reuses it
-    counters: dict[int, tuple[torch.Tensor, CountedRows]] = {}
+    counters: dict[int, CountedRows] = {}  # per decoded batch (budget_batches), made once
 
     def on_done(done: LinesDone) -> None:  # lines finished while the batch decodes
         if not report_compute:
             reports: list[dict | None] = [None] * len(done.idx)
         elif done.counted is not None:
             aux, counts = done.counted
-            entry = counters.get(id(done.src))
-            if entry is None:
-                entry = counters[id(done.src)] = (
-                    done.src, CountedRows(t.model, done.src, aux, all_on))
-            reports = entry[1].reports(counts, done.rows)
+            counter = counters.get(done.batch)
+            if counter is None:
+                counter = counters[done.batch] = CountedRows(t.model, done.src, aux, all_on)
+            reports = counter.reports(counts, done.rows)
         else:  # every gate open, or no gates: the lengths tell
             rows = control_rows(control, len(src), done.idx, t.device)
             if (t.model.n_controls and isinstance(rows, BudgetControl)

@@ -257,7 +257,8 @@ def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrat
     (:class:`StepTally`, rows leaving as they finish); the compute formed from those counts
     and the encoder's records equals the teacher-forced pass's, line by line, for a batch
     mixing budgets (every gate open, calibrated, trained) and lengths, and for each line
-    alone (batch 1: the parts read one row's gates without a mask)."""
+    alone (batch 1: the parts read one row's gates without a mask; a line at the full
+    budget is then decoded without counting, and ``on_batch`` is not called for it)."""
     from dynaseq.serve.compute import counted_per_row, realized_per_row
     from dynaseq.tasks.translation.predictor import decode_corpus
 
@@ -277,7 +278,9 @@ def test_compute_counted_while_decoding_equals_the_teacher_forced_count(calibrat
     assert t.tokenizer.decode(hyps) == t.translate(lines, beam=1, budget=budgets)
     assert len(set(seen_steps)) > 1  # rows left the batch at different steps
     want = realized_per_row(t.model, src, hyps, control)
-    assert [counted[i] for i in range(len(src))] == want
+    full = control.all_open(len(src))
+    assert sorted(counted) == [i for i in range(len(src)) if batch_size is None or not full[i]]
+    assert [counted[i] for i in sorted(counted)] == [want[i] for i in sorted(counted)]
     with pytest.raises(ValueError, match="greedy decoding through a lean decoder"):
         decode_corpus(t.model, src, beam=2, control=control, lean=t.lean_decoder(),
                       on_batch=on_batch)
@@ -424,12 +427,21 @@ def test_a_batch_of_the_full_budget_and_one_other_is_decoded_as_two():
     full_and_one = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {
         "encoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5]),
         "decoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5])})
-    assert budget_batches(full_and_one, lengths, 6) == [[4, 2, 0], [1, 3, 5]]
-    assert budget_batches(full_and_one, lengths, 4) == [[4, 2, 0], [1], [3, 5]]
+    # the other budget's lines first, then the full budget's, each a batch of its own
+    assert budget_batches(full_and_one, lengths, 6) == [[1, 3, 5], [4, 2, 0]]
+    assert budget_batches(full_and_one, lengths, 4) == [[1, 3, 5], [4, 2, 0]]
+    ids = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1])  # 5 full lines, 3 at the other budget
+    off = torch.tensor([inf] * 5 + [0.5] * 3)
+    five_three = BudgetControl(ids, {"encoder": off, "decoder": off})
+    assert budget_batches(five_three, list(range(8)), 4) == [[5, 6, 7], [0, 1, 2, 3], [4]]
     three = BudgetControl(torch.tensor([0, 1, 2, 1, 0, 1]), {
         "encoder": torch.tensor([inf, 0.5, 0.2, 0.5, inf, 0.5]),
         "decoder": torch.tensor([inf, 0.5, 0.2, 0.5, inf, 0.5])})
-    assert budget_batches(three, lengths, 6) == [[4, 0, 1, 3, 5, 2]]  # three budgets: one
+    assert budget_batches(three, lengths, 6) == [[1, 3, 5, 2, 4, 0]]  # three budgets: one
+    assert budget_batches(three, lengths, 4) == [[1, 3, 5, 2], [4, 0]]
+    two_full = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {  # two ids, every gate open
+        "encoder": torch.full((6,), inf), "decoder": torch.full((6,), inf)})
+    assert budget_batches(two_full, lengths, 6) == [[4, 2, 0, 1, 3, 5]]
     half_open = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {  # the encoder's gates only
         "encoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5]),
         "decoder": torch.tensor([0.1, 0.5, 0.1, 0.5, 0.1, 0.5])})
@@ -465,18 +477,24 @@ def test_one_batch_of_the_full_budget_and_another_decodes_as_two_that_translate_
     t, lines, _ = calibrated
     budgets = [BUDGETS[2 * (i % 2)] for i in range(len(lines))]  # alternating 1.0, 0.33
     seen: list[int] = []
+    first: list[float] = []
 
     def recording(search):
         def run(model, src, *args, **kw):
             seen.append(src.size(0))
+            control = kw.get("control", args[-1] if args else None)  # beam: positional
+            first.append(control.offsets["decoder"][0].item())
             return search(model, src, *args, **kw)
         return run
 
+    alone = {(beam, b): t.translate(lines, beam=beam, budget=b) for beam in (1, 2)
+             for b in (1.0, 0.33)}
     for name in ("greedy_search", "beam_search"):
         monkeypatch.setattr(predictor, name, recording(getattr(predictor, name)))
     for beam in (1, 2):
-        alone = {b: t.translate(lines, beam=beam, budget=b) for b in (1.0, 0.33)}
         seen.clear()
+        first.clear()
         out = t.translate(lines, beam=beam, budget=budgets)  # one batch of the run's size
         assert seen == [len(lines) // 2] * 2, beam
-        assert out == [alone[b][i] for i, b in enumerate(budgets)], beam
+        assert first[0] != ALL_GATES_ON and first[1] == ALL_GATES_ON  # the cheaper part first
+        assert out == [alone[beam, b][i] for i, b in enumerate(budgets)], beam

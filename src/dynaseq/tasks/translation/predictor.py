@@ -76,7 +76,8 @@ class LinesDone:
 
     idx: their indices in the corpus; tokens: their final tokens (no bos/eos); src: the
     batch's source ``(B, S)`` as decoded; rows: their rows in it; counted: what the decode
-    counted so far (``on_batch``'s counting: final for these rows), or None.
+    counted so far (``on_batch``'s counting: final for these rows), or None; batch: the
+    batch's number in the call (from 0, in the order :func:`budget_batches` gives).
     """
 
     idx: list[int]
@@ -84,6 +85,7 @@ class LinesDone:
     src: torch.Tensor
     rows: list[int]
     counted: Counted | None = None
+    batch: int = 0
 
 
 Control = int | torch.Tensor | BudgetControl | None
@@ -111,38 +113,36 @@ def budget_batches(control: Control, lengths: Sequence[int], batch_size: int
                    ) -> list[list[int]]:
     """The batches, as sentence indices, in which :func:`decode_corpus` decodes sentences of
     ``lengths``: consecutive ``batch_size`` sentences by length, and, where ``control`` gives
-    each sentence its own budget, by budget first (its control id and offsets), so that a
-    batch holds one budget where the corpus allows. A batch that would hold the full
-    budget (every gate open: :meth:`BudgetControl.all_open`) and one other budget is cut in
-    two at the budget's boundary, each part decoded on its own.
+    each sentence its own budget, by budget first (its control id and offsets; the full
+    budget, every gate open, :meth:`BudgetControl.all_open`, last), so that a batch holds one
+    budget where the corpus allows. A batch that would hold one budget and the full one
+    ends where the full one begins: the other budget's lines are decoded first, then the
+    full budget's, in batches of their own.
 
     Why: a decoding step's gated sub-layers run for a batch whenever one of its rows opens
     them, through the gathers and per-row decisions of the mixed path; rows at the full
     budget alone skip the control networks and run every sub-layer as one fused product.
-    Measured on the demo model (1 thread, AMD EPYC, 4 interleaved rounds over 4 sets of 32
-    synthetic lines): 12 lines at (1, 1) and 20 at (.2, .2) took 0.81x the time of their
-    mixed batch as two batches, 28 + 4 0.90x, 4 + 28 0.83x; but 16 at (.5, .5) and 16 at
-    (.33, .33) took 1.28x as two, and 8 at each of four budgets 1.38x as four, so other
-    mixes stay one batch. In all, 192 lines (72 at (1, 1), 120 at (.2, .2)) took 0.66x the
-    time of the same lines in length-sorted mixed batches, and one batch of 32 of them 0.83x
-    (``benchmarks/results/mixed_budgets.md``)."""
+    On the demo model, the two parts of one such batch take less time than the mixed batch
+    and each part is done sooner, the cheaper one (decoded first) much sooner; mixes of
+    budgets below the full one were slower decoded as one batch per budget, so they stay one
+    batch (``benchmarks/results/mixed_budgets*.md``)."""
     n = len(lengths)
     per_row = _per_row(control, n)
     if not per_row:
         order = sorted(range(n), key=lambda i: lengths[i])
         return [order[k: k + batch_size] for k in range(0, n, batch_size)]
     keys = list(zip(*(v.tolist() for v in per_row), strict=True))
-    order = sorted(range(n), key=lambda i: (keys[i], lengths[i]))
     full = control.all_open(n) if isinstance(control, BudgetControl) else [False] * n
-    batches = []
-    for k in range(0, n, batch_size):
-        idx = order[k: k + batch_size]
+    order = sorted(range(n), key=lambda i: (full[i], keys[i], lengths[i]))
+    batches, pos = [], 0
+    while pos < n:
+        idx = order[pos: pos + batch_size]
         cut = next((j for j in range(1, len(idx)) if keys[idx[j]] != keys[idx[0]]), None)
-        if (cut is not None and keys[idx[cut]] == keys[idx[-1]]  # two budgets
-                and (full[idx[0]] or full[idx[-1]])):  # one of them the full network
-            batches += [idx[:cut], idx[cut:]]
-        else:
-            batches.append(idx)
+        if (cut is not None and keys[idx[cut]] == keys[idx[-1]]  # two budgets,
+                and full[idx[-1]] and not full[idx[0]]):  # the second of them the full one
+            idx = idx[:cut]
+        batches.append(idx)
+        pos += len(idx)
     return batches
 
 
@@ -207,7 +207,8 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   expires: Sequence[Expires] | None = None,
                   on_done: Callable[[LinesDone], None] | None = None
                   ) -> list[list[int] | None]:
-    """Decode token-id sentences (no eos) in length-sorted batches; output in input order.
+    """Decode token-id sentences (no eos) in batches (:func:`budget_batches`: by length, and
+    by budget where each sentence has its own); output in input order.
 
     ``control``: the budget, for every sentence or per sentence (:data:`Control`); per
     sentence, the sentences are batched by budget, then by length (:func:`budget_batches`),
@@ -216,7 +217,9 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     ``lean``: :meth:`LeanDecoder.prepare` of ``model`` (dense models), whose decoding step
     the searches then run instead of the model's general one (same tokens, less work).
     ``on_batch``: greedy decoding through ``lean`` only: called after each batch with what
-    its decode ran (:data:`BatchCounts`).
+    its decode ran (:data:`BatchCounts`), but for a batch whose every row runs the full
+    network (:meth:`BudgetControl.all_open`), which is decoded without counting: its rows
+    ran every gate.
     ``expires``: one time per sentence (``time.perf_counter()`` seconds; ``inf``: never),
     or a function giving it at each step (:data:`~dynaseq.models.search.Expires`); a
     sentence still decoding then is dropped and gives None
@@ -237,16 +240,19 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     max_pos = model.encoder.positions.max_positions
     out: list[list[int] | None] = [[] for _ in src_ids]
     with evaluating(model), progress_bar(len(src_ids), "sent", "decode", progress) as bar:
-        for idx in budget_batches(control, [len(s) for s in src_ids], batch_size):
+        for number, idx in enumerate(budget_batches(control, [len(s) for s in src_ids],
+                                                    batch_size)):
             src = collate_source([src_ids[i][: max_pos - 1] for i in idx],
                                  model.pad_id, model.eos_id).to(device)
             rows = control_rows(control, len(src_ids), idx, device)
             due = None if expires is None else [expires[i] for i in idx]
-            done = None if on_done is None else partial(_lines_done, on_done, idx, src)
+            done = (None if on_done is None else
+                    partial(_lines_done, on_done, idx, src, batch=number))
             if beam == 1:
                 kw = {"max_len_a": max_len_a, "max_len_b": max_len_b, "min_len": min_len,
                       "max_positions": max_pos, "control": rows, "expires": due}
-                if on_batch is None:
+                if on_batch is None or (isinstance(rows, BudgetControl)
+                                        and all(rows.all_open(len(idx)))):
                     hyps = greedy_search(searcher, src, on_done=done, **kw)
                 else:
                     hyps, counted = counted_greedy_search(searcher, src, on_counted=done, **kw)
@@ -261,10 +267,11 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
 
 
 def _lines_done(on_done: Callable[[LinesDone], None], idx: list[int], src: torch.Tensor,
-                rows: list[int], tokens: list[list[int]], counted: Counted | None = None
-                ) -> None:
-    """A search's ``on_done`` (``rows`` of its batch ``src``) as :func:`decode_corpus`'s."""
-    on_done(LinesDone([idx[r] for r in rows], tokens, src, rows, counted))
+                rows: list[int], tokens: list[list[int]], counted: Counted | None = None, *,
+                batch: int = 0) -> None:
+    """A search's ``on_done`` (``rows`` of its batch ``src``, number ``batch``) as
+    :func:`decode_corpus`'s."""
+    on_done(LinesDone([idx[r] for r in rows], tokens, src, rows, counted, batch))
 
 
 @torch.inference_mode()
@@ -521,7 +528,7 @@ class Translator(ShortRepr):
         empty line. ``budget`` (CCT
         models): a trained or calibrated compute budget, ``0.33`` or ``(1.0, 0.33)``,
         default the largest; or a list with one budget per line (``[1.0, 0.5, (1.0, 0.33)]``),
-        the lines batched together whatever their budgets. ``progress``: a bar on a terminal.
+        batched by budget where the lines allow (:func:`budget_batches`). ``progress``: a bar on a terminal.
         """
         check_text(lines)
         settings = decode_settings(self.config.decode, beam, length_penalty, batch_size,
