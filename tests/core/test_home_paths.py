@@ -39,3 +39,24 @@ def test_a_run_dir_under_tilde_trains_in_the_home_directory_and_loads_from_there
     t = dynaseq.load("~/runs/micro")
     assert t.translate(["a b"]) == dynaseq.load(home / "runs" / "micro").translate(["a b"])
     assert read_lines("~/valid.src") == read_lines(synthetic_paths["valid.src"])
+
+
+def test_calibrating_and_exporting_a_run_under_tilde_write_in_the_home_directory(
+        tmp_path, monkeypatch, cct_run, synthetic_paths):
+    from dynaseq.workflows.export import export_model
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    shutil.copytree(cct_run[0], home / "runs" / "cct")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    t = dynaseq.load("~/runs/cct")
+    src, ref = read_lines(synthetic_paths["valid.src"])[:8], read_lines(synthetic_paths[
+        "valid.tgt"])[:8]
+    t.calibrate(src, ref, budgets=[0.4])
+    assert t.save_calibration("~/runs/cct") == home / "runs" / "cct" / "calibration.json"
+    again = dynaseq.load("~/runs/cct")  # the calibration is read back, tied to its weights
+    assert [c.budget for c in again.calibrations] == [c.budget for c in t.calibrations]
+    export_model("~/runs/cct", "~/exported")
+    assert (home / "exported" / "config.json").is_file()
+    assert not (cwd / "~").exists()

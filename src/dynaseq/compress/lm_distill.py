@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from dynaseq.compress.distill import TeacherTopK, dump_teacher_topk
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import user_path
 from dynaseq.data.lm_corpus import StreamBatches, Vocab, read_lm_lines
 
 LAYOUT_KEY = "lm_stream"
@@ -97,7 +98,7 @@ def dump_lm_teacher(lm, out_dir: str | Path, k: int = 30, batch_size: int | None
 def open_teacher_topk(topk_dir: str | Path, train: StreamBatches, vocab: Vocab) -> TeacherTopK:
     """Open a :func:`dump_lm_teacher` directory for a student reading ``train`` with
     ``vocab``; raise DynaseqError naming the mismatch when the layouts differ."""
-    path = Path(topk_dir)
+    path = user_path(topk_dir)
     if not (path / "meta.json").is_file():
         raise DynaseqError(f"distill.topk_dir {path} is not a teacher top-k directory (no "
                            "meta.json; write one with 'dynaseq distill-data TEACHER --out DIR')")

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import user_path
 from dynaseq.serve.config import ServeConfig
 
 WORKER_ENV = "DYNASEQ_SERVE_WORKER"
@@ -65,6 +66,7 @@ def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, devi
     from dynaseq.serve.app import _warn_stale_table, build_state, load_table
     from dynaseq.tasks.registry import load, run_kind
 
+    run_dir = user_path(run_dir)  # the latency table is looked for where the run is
     kind = run_kind(run_dir)
     predictor = load(run_dir, checkpoint=checkpoint, device=device, precision=config.precision)
     table = load_table(run_dir, latency_table) if kind in ("seq2seq", "classify") else None

@@ -23,7 +23,7 @@ import gzip
 from pathlib import Path
 
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import atomic_write
+from dynaseq.core.files import atomic_write, user_path
 from dynaseq.core.progress import progress_bar
 from dynaseq.data import write_lines
 from dynaseq.tasks.translation.predictor import (
@@ -78,7 +78,7 @@ def write_distill_data(teacher: Translator, src_path: str | Path, out_path: str 
     from dynaseq.data import read_lines
 
     src = read_lines(src_path)
-    out = Path(out_path)
+    out = user_path(out_path)
     hyps = distill_lines(teacher, src, beam, batch_size, budget, progress)
     if out.suffix != ".gz":
         write_lines(out, hyps)  # atomic, and /dev/null stays a device

@@ -28,7 +28,7 @@ from typing import Any
 from dynaseq.core.checkpoint import WEIGHTS, read_meta, resolve_checkpoint, write_meta
 from dynaseq.core.config import to_dict
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import atomic_write, sha256_file
+from dynaseq.core.files import atomic_write, sha256_file, user_path
 from dynaseq.core.rundir import (
     MODEL_CONFIG,
     MODEL_FORMAT,
@@ -131,7 +131,7 @@ def export_model(run_dir: str | Path, out_dir: str | Path,
         DynaseqError: a missing or unreadable run, an existing ``out_dir``, a checkpoint that
             does not load (its weights are checked by loading them once).
     """
-    run, out = Path(run_dir), Path(out_dir)
+    run, out = user_path(run_dir), user_path(out_dir)
     run, cfg = open_run(run, RUN_CONFIGS)
     check_new_run_dir(run, out)
     ckpt = resolve_checkpoint(run, checkpoint)

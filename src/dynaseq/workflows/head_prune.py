@@ -35,6 +35,7 @@ from dynaseq.compress.head_prune import (
 from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.config import save_config
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import user_path
 from dynaseq.core.rundir import check_new_run_dir, writing_new_dir
 from dynaseq.metrics.profile import count_params
 from dynaseq.tasks.classify.data import Row, collate_rows, encode_examples, target_tensor
@@ -74,7 +75,7 @@ def prune_heads_run(run_dir: str | Path, out_dir: str | Path, data: str | Path, 
             ``out_dir``, a model without dense attention (CCT), an unreadable ``data``.
     """
     keep = check_keep(keep)
-    run, out = Path(run_dir), Path(out_dir)
+    run, out = user_path(run_dir), user_path(out_dir)
     if not run.is_dir():
         raise DynaseqError(f"run directory not found: {run}")
     check_new_run_dir(run, out)

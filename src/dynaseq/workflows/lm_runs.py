@@ -55,6 +55,7 @@ from dynaseq.compress.qat import check_bits, check_representable, convert_qat_
 from dynaseq.core import checkpoint as ckpt
 from dynaseq.core.config import save_config, to_dict
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import user_path
 from dynaseq.core.progress import progress_bar
 from dynaseq.core.rundir import check_new_run_dir, writing_new_dir
 from dynaseq.data.lm_corpus import VOCAB_FILE
@@ -166,7 +167,7 @@ def _open_source(run_dir: str | Path, out_dir: str | Path, steps: int, checkpoin
     the source run."""
     if steps < 0:
         raise DynaseqError(f"--steps must be >= 0, got {steps}")
-    run, out = Path(run_dir), Path(out_dir)
+    run, out = user_path(run_dir), user_path(out_dir)
     check_new_run_dir(run, out)
     return run, out, LanguageModel.load(run, checkpoint=checkpoint, device=device)
 
@@ -366,7 +367,7 @@ def cache_search_run(run_dir: str | Path, out_dir: str | Path,
     for n in [*cache_sizes, *([] if n_cache is None else [n_cache])]:
         if n < 1:
             raise DynaseqError(f"cache sizes must be >= 1, got {n}")
-    run, out = Path(run_dir), Path(out_dir)
+    run, out = user_path(run_dir), user_path(out_dir)
     check_new_run_dir(run, out)
     lm = LanguageModel.load(run, checkpoint=checkpoint, device=device)
     model, cfg = lm.model, lm.config

@@ -12,6 +12,7 @@ from pathlib import Path
 from dynaseq.compress.int8 import is_int8, quantize_int8, save_int8
 from dynaseq.core.checkpoint import WEIGHTS
 from dynaseq.core.errors import DynaseqError
+from dynaseq.core.files import user_path
 from dynaseq.core.rundir import check_new_run_dir, dir_size, writing_new_dir
 from dynaseq.techniques.cct.calibration_file import CALIBRATION_FILE, write_calibrations
 
@@ -51,7 +52,7 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path,
     from dynaseq.core.config import save_config
     from dynaseq.tasks.translation.predictor import Translator
 
-    run, out = Path(run_dir), Path(out_dir)
+    run, out = user_path(run_dir), user_path(out_dir)
     if not run.is_dir():
         raise DynaseqError(f"run directory not found: {run}")
     check_new_run_dir(run, out)

@@ -75,7 +75,8 @@ def write_calibrations(run: Path, ckpt: Path, cals: list[BudgetCalibration],
     directory (CheckpointError otherwise: a file elsewhere is read by no load), and not the
     model shipped in the package (DynaseqError), unless it is a ``new_model`` being written
     (``dynaseq export``, which makes the shipped one)."""
-    read_run_config(run_path(run))
+    run = run_path(run)
+    read_run_config(run)
     if not new_model:
         check_not_shipped(run, CALIBRATION_FILE)
     path = run / CALIBRATION_FILE
