@@ -33,9 +33,10 @@ class _Request(BaseModel):
 
 
 class _Deadlined(_Request):
-    """A request that names its ``budget`` (declared by each subclass: a translation's may be
-    a pair, a classifier's is one fraction) or its ``deadline_ms``, not both."""
+    """A request that names its ``budget`` (typed by each subclass: a translation's may be a
+    pair, a classifier's is one fraction) or its ``deadline_ms``, not both."""
 
+    budget: Any = None  # each subclass declares its own type and description
     deadline_ms: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="answer within this many milliseconds: the server runs the "
@@ -43,7 +44,7 @@ class _Deadlined(_Request):
 
     @model_validator(mode="after")
     def _budget_or_deadline(self) -> _Deadlined:
-        if getattr(self, "budget", None) is not None and self.deadline_ms is not None:
+        if self.budget is not None and self.deadline_ms is not None:
             raise ValueError('give "budget" or "deadline_ms", not both')
         return self
 
