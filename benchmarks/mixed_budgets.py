@@ -12,17 +12,20 @@ batches of ``--batch`` lines, in one process, the systems taking turns round by 
   decoded as one batch whatever its budgets (the search on the lean decoder, as
   ``decode_corpus`` ran every batch before ``budget_batches``, and as a server batch of
   requests at several budgets would be run without it);
-* ``one batch, by budget``: the first ``--batch`` lines alone through ``translate`` (a
-  server's batch: its full-budget lines and the others as two batches) against
-  ``one batch, mixed``, the same lines as one mixed batch;
-* every line at the largest budget, at the smallest, and at ``--mid``: the references.
+* ``one batch, translate``: the first ``--batch`` lines alone through ``translate`` (a
+  server's batch: lines at the full budget and one other as two batches, other mixes as
+  one) against ``one batch, mixed``, the same lines as one mixed batch, and ``one batch,
+  one per budget``, each budget's lines of it as a batch of their own;
+* every line at each budget, and at ``--mid``: the references.
 
-A share ``--full-share`` of the lines (default 12 of 32, as in the issue's analysis) asks
-for the largest budget, the others for the smallest, shuffled (seed 1). ``linear mix`` is
-what those lines would cost at their budgets' own single-budget rates. Each budget's lines
-are also compared with the same lines translated at that budget alone.
+The lines ask for ``--budgets`` (default the largest and the smallest trained) in the
+counts ``--mix`` per ``--batch`` lines (default 12 and 20 of 32, as in the issue's
+analysis), shuffled (seed 1). ``linear mix`` is what those lines would cost at their
+budgets' own single-budget rates. Each line is also compared with the same line translated
+at its budget alone.
 
     python benchmarks/mixed_budgets.py [--run DIR] [--src FILE] [--lines 192] [--rounds 5]
+        [--budgets 1 0.2] [--mix 12 20] [--stem mixed_budgets]
 
 Writes benchmarks/results/STEM.{json,md} (``--stem``, default ``mixed_budgets``). Run from the
 repository root, alone.
@@ -82,13 +85,25 @@ def one_mixed_batch(t: Translator, lines: list[str], budgets: list) -> list[list
                              control=t.control_for(budgets, len(lines)))
 
 
+def budget_arg(text: str) -> tuple[float, float]:
+    """``--budgets`` item: ``b`` (both sides) or ``e,d``."""
+    parts = [float(x) for x in text.split(",")]
+    if len(parts) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"a budget is b or e,d, got {text!r}")
+    return (parts[0], parts[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, default=DEMO_MODEL, help="a CCT run or model directory")
     p.add_argument("--src", type=Path, help="source lines (default: the synthetic test set)")
     p.add_argument("--lines", type=int, default=192)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--full-share", type=float, default=12 / 32)
+    p.add_argument("--budgets", type=budget_arg, nargs="+",
+                   help="the budgets the lines ask for (b or e,d; default the largest and "
+                        "the smallest trained)")
+    p.add_argument("--mix", type=int, nargs="+", default=[12, 20],
+                   help="lines at each of --budgets per --batch lines (default 12 20)")
     p.add_argument("--mid", type=float, default=0.5, help="the middle reference budget (b, b)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
@@ -100,45 +115,58 @@ def main() -> None:
 
     t = Translator.load(args.run)
     trained = sorted({tuple(b) for b in t.config.model.cct.budgets}, reverse=True)
-    full, small, mid = trained[0], trained[-1], (args.mid, args.mid)
+    kinds = args.budgets or [trained[0], trained[-1]]
+    if len(args.mix) != len(kinds) or sum(args.mix) != args.batch:
+        raise SystemExit(f"--mix needs one count per budget ({len(kinds)}) adding up to "
+                         f"--batch {args.batch}, got {args.mix}")
+    mid = (args.mid, args.mid)
     lines = corpus(args.src, args.lines)
-    n_full = round(args.full_share * len(lines))
-    budgets = [full] * n_full + [small] * (len(lines) - n_full)
+    counts = [round(c * len(lines) / args.batch) for c in args.mix]
+    counts[-1] = len(lines) - sum(counts[:-1])
+    budgets = [b for b, c in zip(kinds, counts, strict=True) for _ in range(c)]
     random.Random(1).shuffle(budgets)
     batches = by_length_batches(t, lines, budgets, args.batch)
-
-    def translate(budget: object) -> list[str]:
-        return t.translate(lines, beam=1, batch_size=args.batch, budget=budget)
-
     first, first_budgets = lines[: args.batch], budgets[: args.batch]
+
+    def translate(some: list[str], budget: object) -> list[str]:
+        return t.translate(some, beam=1, batch_size=args.batch, budget=budget)
+
+    def one_per_budget() -> None:
+        for b in kinds:
+            own = [x for x, bx in zip(first, first_budgets, strict=True) if bx == b]
+            if own:
+                translate(own, b)
+
     systems = {
-        "by budget": lambda: translate(budgets),
+        "by budget": lambda: translate(lines, budgets),
         "mixed batches": lambda: [one_mixed_batch(t, b, bud) for b, bud in batches],
-        "one batch, by budget": lambda: t.translate(first, beam=1, batch_size=args.batch,
-                                                    budget=first_budgets),
+        "one batch, translate": lambda: translate(first, first_budgets),
         "one batch, mixed": lambda: one_mixed_batch(t, first, first_budgets),
-        f"all {full}": lambda: translate(full),
-        f"all {small}": lambda: translate(small),
-        f"all {mid}": lambda: translate(mid),
+        "one batch, one per budget": one_per_budget,
+        **{f"all {b}": (lambda b=b: translate(lines, b)) for b in dict.fromkeys([*kinds, mid])},
     }
     sec = _lib.interleaved_seconds(systems, args.rounds)
     ms = {k: round(1000 * v / (len(first) if k.startswith("one batch") else len(lines)), 3)
           for k, v in sec.items()}  # per line
 
-    alone = {b: translate(b) for b in (full, small)}
-    mixed_out = translate(budgets)
+    alone = {b: translate(lines, b) for b in kinds}
+    mixed_out = translate(lines, budgets)
     same = sum(mixed_out[i] == alone[b][i] for i, b in enumerate(budgets))
-    linear = (n_full * ms[f"all {full}"] + (len(lines) - n_full) * ms[f"all {small}"]) / len(lines)
+    linear = sum(c * ms[f"all {b}"] for b, c in zip(kinds, counts, strict=True)) / len(lines)
+    in_first = {str(b): first_budgets.count(b) for b in kinds}
     out = {
         **_lib.provenance(), "machine": _lib.machine(processor=True),
         "run": str(args.run), "lines": len(lines), "batch": args.batch, "rounds": args.rounds,
-        "lines_at_full": n_full, "full": list(full), "smallest": list(small), "mid": list(mid),
+        "budgets": [list(b) for b in kinds], "lines_per_budget": counts,
+        "first_batch_lines_per_budget": in_first, "mid": list(mid),
         "ms_per_line": ms, "linear_mix_ms_per_line": round(linear, 3),
         "ratios": {
             "by budget ÷ mixed batches (time)": round(ms["by budget"] / ms["mixed batches"],
                                                       3),
-            "one batch: by budget ÷ mixed (time)": round(
-                ms["one batch, by budget"] / ms["one batch, mixed"], 3),
+            "one batch: translate ÷ mixed (time)": round(
+                ms["one batch, translate"] / ms["one batch, mixed"], 3),
+            "one batch: one per budget ÷ mixed (time)": round(
+                ms["one batch, one per budget"] / ms["one batch, mixed"], 3),
             "by budget ÷ linear mix (time)": round(ms["by budget"] / linear, 3),
             f"by budget throughput ÷ all {mid}": round(ms[f"all {mid}"] / ms["by budget"], 3),
             f"mixed batches throughput ÷ all {mid}": round(
@@ -146,14 +174,15 @@ def main() -> None:
         },
         "lines_equal_to_their_budget_alone": f"{same} of {len(lines)}",
     }
+    mix_text = ", ".join(f"{c} at {b}" for b, c in zip(kinds, counts, strict=True))
     lines_md = _lib.md_head(
         "mixed_budgets: lines at several budgets, decoded by budget or as mixed batches",
         out["command"], f"Code: {(out['commit'] or 'no git checkout')[:12]}"
         f"{' (with uncommitted changes)' if out['dirty'] else ''} ({out['date']} UTC)",
         f"Machine: {out['machine']}",
-        f"Run {args.run}; {len(lines)} lines, {n_full} at {full} and the others at {small} "
-        f"(shuffled), greedy, batches of {args.batch}; median of {args.rounds} interleaved "
-        "rounds after a warm-up.")
+        f"Run {args.run}; {len(lines)} lines ({mix_text}, shuffled; the first batch: "
+        f"{', '.join(f'{c} at {b}' for b, c in in_first.items())}), greedy, batches of "
+        f"{args.batch}; median of {args.rounds} interleaved rounds after a warm-up.")
     lines_md += _lib.md_table(["system", "ms per line"], "lr",
                               [[k, v] for k, v in ms.items()] + [["linear mix", round(linear, 3)]])
     lines_md += ["", *_lib.md_table(["ratio", "value"], "lr", out["ratios"].items()), "",
