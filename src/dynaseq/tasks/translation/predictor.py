@@ -122,10 +122,10 @@ def budget_batches(control: Control, lengths: Sequence[int], batch_size: int
     Why: a decoding step's gated sub-layers run for a batch whenever one of its rows opens
     them, through the gathers and per-row decisions of the mixed path; rows at the full
     budget alone skip the control networks and run every sub-layer as one fused product.
-    On the demo model, the two parts of one such batch take less time than the mixed batch
-    and each part is done sooner, the cheaper one (decoded first) much sooner; mixes of
-    budgets below the full one were slower decoded as one batch per budget, so they stay one
-    batch (``benchmarks/results/mixed_budgets*.md``)."""
+    On the demo model, the two parts of a batch of 15 lines at (1, 1) and 17 at (.2, .2)
+    take 0.83 of the mixed batch's time, the cheaper part (decoded first) done long before;
+    16 lines at (.5, .5) and 16 at (.33, .33) took 1.30x as one batch per budget, so such
+    mixes stay one batch (``benchmarks/results/mixed_budgets.md``, ``mixed_budgets_gated.md``)."""
     n = len(lengths)
     per_row = _per_row(control, n)
     if not per_row:
