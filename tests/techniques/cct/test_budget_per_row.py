@@ -455,18 +455,19 @@ def test_decoding_per_line_budgets_runs_single_budget_batches_that_translate_as_
     t, lines, _ = calibrated
     budgets = [BUDGETS[1 + i % 2] for i in range(len(lines))]  # alternating 0.5, 0.33
     alone = {b: t.translate(lines, beam=1, budget=b) for b in BUDGETS[1:]}
-    seen: list[list[float]] = []
+    seen: list[tuple[int, object]] = []
     search = predictor.greedy_search
 
     def recording(model, src, *, control, **kw):
-        seen.append(control.offsets["decoder"].tolist())  # one offset per row
+        seen.append((src.size(0), control.offsets["decoder"]))
         return search(model, src, control=control, **kw)
 
     monkeypatch.setattr(predictor, "greedy_search", recording)
     out = t.translate(lines, beam=1, budget=budgets, batch_size=len(lines) // 2)
-    assert [len(s) for s in seen] == [len(lines) // 2] * 2
-    assert all(len(set(s)) == 1 for s in seen), seen  # each batch at one budget
-    assert len({s[0] for s in seen}) == 2
+    assert [n for n, _ in seen] == [len(lines) // 2] * 2
+    # each batch at one budget, and run as that budget's call: one float offset for all rows
+    assert all(isinstance(off, float) for _, off in seen), seen
+    assert len({off for _, off in seen}) == 2
     assert out == [alone[b][i] for i, b in enumerate(budgets)]
 
 
@@ -483,7 +484,7 @@ def test_one_batch_of_the_full_budget_and_another_decodes_as_two_that_translate_
         def run(model, src, *args, **kw):
             seen.append(src.size(0))
             control = kw.get("control", args[-1] if args else None)  # beam: positional
-            first.append(control.offsets["decoder"][0].item())
+            first.append(control.offsets["decoder"])  # one budget a part: one float
             return search(model, src, *args, **kw)
         return run
 
@@ -498,3 +499,20 @@ def test_one_batch_of_the_full_budget_and_another_decodes_as_two_that_translate_
         assert seen == [len(lines) // 2] * 2, beam
         assert first[0] != ALL_GATES_ON and first[1] == ALL_GATES_ON  # the cheaper part first
         assert out == [alone[beam, b][i] for i, b in enumerate(budgets)], beam
+
+
+def test_a_per_row_control_of_one_budget_runs_as_that_budget():
+    from dynaseq.tasks.translation.predictor import one_budget
+
+    inf = ALL_GATES_ON
+    same = BudgetControl(torch.tensor([2, 2, 2]), {"encoder": torch.tensor([inf] * 3),
+                                                   "decoder": torch.tensor([0.25] * 3)})
+    one = one_budget(same)
+    assert one.ids == 2 and one.offsets == {"encoder": inf, "decoder": 0.25}
+    assert one.all_open(3) == [False] * 3 and one_budget(one) is one
+    mixed = BudgetControl(torch.tensor([2, 2, 3]), {"decoder": torch.tensor([0.25] * 3)})
+    assert one_budget(mixed) is mixed
+    offsets_differ = BudgetControl(1, {"decoder": torch.tensor([0.25, 0.5])})
+    assert one_budget(offsets_differ) is offsets_differ
+    ids = torch.tensor([1, 1])
+    assert one_budget(ids) is ids  # plain ids: as they are
