@@ -432,23 +432,14 @@ def test_serve_load_keeps_a_cells_access_log_when_asked(serve_run, lines, tmp_pa
     assert server.log.closed
 
 
-def test_a_batch_decoded_as_two_reports_each_lines_compute_as_its_budget_alone(
-        offline, lines, monkeypatch):
-    """The server's batch (in process): lines at the full budget and at one other are
-    decoded as two batches (``budget_batches``), the other budget's counting its gates and
-    the full budget's not (every gate runs); each line's translation and realized compute
-    equal those of its budget's lines run as a batch of their own."""
+def test_a_batch_at_the_full_budget_reports_its_compute_without_counting(offline, lines,
+                                                                         monkeypatch):
+    """The server's batch (in process): a batch whose lines all ask for the full budget
+    runs as that budget's call and is decoded without counting gates (every gate runs);
+    each line reports every gate, and translates as offline; a batch of a gated budget
+    counts as it decodes."""
     from dynaseq.serve.batcher import Job
     from dynaseq.serve.endpoints import TranslateWork, run_translate
-
-    full, other = (1.0, 1.0), (0.5, 0.5)
-    budgets = [full if i % 2 else other for i in range(len(lines))]
-
-    def jobs_of(which):
-        return [Job(group=("translate", 1), run=None, rows=1, payload=TranslateWork(
-            [lines[i]], offline.tokenizer.encode([lines[i]]), budgets[i], budgets[i], False))
-            for i in which]
-
     from dynaseq.tasks.translation import predictor
 
     searched, search = [], predictor.counted_greedy_search
@@ -458,10 +449,15 @@ def test_a_batch_decoded_as_two_reports_each_lines_compute_as_its_budget_alone(
         return search(model, src, **kw)
 
     monkeypatch.setattr(predictor, "counted_greedy_search", counting)
-    both = run_translate(offline, 1, True, jobs_of(range(len(lines))))
-    assert searched == [budgets.count(other)]  # the full budget's part counts nothing
-    for budget in (full, other):
-        own = [i for i, b in enumerate(budgets) if b == budget]
-        alone = run_translate(offline, 1, True, jobs_of(own))
-        for i, result in zip(own, alone, strict=True):
-            assert both[i] == result, (i, budget)
+    for budget in ((1.0, 1.0), (0.5, 0.5)):
+        searched.clear()
+        jobs = [Job(group=("translate", 1), run=None, rows=1, payload=TranslateWork(
+            [line], offline.tokenizer.encode([line]), budget, budget, False)) for line in lines]
+        out = run_translate(offline, 1, True, jobs)
+        assert [t for texts, _ in out for t in texts] == offline.translate(lines, beam=1,
+                                                                            budget=budget)
+        fractions = [c["fraction"]["total"] for _, compute in out for c in compute if c]
+        if budget == (1.0, 1.0):
+            assert searched == [] and fractions == pytest.approx([1.0] * len(fractions))
+        else:
+            assert searched == [len(lines)] and max(fractions) < 1.0

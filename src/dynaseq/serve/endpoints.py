@@ -263,11 +263,10 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
                   retry_after_s: int = 1, early: bool = True,
                   all_on: dict[tuple[int, int], dict[str, int]] | None = None
                   ) -> list[tuple[list[str], list[dict | None]]]:
-    """One batch: every job's lines decoded at its job's budget, exactly as
-    :meth:`Translator.translate` decodes (same search, same settings, the same batches:
-    lines at the full budget and at one other decode as two, the other first,
-    :func:`~dynaseq.tasks.translation.predictor.budget_batches`) -> per job its
-    translations and each line's realized compute (None for an empty line).
+    """One batch: every job's lines decoded together, each at its job's budget, exactly as
+    :meth:`Translator.translate` decodes (same search, same settings; a batch of one
+    budget as that budget's call, :func:`~dynaseq.tasks.translation.predictor.one_budget`)
+    -> per job its translations and each line's realized compute (None for an empty line).
 
     ``early``: a job is answered (:meth:`~dynaseq.serve.batcher.Job.settle`) as soon as its
     own lines are done, while the batch decodes the others, unless its compute needs a pass

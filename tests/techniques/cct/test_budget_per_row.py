@@ -419,7 +419,7 @@ def test_a_corpus_of_per_line_budgets_is_batched_by_budget_then_length():
         budget_batches(ids[:3], lengths, 6)
 
 
-def test_a_batch_of_the_full_budget_and_one_other_is_decoded_as_two():
+def test_a_batch_of_the_full_budget_and_one_other_stays_one_batch():
     from dynaseq.tasks.translation.predictor import budget_batches
 
     inf = ALL_GATES_ON
@@ -427,25 +427,8 @@ def test_a_batch_of_the_full_budget_and_one_other_is_decoded_as_two():
     full_and_one = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {
         "encoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5]),
         "decoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5])})
-    # the other budget's lines first, then the full budget's, each a batch of its own
-    assert budget_batches(full_and_one, lengths, 6) == [[1, 3, 5], [4, 2, 0]]
-    assert budget_batches(full_and_one, lengths, 4) == [[1, 3, 5], [4, 2, 0]]
-    ids = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1])  # 5 full lines, 3 at the other budget
-    off = torch.tensor([inf] * 5 + [0.5] * 3)
-    five_three = BudgetControl(ids, {"encoder": off, "decoder": off})
-    assert budget_batches(five_three, list(range(8)), 4) == [[5, 6, 7], [0, 1, 2, 3], [4]]
-    three = BudgetControl(torch.tensor([0, 1, 2, 1, 0, 1]), {
-        "encoder": torch.tensor([inf, 0.5, 0.2, 0.5, inf, 0.5]),
-        "decoder": torch.tensor([inf, 0.5, 0.2, 0.5, inf, 0.5])})
-    assert budget_batches(three, lengths, 6) == [[1, 3, 5, 2, 4, 0]]  # three budgets: one
-    assert budget_batches(three, lengths, 4) == [[1, 3, 5, 2], [4, 0]]
-    two_full = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {  # two ids, every gate open
-        "encoder": torch.full((6,), inf), "decoder": torch.full((6,), inf)})
-    assert budget_batches(two_full, lengths, 6) == [[4, 2, 0, 1, 3, 5]]
-    half_open = BudgetControl(torch.tensor([0, 1, 0, 1, 0, 1]), {  # the encoder's gates only
-        "encoder": torch.tensor([inf, 0.5, inf, 0.5, inf, 0.5]),
-        "decoder": torch.tensor([0.1, 0.5, 0.1, 0.5, 0.1, 0.5])})
-    assert budget_batches(half_open, lengths, 6) == [[4, 2, 0, 1, 3, 5]]
+    assert budget_batches(full_and_one, lengths, 6) == [[4, 2, 0, 1, 3, 5]]
+    assert budget_batches(full_and_one, lengths, 4) == [[4, 2, 0, 1], [3, 5]]
 
 
 def test_decoding_per_line_budgets_runs_single_budget_batches_that_translate_as_alone(
@@ -469,36 +452,6 @@ def test_decoding_per_line_budgets_runs_single_budget_batches_that_translate_as_
     assert all(isinstance(off, float) for _, off in seen), seen
     assert len({off for _, off in seen}) == 2
     assert out == [alone[b][i] for i, b in enumerate(budgets)]
-
-
-def test_one_batch_of_the_full_budget_and_another_decodes_as_two_that_translate_as_alone(
-        calibrated, monkeypatch):
-    from dynaseq.tasks.translation import predictor
-
-    t, lines, _ = calibrated
-    budgets = [BUDGETS[2 * (i % 2)] for i in range(len(lines))]  # alternating 1.0, 0.33
-    seen: list[int] = []
-    first: list[float] = []
-
-    def recording(search):
-        def run(model, src, *args, **kw):
-            seen.append(src.size(0))
-            control = kw.get("control", args[-1] if args else None)  # beam: positional
-            first.append(control.offsets["decoder"])  # one budget a part: one float
-            return search(model, src, *args, **kw)
-        return run
-
-    alone = {(beam, b): t.translate(lines, beam=beam, budget=b) for beam in (1, 2)
-             for b in (1.0, 0.33)}
-    for name in ("greedy_search", "beam_search"):
-        monkeypatch.setattr(predictor, name, recording(getattr(predictor, name)))
-    for beam in (1, 2):
-        seen.clear()
-        first.clear()
-        out = t.translate(lines, beam=beam, budget=budgets)  # one batch of the run's size
-        assert seen == [len(lines) // 2] * 2, beam
-        assert first[0] != ALL_GATES_ON and first[1] == ALL_GATES_ON  # the cheaper part first
-        assert out == [alone[beam, b][i] for i, b in enumerate(budgets)], beam
 
 
 def test_a_per_row_control_of_one_budget_runs_as_that_budget():

@@ -113,37 +113,25 @@ def budget_batches(control: Control, lengths: Sequence[int], batch_size: int
                    ) -> list[list[int]]:
     """The batches, as sentence indices, in which :func:`decode_corpus` decodes sentences of
     ``lengths``: consecutive ``batch_size`` sentences by length, and, where ``control`` gives
-    each sentence its own budget, by budget first (its control id and offsets; the full
-    budget, every gate open, :meth:`BudgetControl.all_open`, last), so that a batch holds one
-    budget where the corpus allows. A batch that would hold one budget and the full one
-    ends where the full one begins: the other budget's lines are decoded first, then the
-    full budget's, in batches of their own.
+    each sentence its own budget, by budget first (its control id and offsets), so that a
+    batch holds one budget where the corpus allows (and then runs as that budget's call,
+    :func:`one_budget`).
 
     Why: a decoding step's gated sub-layers run for a batch whenever one of its rows opens
-    them, through the gathers and per-row decisions of the mixed path; rows at the full
-    budget alone skip the control networks and run every sub-layer as one fused product.
-    On the demo model, the two parts of a batch of 15 lines at (1, 1) and 17 at (.2, .2)
-    take 0.83 of the mixed batch's time, the cheaper part (decoded first) done long before;
-    16 lines at (.5, .5) and 16 at (.33, .33) took 1.30x as one batch per budget, so such
-    mixes stay one batch (``benchmarks/results/mixed_budgets.md``, ``mixed_budgets_gated.md``)."""
+    them, through the gathers and per-row decisions of the mixed path, and rows at the full
+    budget alone skip the control networks. On the Multi30k CCT, 192 lines (72 at (1, 1),
+    120 at (.2, .2)) took 0.81x the time of length-sorted mixed batches batched by budget
+    (``benchmarks/results/mixed_budgets_multi30k.md``). One batch that mixes two budgets is
+    left as it is: decoded as its budgets' two parts it took 1.03-1.07x the mixed batch's
+    time there (0.83x on the smaller demo model)."""
     n = len(lengths)
     per_row = _per_row(control, n)
     if not per_row:
         order = sorted(range(n), key=lambda i: lengths[i])
-        return [order[k: k + batch_size] for k in range(0, n, batch_size)]
-    keys = list(zip(*(v.tolist() for v in per_row), strict=True))
-    full = control.all_open(n) if isinstance(control, BudgetControl) else [False] * n
-    order = sorted(range(n), key=lambda i: (full[i], keys[i], lengths[i]))
-    batches, pos = [], 0
-    while pos < n:
-        idx = order[pos: pos + batch_size]
-        cut = next((j for j in range(1, len(idx)) if keys[idx[j]] != keys[idx[0]]), None)
-        if (cut is not None and keys[idx[cut]] == keys[idx[-1]]  # two budgets,
-                and full[idx[-1]] and not full[idx[0]]):  # the second of them the full one
-            idx = idx[:cut]
-        batches.append(idx)
-        pos += len(idx)
-    return batches
+    else:
+        keys = list(zip(*(v.tolist() for v in per_row), strict=True))
+        order = sorted(range(n), key=lambda i: (keys[i], lengths[i]))
+    return [order[k: k + batch_size] for k in range(0, n, batch_size)]
 
 
 def control_rows(control: Control, n: int, idx: list[int],
@@ -547,7 +535,8 @@ class Translator(ShortRepr):
         empty line. ``budget`` (CCT
         models): a trained or calibrated compute budget, ``0.33`` or ``(1.0, 0.33)``,
         default the largest; or a list with one budget per line (``[1.0, 0.5, (1.0, 0.33)]``),
-        batched by budget where the lines allow (:func:`budget_batches`). ``progress``: a bar on a terminal.
+        batched by budget where the lines allow (:func:`budget_batches`). ``progress``: a
+        bar on a terminal.
         """
         check_text(lines)
         settings = decode_settings(self.config.decode, beam, length_penalty, batch_size,
