@@ -5,17 +5,17 @@ One CCT (default: the model `make demo` shows, shipped in the package), greedy d
 batches of ``--batch`` lines, in one process, the systems taking turns round by round:
 
 * ``by budget``: ``Translator.translate(lines, budget=[one per line])`` over the whole
-  corpus, which batches the lines by budget, then by length, and decodes a batch that
-  holds the full budget and one other as two
-  (:func:`dynaseq.tasks.translation.predictor.budget_batches`);
+  corpus, which batches the lines by budget, then by length
+  (:func:`dynaseq.tasks.translation.predictor.budget_batches`), a batch of one budget run
+  as that budget's call (``one_budget``);
 * ``mixed batches``: the same lines and budgets sorted by length, each batch of ``--batch``
   decoded as one batch whatever its budgets (the search on the lean decoder, as
   ``decode_corpus`` ran every batch before ``budget_batches``, and as a server batch of
   requests at several budgets would be run without it);
-* ``one batch, translate``: the first ``--batch`` lines alone through ``translate`` (a
-  server's batch: lines at the full budget and one other as two batches, other mixes as
-  one) against ``one batch, mixed``, the same lines as one mixed batch, and ``one batch,
-  one per budget``, each budget's lines of it as a batch of their own;
+* ``one batch, translate``: the first ``--batch`` lines alone through ``translate`` (as a
+  server runs a batch of requests) against ``one batch, mixed``, the same lines as one
+  mixed batch through the search itself, and ``one batch, one per budget``, each budget's
+  lines of it as a batch of their own at that budget (what cutting the batch would cost);
 * every line at each budget, and at ``--mid``: the references.
 
 The lines ask for ``--budgets`` (default the largest and the smallest trained) in the
