@@ -122,8 +122,8 @@ def budget_batches(control: Control, lengths: Sequence[int], batch_size: int
     budget alone skip the control networks. On the Multi30k CCT, 192 lines (72 at (1, 1),
     120 at (.2, .2)) took 0.81x the time of length-sorted mixed batches batched by budget
     (``benchmarks/results/mixed_budgets_multi30k.md``). One batch that mixes two budgets is
-    left as it is: decoded as its budgets' two parts it took 1.03-1.07x the mixed batch's
-    time there (0.83x on the smaller demo model)."""
+    left as it is: decoded as its budgets' two parts it took 1.10x the mixed batch's time
+    there (0.79x on the smaller demo model, ``mixed_budgets.md``)."""
     n = len(lengths)
     per_row = _per_row(control, n)
     if not per_row:
@@ -152,9 +152,7 @@ def one_budget(control: Control) -> Control:
     budget: offsets of +inf run no control networks (:func:`~dynaseq.techniques.cct.
     lean_step._fixed`), where a per-row tensor of +inf ran them and compared every gate.
     The same gates open: a float offset is the tensor's float32 value. Other controls as
-    they are. Measured on the Multi30k CCT (``benchmarks/results/mixed_budgets_multi30k``):
-    a batch of 32 decoded as its two budgets' parts took 1.10x the mixed batch's time with
-    per-row offsets, where each part at its one budget took 0.94x."""
+    they are."""
     if not isinstance(control, BudgetControl):
         return control
     parts = [v for v in (control.ids, *control.offsets.values()) if isinstance(v, torch.Tensor)]
