@@ -24,7 +24,7 @@ from dynaseq.models.search import Counted
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
-from dynaseq.techniques.cct.gating import GATE_SUBNETWORKS, BudgetControl
+from dynaseq.techniques.cct.gating import GATE_SUBNETWORKS, BudgetControl, every_gate_open
 from dynaseq.techniques.cct.layers import realized_macs_by_row
 
 LengthsT = int | torch.Tensor
@@ -214,8 +214,7 @@ def counts_while_decoding(model: torch.nn.Module, control: Any, n_rows: int) -> 
     """Whether a batch's greedy decode counts what it runs for its compute report
     (:func:`counted_per_row`): a CCT, unless every gate of every row is open anyway (then
     the lengths tell, :func:`realized_per_row`, and counting would cost more)."""
-    return model.n_controls > 0 and not (isinstance(control, BudgetControl)
-                                         and all(control.all_open(n_rows)))
+    return model.n_controls > 0 and not every_gate_open(control, n_rows)
 
 
 @dataclass(frozen=True)

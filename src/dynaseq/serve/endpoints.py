@@ -56,7 +56,7 @@ from dynaseq.tasks.translation.predictor import (
     control_rows,
     decode_corpus,
 )
-from dynaseq.techniques.cct.gating import BudgetControl
+from dynaseq.techniques.cct.gating import BudgetControl, every_gate_open
 
 if TYPE_CHECKING:
     from dynaseq.serve.app import ServeState
@@ -312,8 +312,7 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
             reports = counter.reports(counts, done.rows)
         else:  # every gate open, or no gates: the lengths tell
             rows = control_rows(control, len(src), done.idx, t.device)
-            if (t.model.n_controls and isinstance(rows, BudgetControl)
-                    and all(rows.all_open(len(done.idx)))):
+            if t.model.n_controls and every_gate_open(rows, len(done.idx)):
                 reports = all_open_reports(t.model, [src[j] for j in done.idx], done.tokens,
                                            all_on)
             else:

@@ -60,7 +60,12 @@ from dynaseq.techniques.cct.calibration_file import (
     read_calibrations,
     save_calibrations,
 )
-from dynaseq.techniques.cct.gating import ALL_GATES_ON, GATE_SUBNETWORKS, BudgetControl
+from dynaseq.techniques.cct.gating import (
+    ALL_GATES_ON,
+    GATE_SUBNETWORKS,
+    BudgetControl,
+    every_gate_open,
+)
 
 BatchCounts = Callable[[list[int], torch.Tensor, AuxOutputs, dict[str, torch.Tensor]], None]
 """``on_batch(idx, src, aux, counts)`` of :func:`decode_corpus`: the input indices of a
@@ -94,14 +99,19 @@ one id and float offsets), or one per sentence (``(N,)`` ids, or a :class:`Budge
 with ``(N,)`` ids and offsets)."""
 
 
+def _tensor_parts(control: Control) -> list[torch.Tensor]:
+    """The tensors of ``control``: a :class:`BudgetControl`'s per-row ids and offsets, or
+    the ``(N,)`` ids themselves."""
+    if isinstance(control, BudgetControl):
+        return [v for v in (control.ids, *control.offsets.values())
+                if isinstance(v, torch.Tensor)]
+    return [control] if isinstance(control, torch.Tensor) else []
+
+
 def _per_row(control: Control, n: int) -> list[torch.Tensor]:
     """The per-sentence parts of ``control`` (ids, offsets), each checked to be ``(n,)``;
     ``[]`` where one control serves every sentence."""
-    if isinstance(control, BudgetControl):
-        per_row = [v for v in (control.ids, *control.offsets.values())
-                   if isinstance(v, torch.Tensor)]
-    else:
-        per_row = [control] if isinstance(control, torch.Tensor) else []
+    per_row = _tensor_parts(control)
     for v in per_row:
         if v.shape != (n,):
             raise ValueError(f"a per-sentence control needs one entry per sentence, shape "
@@ -155,7 +165,7 @@ def one_budget(control: Control) -> Control:
     they are."""
     if not isinstance(control, BudgetControl):
         return control
-    parts = [v for v in (control.ids, *control.offsets.values()) if isinstance(v, torch.Tensor)]
+    parts = _tensor_parts(control)
     if not parts or any(v.numel() == 0 or bool((v != v[0]).any()) for v in parts):
         return control
     ids = control.ids if isinstance(control.ids, int) else int(control.ids[0])
@@ -256,8 +266,7 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
             if beam == 1:
                 kw = {"max_len_a": max_len_a, "max_len_b": max_len_b, "min_len": min_len,
                       "max_positions": max_pos, "control": rows, "expires": due}
-                if on_batch is None or (isinstance(rows, BudgetControl)
-                                        and all(rows.all_open(len(idx)))):
+                if on_batch is None or every_gate_open(rows, len(idx)):
                     hyps = greedy_search(searcher, src, on_done=done, **kw)
                 else:
                     hyps, counted = counted_greedy_search(searcher, src, on_counted=done, **kw)

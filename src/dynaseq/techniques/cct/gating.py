@@ -311,6 +311,13 @@ class BudgetControl:
         return torch.stack([v == ALL_GATES_ON for v in rows.values()]).all(0).tolist()
 
 
+def every_gate_open(control: object, batch: int) -> bool:
+    """Whether ``control`` runs the full network for each of its ``batch`` rows whatever
+    the control networks say: a :class:`BudgetControl` whose every row is
+    :meth:`~BudgetControl.all_open` (then nothing is left to count or decide)."""
+    return isinstance(control, BudgetControl) and all(control.all_open(batch))
+
+
 @dataclass
 class GateTrace:
     """What one gate did in one call of a gated sub-layer.
