@@ -462,7 +462,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         report_compute=not args.no_compute,
         access_log=not args.no_access_log, default_budget=args.default_budget,
         workers=args.workers, early_answers=not args.answer_at_batch_end,
-        batch_nice=args.batch_nice, precision=args.precision)
+        batch_nice=args.batch_nice, batch_by_budget=not args.mixed_batches,
+        precision=args.precision)
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
                  latency_table=args.latency_table, threads=args.threads)
 
@@ -1366,6 +1367,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer-at-batch-end", action="store_true",
                    help="answer a batch's translation requests when the whole batch is "
                         "done (default: each as soon as its own lines are)")
+    p.add_argument("--mixed-batches", action="store_true",
+                   help="always batch queued requests in arrival order, whatever their "
+                        "budgets (default: a queue deeper than a batch runs single-budget "
+                        "batches)")
     p.add_argument("--batch-nice", type=int, default=10,
                    help="lower the batch thread's scheduling priority by this much (its "
                         "nice value, Linux; 0-19, default 10), so the event loop reads and "

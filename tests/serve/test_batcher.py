@@ -48,6 +48,50 @@ def test_same_group_jobs_share_a_batch_whatever_their_budgets():
     assert jobs[0].batch_rows == 4 and jobs[3].batch_rows == 2
 
 
+def _batches_of(budgets, max_rows, by_budget=True, due_at=()):
+    """One-line jobs at ``(b, b)`` for each b of ``budgets``, ``due_at``'s carrying a
+    deadline, all submitted before the worker starts (the whole queue is there when the
+    first batch forms): the budgets of each batch in the order they ran, and the jobs."""
+    ran = []
+    jobs = [make_job("a", 1, ran, (b, b)) for b in budgets]
+    for i, job in enumerate(jobs):
+        job.payload = f"{i}"
+        if i in due_at:
+            job.due = time.perf_counter() + 60
+
+    async def go():
+        b = Batcher(ServerMetrics(), window_ms=100, max_batch_rows=max_rows,
+                    max_queue_rows=100, by_budget=by_budget)
+        futs = [b.submit(j) for j in jobs]
+        b.start()
+        results = await asyncio.gather(*futs)
+        b.stop()
+        return results
+
+    assert asyncio.run(go()) == [j.payload for j in jobs]
+    return [[budget[0] for _, _, budget in batch] for batch in ran], jobs
+
+
+def test_a_deep_queue_runs_single_budget_batches_a_shallow_one_mixes():
+    alternating = [1.0, 0.2] * 5
+    assert _batches_of(alternating, 4)[0] == [
+        [1.0] * 4, [0.2] * 4, [1.0, 0.2]]  # the last two fit in one batch: mixed
+    assert _batches_of(alternating, 4, by_budget=False)[0] == [
+        [1.0, 0.2] * 2, [1.0, 0.2] * 2, [1.0, 0.2]]
+    # the oldest job's budget makes less than half a batch: arrival order
+    assert _batches_of([1.0] + [0.2] * 5, 4)[0] == [[1.0, 0.2, 0.2, 0.2], [0.2, 0.2]]
+
+
+def test_nothing_behind_a_deadline_job_runs_before_it():
+    batches, jobs = _batches_of([1.0, 1.0, 0.2, 0.2, 1.0, 1.0, 1.0], 4, due_at=(4,))
+    # 1.0 x2 ahead of the deadline job make half a batch; the 1.0s behind it wait for it
+    assert batches == [[1.0, 1.0], [0.2, 0.2], [1.0, 1.0, 1.0]]
+    assert [j.batch_rows for j in jobs] == [2, 2, 2, 2, 3, 3, 3]
+    # a batch headed by a deadline job keeps arrival order
+    batches, _ = _batches_of([1.0, 0.2, 1.0, 0.2, 1.0, 0.2], 4, due_at=(0,))
+    assert batches == [[1.0, 0.2, 1.0, 0.2], [1.0, 0.2]]
+
+
 def test_queue_limit_raising_batch_and_drain():
     async def go():
         batches, gate = [], threading.Event()

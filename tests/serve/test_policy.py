@@ -526,3 +526,14 @@ def test_batch_budget_passes_over_a_budget_the_arrivals_would_outrun():
 
     with pytest.raises(DynaseqError, match="--max-utilization must be > 0"):
         ServeConfig(max_utilization=0.0)
+
+
+def test_the_server_batches_by_budget_unless_told_to_mix(serve_run):
+    """``--mixed-batches`` (``batch_by_budget=False``) reaches the batcher."""
+    from dynaseq.serve.app import build_state
+    from dynaseq.serve.config import ServeConfig
+
+    run = dynaseq.load(serve_run)
+    assert {mix: build_state(run, "seq2seq", ServeConfig(batch_by_budget=not mix),
+                             log_stream=None).batcher.by_budget
+            for mix in (False, True)} == {False: True, True: False}

@@ -150,7 +150,8 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
         return policy.batch_ms([w for w in works if policy.table.has(w.budget)])
 
     batcher = Batcher(metrics, config.batch_window_ms, config.max_batch_rows,
-                      config.max_queue_rows, estimate, nice=config.batch_nice)
+                      config.max_queue_rows, estimate, nice=config.batch_nice,
+                      by_budget=config.batch_by_budget)
     log = AccessLog(log_stream if config.access_log else None,
                     {"pid": os.getpid()} if config.workers > 1 else None)
     state = ServeState(predictor, kind, config, metrics, batcher, policy, beam, default_budget,

@@ -4,9 +4,14 @@ The asyncio loop only validates, plans and queues a :class:`Job`; a single worke
 takes the oldest job, waits up to the batching window (counted from that job's arrival) for
 more jobs of the same group (same endpoint and decoding settings) to join, up to
 ``max_batch_rows`` lines, and runs them as one batch with their own budgets per row
-(nothing is padded to the slowest budget). Results go back to each request's future on the
-loop. An exception fails that batch's jobs only; the next batch runs. A job whose client
-went away (:meth:`Job.cancel`) is dropped before it runs. :meth:`Batcher.stop` drains:
+(nothing is padded to the slowest budget). When more of the group is queued than one
+batch holds, the batch takes the oldest job's budget's jobs instead, where they make at
+least half a batch (:attr:`Batcher.by_budget`): a step costs about the union of its rows'
+work (a budget-1 row runs every gated part), so a deep queue runs single-budget batches
+and a shallow one mixes budgets rather than wait. Nothing queued behind a job with a
+deadline is taken before it, and a batch headed by one keeps arrival order. Results go
+back to each request's future on the loop. An exception fails that batch's jobs only; the
+next batch runs. A job whose client went away (:meth:`Job.cancel`) is dropped before it runs. :meth:`Batcher.stop` drains:
 every queued job still runs before the worker exits.
 
 The worker thread runs at a lower scheduling priority than the event loop (``nice``, on
@@ -203,6 +208,8 @@ class Batcher:
         time), or None.
     nice: how much lower the worker thread's scheduling priority is than the process's
         (its nice value raised by this much; 0: the same; Linux only, see the module doc).
+    by_budget: a deep queue forms single-budget batches (the module doc; False: arrival
+        order only).
 
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
     exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
@@ -237,11 +244,12 @@ class Batcher:
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
                  estimate_ms: Callable[[list[Job]], float] | None = None,
-                 nice: int = 0) -> None:
+                 nice: int = 0, by_budget: bool = True) -> None:
         if nice < 0:
             raise ValueError(f"nice must be >= 0 (a lower priority), got {nice}")
         self.metrics = metrics
         self.nice = nice
+        self.by_budget = by_budget
         self.window_s = window_ms / 1000.0
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
@@ -370,16 +378,9 @@ class Batcher:
                 if rows >= self.max_batch_rows or left <= 0:
                     break
                 self._cond.wait(left)
-            batch: list[Job] = []
-            rows = 0
-            for job in list(self._queue):
-                if job.group != first.group:
-                    continue
-                if batch and rows + job.rows > self.max_batch_rows:
-                    break
+            batch = self._pick(first)
+            for job in batch:
                 self._queue.remove(job)
-                batch.append(job)
-                rows += job.rows
             replan = next((j.replan for j in batch if j.replan is not None), None)
             if replan is not None:  # a job with a deadline is in it
                 try:
@@ -397,6 +398,24 @@ class Batcher:
             self._running = (time.perf_counter(), predicted)
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
             return batch
+
+    def _pick(self, first: Job) -> list[Job]:
+        """The jobs of the batch that ``first``, the oldest queued job, heads (the class
+        doc): its group's jobs in arrival order while they fit; with :attr:`by_budget` and
+        more of them queued than fit, ``first``'s budget's jobs among those queued ahead
+        of the first deadline job, when they make at least half a batch."""
+        same = [j for j in self._queue if j.group == first.group]
+        fifo = _fill(same, self.max_batch_rows)
+        if not self.by_budget or len(fifo) == len(same) or first.due is not None:
+            return fifo
+        ahead = []
+        for job in same:
+            if job.due is not None:  # reordered jobs never pass a deadline job
+                break
+            if job.budget == first.budget:
+                ahead.append(job)
+        pure = _fill(ahead, self.max_batch_rows)
+        return pure if 2 * sum(j.rows for j in pure) >= self.max_batch_rows else fifo
 
     def _work(self) -> None:
         if self.nice and sys.platform.startswith("linux"):  # a thread's own priority
@@ -479,6 +498,18 @@ class Batcher:
                 _deliver(job, exc=job.shed)
             else:
                 _deliver(job, result=result)
+
+
+def _fill(jobs: list[Job], max_rows: int) -> list[Job]:
+    """The first of ``jobs`` while their lines fit in ``max_rows`` (the first always)."""
+    batch: list[Job] = []
+    rows = 0
+    for job in jobs:
+        if batch and rows + job.rows > max_rows:
+            break
+        batch.append(job)
+        rows += job.rows
+    return batch
 
 
 def _decayed(value: float, when: float, tau_s: float, now: float) -> float:

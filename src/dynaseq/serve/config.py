@@ -61,6 +61,9 @@ class ServeConfig:
         (None: the largest trained budget).
     early_answers: answer each translation request as soon as its own lines are done, while
         its batch decodes the others (False: when the batch ends).
+    batch_by_budget: when more lines of one kind are queued than a batch holds, a batch
+        takes the oldest request's budget's requests (at least half a batch of them), not
+        every budget in arrival order (``Batcher.by_budget``).
     batch_nice: how much lower the batch thread's scheduling priority is than the event
         loop's (Linux: its nice value, raised by this much; 0: the same), so that where they
         share a core requests are read and answered while a batch decodes.
@@ -95,6 +98,7 @@ class ServeConfig:
     workers: int = 1
     early_answers: bool = True
     batch_nice: int = 10
+    batch_by_budget: bool = True
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
