@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -365,3 +366,24 @@ def test_the_shipped_model_is_never_written_into(tmp_path, capsys):
         assert (f"is the model shipped with dynaseq, which is read only: write {what} into a "
                 "copy (dynaseq export") in capsys.readouterr().err
     assert sorted(p.name for p in Path(DEMO_MODEL).iterdir()) == before
+
+
+def test_a_folder_output_that_is_a_file_or_unwritable_names_the_output(run_copy, tmp_path,
+                                                                      capsys):
+    """The error line names ``--out`` as given: not its temporary sibling, not ``out/_``."""
+    src = tmp_path / "in.txt"
+    src.write_text("kalo mintu\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv, said in (
+            (["analyze", str(run_copy), "--src", str(src), "--out", str(a_file)],
+             f"the output {a_file} is a file: give a folder"),
+            (["export", str(run_copy), "--out", str(a_file)],
+             f"{a_file} is a file, not a folder")):
+        assert main(argv) == 2, argv
+        assert said in _err(capsys)
+    assert a_file.read_text() == ""
+    if os.path.isdir("/sys/kernel"):  # sysfs: nothing can be created there, even by root
+        assert main(["export", str(run_copy), "--out", "/sys/exported"]) == 2
+        err = _err(capsys)
+        assert "cannot write /sys/exported" in err and ".tmp-" not in err, err

@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 from dynaseq import __version__
 from dynaseq.core.errors import DynaseqError
-from dynaseq.core.files import os_reason
+from dynaseq.core.files import os_reason, user_path
 from dynaseq.core.rundir import check_not_shipped
 
 EXIT_BAD_INPUT = 2
@@ -76,6 +76,8 @@ def _check_output(out: str | None, *inputs: str | None, run_dir: str | None = No
         return
     if not folder and Path(out).is_dir():
         raise DynaseqError(f"the output {out} is a directory: give a file")
+    if folder and Path(out).exists() and not Path(out).is_dir():
+        raise DynaseqError(f"the output {out} is a file: give a folder")
     for inp in inputs:
         if inp is not None and inp != "-" and same_file(out, inp):
             raise DynaseqError(f"the output {out} is the input {inp}: choose another file")
@@ -1614,6 +1616,27 @@ def _out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
+PATH_ARGS = ("run_dir", "runs", "config", "target", "root", "input", "output", "out", "src",
+             "ref", "data", "checkpoint", "latency_table", "table_src", "sensitivity",
+             "distill")
+"""The arguments (``argparse`` names) that name files or folders: :func:`_expand_home`'s."""
+
+
+def _expand_home(args: argparse.Namespace) -> None:
+    """A leading ``~`` of every path argument (:data:`PATH_ARGS`) expanded, as a shell
+    would have, before any command reads one: a check that an output is not its input, or
+    not inside the run, compares the paths the command then uses (the library expands
+    ``~`` where a path enters it too, but the checks here compare what was given: ``-i
+    '~/in.txt' -o ~/in.txt`` overwrote its input). Other text (a prompt) is left as is."""
+    for name in PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, str(user_path(value)))
+        elif isinstance(value, list):
+            setattr(args, name, [str(user_path(v)) if isinstance(v, str) and v.startswith("~")
+                                 else v for v in value])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = _parse(parser, argv)
@@ -1629,6 +1652,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "minutes", None) is not None and args.minutes <= 0:
         parser.error("--minutes must be > 0")
+    _expand_home(args)
     try:
         for name in ("out", "output"):  # "" is the current folder to Path: never meant
             value = getattr(args, name, None)

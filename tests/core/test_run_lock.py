@@ -80,3 +80,37 @@ def test_training_into_a_busy_run_dir_is_refused_before_writing(tmp_path, synthe
     assert result.state.step == 2
     with RunDirLock(run):
         pass
+
+
+def test_a_lock_refused_inside_its_block_removes_the_file_it_made_only(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(ValueError), RunDirLock(run):
+        raise ValueError("refused")
+    assert not (run / LOCK_FILE).exists()  # made by the refused block: gone
+    with RunDirLock(run):
+        pass
+    assert (run / LOCK_FILE).is_file()  # a command that ran keeps it
+    with pytest.raises(ValueError), RunDirLock(run):
+        raise ValueError("refused")
+    assert (run / LOCK_FILE).is_file()  # not made by the refused block: kept
+
+
+def test_a_lock_whose_file_a_refused_holder_removed_locks_the_new_file(tmp_path):
+    """A process that opened the lock's file before a refused holder removed it must not
+    hold a lock on the removed file beside another on the new one."""
+    run = tmp_path / "run"
+    first = RunDirLock(run).acquire()
+    stale = os.open(run / LOCK_FILE, os.O_RDWR)  # opened while first holds it
+    first.release(discard=True)
+    assert not (run / LOCK_FILE).exists()
+    second = RunDirLock(run).acquire()  # makes and locks a new file
+    try:
+        import fcntl
+
+        fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the removed file: free
+        assert not os.path.samestat(os.fstat(stale), os.stat(run / LOCK_FILE))
+        with pytest.raises(RunDirBusy):  # the file there now is what locks
+            RunDirLock(run).acquire()
+    finally:
+        os.close(stale)
+        second.release()

@@ -537,3 +537,21 @@ def test_the_server_batches_by_budget_unless_told_to_mix(serve_run):
     assert {mix: build_state(run, "seq2seq", ServeConfig(batch_by_budget=not mix),
                              log_stream=None).batcher.by_budget
             for mix in (False, True)} == {False: True, True: False}
+
+
+def test_a_table_names_the_loaded_checkpoint_whatever_folder_it_was_profiled_from(tmp_path):
+    """A latency table records its checkpoint as ``profile`` was given it; the server's
+    stale-table warning compares the checkpoint, not the text (``profile m3`` from one
+    folder, ``serve /abs/m3`` from another: no warning)."""
+    from dynaseq.serve.app import _same_checkpoint
+
+    run = tmp_path / "m3"
+    best, step = run / "best", run / "checkpoints" / "step_00000008"
+    for d in (best, step):
+        d.mkdir(parents=True)
+    assert _same_checkpoint(str(best), best, run)
+    assert _same_checkpoint("m3/best", best, run)  # relative to the folder it ran in
+    assert _same_checkpoint("/elsewhere/m3/best", best, run)  # the run since moved
+    assert _same_checkpoint("m3/checkpoints/step_00000008", step, run)
+    assert not _same_checkpoint("m3/checkpoints/step_00000008", best, run)
+    assert not _same_checkpoint(str(best), step, run)

@@ -226,12 +226,12 @@ def test_a_latency_table_records_its_precision_and_the_server_warns_at_another(r
     table = LatencyTable.load(table.save(tmp_path / "table.json"))
     assert table.precision == "bf16"
     with pytest.warns(UserWarning, match="measured at precision bf16, the server runs fp32"):
-        _warn_stale_table(table, fp32, "fp32")
+        _warn_stale_table(table, fp32, "fp32", runs["translation"])
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_stale_table(table, bf16, "bf16")  # the same checkpoint and precision: silent
+        _warn_stale_table(table, bf16, "bf16", runs["translation"])  # the same: silent
 
 
 def test_profile_reports_the_precision_it_ran_at(runs):

@@ -5,7 +5,9 @@ checkpoints and log without either noticing. :class:`RunDirLock` takes an exclus
 lock (``fcntl.flock``) on ``RUN_DIR/.train.lock`` for as long as a training runs; a second
 ``train`` on that directory stops at once with a one-line :class:`RunDirBusy` error, before it
 writes anything. The operating system drops the lock when its process exits, however it
-exits, so a killed run never leaves a stale lock behind.
+exits, so a killed run never leaves a stale lock behind. A command refused while it holds
+the lock (a ``with`` block that raises, :meth:`RunDirLock.release` with ``discard``) removes
+the lock's file if it made it: a refused command writes nothing.
 
 Example::
 
@@ -49,6 +51,7 @@ class RunDirLock:
         self.run_dir = Path(run_dir)
         self.lock_file, self.doing = lock_file, doing
         self._fd: int | None = None
+        self._created = False  # acquire() made the lock's file (release(discard=True))
 
     @property
     def held(self) -> bool:
@@ -58,23 +61,41 @@ class RunDirLock:
         if self._fd is not None:
             raise RuntimeError(f"the lock on {self.run_dir} is already held by this object")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run_dir / self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip()
-            os.close(fd)
-            who = f" (pid {holder})" if holder.isdigit() else ""
-            other = ", or train into another run_dir" if self.lock_file == LOCK_FILE else ""
-            raise RunDirBusy(f"{self.run_dir} is being {self.doing} by another process{who}; "
-                             f"wait for it to finish or stop it{other}") from None
+        path = self.run_dir / self.lock_file
+        while True:
+            try:
+                fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                try:
+                    fd, created = os.open(path, os.O_RDWR), False
+                except FileNotFoundError:  # removed meanwhile by a refused holder: again
+                    continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                who = f" (pid {holder})" if holder.isdigit() else ""
+                other = ", or train into another run_dir" if self.lock_file == LOCK_FILE else ""
+                raise RunDirBusy(f"{self.run_dir} is being {self.doing} by another "
+                                 f"process{who}; wait for it to finish or stop it{other}"
+                                 ) from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # locked a file a refused holder removed: lock the one there now
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
+        self._fd, self._created = fd, created
         return self
 
-    def release(self) -> None:
+    def release(self, discard: bool = False) -> None:
+        """Unlock. ``discard``: the command holding it was refused, so a lock file that
+        :meth:`acquire` created goes too (removed while still locked; a process that
+        opened it meanwhile finds it gone and locks a new one): a refused command leaves
+        nothing behind."""
         if self._fd is not None:
+            if discard and self._created:
+                (self.run_dir / self.lock_file).unlink(missing_ok=True)
             os.close(self._fd)  # closing the file drops the flock
             self._fd = None
 
@@ -87,7 +108,15 @@ class RunDirLock:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.release()
+        self.release(discard=exc is not None)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is still the one at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def clear_run_dir(run_dir: Path) -> None:

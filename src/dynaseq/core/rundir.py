@@ -14,7 +14,7 @@ from typing import Any
 
 from dynaseq.core.config import config_task, parse_config, read_yaml
 from dynaseq.core.errors import CheckpointError, ConfigError, DynaseqError
-from dynaseq.core.files import inside, read_text, user_path
+from dynaseq.core.files import inside, os_reason, read_text, user_path
 
 
 def open_run(run_dir: str | Path, types: Mapping[str, type],
@@ -115,7 +115,9 @@ def read_model_config(path: Path) -> dict[str, Any]:
 
 def check_new_run_dir(run_dir: Path, out_dir: Path) -> None:
     """Refuse an ``out_dir`` that exists and is not empty, or one inside ``run_dir``."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DynaseqError(f"{out_dir} is a file, not a folder (choose a new --out)")
+    if out_dir.exists() and any(out_dir.iterdir()):
         raise DynaseqError(f"{out_dir} already exists and is not empty (choose a new --out)")
     if inside(out_dir, run_dir):
         raise DynaseqError(f"--out {out_dir} must lie outside the run directory {run_dir}")
@@ -140,7 +142,10 @@ def writing_new_dir(out: str | Path) -> Iterator[Path]:
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as e:  # named as the output, not as its temporary sibling
+            raise DynaseqError(f"cannot write {out}: {os_reason(e)}") from None
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():

@@ -565,13 +565,28 @@ def load_table(run_dir: str | Path, path: str | Path | None) -> LatencyTable | N
     return None
 
 
-def _warn_stale_table(table: LatencyTable | None, predictor: Any,
-                      precision: str) -> None:
+def _same_checkpoint(recorded: str, loaded: Path, run_dir: Path) -> bool:
+    """Whether ``recorded``, the checkpoint path a latency table names (as its ``profile``
+    was given it: relative to that command's folder, or absolute), is ``loaded``, a
+    checkpoint of ``run_dir``: the same folder, or the same path below its run (the run
+    named from another folder, or moved)."""
+    if Path(recorded).resolve() == loaded.resolve():
+        return True
+    try:
+        below = loaded.resolve().relative_to(run_dir.resolve()).parts
+    except ValueError:  # a checkpoint outside its run: only the same folder is it
+        return False
+    return Path(recorded).parts[-len(below):] == below
+
+
+def _warn_stale_table(table: LatencyTable | None, predictor: Any, precision: str,
+                      run_dir: Path) -> None:
     """Warn when the latency table was measured on another checkpoint or precision than
     the server runs: its predicted service times are another model's."""
     if table is None:
         return
-    if table.checkpoint and table.checkpoint != str(predictor.checkpoint):
+    if table.checkpoint and not _same_checkpoint(table.checkpoint,
+                                                 Path(predictor.checkpoint), run_dir):
         warnings.warn(f"the latency table was measured on {table.checkpoint}, the server "
                       f"loaded {predictor.checkpoint}", stacklevel=2)
     if table.precision != precision:

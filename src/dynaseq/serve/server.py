@@ -73,7 +73,7 @@ def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, devi
     if latency_table is not None and table is None:
         raise DynaseqError("--latency-table is for translation and classification runs")
     if warn:
-        _warn_stale_table(table, predictor, config.precision)
+        _warn_stale_table(table, predictor, config.precision, run_dir)
     return build_state(predictor, kind, config, table, run_dir=str(run_dir))
 
 

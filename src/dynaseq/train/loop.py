@@ -117,7 +117,7 @@ def setup(cfg: Any, hooks: Any = None) -> Run:
         if lock is not None:
             if created:  # still locked: nobody else writes here
                 shutil.rmtree(run_dir, ignore_errors=True)
-            lock.release()
+            lock.release(discard=True)
         cleanup(env)
         raise
     return Run(task, run_dir, env, device, log, lock, resumed)
