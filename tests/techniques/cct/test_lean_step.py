@@ -149,6 +149,52 @@ def test_mixed_ffn_gates_fused_and_masked_equal_each_piece_on_its_rows(out_norms
                                    rtol=1e-5, atol=1e-5)
 
 
+class _Decides:
+    """A control net stand-in whose logits open exactly ``on`` ``(B, M)``."""
+
+    def __init__(self, on: torch.Tensor) -> None:
+        self.logits = torch.where(on, 1.0, -1.0)[:, None]  # (B, 1, M)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+
+@pytest.mark.parametrize("out_norms", [True, False])
+@pytest.mark.parametrize("on", [
+    [[1, 1, 0, 0]], [[0, 1, 1, 0]], [[0, 0, 1, 1]], [[0, 1, 1, 1]], [[1, 0, 1, 0]],
+    [[0, 0, 1, 0]], [[0, 1, 1, 0], [0, 1, 1, 0], [0, 1, 1, 0]],  # spans open for every row
+    [[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]],  # a span, masked, on the rows with any
+    [[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1]]])
+def test_a_step_runs_only_the_span_of_pieces_that_any_row_opens(on, out_norms,
+                                                                  monkeypatch):
+    """The pieces before the first and after the last open one run for no row; the step
+    still gives the module's output (each piece times its gate, summed)."""
+    m = cct_model(seed=6, output_norms=out_norms)
+    ffn = m.decoder.layers[0].ffn
+    part = lean_part(ffn, "ffn")
+    on = torch.tensor(on, dtype=torch.bool)
+    monkeypatch.setattr(part, "control", _Decides(on))
+    x = torch.randn(on.size(0), 1, 32, generator=torch.Generator().manual_seed(5))
+    ran = []
+    monkeypatch.setattr(part, "_first", lambda x, lo, hi, first=part._first: (
+        ran.append((lo, hi)) or first(x, lo, hi)))
+    with torch.no_grad():
+        want = sum(on[:, i, None, None] * p(x) for i, p in enumerate(ffn.pieces))
+        torch.testing.assert_close(part.step(x, torch.zeros(on.size(0))), want,
+                                   rtol=1e-5, atol=1e-5)
+    used = on.any(0).nonzero().squeeze(1).tolist()
+    if ran:  # fused: exactly the span from the first open piece to the last
+        assert ran == [(used[0], used[-1] + 1)]
+    else:  # piece by piece (one piece, or too much of the span closed)
+        assert used[-1] - used[0] == 0 or on.size(0) > 1
+    ran.clear()
+    monkeypatch.setattr(GatedFeedForward, "SPANS", False)  # every piece, masked: the same
+    with torch.no_grad():
+        torch.testing.assert_close(part.step(x, torch.zeros(on.size(0))), want,
+                                   rtol=1e-5, atol=1e-5)
+    assert ran in ([], [(0, 4)])
+
+
 @pytest.mark.parametrize("cct", [{}, {"output_norms": False}])
 @pytest.mark.parametrize("share_from", [1, 100])
 def test_greedy_and_beam_give_the_general_steps_tokens(cct, share_from, monkeypatch):

@@ -38,11 +38,14 @@ control network(s) and reads the decisions with one host sync, then:
   their affine weights are folded into the pieces' first layers, which run as one
   ``(ffn_dim, d)`` product when every piece is open for every row, with the second layers
   as one batched product (a step of a few rows with each piece's weight on the left,
-  :meth:`GatedFeedForward._second`) and the output LayerNorms as one call. Mixed: the same fused
-  products over the rows with an open piece, each closed piece's output times 0, when
-  that computes at most :attr:`GatedFeedForward.FUSE_WASTE` times the open pieces' work;
-  otherwise piece i runs on the rows where it is open (sliced from the folded weights);
-  none open: None.
+  :meth:`GatedFeedForward._second`) and the output LayerNorms as one call. Mixed: the same
+  fused products over the span of pieces from the first to the last one open for any row
+  (those outside it do not run; their rows of the folded weights are sliced off, views):
+  with no mask when every row opens the whole span (a batch-1 step with two adjacent
+  pieces open runs half the feed-forward, not all of it times a mask), else over the rows
+  with an open piece, each closed piece's output times 0, when that computes at most
+  :attr:`GatedFeedForward.FUSE_WASTE` times the open pieces' work; otherwise (and for a
+  span of one piece) piece i runs on the rows where it is open; none open: None.
 
 * **counting**: given a :class:`~dynaseq.nn.lean_step.StepTally`, each part adds every
   row's open gates of the step under its sub-layer's name (``.q``, ``.kv``; ``.keys``, the
@@ -67,6 +70,7 @@ from torch import Tensor, nn
 from dynaseq.nn.lean_step import (
     LEFT_ROWS,
     CrossKeys,
+    LinearFn,
     Norm,
     Offset,
     StepCache,
@@ -463,6 +467,7 @@ class GatedFeedForward:
         self.few_rows = (self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
                          and self.w2.size(2) >= self.w2.size(1))  # as wide out (d) as in (f)
         self.fc1 = float_linear(self.w1, self.b1)  # every piece's first layer, fused
+        self._spans: dict[tuple[int, int], LinearFn] = {}  # :meth:`_first`, fewer pieces
         self.out_norms = out_norms
         if out_norms is not None:
             self.out_w = torch.stack([n.weight for n in out_norms])[:, None]  # (M, 1, d)
@@ -482,24 +487,46 @@ class GatedFeedForward:
         y = torch.addmm(self.b2[i], h[:, 0], self.w2[i])[:, None]
         return y if self.out_norms is None else self.out_norms[i](y)
 
-    def _fused(self, n: Tensor, on: Tensor | None = None) -> Tensor:
-        """Every piece on normalised rows ``n`` ``(N, 1, d)`` as fused products ->
-        ``(N, 1, d)``: the sum of the pieces' outputs, each times its gate ``on`` ``(N, M)``
-        (None: every gate open)."""
+    def _fused(self, n: Tensor, on: Tensor | None = None, lo: int = 0,
+               hi: int | None = None) -> Tensor:
+        """Pieces ``lo`` to ``hi - 1`` (default every piece) on normalised rows ``n``
+        ``(N, 1, d)`` as fused products -> ``(N, 1, d)``: the sum of their outputs, each
+        times its gate ``on`` ``(N, M)`` (None: every one of them open; the pieces outside
+        the span are closed for every row and do not run)."""
+        hi = self.m if hi is None else hi
         b, d = n.size(0), n.size(-1)
-        h = self.fc1(n[:, 0]).relu_().view(b, self.m, self.width)  # (N, M, f)
-        y = self._second(h)  # (M, N, d)
+        h = self._first(n[:, 0], lo, hi).relu_().view(b, hi - lo, self.width)  # (N, k, f)
+        y = self._second(h, lo, hi)  # (k, N, d)
         if self.out_norms is not None:
             y = F.layer_norm(y, (d,), None, None, self.out_eps)
             if on is None:
-                return ((y * self.out_w).sum(0) + self.out_b)[:, None]
-            y = torch.addcmul(self.out_bs, y, self.out_w)
+                return ((y * self.out_w[lo:hi]).sum(0) + self._out_bias(lo, hi))[:, None]
+            y = torch.addcmul(self.out_bs[lo:hi], y, self.out_w[lo:hi])
         if on is not None:
-            y = y * on.t()[:, :, None].to(y.dtype)
+            y = y * on[:, lo:hi].t()[:, :, None].to(y.dtype)
         return y.sum(0)[:, None]
 
-    def _second(self, h: Tensor) -> Tensor:
-        """Every piece's second layer: h ``(N, M, f)`` -> ``(M, N, d)``. Up to
+    def _first(self, x: Tensor, lo: int, hi: int) -> Tensor:
+        """The first layers of pieces ``lo`` to ``hi - 1``, one product: x ``(N, d)`` ->
+        ``(N, (hi - lo)·f)``. Every piece: :attr:`fc1`; a span: a projection on its rows of
+        the folded weight (a view; :func:`float_linear` picks the layout as for
+        :attr:`fc1`), made at its first call."""
+        if lo == 0 and hi == self.m:
+            return self.fc1(x)
+        fn = self._spans.get((lo, hi))
+        if fn is None:  # a race only makes the same view twice
+            f = self.width
+            fn = self._spans[(lo, hi)] = float_linear(self.w1[lo * f: hi * f],
+                                                      self.b1[lo * f: hi * f])
+        return fn(x)
+
+    def _out_bias(self, lo: int, hi: int) -> Tensor:
+        """The output LayerNorms' biases of pieces ``lo`` to ``hi - 1``, summed: ``(d,)``."""
+        return self.out_b if lo == 0 and hi == self.m else self.out_bs[lo:hi].sum((0, 1))
+
+    def _second(self, h: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
+        """The second layers of pieces ``lo`` to ``hi - 1`` (default every piece): h
+        ``(N, k, f)`` -> ``(k, N, d)``. Up to
         :data:`~dynaseq.nn.lean_step.LEFT_ROWS` rows of float32 on the CPU, as
         ``W2_i · h_iᵀ`` with each piece's ``(d, f)`` weight (a copy, made at the first such
         call) on the left, then transposed (a view); more rows as ``h_i · W2_iᵀ`` against the
@@ -512,13 +539,15 @@ class GatedFeedForward:
         rows about even (143 against 157), at 30 rows the stack wins (285 against 520).
         Pieces narrower out than in (``d < f``) keep the stack, as
         :class:`~dynaseq.nn.lean_step.StepLinear` keeps narrow weights off the left."""
+        hi = self.m if hi is None else hi
         b = h.size(0)
         if b > LEFT_ROWS or not self.few_rows:
-            return torch.baddbmm(self.b2, h.transpose(0, 1), self.w2)
+            return torch.baddbmm(self.b2[lo:hi], h.transpose(0, 1), self.w2[lo:hi])
         w2_rows = self.w2_rows
         if w2_rows is None:  # a race only makes the same copy twice
             w2_rows = self.w2_rows = self.w2.transpose(1, 2).contiguous()
-        return torch.baddbmm(self.b2_column, w2_rows, h.permute(1, 2, 0)).transpose(1, 2)
+        return torch.baddbmm(self.b2_column[lo:hi], w2_rows[lo:hi],
+                             h.permute(1, 2, 0)).transpose(1, 2)
 
     FUSE_WASTE = 2.0
     """Mixed gates run the fused products over the rows with any piece open (the closed
@@ -530,6 +559,11 @@ class GatedFeedForward:
     the arithmetic dominates and no waste is allowed: measured on a CCT-BERT at budget .8,
     SST-2 dev, 2 threads, AMD EPYC AVX2: 2x waste cost 13% at batch 32 (~800 token rows)
     and saved 6% at batch 1 (~33)."""
+
+    SPANS = True
+    """Mixed gates fuse the span of pieces from the first open to the last (see the module
+    doc; False: every piece, the closed ones times 0, as before spans; a benchmark's and a
+    test's switch). Measured with ``benchmarks/ffn_spans.py`` (``ffn_spans.md``)."""
 
     FUSE_ROWS = 128
     """Rows with an open piece up to which :attr:`FUSE_WASTE` applies (decoding's batches,
@@ -559,12 +593,18 @@ class GatedFeedForward:
         n = F.layer_norm(x, (d,), None, None, self.eps)  # LN_in without its affine
         if all(c == b for c in counts):  # every piece for every row
             return self._fused(n)
+        used = [i for i, c in enumerate(counts) if c]
+        # the pieces outside the span are closed for every row
+        lo, hi = (used[0], used[-1] + 1) if self.SPANS else (0, self.m)
+        span = hi - lo  # one piece: its own products (below) cost less than a span's
+        if span > 1 and all(counts[i] == b for i in range(lo, hi)):  # open for every row
+            return self._fused(n, None, lo, hi)
         waste = self.FUSE_WASTE if n_any <= self.FUSE_ROWS else 1.0
-        if n_any * self.m <= waste * sum(counts):
+        if span > 1 and n_any * span <= waste * sum(counts):
             if n_any == b:
-                return self._fused(n, on)
+                return self._fused(n, on, lo, hi)
             rows = _rows(on.any(1))
-            y = self._fused(n.index_select(0, rows), on.index_select(0, rows))
+            y = self._fused(n.index_select(0, rows), on.index_select(0, rows), lo, hi)
             return x.new_zeros(b, 1, d).index_copy_(0, rows, y)
         out = x.new_zeros(b, 1, d)
         for i, c in enumerate(counts):
