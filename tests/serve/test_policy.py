@@ -555,3 +555,4 @@ def test_a_table_names_the_loaded_checkpoint_whatever_folder_it_was_profiled_fro
     assert _same_checkpoint("m3/checkpoints/step_00000008", step, run)
     assert not _same_checkpoint("m3/checkpoints/step_00000008", best, run)
     assert not _same_checkpoint(str(best), step, run)
+    assert _same_checkpoint("exported/m3", run, run)  # an exported model: the run itself

@@ -576,6 +576,8 @@ def _same_checkpoint(recorded: str, loaded: Path, run_dir: Path) -> bool:
         below = loaded.resolve().relative_to(run_dir.resolve()).parts
     except ValueError:  # a checkpoint outside its run: only the same folder is it
         return False
+    if not below:  # the run is its own checkpoint (an exported model): its name
+        return Path(recorded).name == loaded.resolve().name
     return Path(recorded).parts[-len(below):] == below
 
 

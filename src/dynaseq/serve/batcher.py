@@ -11,8 +11,8 @@ work (a budget-1 row runs every gated part), so a deep queue runs single-budget 
 and a shallow one mixes budgets rather than wait. Nothing queued behind a job with a
 deadline is taken before it, and a batch headed by one keeps arrival order. Results go
 back to each request's future on the loop. An exception fails that batch's jobs only; the
-next batch runs. A job whose client went away (:meth:`Job.cancel`) is dropped before it runs. :meth:`Batcher.stop` drains:
-every queued job still runs before the worker exits.
+next batch runs. A job whose client went away (:meth:`Job.cancel`) is dropped before it
+runs. :meth:`Batcher.stop` drains: every queued job still runs before the worker exits.
 
 The worker thread runs at a lower scheduling priority than the event loop (``nice``, on
 Linux, where a thread has its own): where the two share a core, the loop reads a request,
@@ -400,7 +400,7 @@ class Batcher:
             return batch
 
     def _pick(self, first: Job) -> list[Job]:
-        """The jobs of the batch that ``first``, the oldest queued job, heads (the class
+        """The jobs of the batch that ``first``, the oldest queued job, heads (the module
         doc): its group's jobs in arrival order while they fit; with :attr:`by_budget` and
         more of them queued than fit, ``first``'s budget's jobs among those queued ahead
         of the first deadline job, when they make at least half a batch."""
