@@ -5,9 +5,9 @@ DEV.tsv`` (its ``latency_table.json``, measured here by ``dynaseq profile --late
 on a copy of the run if it has none) and drives it with real HTTP clients over loopback
 (aiohttp + asyncio, one process, on cores of its own):
 
-1. saturation: closed-loop throughput (``--clients`` requests always in flight) at the full
-   budget, at the smallest, and with the two mixed half and half in the same batches
-   (mixed vs. the same requests run as single-budget batches: the time-weighted rate
+1. saturation: closed-loop throughput (``--clients`` requests always in flight, default
+   three batches' worth) at the full budget, at the smallest, and with the two mixed half
+   and half (mixed vs. the same requests run as single-budget batches: the time-weighted rate
    ``2 / (1/R_full + 1/R_small)``), and the issue's "at the same mean budget": the two
    mixed in the proportion whose mean is a middle budget's (:func:`mix_at`) against every
    client at that budget;
@@ -391,7 +391,10 @@ def main() -> None:
     p.add_argument("--saturation-seconds", type=float, default=5.0)
     p.add_argument("--saturation-rounds", type=int, default=3,
                    help="interleaved closed-loop rounds of each mix (medians reported)")
-    p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
+    p.add_argument("--clients", type=int, default=None,
+                   help="closed-loop clients (default 3 x --max-batch: a queue deeper than "
+                        "a batch, as at saturation, where the server forms single-budget "
+                        "batches; at exactly one batch's worth every batch must mix)")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--base-rps", type=float, default=None,
                    help="the rate the --rates multiply (default: the measured full-budget "
@@ -419,6 +422,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     add_results_arg(p)
     args = p.parse_args()
+    if args.clients is None:
+        args.clients = 3 * args.max_batch
     if args.access_logs is not None:
         args.access_logs.mkdir(parents=True, exist_ok=True)
 
@@ -537,8 +542,8 @@ def main() -> None:
         f"Saturation (closed loop, {args.clients} clients, medians of "
         f"{args.saturation_rounds} interleaved rounds of {args.saturation_seconds} s): full "
         f"budget {budget_json(full)} {sat['full']} req/s, "
-        f"smallest {smallest} {sat['smallest']} req/s, half and half mixed in the same "
-        f"batches {sat['mixed']} req/s = {data['mixed_over_segregated']}x the same requests "
+        f"smallest {smallest} {sat['smallest']} req/s, half and half mixed "
+        f"{sat['mixed']} req/s = {data['mixed_over_segregated']}x the same requests "
         f"in single-budget batches ({data['segregated_rps']} req/s)"
         + ("." if middle is None else
            f"; at the same mean budget {middle}: {data['mixed_at_middle_full_clients']} of "
