@@ -269,3 +269,30 @@ def test_a_dense_translation_model_plans_deadlines_on_its_one_row(trained_run, t
                                                   deadline_ms=60_000))
     assert job.budget is None and job.payload.pair is None and not job.payload.degraded
     assert job.predicted_ms is not None and job.predicted_ms > 0
+
+
+def test_a_generate_request_whose_client_left_stops_before_its_next_prompt():
+    """The job is cancelled while its first prompt is generated: no other prompt runs."""
+    from dynaseq.serve.batcher import Job
+    from dynaseq.serve.endpoints import run_generate
+    from dynaseq.serve.schemas import GenerateRequest
+
+    calls = []
+
+    class LM:  # stands in for a LanguageModel: the client leaves during the first prompt
+        def generate(self, prompt, *args):
+            calls.append(prompt)
+            job.cancel()
+            return f"{prompt} more"
+
+    job = Job(group="generate", run=run_generate, payload=GenerateRequest(
+        texts=["a", "b", "c"], tokens=4), rows=3)
+    assert run_generate(LM(), [job]) == [["a more"]] and calls == ["a"]
+    job2 = Job(group="generate", run=run_generate, payload=GenerateRequest(
+        texts=["a", "b"], tokens=4), rows=2)
+
+    class Plain:
+        def generate(self, prompt, *args):
+            return f"{prompt} more"
+
+    assert run_generate(Plain(), [job2]) == [["a more", "b more"]]

@@ -95,6 +95,8 @@ BAD = [
      "unsupported Content-Type 'application/x-www-form-urlencoded'"),
     ("plain text", {"content": b"a", "headers": {"content-type": "text/plain"}}, 415,
      "application/json"),
+    ("no content type", {"content": b'{"text": "a"}'}, 415,
+     "no Content-Type: send the JSON object as application/json"),
     ("wrong type", {"json": {"text": 5}}, 422, "text"),
     ("wrong type in list", {"json": {"texts": ["a", 5]}}, 422, "texts.1"),
     ("budget as string", {"json": {"text": "a", "budget": "0.5"}}, 422, "budget"),
@@ -342,6 +344,8 @@ def test_serve_refusals_are_one_line_exit_2(serve_run, lm_run, tmp_path):
         ((str(serve_run), "--max-lines", "64"), "must not exceed --max-batch-lines"),
         ((str(serve_run), "--default-budget", "0.4"), "was not trained"),
         ((str(serve_run), "--beam", "2"), "measured at beam 1"),
+        ((str(serve_run), "--beam", "100000"), "is wider than the target vocabulary"),
+        ((str(serve_run), "--max-queue-lines", "16"), "must not exceed --max-queue-lines"),
         ((str(lm_run), "--latency-table", "t.json"), "for translation and classification runs"),
     ]:
         r = run_cli("serve", *args, "--port", "1")

@@ -46,6 +46,9 @@ def test_load_and_task_for_refuse_bad_input(tmp_path):
         dynaseq.load(tmp_path / "missing")
     with pytest.raises(CheckpointError, match="no config.yaml"):
         dynaseq.load(tmp_path)
+    for empty in ("", " "):  # not the working directory (Path("") is ".")
+        with pytest.raises(CheckpointError, match="must be named, got an empty path"):
+            dynaseq.load(empty)
     for bad in (None, 3):  # not a path: the error says so (before: a bare TypeError)
         with pytest.raises(CheckpointError, match=rf"a run directory is a path .*got {bad}"):
             dynaseq.load(bad)

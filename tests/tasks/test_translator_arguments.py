@@ -53,7 +53,8 @@ def test_lines_that_are_not_text_are_refused_everywhere(t, lines, message):
         assert str(e.value) == message
 
 
-@pytest.mark.parametrize("budget", [True, "0.5", (1.0, "0.5"), b"1", (True, 1.0)])
+@pytest.mark.parametrize("budget", [True, "0.5", (1.0, "0.5"), b"1", (True, 1.0), b"0.5",
+                                    {0.5: "x", 0.5000001: "y"}, {0.5}])
 def test_budgets_that_are_not_numbers_are_refused(budget):
     from dynaseq.tasks.encoder.budget import as_fraction
     from dynaseq.tasks.translation.predictor import budget_pair

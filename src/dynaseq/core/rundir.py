@@ -44,6 +44,8 @@ def run_path(run_dir: object) -> Path:
     if not isinstance(run_dir, str | os.PathLike):
         raise CheckpointError(f"a run directory is a path (str or pathlib.Path), got "
                               f"{run_dir!r}")
+    if not os.fspath(run_dir).strip():  # Path("") is the working directory: never meant
+        raise CheckpointError("a run directory must be named, got an empty path")
     run = user_path(run_dir)
     if run.is_file():
         raise CheckpointError(f"{run} is a file, not a run directory: give the directory "

@@ -47,6 +47,7 @@ from dynaseq.serve.config import ServeConfig
 from dynaseq.serve.metrics import ServerMetrics
 from dynaseq.serve.policy import DeadlinePolicy
 from dynaseq.serve.schemas import ErrorResponse, one_line
+from dynaseq.tasks.translation.predictor import check_decode
 
 
 class AccessLog:
@@ -122,6 +123,8 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     metrics = ServerMetrics(multiprocess=config.workers > 1)
     budgets = _trained_budgets(predictor) if kind in ep.BUDGET_RAN else []
     beam = config.beam or (predictor.config.decode.beam if kind == "seq2seq" else 1)
+    if kind == "seq2seq":  # refused here, in one line, not by the warm-up inside uvicorn
+        check_decode(predictor.model, beam, predictor.config.decode.length_penalty)
     default_budget = config_default_budget(predictor, kind, config)
     policy = None
     if table is not None and kind in ("seq2seq", "classify"):
@@ -509,8 +512,11 @@ def build_app(state: ServeState) -> Any:
             msg, status = "empty body: send a JSON object", 400
         elif any(e.get("type") in ("model_attributes_type", "model_type", "dict_type")
                  and tuple(e.get("loc", ())) == ("body",) for e in errs):
-            msg, status = ("the body must be a JSON object (Content-Type: "
-                           "application/json)"), 400
+            # no Content-Type: the body was not read as JSON, whatever it holds
+            msg, status = (("no Content-Type: send the JSON object as application/json",
+                            415) if not media else
+                           ("the body must be a JSON object (Content-Type: "
+                            "application/json)", 400))
         else:
             msg, status = one_line(errs), 422
         request.state.log = {"error": msg}

@@ -133,6 +133,9 @@ class ServeConfig:
             raise DynaseqError("--max-utilization must be > 0")
         if not 0 < self.slack <= 1:
             raise DynaseqError("--slack must be in (0, 1]")
+        if self.max_lines > self.max_queue_rows:  # such a request could never be queued
+            raise DynaseqError(f"--max-lines ({self.max_lines}) must not exceed "
+                               f"--max-queue-lines ({self.max_queue_rows})")
         if self.max_lines > self.max_batch_rows:
             raise DynaseqError(f"--max-lines ({self.max_lines}) must not exceed "
                                f"--max-batch-lines ({self.max_batch_rows})")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -365,6 +365,9 @@ def budget_pair(budget: float | tuple[float, float]) -> tuple[float, float]:
     """``0.33`` -> ``(0.33, 0.33)``; an ``(encoder, decoder)`` pair as floats, each in (0, 1]."""
     one = isinstance(budget, numbers.Real) or (isinstance(budget, torch.Tensor)
                                                and budget.dim() == 0)  # numpy's, torch's
+    if isinstance(budget, str | bytes | bytearray | Mapping | Set):  # no pair, read as one
+        raise DynaseqError(f"a budget is one fraction or an (encoder, decoder) pair, got "
+                           f"{budget!r}")
     try:
         pair = (as_real(budget),) * 2 if one else tuple(as_real(b) for b in budget)
     except (TypeError, ValueError, RuntimeError):
