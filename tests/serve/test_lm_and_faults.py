@@ -271,28 +271,31 @@ def test_a_dense_translation_model_plans_deadlines_on_its_one_row(trained_run, t
     assert job.predicted_ms is not None and job.predicted_ms > 0
 
 
-def test_a_generate_request_whose_client_left_stops_before_its_next_prompt():
-    """The job is cancelled while its first prompt is generated: no other prompt runs."""
+def test_a_generate_request_whose_client_left_stops_at_its_next_word(lm_run):
+    """The client leaves after the first prompt's third word: no more words are sampled,
+    and the request's other prompts do not run."""
     from dynaseq.serve.batcher import Job
     from dynaseq.serve.endpoints import run_generate
     from dynaseq.serve.schemas import GenerateRequest
 
-    calls = []
+    lm = dynaseq.load(lm_run)
+    steps = []
+    step = lm.model.step
 
-    class LM:  # stands in for a LanguageModel: the client leaves during the first prompt
-        def generate(self, prompt, *args):
-            calls.append(prompt)
+    def counted(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 3:
             job.cancel()
-            return f"{prompt} more"
+        return step(*args, **kwargs)
 
     job = Job(group="generate", run=run_generate, payload=GenerateRequest(
-        texts=["a", "b", "c"], tokens=4), rows=3)
-    assert run_generate(LM(), [job]) == [["a more"]] and calls == ["a"]
-    job2 = Job(group="generate", run=run_generate, payload=GenerateRequest(
-        texts=["a", "b"], tokens=4), rows=2)
-
-    class Plain:
-        def generate(self, prompt, *args):
-            return f"{prompt} more"
-
-    assert run_generate(Plain(), [job2]) == [["a more", "b more"]]
+        texts=["the", "a", "of"], tokens=20), rows=3)
+    lm.model.step = counted
+    try:
+        (texts,) = run_generate(lm, [job])
+    finally:
+        del lm.model.step
+    assert len(steps) == 3 and texts == [lm.generate("the", 3)]  # its first 3 words
+    whole = Job(group="generate", run=run_generate, payload=GenerateRequest(
+        texts=["the", "a"], tokens=5), rows=2)
+    assert run_generate(lm, [whole]) == [[lm.generate("the", 5), lm.generate("a", 5)]]

@@ -138,12 +138,15 @@ class TransformerLM(nn.Module):
     @torch.inference_mode()
     def generate(self, prompt: Tensor, n_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 mix: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+                 mix: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 stop: Callable[[], bool] | None = None) -> Tensor:
         """Sample ``n_tokens`` words after ``prompt`` (B, P>=1) -> (B, n_tokens).
 
         ``temperature`` 0 is greedy; ``top_k`` keeps the k likeliest words.
         ``mix(log_probs (B, V), hidden (B, d)) -> (B, V)`` may reshape each distribution
         (e.g. a neural cache). Sampling is one token at a time from the incremental state.
+        ``stop()``, asked before each token: True ends the sampling there (fewer words; a
+        server's client gone).
         """
         if prompt.dim() != 2 or prompt.size(1) < 1:
             raise ValueError("prompt must be (B, P) with P >= 1")
@@ -152,6 +155,8 @@ class TransformerLM(nn.Module):
         last = prompt[:, -1]
         words = []
         for _ in range(n_tokens):
+            if stop is not None and stop():
+                break
             st = self.step(last, state)
             state = st.state
             logp = st.log_probs if mix is None else mix(st.log_probs, st.hidden)

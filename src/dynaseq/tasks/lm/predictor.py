@@ -219,9 +219,10 @@ class LanguageModel(ShortRepr):
 
     def generate(self, prompt: str | None = None, n_tokens: int = 50,
                  temperature: float = 1.0, seed: int = 0, top_k: int | None = None,
-                 budget: None = None) -> str:
+                 budget: None = None, stop: Callable[[], bool] | None = None) -> str:
         """Sample ``n_tokens`` words after ``prompt``; ``<eos>`` is shown as a newline.
-        ``budget``: as in :meth:`evaluate` (None only)."""
+        ``budget``: as in :meth:`evaluate` (None only). ``stop()``, asked before each word:
+        True ends the text there (a server whose client went away)."""
         _no_budget(budget)
         if prompt is not None:
             check_str("prompt", prompt)
@@ -232,7 +233,7 @@ class LanguageModel(ShortRepr):
             top_k = check_int("top_k", top_k)  # from the vocabulary's size on: no filter
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out = self.model.generate(self.encode_prompt(prompt), n_tokens, temperature, top_k,
-                                  gen)
+                                  gen, stop=stop)
         words = [self.vocab.itos[int(i)] for i in out[0]]
         text = " ".join(words).replace(" <eos> ", "\n").replace("<eos>", "\n")
         return " ".join(part for part in (prompt, text) if part)  # no space after nothing
