@@ -466,13 +466,19 @@ class GatedFeedForward:
         self.b2_column = self.b2.transpose(1, 2)  # (M, d, 1), a view
         self.few_rows = (self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
                          and self.w2.size(2) >= self.w2.size(1))  # as wide out (d) as in (f)
-        self.fc1 = float_linear(self.w1, self.b1)  # every piece's first layer, fused
-        self._spans: dict[tuple[int, int], LinearFn] = {}  # :meth:`_first`, fewer pieces
+        f, spans = self.width, [(lo, hi) for lo in range(self.m)
+                                for hi in range(lo + 1, self.m + 1)]
+        # each span of pieces' first layers as one product, on views of the folded weights
+        # (:func:`float_linear` picks the layout; (0, M): every piece)
+        self._firsts: dict[tuple[int, int], LinearFn] = {
+            (lo, hi): float_linear(self.w1[lo * f: hi * f], self.b1[lo * f: hi * f])
+            for lo, hi in spans}
         self.out_norms = out_norms
         if out_norms is not None:
             self.out_w = torch.stack([n.weight for n in out_norms])[:, None]  # (M, 1, d)
             self.out_bs = torch.stack([n.bias for n in out_norms])[:, None]  # (M, 1, d)
-            self.out_b = self.out_bs.sum((0, 1))  # (d,)
+            self._out_biases = {(lo, hi): self.out_bs[lo:hi].sum((0, 1))  # (d,) a span
+                                for lo, hi in spans}
             self.out_eps = out_norms[0].eps
         self.sources = [t for p in pieces for t in (p.ffn.fc1.weight, p.ffn.fc1.bias,
                                                      p.in_norm.weight, p.in_norm.bias,
@@ -500,7 +506,7 @@ class GatedFeedForward:
         if self.out_norms is not None:
             y = F.layer_norm(y, (d,), None, None, self.out_eps)
             if on is None:
-                return ((y * self.out_w[lo:hi]).sum(0) + self._out_bias(lo, hi))[:, None]
+                return ((y * self.out_w[lo:hi]).sum(0) + self._out_biases[(lo, hi)])[:, None]
             y = torch.addcmul(self.out_bs[lo:hi], y, self.out_w[lo:hi])
         if on is not None:
             y = y * on[:, lo:hi].t()[:, :, None].to(y.dtype)
@@ -508,21 +514,8 @@ class GatedFeedForward:
 
     def _first(self, x: Tensor, lo: int, hi: int) -> Tensor:
         """The first layers of pieces ``lo`` to ``hi - 1``, one product: x ``(N, d)`` ->
-        ``(N, (hi - lo)·f)``. Every piece: :attr:`fc1`; a span: a projection on its rows of
-        the folded weight (a view; :func:`float_linear` picks the layout as for
-        :attr:`fc1`), made at its first call."""
-        if lo == 0 and hi == self.m:
-            return self.fc1(x)
-        fn = self._spans.get((lo, hi))
-        if fn is None:  # a race only makes the same view twice
-            f = self.width
-            fn = self._spans[(lo, hi)] = float_linear(self.w1[lo * f: hi * f],
-                                                      self.b1[lo * f: hi * f])
-        return fn(x)
-
-    def _out_bias(self, lo: int, hi: int) -> Tensor:
-        """The output LayerNorms' biases of pieces ``lo`` to ``hi - 1``, summed: ``(d,)``."""
-        return self.out_b if lo == 0 and hi == self.m else self.out_bs[lo:hi].sum((0, 1))
+        ``(N, (hi - lo)·f)``."""
+        return self._firsts[(lo, hi)](x)
 
     def _second(self, h: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
         """The second layers of pieces ``lo`` to ``hi - 1`` (default every piece): h
