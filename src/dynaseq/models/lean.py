@@ -145,6 +145,9 @@ class LeanState:
         self.length = 0
         self.offset: Tensor | float | None = None  # the rows' gate offsets (see _uniform)
         self.tally: StepTally | None = None  # set by a caller that wants per-row counts
+        self.starts: Tensor | None = None
+        """``(B,)`` long: the slot at which each row's first step wrote (rows that joined a
+        running decode, :meth:`join`), or None: slot 0 for every row."""
 
     @property
     def step(self) -> int:
@@ -162,6 +165,57 @@ class LeanState:
         self.reorder_cross(index)
         if self.tally is not None:
             self.tally.reorder(index)
+        if self.starts is not None:
+            self.starts = self.starts.index_select(0, index)
+
+    def positions(self) -> Tensor | None:
+        """``(B,)`` each row's position at the next step, or None where every row is at
+        :attr:`step`."""
+        return None if self.starts is None else self.length - self.starts
+
+    def join(self, other: LeanState) -> None:
+        """Append the rows of ``other``, a state started for new sentences
+        (:meth:`LeanDecoder.start`) that ran no step, after this state's rows: their first
+        step writes this state's next slot, and until then the attention leaves their
+        slots out (:meth:`prepare_step`). Greedy decoding: one row per sentence."""
+        assert other.started and other.length == 0 and self.started, "two started states"
+        assert self.tally is None and other.tally is None, "counted decodes keep their rows"
+        assert all(k.group == 1 for k in self.cross), "rows of their own (greedy search)"
+        rows, more = self.cross[0].k.size(0), other.cross[0].k.size(0)
+        for cache in self.caches:
+            cache.join(more)
+        self.cross = [CrossKeys.cat([a, b]) for a, b in zip(self.cross, other.cross,
+                                                             strict=True)]
+        if self.length:
+            device = self.cross[0].k.device
+            starts = (torch.zeros(rows, dtype=torch.long, device=device)
+                      if self.starts is None else self.starts)
+            self.starts = torch.cat([starts, torch.full((more,), self.length,
+                                                        dtype=torch.long, device=device)])
+
+    def prepare_step(self) -> None:
+        """Before a step of rows that began at different slots: a full cache drops the
+        slots no row reads any more (every row began after them) instead of doubling, and
+        each cache gets the step's mask (:attr:`StepCache.mask`)."""
+        if self.starts is None:
+            return
+        full = any(c.k is not None and self.length >= c.k.size(2) for c in self.caches)
+        if full:
+            low = int(self.starts.min())
+            if low:
+                for cache in self.caches:
+                    cache.compact(low)
+                self.starts = self.starts - low
+                self.length -= low
+            if int(self.starts.max()) == 0:  # every row from slot 0: no mask
+                self.starts = None
+                for cache in self.caches:
+                    cache.mask = None
+                return
+        slots = torch.arange(self.length + 1, device=self.starts.device)
+        mask = (slots >= self.starts[:, None])[:, None, None, :]  # (B, 1, 1, length + 1)
+        for cache in self.caches:
+            cache.mask = mask
 
     def reorder_self(self, index: Tensor) -> None:
         """Keep/reorder batch rows of the self-attention caches (filled positions only; an
@@ -182,6 +236,7 @@ class LeanState:
         search after its first step), except that from :data:`SHARE_MIN` sentences on a
         CPU the beams of a sentence share its cross-attention keys instead of a copy each
         (where every layer's cross part attends shared keys)."""
+        assert self.starts is None, "beams of rows that began together"
         sentences = index.numel() // beams
         if not (self.share_keys and beams > 1 and sentences >= SHARE_MIN and self.cross
                 and index.device.type == "cpu"):  # measured on CPUs only
@@ -274,16 +329,49 @@ class LeanDecoder:
         return LeanState(len(self.layers), capacity, share_keys=share)
 
     @torch.inference_mode()
+    def start(self, enc: EncoderOutput, state: LeanState) -> None:
+        """Project the encoder output's keys and values into ``state``, once for every
+        later step (the first :meth:`decode_step` does it where this was not called)."""
+        state.offset = uniform_offset(enc.gate_offset)
+        state.cross = [w.cross_attn.start(enc.out, enc.pad_mask, state.offset, state.tally)
+                       for w in self.layers]
+
+    @torch.inference_mode()
+    def begin(self, enc: EncoderOutput) -> tuple[LeanState, EncoderOutput]:
+        """A started state for the sentences of ``enc`` and their :func:`spent` encoder
+        output: what :meth:`join` adds more sentences to (a refilled greedy decode,
+        :func:`~dynaseq.models.search.refilled_greedy_search`)."""
+        state = self.init_state()
+        self.start(enc, state)
+        return state, spent(enc)
+
+    @torch.inference_mode()
+    def join(self, state: LeanState, enc: EncoderOutput, new: EncoderOutput
+             ) -> EncoderOutput:
+        """Add the sentences of ``new`` (their encoder output, :meth:`encode`) to a running
+        greedy decode: ``state`` and ``enc``, the encoder output of its rows (as
+        :func:`spent` leaves it: ``out`` is read at the start only). Returns the encoder
+        output of the joined rows, theirs then the new ones; the new rows' first step
+        reads bos at position 0 (:meth:`LeanState.positions`)."""
+        fresh, new = self.begin(new)
+        state.join(fresh)
+        joined = cat_rows(enc, new)
+        state.offset = uniform_offset(joined.gate_offset)
+        return joined
+
+    @torch.inference_mode()
     def decode_step(self, tokens: Tensor, enc: EncoderOutput, state: LeanState) -> Tensor:
-        """tokens (B, 1) at position ``state.step`` -> next-token logits (B, V)."""
+        """tokens (B, 1) at position ``state.step`` (each row at its own where rows joined
+        later: :meth:`LeanState.positions`) -> next-token logits (B, V)."""
         if not state.started:  # project the encoder output once for every later step
-            state.offset = uniform_offset(enc.gate_offset)
-            state.cross = [w.cross_attn.start(enc.out, enc.pad_mask, state.offset,
-                                              state.tally) for w in self.layers]
+            self.start(enc, state)
         # one offset for every row stays one as rows are dropped or copied (beam search)
         offset = state.offset if not isinstance(state.offset, Tensor) else enc.gate_offset
         dec = self.model.decoder
-        x = dec.embed(tokens) + dec.positions(1, state.length)  # (B, 1, d)
+        state.prepare_step()
+        rows = state.positions()
+        x = dec.embed(tokens) + (dec.positions(1, state.length) if rows is None
+                                 else dec.positions.at(rows)[:, None])  # (B, 1, d)
         if enc.control is not None:
             x = x + enc.control
         tally = state.tally
@@ -301,6 +389,28 @@ class LeanDecoder:
         if tally is not None:
             tally.step()
         return self.output(self.final_norm(x[:, 0]))  # (B, V)
+
+
+def spent(enc: EncoderOutput) -> EncoderOutput:
+    """``enc`` once a lean decode started from it: what its steps read (the control
+    embeddings and gate offsets of its rows), with no encoder states (zero width)."""
+    return EncoderOutput(enc.out[:, :0], enc.pad_mask[:, :0], enc.control, enc.gate_offset)
+
+
+def cat_rows(a: EncoderOutput, b: EncoderOutput) -> EncoderOutput:
+    """The rows of two :func:`spent` encoder outputs, ``a``'s then ``b``'s; rows without
+    gate offsets where the others have them get 0 (what no offset means to a gate)."""
+    assert a.out.size(1) == b.out.size(1) == 0, "spent encoder outputs"
+    assert (a.control is None) == (b.control is None), "rows of one model"
+    control = None if a.control is None else torch.cat([a.control, b.control])
+    offsets = [a.gate_offset, b.gate_offset]
+    if all(o is None for o in offsets):
+        offset = None
+    else:
+        offset = torch.cat([torch.zeros(e.out.size(0), device=e.out.device) if o is None
+                            else o.float() for e, o in zip((a, b), offsets, strict=True)])
+    return EncoderOutput(torch.cat([a.out, b.out]), torch.cat([a.pad_mask, b.pad_mask]),
+                         control, offset)
 
 
 def lean_or_model(model: nn.Module) -> nn.Module | LeanDecoder:

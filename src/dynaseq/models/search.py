@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -180,6 +182,97 @@ def _report(on_done: Finished | None, out: Tensor, rows: list[int],
         return
     tokens = out[torch.tensor(rows, device=out.device)].tolist()
     on_done(rows, [t[: lengths[r]] for r, t in zip(rows, tokens, strict=True)])
+
+
+@dataclass
+class Sentences:
+    """Sentences handed to a running :func:`refilled_greedy_search`: ``keys`` (the caller's
+    name for each, given back with its tokens), ``src`` ``(n, S)`` padded with ``pad_id``
+    and ending in eos, and ``control`` (their budget: as :func:`greedy_search`'s, for these
+    rows)."""
+
+    keys: list[Any]
+    src: Tensor
+    control: Any = None
+
+
+Refill = Callable[[int], "Sentences | None"]
+"""``refill(free)``: at most ``free`` more sentences for a :func:`refilled_greedy_search`
+to decode beside the ones it runs, or None (none now: it asks again at a later step; with
+no sentence running, None ends the search)."""
+
+
+@torch.inference_mode()
+def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[int]], None],
+                           max_rows: int = 32, min_free: int | None = None,
+                           max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
+                           max_positions: int = 1024) -> None:
+    """Greedy search of the sentences ``refill`` hands over, each answered by
+    ``on_done(key, tokens)`` (no bos/eos) the step it finishes, with the freed rows filled
+    by new sentences while the others go on (continuous batching): every step runs about
+    ``max_rows`` rows however long each sentence's output is, where a batch of
+    :func:`greedy_search` runs fewer and fewer rows for as many steps as its longest
+    output needs. Each sentence gets the tokens :func:`greedy_search` gives it alone (its
+    rows attend their own keys only: :meth:`LeanState.join`), up to float rounding.
+
+    ``model``: a decoder that joins sentences to a running decode (``begin``, ``join``:
+    :class:`~dynaseq.models.lean.LeanDecoder`). ``refill`` is asked for sentences whenever
+    at least ``min_free`` rows are free (default: a quarter of ``max_rows``; each join
+    encodes the new sentences and copies the running rows' caches), or none runs.
+    Length limits as :func:`greedy_search`'s, per sentence.
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    min_free = max(1, max_rows // 4) if min_free is None else min_free
+    eos = model.eos_id
+    state = enc = tokens = None
+    keys: list[Any] = []
+    limits: list[int] = []  # per running row: its output budget (tokens incl. eos)
+    made: list[list[int]] = []  # per running row: its tokens so far
+    while True:
+        free = max_rows - len(keys)
+        new = refill(free) if free >= min_free or not keys else None
+        if new is not None:
+            n = new.src.size(0)
+            if not 0 < n <= free:
+                raise ValueError(f"refill gave {n} sentences for {free} free rows")
+            e = model.encode(new.src, control=new.control)
+            limit = max_lengths((~e.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
+            bos = torch.full((n, 1), model.bos_id, dtype=torch.long, device=new.src.device)
+            if state is None:
+                state, enc = model.begin(e)
+                tokens = bos
+            else:
+                enc = model.join(state, enc, e)
+                tokens = torch.cat([tokens, bos])
+            keys += new.keys
+            limits += limit.clamp(min=min_len + 1).tolist()
+            made += [[] for _ in range(n)]
+        if not keys:
+            return
+        logits = model.decode_step(tokens, enc, state)  # (rows, V)
+        early = [i for i, m in enumerate(made) if len(m) < min_len]
+        if early:
+            logits[torch.tensor(early, device=logits.device), eos] = float("-inf")
+        last = [len(m) + 1 >= limit for m, limit in zip(made, limits, strict=True)]
+        if any(last):
+            _force_eos(logits, eos, torch.tensor(last, device=logits.device))
+        nxt = logits.argmax(-1).tolist()  # the step's one host sync
+        keep = [i for i, t in enumerate(nxt) if t != eos]
+        for i, t in enumerate(nxt):
+            if t == eos:
+                on_done(keys[i], made[i])
+            else:
+                made[i].append(t)
+        if len(keep) < len(keys):
+            keys, limits, made = ([x[i] for i in keep] for x in (keys, limits, made))
+            if not keep:
+                state = enc = tokens = None
+                continue
+            index = torch.tensor(keep, device=logits.device)
+            state.reorder(index)
+            enc = enc.index_select(index)
+        tokens = torch.tensor([nxt[i] for i in keep], device=logits.device)[:, None]
 
 
 def counted_greedy_search(model, src: Tensor,

@@ -60,7 +60,7 @@ class DenseSelfAttention:
         qkv = self.qkv(x)  # (B, 1, 3·H·hd)
         q, k, v = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
         keys, values = cache.append(k, v)  # (B, H, t+1, hd)
-        a = F.scaled_dot_product_attention(q, keys, values)  # (B, H, 1, hd)
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask)  # (B,H,1,hd)
         return self.out(a.reshape(b, 1, h * d))
 
 

@@ -30,7 +30,7 @@ their version counters to know when its copies went stale.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -182,7 +182,12 @@ def fused_linear(mods: tuple[nn.Module, ...]) -> LinearFn | None:
 class StepCache:
     """One layer's self-attention keys and values, preallocated: ``k``/``v``
     ``(B, H, capacity, d_head)``, the first :attr:`length` positions filled. A step writes in
-    place; a full cache doubles its capacity (so no step concatenates)."""
+    place; a full cache doubles its capacity (so no step concatenates).
+
+    Rows that joined a running decode (:meth:`join`) began at a later slot than the others:
+    :attr:`mask` then says which filled slots each row's own steps wrote, and the
+    self-attention parts pass it to the attention (set by the decoding state before each
+    step; None while every row began at slot 0)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -191,6 +196,29 @@ class StepCache:
         self.length = 0
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        self.mask: Tensor | None = None
+        """``(B, 1, 1, length + 1)`` bool, True at the slots the step's rows may attend (theirs
+        and the one this step writes), or None: every slot."""
+
+    def join(self, rows: int) -> None:
+        """Make room for ``rows`` more rows after the present ones (their slots unwritten:
+        the state's :attr:`mask` keeps them out of the attention until their own steps write
+        them); the filled slots of the present rows are copied."""
+        if self.k is None:
+            return  # allocated at the first append, with every row
+        assert self.v is not None
+        self.k, self.v = (_more_rows(c, rows, self.length) for c in (self.k, self.v))
+
+    def compact(self, shift: int) -> None:
+        """Drop the first ``shift`` filled slots (no row's any more: every row began at or
+        after slot ``shift``); the others move to the front."""
+        if not shift:
+            return
+        assert 0 < shift <= self.length
+        for cache in (self.k, self.v):
+            if cache is not None:
+                cache[:, :, : self.length - shift] = cache[:, :, shift: self.length].clone()
+        self.length -= shift
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write one step's keys and values ``(B, H, 1, d_head)`` at position :attr:`length`;
@@ -271,6 +299,30 @@ class CrossKeys:
         """The same keys, each row serving ``group`` consecutive query rows (no copy)."""
         assert self.group == 1, "keys are shared once"
         return CrossKeys(self.k, self.v, self.mask, group)
+
+    @staticmethod
+    def cat(parts: Sequence[CrossKeys]) -> CrossKeys:
+        """The rows of ``parts`` one after the other (one query row each), padded to the
+        widest: zero keys and values that the mask leaves out (False, or ``-inf`` where a
+        part's mask is float, as the CCT's packed keys are: then every mask is float)."""
+        assert all(p.group == 1 for p in parts), "rows of their own (greedy search)"
+        width = max(p.k.size(2) for p in parts)
+        if all(p.mask is None and p.k.size(2) == width for p in parts):
+            return CrossKeys(torch.cat([p.k for p in parts]), torch.cat([p.v for p in parts]))
+        floats = any(p.mask is not None and p.mask.is_floating_point() for p in parts)
+        ks, vs, masks = [], [], []
+        for p in parts:
+            rows, w = p.k.size(0), p.k.size(2)
+            mask = (torch.ones(rows, 1, 1, w, dtype=torch.bool, device=p.k.device)
+                    if p.mask is None else p.mask.expand(rows, 1, 1, w))
+            if floats and not mask.is_floating_point():
+                mask = torch.zeros(mask.shape, dtype=p.k.dtype, device=p.k.device
+                                   ).masked_fill_(~mask, float("-inf"))
+            masks.append(F.pad(mask, (0, width - w),
+                               value=float("-inf") if floats else False))
+            ks.append(F.pad(p.k, (0, 0, 0, width - w)))
+            vs.append(F.pad(p.v, (0, 0, 0, width - w)))
+        return CrossKeys(torch.cat(ks), torch.cat(vs), torch.cat(masks))
 
 
 def attend_keys(q: Tensor, keys: CrossKeys) -> Tensor:
@@ -474,6 +526,16 @@ def _grow(cache: Tensor, filled: int) -> Tensor:
     bigger = cache.new_empty((*cache.shape[:2], 2 * cache.size(2), cache.size(3)))
     bigger[:, :, :filled].copy_(cache[:, :, :filled])
     return bigger
+
+
+def _more_rows(cache: Tensor, rows: int, filled: int) -> Tensor:
+    """``cache`` with ``rows`` more rows after its own, the same capacity, its first
+    ``filled`` positions copied and the new rows' zero (masked slots still enter the
+    attention's product with weight 0, and 0 times a stale NaN would be NaN)."""
+    out = cache.new_empty((cache.size(0) + rows, *cache.shape[1:]))
+    out[: cache.size(0), :, :filled].copy_(cache[:, :, :filled])
+    out[cache.size(0):].zero_()
+    return out
 
 
 def moved_rows(index: Tensor, rows: int) -> Tensor | None:

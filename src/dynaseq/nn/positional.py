@@ -34,3 +34,8 @@ class SinusoidalPositions(nn.Module):
             raise ValueError(f"sequence of {offset + length} positions is longer than "
                              f"max_positions={self.max_positions}")
         return self.table[offset: offset + length]
+
+    def at(self, positions: Tensor) -> Tensor:
+        """One position per row: ``positions`` ``(B,)`` long -> ``(B, d_model)`` (rows of a
+        decode that began at different steps)."""
+        return self.table.index_select(0, positions)

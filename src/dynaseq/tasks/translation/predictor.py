@@ -37,9 +37,11 @@ from dynaseq.models.lean import LeanDecoder
 from dynaseq.models.search import (
     Counted,
     Expires,
+    Sentences,
     beam_search,
     counted_greedy_search,
     greedy_search,
+    refilled_greedy_search,
 )
 from dynaseq.nn.lean_step import autocast_on, refreshed
 from dynaseq.nn.losses import label_smoothed_loss
@@ -220,8 +222,8 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
                   lean: LeanDecoder | None = None,
                   on_batch: BatchCounts | None = None,
                   expires: Sequence[Expires] | None = None,
-                  on_done: Callable[[LinesDone], None] | None = None
-                  ) -> list[list[int] | None]:
+                  on_done: Callable[[LinesDone], None] | None = None,
+                  continuous: bool = False) -> list[list[int] | None]:
     """Decode token-id sentences (no eos) in batches (:func:`budget_batches`: by length, and
     by budget where each sentence has its own); output in input order.
 
@@ -240,6 +242,10 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     sentence still decoding then is dropped and gives None
     (:func:`~dynaseq.models.search.greedy_search`).
     ``on_done``: called as sentences finish (:class:`LinesDone`), before their batch ends.
+    ``continuous``: greedy decoding through ``lean``, the rows of finished sentences
+    refilled with the next ones (in the same order) while the others go on
+    (:func:`~dynaseq.models.search.refilled_greedy_search`, ``batch_size`` rows); the same
+    tokens, up to float rounding. Not with ``on_batch``, ``expires`` or ``on_done``.
     A beam wider than the vocabulary, or a length penalty that would overflow, is a
     :class:`DynaseqError` (:func:`check_decode`).
     """
@@ -254,6 +260,30 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
     device = device or next(model.parameters()).device
     max_pos = model.encoder.positions.max_positions
     out: list[list[int] | None] = [[] for _ in src_ids]
+    if continuous:
+        if beam != 1 or lean is None or on_batch or expires is not None or on_done:
+            raise ValueError("continuous decoding is greedy, through a lean decoder, with no "
+                             "per-batch counts, expiry or per-line callback")
+        order = [i for idx in budget_batches(control, [len(s) for s in src_ids], batch_size)
+                 for i in idx]
+        with evaluating(model), progress_bar(len(src_ids), "sent", "decode", progress) as bar:
+            def refill(free: int) -> Sentences | None:
+                take, order[:free] = order[:free], []
+                if not take:
+                    return None
+                src = collate_source([src_ids[i][: max_pos - 1] for i in take],
+                                     model.pad_id, model.eos_id).to(device)
+                return Sentences(take, src, one_budget(control_rows(control, len(src_ids),
+                                                                    take, device)))
+
+            def finished(i: int, tokens: list[int]) -> None:
+                out[i] = tokens
+                bar.update(1)
+
+            refilled_greedy_search(lean, refill, finished, max_rows=batch_size,
+                                   max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len,
+                                   max_positions=max_pos)
+        return out
     with evaluating(model), progress_bar(len(src_ids), "sent", "decode", progress) as bar:
         for number, idx in enumerate(budget_batches(control, [len(s) for s in src_ids],
                                                     batch_size)):

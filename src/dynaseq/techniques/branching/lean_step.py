@@ -234,7 +234,8 @@ class DMBSelfAttention(_FusedSelfAttention):
         qkv, route = self._step_in(x, picks, self.qkv, self.qkv_k)  # (B, 3·H·hd)
         q, key, value = qkv.view(b, 3, h, 1, d).unbind(1)  # each (B, H, 1, hd)
         keys, values = cache.append(key, value)  # (B, H, t+1, hd)
-        a = F.scaled_dot_product_attention(q, keys, values).reshape(b, h * d)  # (B, H·hd)
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask
+                                           ).reshape(b, h * d)  # (B, H·hd)
         return self._step_out(a, picks, route)
 
 

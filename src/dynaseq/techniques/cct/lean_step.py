@@ -268,10 +268,10 @@ class GatedSelfAttention(_GatedAttention):
         keys, values = cache.append(split_heads(k, self.n_heads), split_heads(v, self.n_heads))
         if n_q == 0:
             return None
+        own = CrossKeys(keys, values, cache.mask)  # the mask: rows that began later
         if n_q == b:
-            q = self.q_fn(x) if q is None else q
-            return self._attend(q, CrossKeys(keys, values))
-        return self._attend_rows(x, _rows(on[:, 0]), CrossKeys(keys, values))
+            return self._attend(self.q_fn(x) if q is None else q, own)
+        return self._attend_rows(x, _rows(on[:, 0]), own)
 
 
 class GatedEncoderAttention(_GatedAttention):

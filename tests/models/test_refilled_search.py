@@ -1,0 +1,180 @@
+"""Continuous batching: sentences join a running greedy decode (models/search.py
+``refilled_greedy_search``, models/lean.py ``LeanState.join``) and each gets the tokens and
+logits it gets alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dynaseq.models.lean import LeanDecoder
+from dynaseq.models.search import Sentences, greedy_search, refilled_greedy_search
+from dynaseq.tasks.translation.config import ModelConfig
+from dynaseq.tasks.translation.model import build_seq2seq
+from dynaseq.tasks.translation.predictor import decode_corpus
+from dynaseq.techniques.branching.config import DMBConfig
+from dynaseq.techniques.cct.config import CCTConfig
+from dynaseq.techniques.cct.gating import BudgetControl
+
+EOS = 3
+KINDS = {"dense": {}, "cct": {"cct": CCTConfig(ffn_pieces=2, control_hidden=8)},
+         "dmb": {"dmb": DMBConfig(n_branches=3)}}
+OFFSETS = [0.0, 1.5, -1.5, math.inf, -math.inf, 0.5]  # gates open, closed and mixed per row
+
+
+def model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, ffn_dim=64, n_heads=4, encoder_layers=1, decoder_layers=2,
+                      dropout=0.0, **KINDS[kind])
+    m = build_seq2seq(cfg, vocab_size=30).eval()
+    with torch.no_grad():  # peaky outputs, and eos likely enough that lengths vary
+        m.decoder.output_proj.weight.mul_(4)
+        m.decoder.output_proj.weight[EOS] *= 1.5
+    return m
+
+
+def sentences(n: int, seed: int = 1) -> list[list[int]]:
+    """Source ids of 2 to 11 tokens, eos last."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 30, (int(torch.randint(1, 11, (1,), generator=g)),),
+                          generator=g).tolist() + [EOS] for _ in range(n)]
+
+
+def padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows])
+
+
+def control(kind: str, idx: list[int]) -> BudgetControl | None:
+    """Per-row gate offsets (and control ids) for a CCT: each sentence its own."""
+    if kind != "cct":
+        return None
+    off = torch.tensor([OFFSETS[i % len(OFFSETS)] for i in idx])
+    return BudgetControl(torch.zeros(len(idx), dtype=torch.long), {"encoder": off, "decoder": -off})
+
+
+def refilled(lean, srcs: list[list[int]], kind: str, chunk: int, **kw) -> dict[int, list[int]]:
+    """Every sentence through a refilled decode, ``chunk`` at a time as rows free up."""
+    queue, got = list(range(len(srcs))), {}
+
+    def refill(free: int) -> Sentences | None:
+        take, queue[:min(free, chunk)] = queue[:min(free, chunk)], []
+        return Sentences(take, padded([srcs[i] for i in take]), control(kind, take)) \
+            if take else None
+
+    refilled_greedy_search(lean, refill, got.__setitem__, **kw)
+    assert sorted(got) == list(range(len(srcs))), "every sentence answered once"
+    return got
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_sentence_gets_its_own_greedy_tokens_while_others_join_and_leave(kind):
+    m = model(kind)
+    lean = LeanDecoder.prepare(m)
+    srcs = sentences(23)
+    kw = {"max_len_a": 1.5, "max_len_b": 6}
+    alone = [greedy_search(lean, padded([s]), control=control(kind, [i]), **kw)[0]
+             for i, s in enumerate(srcs)]
+    assert len({len(a) for a in alone}) > 3, "outputs of many lengths: rows leave apart"
+    for rows, chunk, min_free in ((5, 2, 1), (4, 4, None), (1, 1, 1), (32, 32, None)):
+        got = refilled(lean, srcs, kind, chunk, max_rows=rows, min_free=min_free, **kw)
+        assert [got[i] for i in range(len(srcs))] == alone, (rows, chunk)
+
+
+@pytest.mark.parametrize("kind", ["dense", "cct"])
+def test_a_row_that_joins_late_gets_its_solo_logits_at_every_step_across_compaction(kind):
+    """Row B joins after A ran 5 steps, in a state whose caches hold 2 slots at first: they
+    grow, then drop the slots only A's finished steps used (compaction) instead of doubling;
+    B's logits equal B decoded alone, and so do A's."""
+    m = model(kind, seed=2)
+    lean = LeanDecoder.prepare(m)
+    a, b = sentences(2, seed=3)
+    ca, cb = control(kind, [0]), control(kind, [3])
+
+    def solo(src, ctl, steps):
+        enc, state = lean.encode(padded([src]), ctl), lean.init_state(capacity=2)
+        tok, out = torch.tensor([[m.bos_id]]), []
+        for _ in range(steps):
+            logits = lean.decode_step(tok, enc, state)
+            out.append(logits[0])
+            tok = logits.argmax(-1, keepdim=True)
+        return out
+
+    want_a, want_b = solo(a, ca, 9), solo(b, cb, 14)
+    state, enc = lean.begin(lean.encode(padded([a]), ca))
+    state.caches = [type(c)(2) for c in state.caches]  # small: growth and compaction
+    tok = torch.tensor([[m.bos_id]])
+    for step in range(5):
+        logits = lean.decode_step(tok, enc, state)
+        torch.testing.assert_close(logits[0], want_a[step], rtol=1e-5, atol=1e-5)
+        tok = logits.argmax(-1, keepdim=True)
+    enc = lean.join(state, enc, lean.encode(padded([b]), cb))
+    tok = torch.cat([tok, torch.tensor([[m.bos_id]])])
+    for step in range(4):
+        logits = lean.decode_step(tok, enc, state)
+        torch.testing.assert_close(logits[0], want_a[5 + step], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[1], want_b[step], rtol=1e-5, atol=1e-5)
+        tok = logits.argmax(-1, keepdim=True)
+    assert state.starts.tolist() == [0, 5]
+    keep = torch.tensor([1])  # A leaves: B alone, its slots from 5 on
+    state.reorder(keep)
+    enc, tok = enc.index_select(keep), tok[1:]
+    for step in range(4, 14):  # slot 16 is past the capacity: compacted, not doubled
+        logits = lean.decode_step(tok, enc, state)
+        torch.testing.assert_close(logits[0], want_b[step], rtol=1e-5, atol=1e-5)
+        tok = logits.argmax(-1, keepdim=True)
+    assert state.starts is None, "compacted to the front: every row from slot 0"
+    assert state.length == 14 and all(c.k.size(2) == 16 for c in state.caches)
+
+
+def test_a_long_refilled_decode_keeps_its_caches_small():
+    """Slots of finished sentences are dropped, so the caches hold about the longest
+    running span of steps, not every step the decode ran."""
+    m = model("dense", seed=4)
+    lean = LeanDecoder.prepare(m)
+    srcs = sentences(200, seed=5)
+    seen = []
+    step = lean.decode_step
+
+    def watched(tokens, enc, state):
+        seen.append((state.length, max(c.k.size(2) if c.k is not None else 0
+                                       for c in state.caches)))
+        return step(tokens, enc, state)
+
+    lean.decode_step = watched
+    refilled(lean, srcs, "dense", 2, max_rows=4, min_free=1, max_len_b=20)
+    steps = len(seen)
+    assert steps > 200, "a long decode"
+    assert max(cap for _, cap in seen) <= 64 and max(n for n, _ in seen) <= 64
+
+
+@pytest.mark.parametrize("kind", ["dense", "cct"])
+def test_decode_corpus_continuous_gives_the_batched_decodes_tokens(kind):
+    m = model(kind, seed=6)
+    lean = LeanDecoder.prepare(m)
+    srcs = [s[:-1] for s in sentences(40, seed=7)]  # decode_corpus adds the eos
+    ctl = control(kind, list(range(len(srcs))))
+    static = decode_corpus(m, srcs, batch_size=8, control=ctl, lean=lean, max_len_b=12)
+    cont = decode_corpus(m, srcs, batch_size=8, control=ctl, lean=lean, max_len_b=12,
+                         continuous=True)
+    assert cont == static
+
+
+def test_bad_calls_are_refused():
+    m = model("dense")
+    lean = LeanDecoder.prepare(m)
+    src = padded(sentences(3))
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        refilled_greedy_search(lean, lambda free: None, print, max_rows=0)
+    with pytest.raises(ValueError, match="refill gave 3 sentences for 2 free rows"):
+        refilled_greedy_search(lean, lambda free: Sentences([0, 1, 2], src), print,
+                               max_rows=2)
+    with pytest.raises(ValueError, match="continuous decoding is greedy"):
+        decode_corpus(m, [[5, 6]], beam=2, lean=lean, continuous=True)
+    with pytest.raises(ValueError, match="continuous decoding is greedy"):
+        decode_corpus(m, [[5, 6]], continuous=True)  # no lean decoder
+    nothing: list = []
+    refilled_greedy_search(lean, lambda free: None, lambda *a: nothing.append(a))
+    assert nothing == []
