@@ -84,14 +84,15 @@ def test_each_sentence_gets_its_own_greedy_tokens_while_others_join_and_leave(ki
 
 
 @pytest.mark.parametrize("kind", ["dense", "cct"])
-def test_a_row_that_joins_late_gets_its_solo_logits_at_every_step_across_compaction(kind):
-    """Row B joins after A ran 5 steps, in a state whose caches hold 2 slots at first: they
-    grow, then drop the slots only A's finished steps used (compaction) instead of doubling;
-    B's logits equal B decoded alone, and so do A's."""
+def test_rows_that_join_late_get_their_solo_logits_at_every_step_across_compaction(kind):
+    """A and C start together in a state whose caches hold 2 slots at first. After 5
+    steps B takes over A's row (``put``: A finished) and D joins after C (``join``); then C
+    leaves. The caches grow, then drop the slots only A's and C's steps used (compaction)
+    instead of doubling. Every row's logits equal its sentence decoded alone."""
     m = model(kind, seed=2)
     lean = LeanDecoder.prepare(m)
-    a, b = sentences(2, seed=3)
-    ca, cb = control(kind, [0]), control(kind, [3])
+    a, b, c, d = sentences(4, seed=3)
+    ctl = [control(kind, [i]) for i in range(4)]
 
     def solo(src, ctl, steps):
         enc, state = lean.encode(padded([src]), ctl), lean.init_state(capacity=2)
@@ -102,31 +103,38 @@ def test_a_row_that_joins_late_gets_its_solo_logits_at_every_step_across_compact
             tok = logits.argmax(-1, keepdim=True)
         return out
 
-    want_a, want_b = solo(a, ca, 9), solo(b, cb, 14)
-    state, enc = lean.begin(lean.encode(padded([a]), ca))
-    state.caches = [type(c)(2) for c in state.caches]  # small: growth and compaction
-    tok = torch.tensor([[m.bos_id]])
-    for step in range(5):
+    want = {"a": solo(a, ctl[0], 5), "b": solo(b, ctl[1], 14), "c": solo(c, ctl[2], 9),
+            "d": solo(d, ctl[3], 4)}
+    both = control(kind, [0, 2])
+    state, enc = lean.begin(lean.encode(padded([a, c]), both))
+    state.caches = [type(x)(2) for x in state.caches]  # small: growth and compaction
+    bos = torch.tensor([[m.bos_id]])
+
+    def step(names, tok, at):
         logits = lean.decode_step(tok, enc, state)
-        torch.testing.assert_close(logits[0], want_a[step], rtol=1e-5, atol=1e-5)
-        tok = logits.argmax(-1, keepdim=True)
-    enc = lean.join(state, enc, lean.encode(padded([b]), cb))
-    tok = torch.cat([tok, torch.tensor([[m.bos_id]])])
-    for step in range(4):
-        logits = lean.decode_step(tok, enc, state)
-        torch.testing.assert_close(logits[0], want_a[5 + step], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(logits[1], want_b[step], rtol=1e-5, atol=1e-5)
-        tok = logits.argmax(-1, keepdim=True)
-    assert state.starts.tolist() == [0, 5]
-    keep = torch.tensor([1])  # A leaves: B alone, its slots from 5 on
+        for row, name in enumerate(names):
+            torch.testing.assert_close(logits[row], want[name][at[row]], rtol=1e-5,
+                                       atol=1e-5)
+        return logits.argmax(-1, keepdim=True)
+
+    tok = torch.cat([bos, bos])
+    for i in range(5):
+        tok = step("ac", tok, [i, i])
+    fresh, new = lean.begin(lean.encode(padded([b]), ctl[1]))
+    enc = lean.put(state, enc, torch.tensor([0]), fresh, new)  # B in A's row
+    fresh, new = lean.begin(lean.encode(padded([d]), ctl[3]))
+    enc = lean.join(state, enc, fresh, new)
+    tok = torch.cat([bos, tok[1:], bos])
+    for i in range(4):
+        tok = step("bcd", tok, [i, 5 + i, i])
+    assert state.starts.tolist() == [5, 0, 5]
+    keep = torch.tensor([0])  # C and D leave: B alone, its slots from 5 on
     state.reorder(keep)
-    enc, tok = enc.index_select(keep), tok[1:]
-    for step in range(4, 14):  # slot 16 is past the capacity: compacted, not doubled
-        logits = lean.decode_step(tok, enc, state)
-        torch.testing.assert_close(logits[0], want_b[step], rtol=1e-5, atol=1e-5)
-        tok = logits.argmax(-1, keepdim=True)
+    enc, tok = enc.index_select(keep), tok[:1]
+    for i in range(4, 14):  # slot 16 is past the capacity: compacted, not doubled
+        tok = step("b", tok, [i])
     assert state.starts is None, "compacted to the front: every row from slot 0"
-    assert state.length == 14 and all(c.k.size(2) == 16 for c in state.caches)
+    assert state.length == 14 and all(x.k.size(2) == 16 for x in state.caches)
 
 
 def test_a_long_refilled_decode_keeps_its_caches_small():

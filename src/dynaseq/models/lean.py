@@ -193,6 +193,20 @@ class LeanState:
             self.starts = torch.cat([starts, torch.full((more,), self.length,
                                                         dtype=torch.long, device=device)])
 
+    def put(self, rows: Tensor, other: LeanState) -> None:
+        """Rows ``rows`` ``(n,)`` (of sentences that finished) taken over by the ``n`` rows of
+        ``other``, started as for :meth:`join`: nothing of the other rows moves. The old
+        rows' slots stay in the caches, left out of the new rows' attention (their first
+        step writes this state's next slot)."""
+        assert other.started and other.length == 0 and self.started, "two started states"
+        assert self.tally is None and other.tally is None, "counted decodes keep their rows"
+        self.cross = [a.put(rows, b) for a, b in zip(self.cross, other.cross, strict=True)]
+        if self.length:
+            if self.starts is None:
+                self.starts = torch.zeros(self.cross[0].k.size(0), dtype=torch.long,
+                                          device=rows.device)
+            self.starts = self.starts.index_fill(0, rows, self.length)
+
     def prepare_step(self) -> None:
         """Before a step of rows that began at different slots: a full cache drops the
         slots no row reads any more (every row began after them) instead of doubling, and
@@ -346,16 +360,25 @@ class LeanDecoder:
         return state, spent(enc)
 
     @torch.inference_mode()
-    def join(self, state: LeanState, enc: EncoderOutput, new: EncoderOutput
-             ) -> EncoderOutput:
-        """Add the sentences of ``new`` (their encoder output, :meth:`encode`) to a running
-        greedy decode: ``state`` and ``enc``, the encoder output of its rows (as
-        :func:`spent` leaves it: ``out`` is read at the start only). Returns the encoder
-        output of the joined rows, theirs then the new ones; the new rows' first step
-        reads bos at position 0 (:meth:`LeanState.positions`)."""
-        fresh, new = self.begin(new)
+    def join(self, state: LeanState, enc: EncoderOutput, fresh: LeanState,
+             new: EncoderOutput) -> EncoderOutput:
+        """Add new sentences to a running greedy decode: ``state`` and ``enc``, the encoder
+        output of its rows (:func:`spent`), take the rows of ``fresh`` and ``new``
+        (:meth:`begin` of the new sentences) after their own. Returns the encoder output of
+        the joined rows; the new rows' first step reads bos at position 0
+        (:meth:`LeanState.positions`)."""
         state.join(fresh)
         joined = cat_rows(enc, new)
+        state.offset = uniform_offset(joined.gate_offset)
+        return joined
+
+    @torch.inference_mode()
+    def put(self, state: LeanState, enc: EncoderOutput, rows: Tensor, fresh: LeanState,
+            new: EncoderOutput) -> EncoderOutput:
+        """As :meth:`join`, the new sentences taking over rows ``rows`` (finished ones)
+        instead: the other rows' caches are not copied."""
+        state.put(rows, fresh)
+        joined = put_rows(enc, rows, new)
         state.offset = uniform_offset(joined.gate_offset)
         return joined
 
@@ -411,6 +434,21 @@ def cat_rows(a: EncoderOutput, b: EncoderOutput) -> EncoderOutput:
                             else o.float() for e, o in zip((a, b), offsets, strict=True)])
     return EncoderOutput(torch.cat([a.out, b.out]), torch.cat([a.pad_mask, b.pad_mask]),
                          control, offset)
+
+
+def put_rows(a: EncoderOutput, rows: Tensor, b: EncoderOutput) -> EncoderOutput:
+    """:func:`spent` encoder output ``a`` with rows ``rows`` replaced by ``b``'s (offsets as
+    :func:`cat_rows` fills them)."""
+    assert a.out.size(1) == b.out.size(1) == 0, "spent encoder outputs"
+    assert (a.control is None) == (b.control is None), "rows of one model"
+    control = None if a.control is None else a.control.index_copy(0, rows, b.control)
+    if a.gate_offset is None and b.gate_offset is None:
+        offset = None
+    else:
+        base, new = (torch.zeros(e.out.size(0), device=e.out.device) if e.gate_offset is None
+                     else e.gate_offset for e in (a, b))
+        offset = base.index_copy(0, rows, new.to(base.dtype))
+    return EncoderOutput(a.out, a.pad_mask, control, offset)
 
 
 def lean_or_model(model: nn.Module) -> nn.Module | LeanDecoder:

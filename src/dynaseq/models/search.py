@@ -20,6 +20,7 @@ beams share what is the same for all of them),
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -224,55 +225,84 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     min_free = max(1, max_rows // 4) if min_free is None else min_free
-    eos = model.eos_id
-    state = enc = tokens = None
-    keys: list[Any] = []
-    limits: list[int] = []  # per running row: its output budget (tokens incl. eos)
-    made: list[list[int]] = []  # per running row: its tokens so far
+    eos, bos = model.eos_id, model.bos_id
+    state = enc = None
+    keys: list[Any] = []  # per row: its sentence's key (None: finished, its row free)
+    limits: list[int] = []  # per row: its output budget (tokens incl. eos)
+    made: list[list[int]] = []  # per row: its tokens so far
+    last: list[int] = []  # per row: the token its next step reads
+    done: list[int] = []  # rows whose sentences finished at the last step
     while True:
-        free = max_rows - len(keys)
-        new = refill(free) if free >= min_free or not keys else None
-        if new is not None:
-            n = new.src.size(0)
-            if not 0 < n <= free:
-                raise ValueError(f"refill gave {n} sentences for {free} free rows")
+        running = len(keys) - len(done)
+        free = max_rows - running
+        new = refill(free) if free >= min_free or not running else None
+        n = 0 if new is None else new.src.size(0)
+        if new is not None and not 0 < n <= free:
+            raise ValueError(f"refill gave {n} sentences for {free} free rows")
+        if n:
             e = model.encode(new.src, control=new.control)
             limit = max_lengths((~e.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
-            bos = torch.full((n, 1), model.bos_id, dtype=torch.long, device=new.src.device)
+            fresh, e = model.begin(e)
+            taken, more = done[:n], n - min(n, len(done))
             if state is None:
-                state, enc = model.begin(e)
-                tokens = bos
+                state, enc = fresh, e
             else:
-                enc = model.join(state, enc, e)
-                tokens = torch.cat([tokens, bos])
-            keys += new.keys
-            limits += limit.clamp(min=min_len + 1).tolist()
-            made += [[] for _ in range(n)]
+                if taken:  # new sentences in the rows of finished ones: no cache moves
+                    head = torch.arange(len(taken), device=new.src.device)
+                    part, e_part = _first_rows(fresh, e, head)
+                    enc = model.put(state, enc, torch.tensor(taken, device=head.device),
+                                    part, e_part)
+                if more:
+                    tail = torch.arange(len(taken), n, device=new.src.device)
+                    part, e_part = _first_rows(fresh, e, tail)
+                    enc = model.join(state, enc, part, e_part)
+            rows = taken + list(range(len(keys), len(keys) + more))
+            keys += [None] * more
+            limits += [0] * more
+            made += [[] for _ in range(more)]
+            last += [bos] * more
+            for r, key, cap in zip(rows, new.keys, limit.clamp(min=min_len + 1).tolist(),
+                                   strict=True):
+                keys[r], limits[r], made[r], last[r] = key, cap, [], bos
+            done = done[len(taken):]
+        if done:  # finished rows no sentence took over: dropped
+            keep = [i for i in range(len(keys)) if keys[i] is not None]
+            keys, limits, made, last = ([x[i] for i in keep] for x in (keys, limits, made,
+                                                                       last))
+            done = []
+            if not keep:
+                state = enc = None
+                continue
+            index = torch.tensor(keep, device=enc.out.device)
+            state.reorder(index)
+            enc = enc.index_select(index)
         if not keys:
             return
+        tokens = torch.tensor(last, device=enc.out.device)[:, None]
         logits = model.decode_step(tokens, enc, state)  # (rows, V)
         early = [i for i, m in enumerate(made) if len(m) < min_len]
         if early:
             logits[torch.tensor(early, device=logits.device), eos] = float("-inf")
-        last = [len(m) + 1 >= limit for m, limit in zip(made, limits, strict=True)]
-        if any(last):
-            _force_eos(logits, eos, torch.tensor(last, device=logits.device))
-        nxt = logits.argmax(-1).tolist()  # the step's one host sync
-        keep = [i for i, t in enumerate(nxt) if t != eos]
-        for i, t in enumerate(nxt):
+        at_limit = [len(m) + 1 >= cap for m, cap in zip(made, limits, strict=True)]
+        if any(at_limit):
+            _force_eos(logits, eos, torch.tensor(at_limit, device=logits.device))
+        last = logits.argmax(-1).tolist()  # the step's one host sync
+        for i, t in enumerate(last):
             if t == eos:
                 on_done(keys[i], made[i])
+                keys[i] = None
+                done.append(i)
             else:
                 made[i].append(t)
-        if len(keep) < len(keys):
-            keys, limits, made = ([x[i] for i in keep] for x in (keys, limits, made))
-            if not keep:
-                state = enc = tokens = None
-                continue
-            index = torch.tensor(keep, device=logits.device)
-            state.reorder(index)
-            enc = enc.index_select(index)
-        tokens = torch.tensor([nxt[i] for i in keep], device=logits.device)[:, None]
+
+
+def _first_rows(state, enc, index: Tensor):
+    """Rows ``index`` of a started state that ran no step, and of its spent encoder output."""
+    if index.numel() == enc.out.size(0):
+        return state, enc
+    part = copy.copy(state)  # no step ran: its cross keys are all a state holds
+    part.cross = [keys.index_select(index) for keys in state.cross]
+    return part, enc.index_select(index)
 
 
 def counted_greedy_search(model, src: Tensor,

@@ -310,19 +310,43 @@ class CrossKeys:
         if all(p.mask is None and p.k.size(2) == width for p in parts):
             return CrossKeys(torch.cat([p.k for p in parts]), torch.cat([p.v for p in parts]))
         floats = any(p.mask is not None and p.mask.is_floating_point() for p in parts)
-        ks, vs, masks = [], [], []
-        for p in parts:
-            rows, w = p.k.size(0), p.k.size(2)
-            mask = (torch.ones(rows, 1, 1, w, dtype=torch.bool, device=p.k.device)
-                    if p.mask is None else p.mask.expand(rows, 1, 1, w))
-            if floats and not mask.is_floating_point():
-                mask = torch.zeros(mask.shape, dtype=p.k.dtype, device=p.k.device
-                                   ).masked_fill_(~mask, float("-inf"))
-            masks.append(F.pad(mask, (0, width - w),
-                               value=float("-inf") if floats else False))
-            ks.append(F.pad(p.k, (0, 0, 0, width - w)))
-            vs.append(F.pad(p.v, (0, 0, 0, width - w)))
+        ks, vs, masks = zip(*(p._padded(width, floats) for p in parts), strict=True)
         return CrossKeys(torch.cat(ks), torch.cat(vs), torch.cat(masks))
+
+    def put(self, rows: Tensor, other: CrossKeys) -> CrossKeys:
+        """These keys with rows ``rows`` ``(n,)`` replaced by the ``n`` rows of ``other``
+        (in place where the widths and masks allow, else a padded copy as :meth:`cat`)."""
+        assert self.group == other.group == 1, "rows of their own (greedy search)"
+        width = max(self.k.size(2), other.k.size(2))
+        if self.mask is None and other.mask is None and self.k.size(2) == other.k.size(2):
+            base = self
+        else:
+            floats = any(p.mask is not None and p.mask.is_floating_point()
+                         for p in (self, other))
+            base = self if (self.k.size(2) == width and self.mask is not None
+                            and self.mask.is_floating_point() == floats
+                            and self.mask.size(0) == self.k.size(0)) \
+                else CrossKeys(*self._padded(width, floats))
+            other = CrossKeys(*other._padded(width, floats))
+        base.k.index_copy_(0, rows, other.k)
+        base.v.index_copy_(0, rows, other.v)
+        if base.mask is not None:
+            assert other.mask is not None
+            base.mask.index_copy_(0, rows, other.mask)
+        return base
+
+    def _padded(self, width: int, floats: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values and a mask of one row each ``(B, 1, 1, width)`` (float ``0/-inf``
+        if ``floats``, else bool), padded to ``width`` with zero keys left out: new tensors."""
+        rows, w = self.k.size(0), self.k.size(2)
+        mask = (torch.ones(rows, 1, 1, w, dtype=torch.bool, device=self.k.device)
+                if self.mask is None else self.mask.expand(rows, 1, 1, w))
+        if floats and not mask.is_floating_point():
+            mask = torch.zeros(mask.shape, dtype=self.k.dtype, device=self.k.device
+                               ).masked_fill_(~mask, float("-inf"))
+        pad = width - w
+        return (F.pad(self.k, (0, 0, 0, pad)), F.pad(self.v, (0, 0, 0, pad)),
+                F.pad(mask, (0, pad), value=float("-inf") if floats else False))
 
 
 def attend_keys(q: Tensor, keys: CrossKeys) -> Tensor:
