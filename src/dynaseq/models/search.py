@@ -198,15 +198,15 @@ class Sentences:
 
 
 Refill = Callable[[int], "Sentences | None"]
-"""``refill(free)``: at most ``free`` more sentences for a :func:`refilled_greedy_search`
+"""``refill(limit)``: at most ``limit`` more sentences for a :func:`refilled_greedy_search`
 to decode beside the ones it runs, or None (none now: it asks again at a later step; with
-no sentence running, None ends the search)."""
+no sentence running or waiting, None ends the search)."""
 
 
 @torch.inference_mode()
 def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[int]], None],
-                           max_rows: int = 32, min_free: int | None = None,
-                           max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
+                           max_rows: int = 32, min_free: int = 1, max_len_a: float = 1.2,
+                           max_len_b: int = 10, min_len: int = 0,
                            max_positions: int = 1024) -> None:
     """Greedy search of the sentences ``refill`` hands over, each answered by
     ``on_done(key, tokens)`` (no bos/eos) the step it finishes, with the freed rows filled
@@ -216,15 +216,18 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
     output needs. Each sentence gets the tokens :func:`greedy_search` gives it alone (its
     rows attend their own keys only: :meth:`LeanState.join`), up to float rounding.
 
-    ``model``: a decoder that joins sentences to a running decode (``begin``, ``join``:
-    :class:`~dynaseq.models.lean.LeanDecoder`). ``refill`` is asked for sentences whenever
-    at least ``min_free`` rows are free (default: a quarter of ``max_rows``; each join
-    encodes the new sentences and copies the running rows' caches), or none runs.
-    Length limits as :func:`greedy_search`'s, per sentence.
+    ``model``: a decoder that joins sentences to a running decode (``begin``, ``put``,
+    ``join``: :class:`~dynaseq.models.lean.LeanDecoder`). ``refill(max_rows)`` is asked
+    for up to ``max_rows`` sentences when none is waiting and at least ``min_free`` rows
+    are free (or none runs): they are encoded together and their cross-attention keys
+    projected once (an encoder pass costs about as much for a few sentences as for many),
+    then wait until rows free up; a sentence takes over a finished one's row in place
+    (:meth:`~dynaseq.models.lean.LeanDecoder.put`: no other row's cache moves). Rows no
+    waiting sentence takes are dropped. Length limits as :func:`greedy_search`'s, per
+    sentence.
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    min_free = max(1, max_rows // 4) if min_free is None else min_free
     eos, bos = model.eos_id, model.bos_id
     state = enc = None
     keys: list[Any] = []  # per row: its sentence's key (None: finished, its row free)
@@ -232,37 +235,34 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
     made: list[list[int]] = []  # per row: its tokens so far
     last: list[int] = []  # per row: the token its next step reads
     done: list[int] = []  # rows whose sentences finished at the last step
+    waiting: _Waiting | None = None  # sentences encoded and started, not yet in a row
     while True:
         running = len(keys) - len(done)
         free = max_rows - running
-        new = refill(free) if free >= min_free or not running else None
-        n = 0 if new is None else new.src.size(0)
-        if new is not None and not 0 < n <= free:
-            raise ValueError(f"refill gave {n} sentences for {free} free rows")
+        if waiting is None and (free >= min_free or not running):
+            new = refill(max_rows)
+            if new is not None:
+                waiting = _Waiting.of(model, new, max_rows, (max_len_a, max_len_b,
+                                                             max_positions, min_len))
+        n = 0 if waiting is None else min(free, waiting.rows)
         if n:
-            e = model.encode(new.src, control=new.control)
-            limit = max_lengths((~e.pad_mask).sum(1), max_len_a, max_len_b, max_positions - 1)
-            fresh, e = model.begin(e)
+            fresh, e, new_keys, new_limits, waiting = waiting.take(n)
             taken, more = done[:n], n - min(n, len(done))
             if state is None:
                 state, enc = fresh, e
             else:
                 if taken:  # new sentences in the rows of finished ones: no cache moves
-                    head = torch.arange(len(taken), device=new.src.device)
-                    part, e_part = _first_rows(fresh, e, head)
-                    enc = model.put(state, enc, torch.tensor(taken, device=head.device),
+                    part, e_part, fresh, e = _split(fresh, e, len(taken))
+                    enc = model.put(state, enc, torch.tensor(taken, device=e_part.out.device),
                                     part, e_part)
                 if more:
-                    tail = torch.arange(len(taken), n, device=new.src.device)
-                    part, e_part = _first_rows(fresh, e, tail)
-                    enc = model.join(state, enc, part, e_part)
+                    enc = model.join(state, enc, fresh, e)
             rows = taken + list(range(len(keys), len(keys) + more))
             keys += [None] * more
             limits += [0] * more
             made += [[] for _ in range(more)]
             last += [bos] * more
-            for r, key, cap in zip(rows, new.keys, limit.clamp(min=min_len + 1).tolist(),
-                                   strict=True):
+            for r, key, cap in zip(rows, new_keys, new_limits, strict=True):
                 keys[r], limits[r], made[r], last[r] = key, cap, [], bos
             done = done[len(taken):]
         if done:  # finished rows no sentence took over: dropped
@@ -296,13 +296,56 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
                 made[i].append(t)
 
 
-def _first_rows(state, enc, index: Tensor):
-    """Rows ``index`` of a started state that ran no step, and of its spent encoder output."""
-    if index.numel() == enc.out.size(0):
-        return state, enc
-    part = copy.copy(state)  # no step ran: its cross keys are all a state holds
-    part.cross = [keys.index_select(index) for keys in state.cross]
-    return part, enc.index_select(index)
+@dataclass
+class _Waiting:
+    """Sentences of a refilled search encoded and started (:meth:`LeanDecoder.begin`),
+    waiting for rows: the state of their rows, its spent encoder output, their keys and
+    output budgets."""
+
+    state: Any
+    enc: Any
+    keys: list[Any]
+    limits: list[int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def of(cls, model, new: Sentences, max_rows: int,
+           lengths: tuple[float, int, int, int]) -> _Waiting:
+        n = new.src.size(0)
+        if not 0 < n <= max_rows or len(new.keys) != n:
+            raise ValueError(f"refill gave {n} sentences ({len(new.keys)} keys) for at "
+                             f"most {max_rows}")
+        e = model.encode(new.src, control=new.control)
+        a, b, max_positions, min_len = lengths
+        limit = max_lengths((~e.pad_mask).sum(1), a, b, max_positions - 1)
+        state, e = model.begin(e)
+        return cls(state, e, list(new.keys), limit.clamp(min=min_len + 1).tolist())
+
+    def take(self, n: int) -> tuple[Any, Any, list[Any], list[int], _Waiting | None]:
+        """The first ``n`` sentences (their state, encoder output, keys, budgets) and the
+        rest (None: none left)."""
+        if n == self.rows:
+            return self.state, self.enc, self.keys, self.limits, None
+        part, e, rest, e_rest = _split(self.state, self.enc, n)
+        return (part, e, self.keys[:n], self.limits[:n],
+                _Waiting(rest, e_rest, self.keys[n:], self.limits[n:]))
+
+
+def _split(state, enc, n: int):
+    """A started state that ran no step, and its spent encoder output, as its first ``n``
+    rows and the others (each a state of its own: its cross keys are all it holds)."""
+    device = enc.out.device
+    head, tail = (torch.arange(0, n, device=device),
+                  torch.arange(n, enc.out.size(0), device=device))
+    parts = []
+    for index in (head, tail):
+        part = copy.copy(state)
+        part.cross = [keys.index_select(index) for keys in state.cross]
+        parts += [part, enc.index_select(index)]
+    return tuple(parts)
 
 
 def counted_greedy_search(model, src: Tensor,
