@@ -451,7 +451,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "pip install 'dynaseq[serve]'")
 
     if _run_dir_kind(args.run_dir) != "seq2seq":
-        _refuse_given(args, ("beam",), "translation")
+        _refuse_given(args, ("beam", "continuous"), "translation")
     cfg = ServeConfig(
         host=args.host, port=args.port, batch_window_ms=args.batch_window_ms,
         max_batch_rows=args.max_batch_lines, max_queue_rows=args.max_queue_lines,
@@ -465,7 +465,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log, default_budget=args.default_budget,
         workers=args.workers, early_answers=not args.answer_at_batch_end,
         batch_nice=args.batch_nice, batch_by_budget=not args.mixed_batches,
-        precision=args.precision)
+        precision=args.precision, continuous=bool(args.continuous))
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
                  latency_table=args.latency_table, threads=args.threads)
 
@@ -1373,6 +1373,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="always batch queued requests in arrival order, whatever their "
                         "budgets (default: a queue deeper than a batch runs single-budget "
                         "batches)")
+    p.add_argument("--continuous", action="store_true", default=None,
+                   help="translation: continuous batching (greedy; a finished line's row "
+                        "is taken over by a queued line at the next step); requests name "
+                        "their budget, no deadlines")
     p.add_argument("--batch-nice", type=int, default=10,
                    help="lower the batch thread's scheduling priority by this much (its "
                         "nice value, Linux; 0-19, default 10), so the event loop reads and "

@@ -126,6 +126,16 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     if kind == "seq2seq":  # refused here, in one line, not by the warm-up inside uvicorn
         check_decode(predictor.model, beam, predictor.config.decode.length_penalty)
     default_budget = config_default_budget(predictor, kind, config)
+    if config.continuous:
+        if kind != "seq2seq":
+            raise DynaseqError("--continuous is for translation runs")
+        if beam != 1:
+            raise DynaseqError(f"--continuous decodes greedily: serve with --beam 1 (this "
+                               f"run decodes at beam {beam})")
+        if predictor.lean_decoder() is None:
+            raise DynaseqError("--continuous needs a model with a lean decoding step (MoE, "
+                               "int8 CCT and relative-position models have none)")
+        table = None  # deadlines are planned for batches: a continuous server takes none
     policy = None
     if table is not None and kind in ("seq2seq", "classify"):
         if kind == "seq2seq" and table.beam != beam:
@@ -159,7 +169,11 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
                     {"pid": os.getpid()} if config.workers > 1 else None)
     state = ServeState(predictor, kind, config, metrics, batcher, policy, beam, default_budget,
                        budgets, log, run_dir=run_dir)
-    if kind == "seq2seq":
+    if kind == "seq2seq" and config.continuous:
+        state.run_translate = partial(ep.run_translate_continuous, predictor,
+                                      config.report_compute, max_rows=config.max_batch_rows,
+                                      all_on={})
+    elif kind == "seq2seq":
         state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute,
                                       retry_after_s=config.retry_after_min_s,
                                       early=config.early_answers, all_on={})

@@ -99,6 +99,10 @@ class Job:
     formed_due: when ``replan`` predicted, as it formed the job's batch, that the job would
         be answered (``time.perf_counter()`` seconds; None: not predicted), for
         :meth:`Batcher.observe_formed`.
+    feeds: ``run`` takes more jobs while it runs: it is called as ``run(jobs, more)``, with
+        ``more(rows)`` handing it the queued jobs of its group that fit in ``rows`` lines
+        (:meth:`Batcher.take_more`; continuous batching), and answers each of those itself
+        (:meth:`settle`).
     """
 
     group: Hashable
@@ -123,6 +127,7 @@ class Job:
     expires: float | None = None
     formed_due: float | None = None
     settled: bool = False
+    feeds: bool = False
 
     def settle(self, result: Any) -> None:
         """Answer now, from ``run`` while the rest of its batch goes on (:attr:`settled`:
@@ -399,6 +404,32 @@ class Batcher:
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
             return batch
 
+    def take_more(self, group: Hashable, rows: int) -> list[Job]:
+        """For a running batch of ``group`` that takes jobs as it goes (:attr:`Job.feeds`):
+        the queued jobs from the front of the queue while they are of ``group``, carry no
+        deadline and fit in ``rows`` lines (a client gone: dropped), taken off the queue.
+        An empty list when the queue's first job is of another kind: the batch then runs
+        out and the queue is batched as usual."""
+        taken: list[Job] = []
+        now = time.perf_counter()
+        with self._cond:
+            while self._queue:
+                job = self._queue[0]
+                if job.cancelled or (job.future is not None and job.future.done()):
+                    self._queue.popleft()
+                    self.metrics.cancelled.labels(job.endpoint).inc()
+                    continue
+                used = sum(j.rows for j in taken)
+                if job.group != group or job.due is not None or used + job.rows > rows:
+                    break
+                self._queue.popleft()
+                job.started, job.batch_rows = now, job.rows
+                taken.append(job)
+            self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
+        for job in taken:
+            self.metrics.batch_rows.labels(job.endpoint).observe(job.rows)
+        return taken
+
     def _pick(self, first: Job) -> list[Job]:
         """The jobs of the batch that ``first``, the oldest queued job, heads (the module
         doc): its group's jobs in arrival order while they fit; with :attr:`by_budget` and
@@ -481,13 +512,22 @@ class Batcher:
         self.metrics.batch_rows.labels(endpoint).observe(rows)
         self.metrics.batch_budgets.labels(endpoint).observe(
             len({j.budget for j in batch}))
+        fed: list[Job] = []  # jobs a feeding run took while it ran
+
+        def more(rows: int) -> list[Job]:
+            jobs = self.take_more(batch[0].group, rows)
+            fed.extend(jobs)
+            return jobs
+
         try:
-            results = batch[0].run(batch)
+            results = batch[0].run(batch, more) if batch[0].feeds else batch[0].run(batch)
             if len(results) != len(batch):
                 raise RuntimeError(f"a batch of {len(batch)} jobs gave {len(results)} results")
+            if not all(job.settled for job in fed):
+                raise RuntimeError("a feeding batch left jobs it took unanswered")
         except Exception as e:  # the batch's requests get a 500; the next batch runs
             self.metrics.batch_failures.labels(endpoint).inc()
-            for job in batch:
+            for job in batch + fed:
                 if not job.settled:
                     _deliver(job, exc=e)
             return

@@ -72,6 +72,11 @@ class ServeConfig:
         each access-log line carries the ``pid`` of the worker that answered.
     precision: the model's, ``fp32`` or ``bf16`` (``dynaseq.load``'s ``precision``); a
         deadline server warns when its latency table was measured at another.
+    continuous: translation decodes greedily with continuous batching: a finished line's
+        row is taken over by a queued line at the next step, so a batch never runs out to
+        its longest output (:func:`~dynaseq.serve.endpoints.run_translate_continuous`).
+        Requests name their budget; deadlines are planned for batches, so a continuous
+        server takes none (422) and loads no latency table.
     """
 
     host: str = "127.0.0.1"
@@ -100,6 +105,7 @@ class ServeConfig:
     batch_nice: int = 10
     batch_by_budget: bool = True
     precision: str = "fp32"
+    continuous: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -35,8 +35,10 @@ from pydantic import BaseModel
 
 from dynaseq.core.arguments import check_text
 from dynaseq.core.errors import DynaseqError
+from dynaseq.data import collate_source
 from dynaseq.data.tokenizer import with_subwords
 from dynaseq.metrics.latency_table import Pair
+from dynaseq.models.search import Sentences, refilled_greedy_search
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job, Shed
@@ -55,6 +57,7 @@ from dynaseq.tasks.translation.predictor import (
     budget_pair,
     control_rows,
     decode_corpus,
+    one_budget,
 )
 from dynaseq.techniques.cct.gating import BudgetControl, every_gate_open
 
@@ -138,6 +141,7 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
     work = TranslateWork(lines, ids, budget, pair, d.degraded)
     return Job(group=("translate", state.beam), run=state.run_translate, payload=work,
                rows=len(lines), length=length, budget=pair, endpoint="translate",
+               feeds=state.config.continuous,
                deadline_ms=req.deadline_ms, **d.job_fields(state, pair, len(lines), length),
                replan=None if req.deadline_ms is None else partial(
                    replan_budgets, state, rebudget=_rebudget_translate))
@@ -175,6 +179,10 @@ def plan_deadline(state: ServeState, deadline_ms: float | None, rows: int,
     """A request of ``rows`` lines, the longest ``length`` tokens, on arrival: with a
     ``deadline_ms``, the largest budget the policy predicts in time against the queue now
     (503 :class:`Overloaded` when none is; 422 without a latency table)."""
+    if deadline_ms is not None and state.config.continuous:
+        raise DynaseqError("deadline_ms: this server decodes continuously (--continuous), "
+                           "where a request names its budget; deadlines are planned for "
+                           "batches (serve without --continuous)")
     if deadline_ms is not None and state.policy is None:
         raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
                            "RUN --latency-table), which this server has not loaded")
@@ -354,6 +362,80 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
             for j, c in zip(done, per_row, strict=True):
                 compute[keep[j]] = c
     return [result(k) for k in range(len(jobs))]
+
+
+def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
+                             more: Callable[[int], list[Job]], *, max_rows: int = 32,
+                             all_on: dict[tuple[int, int], dict[str, int]] | None = None
+                             ) -> list[None]:
+    """Continuous batching (``dynaseq serve --continuous``): ``jobs`` and every job
+    ``more(rows)`` hands over while they decode, line by line through one greedy decode of
+    ``max_rows`` rows whose finished lines' rows new lines take over
+    (:func:`~dynaseq.models.search.refilled_greedy_search`), each line at its job's budget.
+    Each job is answered (:meth:`~dynaseq.serve.batcher.Job.settle`) as soon as its own
+    lines are done, with its translations and each line's realized compute, exactly as
+    :meth:`Translator.translate` decodes them (greedy). The decode ends when no line runs
+    and ``more`` has nothing. Returns one ``None`` per job of ``jobs`` (all answered).
+
+    A client that went away before its job joined is dropped (:meth:`Batcher.take_more`);
+    the lines of one whose job runs are decoded to their end."""
+    lean = t.lean_decoder()
+    assert lean is not None, "continuous decoding runs through the lean decoder"
+    d, device = t.config.decode, t.device
+    pending: list[tuple[Job, int, list[int]]] = []  # lines waiting: (job, line, subwords)
+    open_jobs: dict[int, dict[str, Any]] = {}  # id(job) -> its texts, compute, lines left
+
+    def admit(new: list[Job]) -> None:
+        for job in new:
+            ids = job.payload.ids
+            entry = {"job": job, "texts": [""] * job.rows, "compute": [None] * job.rows,
+                     "tokens": {}, "left": sum(1 for x in ids if x)}
+            open_jobs[id(job)] = entry
+            pending.extend((job, i, x) for i, x in enumerate(ids) if x)
+            if not entry["left"]:  # only empty lines
+                finish(entry)
+
+    def refill(limit: int) -> Sentences | None:
+        if not pending:
+            admit(more(limit))
+        take, pending[:limit] = pending[:limit], []
+        if not take:
+            return None
+        src = collate_source([x for _, _, x in take], t.model.pad_id, t.model.eos_id)
+        budgets = [job.payload.budget for job, _, _ in take]
+        control = one_budget(t.control_for(budgets, len(take)))
+        return Sentences([(id(job), i) for job, i, _ in take], src.to(device), control)
+
+    def done(key: tuple[int, int], tokens: list[int]) -> None:
+        entry = open_jobs[key[0]]
+        entry["tokens"][key[1]] = tokens
+        entry["left"] -= 1
+        if not entry["left"]:
+            finish(entry)
+
+    def finish(entry: dict[str, Any]) -> None:
+        job, got = entry["job"], entry["tokens"]
+        lines = sorted(got)
+        hyps = [got[i] for i in lines]
+        for i, text in zip(lines, t.tokenizer.decode(hyps), strict=True):
+            entry["texts"][i] = text
+        if report_compute and lines:
+            srcs = [job.payload.ids[i] for i in lines]
+            control = t.control_for(job.payload.budget, len(lines))
+            reports = (all_open_reports(t.model, srcs, hyps, all_on)
+                       if not t.model.n_controls or every_gate_open(control, len(lines))
+                       else realized_per_row(t.model, srcs, hyps, control))
+            for i, rep in zip(lines, reports, strict=True):
+                entry["compute"][i] = rep
+        del open_jobs[id(job)]
+        job.settle((entry["texts"], entry["compute"]))
+
+    admit(jobs)
+    refilled_greedy_search(lean, refill, done, max_rows=max_rows, max_len_a=d.max_len_a,
+                           max_len_b=d.max_len_b,
+                           max_positions=t.model.encoder.positions.max_positions)
+    assert not open_jobs and not pending, "every job answered"
+    return [None] * len(jobs)
 
 
 def _counted_as_lines_finish(idx: list[int], src: torch.Tensor, aux: AuxOutputs,

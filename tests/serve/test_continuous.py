@@ -1,0 +1,151 @@
+"""``dynaseq serve --continuous``: translation through one refilled greedy decode whose
+finished lines' rows queued lines take over (serve/endpoints.py
+``run_translate_continuous``, serve/batcher.py ``Batcher.take_more``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from dynaseq.serve.batcher import Batcher, Job
+from dynaseq.serve.metrics import ServerMetrics
+
+from helpers import run_cli
+from serve_helpers import BUDGETS, Server
+
+
+@pytest.fixture(scope="module")
+def continuous(serve_run, tmp_path_factory) -> Iterator[Server]:
+    """A continuous server on the micro CCT: 4 rows, so lines wait and take rows over."""
+    log = tmp_path_factory.mktemp("serve_log") / "continuous.log"
+    s = Server(serve_run, "--beam", "1", "--continuous", "--max-batch-lines", "4",
+               "--max-lines", "4", "--batch-window-ms", "20", log=log)
+    yield s
+    s.stop()
+
+
+def test_concurrent_requests_at_mixed_budgets_get_the_offline_answers_and_compute(
+        continuous, server, offline, lines):
+    """Many requests of one or several lines at three budgets, more lines than rows: each
+    answer equals the offline translation at its budget, and each line's realized compute
+    equals what the batch server reports for it."""
+    want = {b: offline.translate(lines, beam=1, budget=b) for b in BUDGETS}
+    jobs = [(i, BUDGETS[i % len(BUDGETS)], 1 + i % 3) for i in range(15)]
+
+    def ask(url, job):
+        i, budget, n = job
+        texts = [lines[(i + k) % len(lines)] for k in range(n)]
+        return httpx.post(url + "/v1/translate", json={"texts": texts, "budget": list(budget)},
+                          timeout=60)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: ask(continuous.url, j), jobs))
+    for (i, budget, n), r in zip(jobs, got, strict=True):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["translations"] == [want[budget][(i + k) % len(lines)] for k in range(n)]
+        assert body["budget"] == list(budget)
+        batch = ask(server.url, (i, budget, n)).json()  # the batch server, same request
+        assert body["compute"] == batch["compute"]
+    assert continuous.metric("dynaseq_batch_failures_total", endpoint="translate") == 0
+
+
+def test_a_deadline_is_refused_and_the_server_answers_the_next_request(continuous, lines):
+    r = continuous.post("/v1/translate", json={"text": lines[0], "deadline_ms": 500})
+    assert r.status_code == 422
+    assert "decodes continuously" in r.json()["error"]
+    assert continuous.post("/v1/translate", json={"text": lines[0]}).status_code == 200
+
+
+def test_continuous_refusals_are_one_line_exit_2(serve_run, lm_run):
+    for args, words in [
+        ((str(serve_run), "--continuous", "--beam", "2"), "--continuous decodes greedily"),
+        ((str(serve_run), "--continuous", "--beam", "1", "--latency-table",
+          str(serve_run / "latency_table.json")), "a --continuous server takes no deadlines"),
+        ((str(lm_run), "--continuous"), "--continuous is for translation runs"),
+    ]:
+        r = run_cli("serve", *args, "--port", "1")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and words in err, (args, err)
+        assert err.count("\n") == 1 and err.startswith("dynaseq: error:")
+
+
+def _job(group, rows, due=None, payload=None):
+    job = Job(group=group, run=lambda jobs: [None] * len(jobs), payload=payload, rows=rows,
+              endpoint="t")
+    job.due = due
+    return job
+
+
+def test_take_more_takes_the_front_of_the_queue_while_it_is_of_the_group_and_fits():
+    async def go():
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=8, max_queue_rows=100)
+        jobs = [_job("a", 2), _job("a", 1), _job("a", 3), _job("b", 1), _job("a", 1)]
+        jobs[1].cancel()  # its client left: dropped, not run
+        for j in jobs:
+            b.submit(j)
+        first = b.take_more("a", 5)  # 2 + 3 fit; the b job stops it
+        second = b.take_more("a", 5)
+        rest = [j.group for j in b._queue]
+        return jobs, first, second, rest
+
+    jobs, first, second, rest = asyncio.run(go())
+    assert first == [jobs[0], jobs[2]] and second == [] and rest == ["b", "a"]
+    assert jobs[0].started is not None and jobs[0].batch_rows == 2
+
+
+def test_take_more_stops_at_a_deadline_job_and_at_what_does_not_fit():
+    async def go():
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=8, max_queue_rows=100)
+        jobs = [_job("a", 3), _job("a", 1, due=1e18), _job("a", 1)]
+        for j in jobs:
+            b.submit(j)
+        return jobs, b.take_more("a", 2), b.take_more("a", 3)
+
+    jobs, small, fits = asyncio.run(go())
+    assert small == [] and fits == [jobs[0]]  # then the deadline job heads the queue
+
+
+def _feeding(rows, answers, fail=False, leave=False):
+    """A job whose run takes the queued jobs (``more``) and answers them, or raises, or
+    leaves one it took unanswered."""
+    def run(jobs, more):
+        taken = more(10)
+        if fail:
+            raise RuntimeError("boom")
+        for job in taken[: len(taken) - int(leave)]:
+            job.settle(job.payload)
+        answers.append([j.payload for j in jobs + taken])
+        return [j.payload for j in jobs]
+
+    return Job(group="a", run=run, payload=f"first-{rows}", rows=rows, endpoint="t",
+               feeds=True)
+
+
+@pytest.mark.parametrize("fail, leave", [(False, False), (True, False), (False, True)])
+def test_a_feeding_batch_answers_the_jobs_it_took_and_a_fault_fails_them_all(fail, leave):
+    async def go():
+        answers = []  # one line a batch: the first job alone, the others queued
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=1, max_queue_rows=100)
+        first = _feeding(1, answers, fail, leave)
+        others = [_job("a", 1, payload=f"later-{i}") for i in range(3)]
+        futs = [b.submit(first)] + [b.submit(j) for j in others]
+        b.start()
+        got = await asyncio.gather(*futs, return_exceptions=True)
+        b.stop()
+        return got
+
+    got = asyncio.run(go())
+    if not fail and not leave:
+        assert got == ["first-1", "later-0", "later-1", "later-2"]
+    elif fail:
+        assert all(isinstance(g, RuntimeError) and str(g) == "boom" for g in got)
+    else:  # the last job it took was left unanswered: a fault of the batch, whose jobs
+        # not yet answered fail with it
+        assert got[1:3] == ["later-0", "later-1"]
+        assert all(isinstance(g, RuntimeError) and "unanswered" in str(g)
+                   for g in (got[0], got[3]))
