@@ -170,6 +170,39 @@ def test_decode_corpus_continuous_gives_the_batched_decodes_tokens(kind):
     assert cont == static
 
 
+def test_a_sentence_past_its_expiry_leaves_and_the_others_get_their_tokens():
+    """Sentence 2 expires before it gets a row, sentence 5 after 3 steps (its client left),
+    sentence 7 at a time on the clock: each is answered None; the others as alone."""
+    m = model("dense", seed=8)
+    lean = LeanDecoder.prepare(m)
+    srcs = [s + [4] * 6 for s in sentences(12, seed=9)]  # long enough to run 3 steps
+    kw = {"max_len_a": 1.5, "max_len_b": 6}
+    alone = [greedy_search(lean, padded([s]), **kw)[0] for s in srcs]
+    steps = [0]
+    clock = [0.0]
+    left_at = {2: -math.inf, 5: lambda: -math.inf if steps[0] >= 3 else math.inf, 7: 2.5}
+    queue, got = list(range(len(srcs))), {}
+
+    def refill(limit: int) -> Sentences | None:
+        take, queue[:min(limit, 4)] = queue[:min(limit, 4)], []
+        return (Sentences(take, padded([srcs[i] for i in take]),
+                          expires=[left_at.get(i, math.inf) for i in take]) if take else None)
+
+    step = lean.decode_step
+
+    def counting(tokens, enc, state):
+        steps[0] += 1
+        clock[0] += 1.0
+        return step(tokens, enc, state)
+
+    lean.decode_step = counting
+    refilled_greedy_search(lean, refill, got.__setitem__, max_rows=3, clock=lambda: clock[0],
+                           **kw)
+    assert [i for i in sorted(got) if got[i] is None] == [2, 5, 7]
+    assert all(got[i] == alone[i] for i in got if i not in (2, 5, 7))
+    assert all(len(alone[i]) > 3 for i in (5, 7)), "they would have run longer"
+
+
 def test_bad_calls_are_refused():
     m = model("dense")
     lean = LeanDecoder.prepare(m)

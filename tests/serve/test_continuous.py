@@ -149,3 +149,46 @@ def test_a_feeding_batch_answers_the_jobs_it_took_and_a_fault_fails_them_all(fai
         assert got[1:3] == ["later-0", "later-1"]
         assert all(isinstance(g, RuntimeError) and "unanswered" in str(g)
                    for g in (got[0], got[3]))
+
+
+def test_in_process_jobs_fed_while_decoding_are_answered_and_a_gone_client_leaves(
+        offline, lines, monkeypatch):
+    """``run_translate_continuous`` in process, 2 rows: the first batch's jobs, then the
+    jobs ``more`` hands over (one of only empty lines), each settled once with the offline
+    translations at its budget; a job whose client has gone (its lines would run several
+    steps) is settled without decoding them, and nothing else changes."""
+    from dynaseq.serve.endpoints import TranslateWork, run_translate_continuous
+
+    settled = {}
+    monkeypatch.setattr(Job, "settle", lambda self, result: settled.setdefault(id(self),
+                                                                               result))
+    want = {b: offline.translate(lines, beam=1, budget=b) for b in BUDGETS}
+
+    def job(k, group):
+        budget = BUDGETS[k % len(BUDGETS)]
+        work = TranslateWork(group, offline.tokenizer.encode(group), budget, budget, False)
+        return Job(group=("translate", 1), run=None, payload=work, rows=len(group))
+
+    first = [job(0, lines[:2])]
+    later = [job(1, lines[2:3]), job(2, [""]), job(3, lines[3:5]), job(4, lines[5:6])]
+    gone = later[2]
+    gone.cancel()
+    queue = list(later)
+
+    def more(rows):
+        taken = []
+        while queue and sum(j.rows for j in taken) + queue[0].rows <= rows:
+            taken.append(queue.pop(0))
+        return taken
+
+    assert run_translate_continuous(offline, True, first, more, max_rows=2) == [None]
+    assert set(settled) == {id(j) for j in first + later}
+    for k, j in enumerate(first + later):
+        texts, compute = settled[id(j)]
+        if j is gone:
+            assert texts == ["", ""] and compute == [None, None]
+            continue
+        group = j.payload.lines
+        budget = BUDGETS[k % len(BUDGETS)]
+        assert texts == [want[budget][lines.index(x)] if x else "" for x in group]
+        assert [c is None for c in compute] == [not x for x in group]

@@ -16,6 +16,9 @@ with ``reorder``, ``reorder_self`` and ``reorder_cross`` of batch rows, and opti
 ``expand_beams(index, beams)``: the first beam step's ``reorder``, free to let a sentence's
 beams share what is the same for all of them),
 ``decode_step(tokens (B, 1), enc, state) -> logits (B, V)`` and ``bos_id``/``eos_id``.
+:func:`refilled_greedy_search` (continuous batching: new sentences take the rows of
+finished ones) also needs ``begin``, ``put`` and ``join``
+(:class:`~dynaseq.models.lean.LeanDecoder`).
 """
 
 from __future__ import annotations
@@ -195,6 +198,8 @@ class Sentences:
     keys: list[Any]
     src: Tensor
     control: Any = None
+    expires: Sequence[Expires] | None = None
+    """One expiry per sentence (as :func:`greedy_search`'s ``expires``), or None: never."""
 
 
 Refill = Callable[[int], "Sentences | None"]
@@ -204,10 +209,12 @@ no sentence running or waiting, None ends the search)."""
 
 
 @torch.inference_mode()
-def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[int]], None],
+def refilled_greedy_search(model, refill: Refill,
+                           on_done: Callable[[Any, list[int] | None], None],
                            max_rows: int = 32, min_free: int = 1, max_len_a: float = 1.2,
                            max_len_b: int = 10, min_len: int = 0,
-                           max_positions: int = 1024) -> None:
+                           max_positions: int = 1024,
+                           clock: Callable[[], float] = time.perf_counter) -> None:
     """Greedy search of the sentences ``refill`` hands over, each answered by
     ``on_done(key, tokens)`` (no bos/eos) the step it finishes, with the freed rows filled
     by new sentences while the others go on (continuous batching): every step runs about
@@ -224,7 +231,9 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
     then wait until rows free up; a sentence takes over a finished one's row in place
     (:meth:`~dynaseq.models.lean.LeanDecoder.put`: no other row's cache moves). Rows no
     waiting sentence takes are dropped. Length limits as :func:`greedy_search`'s, per
-    sentence.
+    sentence. A sentence still decoding when its expiry (:attr:`Sentences.expires`, read on
+    ``clock`` at every step) has passed leaves at the end of that step, answered
+    ``on_done(key, None)``.
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -234,6 +243,7 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
     limits: list[int] = []  # per row: its output budget (tokens incl. eos)
     made: list[list[int]] = []  # per row: its tokens so far
     last: list[int] = []  # per row: the token its next step reads
+    dues: list[Expires | None] = []  # per row: its sentence's expiry (None: never)
     done: list[int] = []  # rows whose sentences finished at the last step
     waiting: _Waiting | None = None  # sentences encoded and started, not yet in a row
     while True:
@@ -244,9 +254,11 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
             if new is not None:
                 waiting = _Waiting.of(model, new, max_rows, (max_len_a, max_len_b,
                                                              max_positions, min_len))
+        if waiting is not None:  # no row for a sentence nobody waits for any more
+            waiting = waiting.without(_expired(waiting.dues, waiting.keys, clock), on_done)
         n = 0 if waiting is None else min(free, waiting.rows)
         if n:
-            fresh, e, new_keys, new_limits, waiting = waiting.take(n)
+            fresh, e, new_keys, new_limits, new_dues, waiting = waiting.take(n)
             taken, more = done[:n], n - min(n, len(done))
             if state is None:
                 state, enc = fresh, e
@@ -262,13 +274,14 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
             limits += [0] * more
             made += [[] for _ in range(more)]
             last += [bos] * more
-            for r, key, cap in zip(rows, new_keys, new_limits, strict=True):
-                keys[r], limits[r], made[r], last[r] = key, cap, [], bos
+            dues += [None] * more
+            for r, key, cap, due in zip(rows, new_keys, new_limits, new_dues, strict=True):
+                keys[r], limits[r], made[r], last[r], dues[r] = key, cap, [], bos, due
             done = done[len(taken):]
         if done:  # finished rows no sentence took over: dropped
             keep = [i for i in range(len(keys)) if keys[i] is not None]
-            keys, limits, made, last = ([x[i] for i in keep] for x in (keys, limits, made,
-                                                                       last))
+            keys, limits, made, last, dues = ([x[i] for i in keep]
+                                              for x in (keys, limits, made, last, dues))
             done = []
             if not keep:
                 state = enc = None
@@ -294,6 +307,23 @@ def refilled_greedy_search(model, refill: Refill, on_done: Callable[[Any, list[i
                 done.append(i)
             else:
                 made[i].append(t)
+        for i in _expired(dues, keys, clock):
+            on_done(keys[i], None)
+            keys[i] = None
+            done.append(i)
+
+
+def _expired(dues: list[Expires | None], keys: list[Any],
+             clock: Callable[[], float]) -> list[int]:
+    """The running rows (key not None) whose expiry has passed (the clock is read only if
+    some row has a finite or moving one)."""
+    times = [(i, due() if callable(due) else due) for i, due in enumerate(dues)
+             if due is not None and keys[i] is not None]
+    times = [(i, t) for i, t in times if t != math.inf]
+    if not times:
+        return []
+    now = -math.inf if all(t == -math.inf for _, t in times) else clock()
+    return [i for i, t in times if t <= now]
 
 
 @dataclass
@@ -306,6 +336,7 @@ class _Waiting:
     enc: Any
     keys: list[Any]
     limits: list[int]
+    dues: list[Expires | None]
 
     @property
     def rows(self) -> int:
@@ -321,17 +352,39 @@ class _Waiting:
         e = model.encode(new.src, control=new.control)
         a, b, max_positions, min_len = lengths
         limit = max_lengths((~e.pad_mask).sum(1), a, b, max_positions - 1)
+        if new.expires is not None and len(new.expires) != n:
+            raise ValueError(f"refill gave {n} sentences and {len(new.expires)} expiries")
         state, e = model.begin(e)
-        return cls(state, e, list(new.keys), limit.clamp(min=min_len + 1).tolist())
+        dues = [None] * n if new.expires is None else list(new.expires)
+        return cls(state, e, list(new.keys), limit.clamp(min=min_len + 1).tolist(), dues)
 
-    def take(self, n: int) -> tuple[Any, Any, list[Any], list[int], _Waiting | None]:
-        """The first ``n`` sentences (their state, encoder output, keys, budgets) and the
-        rest (None: none left)."""
+    def without(self, gone: list[int], on_done: Callable[[Any, None], None]
+                ) -> _Waiting | None:
+        """These sentences but ``gone`` (indices), each answered ``on_done(key, None)``
+        (None: none left)."""
+        if not gone:
+            return self
+        for i in gone:
+            on_done(self.keys[i], None)
+        dropped = set(gone)
+        keep = [i for i in range(self.rows) if i not in dropped]
+        if not keep:
+            return None
+        index = torch.tensor(keep, device=self.enc.out.device)
+        state = copy.copy(self.state)
+        state.cross = [keys.index_select(index) for keys in self.state.cross]
+        return _Waiting(state, self.enc.index_select(index), [self.keys[i] for i in keep],
+                        [self.limits[i] for i in keep], [self.dues[i] for i in keep])
+
+    def take(self, n: int) -> tuple[Any, Any, list[Any], list[int], list[Expires | None],
+                                    _Waiting | None]:
+        """The first ``n`` sentences (their state, encoder output, keys, budgets, expiries)
+        and the rest (None: none left)."""
         if n == self.rows:
-            return self.state, self.enc, self.keys, self.limits, None
+            return self.state, self.enc, self.keys, self.limits, self.dues, None
         part, e, rest, e_rest = _split(self.state, self.enc, n)
-        return (part, e, self.keys[:n], self.limits[:n],
-                _Waiting(rest, e_rest, self.keys[n:], self.limits[n:]))
+        return (part, e, self.keys[:n], self.limits[:n], self.dues[:n],
+                _Waiting(rest, e_rest, self.keys[n:], self.limits[n:], self.dues[n:]))
 
 
 def _split(state, enc, n: int):

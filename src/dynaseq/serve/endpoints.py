@@ -378,7 +378,8 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     and ``more`` has nothing. Returns one ``None`` per job of ``jobs`` (all answered).
 
     A client that went away before its job joined is dropped (:meth:`Batcher.take_more`);
-    the lines of one whose job runs are decoded to their end."""
+    the lines of one whose job waits or runs leave the decode at its next step
+    (:meth:`~dynaseq.serve.batcher.Job.expiry`)."""
     lean = t.lean_decoder()
     assert lean is not None, "continuous decoding runs through the lean decoder"
     d, device = t.config.decode, t.device
@@ -404,11 +405,13 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
         src = collate_source([x for _, _, x in take], t.model.pad_id, t.model.eos_id)
         budgets = [job.payload.budget for job, _, _ in take]
         control = one_budget(t.control_for(budgets, len(take)))
-        return Sentences([(id(job), i) for job, i, _ in take], src.to(device), control)
+        return Sentences([(id(job), i) for job, i, _ in take], src.to(device), control,
+                         expires=[job.expiry for job, _, _ in take])  # -inf: client gone
 
-    def done(key: tuple[int, int], tokens: list[int]) -> None:
+    def done(key: tuple[int, int], tokens: list[int] | None) -> None:
         entry = open_jobs[key[0]]
-        entry["tokens"][key[1]] = tokens
+        if tokens is not None:  # None: its client went away, nothing more is decoded
+            entry["tokens"][key[1]] = tokens
         entry["left"] -= 1
         if not entry["left"]:
             finish(entry)

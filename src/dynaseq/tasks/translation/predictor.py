@@ -267,8 +267,8 @@ def decode_corpus(model: nn.Module, src_ids: list[list[int]], *, beam: int = 1,
         order = [i for idx in budget_batches(control, [len(s) for s in src_ids], batch_size)
                  for i in idx]
         with evaluating(model), progress_bar(len(src_ids), "sent", "decode", progress) as bar:
-            def refill(free: int) -> Sentences | None:
-                take, order[:free] = order[:free], []
+            def refill(limit: int) -> Sentences | None:
+                take, order[:limit] = order[:limit], []
                 if not take:
                     return None
                 src = collate_source([src_ids[i][: max_pos - 1] for i in take],
