@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from dynaseq.serve.batcher import Batcher, Job
+from dynaseq.serve.batcher import Batcher, Job, QueueFull
 from dynaseq.serve.metrics import ServerMetrics
 
 from helpers import run_cli
@@ -192,3 +192,40 @@ def test_in_process_jobs_fed_while_decoding_are_answered_and_a_gone_client_leave
         budget = BUDGETS[k % len(BUDGETS)]
         assert texts == [want[budget][lines.index(x)] if x else "" for x in group]
         assert [c is None for c in compute] == [not x for x in group]
+
+
+def test_stop_drains_a_feeding_batch_and_the_jobs_queued_behind_it():
+    """``Batcher.stop`` (SIGTERM's drain) while a feeding batch runs: it refuses new jobs,
+    and the batch still takes the queued ones and answers them before the worker ends."""
+    import threading
+
+    async def go():
+        gate, answered = threading.Event(), []
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=1, max_queue_rows=100)
+
+        def run(jobs, more):
+            gate.wait(5)  # the queue fills and stop() is called meanwhile
+            taken = more(10)
+            for job in taken:
+                job.settle(job.payload)
+            answered.extend(j.payload for j in taken)
+            return [j.payload for j in jobs]
+
+        first = Job(group="a", run=run, payload="first", rows=1, endpoint="t", feeds=True)
+        futs = [b.submit(first)]
+        b.start()
+        await asyncio.sleep(0.05)  # the worker took the first job
+        futs += [b.submit(_job("a", 1, payload=f"later-{i}")) for i in range(3)]
+        stopper = threading.Thread(target=b.stop)
+        stopper.start()
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull, match="shutting down"):
+            b.submit(_job("a", 1))
+        gate.set()
+        got = await asyncio.gather(*futs)
+        stopper.join(5)
+        return got, answered, b.alive
+
+    got, answered, alive = asyncio.run(go())
+    assert got == ["first", "later-0", "later-1", "later-2"]
+    assert answered == ["later-0", "later-1", "later-2"] and not alive
