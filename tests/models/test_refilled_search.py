@@ -203,6 +203,37 @@ def test_a_sentence_past_its_expiry_leaves_and_the_others_get_their_tokens():
     assert all(len(alone[i]) > 3 for i in (5, 7)), "they would have run longer"
 
 
+def test_a_counted_refilled_decode_gives_each_sentence_its_counts_alone():
+    """``on_counted``: each sentence's decoding counts (every gated part's open gates, its
+    steps, its cross-attention keys) equal those of a counted greedy search of it alone, and
+    its encoder records are those of the sentences encoded with it, at its index."""
+    from dynaseq.models.search import counted_greedy_search
+
+    m = model("cct", seed=10)
+    lean = LeanDecoder.prepare(m)
+    srcs = sentences(14, seed=11)
+    kw = {"max_len_a": 1.5, "max_len_b": 6}
+    queue, got = list(range(len(srcs))), {}
+
+    def refill(limit: int) -> Sentences | None:
+        take, queue[:min(limit, 3)] = queue[:min(limit, 3)], []
+        return (Sentences(take, padded([srcs[i] for i in take]), control("cct", take))
+                if take else None)
+
+    refilled_greedy_search(lean, refill, print, max_rows=4, on_counted=lambda k, t, c:
+                           got.__setitem__(k, (t, c)), **kw)
+    assert sorted(got) == list(range(len(srcs)))
+    for i, (tokens, count) in got.items():
+        hyps, (aux, counts) = counted_greedy_search(lean, padded([srcs[i]]),
+                                                    control=control("cct", [i]), **kw)
+        assert tokens == hyps[0]
+        assert set(count.counts) == set(counts)
+        for key, value in counts.items():
+            assert torch.equal(count.counts[key], value), (i, key)
+        assert count.src[count.row].tolist()[: len(srcs[i])] == srcs[i]
+        assert count.aux.traces and set(count.aux.traces) == set(aux.traces)
+
+
 def test_bad_calls_are_refused():
     m = model("dense")
     lean = LeanDecoder.prepare(m)

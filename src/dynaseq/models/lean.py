@@ -179,8 +179,10 @@ class LeanState:
         step writes this state's next slot, and until then the attention leaves their
         slots out (:meth:`prepare_step`). Greedy decoding: one row per sentence."""
         assert other.started and other.length == 0 and self.started, "two started states"
-        assert self.tally is None and other.tally is None, "counted decodes keep their rows"
+        assert (self.tally is None) == (other.tally is None), "both counted, or neither"
         assert all(k.group == 1 for k in self.cross), "rows of their own (greedy search)"
+        if self.tally is not None:
+            self.tally.join(other.tally)
         rows, more = self.cross[0].k.size(0), other.cross[0].k.size(0)
         for cache in self.caches:
             cache.join(more)
@@ -199,7 +201,9 @@ class LeanState:
         rows' slots stay in the caches, left out of the new rows' attention (their first
         step writes this state's next slot)."""
         assert other.started and other.length == 0 and self.started, "two started states"
-        assert self.tally is None and other.tally is None, "counted decodes keep their rows"
+        assert (self.tally is None) == (other.tally is None), "both counted, or neither"
+        if self.tally is not None:
+            self.tally.put(rows, other.tally)
         self.cross = [a.put(rows, b) for a, b in zip(self.cross, other.cross, strict=True)]
         if self.length:
             if self.starts is None:
@@ -351,11 +355,14 @@ class LeanDecoder:
                        for w in self.layers]
 
     @torch.inference_mode()
-    def begin(self, enc: EncoderOutput) -> tuple[LeanState, EncoderOutput]:
+    def begin(self, enc: EncoderOutput, tally: StepTally | None = None
+              ) -> tuple[LeanState, EncoderOutput]:
         """A started state for the sentences of ``enc`` and their :func:`spent` encoder
         output: what :meth:`join` adds more sentences to (a refilled greedy decode,
-        :func:`~dynaseq.models.search.refilled_greedy_search`)."""
+        :func:`~dynaseq.models.search.refilled_greedy_search`); ``tally``: counts its rows
+        (one per sentence, ``keep=False``), their cross-attention keys from here."""
         state = self.init_state()
+        state.tally = tally
         self.start(enc, state)
         return state, spent(enc)
 

@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -202,6 +203,19 @@ class Sentences:
     """One expiry per sentence (as :func:`greedy_search`'s ``expires``), or None: never."""
 
 
+@dataclass(frozen=True)
+class RowCount:
+    """What a counted :func:`refilled_greedy_search` ran for one sentence: the source
+    ``src`` ``(n, S)`` and encoder records ``aux`` of the sentences encoded with it, its
+    index ``row`` among them, and its decoding steps' counts (``{key: (1, ...)}``, as
+    :meth:`StepTally.counts` gives a row's)."""
+
+    src: Tensor
+    aux: AuxOutputs
+    row: int
+    counts: dict[str, Tensor]
+
+
 Refill = Callable[[int], "Sentences | None"]
 """``refill(limit)``: at most ``limit`` more sentences for a :func:`refilled_greedy_search`
 to decode beside the ones it runs, or None (none now: it asks again at a later step; with
@@ -214,7 +228,9 @@ def refilled_greedy_search(model, refill: Refill,
                            max_rows: int = 32, min_free: int = 1, max_len_a: float = 1.2,
                            max_len_b: int = 10, min_len: int = 0,
                            max_positions: int = 1024,
-                           clock: Callable[[], float] = time.perf_counter) -> None:
+                           clock: Callable[[], float] = time.perf_counter,
+                           on_counted: Callable[[Any, list[int] | None, RowCount | None],
+                                                None] | None = None) -> None:
     """Greedy search of the sentences ``refill`` hands over, each answered by
     ``on_done(key, tokens)`` (no bos/eos) the step it finishes, with the freed rows filled
     by new sentences while the others go on (continuous batching): every step runs about
@@ -233,8 +249,12 @@ def refilled_greedy_search(model, refill: Refill,
     waiting sentence takes are dropped. Length limits as :func:`greedy_search`'s, per
     sentence. A sentence still decoding when its expiry (:attr:`Sentences.expires`, read on
     ``clock`` at every step) has passed leaves at the end of that step, answered
-    ``on_done(key, None)``.
+    ``on_done(key, None)``. ``on_counted``: count what each sentence runs (a lean
+    decoder's :class:`StepTally`, the encoder's records) and answer
+    ``on_counted(key, tokens, RowCount)`` instead of ``on_done`` (``None, None`` for an
+    expired one).
     """
+    answer = on_counted if on_counted is not None else partial(_answer, on_done)
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     eos, bos = model.eos_id, model.bos_id
@@ -244,6 +264,7 @@ def refilled_greedy_search(model, refill: Refill,
     made: list[list[int]] = []  # per row: its tokens so far
     last: list[int] = []  # per row: the token its next step reads
     dues: list[Expires | None] = []  # per row: its sentence's expiry (None: never)
+    origin: list[tuple[Any, int] | None] = []  # per row: (its encoding group, its index)
     done: list[int] = []  # rows whose sentences finished at the last step
     waiting: _Waiting | None = None  # sentences encoded and started, not yet in a row
     while True:
@@ -253,12 +274,13 @@ def refilled_greedy_search(model, refill: Refill,
             new = refill(max_rows)
             if new is not None:
                 waiting = _Waiting.of(model, new, max_rows, (max_len_a, max_len_b,
-                                                             max_positions, min_len))
+                                                             max_positions, min_len),
+                                      counted=on_counted is not None)
         if waiting is not None:  # no row for a sentence nobody waits for any more
-            waiting = waiting.without(_expired(waiting.dues, waiting.keys, clock), on_done)
+            waiting = waiting.without(_expired(waiting.dues, waiting.keys, clock), answer)
         n = 0 if waiting is None else min(free, waiting.rows)
         if n:
-            fresh, e, new_keys, new_limits, new_dues, waiting = waiting.take(n)
+            fresh, e, new_keys, new_limits, new_dues, new_from, waiting = waiting.take(n)
             taken, more = done[:n], n - min(n, len(done))
             if state is None:
                 state, enc = fresh, e
@@ -275,13 +297,16 @@ def refilled_greedy_search(model, refill: Refill,
             made += [[] for _ in range(more)]
             last += [bos] * more
             dues += [None] * more
-            for r, key, cap, due in zip(rows, new_keys, new_limits, new_dues, strict=True):
+            origin += [None] * more
+            for r, key, cap, due, came in zip(rows, new_keys, new_limits, new_dues, new_from,
+                                              strict=True):
                 keys[r], limits[r], made[r], last[r], dues[r] = key, cap, [], bos, due
+                origin[r] = came
             done = done[len(taken):]
         if done:  # finished rows no sentence took over: dropped
             keep = [i for i in range(len(keys)) if keys[i] is not None]
-            keys, limits, made, last, dues = ([x[i] for i in keep]
-                                              for x in (keys, limits, made, last, dues))
+            keys, limits, made, last, dues, origin = (
+                [x[i] for i in keep] for x in (keys, limits, made, last, dues, origin))
             done = []
             if not keep:
                 state = enc = None
@@ -302,15 +327,30 @@ def refilled_greedy_search(model, refill: Refill,
         last = logits.argmax(-1).tolist()  # the step's one host sync
         for i, t in enumerate(last):
             if t == eos:
-                on_done(keys[i], made[i])
+                answer(keys[i], made[i], _row_count(state, origin[i], i))
                 keys[i] = None
                 done.append(i)
             else:
                 made[i].append(t)
         for i in _expired(dues, keys, clock):
-            on_done(keys[i], None)
+            answer(keys[i], None, None)
             keys[i] = None
             done.append(i)
+
+
+def _answer(on_done, key, tokens, count) -> None:
+    """An uncounted decode's answer: ``on_done(key, tokens)``."""
+    on_done(key, tokens)
+
+
+def _row_count(state, origin: tuple[Any, int] | None, row: int) -> RowCount | None:
+    """Row ``row``'s :class:`RowCount` in a counted decode (None in one that does not
+    count)."""
+    if origin is None or state.tally is None:
+        return None
+    group, index = origin
+    counts = state.tally.active(torch.tensor([row], device=state.tally.device))
+    return RowCount(group.src, group.aux, index, counts)
 
 
 def _expired(dues: list[Expires | None], keys: list[Any],
@@ -337,6 +377,7 @@ class _Waiting:
     keys: list[Any]
     limits: list[int]
     dues: list[Expires | None]
+    origin: list[tuple[Any, int] | None]
 
     @property
     def rows(self) -> int:
@@ -344,19 +385,24 @@ class _Waiting:
 
     @classmethod
     def of(cls, model, new: Sentences, max_rows: int,
-           lengths: tuple[float, int, int, int]) -> _Waiting:
+           lengths: tuple[float, int, int, int], counted: bool = False) -> _Waiting:
         n = new.src.size(0)
         if not 0 < n <= max_rows or len(new.keys) != n:
             raise ValueError(f"refill gave {n} sentences ({len(new.keys)} keys) for at "
                              f"most {max_rows}")
-        e = model.encode(new.src, control=new.control)
-        a, b, max_positions, min_len = lengths
-        limit = max_lengths((~e.pad_mask).sum(1), a, b, max_positions - 1)
         if new.expires is not None and len(new.expires) != n:
             raise ValueError(f"refill gave {n} sentences and {len(new.expires)} expiries")
-        state, e = model.begin(e)
+        group = _Group(new.src, AuxOutputs()) if counted else None
+        e = (model.encode(new.src, control=new.control) if group is None
+             else model.encode(new.src, control=new.control, aux=group.aux))
+        a, b, max_positions, min_len = lengths
+        limit = max_lengths((~e.pad_mask).sum(1), a, b, max_positions - 1)
+        tally = None if group is None else StepTally(n, new.src.device, keep=False)
+        state, e = model.begin(e, tally) if tally is not None else model.begin(e)
         dues = [None] * n if new.expires is None else list(new.expires)
-        return cls(state, e, list(new.keys), limit.clamp(min=min_len + 1).tolist(), dues)
+        origin = [None] * n if group is None else [(group, i) for i in range(n)]
+        return cls(state, e, list(new.keys), limit.clamp(min=min_len + 1).tolist(), dues,
+                   origin)
 
     def without(self, gone: list[int], on_done: Callable[[Any, None], None]
                 ) -> _Waiting | None:
@@ -365,26 +411,44 @@ class _Waiting:
         if not gone:
             return self
         for i in gone:
-            on_done(self.keys[i], None)
+            on_done(self.keys[i], None, None)
         dropped = set(gone)
         keep = [i for i in range(self.rows) if i not in dropped]
         if not keep:
             return None
         index = torch.tensor(keep, device=self.enc.out.device)
-        state = copy.copy(self.state)
-        state.cross = [keys.index_select(index) for keys in self.state.cross]
-        return _Waiting(state, self.enc.index_select(index), [self.keys[i] for i in keep],
-                        [self.limits[i] for i in keep], [self.dues[i] for i in keep])
+        state, enc = _rows_of(self.state, self.enc, index)
+        return _Waiting(state, enc, *([x[i] for i in keep] for x in (
+            self.keys, self.limits, self.dues, self.origin)))
 
-    def take(self, n: int) -> tuple[Any, Any, list[Any], list[int], list[Expires | None],
-                                    _Waiting | None]:
-        """The first ``n`` sentences (their state, encoder output, keys, budgets, expiries)
-        and the rest (None: none left)."""
+    def take(self, n: int) -> tuple[Any, ...]:
+        """The first ``n`` sentences (their state, encoder output, keys, budgets, expiries,
+        origins) and the rest (None: none left)."""
+        lists = (self.keys, self.limits, self.dues, self.origin)
         if n == self.rows:
-            return self.state, self.enc, self.keys, self.limits, self.dues, None
+            return self.state, self.enc, *lists, None
         part, e, rest, e_rest = _split(self.state, self.enc, n)
-        return (part, e, self.keys[:n], self.limits[:n], self.dues[:n],
-                _Waiting(rest, e_rest, self.keys[n:], self.limits[n:], self.dues[n:]))
+        return (part, e, *(x[:n] for x in lists),
+                _Waiting(rest, e_rest, *(x[n:] for x in lists)))
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Sentences of a counted refilled decode encoded together: their source and the
+    encoder's records of them."""
+
+    src: Tensor
+    aux: AuxOutputs
+
+
+def _rows_of(state, enc, index: Tensor):
+    """Rows ``index`` of a started state that ran no step (its cross keys, and its tally's
+    rows, are all it holds) and of its spent encoder output."""
+    part = copy.copy(state)
+    part.cross = [keys.index_select(index) for keys in state.cross]
+    if state.tally is not None:
+        part.tally = state.tally.select(index)
+    return part, enc.index_select(index)
 
 
 def _split(state, enc, n: int):
@@ -393,12 +457,7 @@ def _split(state, enc, n: int):
     device = enc.out.device
     head, tail = (torch.arange(0, n, device=device),
                   torch.arange(n, enc.out.size(0), device=device))
-    parts = []
-    for index in (head, tail):
-        part = copy.copy(state)
-        part.cross = [keys.index_select(index) for keys in state.cross]
-        parts += [part, enc.index_select(index)]
-    return tuple(parts)
+    return (*_rows_of(state, enc, head), *_rows_of(state, enc, tail))
 
 
 def counted_greedy_search(model, src: Tensor,

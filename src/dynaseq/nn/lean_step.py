@@ -418,12 +418,52 @@ class StepTally:
     The key ``"steps"`` counts the steps each row ran (the decoder's :meth:`step`).
     """
 
-    def __init__(self, n_rows: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, n_rows: int, device: torch.device | str | None = None,
+                 keep: bool = True) -> None:
         self.n_rows = n_rows
+        self.keep = keep  # False: rows that leave are forgotten (read them first: active)
         self._rows = torch.arange(n_rows, device=device)  # original row of each active row
         self._active: dict[str, Tensor] = {}
         self._final: dict[str, Tensor] = {}
         self.add("steps", 0)
+
+    def active(self, rows: Tensor) -> dict[str, Tensor]:
+        """The counts so far of active rows ``rows`` ``(n,)`` (positions among the active
+        ones), ``{key: (n, ...)}``: a continuous decode reads a row's as it finishes."""
+        return {k: v.index_select(0, rows) for k, v in self._active.items()}
+
+    def select(self, rows: Tensor) -> StepTally:
+        """A tally of active rows ``rows`` ``(n,)`` alone (``keep=False``; the sentences of a
+        continuous decode that wait are split as they take rows)."""
+        part = StepTally(0, self.device, keep=False)
+        part._active = self.active(rows)
+        part._rows = torch.arange(rows.numel(), device=self.device)
+        part.n_rows = rows.numel()
+        return part
+
+    def join(self, other: StepTally) -> None:
+        """Append ``other``'s active rows (new sentences of a continuous decode) after these;
+        a key one side has not counted yet is 0 for its rows."""
+        self._merge(other, lambda mine, theirs: torch.cat([mine, theirs]))
+
+    def put(self, rows: Tensor, other: StepTally) -> None:
+        """Active rows ``rows`` ``(n,)`` (finished: read them first) take ``other``'s ``n``
+        rows' counts."""
+        self._merge(other, lambda mine, theirs: mine.index_copy(0, rows, theirs))
+
+    def _merge(self, other: StepTally, how: Callable[[Tensor, Tensor], Tensor]) -> None:
+        assert not self.keep, "counts of rows that come and go are read as they finish"
+        b, n = self._rows.numel(), other._rows.numel()
+        for key in set(self._active) | set(other._active):
+            mine, theirs = self._active.get(key), other._active.get(key)
+            like = mine if mine is not None else theirs
+            if mine is None:
+                mine = like.new_zeros((b, *like.shape[1:]))
+            if theirs is None:
+                theirs = like.new_zeros((n, *like.shape[1:]))
+            self._active[key] = how(mine, theirs)
+        self._rows = how(self._rows, other._rows + self.n_rows)
+        self.n_rows += other.n_rows
 
     @property
     def device(self) -> torch.device:
@@ -444,7 +484,8 @@ class StepTally:
 
     def reorder(self, index: Tensor) -> None:
         """Keep rows ``index`` ``(B',)`` of the active ones (the others are done)."""
-        self._store()
+        if self.keep:
+            self._store()
         self._rows = self._rows.index_select(0, index)
         self._active = {k: v.index_select(0, index) for k, v in self._active.items()}
 

@@ -162,12 +162,14 @@ class CountedRows:
         self.ffns = [layer.ffn for layer in model.decoder.layers
                      if hasattr(layer.ffn, "pieces_row_macs")]
 
-    def reports(self, counts: dict[str, torch.Tensor], rows: list[int] | None = None
-                ) -> list[dict]:
+    def reports(self, counts: dict[str, torch.Tensor], rows: list[int] | None = None,
+                at: list[int] | None = None) -> list[dict]:
         """As :func:`realized_per_row` reports them, for the lines ``rows`` (indices into
-        ``src``; None: all) from ``counts`` (final for those lines)."""
+        ``src``; None: all) from ``counts`` (final for those lines; their rows ``at`` of
+        it, default ``rows``)."""
         rows = list(range(len(self.n_src))) if rows is None else rows
-        index = torch.tensor(rows, dtype=torch.long, device=counts["steps"].device)
+        index = torch.tensor(rows if at is None else at, dtype=torch.long,
+                             device=counts["steps"].device)
         keys = ["steps", *(f"{m.name}.{k}" for m, key in self.attention for k in ("q", key)),
                 *(f"{f.name}.pieces" for f in self.ffns)]
         got = {k: counts[k].index_select(0, index).tolist() for k in keys}

@@ -38,7 +38,7 @@ from dynaseq.core.errors import DynaseqError
 from dynaseq.data import collate_source
 from dynaseq.data.tokenizer import with_subwords
 from dynaseq.metrics.latency_table import Pair
-from dynaseq.models.search import Sentences, refilled_greedy_search
+from dynaseq.models.search import RowCount, Sentences, refilled_greedy_search
 from dynaseq.nn.outputs import AuxOutputs
 from dynaseq.serve import schemas
 from dynaseq.serve.batcher import BudgetParts, Job, Shed
@@ -373,8 +373,11 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     ``max_rows`` rows whose finished lines' rows new lines take over
     (:func:`~dynaseq.models.search.refilled_greedy_search`), each line at its job's budget.
     Each job is answered (:meth:`~dynaseq.serve.batcher.Job.settle`) as soon as its own
-    lines are done, with its translations and each line's realized compute, exactly as
-    :meth:`Translator.translate` decodes them (greedy). The decode ends when no line runs
+    lines are done, with its translations, exactly as :meth:`Translator.translate`
+    decodes them (greedy), and each line's realized compute: from the lengths where every
+    gate was open, else from what the decode counted for the line (``on_counted``:
+    :class:`~dynaseq.serve.compute.CountedRows` over its group's encoder records), as the
+    batch server's greedy batches report it. The decode ends when no line runs
     and ``more`` has nothing. Returns one ``None`` per job of ``jobs`` (all answered).
 
     A client that went away before its job joined is dropped (:meth:`Batcher.take_more`);
@@ -385,12 +388,14 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     d, device = t.config.decode, t.device
     pending: list[tuple[Job, int, list[int]]] = []  # lines waiting: (job, line, subwords)
     open_jobs: dict[int, dict[str, Any]] = {}  # id(job) -> its texts, compute, lines left
+    count = report_compute and t.model.n_controls > 0  # gates decide: count as it decodes
+    counters: dict[int, tuple[AuxOutputs, CountedRows]] = {}  # per encoded group, recent
 
     def admit(new: list[Job]) -> None:
         for job in new:
             ids = job.payload.ids
             entry = {"job": job, "texts": [""] * job.rows, "compute": [None] * job.rows,
-                     "tokens": {}, "left": sum(1 for x in ids if x)}
+                     "tokens": {}, "counted": {}, "left": sum(1 for x in ids if x)}
             open_jobs[id(job)] = entry
             pending.extend((job, i, x) for i, x in enumerate(ids) if x)
             if not entry["left"]:  # only empty lines
@@ -408,13 +413,26 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
         return Sentences([(id(job), i) for job, i, _ in take], src.to(device), control,
                          expires=[job.expiry for job, _, _ in take])  # -inf: client gone
 
-    def done(key: tuple[int, int], tokens: list[int] | None) -> None:
+    def done(key: tuple[int, int], tokens: list[int] | None,
+             counted: RowCount | None = None) -> None:
         entry = open_jobs[key[0]]
         if tokens is not None:  # None: its client went away, nothing more is decoded
             entry["tokens"][key[1]] = tokens
+            entry["counted"][key[1]] = counted
         entry["left"] -= 1
         if not entry["left"]:
             finish(entry)
+
+    def counted_report(counted: RowCount | None) -> dict:
+        """A line's compute from what its decode counted (its group's encoder records)."""
+        assert counted is not None, "a gated line of a counted decode"
+        held = counters.get(id(counted.aux))
+        if held is None or held[0] is not counted.aux:  # new group (or a reused id)
+            if len(counters) >= 64:
+                del counters[next(iter(counters))]
+            held = counters[id(counted.aux)] = (counted.aux, CountedRows(
+                t.model, counted.src, counted.aux, all_on))
+        return held[1].reports(counted.counts, [counted.row], at=[0])[0]
 
     def finish(entry: dict[str, Any]) -> None:
         job, got = entry["job"], entry["tokens"]
@@ -425,9 +443,10 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
         if report_compute and lines:
             srcs = [job.payload.ids[i] for i in lines]
             control = t.control_for(job.payload.budget, len(lines))
-            reports = (all_open_reports(t.model, srcs, hyps, all_on)
-                       if not t.model.n_controls or every_gate_open(control, len(lines))
-                       else realized_per_row(t.model, srcs, hyps, control))
+            if not t.model.n_controls or every_gate_open(control, len(lines)):
+                reports = all_open_reports(t.model, srcs, hyps, all_on)  # the lengths tell
+            else:
+                reports = [counted_report(entry["counted"][i]) for i in lines]
             for i, rep in zip(lines, reports, strict=True):
                 entry["compute"][i] = rep
         del open_jobs[id(job)]
@@ -436,7 +455,8 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     admit(jobs)
     refilled_greedy_search(lean, refill, done, max_rows=max_rows, max_len_a=d.max_len_a,
                            max_len_b=d.max_len_b,
-                           max_positions=t.model.encoder.positions.max_positions)
+                           max_positions=t.model.encoder.positions.max_positions,
+                           on_counted=done if count else None)
     assert not open_jobs and not pending, "every job answered"
     return [None] * len(jobs)
 
