@@ -67,6 +67,8 @@ def test_continuous_refusals_are_one_line_exit_2(serve_run, lm_run):
         ((str(serve_run), "--continuous", "--beam", "1", "--latency-table",
           str(serve_run / "latency_table.json")), "a --continuous server takes no deadlines"),
         ((str(lm_run), "--continuous"), "--continuous is for translation runs"),
+        ((str(serve_run), "--continuous", "--beam", "1", "--answer-at-batch-end"),
+         "a continuous batch never ends"),
     ]:
         r = run_cli("serve", *args, "--port", "1")
         err = r.stderr.decode()

@@ -135,6 +135,9 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
         if predictor.lean_decoder() is None:
             raise DynaseqError("--continuous needs a model with a lean decoding step (MoE, "
                                "int8 CCT and relative-position models have none)")
+        if not config.early_answers:
+            raise DynaseqError("--answer-at-batch-end: a continuous batch never ends; each "
+                               "request is answered as its own lines end")
         table = None  # deadlines are planned for batches: a continuous server takes none
     policy = None
     if table is not None and kind in ("seq2seq", "classify"):
