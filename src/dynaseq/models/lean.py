@@ -433,12 +433,8 @@ def cat_rows(a: EncoderOutput, b: EncoderOutput) -> EncoderOutput:
     assert a.out.size(1) == b.out.size(1) == 0, "spent encoder outputs"
     assert (a.control is None) == (b.control is None), "rows of one model"
     control = None if a.control is None else torch.cat([a.control, b.control])
-    offsets = [a.gate_offset, b.gate_offset]
-    if all(o is None for o in offsets):
-        offset = None
-    else:
-        offset = torch.cat([torch.zeros(e.out.size(0), device=e.out.device) if o is None
-                            else o.float() for e, o in zip((a, b), offsets, strict=True)])
+    offset = (None if a.gate_offset is None and b.gate_offset is None
+              else torch.cat([_row_offsets(a), _row_offsets(b)]))
     return EncoderOutput(torch.cat([a.out, b.out]), torch.cat([a.pad_mask, b.pad_mask]),
                          control, offset)
 
@@ -449,13 +445,16 @@ def put_rows(a: EncoderOutput, rows: Tensor, b: EncoderOutput) -> EncoderOutput:
     assert a.out.size(1) == b.out.size(1) == 0, "spent encoder outputs"
     assert (a.control is None) == (b.control is None), "rows of one model"
     control = None if a.control is None else a.control.index_copy(0, rows, b.control)
-    if a.gate_offset is None and b.gate_offset is None:
-        offset = None
-    else:
-        base, new = (torch.zeros(e.out.size(0), device=e.out.device) if e.gate_offset is None
-                     else e.gate_offset for e in (a, b))
-        offset = base.index_copy(0, rows, new.to(base.dtype))
+    offset = (None if a.gate_offset is None and b.gate_offset is None
+              else _row_offsets(a).index_copy(0, rows, _row_offsets(b)))
     return EncoderOutput(a.out, a.pad_mask, control, offset)
+
+
+def _row_offsets(e: EncoderOutput) -> Tensor:
+    """``e``'s gate offsets ``(B,)`` float32, 0 for each row where it has none."""
+    if e.gate_offset is None:
+        return torch.zeros(e.out.size(0), device=e.out.device)
+    return e.gate_offset.float()
 
 
 def lean_or_model(model: nn.Module) -> nn.Module | LeanDecoder:

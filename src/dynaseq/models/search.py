@@ -75,14 +75,21 @@ class Expiry:
     def due(self, active: list[int]) -> list[bool] | None:
         """For the sentences ``active`` (original indices): which have expired now (None:
         none has)."""
-        times = [e() if callable(e) else e for e in (self.expires[i] for i in active)]
-        first = min(times, default=math.inf)
-        if first == math.inf:
-            return None
-        now = -math.inf if first == -math.inf else self.clock()
-        if now < first:
-            return None
-        return [t <= now for t in times]
+        return expired_now([self.expires[i] for i in active], self.clock)
+
+
+def expired_now(expires: Sequence[Expires], clock: Callable[[], float]) -> list[bool] | None:
+    """Which of ``expires`` have passed now (None: none has). The clock is read only when
+    one can have (an expiry of ``-inf`` needs no clock), and compared per expiry only once
+    the earliest has passed."""
+    times = [e() if callable(e) else e for e in expires]
+    first = min(times, default=math.inf)
+    if first == math.inf:
+        return None
+    now = -math.inf if first == -math.inf else clock()
+    if now < first:
+        return None
+    return [t <= now for t in times]
 
 
 def _expiry(expires: Sequence[Expires] | None, n: int,
@@ -318,7 +325,7 @@ def refilled_greedy_search(model, refill: Refill,
             return
         tokens = torch.tensor(last, device=enc.out.device)[:, None]
         logits = model.decode_step(tokens, enc, state)  # (rows, V)
-        early = [i for i, m in enumerate(made) if len(m) < min_len]
+        early = [i for i, m in enumerate(made) if len(m) < min_len] if min_len else []
         if early:
             logits[torch.tensor(early, device=logits.device), eos] = float("-inf")
         at_limit = [len(m) + 1 >= cap for m, cap in zip(made, limits, strict=True)]
@@ -355,15 +362,10 @@ def _row_count(state, origin: tuple[Any, int] | None, row: int) -> RowCount | No
 
 def _expired(dues: list[Expires | None], keys: list[Any],
              clock: Callable[[], float]) -> list[int]:
-    """The running rows (key not None) whose expiry has passed (the clock is read only if
-    some row has a finite or moving one)."""
-    times = [(i, due() if callable(due) else due) for i, due in enumerate(dues)
-             if due is not None and keys[i] is not None]
-    times = [(i, t) for i, t in times if t != math.inf]
-    if not times:
-        return []
-    now = -math.inf if all(t == -math.inf for _, t in times) else clock()
-    return [i for i, t in times if t <= now]
+    """The running rows (key not None) whose expiry has passed (:func:`expired_now`)."""
+    rows = [i for i, due in enumerate(dues) if due is not None and keys[i] is not None]
+    due = expired_now([dues[i] for i in rows], clock) if rows else None
+    return [] if due is None else [i for i, late in zip(rows, due, strict=True) if late]
 
 
 @dataclass
