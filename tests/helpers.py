@@ -331,3 +331,15 @@ def assert_same_searches(model, lean, src, beams: tuple[int, ...], max_len_b: in
         assert (beam_search(lean, src, beam=k, max_len_b=max_len_b)
                 == beam_search(model, src, beam=k, max_len_b=max_len_b))
     return greedy
+
+
+def clock_of(costs: list[list[float]], calls: int):
+    """A fake clock for :class:`~dynaseq.nn.layouts.Layouts`: ``calls`` trials run in turn
+    over the ``n = len(costs)`` layouts, trial k (of layout ``k % n``, its j-th) reading
+    start ``10 k`` and end ``10 k + costs[k % n][j]``."""
+    n, ticks = len(costs), []
+    for k in range(calls):
+        i, j = k % n, k // n
+        ticks += [10.0 * k, 10.0 * k + costs[i][j]]
+    it = iter(ticks)
+    return lambda: next(it)

@@ -1,7 +1,7 @@
 """The lean step's projections (:class:`dynaseq.nn.lean_step.StepLinear`): the same map as
-``F.linear``, in the layout chosen by the call's rows and the projection's shape: one row of
-a wide one against an ``(in, out)`` copy, 2 to LEFT_ROWS rows with the weight on the left,
-otherwise ``F.linear``."""
+``F.linear`` in each of its layouts (``F.linear``, an ``(in, out)`` copy, the weight on the
+left), the layout a size class's timed trials chose afterwards, and the copy kept only while
+it is tried or chosen."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dynaseq.nn.lean_step import LEFT_ROWS, StepLinear, float_linear, linear_fn
+from dynaseq.nn.layouts import Layouts
+from dynaseq.nn.lean_step import StepLinear, float_linear, linear_fn
 
-from helpers import AtenMode
+from helpers import AtenMode, clock_of
 
 
 class _Products(AtenMode):
@@ -42,66 +43,67 @@ def _products(fn: StepLinear, rows: int) -> list[tuple[int, int]]:
     return seen.operands
 
 
-@pytest.mark.parametrize("shape", [(1, 16), (1, 1, 16), (2, 16), (4, 1, 16), (LEFT_ROWS, 16),
-                                   (LEFT_ROWS + 1, 16), (2, 7, 16), (2, 3, 16)])
-@pytest.mark.parametrize("out", [48, 16])
+@pytest.mark.parametrize("shape", [(1, 16), (1, 1, 16), (2, 16), (4, 1, 16), (8, 16),
+                                   (9, 16), (2, 7, 16), (2, 3, 16)])
+@pytest.mark.parametrize("out", [48, 16, 8])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("always", [False, True])
-def test_equals_f_linear_at_every_row_count_and_shape(shape, out, bias, always):
+@pytest.mark.parametrize("layout", [*StepLinear.LAYOUTS, None])
+def test_equals_f_linear_in_every_layout_row_count_and_shape(shape, out, bias, layout):
     weight, b = _weight(out, bias)
+    fn = StepLinear(weight, b, layout=layout)
     x = torch.randn(*shape)
-    y = StepLinear(weight, b, always=always)(x)
-    assert y.shape == (*shape[:-1], out) and y.is_contiguous()
-    torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    for _ in range(3 * Layouts.TRIALS + 1):  # unpinned: the trials, then the chosen one
+        y = fn(x)
+        assert y.shape == (*shape[:-1], out) and y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_a_wide_projection_reads_the_copy_at_one_row_the_weight_on_the_left_at_a_few():
+@pytest.mark.parametrize("fastest", [0, 1, 2])
+def test_the_trials_choose_the_fastest_layout_and_its_operands_run_after(fastest):
     weight, b = _weight(48)
-    fn = StepLinear(weight, b)
-    assert fn.weight_t is None
-    one = _products(fn, 1)
-    assert fn.weight_t is not None and fn.weight_t.shape == (16, 48)
-    assert fn.weight_t.is_contiguous() and one[0][1] == fn.weight_t.data_ptr()  # x Wᵀ
-    for rows in (2, LEFT_ROWS):
-        assert _products(fn, rows)[0][0] == weight.data_ptr()  # W xᵀ: W itself, on the left
-    assert _products(fn, LEFT_ROWS + 1)[0][1] == weight.data_ptr()  # F.linear: a view of W
+    costs = [[5.0] * 3 for _ in range(3)]
+    costs[fastest] = [1.0] * 3
+    fn = StepLinear(weight, b, layouts=Layouts(3, clock=clock_of(costs, 9)))
+    for _ in range(9):
+        fn(torch.randn(4, 1, 16))
+    assert fn.layouts.chosen == {(4, torch.get_num_threads()): fastest}
+    left, right = _products(fn, 3)[0]  # 3 rows: the class of 4, no more trials
+    if fastest == 1:
+        assert fn.weight_t is not None and right == fn.weight_t.data_ptr()  # x @ Wᵀ copy
+    else:
+        assert fn.weight_t is None  # dropped: no class reads it
+        assert (left if fastest == 2 else right) == weight.data_ptr()  # W xᵀ / F.linear
 
 
-def test_a_square_projection_makes_no_copy():
-    weight, b = _weight(16)
-    fn = StepLinear(weight, b)
-    assert _products(fn, 1)[0][1] == weight.data_ptr()  # F.linear
-    assert _products(fn, 4)[0][0] == weight.data_ptr()  # on the left
-    assert _products(fn, LEFT_ROWS + 1)[0][1] == weight.data_ptr()
-    assert fn.weight_t is None
-
-
-def test_always_reads_the_copy_but_at_a_few_rows():
-    weight, _ = _weight(48, bias=False)
-    fn = StepLinear(weight, None, always=True)
-    assert _products(fn, LEFT_ROWS + 1)[0][1] == fn.weight_t.data_ptr()
-    assert _products(fn, 1)[0][1] == fn.weight_t.data_ptr()
-    assert _products(fn, 3)[0][0] == weight.data_ptr()
-
-
-def test_the_copy_is_made_once_and_only_when_one_row_asks():
+def test_a_new_size_class_is_timed_anew():
     weight, b = _weight(48)
-    fn = StepLinear(weight, b)
-    fn(torch.randn(32, 16))
-    fn(torch.randn(4, 16))
-    assert fn.weight_t is None  # many rows and a few: no copy
-    fn(torch.randn(1, 16))
-    first = fn.weight_t
-    fn(torch.randn(1, 1, 16))
-    assert fn.weight_t is first
+    fn = StepLinear(weight, b, layouts=Layouts(3, clock=clock_of([[1.0] * 6, [2.0] * 6,
+                                                                 [3.0] * 6], 18)))
+    for rows in (1, 32):
+        for _ in range(9):
+            fn(torch.randn(rows, 16))
+    threads = torch.get_num_threads()
+    assert fn.layouts.chosen == {(1, threads): 0, (32, threads): 0}
 
 
-def test_float_linear_takes_step_linear_for_float32_cpu_weights_as_wide_out_as_in():
+def test_a_weight_off_float32_cpu_runs_f_linear_only_and_copies_nothing():
+    weight = torch.randn(48, 16, dtype=torch.bfloat16)
+    fn = StepLinear(weight, None)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    for _ in range(4):
+        torch.testing.assert_close(fn(x), F.linear(x, weight))
+    assert fn.weight_t is None and fn.layouts.chosen == {}
+
+
+def test_an_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        StepLinear(torch.randn(4, 4), None, layout="diagonal")
+
+
+def test_float_linear_takes_step_linear_for_float32_cpu_weights():
     assert isinstance(float_linear(torch.randn(32, 16), None), StepLinear)
-    assert isinstance(float_linear(torch.randn(16, 16), None), StepLinear)
-    narrow = float_linear(torch.randn(15, 16), torch.randn(15))
-    assert isinstance(narrow, partial) and narrow.func is F.linear
+    assert isinstance(float_linear(torch.randn(15, 16), torch.randn(15)), StepLinear)
     bf16 = float_linear(torch.randn(32, 16, dtype=torch.bfloat16), None)
     assert isinstance(bf16, partial) and bf16.func is F.linear
     assert isinstance(linear_fn(torch.nn.Linear(16, 64)), StepLinear)
-    assert isinstance(linear_fn(torch.nn.Linear(64, 16)), partial)
+    assert isinstance(linear_fn(torch.nn.Linear(64, 16)), StepLinear)

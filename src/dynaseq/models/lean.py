@@ -19,10 +19,11 @@ arithmetic needs and nothing else:
 * key/value caches preallocated per layer (:class:`~dynaseq.nn.lean_step.StepCache`): a step
   writes its key and value in place; a cache doubles its capacity when full;
 * layer norms, residuals and projections called as functions on the model's own tensors (no
-  module dispatch), and the output layer as ``x @ Wᵀ`` with ``Wᵀ`` stored ``(d, V)`` once;
-  projections read in the layout that the step's number of rows reads fastest
-  (:class:`~dynaseq.nn.lean_step.StepLinear`: one row against an ``(in, out)`` copy of a
-  wide projection, 2 to 8 rows with the weight on the left, ``W xᵀ``).
+  module dispatch); projections, the output layer among them, read in the layout that
+  reads them fastest on this machine at the step's number of rows
+  (:class:`~dynaseq.nn.lean_step.StepLinear`: ``F.linear``, ``x`` against an ``(in, out)``
+  copy, or the weight on the left, ``W xᵀ``; timed on the first calls of each size class,
+  :mod:`dynaseq.nn.layouts`).
 
 A model whose decoder layers are all :class:`DecoderLayer` of sub-layers with a lean part gets
 one (:func:`is_lean`: dense, CCT and DMB models, the dense and DMB ones float or int8; MoE,
@@ -113,11 +114,10 @@ def _lean_layers(model: nn.Module) -> list[_Layer] | None:
 
 
 def _output_layer(proj: nn.Module) -> LinearFn:
-    """The output layer as a function: a float one (no bias) as ``h @ Wᵀ`` with ``Wᵀ``
-    stored ``(d, V)`` (:class:`StepLinear` with ``always``: ``W hᵀ`` for 2 to 8 rows), an
+    """The output layer as a function: a float one (no bias) as a :class:`StepLinear`, an
     int8 one through its kernel."""
     if type(proj) is nn.Linear:
-        return StepLinear(proj.weight, None, always=True)
+        return StepLinear(proj.weight, None)
     fn = linear_fn(proj, bias=False)
     assert fn is not None, "checked by _lean_layers"
     return fn

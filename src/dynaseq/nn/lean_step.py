@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynaseq.nn.int8 import Int8Linear
+from dynaseq.nn.layouts import Layouts, call_key
 
 
 @dataclass(frozen=True)
@@ -72,75 +73,81 @@ LinearFn = Callable[[Tensor], Tensor]
 """A projection as a function: ``(..., in)`` -> ``(..., out)``."""
 
 
-LEFT_ROWS = 8
-"""Calls of 2 to this many rows (beam 4 at batch 1, greedy at batch 8) run a projection at
-least as wide out as in with its weight on the left (:class:`StepLinear`); the CCT's
-feed-forward pieces run their second layers so from one row on."""
-
-
 class StepLinear:
-    """``x Wᵀ + b`` for a float32 projection ``W`` ``(out, in)`` on the CPU, in the layout
-    that reads the weight fastest at the call's number of rows:
+    """``x Wᵀ + b`` for a float32 projection ``W`` ``(out, in)`` on the CPU, in whichever of
+    three layouts reads the weight fastest on this machine at the call's size class
+    (:mod:`dynaseq.nn.layouts`: the first calls of each class try each in turn):
 
-    * **one row**, a projection at least twice as wide out as in (fused q/k/v, a
-      feed-forward's first layer) or ``always``: ``x @ Wᵀ`` with ``Wᵀ`` stored ``(in, out)``
-      (a copy, made at the first such call);
-    * **2 to** :data:`LEFT_ROWS` **rows**, a projection at least as wide out as in:
-      ``(W xᵀ + b)ᵀ``, the weight itself on the left (no copy; the small result made
-      contiguous);
-    * otherwise ``F.linear`` on ``W`` (``always``: the ``(in, out)`` copy; a weight that is
-      not float32 on the CPU, which only ``always`` brings here, never goes on the left).
+    * ``linear``: ``F.linear`` on ``W`` itself;
+    * ``copy``: ``x @ Wᵀ`` against an ``(in, out)`` copy of the weight (made before the
+      first call that tries it, and dropped once every class tried is settled on another);
+    * ``left``: ``(W xᵀ + b)ᵀ``, the weight itself on the left (the small result made
+      contiguous).
 
-    Why by hand: oneDNN/MKL read one weight at very different rates depending on which
-    side of a product it stands and how few rows the other side has. Measured on this
-    project's AVX-512 EPYC, 1 thread, weights out of L2 as in a decode, against the best
-    of ``F.linear`` and the ``(in, out)`` copy: one row, the copy reads wide projections
-    at about twice ``F.linear``'s rate (1536 x 512: 201 against 388 us; 768 x 256: 66
-    against 113) and narrow ones at about half (512 x 2048: 403 against 257), the weight
-    on the left no faster than ``F.linear``; 2 to 8 rows, the weight on the left wins for
-    wide and square ones (4 rows, 1536 x 512: 281 against 392 us; 512 x 512: 84 against
-    127; 1024 x 256: 112 against 233; the output layer 8000 x 512: 1563 against 2660) and
-    loses for narrow ones from 4 rows on (512 x 2048: 680 against 445); from 16 rows the
-    two plain layouts are best.
-    ``x``: ``(..., in)`` -> ``(..., out)``; the layouts differ by float rounding only.
+    ``layout``: one of them for every call instead (a test's or a benchmark's pin). A weight
+    that is not float32 on the CPU runs ``F.linear`` only. ``x``: ``(..., in)`` ->
+    ``(..., out)``; the layouts differ by float rounding only.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, always: bool = False) -> None:
-        self.weight, self.bias, self.always = weight, bias, always  # (out, in), (out,)
-        out, n_in = weight.shape
-        self.n_in = n_in
-        self.wide = always or out >= 2 * n_in
-        self.left = out >= n_in and weight.device.type == "cpu" and weight.dtype == torch.float32
+    LAYOUTS = ("linear", "copy", "left")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, layout: str | None = None,
+                 layouts: Layouts | None = None) -> None:
+        if layout is not None and layout not in self.LAYOUTS:
+            raise ValueError(f"layout must be one of {self.LAYOUTS}, got {layout!r}")
+        self.weight, self.bias = weight, bias  # (out, in), (out,)
+        self.n_in = weight.size(1)
+        cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.pinned = self.LAYOUTS.index(layout) if layout is not None else None if cpu else 0
+        self.layouts = layouts or Layouts(len(self.LAYOUTS))
+        assert self.layouts.n == len(self.LAYOUTS), "one time list per layout"
         self.bias_column = None if bias is None else bias[:, None]  # (out, 1), a view
-        self.weight_t: Tensor | None = None  # (in, out), made at the first call that reads it
+        self.weight_t: Tensor | None = None  # (in, out), while the copy is tried or chosen
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.pinned is not None:
+            return self._run(self.pinned, x)
+        key = call_key(x.numel() // self.n_in)
+        i = self.layouts.chosen.get(key)
+        if i is not None:
+            return self._run(i, x)
+        if self.weight_t is None:  # made untimed: the trial times the product alone
+            self._copy()
+        y = self.layouts.trial(key, self._run, x)
+        if (self.layouts.settled and self.weight_t is not None
+                and 1 not in self.layouts.chosen.values()):
+            self.weight_t = None  # no class reads it
+        return y
+
+    def _copy(self) -> Tensor:
+        with torch.no_grad():  # a race only makes the same copy twice
+            weight_t = self.weight_t = self.weight.detach().t().contiguous()
+        return weight_t
+
+    def _run(self, layout: int, x: Tensor) -> Tensor:
         n_in = self.n_in
         rows = x.numel() // n_in
-        if self.left and 2 <= rows <= LEFT_ROWS:
-            xt = x.reshape(rows, n_in).t()  # (in, rows)
+        x2 = x.reshape(rows, n_in)  # (a strided 3-d x would make F.linear a batched product)
+        if layout == 0:
+            return F.linear(x2, self.weight, self.bias).view(*x.shape[:-1], -1)
+        if layout == 2:
+            xt = x2.t()  # (in, rows)
             y = (torch.mm(self.weight, xt) if self.bias_column is None
                  else torch.addmm(self.bias_column, self.weight, xt))  # (out, rows)
             return y.t().contiguous().view(*x.shape[:-1], -1)
-        if not (self.always or (self.wide and rows == 1)):
-            return F.linear(x, self.weight, self.bias)
         weight_t = self.weight_t
-        if weight_t is None:  # a race only makes the same copy twice
-            with torch.no_grad():
-                weight_t = self.weight_t = self.weight.detach().t().contiguous()
-        x2 = x.reshape(rows, n_in)
+        if weight_t is None:  # chosen, then dropped by a concurrent trial: made anew
+            weight_t = self._copy()
         y = torch.mm(x2, weight_t) if self.bias is None else torch.addmm(self.bias, x2,
                                                                           weight_t)
         return y.view(*x.shape[:-1], -1)
 
 
 def float_linear(weight: Tensor, bias: Tensor | None) -> LinearFn:
-    """``x Wᵀ + b`` as a function: :class:`StepLinear` for a float32 CPU weight ``(out, in)``
-    with ``out >= in``, else ``F.linear`` bound to the tensors (no copy). bfloat16 weights
-    keep ``F.linear``: there the two plain layouts measured within 0.86-1.08x of each
-    other."""
-    if (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.size(0) >= weight.size(1)):
+    """``x Wᵀ + b`` as a function: :class:`StepLinear` for a float32 CPU weight ``(out, in)``,
+    else ``F.linear`` bound to the tensors (no copy). bfloat16 weights keep ``F.linear``:
+    there the two plain layouts measured within 0.86-1.08x of each other."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return StepLinear(weight, bias)
     return partial(F.linear, weight=weight, bias=bias)
 
@@ -618,7 +625,7 @@ def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
     return out
 
 
-__all__ = ["LEAN_PARTS", "LEFT_ROWS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
+__all__ = ["LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttention",
            "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
            "StepLinear", "SHARE_MIN", "attend_keys",
            "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",

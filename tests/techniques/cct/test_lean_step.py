@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from dynaseq.models.lean import LeanDecoder, is_lean
 from dynaseq.models.search import beam_search, greedy_search
-from dynaseq.nn.lean_step import LEFT_ROWS, lean_part
+from dynaseq.nn.layouts import Layouts, call_key
+from dynaseq.nn.lean_step import lean_part
 from dynaseq.tasks.translation.config import ModelConfig
 from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.cct.config import CCTConfig
@@ -84,8 +85,8 @@ def test_each_steps_logits_equal_the_general_step(name, capacity, fuse_waste, mo
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", ["on", "zero"])
 def test_steps_of_a_few_rows_give_the_general_steps_logits(rows, name):
-    """Batch 1 and 3 (the feed-forward's second layers with each piece's weight on the
-    left, :meth:`GatedFeedForward._second`)."""
+    """Batch 1 and 3, past the feed-forward's timed trials of its second layers' layouts
+    (:meth:`GatedFeedForward._second`)."""
     m = cct_model(seed=4)
     lean = LeanDecoder.prepare(m)
     src = sources()[:rows]
@@ -93,27 +94,33 @@ def test_steps_of_a_few_rows_give_the_general_steps_logits(rows, name):
     general, fast = m.init_state(), lean.init_state()
     tokens = torch.full((rows, 1), m.bos_id)
     with torch.no_grad():
-        for step in range(6):
+        for step in range(2 * Layouts.TRIALS + 2):
             torch.testing.assert_close(lean.decode_step(tokens, enc, fast),
                                        m.decode_step(tokens, enc, general),
                                        rtol=1e-4, atol=1e-4)
             tokens = torch.full((rows, 1), 4 + step)
-    assert all(w.ffn.w2_rows is not None for w in lean.layers)
+    if name == "on":
+        assert all(w.ffn.second_layouts.settled and w.ffn.second_layouts.chosen
+                   for w in lean.layers)
 
 
-@pytest.mark.parametrize("rows", [1, 2, LEFT_ROWS, LEFT_ROWS + 1, 30])
-def test_ffn_second_layers_take_the_weight_on_the_left_for_a_few_rows(rows):
-    """Up to LEFT_ROWS rows each piece's ``(d, f)`` weight is copied once and put on the
-    left; more rows run against the ``(M, f, d)`` stack: both give each piece's fc2."""
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 30])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_ffn_second_layers_give_each_pieces_fc2_in_either_layout(rows, layout):
+    """Against the ``(M, f, d)`` stack (0) or each piece's ``(d, f)`` weight on the left (1,
+    a copy made once), pinned by a choice: both give each piece's fc2, over every span."""
     m = cct_model(seed=6)
     ffn = m.decoder.layers[0].ffn
     part = lean_part(ffn, "ffn")
     h = torch.randn(rows, 4, 16, generator=torch.Generator().manual_seed(rows))  # (N, M, f)
-    with torch.no_grad():
-        want = torch.stack([F.linear(h[:, i], p.ffn.fc2.weight, p.ffn.fc2.bias)
-                            for i, p in enumerate(ffn.pieces)])  # (M, N, d)
-        torch.testing.assert_close(part._second(h), want, rtol=1e-5, atol=1e-5)
-    assert (part.w2_rows is not None) == (rows <= LEFT_ROWS)
+    for lo, hi in ((0, 4), (1, 3)):
+        part.second_layouts.chosen[(call_key(rows), hi - lo)] = layout
+        with torch.no_grad():
+            want = torch.stack([F.linear(h[:, i - lo], p.ffn.fc2.weight, p.ffn.fc2.bias)
+                                for i, p in enumerate(ffn.pieces) if lo <= i < hi])
+            torch.testing.assert_close(part._second(h[:, :hi - lo], lo, hi), want,
+                                       rtol=1e-5, atol=1e-5)
+    assert (part.w2_rows is not None) == (layout == 1)
 
 
 def test_ffn_second_layers_keep_the_stack_for_bfloat16():
@@ -125,7 +132,7 @@ def test_ffn_second_layers_keep_the_stack_for_bfloat16():
         want = torch.stack([F.linear(h[:, i], p.ffn.fc2.weight, p.ffn.fc2.bias)
                             for i, p in enumerate(ffn.pieces)])
         torch.testing.assert_close(part._second(h), want, rtol=2e-2, atol=2e-2)
-    assert not part.few_rows and part.w2_rows is None
+    assert part.second_layouts.n == 1 and part.w2_rows is None
 
 
 @pytest.mark.parametrize("out_norms", [True, False])

@@ -37,8 +37,8 @@ control network(s) and reads the decisions with one host sync, then:
 * **feed-forward** (eq. 15): the M pieces' input LayerNorms share their normalisation, so
   their affine weights are folded into the pieces' first layers, which run as one
   ``(ffn_dim, d)`` product when every piece is open for every row, with the second layers
-  as one batched product (a step of a few rows with each piece's weight on the left,
-  :meth:`GatedFeedForward._second`) and the output LayerNorms as one call. Mixed: the same
+  as one batched product (each piece's weight on the right or on the left, whichever reads
+  faster here: :meth:`GatedFeedForward._second`) and the output LayerNorms as one call. Mixed: the same
   fused products over the span of pieces from the first to the last one open for any row
   (those outside it do not run; their rows of the folded weights are sliced off, views):
   with no mask when every row opens the whole span (a batch-1 step with two adjacent
@@ -67,8 +67,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dynaseq.nn.layouts import Layouts, call_key
 from dynaseq.nn.lean_step import (
-    LEFT_ROWS,
     CrossKeys,
     LinearFn,
     Norm,
@@ -462,10 +462,10 @@ class GatedFeedForward:
                                  for p in pieces])
             self.w2 = torch.stack([p.ffn.fc2.weight.t() for p in pieces])  # (M, f, d)
             self.b2 = torch.stack([p.ffn.fc2.bias for p in pieces])[:, None]  # (M, 1, d)
-        self.w2_rows: Tensor | None = None  # (M, d, f), made at the first few-row call
+        self.w2_rows: Tensor | None = None  # (M, d, f), made at the first call on the left
         self.b2_column = self.b2.transpose(1, 2)  # (M, d, 1), a view
-        self.few_rows = (self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
-                         and self.w2.size(2) >= self.w2.size(1))  # as wide out (d) as in (f)
+        cpu = self.w2.device.type == "cpu" and self.w2.dtype == torch.float32
+        self.second_layouts = Layouts(2 if cpu else 1)  # the stack; the weights on the left
         f, spans = self.width, [(lo, hi) for lo in range(self.m)
                                 for hi in range(lo + 1, self.m + 1)]
         # each span of pieces' first layers as one product, on views of the folded weights
@@ -519,22 +519,24 @@ class GatedFeedForward:
 
     def _second(self, h: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
         """The second layers of pieces ``lo`` to ``hi - 1`` (default every piece): h
-        ``(N, k, f)`` -> ``(k, N, d)``. Up to
-        :data:`~dynaseq.nn.lean_step.LEFT_ROWS` rows of float32 on the CPU, as
-        ``W2_i · h_iᵀ`` with each piece's ``(d, f)`` weight (a copy, made at the first such
-        call) on the left, then transposed (a view); more rows as ``h_i · W2_iᵀ`` against the
-        ``(M, f, d)`` stack.
+        ``(N, k, f)`` -> ``(k, N, d)``, in the layout that runs fastest here at the call's
+        size class and span (:class:`~dynaseq.nn.layouts.Layouts`): ``h_i · W2_iᵀ`` against
+        the ``(M, f, d)`` stack, or (float32 on the CPU) ``W2_i · h_iᵀ`` with each piece's
+        ``(d, f)`` weight (a copy, made at the first call that tries it) on the left, then
+        transposed (a view).
 
-        Why: a batched product of one row against ``(f, d)`` matrices reads them at less
-        than half the rate of the weight-on-the-left form. Measured on this project's
-        AVX-512 EPYC, 1 thread, M = 4 pieces of 256 x 256, the weights out of L2 as in a
-        decode: 1 row 63 against 159 us, 2 rows 70 against 177, 4 rows 96 against 140; at 8
-        rows about even (143 against 157), at 30 rows the stack wins (285 against 520).
-        Pieces narrower out than in (``d < f``) keep the stack, as
-        :class:`~dynaseq.nn.lean_step.StepLinear` keeps narrow weights off the left."""
+        Why both: 1 thread, M = 4 pieces of 256 x 256, weights out of L2 as in a decode, at
+        one row the left form took 63 against 159 us on an AMD EPYC AVX-512, and the stack
+        41 against 82 on an Intel Xeon AVX-512 (from 8 rows on the stack won on both)."""
         hi = self.m if hi is None else hi
-        b = h.size(0)
-        if b > LEFT_ROWS or not self.few_rows:
+        key = (call_key(h.size(0)), hi - lo)
+        i = self.second_layouts.chosen.get(key)
+        if i is None:
+            return self.second_layouts.trial(key, self._second_as, h, lo, hi)
+        return self._second_as(i, h, lo, hi)
+
+    def _second_as(self, layout: int, h: Tensor, lo: int, hi: int) -> Tensor:
+        if layout == 0:
             return torch.baddbmm(self.b2[lo:hi], h.transpose(0, 1), self.w2[lo:hi])
         w2_rows = self.w2_rows
         if w2_rows is None:  # a race only makes the same copy twice
