@@ -16,13 +16,21 @@ weights out of L2 as in a decode:
   101 left; 8000 x 256: 325, 597, 659); the CCT pieces at one row, 41 us as the stack
   against 82 on the left.
 
-A fixed rule tuned on one of them runs the other at up to half speed (beam 4 at batch 1:
-the dense ``small`` model decoded in 0.74x the time, the CCT in 0.74x, with the Intel
-machine's best layouts instead of the AMD rule). So a product offers its layouts, and
-:class:`Layouts` times the first calls of each size class, each layout :attr:`Layouts.TRIALS`
-times in turn, then runs the one with the least median time. The trials are the product's
-real calls, inside a real decode (the same cache state and threads), so they cost nothing
-but the slower layouts' few calls.
+A fixed rule tuned on one of them runs the other slower: on the Intel machine, the layouts
+timed here took 0.83x the AMD rule's time for the dense ``small`` model at beam 4, batch 1,
+0.79x for ``base``, 0.83x for the CCT with every gate open, 0.87-0.90x at batch 8 and
+0.92-1.02x at batch 32 (``benchmarks/layouts.py``, ``layouts.md``). So a product offers its
+layouts, and :class:`Layouts` times the first calls of each size class, each layout
+:attr:`Layouts.TRIALS` times in turn, then runs the one with the least median time. The
+trials are the product's real calls, inside a real decode (the same cache state and
+threads), so they cost nothing but the slower layouts' few calls.
+
+Known limit: a fresh ``(in, out)`` copy reads slowly for its first several calls (8000 x 256
+at 4 rows, 2 threads: 1097, 449, 349, 241, 221 ... 178 us, against 312 for ``F.linear`` on
+the old weight), so the trials under-rate it: every projection pinned to the copy decoded
+the dense ``small`` model at beam 4 in 47 ms against 51 for the timed choice (which
+preferred ``F.linear`` at 4 rows); discarding the first 1 or 3 runs of each layout did not
+change the choice.
 
 Why by hand: no library picks among equivalent layouts of one CPU product at run time
 (``torch.backends.cudnn.benchmark`` does it for CUDA convolutions; ``torch.compile``'s
