@@ -11,7 +11,8 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
   8000, random weights (seed 0): dynaseq's general decoding step, its lean step
   (:class:`dynaseq.models.lean.LeanDecoder`), and CTranslate2 (float32, the same weights
   converted: fused q/k/v, the same sinusoid table; ``pip install ctranslate2``, a
-  benchmark-only extra) with ``intra_threads`` = ``--threads``. Before timing, the greedy
+  benchmark-only extra) with ``intra_threads`` = ``--threads``, in a child process that
+  takes its turns on request (:class:`CT2Process`: run in-process it slowed torch). Before timing, the greedy
   tokens of the converted model are compared with dynaseq's on a model with peaked outputs.
 * **limits** (measured in the same run): the weight-reading limit of a batch-1 step (bytes of
   decoder and output weights a step must read ÷ the read rate of a large matrix-vector
@@ -153,10 +154,9 @@ def _layer(spec, layer, cross: bool) -> None:
     _linear(spec.ffn.linear_1, layer.ffn.fc2)
 
 
-def to_ctranslate2(model: torch.nn.Module, out_dir: str, threads: int):
-    """A ``ctranslate2.Translator`` running the same weights as the dense ``model``, and its
-    vocabulary (token ``i`` is ``vocab[i]``)."""
-    import ctranslate2
+def to_ctranslate2(model: torch.nn.Module, out_dir: str, threads: int) -> CT2Process:
+    """CTranslate2 running the same weights as the dense ``model`` (converted and saved to
+    ``out_dir``), in a :class:`CT2Process` on ``threads`` threads."""
     from ctranslate2.specs import transformer_spec
 
     enc, dec = model.encoder, model.decoder
@@ -174,15 +174,70 @@ def to_ctranslate2(model: torch.nn.Module, out_dir: str, threads: int):
     spec.decoder.projection.weight = _np(dec.output_proj.weight)
     for s, layer in zip(spec.decoder.layer, dec.layers, strict=True):
         _layer(s, layer, cross=True)
-    vocab = ["<blank>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(4, VOCAB)]
+    vocab = ct2_vocab()
     assert (model.pad_id, model.bos_id, model.eos_id) == (0, 2, 3), "ids of the vocabulary"
     spec.register_source_vocabulary(vocab)
     spec.register_target_vocabulary(vocab)
     spec.validate()
     spec.optimize(quantization=None)
     spec.save(out_dir)
-    return ctranslate2.Translator(out_dir, device="cpu", compute_type="float32",
-                                  inter_threads=1, intra_threads=threads), vocab
+    return CT2Process(out_dir, threads)
+
+
+class CT2Process:
+    """A CTranslate2 translator of the model saved in ``model_dir``, in a child process that
+    decodes on request, so that CTranslate2 and dynaseq take turns without sharing one.
+
+    Why a process: on an Intel Xeon (session 50) one CTranslate2 decode in the process left
+    torch's decoding slow for good (the dense ``tiny`` lean step at batch 1: 20 ms before,
+    94-108 ms after; no thread spun, no affinity changed; CTranslate2 bundles its own
+    OpenMP runtime beside torch's), which had made every dynaseq cell after it 2-5x slow."""
+
+    def __init__(self, model_dir: str, threads: int) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_ct2_serve, args=(child, model_dir, threads),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ask(self, *msg: object) -> object:
+        self.conn.send(msg)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=30)
+
+
+def _ct2_serve(conn, model_dir: str, threads: int) -> None:
+    """The child of :class:`CT2Process`: ``("time", batch, beam, repeats)`` -> the median ms
+    of ``repeats`` fixed-length decodes after one untimed (:func:`ct2_runner`);
+    ``("translate", rows, length)`` -> the greedy token ids of ``rows`` (source ids) at
+    exactly ``length`` tokens; None ends it."""
+    import ctranslate2
+
+    translator = ctranslate2.Translator(model_dir, device="cpu", compute_type="float32",
+                                        inter_threads=1, intra_threads=threads)
+    vocab = ct2_vocab()
+    while (msg := conn.recv()) is not None:
+        kind, *a = msg
+        if kind == "time":
+            batch, beam, repeats = a
+            conn.send(_lib.median_ms(ct2_runner(translator, vocab, batch, beam), repeats))
+        else:
+            rows, length = a
+            out = translator.translate_batch([[vocab[i] for i in row] for row in rows],
+                                             beam_size=1, min_decoding_length=length,
+                                             max_decoding_length=length)
+            conn.send([[vocab.index(t) for t in r.hypotheses[0]] for r in out])
+
+
+def ct2_vocab() -> list[str]:
+    """The converted model's vocabulary: token ``i`` is ``vocab[i]``."""
+    return ["<blank>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(4, VOCAB)]
 
 
 def sources(batch: int, seed: int = 0) -> torch.Tensor:
@@ -214,13 +269,11 @@ def agreement(threads: int) -> dict[str, float]:
     with torch.no_grad():
         model.decoder.output_proj.weight.mul_(8)
     with tempfile.TemporaryDirectory() as tmp:
-        translator, vocab = to_ctranslate2(model, tmp, threads)
+        ct2 = to_ctranslate2(model, tmp, threads)
         src = sources(8, seed=1)
         ours = greedy_search(model, src, max_len_a=0, max_len_b=TGT_LEN + 1, min_len=TGT_LEN)
-        out = translator.translate_batch([[vocab[i] for i in row] for row in src.tolist()],
-                                         beam_size=1, min_decoding_length=TGT_LEN,
-                                         max_decoding_length=TGT_LEN)
-        theirs = [[vocab.index(t) for t in r.hypotheses[0]] for r in out]
+        theirs = ct2.ask("translate", src.tolist(), TGT_LEN)
+        ct2.close()
     same = sum(a == b for x, y in zip(ours, theirs, strict=True)
                for a, b in zip(x, y, strict=True))
     return {"tokens": same / (8 * TGT_LEN), "distinct_tokens": len({t for x in ours for t in x})}
@@ -288,12 +341,6 @@ def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[st
     return {name: round(statistics.median(v), 2) for name, v in per.items()}
 
 
-def ms_of(run: Callable[[], None], repeats: int) -> Callable[[], float]:
-    """A system for :func:`interleaved`: the median ms of ``repeats`` calls of ``run``
-    after one untimed call (as :func:`decode_latency_ms` times dynaseq's)."""
-    return lambda: _lib.median_ms(run, repeats)
-
-
 def dense_rows(args, rates: dict[str, float]) -> list[dict]:
     """One row per (size, batch, search): general, lean and CTranslate2 ms and ratios."""
     rows = []
@@ -310,7 +357,8 @@ def dense_rows(args, rates: dict[str, float]) -> list[dict]:
                                                      lean=lean)
                 systems = {"general": ours(False), "lean": ours(True)}
                 if ct2 is not None:
-                    systems["ctranslate2"] = ms_of(ct2_runner(*ct2, batch, beam), args.repeats)
+                    systems["ctranslate2"] = (lambda ct2=ct2, batch=batch, beam=beam:
+                                              ct2.ask("time", batch, beam, args.repeats))
                 ms = interleaved(systems, args.rounds)
                 row = {"size": size, "batch": batch, "search": search, "ms": ms,
                        "lean_vs_general": round(ms["lean"] / ms["general"], 3)}
@@ -327,6 +375,8 @@ def dense_rows(args, rates: dict[str, float]) -> list[dict]:
                 row["lean_share_of_sgemm"] = round(row["lean_gflops"] / rates["sgemm_gflops"], 3)
                 rows.append(row)
                 print(f"{size} b{batch} {search}: {ms}", flush=True)
+        if ct2 is not None:
+            ct2.close()
         tmp.cleanup()
     return rows
 
