@@ -65,9 +65,12 @@ import itertools
 import json
 import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -185,54 +188,40 @@ def to_ctranslate2(model: torch.nn.Module, out_dir: str, threads: int) -> CT2Pro
 
 
 class CT2Process:
-    """A CTranslate2 translator of the model saved in ``model_dir``, in a child process that
-    decodes on request, so that CTranslate2 and dynaseq take turns without sharing one.
+    """A CTranslate2 translator of the model saved in ``model_dir``, in a process of its own
+    that decodes on request (``benchmarks/_ct2_worker.py``, which imports no torch), so that
+    CTranslate2 and dynaseq take turns without sharing one.
 
-    Why a process: on an Intel Xeon (session 50) one CTranslate2 decode in the process left
+    Why a process: on an Intel Xeon (session 50) one CTranslate2 decode in this process left
     torch's decoding slow for good (the dense ``tiny`` lean step at batch 1: 20 ms before,
-    94-108 ms after; no thread spun, no affinity changed; CTranslate2 bundles its own
-    OpenMP runtime beside torch's), which had made every dynaseq cell after it 2-5x slow."""
+    94-108 ms after; no thread spun, no affinity changed), and CTranslate2 itself ran 2x
+    slower in a process that had imported torch (the worker's docstring)."""
 
     def __init__(self, model_dir: str, threads: int) -> None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_ct2_serve, args=(child, model_dir, threads),
-                                daemon=True)
-        self.proc.start()
-        child.close()
+        worker = Path(__file__).with_name("_ct2_worker.py")
+        self.proc = subprocess.Popen([sys.executable, str(worker), model_dir, str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, *msg: object) -> object:
-        self.conn.send(msg)
-        return self.conn.recv()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the CTranslate2 worker ended (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def time_ms(self, batch: int, beam: int, repeats: int) -> float:
+        """The median ms of ``repeats`` fixed-length decodes of ``batch`` of
+        :func:`sources`: 31 tokens, 31 decoder steps, as many as dynaseq's fixed-length
+        decode runs (30 tokens, then eos; CTranslate2 counts no step for an eos it is forced
+        to stop at)."""
+        return float(self.ask("time", sources(batch).tolist(), beam, TGT_LEN + 1, repeats))
 
     def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(timeout=30)
-
-
-def _ct2_serve(conn, model_dir: str, threads: int) -> None:
-    """The child of :class:`CT2Process`: ``("time", batch, beam, repeats)`` -> the median ms
-    of ``repeats`` fixed-length decodes after one untimed (:func:`ct2_runner`);
-    ``("translate", rows, length)`` -> the greedy token ids of ``rows`` (source ids) at
-    exactly ``length`` tokens; None ends it."""
-    import ctranslate2
-
-    translator = ctranslate2.Translator(model_dir, device="cpu", compute_type="float32",
-                                        inter_threads=1, intra_threads=threads)
-    vocab = ct2_vocab()
-    while (msg := conn.recv()) is not None:
-        kind, *a = msg
-        if kind == "time":
-            batch, beam, repeats = a
-            conn.send(_lib.median_ms(ct2_runner(translator, vocab, batch, beam), repeats))
-        else:
-            rows, length = a
-            out = translator.translate_batch([[vocab[i] for i in row] for row in rows],
-                                             beam_size=1, min_decoding_length=length,
-                                             max_decoding_length=length)
-            conn.send([[vocab.index(t) for t in r.hypotheses[0]] for r in out])
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def ct2_vocab() -> list[str]:
@@ -246,20 +235,6 @@ def sources(batch: int, seed: int = 0) -> torch.Tensor:
     src = torch.randint(4, VOCAB, (batch, SRC_LEN), generator=gen)
     src[:, -1] = 3
     return src
-
-
-def ct2_runner(translator, vocab: list[str], batch: int, beam: int) -> Callable[[], None]:
-    """One fixed-length decode of ``batch`` sentences by CTranslate2: 31 tokens, 31 decoder
-    steps, as many as dynaseq's fixed-length decode runs (30 tokens, then eos; CTranslate2
-    counts no step for an eos it is forced to stop at)."""
-    tokens = [[vocab[i] for i in row] for row in sources(batch).tolist()]
-
-    def run() -> None:
-        out = translator.translate_batch(tokens, beam_size=beam,
-                                         min_decoding_length=TGT_LEN + 1,
-                                         max_decoding_length=TGT_LEN + 1)
-        assert all(len(r.hypotheses[0]) == TGT_LEN + 1 for r in out), "fixed-length decoding"
-    return run
 
 
 def agreement(threads: int) -> dict[str, float]:
@@ -358,7 +333,7 @@ def dense_rows(args, rates: dict[str, float]) -> list[dict]:
                 systems = {"general": ours(False), "lean": ours(True)}
                 if ct2 is not None:
                     systems["ctranslate2"] = (lambda ct2=ct2, batch=batch, beam=beam:
-                                              ct2.ask("time", batch, beam, args.repeats))
+                                              ct2.time_ms(batch, beam, args.repeats))
                 ms = interleaved(systems, args.rounds)
                 row = {"size": size, "batch": batch, "search": search, "ms": ms,
                        "lean_vs_general": round(ms["lean"] / ms["general"], 3)}
