@@ -34,8 +34,9 @@ with both and compare tokens and logits. ``torch.compile`` of this step was meas
 compilation and saved nothing at batch 1.
 
 The fused or folded matrices and ``Wᵀ`` are copies, made by :meth:`LeanDecoder.prepare` (the
-``(in, out)`` copies of the output layer and the wide projections, and the CCT feed-forward
-pieces' ``(d, f)`` second layers, at the first call that reads them);
+``(in, out)`` copies of projections, made for their layout trials and kept where a size class
+chose them, and the CCT feed-forward pieces' ``(d, f)`` second layers, at the first call that
+reads them);
 :meth:`LeanDecoder.is_current` says whether the model's weights or modules changed since
 (an in-place update bumps a tensor's version), so a holder re-prepares instead of decoding
 with stale copies. The other weights are the model's own tensors.
