@@ -29,8 +29,12 @@ Known limit: a fresh ``(in, out)`` copy reads slowly for its first several calls
 at 4 rows, 2 threads: 1097, 449, 349, 241, 221 ... 178 us, against 312 for ``F.linear`` on
 the old weight), so the trials under-rate it: every projection pinned to the copy decoded
 the dense ``small`` model at beam 4 in 47 ms against 51 for the timed choice (which
-preferred ``F.linear`` at 4 rows); discarding the first 1 or 3 runs of each layout did not
-change the choice.
+preferred ``F.linear`` at 4 rows, for the output layer mostly: 8000 x 256 took ~300 us a
+call through ``F.linear`` in a decode and ~234 through the copy read every step, but ~390
+through the copy in trials taking turns with ``F.linear``, which evicts it). Tried, not
+kept (session 50): discarding the first 1 or 3 runs of each layout, two untimed reads of a
+new copy, and each layout's trials back to back (49.5 against 47.4 ms with the output
+layer's copy forced; with 7 trials instead of 3, two of three decoders reached 47 ms).
 
 Why by hand: no library picks among equivalent layouts of one CPU product at run time
 (``torch.backends.cudnn.benchmark`` does it for CUDA convolutions; ``torch.compile``'s
