@@ -35,6 +35,10 @@ through the copy in trials taking turns with ``F.linear``, which evicts it). Tri
 kept (session 50): discarding the first 1 or 3 runs of each layout, two untimed reads of a
 new copy, and each layout's trials back to back (49.5 against 47.4 ms with the output
 layer's copy forced; with 7 trials instead of 3, two of three decoders reached 47 ms).
+Back to back, the copy still warmed over its first five calls (614, 521, 403, 324, 289 us,
+against ``F.linear``'s 559, 356, 323, 320, 321), so a copy needs more reads before it is
+timed than a layout's trials should cost; why a new buffer warms over repeated reads was
+not found.
 
 Why by hand: no library picks among equivalent layouts of one CPU product at run time
 (``torch.backends.cudnn.benchmark`` does it for CUDA convolutions; ``torch.compile``'s
