@@ -37,8 +37,11 @@ new copy, and each layout's trials back to back (49.5 against 47.4 ms with the o
 layer's copy forced; with 7 trials instead of 3, two of three decoders reached 47 ms).
 Back to back, the copy still warmed over its first five calls (614, 521, 403, 324, 289 us,
 against ``F.linear``'s 559, 356, 323, 320, 321), so a copy needs more reads before it is
-timed than a layout's trials should cost; why a new buffer warms over repeated reads was
-not found.
+timed than a layout's trials should cost. Both together (two untimed reads, then back to
+back) still timed every layout above its steady state (``F.linear`` 450-560 us in the
+trials against ~300 later): every product of the decoder is in its trials in the same
+first steps, reading its weight and its copy, so the trials run amid more memory traffic
+than any later step. Next: trials that do not coincide, or a second look once settled.
 
 Why by hand: no library picks among equivalent layouts of one CPU product at run time
 (``torch.backends.cudnn.benchmark`` does it for CUDA convolutions; ``torch.compile``'s
