@@ -11,9 +11,10 @@ per-round medians, and every ratio is of two cells measured in the same rounds.
   8000, random weights (seed 0): dynaseq's general decoding step, its lean step
   (:class:`dynaseq.models.lean.LeanDecoder`), and CTranslate2 (float32, the same weights
   converted: fused q/k/v, the same sinusoid table; ``pip install ctranslate2``, a
-  benchmark-only extra) with ``intra_threads`` = ``--threads``, in a child process that
-  takes its turns on request (:class:`CT2Process`: run in-process it slowed torch). Before timing, the greedy
-  tokens of the converted model are compared with dynaseq's on a model with peaked outputs.
+  benchmark-only extra) with ``intra_threads`` = ``--threads``, in a worker process of its
+  own that imports no torch and takes its turns on request (:class:`CT2Process`). Before
+  timing, the greedy tokens of the converted model are compared with dynaseq's on a model
+  with peaked outputs.
 * **limits** (measured in the same run): the weight-reading limit of a batch-1 step (bytes of
   decoder and output weights a step must read ÷ the read rate of a large matrix-vector
   product) and the SGEMM rate of a large float32 matrix product; each dense cell at batch 1
