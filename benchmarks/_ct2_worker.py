@@ -1,8 +1,8 @@
 """CTranslate2 decoding on request, in a process of its own (``batch1_latency``'s
 :class:`CT2Process`). It imports nothing of torch: with torch loaded in the same process,
-CTranslate2 ran 2-15x slower on the Intel Xeon of session 50 (the dense ``tiny`` model at
-batch 1, 8.6 ms alone, 18.5 in a child process that had imported torch, 128.8 beside torch's
-MKL), and torch's decoding slowed after CTranslate2 ran beside it.
+CTranslate2 ran about 2x slower on the Intel Xeon of session 50 (the dense ``tiny`` model at
+batch 1: 8.6 ms alone, 18.5 in a child process that had imported torch), and torch's
+decoding slowed for good after CTranslate2 ran beside it.
 
     python benchmarks/_ct2_worker.py MODEL_DIR THREADS
 
