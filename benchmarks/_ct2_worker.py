@@ -22,24 +22,29 @@ import statistics
 import sys
 import time
 
-os.environ["CT2_USE_MKL"] = "0"  # read when ctranslate2 loads
-
-import ctranslate2  # noqa: E402
-
-VOCAB = 8000
+VOCAB = 8000  # batch1_latency's models' vocabulary
 
 
-def decode(translator, tokens: list[list[str]], beam: int, length: int) -> None:
+def vocabulary() -> list[str]:
+    """The converted model's vocabulary: token ``i`` is ``vocabulary()[i]``."""
+    return ["<blank>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(4, VOCAB)]
+
+
+def decode(translator, tokens: list[list[str]], beam: int, length: int) -> list:
     out = translator.translate_batch(tokens, beam_size=beam, min_decoding_length=length,
                                      max_decoding_length=length)
     assert all(len(r.hypotheses[0]) == length for r in out), "fixed-length decoding"
+    return out
 
 
 def main() -> None:
+    os.environ["CT2_USE_MKL"] = "0"  # read when ctranslate2 loads, which only main does
+    import ctranslate2
+
     model_dir, threads = sys.argv[1], int(sys.argv[2])
     translator = ctranslate2.Translator(model_dir, device="cpu", compute_type="float32",
                                         inter_threads=1, intra_threads=threads)
-    vocab = ["<blank>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(4, VOCAB)]
+    vocab = vocabulary()
     for line in sys.stdin:
         kind, rows, *rest = json.loads(line)
         tokens = [[vocab[i] for i in row] for row in rows]
@@ -54,9 +59,8 @@ def main() -> None:
             answer: object = statistics.median(times)
         else:
             (length,) = rest
-            out = translator.translate_batch(tokens, beam_size=1, min_decoding_length=length,
-                                             max_decoding_length=length)
-            answer = [[vocab.index(t) for t in r.hypotheses[0]] for r in out]
+            answer = [[vocab.index(t) for t in r.hypotheses[0]]
+                      for r in decode(translator, tokens, 1, length)]
         print(json.dumps(answer), flush=True)
 
 

@@ -469,6 +469,34 @@ def committed_rows(path: Path, key: str, date_field: str | None = None,
     return rows
 
 
+def dense_like(size: str, vocab: int) -> Any:
+    """The untrained dense model (seed 0, eval mode) of the DMB / MoE configs' shape (3+3
+    layers of ``configs/multi30k_tiny.yaml``) at ``size``."""
+    import torch
+
+    from dynaseq.tasks.registry import load_config
+    from dynaseq.tasks.translation.model import build_seq2seq
+
+    torch.manual_seed(0)
+    cfg = load_config("configs/multi30k_tiny.yaml", [] if size == "tiny" else [
+        f"model.size={size}", "model.d_model=null", "model.ffn_dim=null",
+        "model.n_heads=null"]).model
+    return build_seq2seq(cfg, vocab).eval()
+
+
+def untrained_cct(vocab: int) -> Any:
+    """The untrained CCT of ``configs/multi30k_cct_small.yaml`` (seed 0, no dropout), eval
+    mode."""
+    import torch
+
+    from dynaseq.tasks.registry import load_config
+    from dynaseq.tasks.translation.model import build_seq2seq
+
+    torch.manual_seed(0)
+    cfg = load_config("configs/multi30k_cct_small.yaml", ["model.dropout=0.0"]).model
+    return build_seq2seq(cfg, vocab).eval()
+
+
 def md_head(title: str, command: str, *lines: str) -> list[str]:
     """The head of a result's Markdown: ``# title``, the command, then ``lines`` (one per line,
     Markdown line breaks between them), then a blank line."""

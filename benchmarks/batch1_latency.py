@@ -87,14 +87,14 @@ from dynaseq.techniques.branching import merge_shared_
 from dynaseq.techniques.branching.routing import Router
 
 import _lib
+from _ct2_worker import VOCAB
+from _ct2_worker import vocabulary as ct2_vocabulary
 
-VOCAB = 8000
 SRC_LEN = TGT_LEN = 30
 LAYERS = {"tiny": 3, "small": 6, "base": 6}
 BEAMS = {"greedy": 1, "beam4": 4}
 SETTLE_S = 0.3
 BRANCHING = {"dmb": "configs/multi30k_dmb_{size}.yaml", "moe": "configs/multi30k_moe_{size}.yaml"}
-CCT_CONFIG = "configs/multi30k_cct_small.yaml"
 # decoder and encoder gate offsets of each CCT pattern (see the module docstring)
 # a trained CCT's floor as cct_speed measures it (and issue 28 defines it): every gate closed
 # by its control net, which still runs; and the bare floor, where nothing is decided
@@ -178,7 +178,7 @@ def to_ctranslate2(model: torch.nn.Module, out_dir: str, threads: int) -> CT2Pro
     spec.decoder.projection.weight = _np(dec.output_proj.weight)
     for s, layer in zip(spec.decoder.layer, dec.layers, strict=True):
         _layer(s, layer, cross=True)
-    vocab = ct2_vocab()
+    vocab = ct2_vocabulary()
     assert (model.pad_id, model.bos_id, model.eos_id) == (0, 2, 3), "ids of the vocabulary"
     spec.register_source_vocabulary(vocab)
     spec.register_target_vocabulary(vocab)
@@ -223,11 +223,6 @@ class CT2Process:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
-
-
-def ct2_vocab() -> list[str]:
-    """The converted model's vocabulary: token ``i`` is ``vocab[i]``."""
-    return ["<blank>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(4, VOCAB)]
 
 
 def sources(batch: int, seed: int = 0) -> torch.Tensor:
@@ -461,8 +456,7 @@ def cct_rows(args) -> list[dict]:
     dense model of its shape; one row per (batch, search)."""
     from dynaseq.techniques.cct.gating import BudgetControl
 
-    torch.manual_seed(0)
-    cct = build_seq2seq(load_config(CCT_CONFIG, ["model.dropout=0.0"]).model, VOCAB).eval()
+    cct = _lib.untrained_cct(VOCAB)
     base = build_dense_like("small")
     rows = []
     for batch in args.batches:
@@ -529,12 +523,9 @@ def trained_cct_rows(args) -> list[dict]:
 
 
 def build_dense_like(size: str) -> torch.nn.Module:
-    """The dense model of the DMB / MoE configs' shape (3+3 layers) at ``size``."""
-    torch.manual_seed(0)
-    cfg = load_config("configs/multi30k_tiny.yaml", [] if size == "tiny" else [
-        f"model.size={size}", "model.d_model=null", "model.ffn_dim=null",
-        "model.n_heads=null"]).model
-    return build_seq2seq(cfg, VOCAB).eval()
+    """The dense model of the DMB / MoE configs' shape (3+3 layers) at ``size``
+    (:func:`_lib.dense_like`)."""
+    return _lib.dense_like(size, VOCAB)
 
 
 def main() -> None:

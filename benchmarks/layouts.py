@@ -8,7 +8,8 @@ left, narrow projections ``F.linear``, and the CCT feed-forward pieces' second l
 their weights on the left up to 8 rows. Here both run in one process: two lean decoders of
 the same model, one left to time its layouts, the other with the rule written into its
 choices for every size class before it runs (:func:`pin_rule`), taking turns in every round.
-Fixed-length 30 -> 30 decoding of untrained models (:func:`decode_latency_ms`): the dense
+Fixed-length 30 -> 30 decoding of untrained models (:func:`decode_latency_ms`), built as
+``batch1_latency`` builds them (``_lib.dense_like``, ``_lib.untrained_cct``): the dense
 model of the DMB/MoE configs' shape at ``small`` and ``base`` sizes and the CCT of
 ``configs/multi30k_cct_small.yaml`` with every gate open (+inf) and gates mixed (offset 0).
 Reported: ms per decode of each, measured ÷ rule (the median of the rounds' ratios), and
@@ -32,14 +33,13 @@ import torch
 from dynaseq.metrics.latency import decode_latency_ms
 from dynaseq.models.lean import LeanDecoder
 from dynaseq.nn.lean_step import StepLinear
-from dynaseq.tasks.registry import load_config
-from dynaseq.tasks.translation.model import build_seq2seq
 from dynaseq.techniques.cct.gating import BudgetControl
 from dynaseq.techniques.cct.lean_step import GatedFeedForward
 
 import _lib
 
 VOCAB = 8000
+
 CELLS = [(1, 1), (1, 4), (8, 1), (32, 1), (32, 4)]  # (batch, beam)
 CLASSES = [1 << k for k in range(10)]  # rows classes up to 512 (beam 4 x 32 = 128)
 OLD_LEFT_ROWS = 8
@@ -104,20 +104,6 @@ def chosen(lean: LeanDecoder) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def dense(size: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = load_config("configs/multi30k_tiny.yaml", [
-        f"model.size={size}", "model.d_model=null", "model.ffn_dim=null",
-        "model.n_heads=null", "model.dropout=0.0"]).model
-    return build_seq2seq(cfg, VOCAB).eval()
-
-
-def cct() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = load_config("configs/multi30k_cct_small.yaml", ["model.dropout=0.0"]).model
-    return build_seq2seq(cfg, VOCAB).eval()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -125,8 +111,9 @@ def main() -> None:
     _lib.add_results_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    models = {"dense small": (dense("small"), None), "dense base": (dense("base"), None)}
-    c = cct()
+    models = {"dense small": (_lib.dense_like("small", VOCAB), None),
+              "dense base": (_lib.dense_like("base", VOCAB), None)}
+    c = _lib.untrained_cct(VOCAB)
     for name, off in (("cct small, gates open (+inf)", math.inf),
                       ("cct small, gates mixed (offset 0)", 0.0)):
         models[name] = (c, BudgetControl(0, {"encoder": off, "decoder": off}))

@@ -111,6 +111,11 @@ class Layouts:
             self._times.pop(key, None)
         return out
 
+    def run(self, key: Hashable, run: Callable[..., T], *args: object) -> T:
+        """``run(i, *args)`` with ``key``'s chosen layout, or as the next :meth:`trial`."""
+        i = self.chosen.get(key)
+        return self.trial(key, run, *args) if i is None else run(i, *args)
+
     @property
     def settled(self) -> bool:
         """No key is in trials."""

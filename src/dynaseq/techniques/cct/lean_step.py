@@ -38,8 +38,8 @@ control network(s) and reads the decisions with one host sync, then:
   their affine weights are folded into the pieces' first layers, which run as one
   ``(ffn_dim, d)`` product when every piece is open for every row, with the second layers
   as one batched product (each piece's weight on the right or on the left, whichever reads
-  faster here: :meth:`GatedFeedForward._second`) and the output LayerNorms as one call. Mixed: the same
-  fused products over the span of pieces from the first to the last one open for any row
+  faster here: :meth:`GatedFeedForward._second`) and the output LayerNorms as one call.
+  Mixed: the same fused products over the span of pieces from the first to the last one open for any row
   (those outside it do not run; their rows of the folded weights are sliced off, views):
   with no mask when every row opens the whole span (a batch-1 step with two adjacent
   pieces open runs half the feed-forward, not all of it times a mask), else over the rows
@@ -529,13 +529,11 @@ class GatedFeedForward:
         one row the left form took 63 against 159 us on an AMD EPYC AVX-512, and the stack
         41 against 82 on an Intel Xeon AVX-512 (from 8 rows on the stack won on both)."""
         hi = self.m if hi is None else hi
-        key = (call_key(h.size(0)), hi - lo)
-        i = self.second_layouts.chosen.get(key)
-        if i is None:
-            return self.second_layouts.trial(key, self._second_as, h, lo, hi)
-        return self._second_as(i, h, lo, hi)
+        return self.second_layouts.run((call_key(h.size(0)), hi - lo), self._second_as, h,
+                                       lo, hi)
 
     def _second_as(self, layout: int, h: Tensor, lo: int, hi: int) -> Tensor:
+        """:meth:`_second` in ``layout``: 0 the stack, 1 the weights on the left."""
         if layout == 0:
             return torch.baddbmm(self.b2[lo:hi], h.transpose(0, 1), self.w2[lo:hi])
         w2_rows = self.w2_rows
