@@ -1375,8 +1375,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batches)")
     p.add_argument("--continuous", action="store_true", default=None,
                    help="translation: continuous batching (greedy; a finished line's row "
-                        "is taken over by a queued line at the next step); requests name "
-                        "their budget, no deadlines")
+                        "is taken over by a queued line at the next step); deadlines are "
+                        "planned for its rows")
     p.add_argument("--batch-nice", type=int, default=10,
                    help="lower the batch thread's scheduling priority by this much (its "
                         "nice value, Linux; 0-19, default 10), so the event loop reads and "

@@ -5,13 +5,14 @@ finished lines' rows queued lines take over (serve/endpoints.py
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from dynaseq.serve.batcher import Batcher, Job, QueueFull
+from dynaseq.serve.batcher import Batcher, Job, QueueFull, Shed
 from dynaseq.serve.metrics import ServerMetrics
 
 from helpers import run_cli
@@ -54,18 +55,41 @@ def test_concurrent_requests_at_mixed_budgets_get_the_offline_answers_and_comput
     assert continuous.metric("dynaseq_batch_failures_total", endpoint="translate") == 0
 
 
-def test_a_deadline_is_refused_and_the_server_answers_the_next_request(continuous, lines):
-    r = continuous.post("/v1/translate", json={"text": lines[0], "deadline_ms": 500})
-    assert r.status_code == 422
-    assert "decodes continuously" in r.json()["error"]
-    assert continuous.post("/v1/translate", json={"text": lines[0]}).status_code == 200
+def test_deadlines_on_a_continuous_decode_get_the_budget_they_report(
+        continuous, serve_run, offline, lines):
+    """A continuous server with the run's latency table: a loose deadline on an idle
+    server runs the full budget; concurrent deadline requests, more lines than rows, each
+    get the offline translation at the budget they report; a deadline no budget can meet
+    is a 503 with ``Retry-After``, and the next request is answered."""
+    table = json.loads((serve_run / "latency_table.json").read_text())
+    slowest = max(v for rows in table["service_ms"].values() for r in rows for v in r)
+    want = {b: offline.translate(lines, beam=1, budget=b) for b in BUDGETS}
+    s = continuous
+    r = s.post("/v1/translate", json={"text": lines[0], "deadline_ms": 100 * slowest})
+    assert r.status_code == 200, r.text
+    assert r.json()["budget"] == [1.0, 1.0] and r.json()["degraded"] is False
+    assert r.json()["translation"] == want[(1.0, 1.0)][0]
+
+    def ask(i):
+        return i, httpx.post(s.url + "/v1/translate", timeout=60, json={
+            "text": lines[i % len(lines)], "deadline_ms": 4 * slowest})
+
+    with ThreadPoolExecutor(12) as pool:
+        answered = [(i, r) for i, r in pool.map(ask, range(12)) if r.status_code != 503]
+    assert answered
+    for i, r in answered:
+        assert r.status_code == 200, r.text
+        assert r.json()["translation"] == want[tuple(r.json()["budget"])][i % len(lines)]
+    r = s.post("/v1/translate", json={"text": lines[0], "deadline_ms": 0.001})
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["reason"] == "deadline"
+    assert s.post("/v1/translate", json={"text": lines[1]}).status_code == 200
+    assert s.metric("dynaseq_batch_failures_total", endpoint="translate") == 0
 
 
 def test_continuous_refusals_are_one_line_exit_2(serve_run, lm_run):
     for args, words in [
         ((str(serve_run), "--continuous", "--beam", "2"), "--continuous decodes greedily"),
-        ((str(serve_run), "--continuous", "--beam", "1", "--latency-table",
-          str(serve_run / "latency_table.json")), "a --continuous server takes no deadlines"),
         ((str(lm_run), "--continuous"), "--continuous is for translation runs"),
         ((str(serve_run), "--continuous", "--beam", "1", "--answer-at-batch-end"),
          "a continuous batch never ends"),
@@ -100,16 +124,54 @@ def test_take_more_takes_the_front_of_the_queue_while_it_is_of_the_group_and_fit
     assert jobs[0].started is not None and jobs[0].batch_rows == 2
 
 
-def test_take_more_stops_at_a_deadline_job_and_at_what_does_not_fit():
+def test_take_more_stops_at_what_does_not_fit_and_replans_deadline_jobs():
+    """A deadline job is planned again as it is taken (with the jobs still queued); one
+    its replan sheds gets the Shed and is not handed over, and taking goes on behind it."""
+    seen = []
+
+    def replan(jobs, scale, behind):
+        seen.append((jobs, scale, list(behind)))
+        if jobs[0].payload == "shed":
+            jobs[0].shed = Shed("too late", 3)
+
     async def go():
         b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=8, max_queue_rows=100)
-        jobs = [_job("a", 3), _job("a", 1, due=1e18), _job("a", 1)]
-        for j in jobs:
-            b.submit(j)
-        return jobs, b.take_more("a", 2), b.take_more("a", 3)
+        jobs = [_job("a", 3), _job("a", 1, due=1e18, payload="shed"),
+                _job("a", 1, due=1e18), _job("a", 2)]
+        for j in jobs[1:3]:
+            j.replan = replan
+        futs = [b.submit(j) for j in jobs]
+        small, fits = b.take_more("a", 2), b.take_more("a", 5)
+        await asyncio.sleep(0)
+        return jobs, small, fits, futs
 
-    jobs, small, fits = asyncio.run(go())
-    assert small == [] and fits == [jobs[0]]  # then the deadline job heads the queue
+    jobs, small, fits, futs = asyncio.run(go())
+    assert small == [] and fits == [jobs[0], jobs[2]]  # the shed job is not handed over
+    assert isinstance(futs[1].exception(), Shed) and not futs[2].done()
+    assert [(j, rest) for j, _, rest in seen] == [([jobs[1]], jobs[2:]), ([jobs[2]], jobs[3:])]
+
+
+def test_rows_of_a_continuous_decode_are_what_a_snapshot_sees_and_move_the_scale(
+        monkeypatch):
+    """:meth:`Batcher.row_begin` / ``row_end``: the snapshot's ``rows_left`` is each
+    running line's predicted time, scaled, less its age; a finished line's real over
+    predicted time sets the scale (the first at once), a dropped one does not."""
+    import dynaseq.serve.batcher as batcher_mod
+
+    now = [100.0]
+    monkeypatch.setattr(batcher_mod.time, "perf_counter", lambda: now[0])
+    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=100)
+    b.row_begin("a", 100.0)
+    now[0] += 0.03
+    b.row_begin("b", 200.0)
+    assert b.running_rows == 2
+    assert sorted(b.snapshot().rows_left) == pytest.approx([70.0, 200.0])
+    now[0] += 0.12  # "a" took 150 ms for 100 predicted
+    b.row_end("a")
+    assert b.scale == pytest.approx(1.5) and b.running_rows == 1
+    assert b.snapshot().rows_left == pytest.approx((1.5 * 200 - 120.0,))
+    b.row_end("b", finished=False)
+    assert b.scale == pytest.approx(1.5) and b.snapshot().rows_left == ()
 
 
 def _feeding(rows, answers, fail=False, leave=False):
@@ -231,3 +293,46 @@ def test_stop_drains_a_feeding_batch_and_the_jobs_queued_behind_it():
     got, answered, alive = asyncio.run(go())
     assert got == ["first", "later-0", "later-1", "later-2"]
     assert answered == ["later-0", "later-1", "later-2"] and not alive
+
+
+def test_in_process_a_line_past_its_deadline_leaves_and_its_job_gets_a_503(offline, lines,
+                                                                            monkeypatch):
+    """``run_translate_continuous``: a job whose deadline has passed (``expires`` 0) while
+    its lines decode is refused with a :class:`Shed` carrying the ``Retry-After``, not
+    answered with empty translations; the job beside it gets its offline translation, and
+    the clock saw each line take its row and leave it, the expired one as not finished."""
+    from dynaseq.serve.endpoints import TranslateWork, run_translate_continuous
+
+    class Clock:
+        def __init__(self):
+            self.events = []
+
+        def row_begin(self, key, predicted_ms):
+            self.events.append(("begin", key, predicted_ms))
+
+        def row_end(self, key, finished=True):
+            self.events.append(("end", key, finished))
+
+    want = offline.translate(lines, beam=1, budget=BUDGETS[0])
+    answers = {}
+    settle = Job.settle
+    monkeypatch.setattr(Job, "settle", lambda self, result: (
+        answers.setdefault(id(self), result), settle(self, result)))
+    jobs = []
+    for k, line in enumerate(lines[:2]):
+        work = TranslateWork([line], offline.tokenizer.encode([line]), BUDGETS[0],
+                             BUDGETS[0], False)
+        jobs.append(Job(group=("translate", 1), run=None, payload=work, rows=1,
+                        deadline_ms=50.0, expires=0.0 if k == 0 else None))
+    clock = Clock()
+    run_translate_continuous(offline, True, jobs, lambda rows: [], max_rows=4, clock=clock,
+                             line_ms=lambda budget, length: 7.0, retry_after_s=5)
+    late, ok = jobs
+    assert late.settled and isinstance(late.shed, Shed) and late.shed.retry_after_s == 5
+    assert "passed while its lines were decoding" in str(late.shed)
+    assert ok.settled and ok.shed is None and answers[id(ok)][0] == [want[1]]
+    assert id(late) not in answers
+    assert sorted(e[0] for e in clock.events) == ["begin", "begin", "end", "end"]
+    ends = {e[1][0]: e[2] for e in clock.events if e[0] == "end"}
+    assert ends == {id(late): False, id(ok): True}
+    assert all(e[2] == 7.0 for e in clock.events if e[0] == "begin")

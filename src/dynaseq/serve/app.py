@@ -46,6 +46,7 @@ from dynaseq.serve.batcher import Batcher, BudgetParts, Job, QueueFull, Shed
 from dynaseq.serve.config import ServeConfig
 from dynaseq.serve.metrics import ServerMetrics
 from dynaseq.serve.policy import DeadlinePolicy
+from dynaseq.serve.row_policy import RowPolicy
 from dynaseq.serve.schemas import ErrorResponse, one_line
 from dynaseq.tasks.translation.predictor import check_decode
 
@@ -138,7 +139,6 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
         if not config.early_answers:
             raise DynaseqError("--answer-at-batch-end: a continuous batch never ends; each "
                                "request is answered as its own lines end")
-        table = None  # deadlines are planned for batches: a continuous server takes none
     policy = None
     if table is not None and kind in ("seq2seq", "classify"):
         if kind == "seq2seq" and table.beam != beam:
@@ -155,7 +155,9 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
         # (a classify batch answers every line at once)
         early = kind == "seq2seq" and config.early_answers and (
             beam == 1 or predictor.model.n_controls == 0)
-        policy = DeadlinePolicy(table, usable, config.max_batch_rows, config.batch_window_ms,
+        # a continuous decode's lines take rows as they free up (serve/row_policy.py)
+        kind_of_policy = RowPolicy if config.continuous else DeadlinePolicy
+        policy = kind_of_policy(table, usable, config.max_batch_rows, config.batch_window_ms,
                                 config.slack, config.overload, config.retry_after_min_s,
                                 early_answers=early)
 
@@ -173,9 +175,16 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
     state = ServeState(predictor, kind, config, metrics, batcher, policy, beam, default_budget,
                        budgets, log, run_dir=run_dir)
     if kind == "seq2seq" and config.continuous:
+        line_ms = None
+        if isinstance(policy, RowPolicy):
+            def line_ms(budget: BudgetParts | None, length: int) -> float:
+                known = budget is not None and policy.table.has(budget)
+                key = budget if known else policy.largest  # a dense model: its one row
+                return policy.line_ms(key, length, batcher.running_rows + 1)
         state.run_translate = partial(ep.run_translate_continuous, predictor,
                                       config.report_compute, max_rows=config.max_batch_rows,
-                                      all_on={})
+                                      all_on={}, clock=batcher, line_ms=line_ms,
+                                      retry_after_s=config.retry_after_min_s)
     elif kind == "seq2seq":
         state.run_translate = partial(ep.run_translate, predictor, beam, config.report_compute,
                                       retry_after_s=config.retry_after_min_s,

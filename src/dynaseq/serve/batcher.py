@@ -52,6 +52,8 @@ class Load:
     scale: :attr:`Batcher.scale`; overhead_ms: :attr:`Batcher.overhead_ms` plus the event
     loop's lag; margin_ms: :attr:`Batcher.overhead_ms` alone; arrival_rate: lines
     submitted per second lately.
+    rows_left: a continuous decode's running lines (:meth:`Batcher.row_begin`): the ms
+    each still holds its row for (its predicted time, scaled, less its age).
     """
 
     ahead: list[Work]
@@ -60,6 +62,7 @@ class Load:
     overhead_ms: float
     margin_ms: float
     arrival_rate: float
+    rows_left: tuple[float, ...] = ()
 
 
 class QueueFull(Exception):
@@ -134,6 +137,13 @@ class Job:
         the batcher does not answer it again)."""
         self.settled = True
         _deliver(self, result=result)
+
+    def refuse(self, shed: Shed) -> None:
+        """As :meth:`settle`, with ``shed`` for its request instead of an answer (a job of
+        a continuous decode that expired: :attr:`shed`)."""
+        self.shed = shed
+        self.settled = True
+        _deliver(self, exc=shed)
 
     def cancel(self) -> None:
         """The client went away: drop the job if it has not started; a decode that has
@@ -263,6 +273,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._stopping = False
         self._running: tuple[float, float] | None = None  # (start, predicted ms)
+        self._rows: dict[Hashable, tuple[float, float]] = {}  # a continuous decode's lines
         self._thread: threading.Thread | None = None
         self.scale = 1.0
         self._scale_batches = 0
@@ -298,8 +309,11 @@ class Batcher:
                 running = max(0.0, self.scale * predicted
                               - 1000.0 * (time.perf_counter() - start))
             margin = self.overhead_ms
+            now = time.perf_counter()
+            rows = tuple(max(0.0, self.scale * predicted - 1000.0 * (now - start))
+                         for start, predicted in self._rows.values())
             return Load(ahead, running, self.scale, margin + self.loop_lag_ms, margin,
-                        self.arrival_rate)
+                        self.arrival_rate, rows)
 
     @property
     def overhead_ms(self) -> float:
@@ -339,6 +353,27 @@ class Batcher:
         formed (negative: before it): one more error for :attr:`formation_ms`."""
         with self._cond:
             self.formation.add(late_ms, time.perf_counter())
+
+    @property
+    def running_rows(self) -> int:
+        """The lines of a continuous decode that hold a row now (:meth:`row_begin`)."""
+        with self._cond:
+            return len(self._rows)
+
+    def row_begin(self, key: Hashable, predicted_ms: float) -> None:
+        """A line of a continuous decode took its row (in the worker thread), predicted to
+        hold it ``predicted_ms`` (before :attr:`scale`): what :meth:`snapshot` reports in
+        :attr:`Load.rows_left`."""
+        with self._cond:
+            self._rows[key] = (time.perf_counter(), predicted_ms)
+
+    def row_end(self, key: Hashable, finished: bool = True) -> None:
+        """The line ``key`` left its row: ``finished`` (not dropped), its real time over its
+        prediction moves :attr:`scale`, as a batch's does."""
+        with self._cond:
+            held = self._rows.pop(key, None)
+            if held is not None and finished and held[1] > 0:
+                self._update_scale(1000.0 * (time.perf_counter() - held[0]) / held[1])
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
@@ -406,10 +441,12 @@ class Batcher:
 
     def take_more(self, group: Hashable, rows: int) -> list[Job]:
         """For a running batch of ``group`` that takes jobs as it goes (:attr:`Job.feeds`):
-        the queued jobs from the front of the queue while they are of ``group``, carry no
-        deadline and fit in ``rows`` lines (a client gone: dropped), taken off the queue.
-        An empty list when the queue's first job is of another kind: the batch then runs
-        out and the queue is batched as usual."""
+        the queued jobs from the front of the queue while they are of ``group`` and fit in
+        ``rows`` lines (a client gone: dropped), taken off the queue. A job with a
+        deadline is planned again as it is taken (``replan([job], scale, queued)``), and
+        one it sheds gets its :class:`Shed` (503) instead. An empty list when the queue's
+        first job is of another kind: the batch then runs out and the queue is batched as
+        usual."""
         taken: list[Job] = []
         now = time.perf_counter()
         with self._cond:
@@ -420,9 +457,19 @@ class Batcher:
                     self.metrics.cancelled.labels(job.endpoint).inc()
                     continue
                 used = sum(j.rows for j in taken)
-                if job.group != group or job.due is not None or used + job.rows > rows:
+                if job.group != group or used + job.rows > rows:
                     break
                 self._queue.popleft()
+                if job.replan is not None:
+                    try:
+                        job.replan([job], self.scale, list(self._queue))
+                    except Exception as e:  # a planning fault fails this job only
+                        self.metrics.batch_failures.labels(job.endpoint).inc()
+                        _deliver(job, exc=e)
+                        continue
+                    if job.shed is not None:
+                        _deliver(job, exc=job.shed)
+                        continue
                 job.started, job.batch_rows = now, job.rows
                 taken.append(job)
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))

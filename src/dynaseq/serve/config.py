@@ -75,8 +75,7 @@ class ServeConfig:
     continuous: translation decodes greedily with continuous batching: a finished line's
         row is taken over by a queued line at the next step, so a batch never runs out to
         its longest output (:func:`~dynaseq.serve.endpoints.run_translate_continuous`).
-        Requests name their budget; deadlines are planned for batches, so a continuous
-        server takes none (422) and loads no latency table.
+        Deadlines are planned for its rows (:class:`~dynaseq.serve.row_policy.RowPolicy`).
     """
 
     host: str = "127.0.0.1"

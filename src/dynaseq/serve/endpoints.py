@@ -144,7 +144,8 @@ def _plan_translate(state: ServeState, req: schemas.TranslateRequest) -> Job:
                feeds=state.config.continuous,
                deadline_ms=req.deadline_ms, **d.job_fields(state, pair, len(lines), length),
                replan=None if req.deadline_ms is None else partial(
-                   replan_budgets, state, rebudget=_rebudget_translate))
+                   replan_rows if state.config.continuous else replan_budgets, state,
+                   rebudget=_rebudget_translate))
 
 
 @dataclass(frozen=True)
@@ -166,9 +167,8 @@ class DeadlinePlan:
         if load is None:
             return {"predicted_ms": None, "plan": None}
         key = ran or state.policy.largest  # a dense model: its one row
-        predicted = None if not state.policy.table.has(key) else state.policy.predict_ms(
-            key, rows, length, load.ahead, load.running_ms, load.scale,
-            arrival_rate=load.arrival_rate)
+        predicted = (None if not state.policy.table.has(key)
+                     else state.policy.predicted(load, key, rows, length))
         return {"predicted_ms": predicted,
                 "plan": {"margin_ms": round(load.overhead_ms, 1), "scale": round(load.scale, 3),
                          "ahead_lines": sum(w.rows for w in load.ahead)}}
@@ -179,18 +179,13 @@ def plan_deadline(state: ServeState, deadline_ms: float | None, rows: int,
     """A request of ``rows`` lines, the longest ``length`` tokens, on arrival: with a
     ``deadline_ms``, the largest budget the policy predicts in time against the queue now
     (503 :class:`Overloaded` when none is; 422 without a latency table)."""
-    if deadline_ms is not None and state.config.continuous:
-        raise DynaseqError("deadline_ms: this server decodes continuously (--continuous), "
-                           "where a request names its budget; deadlines are planned for "
-                           "batches (serve without --continuous)")
     if deadline_ms is not None and state.policy is None:
         raise DynaseqError("deadline_ms needs the run's latency table (dynaseq profile "
                            "RUN --latency-table), which this server has not loaded")
     load = state.batcher.snapshot() if state.policy is not None else None
     if deadline_ms is None:
         return DeadlinePlan(None, False, load)
-    d = state.policy.decide(deadline_ms, rows, length, load.ahead, load.running_ms,
-                            load.scale, load.overhead_ms, load.arrival_rate, load.margin_ms)
+    d = state.policy.plan(load, deadline_ms, rows, length)
     if d.reject:
         raise Overloaded(f"no budget can answer within {deadline_ms:g} ms now "
                          f"(predicted {d.predicted_ms:.0f} ms at the smallest)",
@@ -265,6 +260,42 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
         j.formed_due = now + ms / 1000.0
         if j.plan is not None:  # for the access log
             j.plan["batch_margin_ms"] = round(own_ms, 1)
+
+
+def replan_rows(state: ServeState, jobs: list[Job], scale: float, behind: list[Job], *,
+                rebudget: Callable[[Job, tuple[float, ...], bool], None]) -> None:
+    """Jobs about to take rows of a continuous decode (in the batcher's thread; ``behind``:
+    the jobs still queued, which count only for the rows the decode will run, since a
+    line's budget holds up only its own row): each deadline job that cannot
+    answer in time even at the fastest budget is shed (503, with the ``"reject"``
+    overload policy: :meth:`~dynaseq.serve.row_policy.RowPolicy.row_late`, no margin,
+    at the typical scale); the others take the largest budget whose own decode fits the
+    time left to their due answer less the loop's lag and the formation margin
+    (:meth:`~dynaseq.serve.row_policy.RowPolicy.row_budget`), and their predicted answer
+    (:attr:`~dynaseq.serve.batcher.Job.formed_due`) for the formation margin."""
+    policy, batcher = state.policy, state.batcher
+    flexible = [j for j in jobs if j.due is not None and j.budget is not None]
+    if policy is None or not flexible:
+        return
+    now = time.perf_counter()
+    lag = batcher.loop_lag_ms
+    margin = 0.0 if state.config.batch_margin == "risk" else batcher.formation_ms
+    rows = batcher.running_rows + sum(j.rows for j in jobs) + sum(
+        j.rows for j in behind if j.group == jobs[0].group)
+    for j in flexible:
+        left = 1000.0 * (j.due - now) - lag
+        if policy.overload == "reject" and policy.row_late(
+                j.length, left, min(scale, batcher.typical_scale), rows):
+            j.shed = Shed(f"the deadline of {j.deadline_ms:g} ms can no longer be met (the "
+                          "queue ran longer than predicted)", policy.retry_after_min_s)
+            continue
+        budget = policy.row_budget(j.length, left - margin, scale, rows)
+        if j.budget != budget:
+            j.budget = budget
+            rebudget(j, budget, budget != policy.largest)
+        j.formed_due = now + scale * policy.line_ms(budget, j.length, rows) / 1000.0
+        if j.plan is not None:  # for the access log
+            j.plan["batch_margin_ms"] = round(lag + margin, 1)
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
@@ -366,8 +397,11 @@ def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
 
 def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
                              more: Callable[[int], list[Job]], *, max_rows: int = 32,
-                             all_on: dict[tuple[int, int], dict[str, int]] | None = None
-                             ) -> list[None]:
+                             all_on: dict[tuple[int, int], dict[str, int]] | None = None,
+                             clock: Any = None,
+                             line_ms: Callable[[tuple[float, ...] | None, int], float]
+                             | None = None,
+                             retry_after_s: int = 1) -> list[None]:
     """Continuous batching (``dynaseq serve --continuous``): ``jobs`` and every job
     ``more(rows)`` hands over while they decode, line by line through one greedy decode of
     ``max_rows`` rows whose finished lines' rows new lines take over
@@ -382,7 +416,12 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
 
     A client that went away before its job joined is dropped (:meth:`Batcher.take_more`);
     the lines of one whose job waits or runs leave the decode at its next step
-    (:meth:`~dynaseq.serve.batcher.Job.expiry`)."""
+    (:meth:`~dynaseq.serve.batcher.Job.expiry`), as do those of a job whose deadline
+    passes (:attr:`~dynaseq.serve.batcher.Job.expires`), which gets a 503 (``Shed``, with
+    ``Retry-After: retry_after_s``) instead of an answer. ``clock``: told when each line
+    takes its row and leaves it (:meth:`~dynaseq.serve.batcher.Batcher.row_begin`,
+    ``row_end``), with the time ``line_ms(budget, length)`` predicts it holds it (the
+    deadline policy's rows; both None: not told)."""
     lean = t.lean_decoder()
     assert lean is not None, "continuous decoding runs through the lean decoder"
     d, device = t.config.decode, t.device
@@ -407,6 +446,9 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
         take, pending[:limit] = pending[:limit], []
         if not take:
             return None
+        if clock is not None and line_ms is not None:
+            for job, i, x in take:
+                clock.row_begin((id(job), i), line_ms(job.budget, len(x) + 1))
         src = collate_source([x for _, _, x in take], t.model.pad_id, t.model.eos_id)
         budgets = [job.payload.budget for job, _, _ in take]
         control = one_budget(t.control_for(budgets, len(take)))
@@ -416,9 +458,13 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     def done(key: tuple[int, int], tokens: list[int] | None,
              counted: RowCount | None = None) -> None:
         entry = open_jobs[key[0]]
-        if tokens is not None:  # None: its client went away, nothing more is decoded
+        if clock is not None and line_ms is not None:
+            clock.row_end(key, finished=tokens is not None)
+        if tokens is not None:  # None: its client went away or its deadline passed
             entry["tokens"][key[1]] = tokens
             entry["counted"][key[1]] = counted
+        elif not entry["job"].cancelled:
+            entry["late"] = True
         entry["left"] -= 1
         if not entry["left"]:
             finish(entry)
@@ -436,6 +482,11 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
 
     def finish(entry: dict[str, Any]) -> None:
         job, got = entry["job"], entry["tokens"]
+        if entry.get("late"):  # a line expired at its deadline: no late answer
+            del open_jobs[id(job)]
+            job.refuse(Shed(f"the deadline of {job.deadline_ms:g} ms passed while its "
+                            "lines were decoding", retry_after_s))
+            return
         lines = sorted(got)
         hyps = [got[i] for i in lines]
         for i, text in zip(lines, t.tokenizer.decode(hyps), strict=True):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dynaseq.metrics.latency_table import LatencyTable, Pair
 from dynaseq.serve.config import LATE_TOLERANCE
@@ -247,6 +248,17 @@ class DeadlinePolicy:
                             False, predicted)
         retry = max(self.retry_after_min_s, math.ceil(wait / 1000.0))
         return Decision(None, True, True, predicted, retry)
+
+    # -- planning against the server's queue (``load``: a serve.batcher.Load) ----------
+    def plan(self, load: Any, deadline_ms: float, rows: int, length: int) -> Decision:
+        """:meth:`decide` against the queue as ``load`` holds it (a request on arrival)."""
+        return self.decide(deadline_ms, rows, length, load.ahead, load.running_ms,
+                           load.scale, load.overhead_ms, load.arrival_rate, load.margin_ms)
+
+    def predicted(self, load: Any, budget: Pair, rows: int, length: int) -> float:
+        """:meth:`predict_ms` of a request at ``budget`` against ``load`` (no overhead)."""
+        return self.predict_ms(budget, rows, length, load.ahead, load.running_ms, load.scale,
+                               arrival_rate=load.arrival_rate)
 
     def batch_budget(self, fixed: Sequence[Work], flexible: Sequence[Work],
                      left_ms: Sequence[float], scale: float = 1.0,

@@ -69,9 +69,6 @@ def _build_state(run_dir: str | Path, config: ServeConfig, checkpoint: str, devi
     run_dir = user_path(run_dir)  # the latency table is looked for where the run is
     kind = run_kind(run_dir)
     predictor = load(run_dir, checkpoint=checkpoint, device=device, precision=config.precision)
-    if latency_table is not None and config.continuous:
-        raise DynaseqError("--latency-table plans deadlines for batches; a --continuous "
-                           "server takes no deadlines")
     table = load_table(run_dir, latency_table) if kind in ("seq2seq", "classify") else None
     if latency_table is not None and table is None:
         raise DynaseqError("--latency-table is for translation and classification runs")
