@@ -125,14 +125,15 @@ def test_take_more_takes_the_front_of_the_queue_while_it_is_of_the_group_and_fit
 
 
 def test_take_more_stops_at_what_does_not_fit_and_replans_deadline_jobs():
-    """A deadline job is planned again as it is taken (with the jobs still queued); one
-    its replan sheds gets the Shed and is not handed over, and taking goes on behind it."""
+    """The deadline jobs taken are planned again together (with the jobs still queued);
+    one the replan sheds gets the Shed and is not handed over."""
     seen = []
 
     def replan(jobs, scale, behind):
         seen.append((jobs, scale, list(behind)))
-        if jobs[0].payload == "shed":
-            jobs[0].shed = Shed("too late", 3)
+        for j in jobs:
+            if j.payload == "shed":
+                j.shed = Shed("too late", 3)
 
     async def go():
         b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=8, max_queue_rows=100)
@@ -148,23 +149,28 @@ def test_take_more_stops_at_what_does_not_fit_and_replans_deadline_jobs():
     jobs, small, fits, futs = asyncio.run(go())
     assert small == [] and fits == [jobs[0], jobs[2]]  # the shed job is not handed over
     assert isinstance(futs[1].exception(), Shed) and not futs[2].done()
-    assert [(j, rest) for j, _, rest in seen] == [([jobs[1]], jobs[2:]), ([jobs[2]], jobs[3:])]
+    assert [(j, rest) for j, _, rest in seen] == [(jobs[:3], jobs[3:])]
 
 
 def test_rows_of_a_continuous_decode_are_what_a_snapshot_sees_and_move_the_scale(
         monkeypatch):
-    """:meth:`Batcher.row_begin` / ``row_end``: the snapshot's ``rows_left`` is each
-    running line's predicted time, scaled, less its age; a finished line's real over
-    predicted time sets the scale (the first at once), a dropped one does not."""
+    """:meth:`Batcher.row_wait` / ``row_begin`` / ``row_end``: the snapshot's
+    ``rows_waiting`` holds each waiting line's predicted time, scaled, ``rows_left`` each
+    running line's less its age; a finished line's real over predicted time (from when it
+    took its row) sets the scale (the first at once), a dropped one does not."""
     import dynaseq.serve.batcher as batcher_mod
 
     now = [100.0]
     monkeypatch.setattr(batcher_mod.time, "perf_counter", lambda: now[0])
     b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=100)
-    b.row_begin("a", 100.0)
+    b.row_wait("a", 100.0)
+    b.row_wait("b", 200.0)
+    assert b.snapshot().rows_waiting == (100.0, 200.0) and b.snapshot().rows_left == ()
+    now[0] += 1.0  # waiting does not count
+    b.row_begin("a")
     now[0] += 0.03
-    b.row_begin("b", 200.0)
-    assert b.running_rows == 2
+    b.row_begin("b")
+    assert b.running_rows == 2 and b.snapshot().rows_waiting == ()
     assert sorted(b.snapshot().rows_left) == pytest.approx([70.0, 200.0])
     now[0] += 0.12  # "a" took 150 ms for 100 predicted
     b.row_end("a")
@@ -172,6 +178,18 @@ def test_rows_of_a_continuous_decode_are_what_a_snapshot_sees_and_move_the_scale
     assert b.snapshot().rows_left == pytest.approx((1.5 * 200 - 120.0,))
     b.row_end("b", finished=False)
     assert b.scale == pytest.approx(1.5) and b.snapshot().rows_left == ()
+    # past the first lines, each moves it by a batch's weight over the rows: 0.2 / 4
+    for k in range(30):
+        b.row_wait(k, 100.0)
+        b.row_begin(k)
+        now[0] += 0.1
+        b.row_end(k)  # on time: ratio 1
+    before = b.scale
+    b.row_wait("slow", 100.0)
+    b.row_begin("slow")
+    now[0] += 0.3
+    b.row_end("slow")
+    assert b.scale == pytest.approx(0.95 * before + 0.05 * 3.0)
 
 
 def _feeding(rows, answers, fail=False, leave=False):
@@ -300,15 +318,19 @@ def test_in_process_a_line_past_its_deadline_leaves_and_its_job_gets_a_503(offli
     """``run_translate_continuous``: a job whose deadline has passed (``expires`` 0) while
     its lines decode is refused with a :class:`Shed` carrying the ``Retry-After``, not
     answered with empty translations; the job beside it gets its offline translation, and
-    the clock saw each line take its row and leave it, the expired one as not finished."""
+    the clock saw each line wait, take its row and leave it, the expired one leaving
+    unfinished before it took one."""
     from dynaseq.serve.endpoints import TranslateWork, run_translate_continuous
 
     class Clock:
         def __init__(self):
             self.events = []
 
-        def row_begin(self, key, predicted_ms):
-            self.events.append(("begin", key, predicted_ms))
+        def row_wait(self, key, predicted_ms):
+            self.events.append(("wait", key, predicted_ms))
+
+        def row_begin(self, key):
+            self.events.append(("begin", key, None))
 
         def row_end(self, key, finished=True):
             self.events.append(("end", key, finished))
@@ -332,7 +354,9 @@ def test_in_process_a_line_past_its_deadline_leaves_and_its_job_gets_a_503(offli
     assert "passed while its lines were decoding" in str(late.shed)
     assert ok.settled and ok.shed is None and answers[id(ok)][0] == [want[1]]
     assert id(late) not in answers
-    assert sorted(e[0] for e in clock.events) == ["begin", "begin", "end", "end"]
-    ends = {e[1][0]: e[2] for e in clock.events if e[0] == "end"}
-    assert ends == {id(late): False, id(ok): True}
-    assert all(e[2] == 7.0 for e in clock.events if e[0] == "begin")
+    seen = {id(late): [], id(ok): []}
+    for what, key, value in clock.events:
+        seen[key[0]].append((what, value))
+    # the late line left while it waited (its deadline had passed): it never took a row
+    assert seen == {id(late): [("wait", 7.0), ("end", False)],
+                    id(ok): [("wait", 7.0), ("begin", None), ("end", True)]}

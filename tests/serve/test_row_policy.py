@@ -69,15 +69,27 @@ def test_a_budget_predicted_no_faster_than_a_larger_one_is_never_chosen():
     p = RowPolicy(table, [FULL, LOW], max_batch_rows=10)
     d = p.decide(50.0, 1, 10, rows_left=[20.0] * 10)
     assert d.reject and d.predicted_ms == 70.0  # FULL's, the fastest
-    assert p.row_budget(10, 40.0, rows=10) == FULL
+    assert p.row_budget(1, 10, 80.0, [20.0] * 10) == (FULL, 70.0)
 
 
-def test_a_line_taking_its_row_gets_the_largest_budget_that_fits_or_is_late():
+def test_lines_waiting_for_a_row_take_the_rows_before_the_queue():
     p = policy()
-    assert p.row_budget(10, 60.0, rows=10) == FULL
-    assert p.row_budget(10, 40.0, rows=10) == HALF
-    assert p.row_budget(10, 20.0, rows=10) == HALF  # none fits: the fastest
-    assert p.row_budget(10, 60.0, scale=1.5, rows=10) == HALF  # FULL 75
-    assert p.row_budget(10, 10.0, rows=1) == FULL  # alone, a line is fast
-    assert p.row_late(10, 20.0, rows=10) and not p.row_late(10, 35.0, rows=10)
+    full = [20.0] * 10
+    # two lines wait (40 ms each): they take the rows free at 20; the request's line the
+    # next one at 20 too (ten rows free then)
+    assert p.finish_ms(FULL, 1, 10, rows_left=full, waiting=[40.0, 40.0]) == (70.0, 20.0)
+    # ten waiting lines take every row at 20 until 60: the request's starts at 60
+    assert p.finish_ms(FULL, 1, 10, rows_left=full, waiting=[40.0] * 10) == (110.0, 60.0)
+    d = p.decide(100.0, 1, 10, rows_left=full, waiting=[40.0] * 10)  # HALF: 90
+    assert (d.budget, d.predicted_ms) == (HALF, 90.0)
+
+
+def test_a_request_taken_off_the_queue_gets_the_largest_budget_that_fits():
+    p = policy()
+    full = [20.0] * 10
+    assert p.row_budget(1, 10, 80.0, full) == (FULL, 70.0)
+    assert p.row_budget(1, 10, 60.0, full) == (HALF, 50.0)
+    assert p.row_budget(1, 10, 40.0, full) == (HALF, 50.0)  # none fits: the fastest
+    assert p.row_budget(1, 10, 80.0, full, scale=1.5) == (HALF, 65.0)  # FULL 95
+    assert p.row_budget(1, 10, 15.0) == (FULL, 10.0)  # an idle decode: one row, fast
     assert p.line_ms(FULL, 10) == 50.0  # default: every row

@@ -237,7 +237,8 @@ def refilled_greedy_search(model, refill: Refill,
                            max_positions: int = 1024,
                            clock: Callable[[], float] = time.perf_counter,
                            on_counted: Callable[[Any, list[int] | None, RowCount | None],
-                                                None] | None = None) -> None:
+                                                None] | None = None,
+                           on_start: Callable[[list[Any]], None] | None = None) -> None:
     """Greedy search of the sentences ``refill`` hands over, each answered by
     ``on_done(key, tokens)`` (no bos/eos) the step it finishes, with the freed rows filled
     by new sentences while the others go on (continuous batching): every step runs about
@@ -259,7 +260,8 @@ def refilled_greedy_search(model, refill: Refill,
     ``on_done(key, None)``. ``on_counted``: count what each sentence runs (a lean
     decoder's :class:`StepTally`, the encoder's records) and answer
     ``on_counted(key, tokens, RowCount)`` instead of ``on_done`` (``None, None`` for an
-    expired one).
+    expired one). ``on_start(keys)``: told the keys of the sentences that take rows, at
+    the step whose decoding they join (a server's clock of its rows).
     """
     answer = on_counted if on_counted is not None else partial(_answer, on_done)
     if max_rows < 1:
@@ -310,6 +312,8 @@ def refilled_greedy_search(model, refill: Refill,
                 keys[r], limits[r], made[r], last[r], dues[r] = key, cap, [], bos, due
                 origin[r] = came
             done = done[len(taken):]
+            if on_start is not None:
+                on_start(list(new_keys))
         if done:  # finished rows no sentence took over: dropped
             keep = [i for i in range(len(keys)) if keys[i] is not None]
             keys, limits, made, last, dues, origin = (

@@ -54,6 +54,9 @@ class Load:
     submitted per second lately.
     rows_left: a continuous decode's running lines (:meth:`Batcher.row_begin`): the ms
     each still holds its row for (its predicted time, scaled, less its age).
+    rows_waiting: the lines it took off the queue that wait for a row
+    (:meth:`Batcher.row_wait`), in the order they take one: the ms each will hold it
+    (scaled).
     """
 
     ahead: list[Work]
@@ -63,6 +66,7 @@ class Load:
     margin_ms: float
     arrival_rate: float
     rows_left: tuple[float, ...] = ()
+    rows_waiting: tuple[float, ...] = ()
 
 
 class QueueFull(Exception):
@@ -273,7 +277,9 @@ class Batcher:
         self._cond = threading.Condition()
         self._stopping = False
         self._running: tuple[float, float] | None = None  # (start, predicted ms)
-        self._rows: dict[Hashable, tuple[float, float]] = {}  # a continuous decode's lines
+        # a continuous decode's lines: key -> (when it took its row, None while it waits;
+        # its predicted ms), in the order they were taken
+        self._rows: dict[Hashable, tuple[float | None, float]] = {}
         self._thread: threading.Thread | None = None
         self.scale = 1.0
         self._scale_batches = 0
@@ -309,11 +315,24 @@ class Batcher:
                 running = max(0.0, self.scale * predicted
                               - 1000.0 * (time.perf_counter() - start))
             margin = self.overhead_ms
-            now = time.perf_counter()
-            rows = tuple(max(0.0, self.scale * predicted - 1000.0 * (now - start))
-                         for start, predicted in self._rows.values())
+            rows, waiting = self._rows_now()
             return Load(ahead, running, self.scale, margin + self.loop_lag_ms, margin,
-                        self.arrival_rate, rows)
+                        self.arrival_rate, rows, waiting)
+
+    def _rows_now(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(:attr:`Load.rows_left`, :attr:`Load.rows_waiting`) now; the caller holds the
+        lock."""
+        now = time.perf_counter()
+        held = self._rows.values()
+        return (tuple(max(0.0, self.scale * ms - 1000.0 * (now - start))
+                      for start, ms in held if start is not None),
+                tuple(self.scale * ms for start, ms in held if start is None))
+
+    def rows_now(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """A continuous decode's running and waiting lines as :meth:`snapshot` reports
+        them (:attr:`Load.rows_left`, :attr:`Load.rows_waiting`)."""
+        with self._cond:
+            return self._rows_now()
 
     @property
     def overhead_ms(self) -> float:
@@ -356,24 +375,36 @@ class Batcher:
 
     @property
     def running_rows(self) -> int:
-        """The lines of a continuous decode that hold a row now (:meth:`row_begin`)."""
+        """The lines of a continuous decode that hold a row now or wait for one
+        (:meth:`row_wait`)."""
         with self._cond:
             return len(self._rows)
 
-    def row_begin(self, key: Hashable, predicted_ms: float) -> None:
-        """A line of a continuous decode took its row (in the worker thread), predicted to
-        hold it ``predicted_ms`` (before :attr:`scale`): what :meth:`snapshot` reports in
-        :attr:`Load.rows_left`."""
+    def row_wait(self, key: Hashable, predicted_ms: float) -> None:
+        """A line of a continuous decode was taken off the queue and waits for a row (in
+        the worker thread), predicted to hold it ``predicted_ms`` (before :attr:`scale`):
+        what :meth:`snapshot` reports in :attr:`Load.rows_waiting`."""
         with self._cond:
-            self._rows[key] = (time.perf_counter(), predicted_ms)
+            self._rows[key] = (None, predicted_ms)
+
+    def row_begin(self, key: Hashable) -> None:
+        """The waiting line ``key`` took its row: its time starts (:attr:`Load.rows_left`
+        from here)."""
+        with self._cond:
+            held = self._rows.get(key)
+            if held is not None:
+                self._rows[key] = (time.perf_counter(), held[1])
 
     def row_end(self, key: Hashable, finished: bool = True) -> None:
         """The line ``key`` left its row: ``finished`` (not dropped), its real time over its
-        prediction moves :attr:`scale`, as a batch's does."""
+        prediction moves :attr:`scale` as a batch's does, each line by a batch's weight
+        over ``max_batch_rows`` (a full decode's lines finish about as often as that many
+        batches' would)."""
         with self._cond:
             held = self._rows.pop(key, None)
-            if held is not None and finished and held[1] > 0:
-                self._update_scale(1000.0 * (time.perf_counter() - held[0]) / held[1])
+            if held is not None and held[0] is not None and finished and held[1] > 0:
+                self._update_scale(1000.0 * (time.perf_counter() - held[0]) / held[1],
+                                   self.SCALE_WEIGHT / self.max_batch_rows)
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
@@ -442,9 +473,9 @@ class Batcher:
     def take_more(self, group: Hashable, rows: int) -> list[Job]:
         """For a running batch of ``group`` that takes jobs as it goes (:attr:`Job.feeds`):
         the queued jobs from the front of the queue while they are of ``group`` and fit in
-        ``rows`` lines (a client gone: dropped), taken off the queue. A job with a
-        deadline is planned again as it is taken (``replan([job], scale, queued)``), and
-        one it sheds gets its :class:`Shed` (503) instead. An empty list when the queue's
+        ``rows`` lines (a client gone: dropped), taken off the queue. Those with a
+        deadline are planned again as they are taken (``replan(taken, scale, queued)``,
+        the first such job's), and one it sheds gets its :class:`Shed` (503) instead. An empty list when the queue's
         first job is of another kind: the batch then runs out and the queue is batched as
         usual."""
         taken: list[Job] = []
@@ -460,18 +491,22 @@ class Batcher:
                 if job.group != group or used + job.rows > rows:
                     break
                 self._queue.popleft()
-                if job.replan is not None:
-                    try:
-                        job.replan([job], self.scale, list(self._queue))
-                    except Exception as e:  # a planning fault fails this job only
-                        self.metrics.batch_failures.labels(job.endpoint).inc()
+                taken.append(job)
+            replan = next((j.replan for j in taken if j.replan is not None), None)
+            if replan is not None:
+                try:
+                    replan(taken, self.scale, list(self._queue))
+                except Exception as e:  # a planning fault fails these jobs only
+                    self.metrics.batch_failures.labels(taken[0].endpoint).inc()
+                    for job in taken:
                         _deliver(job, exc=e)
-                        continue
+                    taken = []
+                for job in taken:
                     if job.shed is not None:
                         _deliver(job, exc=job.shed)
-                        continue
+                taken = [job for job in taken if job.shed is None]
+            for job in taken:
                 job.started, job.batch_rows = now, job.rows
-                taken.append(job)
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
         for job in taken:
             self.metrics.batch_rows.labels(job.endpoint).observe(job.rows)
@@ -537,16 +572,17 @@ class Batcher:
             return self.scale
         return ratios[len(ratios) // 2]
 
-    def _update_scale(self, ratio: float) -> None:
+    def _update_scale(self, ratio: float, weight: float = SCALE_WEIGHT) -> None:
         """One more batch ran ``ratio`` times its estimate. The moving average weighs the
-        k-th batch ``max(SCALE_WEIGHT, 1 / k)``: the first batches set the scale at once
+        k-th batch ``max(weight, 1 / k)``: the first batches set the scale at once
         (a fresh server does not plan its first seconds at a scale of 1), later ones
-        move it by :data:`SCALE_WEIGHT`."""
+        move it by ``weight`` (:data:`SCALE_WEIGHT`; less for a line of a continuous
+        decode, :meth:`row_end`)."""
         self._ratios.append(ratio)
         if len(self._ratios) > self.RATIO_WINDOW:
             self._ratios.popleft()
         self._scale_batches += 1
-        w = max(self.SCALE_WEIGHT, 1.0 / self._scale_batches)
+        w = max(weight, 1.0 / self._scale_batches)
         lo, hi = self.SCALE_RANGE
         self.scale = min(hi, max(lo, (1 - w) * self.scale + w * ratio))
 

@@ -264,38 +264,46 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
 
 def replan_rows(state: ServeState, jobs: list[Job], scale: float, behind: list[Job], *,
                 rebudget: Callable[[Job, tuple[float, ...], bool], None]) -> None:
-    """Jobs about to take rows of a continuous decode (in the batcher's thread; ``behind``:
-    the jobs still queued, which count only for the rows the decode will run, since a
-    line's budget holds up only its own row): each deadline job that cannot
-    answer in time even at the fastest budget is shed (503, with the ``"reject"``
-    overload policy: :meth:`~dynaseq.serve.row_policy.RowPolicy.row_late`, no margin,
-    at the typical scale); the others take the largest budget whose own decode fits the
-    time left to their due answer less the loop's lag and the formation margin
-    (:meth:`~dynaseq.serve.row_policy.RowPolicy.row_budget`), and their predicted answer
+    """Jobs a continuous decode takes off the queue (in the batcher's thread, in the order
+    they will take rows; ``behind``: the jobs still queued, not read: a line's budget holds
+    up only its own row), planned against the decode's rows now
+    (:meth:`~dynaseq.serve.batcher.Batcher.rows_now`) and the jobs before them: each
+    deadline job that cannot answer in time even at the fastest budget (no margin, at the
+    typical scale) is shed (503, with the ``"reject"`` overload policy); the others take
+    the largest budget whose completion fits the time left to their due answer less the
+    loop's lag and the formation margin
+    (:meth:`~dynaseq.serve.row_policy.RowPolicy.row_budget`), with their predicted answer
     (:attr:`~dynaseq.serve.batcher.Job.formed_due`) for the formation margin."""
     policy, batcher = state.policy, state.batcher
-    flexible = [j for j in jobs if j.due is not None and j.budget is not None]
-    if policy is None or not flexible:
+    if policy is None or not any(j.due is not None and j.budget is not None for j in jobs):
         return
     now = time.perf_counter()
     lag = batcher.loop_lag_ms
     margin = 0.0 if state.config.batch_margin == "risk" else batcher.formation_ms
-    rows = batcher.running_rows + sum(j.rows for j in jobs) + sum(
-        j.rows for j in behind if j.group == jobs[0].group)
-    for j in flexible:
-        left = 1000.0 * (j.due - now) - lag
-        if policy.overload == "reject" and policy.row_late(
-                j.length, left, min(scale, batcher.typical_scale), rows):
-            j.shed = Shed(f"the deadline of {j.deadline_ms:g} ms can no longer be met (the "
-                          "queue ran longer than predicted)", policy.retry_after_min_s)
-            continue
-        budget = policy.row_budget(j.length, left - margin, scale, rows)
-        if j.budget != budget:
-            j.budget = budget
-            rebudget(j, budget, budget != policy.largest)
-        j.formed_due = now + scale * policy.line_ms(budget, j.length, rows) / 1000.0
-        if j.plan is not None:  # for the access log
-            j.plan["batch_margin_ms"] = round(lag + margin, 1)
+    running, waiting = batcher.rows_now()
+    waiting = list(waiting)
+    for j in jobs:
+        if j.due is not None and j.budget is not None:
+            left = 1000.0 * (j.due - now) - lag
+            typical = min(scale, batcher.typical_scale)
+            if policy.overload == "reject" and policy.row_budget(
+                    j.rows, j.length, left, running, waiting, typical)[1] > left:
+                j.shed = Shed(f"the deadline of {j.deadline_ms:g} ms can no longer be met "
+                              "(the queue ran longer than predicted)",
+                              policy.retry_after_min_s)
+                continue
+            budget, done = policy.row_budget(j.rows, j.length, left - margin, running,
+                                             waiting, scale)
+            if j.budget != budget:
+                j.budget = budget
+                rebudget(j, budget, budget != policy.largest)
+            j.formed_due = now + done / 1000.0
+            if j.plan is not None:  # for the access log
+                j.plan["batch_margin_ms"] = round(lag + margin, 1)
+        key = j.budget if j.budget is not None and policy.table.has(j.budget) \
+            else policy.largest
+        waiting += [scale * policy.line_ms(key, j.length, len(running) + len(waiting) + 1)
+                    ] * j.rows
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
@@ -419,9 +427,10 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     (:meth:`~dynaseq.serve.batcher.Job.expiry`), as do those of a job whose deadline
     passes (:attr:`~dynaseq.serve.batcher.Job.expires`), which gets a 503 (``Shed``, with
     ``Retry-After: retry_after_s``) instead of an answer. ``clock``: told when each line
-    takes its row and leaves it (:meth:`~dynaseq.serve.batcher.Batcher.row_begin`,
-    ``row_end``), with the time ``line_ms(budget, length)`` predicts it holds it (the
-    deadline policy's rows; both None: not told)."""
+    is taken to wait for a row, takes it and leaves it
+    (:meth:`~dynaseq.serve.batcher.Batcher.row_wait`, ``row_begin``, ``row_end``), with
+    the time ``line_ms(budget, length)`` predicts it holds its row (the deadline policy's
+    rows; both None: not told)."""
     lean = t.lean_decoder()
     assert lean is not None, "continuous decoding runs through the lean decoder"
     d, device = t.config.decode, t.device
@@ -448,7 +457,7 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
             return None
         if clock is not None and line_ms is not None:
             for job, i, x in take:
-                clock.row_begin((id(job), i), line_ms(job.budget, len(x) + 1))
+                clock.row_wait((id(job), i), line_ms(job.budget, len(x) + 1))
         src = collate_source([x for _, _, x in take], t.model.pad_id, t.model.eos_id)
         budgets = [job.payload.budget for job, _, _ in take]
         control = one_budget(t.control_for(budgets, len(take)))
@@ -507,7 +516,9 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     refilled_greedy_search(lean, refill, done, max_rows=max_rows, max_len_a=d.max_len_a,
                            max_len_b=d.max_len_b,
                            max_positions=t.model.encoder.positions.max_positions,
-                           on_counted=done if count else None)
+                           on_counted=done if count else None,
+                           on_start=None if clock is None or line_ms is None else
+                           lambda keys: [clock.row_begin(k) for k in keys])
     assert not open_jobs and not pending, "every job answered"
     return [None] * len(jobs)
 

@@ -7,6 +7,8 @@ their own decode, predicted by playing the rows forward (:meth:`RowPolicy.finish
 
 * each running line holds its row for what is left of its predicted time (its duration
   less its age, ``scale`` times the table's; :attr:`Load.rows_left`);
+* the lines the decode took off the queue that wait for a row (encoded together when
+  rows free up) take the rows that free up first, in order (:attr:`Load.rows_waiting`);
 * the queued lines ahead take, in queue order, the row that frees up first, and hold it for
   their own duration, those with a deadline at the budget being tried (as
   :class:`~dynaseq.serve.policy.DeadlinePolicy` counts them), the others at their own;
@@ -24,8 +26,9 @@ much later than predicted the answers came.
 The budget is chosen as for batches (:meth:`decide`: the largest within ``slack ×
 deadline`` with the margin, a budget predicted no faster than a larger one passed over,
 the fastest without the margin when none is, else 503 with ``Retry-After``), and again when
-the request's lines take their rows (:meth:`row_budget`: the largest whose own decode fits
-the time left, or shed when even the fastest's does not).
+the decode takes the request off the queue (``replan_rows`` in ``serve/endpoints.py``:
+the largest budget whose :meth:`finish_ms` against the rows then fits the time left, or
+shed when even the fastest's does not).
 
 Example::
 
@@ -59,19 +62,26 @@ class RowPolicy(DeadlinePolicy):
         return self.table.predict_ms(budget, n, length)
 
     def finish_ms(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work] = (),
-                  rows_left: Sequence[float] = (), scale: float = 1.0
-                  ) -> tuple[float, float]:
+                  rows_left: Sequence[float] = (), scale: float = 1.0,
+                  waiting: Sequence[float] = ()) -> tuple[float, float]:
         """(predicted completion, when its first line takes a row), in ms from now, of a
-        request of ``rows`` lines (longest ``length``) at ``budget`` behind the queued
+        request of ``rows`` lines (longest ``length``) at ``budget`` behind the lines
+        ``waiting`` for a row (each holding it the given ms, already scaled) and the queued
         ``ahead`` (its flexible lines at ``budget``), with the running lines' rows free in
-        ``rows_left`` ms (each already scaled; at most ``max_batch_rows`` of them, the
-        other rows free now). Each queued line is counted at its request's longest
-        source."""
+        ``rows_left`` ms (already scaled; at most ``max_batch_rows`` of them, the other
+        rows free now). Each queued line is counted at its request's longest source."""
         free = [0.0] * max(0, self.max_batch_rows - len(rows_left))
         free += sorted(rows_left)[: self.max_batch_rows]
         heapq.heapify(free)
-        n = min(self.max_batch_rows, len(rows_left) + sum(w.rows for w in ahead) + rows)
+        n = min(self.max_batch_rows,
+                len(rows_left) + len(waiting) + sum(w.rows for w in ahead) + rows)
         durations: dict[tuple[Pair, int], float] = {}
+
+        def take(d: float) -> float:
+            """One line holding a row ``d`` ms takes the first free: its start."""
+            t = heapq.heappop(free)
+            heapq.heappush(free, t + d)
+            return t
 
         def hold(b: Pair, lines: int, size: int) -> tuple[float, float]:
             """``lines`` lines of ``size`` tokens at ``b`` take rows in turn: (first start,
@@ -81,11 +91,12 @@ class RowPolicy(DeadlinePolicy):
                 durations[key] = scale * self.line_ms(b, size, n)
             d, first, last = durations[key], math.inf, 0.0
             for _ in range(lines):
-                t = heapq.heappop(free)
+                t = take(d)
                 first, last = min(first, t), max(last, t + d)
-                heapq.heappush(free, t + d)
             return first, last
 
+        for d in waiting:
+            take(d)
         for w in ahead:
             hold(budget if w.flexible else self._tabled(w).budget, w.rows, w.length)
         first, last = hold(budget, rows, length)
@@ -93,16 +104,18 @@ class RowPolicy(DeadlinePolicy):
 
     def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
                rows_left: Sequence[float] = (), scale: float = 1.0,
-               overhead_ms: float = 0.0, margin_ms: float = 0.0) -> Decision:
+               overhead_ms: float = 0.0, margin_ms: float = 0.0,
+               waiting: Sequence[float] = ()) -> Decision:
         """The budget for a request of ``rows`` lines (longest ``length`` tokens) with
-        ``deadline_ms`` behind the queued ``ahead`` and the running rows ``rows_left``
-        (:meth:`finish_ms`); ``overhead_ms`` is added to every prediction, of which
+        ``deadline_ms`` behind the lines ``waiting`` for a row, the queued ``ahead`` and
+        the running rows ``rows_left`` (:meth:`finish_ms`); ``overhead_ms`` is added to every prediction, of which
         ``margin_ms`` is the margin for error (the fallback below goes without it), as
         :meth:`DeadlinePolicy.decide` takes them."""
         limit = self.slack * deadline_ms
         fastest = (math.inf, 0.0, self.smallest)  # (predicted, first row, budget)
         for budget in self.budgets:
-            done, start = self.finish_ms(budget, rows, length, ahead, rows_left, scale)
+            done, start = self.finish_ms(budget, rows, length, ahead, rows_left, scale,
+                                         waiting)
             predicted = done + overhead_ms
             if predicted >= fastest[0]:  # no faster than a larger budget: dominated
                 continue
@@ -116,37 +129,33 @@ class RowPolicy(DeadlinePolicy):
         retry = max(self.retry_after_min_s, math.ceil(start / 1000.0))
         return Decision(None, True, True, predicted, retry)
 
-    def row_budget(self, length: int, left_ms: float, scale: float = 1.0,
-                   rows: int | None = None) -> Pair:
-        """The budget for a deadline line of ``length`` tokens taking its row now with
-        ``left_ms`` to its due answer (margin already kept aside): the largest, a budget
-        predicted no faster than a larger one passed over, whose decode (``scale`` times
-        :meth:`line_ms` at ``rows``) fits; the fastest when none does."""
-        fastest, least = self.smallest, math.inf
+    def row_budget(self, rows: int, length: int, left_ms: float,
+                   rows_left: Sequence[float] = (), waiting: Sequence[float] = (),
+                   scale: float = 1.0) -> tuple[Pair, float]:
+        """(budget, predicted completion) for a deadline request of ``rows`` lines taken
+        off the queue now, behind the lines ``waiting`` and the running ``rows_left``
+        (:meth:`finish_ms`, nothing queued ahead of it any more), with ``left_ms`` to its
+        due answer (margin already kept aside): the largest budget, one predicted no
+        faster than a larger one passed over, whose completion fits; the fastest when
+        none does."""
+        fastest = (self.smallest, math.inf)
         for budget in self.budgets:
-            spent = scale * self.line_ms(budget, length, rows)
-            if spent >= least:
+            done = self.finish_ms(budget, rows, length, (), rows_left, scale, waiting)[0]
+            if done >= fastest[1]:
                 continue
-            fastest, least = budget, spent
-            if spent <= left_ms:
-                return budget
+            fastest = (budget, done)
+            if done <= left_ms:
+                return fastest
         return fastest
-
-    def row_late(self, length: int, left_ms: float, scale: float = 1.0,
-                 rows: int | None = None) -> bool:
-        """Whether a deadline line taking its row now cannot answer within ``left_ms`` (no
-        margin) even at the fastest budget: it is shed then."""
-        least = min(scale * self.line_ms(b, length, rows) for b in self.budgets)
-        return least > left_ms
 
     # -- planning against the server's queue (``load``: a serve.batcher.Load) ----------
     def plan(self, load: Any, deadline_ms: float, rows: int, length: int) -> Decision:
         return self.decide(deadline_ms, rows, length, load.ahead, load.rows_left, load.scale,
-                           load.overhead_ms, load.margin_ms)
+                           load.overhead_ms, load.margin_ms, load.rows_waiting)
 
     def predicted(self, load: Any, budget: Pair, rows: int, length: int) -> float:
         return self.finish_ms(budget, rows, length, load.ahead, load.rows_left,
-                              load.scale)[0]
+                              load.scale, load.rows_waiting)[0]
 
 
 __all__ = ["RowPolicy"]
