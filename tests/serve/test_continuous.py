@@ -157,7 +157,8 @@ def test_rows_of_a_continuous_decode_are_what_a_snapshot_sees_and_move_the_scale
     """:meth:`Batcher.row_wait` / ``row_begin`` / ``row_end``: the snapshot's
     ``rows_waiting`` holds each waiting line's predicted time, scaled, ``rows_left`` each
     running line's less its age; a finished line's real over predicted time (from when it
-    took its row) sets the scale (the first at once), a dropped one does not."""
+    took its row) sets the scale (the first at once), a dropped one only once it ran
+    longer than the scale predicts."""
     import dynaseq.serve.batcher as batcher_mod
 
     now = [100.0]
@@ -176,8 +177,13 @@ def test_rows_of_a_continuous_decode_are_what_a_snapshot_sees_and_move_the_scale
     b.row_end("a")
     assert b.scale == pytest.approx(1.5) and b.running_rows == 1
     assert b.snapshot().rows_left == pytest.approx((1.5 * 200 - 120.0,))
-    b.row_end("b", finished=False)
+    b.row_end("b", finished=False)  # dropped after 120 ms of 300 predicted: no news
     assert b.scale == pytest.approx(1.5) and b.snapshot().rows_left == ()
+    b.row_wait("c", 100.0)
+    b.row_begin("c")
+    now[0] += 0.2
+    b.row_end("c", finished=False)  # dropped after running 2x its prediction: it counts
+    assert b.scale == pytest.approx(0.5 * 1.5 + 0.5 * 2.0)
     # past the first lines, each moves it by a batch's weight over the rows: 0.2 / 4
     for k in range(30):
         b.row_wait(k, 100.0)

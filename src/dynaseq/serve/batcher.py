@@ -396,15 +396,21 @@ class Batcher:
                 self._rows[key] = (time.perf_counter(), held[1])
 
     def row_end(self, key: Hashable, finished: bool = True) -> None:
-        """The line ``key`` left its row: ``finished`` (not dropped), its real time over its
-        prediction moves :attr:`scale` as a batch's does, each line by a batch's weight
-        over ``max_batch_rows`` (a full decode's lines finish about as often as that many
-        batches' would)."""
+        """The line ``key`` left its row (or left while it waited for one). Its real time
+        over its prediction moves :attr:`scale` as a batch's does, each line by a batch's
+        weight over ``max_batch_rows`` (a full decode's lines finish about as often as that
+        many batches' would). A line dropped before it finished (``finished`` False: its
+        deadline passed, its client left) counts only when it had already run longer than
+        predicted, at what it ran: its real time was at least that. Leaving such lines out
+        let a server whose every line ran past its deadline keep the scale that admitted
+        them."""
         with self._cond:
             held = self._rows.pop(key, None)
-            if held is not None and held[0] is not None and finished and held[1] > 0:
-                self._update_scale(1000.0 * (time.perf_counter() - held[0]) / held[1],
-                                   self.SCALE_WEIGHT / self.max_batch_rows)
+            if held is None or held[0] is None or held[1] <= 0:
+                return
+            ratio = 1000.0 * (time.perf_counter() - held[0]) / held[1]
+            if finished or ratio > self.scale:
+                self._update_scale(ratio, self.SCALE_WEIGHT / self.max_batch_rows)
 
     def submit(self, job: Job) -> asyncio.Future:
         """Queue ``job`` (on the event loop); its future receives the result or exception.
