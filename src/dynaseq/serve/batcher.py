@@ -458,19 +458,7 @@ class Batcher:
             batch = self._pick(first)
             for job in batch:
                 self._queue.remove(job)
-            replan = next((j.replan for j in batch if j.replan is not None), None)
-            if replan is not None:  # a job with a deadline is in it
-                try:
-                    replan(batch, self.scale, list(self._queue))
-                except Exception as e:  # a planning fault fails this batch, not the worker
-                    self.metrics.batch_failures.labels(batch[0].endpoint).inc()
-                    for job in batch:
-                        _deliver(job, exc=e)
-                    batch = []
-                for job in batch:
-                    if job.shed is not None:
-                        _deliver(job, exc=job.shed)
-                batch = [job for job in batch if job.shed is None]
+            batch = self._replanned(batch)
             predicted = self.estimate_ms(batch) if self.estimate_ms is not None else 0.0
             self._running = (time.perf_counter(), predicted)
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
@@ -480,8 +468,8 @@ class Batcher:
         """For a running batch of ``group`` that takes jobs as it goes (:attr:`Job.feeds`):
         the queued jobs from the front of the queue while they are of ``group`` and fit in
         ``rows`` lines (a client gone: dropped), taken off the queue. Those with a
-        deadline are planned again as they are taken (``replan(taken, scale, queued)``,
-        the first such job's), and one it sheds gets its :class:`Shed` (503) instead. An empty list when the queue's
+        deadline are planned again as they are taken (:meth:`_replanned`), and one the
+        plan sheds gets its :class:`Shed` (503) instead. An empty list when the queue's
         first job is of another kind: the batch then runs out and the queue is batched as
         usual."""
         taken: list[Job] = []
@@ -498,25 +486,33 @@ class Batcher:
                     break
                 self._queue.popleft()
                 taken.append(job)
-            replan = next((j.replan for j in taken if j.replan is not None), None)
-            if replan is not None:
-                try:
-                    replan(taken, self.scale, list(self._queue))
-                except Exception as e:  # a planning fault fails these jobs only
-                    self.metrics.batch_failures.labels(taken[0].endpoint).inc()
-                    for job in taken:
-                        _deliver(job, exc=e)
-                    taken = []
-                for job in taken:
-                    if job.shed is not None:
-                        _deliver(job, exc=job.shed)
-                taken = [job for job in taken if job.shed is None]
+            taken = self._replanned(taken)
             for job in taken:
                 job.started, job.batch_rows = now, job.rows
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
         for job in taken:
             self.metrics.batch_rows.labels(job.endpoint).observe(job.rows)
         return taken
+
+    def _replanned(self, jobs: list[Job]) -> list[Job]:
+        """``jobs``, just taken off the queue (the lock held), planned again where one
+        carries a deadline (``replan(jobs, scale, queued)``, the first such job's) less
+        those the plan shed, which get their :class:`Shed` (503); a planning fault fails
+        these jobs (500), not the worker."""
+        replan = next((j.replan for j in jobs if j.replan is not None), None)
+        if replan is None:
+            return jobs
+        try:
+            replan(jobs, self.scale, list(self._queue))
+        except Exception as e:
+            self.metrics.batch_failures.labels(jobs[0].endpoint).inc()
+            for job in jobs:
+                _deliver(job, exc=e)
+            return []
+        for job in jobs:
+            if job.shed is not None:
+                _deliver(job, exc=job.shed)
+        return [job for job in jobs if job.shed is None]
 
     def _pick(self, first: Job) -> list[Job]:
         """The jobs of the batch that ``first``, the oldest queued job, heads (the module

@@ -231,12 +231,18 @@ class DeadlinePolicy:
         refused request misses its deadline for certain, one admitted at the fastest
         usually makes it (and is shed when its batch is formed if it is then predicted past
         ``slack × deadline``)."""
+        batches = _summaries(self.batches(ahead))  # the same at every budget
+        return self._choose(deadline_ms, margin_ms, lambda budget: self._predict(
+            budget, rows, length, batches, running_ms, scale, overhead_ms, arrival_rate))
+
+    def _choose(self, deadline_ms: float, margin_ms: float,
+                predict: Callable[[Pair], tuple[float, float]]) -> Decision:
+        """:meth:`decide`'s choice, from ``predict(budget)``: (the predicted completion,
+        margin included; the wait before the request starts, for ``Retry-After``)."""
         limit = self.slack * deadline_ms
         fastest = (math.inf, 0.0, self.smallest)  # (predicted, wait, budget)
-        batches = _summaries(self.batches(ahead))  # the same at every budget
         for budget in self.budgets:
-            predicted, wait = self._predict(budget, rows, length, batches, running_ms, scale,
-                                            overhead_ms, arrival_rate)
+            predicted, wait = predict(budget)
             if predicted >= fastest[0]:  # no faster than a larger budget: dominated
                 continue
             fastest = (predicted, wait, budget)

@@ -111,23 +111,12 @@ class RowPolicy(DeadlinePolicy):
         the running rows ``rows_left`` (:meth:`finish_ms`); ``overhead_ms`` is added to every prediction, of which
         ``margin_ms`` is the margin for error (the fallback below goes without it), as
         :meth:`DeadlinePolicy.decide` takes them."""
-        limit = self.slack * deadline_ms
-        fastest = (math.inf, 0.0, self.smallest)  # (predicted, first row, budget)
-        for budget in self.budgets:
+        def predict(budget: Pair) -> tuple[float, float]:
             done, start = self.finish_ms(budget, rows, length, ahead, rows_left, scale,
                                          waiting)
-            predicted = done + overhead_ms
-            if predicted >= fastest[0]:  # no faster than a larger budget: dominated
-                continue
-            fastest = (predicted, start, budget)
-            if predicted <= limit:
-                return Decision(budget, budget != self.largest, False, predicted)
-        predicted, start, budget = fastest
-        if self.overload == "smallest" or predicted - margin_ms <= deadline_ms:
-            return Decision(budget, budget != self.largest or self.overload == "smallest",
-                            False, predicted)
-        retry = max(self.retry_after_min_s, math.ceil(start / 1000.0))
-        return Decision(None, True, True, predicted, retry)
+            return done + overhead_ms, start
+
+        return self._choose(deadline_ms, margin_ms, predict)
 
     def row_budget(self, rows: int, length: int, left_ms: float,
                    rows_left: Sequence[float] = (), waiting: Sequence[float] = (),
