@@ -93,3 +93,14 @@ def test_a_request_taken_off_the_queue_gets_the_largest_budget_that_fits():
     assert p.row_budget(1, 10, 80.0, full, scale=1.5) == (HALF, 65.0)  # FULL 95
     assert p.row_budget(1, 10, 15.0) == (FULL, 10.0)  # an idle decode: one row, fast
     assert p.line_ms(FULL, 10) == 50.0  # default: every row
+
+
+def test_near_saturation_only_the_smallest_budget_runs():
+    p = policy()
+    # a line holds one of 10 rows 50 ms at FULL (5 ms of the rows' time), 30 at HALF (3)
+    assert p.utilization(FULL, 100.0, 10) == pytest.approx(0.5)
+    assert p.row_budget(1, 10, 80.0, [20.0] * 10, arrival_rate=100.0,
+                        max_utilization=0.6) == (FULL, 70.0)
+    assert p.row_budget(1, 10, 80.0, [20.0] * 10, arrival_rate=150.0,
+                        max_utilization=0.6) == (HALF, 50.0)  # FULL would be 0.75
+    assert p.row_budget(1, 10, 80.0, [20.0] * 10, arrival_rate=150.0) == (FULL, 70.0)

@@ -47,7 +47,8 @@ class ServeConfig:
     overload: ``reject`` or ``smallest`` (see :data:`OVERLOAD_ACTIONS`).
     slack: a deadline request's predicted completion must be within ``slack × deadline``.
     batch_margin: ``admission``, ``formation`` or ``risk`` (see :data:`BATCH_MARGINS`).
-    max_utilization: a batch's deadline lines run at a budget other than the smallest only
+    max_utilization: a batch's deadline lines (a continuous decode's: each request's, as
+        the decode takes it) run at a budget other than the smallest only
         if the recent arrival rate x that budget's time per line in a full batch is at most
         this (None: no such limit;
         :meth:`~dynaseq.serve.policy.DeadlinePolicy.utilization`): near saturation, time

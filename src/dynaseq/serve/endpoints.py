@@ -292,8 +292,10 @@ def replan_rows(state: ServeState, jobs: list[Job], scale: float, behind: list[J
                               "(the queue ran longer than predicted)",
                               policy.retry_after_min_s)
                 continue
-            budget, done = policy.row_budget(j.rows, j.length, left - margin, running,
-                                             waiting, scale)
+            budget, done = policy.row_budget(
+                j.rows, j.length, left - margin, running, waiting, scale,
+                arrival_rate=batcher.arrival_rate,
+                max_utilization=state.config.max_utilization)
             if j.budget != budget:
                 j.budget = budget
                 rebudget(j, budget, budget != policy.largest)
