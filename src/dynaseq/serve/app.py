@@ -178,9 +178,7 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
         line_ms = None
         if isinstance(policy, RowPolicy):
             def line_ms(budget: BudgetParts | None, length: int) -> float:
-                known = budget is not None and policy.table.has(budget)
-                key = budget if known else policy.largest  # a dense model: its one row
-                return policy.line_ms(key, length, batcher.running_rows + 1)
+                return policy.held_ms(budget, length, batcher.running_rows + 1)
         state.run_translate = partial(ep.run_translate_continuous, predictor,
                                       config.report_compute, max_rows=config.max_batch_rows,
                                       all_on={}, clock=batcher, line_ms=line_ms,

@@ -302,10 +302,8 @@ def replan_rows(state: ServeState, jobs: list[Job], scale: float, behind: list[J
             j.formed_due = now + done / 1000.0
             if j.plan is not None:  # for the access log
                 j.plan["batch_margin_ms"] = round(lag + margin, 1)
-        key = j.budget if j.budget is not None and policy.table.has(j.budget) \
-            else policy.largest
-        waiting += [scale * policy.line_ms(key, j.length, len(running) + len(waiting) + 1)
-                    ] * j.rows
+        waiting += [scale * policy.held_ms(j.budget, j.length,
+                                           len(running) + len(waiting) + 1)] * j.rows
 
 
 def run_translate(t: Any, beam: int, report_compute: bool, jobs: list[Job], *,
@@ -439,6 +437,7 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     pending: list[tuple[Job, int, list[int]]] = []  # lines waiting: (job, line, subwords)
     open_jobs: dict[int, dict[str, Any]] = {}  # id(job) -> its texts, compute, lines left
     count = report_compute and t.model.n_controls > 0  # gates decide: count as it decodes
+    timed = clock is not None and line_ms is not None  # the batcher keeps a clock of rows
     counters: dict[int, tuple[AuxOutputs, CountedRows]] = {}  # per encoded group, recent
 
     def admit(new: list[Job]) -> None:
@@ -457,7 +456,7 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
         take, pending[:limit] = pending[:limit], []
         if not take:
             return None
-        if clock is not None and line_ms is not None:
+        if timed:
             for job, i, x in take:
                 clock.row_wait((id(job), i), line_ms(job.budget, len(x) + 1))
         src = collate_source([x for _, _, x in take], t.model.pad_id, t.model.eos_id)
@@ -469,7 +468,7 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
     def done(key: tuple[int, int], tokens: list[int] | None,
              counted: RowCount | None = None) -> None:
         entry = open_jobs[key[0]]
-        if clock is not None and line_ms is not None:
+        if timed:
             clock.row_end(key, finished=tokens is not None)
         if tokens is not None:  # None: its client went away or its deadline passed
             entry["tokens"][key[1]] = tokens
@@ -519,8 +518,8 @@ def run_translate_continuous(t: Any, report_compute: bool, jobs: list[Job],
                            max_len_b=d.max_len_b,
                            max_positions=t.model.encoder.positions.max_positions,
                            on_counted=done if count else None,
-                           on_start=None if clock is None or line_ms is None else
-                           lambda keys: [clock.row_begin(k) for k in keys])
+                           on_start=(lambda keys: [clock.row_begin(k) for k in keys])
+                           if timed else None)
     assert not open_jobs and not pending, "every job answered"
     return [None] * len(jobs)
 

@@ -61,6 +61,12 @@ class RowPolicy(DeadlinePolicy):
         n = self.max_batch_rows if rows is None else max(1, min(rows, self.max_batch_rows))
         return self.table.predict_ms(budget, n, length)
 
+    def held_ms(self, budget: Pair | None, length: int, rows: int | None = None) -> float:
+        """:meth:`line_ms` of a line at ``budget``, the largest budget's for one the table
+        lacks or none (a dense model: its one row)."""
+        known = budget is not None and self.table.has(budget)
+        return self.line_ms(budget if known else self.largest, length, rows)
+
     def finish_ms(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work] = (),
                   rows_left: Sequence[float] = (), scale: float = 1.0,
                   waiting: Sequence[float] = ()) -> tuple[float, float]:
