@@ -59,8 +59,11 @@ def test_deadlines_on_a_continuous_decode_get_the_budget_they_report(
         continuous, serve_run, offline, lines):
     """A continuous server with the run's latency table: a loose deadline on an idle
     server runs the full budget; concurrent deadline requests, more lines than rows, each
-    get the offline translation at the budget they report; a deadline no budget can meet
-    is a 503 with ``Retry-After``, and the next request is answered."""
+    get the offline translation at the budget they report (those with a loose deadline are
+    all answered, whatever the tight ones beside them get: on a busy machine the decode's
+    lines take several times the table's time and the tight ones may all be shed); a
+    deadline no budget can meet is a 503 with ``Retry-After``, and the next request is
+    answered."""
     table = json.loads((serve_run / "latency_table.json").read_text())
     slowest = max(v for rows in table["service_ms"].values() for r in rows for v in r)
     want = {b: offline.translate(lines, beam=1, budget=b) for b in BUDGETS}
@@ -72,12 +75,15 @@ def test_deadlines_on_a_continuous_decode_get_the_budget_they_report(
 
     def ask(i):
         return i, httpx.post(s.url + "/v1/translate", timeout=60, json={
-            "text": lines[i % len(lines)], "deadline_ms": 4 * slowest})
+            "text": lines[i % len(lines)], "deadline_ms": (4 if i % 2 else 100) * slowest})
 
     with ThreadPoolExecutor(12) as pool:
-        answered = [(i, r) for i, r in pool.map(ask, range(12)) if r.status_code != 503]
-    assert answered
-    for i, r in answered:
+        got = list(pool.map(ask, range(12)))
+    assert all(r.status_code == 200 for i, r in got if i % 2 == 0), [r.text for _, r in got]
+    for i, r in got:
+        if r.status_code == 503:
+            assert i % 2 and r.json()["reason"] in ("deadline", "late"), r.text
+            continue
         assert r.status_code == 200, r.text
         assert r.json()["translation"] == want[tuple(r.json()["budget"])][i % len(lines)]
     r = s.post("/v1/translate", json={"text": lines[0], "deadline_ms": 0.001})
