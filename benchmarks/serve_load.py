@@ -368,6 +368,25 @@ def summarize(records: list[dict], seconds: float, deadline_ms: float,
     }
 
 
+def deadline_cells(policies: list[str], variants: list[str]
+                   ) -> list[tuple[str, str, list[str]]]:
+    """(policy, name, more server options) of each cell at a rate, in the order they run:
+    the policies as given, the deadline one once per ``NAME=ARGS`` variant (named
+    ``deadline NAME``, its server given ARGS besides ``--server-args``), or once, plain,
+    without variants."""
+    parsed = []
+    for v in variants:
+        name, eq, more = v.partition("=")
+        if not eq or not name.strip():
+            raise SystemExit(f"--deadline-variant wants NAME=ARGS, got {v!r}")
+        parsed.append((f"deadline {name.strip()}", more.split()))
+    cells = []
+    for policy in policies:
+        for name, more in (parsed if policy == "deadline" and parsed else [(policy, [])]):
+            cells.append((policy, name, more))
+    return cells
+
+
 def wait_idle(server: ServerProc, limit_s: float = 60) -> None:
     t_end = time.monotonic() + limit_s
     while server.queue_depth() > 0 and time.monotonic() < t_end:
@@ -410,6 +429,11 @@ def main() -> None:
     p.add_argument("--window-ms", type=float, default=5.0)
     p.add_argument("--server-args", default="",
                    help="more dynaseq serve options, one string (e.g. '--slack 0.8')")
+    p.add_argument("--deadline-variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="run the deadline policy once per variant at each rate, side by "
+                        "side, its server given ARGS (more dynaseq serve options, after "
+                        "--server-args; e.g. 'u09=--max-utilization 0.9', 'plain='); "
+                        "reported as 'deadline NAME'. Default: one, with --server-args")
     p.add_argument("--access-logs", type=Path, default=None,
                    help="keep each cell's server access log (one JSON line per request, "
                         "with its planned completion and margin) in this folder, as "
@@ -441,6 +465,7 @@ def main() -> None:
     if split is not None:
         os.sched_setaffinity(0, split[1])
     extra = args.server_args.split() if args.server_args else []
+    cells = deadline_cells(args.policies, args.deadline_variant)
     server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
                         None if split is None else split[0], extra, task)
     started = time.time()
@@ -475,14 +500,15 @@ def main() -> None:
         rows = []
         for mult in args.rates:
             rate = mult * (args.base_rps or sat["full"])
-            for policy in args.policies:
+            for policy, name, more in cells:
                 # a fresh server per cell: nothing one cell leaves (a backlog of abandoned
                 # requests, the measured scale and margin) reaches the next
                 server.stop()
                 log = (None if args.access_logs is None
-                       else args.access_logs / f"{mult:g}x_{policy}.jsonl")
+                       else args.access_logs / f"{mult:g}x_{name.replace(' ', '_')}.jsonl")
                 server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
-                                    None if split is None else split[0], extra, task, log)
+                                    None if split is None else split[0], extra + more, task,
+                                    log)
                 asyncio.run(one_at_a_time(server.url, lines, 4, full, task.endpoint))  # warm
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
@@ -490,8 +516,8 @@ def main() -> None:
                                              args.seed + int(100 * mult), task))
                 cpu = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
                        "client_cpu_s": round(time.process_time() - own0, 2)}
-                row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": policy, **cell,
-                       **cpu}
+                row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": name,
+                       "server_options": extra + more, **cell, **cpu}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
     finally:

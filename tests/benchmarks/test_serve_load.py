@@ -66,3 +66,16 @@ def test_mixed_clients_at_a_middle_budget_average_to_it():
     assert sl.middle_budget([full, small, [1.0, 0.5]], full, small) is None
     with pytest.raises(ValueError, match="not between"):
         sl.mix_at([1.0, 1.0], full, small, 32)
+
+
+def test_deadline_variants_run_side_by_side_after_the_other_policies():
+    sl = load_benchmark("serve_load")
+    assert sl.deadline_cells(["full", "deadline"], []) == [
+        ("full", "full", []), ("deadline", "deadline", [])]
+    assert sl.deadline_cells(["full", "deadline", "smallest"],
+                             ["plain=", "u09=--max-utilization 0.9"]) == [
+        ("full", "full", []), ("deadline", "deadline plain", []),
+        ("deadline", "deadline u09", ["--max-utilization", "0.9"]),
+        ("smallest", "smallest", [])]
+    with pytest.raises(SystemExit, match="NAME=ARGS"):
+        sl.deadline_cells(["deadline"], ["--max-utilization 0.9"])
