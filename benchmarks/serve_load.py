@@ -152,10 +152,13 @@ class ServerProc:
 
     def __init__(self, run: Path, threads: int, window_ms: float, max_batch: int,
                  cores: set[int] | None = None, extra: list[str] | None = None,
-                 task: Task = TASKS["translate"], access_log: Path | None = None) -> None:
+                 task: Task = TASKS["translate"], access_log: Path | None = None,
+                 src: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if src is not None:  # dynaseq imported from another checkout's src (before ours)
+            env["PYTHONPATH"] = os.pathsep.join([str(src.resolve()), env.get("PYTHONPATH", "")])
         # the access log is the server's stderr: its JSON lines, and any warning it prints
         self.log = None if access_log is None else access_log.open("w", encoding="utf-8")
         self.proc = subprocess.Popen(
@@ -387,6 +390,22 @@ def deadline_cells(policies: list[str], variants: list[str]
     return cells
 
 
+def variant_sources(specs: list[str], names: list[str]) -> dict[str, Path]:
+    """``{"deadline NAME": DIR}`` of ``--variant-src NAME=DIR``, each DIR a folder holding a
+    ``dynaseq`` package, each NAME one of the cells' (``names``)."""
+    out = {}
+    for spec in specs:
+        name, eq, folder = spec.partition("=")
+        cell = f"deadline {name.strip()}"
+        if not eq or cell not in names:
+            raise SystemExit(f"--variant-src wants NAME=DIR with NAME a --deadline-variant, "
+                             f"got {spec!r}")
+        if not (Path(folder) / "dynaseq" / "__init__.py").is_file():
+            raise SystemExit(f"--variant-src {spec!r}: {folder} holds no dynaseq package")
+        out[cell] = Path(folder)
+    return out
+
+
 def wait_idle(server: ServerProc, limit_s: float = 60) -> None:
     t_end = time.monotonic() + limit_s
     while server.queue_depth() > 0 and time.monotonic() < t_end:
@@ -434,6 +453,9 @@ def main() -> None:
                         "side, its server given ARGS (more dynaseq serve options, after "
                         "--server-args; e.g. 'u09=--max-utilization 0.9', 'plain='); "
                         "reported as 'deadline NAME'. Default: one, with --server-args")
+    p.add_argument("--variant-src", action="append", default=[], metavar="NAME=DIR",
+                   help="the deadline variant NAME's server imports dynaseq from DIR (the "
+                        "src folder of another checkout: older code side by side)")
     p.add_argument("--access-logs", type=Path, default=None,
                    help="keep each cell's server access log (one JSON line per request, "
                         "with its planned completion and margin) in this folder, as "
@@ -466,6 +488,7 @@ def main() -> None:
         os.sched_setaffinity(0, split[1])
     extra = args.server_args.split() if args.server_args else []
     cells = deadline_cells(args.policies, args.deadline_variant)
+    sources = variant_sources(args.variant_src, [name for _, name, _ in cells])
     server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
                         None if split is None else split[0], extra, task)
     started = time.time()
@@ -508,7 +531,7 @@ def main() -> None:
                        else args.access_logs / f"{mult:g}x_{name.replace(' ', '_')}.jsonl")
                 server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
                                     None if split is None else split[0], extra + more, task,
-                                    log)
+                                    log, sources.get(name))
                 asyncio.run(one_at_a_time(server.url, lines, 4, full, task.endpoint))  # warm
                 cpu0, own0 = server.cpu_s(), time.process_time()
                 cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
@@ -517,7 +540,8 @@ def main() -> None:
                 cpu = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
                        "client_cpu_s": round(time.process_time() - own0, 2)}
                 row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": name,
-                       "server_options": extra + more, **cell, **cpu}
+                       "server_options": extra + more,
+                       "server_src": str(sources.get(name, "src")), **cell, **cpu}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
     finally:

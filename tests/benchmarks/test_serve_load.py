@@ -79,3 +79,15 @@ def test_deadline_variants_run_side_by_side_after_the_other_policies():
         ("smallest", "smallest", [])]
     with pytest.raises(SystemExit, match="NAME=ARGS"):
         sl.deadline_cells(["deadline"], ["--max-utilization 0.9"])
+
+
+def test_a_variant_may_run_the_server_of_another_checkout(tmp_path):
+    sl = load_benchmark("serve_load")
+    (tmp_path / "dynaseq").mkdir()
+    (tmp_path / "dynaseq" / "__init__.py").write_text("")
+    names = ["full", "deadline old", "deadline new"]
+    assert sl.variant_sources([f"old={tmp_path}"], names) == {"deadline old": tmp_path}
+    with pytest.raises(SystemExit, match="NAME a --deadline-variant"):
+        sl.variant_sources([f"gone={tmp_path}"], names)
+    with pytest.raises(SystemExit, match="holds no dynaseq package"):
+        sl.variant_sources([f"old={tmp_path / 'dynaseq'}"], names)

@@ -300,15 +300,22 @@ def test_a_batch_about_to_run_gives_its_deadline_lines_one_budget():
     assert p.batch_budget([Work((0.2, 0.2), 5, 10)], flexible, left_ms=[50.0, 50.0]) == FULL
 
 
-def test_a_batch_takes_the_time_of_its_longest_line():
-    """Rows are padded to the batch's longest source: a batch of a 10- and a 20-token line
-    costs a 2-line batch at length 20, and so does a 10-token request behind a 20-token
-    one."""
+def test_a_batch_lasts_as_long_as_its_longest_line_and_a_short_line_costs_its_own_steps():
+    """A batch decodes as many steps as its longest line, but drops a line that ends: a
+    batch of a 10- and a 20-token line costs a 2-line batch at length 20 less what the
+    10-token line's steps past its end would cost (the table's per-line cost
+    ``(t(2, L) - t(1, L)) / 1`` at 20 less at 10), and so does a 10-token request behind
+    a 20-token one."""
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
-    two = 20 + 80 / 9  # 2 lines at length 20
+    at20, at10 = 20 + 80 / 9, 10 + 40 / 9  # t(2, 20), t(2, 10) at the full budget
+    assert p.line_cost_ms(FULL, 20, 2) == pytest.approx(at20 - 20)
+    assert p.line_cost_ms(FULL, 20, 1) == 0.0
+    two = at20 - ((at20 - 20) - (at10 - 10))
     assert p.batch_ms([Work(FULL, 1, 10), Work(FULL, 1, 20)]) == pytest.approx(two)
+    assert p.batch_ms([Work(FULL, 1, 20), Work(FULL, 1, 20)]) == pytest.approx(at20)
+    half20, half10 = 12 + 48 / 9, 6 + 24 / 9
     assert p.batch_ms([Work(FULL, 1, 10), Work(FULL, 1, 20)], HALF) == pytest.approx(
-        12 + 48 / 9)
+        half20 - ((half20 - 12) - (half10 - 6)))
     assert p.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(two)
     assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], [two]) == FULL
     assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], [two - 1]) == HALF
@@ -334,14 +341,32 @@ def test_a_batch_leaves_the_time_that_later_requests_were_admitted_on():
     assert p.predict_ms(HALF, 1, 10, [Work(FULL, 9, 10)]) == pytest.approx(45 + 3)
 
 
+def test_in_the_fitted_model_a_batch_is_its_steps_plus_each_line_at_its_own_length():
+    """Through the table's fit ``t = c0 + c1 n + c2 L + c3 n L``, a batch of lines of
+    lengths ``L_i`` costs ``c0 + c2 max L + sum_i (c1 + c3 L_i)``: the per-step part at the
+    longest line, each line's own part at its own length."""
+    c0, c1, c2, c3 = 3.0, 0.5, 0.8, 0.05
+    sizes, lengths = [1, 4, 16], [8, 16, 32]
+    cells = {"1,1": [[c0 + c1 * n + c2 * L + c3 * n * L for L in lengths] for n in sizes]}
+    p = DeadlinePolicy(LatencyTable([FULL], sizes, lengths, cells, predict="fit"), [FULL],
+                       max_batch_rows=16)
+    works = [Work(FULL, 3, 8), Work(FULL, 2, 24), Work(FULL, 4, 12)]
+    want = c0 + c2 * 24 + sum(w.rows * (c1 + c3 * w.length) for w in works)
+    assert p.batch_ms(works) == pytest.approx(want, rel=1e-6)
+    assert p.answer_ms(works, [24]) == pytest.approx([want], rel=1e-6)
+
+
 def test_the_queue_ahead_runs_in_the_batches_the_batcher_will_form():
     """Each batch ahead at its own longest source; the request joins the last if it has
     room, else it starts the next."""
     p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     ahead = [Work(FULL, 6, 20), Work(FULL, 4, 10), Work(FULL, 5, 10)]
     assert [[w.rows for w in b] for b in p.batches(ahead)] == [[6, 4], [5]]
-    # 10 lines at length 20 (100 ms), then 5 + 1 lines at length 10
-    assert p.predict_ms(FULL, 1, 10, ahead) == pytest.approx(100 + 10 + 40 * 5 / 9)
+    # 10 lines at length 20 (100 ms, less the 4 lines' 10 steps past their end at the
+    # per-line cost (t(10, L) - t(1, L)) / 9: 80 / 9 at 20, 40 / 9 at 10), then 5 + 1 lines
+    # at length 10
+    assert p.predict_ms(FULL, 1, 10, ahead) == pytest.approx(
+        100 - 4 * 40 / 9 + 10 + 40 * 5 / 9)
     assert p.predict_ms(FULL, 1, 10, [Work(FULL, 10, 10)]) == pytest.approx(50 + 10)
     assert p.batches([]) == []
 
@@ -356,12 +381,13 @@ def test_lines_that_cannot_answer_in_time_even_at_the_smallest_are_dropped():
     assert p.late(fixed, flexible, [40.0]) == [False]  # 25 + 15
     assert p.late(fixed, flexible, [39.0]) == [True]
     assert p.late(fixed, flexible, [79.0], scale=2.0) == [True]
-    # two lines: in one 2-line batch at half (length 20) they take 12 + 48/9 ms; the
-    # 10-token line alone (the other dropped) takes 6, the 20-token one 12
+    # two lines: in one 2-line batch at half (length 20) they take 12 + 48/9 ms less the
+    # 10-token line's steps past its end (24/9): 14.7 ms; the 10-token line alone (the
+    # other dropped) takes 6, the 20-token one 12
     two = [Work(FULL, 1, 20, True), Work(FULL, 1, 10, True)]
-    assert p.late([], two, [18.0, 18.0]) == [False, False]
-    assert p.late([], two, [17.0, 17.0]) == [True, False]  # the first in line goes first
-    assert p.late([], two, [17.0, 16.0]) == [False, True]  # the least time left goes first
+    assert p.late([], two, [15.0, 15.0]) == [False, False]
+    assert p.late([], two, [14.0, 14.0]) == [True, False]  # the first in line goes first
+    assert p.late([], two, [14.0, 13.0]) == [False, True]  # the least time left goes first
     assert p.late([], two, [11.0, 5.0]) == [True, True]  # 12 > 11 once the other is gone
     assert p.late([], two, [12.0, 5.0]) == [False, True]
 
@@ -374,22 +400,25 @@ def test_with_early_answers_a_line_ends_at_its_own_longest_source():
     early = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10, early_answers=True)
     whole = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)
     at10, at20 = 10 + 40 / 9, 20 + 80 / 9  # 2 full-budget lines at length 10, 20
+    mixed = at20 - ((at20 - 20) - (at10 - 10))  # one of each: the short one ends at 10
     assert early.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(at10)
-    assert whole.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(at20)
+    assert whole.predict_ms(FULL, 1, 10, [Work(FULL, 1, 20)]) == pytest.approx(mixed)
     ahead = [Work(FULL, 10, 10), Work(FULL, 1, 20)]  # a 10-line batch (50 ms), then ours
     assert early.predict_ms(FULL, 1, 10, ahead) == pytest.approx(50 + at10)
-    assert whole.predict_ms(FULL, 1, 10, ahead) == pytest.approx(50 + at20)
-    assert early.predict_ms(FULL, 1, 20, [Work(FULL, 1, 10)]) == pytest.approx(at20)
+    assert whole.predict_ms(FULL, 1, 10, ahead) == pytest.approx(50 + mixed)
+    assert early.predict_ms(FULL, 1, 20, [Work(FULL, 1, 10)]) == pytest.approx(mixed)
     assert early.decide(at10, 1, 10, [Work(FULL, 1, 20)]).budget == FULL
-    assert whole.decide(at10, 1, 10, [Work(FULL, 1, 20)]).reject  # 23.1 ms even at half
+    assert whole.decide(at10, 1, 10, [Work(FULL, 1, 20)]).reject  # 14.7 ms even at half
     for p, want in ((early, FULL), (whole, HALF)):
         assert p.batch_budget([Work(FULL, 1, 20)], [Work(FULL, 1, 10)], [at10]) == want
-    # at half, two lines: 12 + 48/9 = 17.3 ms at length 20, 6 + 24/9 = 8.7 at length 10
+    # at half, two lines: 12 + 48/9 - 24/9 = 14.7 ms at length 20, 6 + 24/9 = 8.7 at 10
     two = [Work(FULL, 1, 20, True), Work(FULL, 1, 10, True)]
-    assert early.late([], two, [17.0, 9.0]) == [True, False]
-    assert whole.late([], two, [17.0, 9.0]) == [False, True]  # 17.3 > 9; then 12 alone
+    assert early.late([], two, [14.0, 9.0]) == [True, False]
+    assert whole.late([], two, [14.0, 9.0]) == [False, True]  # 14.7 > 9; then 12 alone
     assert early.answers_in_time([Work(HALF, 1, 20), Work(HALF, 1, 10)], [20, 10],
-                                 [17.4, 8.7]) == [True, True]
+                                 [14.7, 8.7]) == [True, True]
+    assert early.answers_in_time([Work(HALF, 1, 20), Work(HALF, 1, 10)], [20, 10],
+                                 [14.6, 8.6]) == [False, False]
     with pytest.raises(ValueError, match="2 times left for 1 flexible"):
         early.batch_budget([], [Work(FULL, 1, 10)], [1.0, 2.0])
 
