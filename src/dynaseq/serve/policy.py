@@ -135,6 +135,15 @@ class DeadlinePolicy:
         return max(0.0, (self.table.predict_ms(budget, batch, length)
                          - self.table.predict_ms(budget, 1, length)) / (batch - 1))
 
+    def _spared_ms(self, budget: Pair, longest: int, own: int, batch: int) -> float:
+        """What a line of ``own`` source tokens is spared in a batch of ``batch`` lines
+        that decodes to ``longest``: its :meth:`line_cost_ms` at ``longest`` less at its
+        own length (0 when it is the longest)."""
+        if own >= longest:
+            return 0.0
+        return max(0.0, self.line_cost_ms(budget, longest, batch)
+                   - self.line_cost_ms(budget, own, batch))
+
     def batch_ms(self, works: Sequence[Work], budget: Pair | None = None) -> float:
         """Predicted milliseconds of one batch of ``works`` (each at its own budget, or all
         at ``budget``): each line's share of a batch of that many lines at the batch's
@@ -193,10 +202,8 @@ class DeadlinePolicy:
         if last is not None:
             wait += scale * self._summary_ms(last, budget, longest, n)
         wait += overhead_ms
-        own = self.row_ms(budget, longest, n)
-        if length < longest:  # the request's lines (and the joiners, taken as long) end first
-            own -= max(0.0, self.line_cost_ms(budget, longest, n)
-                       - self.line_cost_ms(budget, length, n))
+        # the request's lines (and the joiners, taken as long) may end before the longest
+        own = self.row_ms(budget, longest, n) - self._spared_ms(budget, longest, length, n)
         return wait + scale * extra * own, wait
 
     def _summary_ms(self, b: _Batch, budget: Pair, length: int | None = None,
@@ -220,10 +227,7 @@ class DeadlinePolicy:
         if b.flexible:
             total += b.flexible * self.row_ms(budget, length, batch)
         for p, own, k in b.by_length:
-            if own < length:
-                p = budget if p is None else p
-                total -= k * max(0.0, self.line_cost_ms(p, length, batch)
-                                 - self.line_cost_ms(p, own, batch))
+            total -= k * self._spared_ms(budget if p is None else p, length, own, batch)
         return total
 
     def batches(self, works: Sequence[Work]) -> list[list[Work]]:
@@ -447,7 +451,7 @@ class _Batch:
     length: int
     fixed: tuple[tuple[Pair, int], ...]
     flexible: int
-    by_length: tuple[tuple[Pair | None, int, int], ...] = ()
+    by_length: tuple[tuple[Pair | None, int, int], ...]
 
     @classmethod
     def of(cls, works: Sequence[Work], own: Callable[[Work], bool]) -> _Batch:
@@ -456,15 +460,15 @@ class _Batch:
         fixed: dict[Pair, int] = {}
         by_length: dict[tuple[Pair | None, int], int] = {}
         flexible = 0
-        longest = max(w.length for w in works)
         for w in works:
-            if own(w):
-                fixed[w.budget] = fixed.get(w.budget, 0) + w.rows
+            budget = w.budget if own(w) else None
+            if budget is not None:
+                fixed[budget] = fixed.get(budget, 0) + w.rows
             else:
                 flexible += w.rows
-            key = (w.budget if own(w) else None, w.length)
-            by_length[key] = by_length.get(key, 0) + w.rows
-        return cls(sum(w.rows for w in works), longest, tuple(fixed.items()), flexible,
+            by_length[budget, w.length] = by_length.get((budget, w.length), 0) + w.rows
+        return cls(sum(w.rows for w in works), max(w.length for w in works),
+                   tuple(fixed.items()), flexible,
                    tuple((p, n, k) for (p, n), k in by_length.items()))
 
 
