@@ -212,6 +212,33 @@ def test_arrival_rate_follows_submitted_lines():
     assert b.arrival_rate < 15
 
 
+def test_arrival_length_is_the_decayed_mean_of_the_submitted_lines():
+    """Each line weighs exp(-age / tau), as in :attr:`Batcher.arrival_rate`; a job's lines
+    count at its length."""
+    jobs = []
+
+    async def go() -> Batcher:
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=1000)
+        b.ARRIVAL_TAU_S = 0.1
+        assert b.arrival_length == 1  # nothing submitted yet
+        for rows, length, pause in [(3, 40, 0.15), (1, 10, 0.0), (2, 25, 0.0)]:
+            job = make_job("a", rows, [])
+            job.length = length
+            b.submit(job)
+            jobs.append(job)
+            await asyncio.sleep(pause)
+        return b
+
+    b = asyncio.run(go())
+    last = jobs[-1].enqueued
+    weights = [j.rows * math.exp(-(last - j.enqueued) / b.ARRIVAL_TAU_S) for j in jobs]
+    mean = sum(w * j.length for w, j in zip(weights, jobs, strict=True)) / sum(weights)
+    assert 18 < mean < 24  # the 40-token lines have decayed to under a fifth
+    assert b.arrival_length == round(mean)
+    time.sleep(0.3)  # both sums decay alike: the mean stays
+    assert b.arrival_length == round(mean)
+
+
 def test_a_batch_is_replanned_before_it_runs():
     """The first job's ``replan`` sees the whole batch (and the scale) before ``run``, and
     the budgets it sets are those the batch runs at."""

@@ -458,7 +458,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
 
     def replan(mode: str, due_ms: float, behind_due_ms: float | None = None):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=0.0,
-                                  typical_scale=1.0, arrival_rate=0.0)
+                                  typical_scale=1.0, arrival_rate=0.0, arrival_length=1)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin=mode))
         now = time.perf_counter()
@@ -496,24 +496,26 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
     for due, want in ((55.0, HALF), (65.0, FULL), (45.0, HALF)):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=99.0,
                                   typical_scale=1.0, formation_late_share=risky,
-                                  arrival_rate=0.0)
+                                  arrival_rate=0.0, arrival_length=1)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin="risk"))
         own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
                   budget=FULL, deadline_ms=due, due=time.perf_counter() + due / 1000.0)
         replan_budgets(state, [own], 1.0, [], rebudget=lambda j, b, degraded: None)
         assert own.budget == want, due
-    # --max-utilization reaches the batch with the batcher's arrival rate: at 200 lines a
-    # second the full budget (5 ms a line in a full batch) would take all of the time
-    for rate, want in ((100.0, FULL), (200.0, HALF)):
+    # --max-utilization reaches the batch with the batcher's arrival rate and mean length:
+    # at 200 lines a second of 10 tokens, or 100 of 20, the full budget (5 / 10 ms a line
+    # in a full batch) would take all of the time, whatever the batch's own length
+    for rate, mean, length, want in ((100.0, 10, 10, FULL), (200.0, 10, 10, HALF),
+                                     (100.0, 20, 10, HALF), (100.0, 10, 20, FULL)):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=0.0, formation_ms=0.0,
-                                  typical_scale=1.0, arrival_rate=rate)
+                                  typical_scale=1.0, arrival_rate=rate, arrival_length=mean)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(max_utilization=0.9))
-        own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
+        own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=length,
                   budget=FULL, deadline_ms=500.0, due=time.perf_counter() + 0.5)
         replan_budgets(state, [own], 1.0, [], rebudget=lambda j, b, degraded: None)
-        assert own.budget == want, rate
+        assert own.budget == want, (rate, mean, length)
     assert ServeConfig().batch_margin == "formation"
     with pytest.raises(DynaseqError, match="--batch-margin must be one of admission, "
                                            "formation, risk"):
@@ -551,6 +553,15 @@ def test_batch_budget_passes_over_a_budget_the_arrivals_would_outrun():
     assert p.batch_budget([], works, [1000.0], arrival_rate=100.0, max_utilization=0.9) == FULL
     assert p.batch_budget([], works, [1000.0], arrival_rate=200.0, max_utilization=0.9) == HALF
     assert p.batch_budget([], works, [1000.0], arrival_rate=1000.0, max_utilization=0.9) == HALF
+    # priced at the arriving lines' mean length, not the batch's longest source
+    long_batch, short_batch = [Work(FULL, 1, 20, True)], [Work(FULL, 1, 10, True)]
+    assert p.utilization(FULL, 100.0, 20) == pytest.approx(1.0)
+    assert p.batch_budget([], long_batch, [1000.0], arrival_rate=100.0,
+                          max_utilization=0.9) == HALF  # None: at the longest, 20
+    assert p.batch_budget([], long_batch, [1000.0], arrival_rate=100.0, max_utilization=0.9,
+                          arrival_length=10) == FULL
+    assert p.batch_budget([], short_batch, [1000.0], arrival_rate=100.0,
+                          max_utilization=0.9, arrival_length=20) == HALF
     from dynaseq.serve.config import ServeConfig
 
     with pytest.raises(DynaseqError, match="--max-utilization must be > 0"):

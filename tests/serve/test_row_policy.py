@@ -104,3 +104,10 @@ def test_near_saturation_only_the_smallest_budget_runs():
     assert p.row_budget(1, 10, 80.0, [20.0] * 10, arrival_rate=150.0,
                         max_utilization=0.6) == (HALF, 50.0)  # FULL would be 0.75
     assert p.row_budget(1, 10, 80.0, [20.0] * 10, arrival_rate=150.0) == (FULL, 70.0)
+    # priced at the arriving lines' mean length when given (20 tokens: FULL at 1.5)
+    assert p.row_budget(1, 10, 80.0, [20.0] * 10, arrival_rate=100.0, max_utilization=0.6,
+                        arrival_length=20) == (HALF, 50.0)
+    assert p.row_budget(1, 20, 200.0, [20.0] * 10, arrival_rate=100.0,
+                        max_utilization=0.6)[0] == HALF  # None: at its own length
+    assert p.row_budget(1, 20, 200.0, [20.0] * 10, arrival_rate=100.0, max_utilization=0.6,
+                        arrival_length=10)[0] == FULL

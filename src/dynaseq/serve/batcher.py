@@ -246,7 +246,8 @@ class Batcher:
     the answers came (:attr:`formation`, :meth:`observe_formed`): the margin a batch's own
     lines need, which knows the batch and no longer the queue.
     :attr:`arrival_rate` follows the lines submitted per second (decaying with time
-    constant :data:`ARRIVAL_TAU_S`): how many lines will join a batch before it starts.
+    constant :data:`ARRIVAL_TAU_S`): how many lines will join a batch before it starts;
+    :attr:`arrival_length`, their mean source length, weighted the same way.
     """
 
     # OVERHEAD_*: the quantile, window and time constant of both error windows,
@@ -288,7 +289,9 @@ class Batcher:
                                      self.OVERHEAD_TAU_S)  # :meth:`observe`
         self.formation = LateAnswers(self.OVERHEAD_QUANTILE, self.OVERHEAD_WINDOW,
                                      self.OVERHEAD_TAU_S)  # :meth:`observe_formed`
-        self._arrivals = (0.0, time.perf_counter())  # (lines per second, when)
+        # (lines per second, source tokens per second, when): both decay alike, so their
+        # ratio is the arriving lines' mean length whenever it is read
+        self._arrivals = (0.0, 0.0, time.perf_counter())
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
 
     # -- event loop side ------------------------------------------------------------------
@@ -354,7 +357,18 @@ class Batcher:
     @property
     def arrival_rate(self) -> float:
         """Lines submitted per second lately (decayed since the last submission)."""
-        return _decayed(*self._arrivals, self.ARRIVAL_TAU_S, time.perf_counter())
+        rate, _, when = self._arrivals
+        return _decayed(rate, when, self.ARRIVAL_TAU_S, time.perf_counter())
+
+    @property
+    def arrival_length(self) -> int:
+        """The mean source length (tokens) of the lines submitted lately, each weighted as
+        :attr:`arrival_rate` weighs it, ``exp(-age / ARRIVAL_TAU_S)``, rounded (at least 1;
+        1 before any line): what a line costs a saturated server on average, where a
+        batch's longest line overstates it. A job counts each of its lines at its longest
+        line's length (:attr:`Job.length`)."""
+        rate, tokens, _ = self._arrivals
+        return max(1, round(tokens / rate)) if rate > 0 else 1
 
     def formation_late_share(self, slack_ms: float) -> float:
         """:meth:`LateAnswers.share_above` of the formation errors, now."""
@@ -424,8 +438,11 @@ class Batcher:
             if queued + job.rows > self.max_queue_rows:
                 raise QueueFull(f"{queued} lines are queued (limit {self.max_queue_rows})")
             job.enqueued = time.perf_counter()
-            rate = self.arrival_rate
-            self._arrivals = (rate + job.rows / self.ARRIVAL_TAU_S, job.enqueued)
+            rate, tokens, when = self._arrivals
+            decay = _decayed(1.0, when, self.ARRIVAL_TAU_S, job.enqueued)
+            self._arrivals = (rate * decay + job.rows / self.ARRIVAL_TAU_S,
+                              tokens * decay + job.rows * job.length / self.ARRIVAL_TAU_S,
+                              job.enqueued)
             self._queue.append(job)
             self.metrics.queue_rows.set(queued + job.rows)
             self._cond.notify()

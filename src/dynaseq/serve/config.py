@@ -49,8 +49,8 @@ class ServeConfig:
     batch_margin: ``admission``, ``formation`` or ``risk`` (see :data:`BATCH_MARGINS`).
     max_utilization: a batch's deadline lines (a continuous decode's: each request's, as
         the decode takes it) run at a budget other than the smallest only
-        if the recent arrival rate x that budget's time per line in a full batch is at most
-        this (None: no such limit;
+        if the recent arrival rate x that budget's time per line in a full batch, at the
+        recent lines' mean source length, is at most this (None: no such limit;
         :meth:`~dynaseq.serve.policy.DeadlinePolicy.utilization`): near saturation, time
         spent on larger budgets is time the queue does not get back.
     retry_after_min_s: the smallest ``Retry-After`` sent.

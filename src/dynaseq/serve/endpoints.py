@@ -249,7 +249,8 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
                                  late_share=(batcher.formation_late_share if mode == "risk"
                                              else None),
                                  arrival_rate=batcher.arrival_rate,
-                                 max_utilization=state.config.max_utilization)
+                                 max_utilization=state.config.max_utilization,
+                                 arrival_length=batcher.arrival_length)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget
@@ -295,7 +296,8 @@ def replan_rows(state: ServeState, jobs: list[Job], scale: float, behind: list[J
             budget, done = policy.row_budget(
                 j.rows, j.length, left - margin, running, waiting, scale,
                 arrival_rate=batcher.arrival_rate,
-                max_utilization=state.config.max_utilization)
+                max_utilization=state.config.max_utilization,
+                arrival_length=batcher.arrival_length)
             if j.budget != budget:
                 j.budget = budget
                 rebudget(j, budget, budget != policy.largest)

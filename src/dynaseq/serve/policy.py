@@ -308,7 +308,8 @@ class DeadlinePolicy:
                      behind: Sequence[tuple[Work, float | None]] = (),
                      late_share: Callable[[float], float] | None = None,
                      late_tolerance: float = LATE_TOLERANCE, arrival_rate: float = 0.0,
-                     max_utilization: float | None = None) -> Pair:
+                     max_utilization: float | None = None,
+                     arrival_length: int | None = None) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
         that answers each flexible line within its ``left_ms`` (the time left to its due
@@ -327,17 +328,19 @@ class DeadlinePolicy:
         at most ``late_tolerance`` of them expected late, each at the share of recent
         answers later than predicted by more than its slack (``left_ms`` then keeps no
         margin). ``max_utilization`` (None: off) passes over every budget but the smallest
-        whose :meth:`utilization` at ``arrival_rate`` lines a second (and the batch's
-        longest source) is above it."""
+        whose :meth:`utilization` at ``arrival_rate`` lines a second of
+        ``arrival_length`` source tokens (their mean; None: the batch's longest source)
+        is above it."""
         if len(left_ms) != len(flexible):
             raise ValueError(f"{len(left_ms)} times left for {len(flexible)} flexible works")
         fixed = [self._tabled(w) for w in fixed]
         fastest, least = self.smallest, math.inf
-        longest = max((w.length for w in [*fixed, *flexible]), default=1)
+        if arrival_length is None:
+            arrival_length = max((w.length for w in [*fixed, *flexible]), default=1)
         lengths = [w.length for w in flexible]
         for budget in self.budgets:
             if (max_utilization is not None and budget != self.smallest
-                    and self.utilization(budget, arrival_rate, longest, scale)
+                    and self.utilization(budget, arrival_rate, arrival_length, scale)
                     > max_utilization):
                 continue  # the arrivals would outrun it
             works = [*fixed, *(Work(budget, w.rows, w.length) for w in flexible)]

@@ -127,22 +127,25 @@ class RowPolicy(DeadlinePolicy):
     def row_budget(self, rows: int, length: int, left_ms: float,
                    rows_left: Sequence[float] = (), waiting: Sequence[float] = (),
                    scale: float = 1.0, arrival_rate: float = 0.0,
-                   max_utilization: float | None = None) -> tuple[Pair, float]:
+                   max_utilization: float | None = None,
+                   arrival_length: int | None = None) -> tuple[Pair, float]:
         """(budget, predicted completion) for a deadline request of ``rows`` lines taken
         off the queue now, behind the lines ``waiting`` and the running ``rows_left``
         (:meth:`finish_ms`, nothing queued ahead of it any more), with ``left_ms`` to its
         due answer (margin already kept aside): the largest budget, one predicted no
         faster than a larger one passed over, whose completion fits; the fastest when
         none does. ``max_utilization`` (None: off) passes over every budget but the
-        smallest at which ``arrival_rate`` lines a second would keep the rows busier than
-        that (:meth:`utilization`: a line holds one of ``max_batch_rows`` rows for
+        smallest at which ``arrival_rate`` lines a second of ``arrival_length`` source
+        tokens (their mean; None: this request's ``length``) would keep the rows busier
+        than that (:meth:`utilization`: a line holds one of ``max_batch_rows`` rows for
         :meth:`line_ms`), as for batches: rows spent on a larger budget near saturation
         are time the queue does not get back, and a step of mixed budgets costs about the
         largest's."""
         fastest = (self.smallest, math.inf)
         for budget in self.budgets:
             if (max_utilization is not None and budget != self.smallest
-                    and self.utilization(budget, arrival_rate, length, scale)
+                    and self.utilization(budget, arrival_rate, arrival_length or length,
+                                         scale)
                     > max_utilization):
                 continue
             done = self.finish_ms(budget, rows, length, (), rows_left, scale, waiting)[0]
