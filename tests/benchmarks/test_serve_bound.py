@@ -4,10 +4,10 @@ a batch of n: 10 + (n - 1) 40/9 ms, 50 at 10 lines)."""
 
 from __future__ import annotations
 
-from helpers import load_benchmark
-
 from dynaseq.metrics.latency_table import LatencyTable
 from dynaseq.serve.policy import DeadlinePolicy
+
+from helpers import load_benchmark
 
 FULL, HALF = (1.0, 1.0), (0.5, 0.5)
 
