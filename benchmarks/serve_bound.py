@@ -21,6 +21,12 @@ line answered when its own decode ends: ``early_answers``):
    streams of ``--seconds`` each. Beside ``serve_load``'s measured always-full and
    always-smallest rows (``--measured``), it says how much of a miss the table explains.
 
+The table times the decode alone, on sentences of about each length; a server also spends
+time on HTTP, tokenizing and its compute report, and its batches mix lengths. With
+``--measured`` the full and smallest budgets get a second row each, every batch timed at
+``serve_load``'s measured closed-loop saturation (the table's time x the table's
+saturation over the measured one), as the server's own ``scale`` corrects its predictions.
+
 Example (after ``serve_load`` wrote its latency table and results)::
 
     python benchmarks/serve_bound.py --run runs/bench/serve_load_cct51/run \
@@ -44,17 +50,18 @@ from _lib import add_results_arg, command, machine, md_head, md_table, provenanc
 
 
 def cycle_ms(policy: DeadlinePolicy, budget: tuple[float, ...], rate_rps: float,
-             length: int, max_batch: int) -> float | None:
+             length: int, max_batch: int, scale: float = 1.0) -> float | None:
     """The batch time ``T`` (ms) of the steady cycle at ``rate_rps`` lines a second of
-    ``length`` tokens: the least fixed point of ``T = t(ceil(r T))``, found by iterating from
-    one line's time (``t`` grows with the lines, so the iterates rise to it); None when the
-    cycle needs more than ``max_batch`` lines a batch (the arrivals outrun the server)."""
-    t = policy.batch_ms([Work(budget, 1, length)])
+    ``length`` tokens, each batch ``scale`` times the table's time: the least fixed point of
+    ``T = t(ceil(r T))``, found by iterating from one line's time (``t`` grows with the
+    lines, so the iterates rise to it); None when the cycle needs more than ``max_batch``
+    lines a batch (the arrivals outrun the server)."""
+    t = scale * policy.batch_ms([Work(budget, 1, length)])
     for _ in range(10_000):
         n = max(1, -int(-rate_rps * t // 1000))  # ceil: a batch holds whole lines
         if n > max_batch:
             return None
-        nxt = policy.batch_ms([Work(budget, n, length)])
+        nxt = scale * policy.batch_ms([Work(budget, n, length)])
         if nxt <= t:
             return t
         t = nxt
@@ -62,13 +69,14 @@ def cycle_ms(policy: DeadlinePolicy, budget: tuple[float, ...], rate_rps: float,
 
 
 def cycle_bound_rps(policy: DeadlinePolicy, budget: tuple[float, ...], length: int,
-                    max_batch: int, deadline_ms: float, window_ms: float) -> float:
+                    max_batch: int, deadline_ms: float, window_ms: float,
+                    scale: float = 1.0) -> float:
     """The largest rate (lines a second, to 0.1) whose :func:`cycle_ms` ``T`` keeps
     ``2 T + window <= deadline`` (bisection: ``T`` grows with the rate); 0 when even one
     line alone cannot."""
 
     def ok(rate: float) -> bool:
-        t = cycle_ms(policy, budget, rate, length, max_batch)
+        t = cycle_ms(policy, budget, rate, length, max_batch, scale)
         return t is not None and 2 * t + window_ms <= deadline_ms
 
     lo, hi = 0.0, 1.0
@@ -84,9 +92,10 @@ def cycle_bound_rps(policy: DeadlinePolicy, budget: tuple[float, ...], length: i
 
 def fifo_in_time(policy: DeadlinePolicy, budget: tuple[float, ...], lengths: list[int],
                  rate_rps: float, seconds: float, window_ms: float, max_batch: int,
-                 deadline_ms: float, seed: int) -> float:
+                 deadline_ms: float, seed: int, scale: float = 1.0) -> float:
     """The share of one seeded Poisson stream answered within ``deadline_ms`` by a FIFO
-    batcher at ``budget`` (see the module doc)."""
+    batcher at ``budget``, each batch ``scale`` times the table's time (see the module
+    doc)."""
     rng = random.Random(seed)
     arrivals, now = [], 0.0
     while True:
@@ -106,11 +115,32 @@ def fifo_in_time(policy: DeadlinePolicy, budget: tuple[float, ...], lengths: lis
                 j += 1
         batch = arrivals[i:j]
         works = [Work(budget, 1, length) for _, length in batch]
-        answers = policy.answer_ms(works, [length for _, length in batch])
+        answers = policy.answer_ms(works, [length for _, length in batch], scale)
         in_time += sum(start + ms - came <= deadline_ms
                        for (came, _), ms in zip(batch, answers, strict=True))
-        free, i = start + policy.batch_ms(works), j
+        free, i = start + scale * policy.batch_ms(works), j
     return in_time / max(1, len(arrivals))
+
+
+def bound_row(policy: DeadlinePolicy, budget: tuple[float, ...], lengths: list[int],
+              mean_length: int, base_rps: float, args: argparse.Namespace,
+              scale: float = 1.0) -> dict:
+    """One budget's row: its saturation at ``--max-batch`` lines of the mean length, its
+    :func:`cycle_bound_rps` and its :func:`fifo_in_time` at each rate (mean over the
+    streams), every batch ``scale`` times the table's time."""
+    full_batch = scale * policy.batch_ms([Work(budget, args.max_batch, mean_length)])
+    row = {"budget": list(budget), "scale": scale,
+           "table_saturation_rps": round(1000 * args.max_batch / full_batch, 1),
+           "cycle_bound_rps": cycle_bound_rps(policy, budget, mean_length, args.max_batch,
+                                              args.deadline_ms, args.window_ms, scale),
+           "fifo_in_time": {}}
+    row["cycle_bound_x"] = round(row["cycle_bound_rps"] / base_rps, 3)
+    for mult in args.rates:
+        shares = [fifo_in_time(policy, budget, lengths, mult * base_rps, args.seconds,
+                               args.window_ms, args.max_batch, args.deadline_ms, seed, scale)
+                  for seed in range(args.repeats)]
+        row["fifo_in_time"][f"{mult:g}x"] = round(statistics.fmean(shares), 3)
+    return row
 
 
 def source_lengths(run: Path, src: Path) -> list[int]:
@@ -158,22 +188,15 @@ def main() -> None:
     policy = DeadlinePolicy(table, table.budgets, args.max_batch, early_answers=True)
     lengths = source_lengths(args.run, args.src)
     mean_length = round(statistics.fmean(lengths))
-    rows = []
-    for budget in policy.budgets:
-        full_batch = policy.batch_ms([Work(budget, args.max_batch, mean_length)])
-        row = {"budget": list(budget),
-               "table_saturation_rps": round(1000 * args.max_batch / full_batch, 1),
-               "cycle_bound_rps": cycle_bound_rps(policy, budget, mean_length, args.max_batch,
-                                                  args.deadline_ms, args.window_ms),
-               "fifo_in_time": {}}
-        row["cycle_bound_x"] = round(row["cycle_bound_rps"] / base, 3)
-        for mult in args.rates:
-            shares = [fifo_in_time(policy, budget, lengths, mult * base, args.seconds,
-                                   args.window_ms, args.max_batch, args.deadline_ms, seed)
-                      for seed in range(args.repeats)]
-            row["fifo_in_time"][f"{mult:g}x"] = round(statistics.fmean(shares), 3)
-        rows.append(row)
     named = {"full": list(policy.largest), "smallest": list(policy.smallest)}
+    rows = [bound_row(policy, budget, lengths, mean_length, base, args)
+            for budget in policy.budgets]
+    if measured is not None:  # the same two budgets at the server's measured pace
+        for name, budget in named.items():
+            table_rps = next(r["table_saturation_rps"] for r in rows if r["budget"] == budget)
+            scale = table_rps / measured["saturation_rps"][name]
+            rows.append(bound_row(policy, tuple(budget), lengths, mean_length, base, args,
+                                  round(scale, 3)))
     data = {"command": command(), "made_by": provenance(), "machine": machine(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "run": str(args.run),
             "test_set": str(args.src), "lines": len(lengths), "mean_length": mean_length,
@@ -194,13 +217,17 @@ def main() -> None:
         "a steady cycle of equal batches, all answer within the deadline (an upper bound "
         "for any policy at that budget). FIFO: the simulated share of Poisson arrivals "
         f"answered in time, mean of {args.repeats} streams of {args.seconds} s; measured: "
-        "serve_load's SLO attained for always-full / always-smallest.")
+        "serve_load's SLO attained for always-full / always-smallest. Time x table: 1 "
+        "for the table as measured; the last rows time the full and smallest budgets at "
+        "serve_load's measured closed-loop saturation instead (each batch that many times "
+        "the table's time: the server's own costs and the test set's mix of lengths).")
     md += md_table(
-        ["budget", "table saturation req/s", "cycle bound req/s", "cycle bound x",
+        ["budget", "time x table", "saturation req/s", "cycle bound req/s", "cycle bound x",
          *(f"FIFO {m:g}x" for m in args.rates)],
-        "lrrr" + "r" * len(args.rates),
-        [[r["budget"], r["table_saturation_rps"], r["cycle_bound_rps"], r["cycle_bound_x"],
-          *(_with_measured(r, m, named, slo) for m in args.rates)] for r in rows])
+        "lrrrr" + "r" * len(args.rates),
+        [[r["budget"], r["scale"], r["table_saturation_rps"], r["cycle_bound_rps"],
+          r["cycle_bound_x"], *(_with_measured(r, m, named, slo) for m in args.rates)]
+         for r in rows])
     write_results(args.results, "serve_bound", data, md)
     print("\n".join(md))
 

@@ -25,6 +25,8 @@ def test_the_cycle_holds_the_lines_that_arrive_while_the_one_before_runs():
     assert sb.cycle_ms(p, FULL, 200.0, 10, 10) == 50.0  # 10 lines in 50 ms: capacity
     assert sb.cycle_ms(p, FULL, 201.0, 10, 10) is None  # would need 11 lines a batch
     assert sb.cycle_ms(p, FULL, 180.0, 10, 10) is not None
+    assert sb.cycle_ms(p, FULL, 50.0, 10, 10, scale=2.0) == 20.0  # every batch twice as long
+    assert sb.cycle_ms(p, FULL, 101.0, 10, 10, scale=2.0) is None  # capacity halves: 100/s
 
 
 def test_the_cycle_bound_is_the_fastest_rate_whose_two_batches_fit_the_deadline():
@@ -41,6 +43,9 @@ def test_the_cycle_bound_is_the_fastest_rate_whose_two_batches_fit_the_deadline(
 def test_fifo_keeps_light_load_in_time_and_misses_most_lines_past_capacity():
     sb, p = load_benchmark("serve_bound"), policy()
     assert sb.fifo_in_time(p, FULL, [10], 1.0, 20.0, 0.0, 10, 100.0, seed=0) == 1.0
+    # one line alone: 10 ms, or 20 at twice the table's time, against a 15 ms deadline
+    assert sb.fifo_in_time(p, FULL, [10], 1.0, 20.0, 0.0, 10, 15.0, seed=0) == 1.0
+    assert sb.fifo_in_time(p, FULL, [10], 1.0, 20.0, 0.0, 10, 15.0, seed=0, scale=2.0) == 0.0
     assert sb.fifo_in_time(p, FULL, [10, 20], 1000.0, 2.0, 0.0, 10, 100.0, seed=0) < 0.2
     a = sb.fifo_in_time(p, FULL, [10, 20], 150.0, 5.0, 5.0, 10, 100.0, seed=3)
     assert a == sb.fifo_in_time(p, FULL, [10, 20], 150.0, 5.0, 5.0, 10, 100.0, seed=3)
