@@ -600,7 +600,9 @@ def main() -> None:
            f"{args.clients} clients at the full budget, the rest at the smallest, "
            f"{sat['mixed_at_middle']} req/s = {data['mixed_at_middle_over_middle']}x "
            f"every client at {middle} ({sat['middle']} req/s)") + ".  ",
-        f"Deadline {deadline} ms ({args.deadline_factor} x one full-budget request alone, "
+        f"Deadline {deadline} ms ("
+        + ("given: " if args.deadline_ms else "")
+        + f"{round(deadline / solo_ms, 1)} x one full-budget request alone, "
         f"{data['solo_full_ms']} ms); rates are multiples of the full-budget saturation "
         f"rate; {args.seconds} s of arrivals per cell, client timeout {args.timeout_s} s.")
     md += md_table(
