@@ -239,25 +239,6 @@ def test_arrival_length_is_the_decayed_mean_of_the_submitted_lines():
     assert b.arrival_length == round(mean)
 
 
-def test_the_answer_scale_follows_the_lines_answers_once_enough_are_seen():
-    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=1000)
-    b.scale = 1.7
-    for _ in range(b.TYPICAL_MIN_BATCHES - 1):
-        b.observe_answer(0.8)
-    assert b.answer_scale == 1.7  # too few lines yet: the batch scale
-    b.observe_answer(0.8)
-    assert b.answer_scale == pytest.approx(0.8)  # the first lines weigh 1 / k: their mean
-    b.observe_answer(1.8)  # the 11th: 1 / 11
-    assert b.answer_scale == pytest.approx((10 * 0.8 + 1.8) / 11)
-    b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=4, max_queue_rows=1000)
-    for _ in range(30):
-        b.observe_answer(0.8)
-    b.observe_answer(1.8)  # past 20 lines each weighs SCALE_WEIGHT / max_batch_rows = 0.05
-    assert b.answer_scale == pytest.approx(0.95 * 0.8 + 0.05 * 1.8)
-    b.observe_answer(100.0)
-    assert b.answer_scale <= b.SCALE_RANGE[1]
-
-
 def test_a_batch_is_replanned_before_it_runs():
     """The first job's ``replan`` sees the whole batch (and the scale) before ``run``, and
     the budgets it sets are those the batch runs at."""

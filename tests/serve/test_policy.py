@@ -458,8 +458,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
 
     def replan(mode: str, due_ms: float, behind_due_ms: float | None = None):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=0.0,
-                                  typical_scale=1.0, arrival_rate=0.0, arrival_length=1,
-                                  answer_scale=1.0)
+                                  typical_scale=1.0, arrival_rate=0.0, arrival_length=1)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin=mode))
         now = time.perf_counter()
@@ -497,7 +496,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
     for due, want in ((55.0, HALF), (65.0, FULL), (45.0, HALF)):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=99.0,
                                   typical_scale=1.0, formation_late_share=risky,
-                                  arrival_rate=0.0, arrival_length=1, answer_scale=1.0)
+                                  arrival_rate=0.0, arrival_length=1)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin="risk"))
         own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
@@ -510,8 +509,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
     for rate, mean, length, want in ((100.0, 10, 10, FULL), (200.0, 10, 10, HALF),
                                      (100.0, 20, 10, HALF), (100.0, 10, 20, FULL)):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=0.0, formation_ms=0.0,
-                                  typical_scale=1.0, arrival_rate=rate, arrival_length=mean,
-                                  answer_scale=1.0)
+                                  typical_scale=1.0, arrival_rate=rate, arrival_length=mean)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(max_utilization=0.9))
         own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=length,
@@ -522,45 +520,6 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
     with pytest.raises(DynaseqError, match="--batch-margin must be one of admission, "
                                            "formation, risk"):
         ServeConfig(batch_margin="none")
-
-
-def test_a_formed_batch_times_its_lines_answers_at_the_answer_scale():
-    """``replan_budgets`` times the batch's own answers at the batcher's ``answer_scale``
-    (whole batches, what the lines behind wait, at ``scale``) and records each line's
-    prediction before any scale (``formed_ms``) and its due answer at that scale."""
-    import time
-    from types import SimpleNamespace
-
-    from dynaseq.serve.batcher import Job
-    from dynaseq.serve.config import ServeConfig
-    from dynaseq.serve.endpoints import replan_budgets
-
-    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)  # 10 lines: 50 / 30 ms
-
-    def replan(scale: float, answer_scale: float, due_ms: float = 120.0):
-        batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=0.0, formation_ms=0.0,
-                                  typical_scale=scale, arrival_rate=0.0, arrival_length=1,
-                                  answer_scale=answer_scale)
-        state = SimpleNamespace(policy=p, batcher=batcher, config=ServeConfig())
-        now = time.perf_counter()
-        own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
-                  budget=FULL, deadline_ms=due_ms, due=now + due_ms / 1000.0)
-        replan_budgets(state, [own], scale, [], rebudget=lambda j, b, degraded: None)
-        return own, now
-
-    # full: 50 ms, 125 at a scale of 2.5, past the 120 left; 50 at an answer scale of 1
-    own, now = replan(2.5, 2.5)
-    assert own.budget == HALF and own.formed_ms == 30.0
-    assert own.formed_due == pytest.approx(now + 2.5 * 0.030, abs=0.01)
-    own, now = replan(2.5, 1.0)
-    assert own.budget == FULL and own.formed_ms == 50.0
-    assert own.formed_due == pytest.approx(now + 0.050, abs=0.01)
-    # shed when even the smallest answers late at the answer scale (30 x 5 > 120), not
-    # when only whole batches run that slow
-    own, _ = replan(5.0, 5.0)
-    assert own.shed is not None
-    own, _ = replan(5.0, 1.0)
-    assert own.shed is None and own.budget == FULL
 
 
 def test_batch_budget_within_risk_weighs_each_lines_chance_of_answering_late():

@@ -438,8 +438,6 @@ def _route(state: ServeState, endpoint: ep.Endpoint) -> Callable:
         if job.formed_due is not None:
             log["formed_late_ms"] = round(1000 * (done - job.formed_due), 1)
             state.batcher.observe_formed(log["formed_late_ms"])
-        if job.formed_ms and job.started is not None:
-            state.batcher.observe_answer(1000 * (done - job.started) / job.formed_ms)
         m.latency.labels(endpoint.name, label).observe(latency)
         m.lines.labels(endpoint.name, label).inc(job.rows)
         if out.get("degraded"):

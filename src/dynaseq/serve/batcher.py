@@ -105,8 +105,7 @@ class Job:
         None: never): ``run`` may drop the job's lines that are still running then.
     formed_due: when ``replan`` predicted, as it formed the job's batch, that the job would
         be answered (``time.perf_counter()`` seconds; None: not predicted), for
-        :meth:`Batcher.observe_formed`; formed_ms: that prediction from the batch's start
-        before any scale (the table's ms), for :meth:`Batcher.observe_answer`.
+        :meth:`Batcher.observe_formed`.
     feeds: ``run`` takes more jobs while it runs: it is called as ``run(jobs, more)``, with
         ``more(rows)`` handing it the queued jobs of its group that fit in ``rows`` lines
         (:meth:`Batcher.take_more`; continuous batching), and answers each of those itself
@@ -134,7 +133,6 @@ class Job:
     shed: Shed | None = None
     expires: float | None = None
     formed_due: float | None = None
-    formed_ms: float | None = None
     settled: bool = False
     feeds: bool = False
 
@@ -250,12 +248,6 @@ class Batcher:
     :attr:`arrival_rate` follows the lines submitted per second (decaying with time
     constant :data:`ARRIVAL_TAU_S`): how many lines will join a batch before it starts;
     :attr:`arrival_length`, their mean source length, weighted the same way.
-    :attr:`answer_scale` is :attr:`scale` for a line's own answer: how much later than the
-    table's time from its batch's start a line is answered (:meth:`observe_answer`), each
-    line weighing ``SCALE_WEIGHT / max_batch_rows``. A batch's time ends with its longest
-    output, which runs long more often than a typical line does; on the Multi30k CCT at 1x
-    load, with one scale for both, the answers of 24+ line batches came 34 ms before their
-    predictions (median), those of 1-7 line batches 3 ms after.
     """
 
     # OVERHEAD_*: the quantile, window and time constant of both error windows,
@@ -300,7 +292,6 @@ class Batcher:
         # (lines per second, source tokens per second, when): both decay alike, so their
         # ratio is the arriving lines' mean length whenever it is read
         self._arrivals = (0.0, 0.0, time.perf_counter())
-        self._answer_scale, self._answers = 1.0, 0  # :meth:`observe_answer`
         self.loop_lag_ms = 0.0  # set by the app's loop monitor
 
     # -- event loop side ------------------------------------------------------------------
@@ -389,25 +380,6 @@ class Batcher:
         answered in ``latency_ms``: one more error for :attr:`overhead_ms`."""
         with self._cond:
             self.admission.add(latency_ms - predicted_ms, time.perf_counter())
-
-    @property
-    def answer_scale(self) -> float:
-        """The moving average of the lines' answer ratios (:meth:`observe_answer`), or
-        :attr:`scale` until :data:`TYPICAL_MIN_BATCHES` lines have been observed."""
-        with self._cond:
-            if self._answers < self.TYPICAL_MIN_BATCHES:
-                return self.scale
-            return self._answer_scale
-
-    def observe_answer(self, ratio: float) -> None:
-        """A line was answered ``ratio`` times its predicted time from its batch's start
-        (:attr:`Job.formed_ms`). The k-th line weighs ``max(SCALE_WEIGHT /
-        max_batch_rows, 1 / k)``, within :data:`SCALE_RANGE` as :attr:`scale`."""
-        with self._cond:
-            self._answers += 1
-            w = max(self.SCALE_WEIGHT / self.max_batch_rows, 1.0 / self._answers)
-            lo, hi = self.SCALE_RANGE
-            self._answer_scale = min(hi, max(lo, (1 - w) * self._answer_scale + w * ratio))
 
     def observe_formed(self, late_ms: float) -> None:
         """A request was answered ``late_ms`` after the time predicted when its batch was

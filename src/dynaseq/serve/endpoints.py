@@ -227,15 +227,13 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
     def left(j: Job, aside_ms: float) -> float | None:
         return None if j.due is None else 1000.0 * (j.due - now) - aside_ms
 
-    answer_scale = batcher.answer_scale  # the lines' own answers; ``scale``: whole batches
-
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
     if policy.overload == "reject":  # drop what a typical batch would answer late (by
         # ``due``, slack x the deadline: shedding by the deadline itself kept more requests
         # that then answered late, 84% of the accepted in time at 4x load against 91%)
         raw = [1000.0 * (j.due - now) - state.batcher.loop_lag_ms for j in flexible]
         late = policy.late(fixed, [j.work() for j in flexible], raw,
-                           min(answer_scale, state.batcher.typical_scale))
+                           min(scale, state.batcher.typical_scale))
         for j, is_late in zip(flexible, late, strict=True):
             if is_late:
                 j.shed = Shed(f"the deadline of {j.deadline_ms:g} ms can no longer be met "
@@ -252,17 +250,15 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
                                              else None),
                                  arrival_rate=batcher.arrival_rate,
                                  max_utilization=state.config.max_utilization,
-                                 arrival_length=batcher.arrival_length,
-                                 answer_scale=answer_scale)
+                                 arrival_length=batcher.arrival_length)
     for j in flexible:
         if j.budget != budget:
             j.budget = budget
             rebudget(j, budget, budget != policy.largest)
     answers = policy.answer_ms([*fixed, *(j.work() for j in flexible)],
-                               [j.length for j in flexible])
+                               [j.length for j in flexible], scale)
     for j, ms in zip(flexible, answers, strict=True):
-        j.formed_ms = ms
-        j.formed_due = now + answer_scale * ms / 1000.0
+        j.formed_due = now + ms / 1000.0
         if j.plan is not None:  # for the access log
             j.plan["batch_margin_ms"] = round(own_ms, 1)
 

@@ -309,8 +309,7 @@ class DeadlinePolicy:
                      late_share: Callable[[float], float] | None = None,
                      late_tolerance: float = LATE_TOLERANCE, arrival_rate: float = 0.0,
                      max_utilization: float | None = None,
-                     arrival_length: int | None = None,
-                     answer_scale: float | None = None) -> Pair:
+                     arrival_length: int | None = None) -> Pair:
         """The one budget for the ``flexible`` lines of a batch about to run (those that
         carry a deadline) beside the ``fixed`` ones (a budget of their own): the largest
         that answers each flexible line within its ``left_ms`` (the time left to its due
@@ -331,8 +330,7 @@ class DeadlinePolicy:
         margin). ``max_utilization`` (None: off) passes over every budget but the smallest
         whose :meth:`utilization` at ``arrival_rate`` lines a second of
         ``arrival_length`` source tokens (their mean; None: the batch's longest source)
-        is above it. ``answer_scale`` (None: ``scale``) times the table's the lines'
-        own answers, ``scale`` the batch's whole time (what the lines behind wait)."""
+        is above it."""
         if len(left_ms) != len(flexible):
             raise ValueError(f"{len(left_ms)} times left for {len(flexible)} flexible works")
         fixed = [self._tabled(w) for w in fixed]
@@ -340,7 +338,6 @@ class DeadlinePolicy:
         if arrival_length is None:
             arrival_length = max((w.length for w in [*fixed, *flexible]), default=1)
         lengths = [w.length for w in flexible]
-        answers = scale if answer_scale is None else answer_scale
         for budget in self.budgets:
             if (max_utilization is not None and budget != self.smallest
                     and self.utilization(budget, arrival_rate, arrival_length, scale)
@@ -351,9 +348,9 @@ class DeadlinePolicy:
             if spent >= least:  # no faster than a larger budget: dominated
                 continue
             fastest, least = budget, spent
-            in_time = (self._within_risk(works, flexible, lengths, left_ms, answers,
+            in_time = (self._within_risk(works, flexible, lengths, left_ms, scale,
                                          late_share, late_tolerance) if late_share is not None
-                       else all(self.answers_in_time(works, lengths, left_ms, answers)))
+                       else all(self.answers_in_time(works, lengths, left_ms, scale)))
             if in_time and self._behind_in_time(spent, behind, scale):
                 return budget
         return fastest
