@@ -294,8 +294,9 @@ async def one_at_a_time(url: str, lines: list[str], n: int, full: list[float],
 async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: float,
                     seconds: float, deadline_ms: float, full: list[float],
                     smallest: list[float], timeout_s: float, seed: int,
-                    task: Task = TASKS["translate"]) -> dict:
-    """Poisson arrivals at ``rate``/s for ``seconds``; one record per request."""
+                    task: Task = TASKS["translate"]) -> list[dict]:
+    """Poisson arrivals at ``rate``/s for ``seconds``; one record per request (what
+    :func:`summarize` reads)."""
     rng = random.Random(seed)
     records: list[dict] = []
     async with session(url, timeout_s) as c:
@@ -331,7 +332,14 @@ async def open_loop(url: str, pairs: list[tuple[str, str]], policy: str, rate: f
             tasks.append(asyncio.create_task(send(src, ref)))
             nxt += rng.expovariate(rate)
         await asyncio.gather(*tasks)
-    return summarize(records, seconds, deadline_ms, full, task)
+    return records
+
+
+def slo_cell(row: dict) -> str:
+    """A row's SLO attained for the table, each round's after it when it has several."""
+    rounds = row.get("slo_by_round", [])
+    return str(row["slo_attainment"]) + (
+        f" ({', '.join(str(x) for x in rounds)})" if len(rounds) > 1 else "")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -390,6 +398,15 @@ def deadline_cells(policies: list[str], variants: list[str]
     return cells
 
 
+def interleaved(cells: list, rounds: int) -> list[tuple[int, object]]:
+    """``(round, cell)`` in the order a rate's cells run over ``rounds`` rounds: the cells
+    as given, then backwards, and so on (a, b, c, c, b, a, ...), so that a machine that
+    drifts in speed through a run weighs on every cell alike."""
+    if rounds < 1:
+        raise SystemExit(f"--cell-rounds must be >= 1, got {rounds}")
+    return [(r, c) for r in range(rounds) for c in (cells if r % 2 == 0 else cells[::-1])]
+
+
 def variant_sources(specs: list[str], names: list[str]) -> dict[str, Path]:
     """``{"deadline NAME": DIR}`` of ``--variant-src NAME=DIR``, each DIR a folder holding a
     ``dynaseq`` package, each NAME one of the cells' (``names``)."""
@@ -434,6 +451,10 @@ def main() -> None:
                         "a batch, as at saturation, where the server forms single-budget "
                         "batches; at exactly one batch's worth every batch must mix)")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--cell-rounds", type=int, default=1,
+                   help="run each rate's cells this many times, in turn and back (a, b, "
+                        "c, c, b, a, ...; each round its own arrivals, the same for every "
+                        "cell): a row sums its rounds and lists each round's SLO")
     p.add_argument("--base-rps", type=float, default=None,
                    help="the rate the --rates multiply (default: the measured full-budget "
                         "saturation), e.g. to compare two versions at the same arrivals")
@@ -468,6 +489,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     add_results_arg(p)
     args = p.parse_args()
+    if args.cell_rounds < 1:
+        p.error(f"--cell-rounds must be >= 1, got {args.cell_rounds}")
     if args.clients is None:
         args.clients = 3 * args.max_batch
     if args.access_logs is not None:
@@ -523,25 +546,40 @@ def main() -> None:
         rows = []
         for mult in args.rates:
             rate = mult * (args.base_rps or sat["full"])
-            for policy, name, more in cells:
+            got: dict[str, dict] = {}  # cell name -> its records and CPU over the rounds
+            for r, (policy, name, more) in interleaved(cells, args.cell_rounds):
                 # a fresh server per cell: nothing one cell leaves (a backlog of abandoned
                 # requests, the measured scale and margin) reaches the next
                 server.stop()
-                log = (None if args.access_logs is None
-                       else args.access_logs / f"{mult:g}x_{name.replace(' ', '_')}.jsonl")
+                suffix = "" if r == 0 else f"_round{r}"
+                log = (None if args.access_logs is None else args.access_logs
+                       / f"{mult:g}x_{name.replace(' ', '_')}{suffix}.jsonl")
                 server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
                                     None if split is None else split[0], extra + more, task,
                                     log, sources.get(name))
                 asyncio.run(one_at_a_time(server.url, lines, 4, full, task.endpoint))  # warm
                 cpu0, own0 = server.cpu_s(), time.process_time()
-                cell = asyncio.run(open_loop(server.url, pairs, policy, rate, args.seconds,
-                                             deadline, full, smallest, args.timeout_s,
-                                             args.seed + int(100 * mult), task))
-                cpu = {"server_cpu_s": round(server.cpu_s() - cpu0, 2),
-                       "client_cpu_s": round(time.process_time() - own0, 2)}
+                records = asyncio.run(open_loop(
+                    server.url, pairs, policy, rate, args.seconds, deadline, full, smallest,
+                    args.timeout_s, args.seed + int(100 * mult) + 7919 * r, task))
+                g = got.setdefault(name, {"records": [], "slo": [], "server_cpu_s": 0.0,
+                                          "client_cpu_s": 0.0, "more": more})
+                g["records"] += records
+                g["slo"].append(summarize(records, args.seconds, deadline, full,
+                                          task)["slo_attainment"])
+                g["server_cpu_s"] += server.cpu_s() - cpu0
+                g["client_cpu_s"] += time.process_time() - own0
+                print(f"{mult:g}x {name} round {r}: SLO {g['slo'][-1]}", file=sys.stderr)
+            for _, name, _ in cells:
+                g = got[name]
+                cell = summarize(g["records"], args.seconds * args.cell_rounds, deadline,
+                                 full, task)
                 row = {"rate_x": mult, "rate_rps": round(rate, 2), "policy": name,
-                       "server_options": extra + more,
-                       "server_src": str(sources.get(name, "src")), **cell, **cpu}
+                       "server_options": extra + g["more"],
+                       "server_src": str(sources.get(name, "src")), **cell,
+                       "rounds": args.cell_rounds, "slo_by_round": g["slo"],
+                       "server_cpu_s": round(g["server_cpu_s"], 2),
+                       "client_cpu_s": round(g["client_cpu_s"], 2)}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
     finally:
@@ -574,7 +612,8 @@ def main() -> None:
             b == full for b in mix_at(middle, full, smallest, args.clients))),
         "mixed_at_middle_over_middle": (None if middle is None else
                                         round(sat["mixed_at_middle"] / sat["middle"], 3)),
-        "seconds_per_cell": args.seconds, "client_timeout_s": args.timeout_s,
+        "seconds_per_cell": args.seconds, "cell_rounds": args.cell_rounds,
+        "client_timeout_s": args.timeout_s,
         "rows": rows,
     }
     md = md_head(
@@ -604,7 +643,10 @@ def main() -> None:
         + ("given: " if args.deadline_ms else "")
         + f"{round(deadline / solo_ms, 1)} x one full-budget request alone, "
         f"{data['solo_full_ms']} ms); rates are multiples of the full-budget saturation "
-        f"rate; {args.seconds} s of arrivals per cell, client timeout {args.timeout_s} s.")
+        f"rate; {args.seconds} s of arrivals per cell"
+        + (f" in each of {args.cell_rounds} rounds, run in turn and back (a row sums its "
+           "rounds; its SLO is followed by each round's)" if args.cell_rounds > 1 else "")
+        + f", client timeout {args.timeout_s} s.")
     md += md_table(
         ["rate", "req/s", "policy", "sent", "503 (shed)", "timeouts + resets", "p50 ms",
          "p95 ms", "p99 ms",
@@ -614,7 +656,7 @@ def main() -> None:
         [[f"{r['rate_x']}x", r["rate_rps"], r["policy"], r["sent"],
           f"{r['rejected_503']} ({r.get('shed_late', 0)})",
           r["timeouts"] + r["conn_errors"], r["p50_ms"], r["p95_ms"], r["p99_ms"],
-          f"{r['server_p50_ms']} / {r['server_p99_ms']}", r["slo_attainment"],
+          f"{r['server_p50_ms']} / {r['server_p99_ms']}", slo_cell(r),
           r["accepted_within_deadline"], r["goodput_rps"], r["mean_budget"],
           r["full_budget_share"], r[task.quality.lower()]] for r in rows])
     md += ["", "503 (shed): refused, of which (shed) were admitted and then dropped when "

@@ -91,3 +91,20 @@ def test_a_variant_may_run_the_server_of_another_checkout(tmp_path):
         sl.variant_sources([f"gone={tmp_path}"], names)
     with pytest.raises(SystemExit, match="holds no dynaseq package"):
         sl.variant_sources([f"old={tmp_path / 'dynaseq'}"], names)
+
+
+def test_a_rates_cells_run_in_turn_and_back_over_the_rounds():
+    sl = load_benchmark("serve_load")
+    assert sl.interleaved(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]
+    assert [c for _, c in sl.interleaved(["a", "b", "c"], 3)] == list("abccbaabc")
+    assert [r for r, _ in sl.interleaved(["a", "b"], 2)] == [0, 0, 1, 1]
+    with pytest.raises(SystemExit, match="--cell-rounds must be >= 1"):
+        sl.interleaved(["a"], 0)
+
+
+def test_a_row_of_several_rounds_shows_each_rounds_slo():
+    sl = load_benchmark("serve_load")
+    assert sl.slo_cell({"slo_attainment": 0.9}) == "0.9"
+    assert sl.slo_cell({"slo_attainment": 0.9, "slo_by_round": [0.9]}) == "0.9"
+    assert sl.slo_cell({"slo_attainment": 0.9, "slo_by_round": [0.95, 0.85]}) == (
+        "0.9 (0.95, 0.85)")
