@@ -522,34 +522,6 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
         ServeConfig(batch_margin="none")
 
 
-def test_a_formed_batch_sheds_a_line_only_when_it_would_answer_past_the_deadline_itself():
-    """``replan_budgets`` drops a deadline line its batch would answer after the deadline,
-    even at the smallest budget; one answered after ``due`` (slack x the deadline) but
-    before the deadline runs, at the fastest budget."""
-    import time
-    from types import SimpleNamespace
-
-    from dynaseq.serve.batcher import Job
-    from dynaseq.serve.config import ServeConfig
-    from dynaseq.serve.endpoints import replan_budgets
-
-    p = DeadlinePolicy(table(), [FULL, HALF], max_batch_rows=10)  # 10 lines: 50 / 30 ms
-
-    def replan(scale: float) -> Job:
-        batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=0.0, formation_ms=0.0,
-                                  typical_scale=scale, arrival_rate=0.0, arrival_length=1)
-        state = SimpleNamespace(policy=p, batcher=batcher, config=ServeConfig(slack=0.5))
-        now = time.perf_counter()  # due at half the 100 ms deadline, as the app sets it
-        own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=10,
-                  budget=FULL, deadline_ms=100.0, due=now + 0.050)
-        replan_budgets(state, [own], scale, [], rebudget=lambda j, b, degraded: None)
-        return own
-
-    own = replan(2.0)  # the smallest: 60 ms, past due (50), within the deadline (100)
-    assert own.shed is None and own.budget == HALF
-    assert replan(4.0).shed is not None  # 120 ms: past the deadline
-
-
 def test_batch_budget_within_risk_weighs_each_lines_chance_of_answering_late():
     """With ``late_share``, a budget is taken when no line is predicted late and the
     expected share of late lines (each line's chance at its slack, weighted by its

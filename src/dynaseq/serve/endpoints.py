@@ -228,13 +228,10 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
         return None if j.due is None else 1000.0 * (j.due - now) - aside_ms
 
     fixed = [j.work(policy.largest) for j in jobs if j not in flexible]
-    if policy.overload == "reject":  # drop what a typical batch would answer past the
-        # deadline itself (not ``due``, slack x the deadline: at 1x load on the Multi30k CCT
-        # that shed 168 of 3593 requests, while the rest were answered in time 99.97% of
-        # the time, p99 276 ms against 312)
-        slack_s = (1.0 - state.config.slack) / 1000.0
-        raw = [1000.0 * (j.due + slack_s * j.deadline_ms - now) - state.batcher.loop_lag_ms
-               for j in flexible]
+    if policy.overload == "reject":  # drop what a typical batch would answer late (by
+        # ``due``, slack x the deadline: shedding by the deadline itself kept more requests
+        # that then answered late, 84% of the accepted in time at 4x load against 91%)
+        raw = [1000.0 * (j.due - now) - state.batcher.loop_lag_ms for j in flexible]
         late = policy.late(fixed, [j.work() for j in flexible], raw,
                            min(scale, state.batcher.typical_scale))
         for j, is_late in zip(flexible, late, strict=True):
