@@ -16,7 +16,8 @@ on a copy of the run if it has none) and drives it with real HTTP clients over l
 3. open loop: Poisson arrivals at each ``--rates`` multiple of the full-budget saturation
    rate for ``--seconds`` each, one test sentence per request (seeded), for three policies
    side by side: always the full budget, always the smallest, deadline-aware
-   (``deadline_ms``), each cell on a freshly started server. Per cell: p50/p95/p99
+   (``deadline_ms``), each cell on a freshly started server (``--cell-rounds N``: each
+   rate's cells N times, in turn and back, a row over all its rounds). Per cell: p50/p95/p99
    latency of the answered requests, SLO attainment (answered within the deadline /
    sent), goodput (answered within the deadline per second), mean budget served, the
    share served at the full budget, 503s, and the quality of what was answered: the BLEU
