@@ -37,6 +37,7 @@ Example (after ``serve_load`` wrote its latency table and results)::
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import random
 import statistics
@@ -103,16 +104,13 @@ def fifo_in_time(policy: DeadlinePolicy, budget: tuple[float, ...], lengths: lis
         if now > 1000.0 * seconds:
             break
         arrivals.append((now, rng.choice(lengths)))
+    times = [came for came, _ in arrivals]  # increasing
     free, i, in_time = 0.0, 0, 0
     while i < len(arrivals):
         start = max(free, arrivals[i][0])
-        j = i
-        while j < len(arrivals) and arrivals[j][0] <= start and j - i < max_batch:
-            j += 1
-        if j - i < max_batch:  # fewer than a full batch: wait the window for more
+        if bisect.bisect_right(times, start) - i < max_batch:  # wait the window for more
             start += window_ms
-            while j < len(arrivals) and arrivals[j][0] <= start and j - i < max_batch:
-                j += 1
+        j = min(bisect.bisect_right(times, start), i + max_batch)
         batch = arrivals[i:j]
         works = [Work(budget, 1, length) for _, length in batch]
         answers = policy.answer_ms(works, [length for _, length in batch], scale)
@@ -151,12 +149,11 @@ def source_lengths(run: Path, src: Path) -> list[int]:
     return [len(ids) + 1 for ids in dynaseq.load(run).tokenizer.encode(lines)]
 
 
-def measured_slo(path: Path | None) -> dict[tuple[float, str], float]:
+def measured_slo(measured: dict | None) -> dict[tuple[float, str], float]:
     """``(rate multiple, policy) -> SLO attained`` of a ``serve_load`` result (none: {})."""
-    if path is None:
+    if measured is None:
         return {}
-    rows = json.loads(path.read_text())["rows"]
-    return {(r["rate_x"], r["policy"]): r["slo_attainment"] for r in rows}
+    return {(r["rate_x"], r["policy"]): r["slo_attainment"] for r in measured["rows"]}
 
 
 def main() -> None:
@@ -182,7 +179,7 @@ def main() -> None:
     base = args.base_rps or (measured["saturation_rps"]["full"] if measured else None)
     if base is None:
         p.error("give --base-rps or --measured")
-    slo = measured_slo(args.measured)
+    slo = measured_slo(measured)
 
     table = LatencyTable.load(args.run / "latency_table.json")
     policy = DeadlinePolicy(table, table.budgets, args.max_batch, early_answers=True)

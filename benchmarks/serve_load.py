@@ -490,8 +490,6 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     add_results_arg(p)
     args = p.parse_args()
-    if args.cell_rounds < 1:
-        p.error(f"--cell-rounds must be >= 1, got {args.cell_rounds}")
     if args.clients is None:
         args.clients = 3 * args.max_batch
     if args.access_logs is not None:
@@ -505,14 +503,16 @@ def main() -> None:
     else:
         pairs = classify_pairs(args.run, args.data)
     lines = [s for s, _ in pairs]
+    # the cells, their order and their sources are checked before anything is measured
+    cells = deadline_cells(args.policies, args.deadline_variant)
+    order = interleaved(cells, args.cell_rounds)
+    sources = variant_sources(args.variant_src, [name for _, name, _ in cells])
     split = split_cores(args.server_cores)
     run = prepare_run(args.run, args.work, args.table_batches, args.table_lengths,
                       args.table_src, args.threads, None if split is None else split[0], task)
     if split is not None:
         os.sched_setaffinity(0, split[1])
     extra = args.server_args.split() if args.server_args else []
-    cells = deadline_cells(args.policies, args.deadline_variant)
-    sources = variant_sources(args.variant_src, [name for _, name, _ in cells])
     server = ServerProc(run, args.threads, args.window_ms, args.max_batch,
                         None if split is None else split[0], extra, task)
     started = time.time()
@@ -548,7 +548,7 @@ def main() -> None:
         for mult in args.rates:
             rate = mult * (args.base_rps or sat["full"])
             got: dict[str, dict] = {}  # cell name -> its records and CPU over the rounds
-            for r, (policy, name, more) in interleaved(cells, args.cell_rounds):
+            for r, (policy, name, more) in order:
                 # a fresh server per cell: nothing one cell leaves (a backlog of abandoned
                 # requests, the measured scale and margin) reaches the next
                 server.stop()
