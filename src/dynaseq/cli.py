@@ -465,6 +465,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log, default_budget=args.default_budget,
         workers=args.workers, early_answers=not args.answer_at_batch_end,
         batch_nice=args.batch_nice, batch_by_budget=not args.mixed_batches,
+        scale_by_size=args.scale_by_size,
         precision=args.precision, continuous=bool(args.continuous))
     return serve(args.run_dir, cfg, checkpoint=args.checkpoint, device=args.device,
                  latency_table=args.latency_table, threads=args.threads)
@@ -1373,6 +1374,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="always batch queued requests in arrival order, whatever their "
                         "budgets (default: a queue deeper than a batch runs single-budget "
                         "batches)")
+    p.add_argument("--scale-by-size", action="store_true",
+                   help="deadlines: predict each batch at the measured real/predicted time "
+                        "of batches of its size class (powers of two of the lines), not at "
+                        "one factor for all")
     p.add_argument("--continuous", action="store_true", default=None,
                    help="translation: continuous batching (greedy; a finished line's row "
                         "is taken over by a queued line at the next step); deadlines are "

@@ -458,7 +458,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
 
     def replan(mode: str, due_ms: float, behind_due_ms: float | None = None):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=0.0,
-                                  typical_scale=1.0, arrival_rate=0.0, arrival_length=1)
+                                  typical_scale=1.0, typical_at=lambda n: 1.0, arrival_rate=0.0, arrival_length=1)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin=mode))
         now = time.perf_counter()
@@ -495,7 +495,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
 
     for due, want in ((55.0, HALF), (65.0, FULL), (45.0, HALF)):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=30.0, formation_ms=99.0,
-                                  typical_scale=1.0, formation_late_share=risky,
+                                  typical_scale=1.0, typical_at=lambda n: 1.0, formation_late_share=risky,
                                   arrival_rate=0.0, arrival_length=1)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(batch_margin="risk"))
@@ -509,7 +509,7 @@ def test_a_formed_batch_keeps_the_formation_margin_for_its_lines_and_the_admissi
     for rate, mean, length, want in ((100.0, 10, 10, FULL), (200.0, 10, 10, HALF),
                                      (100.0, 20, 10, HALF), (100.0, 10, 20, FULL)):
         batcher = SimpleNamespace(loop_lag_ms=0.0, overhead_ms=0.0, formation_ms=0.0,
-                                  typical_scale=1.0, arrival_rate=rate, arrival_length=mean)
+                                  typical_scale=1.0, typical_at=lambda n: 1.0, arrival_rate=rate, arrival_length=mean)
         state = SimpleNamespace(policy=p, batcher=batcher,
                                 config=ServeConfig(max_utilization=0.9))
         own = Job(group="g", run=lambda jobs: [], payload=None, rows=10, length=length,

@@ -340,6 +340,7 @@ def test_serve_refusals_are_one_line_exit_2(serve_run, lm_run, tmp_path):
         ((str(serve_run), "--batch-nice", "-1"), "--batch-nice must be in [0, 19]"),
         ((str(serve_run), "--max-in-flight", "0"), "--max-in-flight must be >= 1"),
         ((str(serve_run), "--max-utilization", "0"), "--max-utilization must be > 0"),
+        ((str(serve_run), "--scale-by-size", "--continuous"), "give one of them"),
         ((str(serve_run), "--batch-margin", "none"), "invalid choice: 'none'"),
         ((str(serve_run), "--max-lines", "64"), "must not exceed --max-batch-lines"),
         ((str(serve_run), "--default-budget", "0.4"), "was not trained"),

@@ -169,7 +169,7 @@ def build_state(predictor: Any, kind: str, config: ServeConfig,
 
     batcher = Batcher(metrics, config.batch_window_ms, config.max_batch_rows,
                       config.max_queue_rows, estimate, nice=config.batch_nice,
-                      by_budget=config.batch_by_budget)
+                      by_budget=config.batch_by_budget, scale_by_size=config.scale_by_size)
     log = AccessLog(log_stream if config.access_log else None,
                     {"pid": os.getpid()} if config.workers > 1 else None)
     state = ServeState(predictor, kind, config, metrics, batcher, policy, beam, default_budget,

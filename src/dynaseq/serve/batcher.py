@@ -37,6 +37,7 @@ from typing import Any
 
 from dynaseq.serve.metrics import ServerMetrics
 from dynaseq.serve.policy import Work
+from dynaseq.serve.scales import BatchScales, FrozenScales
 
 BudgetParts = tuple[float, ...]
 """The budget a job runs at, one fraction per budgeted part: ``(encoder, decoder)`` for
@@ -49,7 +50,8 @@ class Load:
 
     ahead: the queued work, oldest first.
     running_ms: what the running batch still needs (ms, scaled; None when none runs).
-    scale: :attr:`Batcher.scale`; overhead_ms: :attr:`Batcher.overhead_ms` plus the event
+    scale: :attr:`Batcher.scale`; by_size: the factor per batch size
+    (:meth:`Batcher.scales`, None: ``scale`` for every batch); overhead_ms: :attr:`Batcher.overhead_ms` plus the event
     loop's lag; margin_ms: :attr:`Batcher.overhead_ms` alone; arrival_rate: lines
     submitted per second lately.
     rows_left: a continuous decode's running lines (:meth:`Batcher.row_begin`): the ms
@@ -67,6 +69,7 @@ class Load:
     arrival_rate: float
     rows_left: tuple[float, ...] = ()
     rows_waiting: tuple[float, ...] = ()
+    by_size: FrozenScales | None = None
 
 
 class QueueFull(Exception):
@@ -229,12 +232,14 @@ class Batcher:
         (its nice value raised by this much; 0: the same; Linux only, see the module doc).
     by_budget: a deep queue forms single-budget batches (the module doc; False: arrival
         order only).
+    scale_by_size: keep the factor below per size class of batches as well
+        (:class:`~dynaseq.serve.scales.BatchScales`; :meth:`Load.by_size`).
 
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
     exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
     :data:`SCALE_RANGE`; the first batches weigh more, :meth:`_update_scale`), so
     predictions from a latency table measured on the bare model include what the server
-    adds around it. :attr:`overhead_ms` is the
+    adds around it; with ``scale_by_size``, :meth:`scale_at` is the same per size class. :attr:`overhead_ms` is the
     :data:`OVERHEAD_QUANTILE` quantile of how much later than predicted on arrival the last
     :data:`OVERHEAD_WINDOW` requests were answered (:attr:`admission`, :meth:`observe`):
     what a prediction misses (time outside the queue and the batches, a batch that ran
@@ -252,19 +257,19 @@ class Batcher:
 
     # OVERHEAD_*: the quantile, window and time constant of both error windows,
     # :attr:`admission` (read as :attr:`overhead_ms`) and :attr:`formation`
-    SCALE_WEIGHT = 0.2
-    SCALE_RANGE = (0.5, 4.0)
+    SCALE_WEIGHT = BatchScales.WEIGHT
+    SCALE_RANGE = BatchScales.BOUNDS
+    RATIO_WINDOW = BatchScales.WINDOW
+    TYPICAL_MIN_BATCHES = BatchScales.TYPICAL_MIN
     OVERHEAD_QUANTILE = 0.95
     OVERHEAD_WINDOW = 200
     OVERHEAD_TAU_S = 2.0
     ARRIVAL_TAU_S = 1.0
-    RATIO_WINDOW = 50
-    TYPICAL_MIN_BATCHES = 10
 
     def __init__(self, metrics: ServerMetrics, window_ms: float, max_batch_rows: int,
                  max_queue_rows: int,
                  estimate_ms: Callable[[list[Job]], float] | None = None,
-                 nice: int = 0, by_budget: bool = True) -> None:
+                 nice: int = 0, by_budget: bool = True, scale_by_size: bool = False) -> None:
         if nice < 0:
             raise ValueError(f"nice must be >= 0 (a lower priority), got {nice}")
         self.metrics = metrics
@@ -277,14 +282,12 @@ class Batcher:
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._running: tuple[float, float] | None = None  # (start, predicted ms)
+        self._running: tuple[float, float, int] | None = None  # (start, predicted ms, lines)
         # a continuous decode's lines: key -> (when it took its row, None while it waits;
         # its predicted ms), in the order they were taken
         self._rows: dict[Hashable, tuple[float | None, float]] = {}
         self._thread: threading.Thread | None = None
-        self.scale = 1.0
-        self._scale_batches = 0
-        self._ratios: deque[float] = deque()  # real ÷ estimated time of the last batches
+        self.scales = BatchScales(scale_by_size)  # real ÷ estimated time of the batches
         self.admission = LateAnswers(self.OVERHEAD_QUANTILE, self.OVERHEAD_WINDOW,
                                      self.OVERHEAD_TAU_S)  # :meth:`observe`
         self.formation = LateAnswers(self.OVERHEAD_QUANTILE, self.OVERHEAD_WINDOW,
@@ -314,13 +317,14 @@ class Batcher:
             ahead = [j.work() for j in self._queue]
             running = None
             if self._running is not None:
-                start, predicted = self._running
-                running = max(0.0, self.scale * predicted
+                start, predicted, lines = self._running
+                running = max(0.0, self.scale_at(lines) * predicted
                               - 1000.0 * (time.perf_counter() - start))
             margin = self.overhead_ms
             rows, waiting = self._rows_now()
             return Load(ahead, running, self.scale, margin + self.loop_lag_ms, margin,
-                        self.arrival_rate, rows, waiting)
+                        self.arrival_rate, rows, waiting,
+                        self.scales.frozen() if self.scales.by_size else None)
 
     def _rows_now(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(:attr:`Load.rows_left`, :attr:`Load.rows_waiting`) now; the caller holds the
@@ -477,7 +481,7 @@ class Batcher:
                 self._queue.remove(job)
             batch = self._replanned(batch)
             predicted = self.estimate_ms(batch) if self.estimate_ms is not None else 0.0
-            self._running = (time.perf_counter(), predicted)
+            self._running = (time.perf_counter(), predicted, sum(j.rows for j in batch))
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
             return batch
 
@@ -520,7 +524,8 @@ class Batcher:
         if replan is None:
             return jobs
         try:
-            replan(jobs, self.scale, list(self._queue))
+            replan(jobs, self.scales.frozen() if self.scales.by_size else self.scale,
+                   list(self._queue))
         except Exception as e:
             self.metrics.batch_failures.labels(jobs[0].endpoint).inc()
             for job in jobs:
@@ -572,38 +577,46 @@ class Batcher:
                     self._run(live)
             finally:
                 with self._cond:
-                    start, predicted = self._running or (0.0, 0.0)
+                    start, predicted, _ = self._running or (0.0, 0.0, 0)
                     if live and predicted > 0:
                         ratio = 1000.0 * (time.perf_counter() - start) / predicted
-                        self._update_scale(ratio)
+                        self._update_scale(ratio, rows=sum(j.rows for j in live))
                     self._running = None
 
     @property
-    def typical_scale(self) -> float:
-        """The median of the last :data:`RATIO_WINDOW` batches' real ÷ estimated times
-        (:attr:`scale` until :data:`TYPICAL_MIN_BATCHES` have run): how long a batch
-        typically runs against its estimate, unmoved by the outliers the moving average
-        carries. A job predicted late at this scale is more likely late than not: what the
-        deadline policy sheds."""
-        with self._cond:
-            ratios = sorted(self._ratios)
-        if len(ratios) < self.TYPICAL_MIN_BATCHES:
-            return self.scale
-        return ratios[len(ratios) // 2]
+    def scale(self) -> float:
+        """The moving average of every batch's real ÷ estimated time
+        (:attr:`BatchScales.overall`)."""
+        return self.scales.overall.value
 
-    def _update_scale(self, ratio: float, weight: float = SCALE_WEIGHT) -> None:
-        """One more batch ran ``ratio`` times its estimate. The moving average weighs the
-        k-th batch ``max(weight, 1 / k)``: the first batches set the scale at once
-        (a fresh server does not plan its first seconds at a scale of 1), later ones
-        move it by ``weight`` (:data:`SCALE_WEIGHT`; less for a line of a continuous
-        decode, :meth:`row_end`)."""
-        self._ratios.append(ratio)
-        if len(self._ratios) > self.RATIO_WINDOW:
-            self._ratios.popleft()
-        self._scale_batches += 1
-        w = max(weight, 1.0 / self._scale_batches)
-        lo, hi = self.SCALE_RANGE
-        self.scale = min(hi, max(lo, (1 - w) * self.scale + w * ratio))
+    def scale_at(self, rows: int) -> float:
+        """:attr:`scale` for a batch of ``rows`` lines: its size class's own with
+        ``scale_by_size``, once the class has run :attr:`BatchScales.CLASS_MIN` batches."""
+        return self.scales.at(rows)
+
+    @property
+    def typical_scale(self) -> float:
+        """The median of the last :attr:`BatchScales.WINDOW` batches' real ÷ estimated
+        times (:attr:`scale` until :attr:`BatchScales.TYPICAL_MIN` have run): how long a
+        batch typically runs against its estimate, unmoved by the outliers the moving
+        average carries. A job predicted late at this scale is more likely late than not:
+        what the deadline policy sheds."""
+        with self._cond:
+            return self.scales.overall.typical
+
+    def typical_at(self, rows: int) -> float:
+        """:attr:`typical_scale` for a batch of ``rows`` lines, as :meth:`scale_at`."""
+        with self._cond:
+            return self.scales.typical_at(rows)
+
+    def _update_scale(self, ratio: float, weight: float = SCALE_WEIGHT,
+                      rows: int | None = None) -> None:
+        """One more batch (of ``rows`` lines; None: a continuous decode's line, of no size
+        class) ran ``ratio`` times its estimate. The moving average weighs the k-th batch
+        ``max(weight, 1 / k)``: the first batches set the scale at once (a fresh server
+        does not plan its first seconds at a scale of 1), later ones move it by ``weight``
+        (:data:`SCALE_WEIGHT`; less for a line of a continuous decode, :meth:`row_end`)."""
+        self.scales.update(ratio, rows, weight)
 
     def _run(self, batch: list[Job]) -> None:
         now = time.perf_counter()

@@ -65,6 +65,9 @@ class ServeConfig:
     batch_by_budget: when more lines of one kind are queued than a batch holds, a batch
         takes the oldest request's budget's requests (at least half a batch of them), not
         every budget in arrival order (``Batcher.by_budget``).
+    scale_by_size: predictions run at the measured real ÷ predicted time of batches of
+        their own size class (powers of two of the lines), not at one factor for every
+        batch (:class:`~dynaseq.serve.scales.BatchScales`).
     batch_nice: how much lower the batch thread's scheduling priority is than the event
         loop's (Linux: its nice value, raised by this much; 0: the same), so that where they
         share a core requests are read and answered while a batch decodes.
@@ -104,6 +107,7 @@ class ServeConfig:
     early_answers: bool = True
     batch_nice: int = 10
     batch_by_budget: bool = True
+    scale_by_size: bool = False
     precision: str = "fp32"
     continuous: bool = False
 
@@ -142,6 +146,9 @@ class ServeConfig:
         if self.max_lines > self.max_queue_rows:  # such a request could never be queued
             raise DynaseqError(f"--max-lines ({self.max_lines}) must not exceed "
                                f"--max-queue-lines ({self.max_queue_rows})")
+        if self.scale_by_size and self.continuous:
+            raise DynaseqError("--scale-by-size plans batches by their size; a continuous "
+                               "decode (--continuous) plans rows: give one of them")
         if self.max_lines > self.max_batch_rows:
             raise DynaseqError(f"--max-lines ({self.max_lines}) must not exceed "
                                f"--max-batch-lines ({self.max_batch_rows})")

@@ -49,6 +49,7 @@ from dynaseq.serve.compute import (
     encoder_compute_per_row,
     realized_per_row,
 )
+from dynaseq.serve.scales import Scale, scale_at
 from dynaseq.tasks.classify.data import Row
 from dynaseq.tasks.classify.predictor import RealizedCompute
 from dynaseq.tasks.encoder.budget import exit_for
@@ -198,7 +199,7 @@ def _rebudget_translate(job: Job, budget: tuple[float, ...], degraded: bool) -> 
     job.payload = replace(job.payload, budget=budget, pair=budget, degraded=degraded)
 
 
-def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: list[Job], *,
+def replan_budgets(state: ServeState, jobs: list[Job], scale: Scale, behind: list[Job], *,
                    rebudget: Callable[[Job, tuple[float, ...], bool], None]) -> None:
     """A batch is about to run (in the batcher's thread): its deadline jobs that can no
     longer answer in time even at the smallest budget are shed (503, with the
@@ -206,7 +207,8 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
     others all take the budget :meth:`~dynaseq.serve.policy.DeadlinePolicy.batch_budget`
     chooses for the time left to each of them and to the jobs of their kind queued
     ``behind`` (the event loop's lag and the margin that admission planned with kept
-    aside); ``rebudget(job, budget, degraded)`` sets a job's payload to the new budget."""
+    aside); ``rebudget(job, budget, degraded)`` sets a job's payload to the new budget.
+    ``scale``: the batcher's factor, one or per batch size (the batch's own for shedding)."""
     policy = state.policy
     flexible = [j for j in jobs if j.due is not None and j.budget is not None]
     if policy is None or not flexible:
@@ -232,8 +234,9 @@ def replan_budgets(state: ServeState, jobs: list[Job], scale: float, behind: lis
         # ``due``, slack x the deadline: shedding by the deadline itself kept more requests
         # that then answered late, 84% of the accepted in time at 4x load against 91%)
         raw = [1000.0 * (j.due - now) - state.batcher.loop_lag_ms for j in flexible]
+        lines = sum(j.rows for j in jobs)
         late = policy.late(fixed, [j.work() for j in flexible], raw,
-                           min(scale, state.batcher.typical_scale))
+                           min(scale_at(scale, lines), state.batcher.typical_at(lines)))
         for j, is_late in zip(flexible, late, strict=True):
             if is_late:
                 j.shed = Shed(f"the deadline of {j.deadline_ms:g} ms can no longer be met "

@@ -37,6 +37,7 @@ from typing import Any
 
 from dynaseq.metrics.latency_table import LatencyTable, Pair
 from dynaseq.serve.config import LATE_TOLERANCE
+from dynaseq.serve.scales import Scale, scale_at
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class DeadlinePolicy:
         return max(0.0, min(float(room), arrival_rate * start_ms / 1000.0))
 
     def predict_ms(self, budget: Pair, rows: int, length: int, ahead: Sequence[Work] = (),
-                   running_ms: float | None = None, scale: float = 1.0,
+                   running_ms: float | None = None, scale: Scale = 1.0,
                    overhead_ms: float = 0.0, arrival_rate: float = 0.0) -> float:
         """Predicted completion (ms from now) of a request of ``rows`` lines at ``budget``
         behind ``ahead`` (see :meth:`decide`)."""
@@ -177,7 +178,7 @@ class DeadlinePolicy:
                              running_ms, scale, overhead_ms, arrival_rate)[0]
 
     def _predict(self, budget: Pair, rows: int, length: int, batches: list[_Batch],
-                 running_ms: float | None, scale: float, overhead_ms: float,
+                 running_ms: float | None, scale: Scale, overhead_ms: float,
                  arrival_rate: float) -> tuple[float, float]:
         """(predicted completion, the time the queue ahead needs) at ``budget``.
 
@@ -191,7 +192,8 @@ class DeadlinePolicy:
         last = batches[-1] if batches and (batches[-1].rows + rows
                                            <= self.max_batch_rows) else None
         ahead = batches[:-1] if last is not None else batches
-        wait = (running_ms or 0.0) + scale * sum(self._summary_ms(b, budget) for b in ahead)
+        wait = (running_ms or 0.0) + sum(scale_at(scale, b.rows) * self._summary_ms(b, budget)
+                                         for b in ahead)
         if not ahead and last is None and running_ms is None:  # idle: the batching window
             wait += self.window_ms
         queued = 0 if last is None else last.rows
@@ -199,12 +201,13 @@ class DeadlinePolicy:
         extra = rows + self._joiners(rows, queued, start_ms, arrival_rate)
         n = max(1, min(queued + math.ceil(extra), self.max_batch_rows))
         longest = length if last is None or self.early_answers else max(length, last.length)
+        factor = scale_at(scale, n)
         if last is not None:
-            wait += scale * self._summary_ms(last, budget, longest, n)
+            wait += factor * self._summary_ms(last, budget, longest, n)
         wait += overhead_ms
         # the request's lines (and the joiners, taken as long) may end before the longest
         own = self.row_ms(budget, longest, n) - self._spared_ms(budget, longest, length, n)
-        return wait + scale * extra * own, wait
+        return wait + factor * extra * own, wait
 
     def _summary_ms(self, b: _Batch, budget: Pair, length: int | None = None,
                     batch: int | None = None) -> float:
@@ -244,7 +247,7 @@ class DeadlinePolicy:
         return out
 
     def decide(self, deadline_ms: float, rows: int, length: int, ahead: Sequence[Work] = (),
-               running_ms: float | None = None, scale: float = 1.0,
+               running_ms: float | None = None, scale: Scale = 1.0,
                overhead_ms: float = 0.0, arrival_rate: float = 0.0,
                margin_ms: float = 0.0) -> Decision:
         """The budget for a request of ``rows`` lines (longest ``length`` tokens) with
@@ -252,7 +255,8 @@ class DeadlinePolicy:
         ``running_ms`` (None: no batch is running).
 
         ``scale`` multiplies the table's service times (the server's measured ratio of real
-        batch time to predicted: what it runs besides the decode, load on the machine);
+        batch time to predicted: what it runs besides the decode, load on the machine; one
+        factor, or one per batch size: :data:`~dynaseq.serve.scales.Scale`);
         ``overhead_ms`` is added to every prediction (the server's margin for what
         predictions miss: request parsing, the event loop's own queue, batches that run
         long), of which ``margin_ms`` is the margin for error (the rest: time known to be
@@ -296,15 +300,16 @@ class DeadlinePolicy:
     def plan(self, load: Any, deadline_ms: float, rows: int, length: int) -> Decision:
         """:meth:`decide` against the queue as ``load`` holds it (a request on arrival)."""
         return self.decide(deadline_ms, rows, length, load.ahead, load.running_ms,
-                           load.scale, load.overhead_ms, load.arrival_rate, load.margin_ms)
+                           _load_scale(load), load.overhead_ms, load.arrival_rate,
+                           load.margin_ms)
 
     def predicted(self, load: Any, budget: Pair, rows: int, length: int) -> float:
         """:meth:`predict_ms` of a request at ``budget`` against ``load`` (no overhead)."""
-        return self.predict_ms(budget, rows, length, load.ahead, load.running_ms, load.scale,
-                               arrival_rate=load.arrival_rate)
+        return self.predict_ms(budget, rows, length, load.ahead, load.running_ms,
+                               _load_scale(load), arrival_rate=load.arrival_rate)
 
     def batch_budget(self, fixed: Sequence[Work], flexible: Sequence[Work],
-                     left_ms: Sequence[float], scale: float = 1.0,
+                     left_ms: Sequence[float], scale: Scale = 1.0,
                      behind: Sequence[tuple[Work, float | None]] = (),
                      late_share: Callable[[float], float] | None = None,
                      late_tolerance: float = LATE_TOLERANCE, arrival_rate: float = 0.0,
@@ -344,7 +349,7 @@ class DeadlinePolicy:
                     > max_utilization):
                 continue  # the arrivals would outrun it
             works = [*fixed, *(Work(budget, w.rows, w.length) for w in flexible)]
-            spent = scale * self.batch_ms(works)
+            spent = scale_at(scale, _lines(works)) * self.batch_ms(works)
             if spent >= least:  # no faster than a larger budget: dominated
                 continue
             fastest, least = budget, spent
@@ -356,15 +361,16 @@ class DeadlinePolicy:
         return fastest
 
     def utilization(self, budget: Pair, arrival_rate: float, length: int,
-                    scale: float = 1.0) -> float:
+                    scale: Scale = 1.0) -> float:
         """The share of the server's time that ``arrival_rate`` lines a second at
         ``budget`` would take, each line at its share of a full batch
         (``max_batch_rows`` lines at ``length``, ``scale`` times the table's): at 1 or
         more the queue grows without bound."""
-        return arrival_rate * scale * self.row_ms(budget, length, self.max_batch_rows) / 1000
+        return (arrival_rate * scale_at(scale, self.max_batch_rows)
+                * self.row_ms(budget, length, self.max_batch_rows) / 1000)
 
     def _within_risk(self, works: Sequence[Work], flexible: Sequence[Work],
-                     lengths: Sequence[int], left_ms: Sequence[float], scale: float,
+                     lengths: Sequence[int], left_ms: Sequence[float], scale: Scale,
                      late_share: Callable[[float], float], tolerance: float) -> bool:
         """Whether one batch of ``works`` answers its ``flexible`` lines (their longest
         sources ``lengths``) in time with acceptable risk: none is predicted past its
@@ -381,7 +387,7 @@ class DeadlinePolicy:
         return late <= tolerance * rows
 
     def answers_in_time(self, works: Sequence[Work], lengths: Sequence[int],
-                        left_ms: Sequence[float], scale: float = 1.0) -> list[bool]:
+                        left_ms: Sequence[float], scale: Scale = 1.0) -> list[bool]:
         """Whether one batch of ``works`` (each at its own budget) answers a line whose
         longest source is ``lengths[i]`` within ``left_ms[i]``: the batch's predicted
         time (:meth:`batch_ms`), ``scale`` times the table's, at its longest source, or with
@@ -390,24 +396,25 @@ class DeadlinePolicy:
         return [t <= left for t, left in zip(self.answer_ms(works, lengths, scale), left_ms,
                                                  strict=True)]
 
-    def answer_ms(self, works: Sequence[Work], lengths: Sequence[int], scale: float = 1.0
+    def answer_ms(self, works: Sequence[Work], lengths: Sequence[int], scale: Scale = 1.0
                   ) -> list[float]:
         """Predicted milliseconds from its start until one batch of ``works`` (each at its
         own budget) answers a line whose longest source is ``lengths[i]``: the batch's
         time (:meth:`batch_ms`), ``scale`` times the table's, at its longest source, or
         with :attr:`early_answers` at ``lengths[i]``."""
         batch = _Batch.of(works, own=lambda w: True)
+        factor = scale_at(scale, batch.rows)
         times: dict[int | None, float] = {}  # one prediction per length asked (one without)
         out = []
         for length in lengths:
             key = length if self.early_answers else None
             if key not in times:
-                times[key] = scale * self._summary_ms(batch, self.largest, key)
+                times[key] = factor * self._summary_ms(batch, self.largest, key)
             out.append(times[key])
         return out
 
     def late(self, fixed: Sequence[Work], flexible: Sequence[Work], left_ms: Sequence[float],
-             scale: float = 1.0) -> list[bool]:
+             scale: Scale = 1.0) -> list[bool]:
         """Which ``flexible`` lines of a batch about to run (``left_ms``: the time left to
         each one's due answer) cannot answer in time even with every flexible line at the
         smallest budget (:meth:`answers_in_time`: the batch's predicted time, ``scale``
@@ -429,14 +436,14 @@ class DeadlinePolicy:
         return w if self.table.has(w.budget) else Work(self.largest, w.rows, w.length)
 
     def _behind_in_time(self, start_ms: float, behind: Sequence[tuple[Work, float | None]],
-                        scale: float) -> bool:
+                        scale: Scale) -> bool:
         """Whether the queued ``behind``, run in the batches the batcher will form
         (:meth:`batches`) from ``start_ms`` on, flexible lines at the smallest budget,
         answers each flexible one by its time left."""
         t, k = start_ms, 0
         for batch in self.batches([w for w, _ in behind]):
-            t += scale * self.batch_ms([self._tabled(w)
-                                        for w in _flexible_at(batch, self.smallest)])
+            t += scale_at(scale, _lines(batch)) * self.batch_ms(
+                [self._tabled(w) for w in _flexible_at(batch, self.smallest)])
             if any(left is not None and t > left for _, left in behind[k: k + len(batch)]):
                 return False
             k += len(batch)
@@ -479,6 +486,17 @@ def _summaries(batches: list[list[Work]]) -> list[_Batch]:
     """Each batch of :meth:`DeadlinePolicy.batches` as a :class:`_Batch` (its lines with a
     deadline flexible), made once for every budget a request tries."""
     return [_Batch.of(works, own=lambda w: not w.flexible) for works in batches]
+
+
+def _lines(works: Sequence[Work]) -> int:
+    """The lines of ``works`` (at least 1: a factor's size class)."""
+    return max(1, sum(w.rows for w in works))
+
+
+def _load_scale(load: Any) -> Scale:
+    """The factor a plan against ``load`` runs at: per batch size where the server keeps
+    one (:attr:`~dynaseq.serve.batcher.Load.by_size`), else its one scale."""
+    return load.scale if load.by_size is None else load.by_size
 
 
 def _flexible_at(works: Sequence[Work], budget: Pair) -> list[Work]:
