@@ -50,8 +50,7 @@ class Load:
 
     ahead: the queued work, oldest first.
     running_ms: what the running batch still needs (ms, scaled; None when none runs).
-    scale: :attr:`Batcher.scale`; by_size: the factor per batch size
-    (:meth:`Batcher.scales`, None: ``scale`` for every batch); overhead_ms: :attr:`Batcher.overhead_ms` plus the event
+    scale: :attr:`Batcher.scale`; overhead_ms: :attr:`Batcher.overhead_ms` plus the event
     loop's lag; margin_ms: :attr:`Batcher.overhead_ms` alone; arrival_rate: lines
     submitted per second lately.
     rows_left: a continuous decode's running lines (:meth:`Batcher.row_begin`): the ms
@@ -59,6 +58,8 @@ class Load:
     rows_waiting: the lines it took off the queue that wait for a row
     (:meth:`Batcher.row_wait`), in the order they take one: the ms each will hold it
     (scaled).
+    by_size: the factor per batch size (:attr:`Batcher.scales` frozen; None: ``scale``
+    for every batch).
     """
 
     ahead: list[Work]
@@ -233,15 +234,15 @@ class Batcher:
     by_budget: a deep queue forms single-budget batches (the module doc; False: arrival
         order only).
     scale_by_size: keep the factor below per size class of batches as well
-        (:class:`~dynaseq.serve.scales.BatchScales`; :meth:`Load.by_size`).
+        (:class:`~dynaseq.serve.scales.BatchScales`; :attr:`Load.by_size`).
 
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
     exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
     :data:`SCALE_RANGE`; the first batches weigh more, :meth:`_update_scale`), so
     predictions from a latency table measured on the bare model include what the server
-    adds around it; with ``scale_by_size``, :meth:`scale_at` is the same per size class. :attr:`overhead_ms` is the
-    :data:`OVERHEAD_QUANTILE` quantile of how much later than predicted on arrival the last
-    :data:`OVERHEAD_WINDOW` requests were answered (:attr:`admission`, :meth:`observe`):
+    adds around it; with ``scale_by_size``, :meth:`scale_at` is the same per size class.
+    :attr:`overhead_ms` is the :data:`OVERHEAD_QUANTILE` quantile of how much later than
+    predicted on arrival the last :data:`OVERHEAD_WINDOW` requests were answered (:attr:`admission`, :meth:`observe`):
     what a prediction misses (time outside the queue and the batches, a batch that ran
     long, lines that joined a batch later), as a margin that keeps that share of requests
     within their predictions. Each error decays with time constant
