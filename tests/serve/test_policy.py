@@ -596,3 +596,26 @@ def test_a_table_names_the_loaded_checkpoint_whatever_folder_it_was_profiled_fro
     assert not _same_checkpoint("m3/checkpoints/step_00000008", best, run)
     assert not _same_checkpoint(str(best), step, run)
     assert _same_checkpoint("exported/m3", run, run)  # an exported model: the run itself
+
+
+def test_the_batches_ahead_are_priced_once_not_on_every_request(monkeypatch):
+    """Planning a request prices each batch it waits behind at each budget once: the next
+    request behind the same batches reads those prices (the same decision as a policy that
+    never saw them) instead of pricing every line again."""
+    priced = []
+    summary = DeadlinePolicy._summary
+
+    def counted(self, *args):
+        priced.append(args)
+        return summary(self, *args)
+
+    monkeypatch.setattr(DeadlinePolicy, "_summary", counted)
+    ahead = [Work(FULL, 1, 10 + i % 7, True) for i in range(12)]  # 3 batches of 4 ahead
+    p = DeadlinePolicy(table("fit"), [FULL, HALF], max_batch_rows=4)
+    first = p.decide(500.0, 1, 10, ahead, running_ms=5.0)
+    n = len(priced)
+    assert n == 3  # each batch ahead, at the full budget (in time: no other tried)
+    assert p.decide(500.0, 1, 10, ahead, running_ms=5.0) == first
+    assert len(priced) == n  # nothing priced again
+    fresh = DeadlinePolicy(table("fit"), [FULL, HALF], max_batch_rows=4)
+    assert fresh.decide(500.0, 1, 10, ahead, running_ms=5.0) == first

@@ -114,6 +114,9 @@ class Job:
         ``more(rows)`` handing it the queued jobs of its group that fit in ``rows`` lines
         (:meth:`Batcher.take_more`; continuous batching), and answers each of those itself
         (:meth:`settle`).
+    queued: :meth:`work` as the job was queued (:meth:`Batcher.submit`): what
+        :meth:`Batcher.snapshot` counts for every request planned behind it. A queued job
+        keeps its budget, lines and due time; only a taken batch is planned again.
     """
 
     group: Hashable
@@ -139,6 +142,7 @@ class Job:
     formed_due: float | None = None
     settled: bool = False
     feeds: bool = False
+    queued: Work | None = None
 
     def settle(self, result: Any) -> None:
         """Answer now, from ``run`` while the rest of its batch goes on (:attr:`settled`:
@@ -315,7 +319,7 @@ class Batcher:
     def snapshot(self) -> Load:
         """What the deadline policy plans a request against (:class:`Load`)."""
         with self._cond:
-            ahead = [j.work() for j in self._queue]
+            ahead = [j.queued or j.work() for j in self._queue]
             running = None
             if self._running is not None:
                 start, predicted, lines = self._running
@@ -443,6 +447,7 @@ class Batcher:
             if queued + job.rows > self.max_queue_rows:
                 raise QueueFull(f"{queued} lines are queued (limit {self.max_queue_rows})")
             job.enqueued = time.perf_counter()
+            job.queued = job.work()
             rate, tokens, when = self._arrivals
             decay = _decayed(1.0, when, self.ARRIVAL_TAU_S, job.enqueued)
             self._arrivals = (rate * decay + job.rows / self.ARRIVAL_TAU_S,
