@@ -256,7 +256,42 @@ def test_a_reorder_that_keeps_the_row_count_copies_only_the_moved_rows_in_place(
         assert (cache.k.data_ptr() == storage) == (moved is not None)
     assert moved_rows(index, 6).tolist() == [1, 3, 5]
     assert moved_rows(torch.arange(6), 6).numel() == 0
-    assert moved_rows(torch.tensor([0, 2]), 6) is None
+    assert moved_rows(torch.tensor([0, 2]), 6).tolist() == [1]  # fewer rows: kept ones
+    assert moved_rows(torch.tensor([0, 0, 1, 1, 2, 2, 3]), 6) is None  # more: a gather
+
+
+@pytest.mark.parametrize("index, in_place", [([0, 5, 2, 3], True), ([5, 4, 3, 2], False),
+                                             ([0, 1, 2], True)])
+def test_a_reorder_that_drops_rows_copies_few_moved_rows_in_place(index, in_place):
+    """Dropping rows (greedy search swaps the rows that go on from the end into the places
+    of those that finished): ``StepCache.reorder`` and ``CrossKeys.index_select`` equal the
+    gather; with at most half the kept rows moved they write into the same storage and keep
+    its first rows as a view, with more they gather."""
+    from dynaseq.nn.lean_step import CrossKeys, StepCache, moved_rows
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(6, 2, 5, 4, generator=g), torch.randn(6, 2, 5, 4, generator=g)
+    index = torch.tensor(index)
+    moved = moved_rows(index, 6)
+    cache = StepCache(8)
+    for t in range(5):
+        cache.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
+    storage = cache.k.data_ptr()
+    cache.reorder(index, moved)
+    got_k, got_v = cache.filled()
+    torch.testing.assert_close(got_k, k[index], rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v[index], rtol=0, atol=0)
+    assert (cache.k.data_ptr() == storage) == in_place
+    mask = torch.rand(6, 1, 1, 5, generator=g) > 0.3
+    keys = CrossKeys(k.clone(), v.clone(), mask.clone())
+    storage = keys.k.data_ptr()
+    got = keys.index_select(index, moved)
+    for a, b in ((got.k, k), (got.v, v), (got.mask, mask)):
+        torch.testing.assert_close(a, b[index], rtol=0, atol=0)
+    assert (got.k.data_ptr() == storage) == in_place
+    if in_place:  # a mask every row shares stays as it is
+        one = CrossKeys(k.clone(), v.clone(), mask[:1].clone())
+        assert torch.equal(one.index_select(index, moved).mask, mask[:1])
 
 
 @pytest.mark.parametrize("mask", ["none", "bool", "float"])

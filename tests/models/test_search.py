@@ -281,3 +281,24 @@ def test_length_limits_cap_huge_values_instead_of_wrapping_around():
     for a, b in ((1.0, sys.maxsize), (1e19, 0), (0.0, 10**30), (1e300, 10**30)):
         assert max_lengths(src, a, b, 100).tolist() == [100, 100], (a, b)
     assert max_lengths(src, 0.0, 0, 100).tolist() == [1, 1]
+
+
+def test_a_greedy_step_keeps_the_rows_that_go_on_moving_only_those_from_the_end():
+    """Finished rows are replaced by rows that go on from the end (swap-remove): the kept
+    rows are exactly the unfinished ones, and each row that stays in the first places keeps
+    its place, so a lean decoder's caches copy only the moved rows."""
+    from dynaseq.models.search import _kept
+    from dynaseq.nn.lean_step import moved_rows
+
+    done = torch.tensor([False, True, False, False, True, False])
+    keep = _kept(done, 4)
+    assert keep.tolist() == [0, 5, 2, 3]
+    assert moved_rows(keep, 6).tolist() == [1]
+    assert _kept(torch.tensor([True, False, True]), 1).tolist() == [1]
+    assert _kept(torch.tensor([False, False, True]), 2).tolist() == [0, 1]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        done = torch.rand(9, generator=g) > 0.5
+        keep = _kept(done, int((~done).sum()))
+        assert sorted(keep.tolist()) == (~done).nonzero().squeeze(1).tolist()
+        assert moved_rows(keep, 9).numel() == int(done[: keep.numel()].sum())

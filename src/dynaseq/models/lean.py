@@ -161,7 +161,9 @@ class LeanState:
 
     def reorder(self, index: Tensor) -> None:
         """Keep/reorder batch rows of every cache (and of the :attr:`tally`, whose rows
-        only leave: greedy search)."""
+        only leave: greedy search). Where few rows move (greedy search drops finished rows
+        by swapping the last ones into their places), the caches copy only those, in place
+        (:func:`~dynaseq.nn.lean_step.in_place`)."""
         self.reorder_self(index)
         self.reorder_cross(index)
         if self.tally is not None:
@@ -248,7 +250,9 @@ class LeanState:
         """Keep/reorder batch rows of the cross-attention keys, values and masks (while
         beams share keys, ``index`` keeps or drops whole sentences' groups of rows, as beam
         search's does: :meth:`CrossKeys.index_select`)."""
-        self.cross = [keys.index_select(index) for keys in self.cross]
+        rows = self.cross[0].k.size(0) if self.cross else 0
+        moved = moved_rows(index, rows) if self.cross and self.cross[0].group == 1 else None
+        self.cross = [keys.index_select(index, moved) for keys in self.cross]
 
     def expand_beams(self, index: Tensor, beams: int) -> None:
         """:meth:`reorder` by ``index``, which repeats each row ``beams`` times (beam

@@ -176,7 +176,7 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
             _report(on_done, out, finished, lengths)
             break
         if n_done:
-            keep = (~done).nonzero().squeeze(1)
+            keep = _kept(done, active.numel() - n_done)
             active, nxt = active[keep], nxt[keep]
             enc = enc.index_select(keep)
             state.reorder(keep)
@@ -184,6 +184,21 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.2, max_len_b: int = 1
         tokens = nxt.unsqueeze(1)
     return [None if length is None else row[:length]
             for row, length in zip(out.tolist(), lengths, strict=True)]
+
+
+def _kept(done: Tensor, n_keep: int) -> Tensor:
+    """The ``n_keep`` rows that go on after a step that finished ``done`` ``(B,)``: the
+    first ``n_keep`` rows, each finished one among them replaced by one that goes on from
+    the rows after them (swap-remove: a lean decoder's caches then copy only the rows that
+    moved, in place, :func:`~dynaseq.nn.lean_step.in_place`, instead of every row that
+    goes on: at 32 rows of the Multi30k CCT at (0.2, 0.2), dropping rows was 15% of a
+    served batch's time). The search follows each row by its original index, so the
+    order is free."""
+    keep = torch.arange(n_keep, device=done.device)
+    holes = done[:n_keep].nonzero().squeeze(1)
+    if holes.numel():
+        keep[holes] = (~done[n_keep:]).nonzero().squeeze(1) + n_keep
+    return keep
 
 
 def _report(on_done: Finished | None, out: Tensor, rows: list[int],

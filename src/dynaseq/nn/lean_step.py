@@ -248,20 +248,23 @@ class StepCache:
 
     def reorder(self, index: Tensor, moved: Tensor | None = None) -> None:
         """Keep/reorder batch rows (filled positions only are copied). ``moved``: the rows
-        ``i`` with ``index[i] != i`` when ``index`` keeps the row count (:func:`moved_rows`):
-        only those are copied, in place."""
+        ``i`` with ``index[i] != i`` (:func:`moved_rows`): only those are copied, in place,
+        and an index that keeps fewer rows keeps the first ones as a view (rows that
+        finished, swapped to the end by the search: :func:`in_place`)."""
         if self.k is None:
             return
         assert self.v is not None
-        if moved is None:
+        if not in_place(index, moved, self.k.size(0)):
             self.k = _take_rows(self.k, index, self.length)
             self.v = _take_rows(self.v, index, self.length)
-        elif moved.numel():
-            assert index.numel() == self.k.size(0), "moved rows go with a same-size index"
+            return
+        assert moved is not None
+        if moved.numel():
             sources = index.index_select(0, moved)
             for cache in (self.k, self.v):
                 filled = cache[:, :, : self.length]
                 filled.index_copy_(0, moved, filled.index_select(0, sources))
+        self.k, self.v = self.k[: index.numel()], self.v[: index.numel()]
 
 
 SHARE_MIN = 8
@@ -292,9 +295,25 @@ class CrossKeys:
     mask: Tensor | None = None
     group: int = 1
 
-    def index_select(self, index: Tensor) -> CrossKeys:
+    def index_select(self, index: Tensor, moved: Tensor | None = None) -> CrossKeys:
         """The keys of query rows ``index``: rows of keys for ``group`` 1; for shared keys,
-        ``index`` keeps or drops whole groups (``index[g·i] // g`` names group i's keys)."""
+        ``index`` keeps or drops whole groups (``index[g·i] // g`` names group i's keys).
+        ``moved`` (``group`` 1: :func:`moved_rows`): an index that drops rows, where
+        :func:`in_place` says so, copies only those rows, in place (these keys are no one
+        else's), and keeps the first ``len(index)`` as views."""
+        if self.group == 1 and index.numel() < self.k.size(0) and in_place(
+                index, moved, self.k.size(0)):
+            assert moved is not None
+            rows = self.k.size(0)
+            per_row = self.mask is not None and self.mask.size(0) == rows
+            parts = [self.k, self.v] + ([self.mask] if per_row else [])
+            if moved.numel():
+                sources = index.index_select(0, moved)
+                for t in parts:
+                    t.index_copy_(0, moved, t.index_select(0, sources))
+            n = index.numel()  # a mask of one row serves every row as it is
+            return CrossKeys(self.k[:n], self.v[:n],
+                             self.mask[:n] if per_row else self.mask, self.group)
         if self.group > 1:
             assert index.numel() % self.group == 0, "shared keys keep whole groups"
             index = index[:: self.group] // self.group
@@ -611,11 +630,30 @@ def _more_rows(cache: Tensor, rows: int, filled: int) -> Tensor:
 
 
 def moved_rows(index: Tensor, rows: int) -> Tensor | None:
-    """The rows ``i`` whose ``index[i] != i``, ``(n,)`` long, for an ``index`` that keeps
-    ``rows`` rows (a beam step's); None when it keeps another count (a gather then)."""
-    if index.numel() != rows:
+    """The rows ``i`` whose ``index[i] != i``, ``(n,)`` long, for an ``index`` into ``rows``
+    rows that keeps at most that many (a beam step's, or a greedy step that drops finished
+    rows); None when it keeps more (beams expanded: a gather then)."""
+    if index.numel() > rows:
         return None
-    return (index != torch.arange(rows, device=index.device)).nonzero().squeeze(1)
+    return (index != torch.arange(index.numel(), device=index.device)).nonzero().squeeze(1)
+
+
+IN_PLACE_SHARE = 0.5
+"""An index that drops rows is applied in place (:func:`in_place`) when it moves at most
+this share of the rows it keeps: copying the moved rows costs two passes over them, a
+gather one pass over every kept row."""
+
+
+def in_place(index: Tensor, moved: Tensor | None, rows: int) -> bool:
+    """Whether rows ``index`` of ``rows`` rows are taken by copying the ``moved`` ones in
+    place (:func:`moved_rows`; then the first ``len(index)`` rows are the result) rather
+    than gathered: always for an index that keeps the count (a beam step), for one that
+    keeps fewer when it moves at most :data:`IN_PLACE_SHARE` of them (greedy search
+    swaps the rows that go on from the end into the places of those that finished, so
+    dropping one row moves at most one). Each row's values are the same either way."""
+    if moved is None:
+        return False
+    return index.numel() == rows or moved.numel() <= IN_PLACE_SHARE * index.numel()
 
 
 def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:
@@ -629,5 +667,5 @@ __all__ = ["LEAN_PARTS", "CrossKeys", "LeanCrossAttention", "LeanEncoderAttentio
            "LeanFeedForward", "LeanSelfAttention", "LinearFn", "Norm", "Offset", "StepCache",
            "StepLinear", "SHARE_MIN", "attend_keys",
            "float_linear", "fused_linear", "lean_part", "linear_fn", "linear_of",
-           "linear_tensors", "moved_rows",
+           "linear_tensors", "moved_rows", "in_place",
            "merge_heads", "refreshed", "register_lean", "split_heads", "uniform_offset"]
