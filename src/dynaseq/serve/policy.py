@@ -119,7 +119,7 @@ class DeadlinePolicy:
         # the batches a request waits behind are, for the most part, those the request
         # before it waited behind: each one's time at each budget is computed once
         # (functools' cache is thread-safe; a batch is hashed once, :class:`_Batch`)
-        self._summaries = functools.lru_cache(maxsize=self.SUMMARY_CACHE)(self._summary)
+        self._priced = functools.lru_cache(maxsize=self.SUMMARY_CACHE)(self._summary)
 
     SUMMARY_CACHE = 4096
     """Batches' predicted times kept (:meth:`_summary_ms`): at 32 lines a batch and a
@@ -232,7 +232,7 @@ class DeadlinePolicy:
         """:meth:`_summary`, computed once per batch, budget, length and size: planning a
         request behind a queue of 100 lines (3 batches, 7 budgets) took 0.6 ms of the event
         loop's time, on the core that decodes, and grew with the queue."""
-        return self._summaries(b, budget, length, batch)
+        return self._priced(b, budget, length, batch)
 
     def _summary(self, b: _Batch, budget: Pair, length: int | None,
                  batch: int | None) -> float:
