@@ -236,24 +236,32 @@ def test_the_source_is_encoded_through_the_lean_encoder_pass(kind):
     torch.testing.assert_close(traced.out, ref.out, rtol=0, atol=0)
 
 
+def _reorders_in_place(k, v, index, moved) -> bool:
+    """A :class:`StepCache` of ``k``, ``v`` (5 steps) reordered by ``index`` (``moved``)
+    holds ``k[index]``, ``v[index]`` exactly; whether it kept its storage."""
+    from dynaseq.nn.lean_step import StepCache
+
+    cache = StepCache(8)
+    for t in range(5):
+        cache.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
+    storage = cache.k.data_ptr()
+    cache.reorder(index, moved)
+    got_k, got_v = cache.filled()
+    torch.testing.assert_close(got_k, k[index], rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v[index], rtol=0, atol=0)
+    return cache.k.data_ptr() == storage
+
+
 def test_a_reorder_that_keeps_the_row_count_copies_only_the_moved_rows_in_place():
     """``StepCache.reorder`` with :func:`moved_rows` equals the full gather and writes into
-    the same storage; an index that changes the row count gathers."""
-    from dynaseq.nn.lean_step import StepCache, moved_rows
+    the same storage; an index that keeps more rows than there are (beams) gathers."""
+    from dynaseq.nn.lean_step import moved_rows
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(6, 2, 5, 4, generator=g), torch.randn(6, 2, 5, 4, generator=g)
     index = torch.tensor([0, 0, 2, 5, 4, 3])
     for moved in (None, moved_rows(index, 6)):
-        cache = StepCache(8)
-        for t in range(5):
-            cache.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
-        storage = cache.k.data_ptr()
-        cache.reorder(index, moved)
-        got_k, got_v = cache.filled()
-        torch.testing.assert_close(got_k, k[index], rtol=0, atol=0)
-        torch.testing.assert_close(got_v, v[index], rtol=0, atol=0)
-        assert (cache.k.data_ptr() == storage) == (moved is not None)
+        assert _reorders_in_place(k, v, index, moved) == (moved is not None)
     assert moved_rows(index, 6).tolist() == [1, 3, 5]
     assert moved_rows(torch.arange(6), 6).numel() == 0
     assert moved_rows(torch.tensor([0, 2]), 6).tolist() == [1]  # fewer rows: kept ones
@@ -267,21 +275,13 @@ def test_a_reorder_that_drops_rows_copies_few_moved_rows_in_place(index, in_plac
     of those that finished): ``StepCache.reorder`` and ``CrossKeys.index_select`` equal the
     gather; with at most half the kept rows moved they write into the same storage and keep
     its first rows as a view, with more they gather."""
-    from dynaseq.nn.lean_step import CrossKeys, StepCache, moved_rows
+    from dynaseq.nn.lean_step import CrossKeys, moved_rows
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(6, 2, 5, 4, generator=g), torch.randn(6, 2, 5, 4, generator=g)
     index = torch.tensor(index)
     moved = moved_rows(index, 6)
-    cache = StepCache(8)
-    for t in range(5):
-        cache.append(k[:, :, t: t + 1], v[:, :, t: t + 1])
-    storage = cache.k.data_ptr()
-    cache.reorder(index, moved)
-    got_k, got_v = cache.filled()
-    torch.testing.assert_close(got_k, k[index], rtol=0, atol=0)
-    torch.testing.assert_close(got_v, v[index], rtol=0, atol=0)
-    assert (cache.k.data_ptr() == storage) == in_place
+    assert _reorders_in_place(k, v, index, moved) == in_place
     mask = torch.rand(6, 1, 1, 5, generator=g) > 0.3
     keys = CrossKeys(k.clone(), v.clone(), mask.clone())
     storage = keys.k.data_ptr()
