@@ -106,3 +106,31 @@ def test_the_batcher_records_each_batch_at_its_lines_and_plans_with_them():
     assert asyncio.run(go(False)) is None
     assert seen == [5]  # one batch of 3 + 2 lines
     assert asyncio.run(go(True)) == BatchScales(True).frozen()
+
+
+def test_a_batch_its_replan_emptied_leaves_a_snapshot_that_plans():
+    """A batch whose every job its replan shed runs nothing; a request planned meanwhile
+    against the factors per size still gets its snapshot (the empty batch counts as one
+    line, not as a size class that does not exist)."""
+    import asyncio
+
+    from dynaseq.serve.batcher import Shed
+
+    def shed_all(jobs, scale, behind):
+        for j in jobs:
+            j.shed = Shed("too late", 1)
+
+    async def go():
+        b = Batcher(ServerMetrics(), window_ms=0, max_batch_rows=8, max_queue_rows=100,
+                    estimate_ms=lambda jobs: 5.0, scale_by_size=True)
+        job = Job(group="a", run=lambda jobs: [None] * len(jobs), payload=None, rows=2,
+                  endpoint="t", replan=shed_all)
+        fut = b.submit(job)
+        assert await asyncio.to_thread(b._take) == []
+        load = b.snapshot()
+        with pytest.raises(Shed):
+            await fut
+        return load
+
+    load = asyncio.run(go())
+    assert load.by_size is not None and load.running_ms is not None

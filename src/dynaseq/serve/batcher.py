@@ -246,8 +246,8 @@ class Batcher:
     predictions from a latency table measured on the bare model include what the server
     adds around it; with ``scale_by_size``, :meth:`scale_at` is the same per size class.
     :attr:`overhead_ms` is the :data:`OVERHEAD_QUANTILE` quantile of how much later than
-    predicted on arrival the last :data:`OVERHEAD_WINDOW` requests were answered (:attr:`admission`, :meth:`observe`):
-    what a prediction misses (time outside the queue and the batches, a batch that ran
+    predicted on arrival the last :data:`OVERHEAD_WINDOW` requests were answered
+    (:attr:`admission`, :meth:`observe`): what a prediction misses (time outside the queue and the batches, a batch that ran
     long, lines that joined a batch later), as a margin that keeps that share of requests
     within their predictions. Each error decays with time constant
     :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
@@ -487,7 +487,8 @@ class Batcher:
                 self._queue.remove(job)
             batch = self._replanned(batch)
             predicted = self.estimate_ms(batch) if self.estimate_ms is not None else 0.0
-            self._running = (time.perf_counter(), predicted, sum(j.rows for j in batch))
+            # (lines at least 1: a batch its replan emptied runs nothing, for no time)
+            self._running = (time.perf_counter(), predicted, max(1, sum(j.rows for j in batch)))
             self.metrics.queue_rows.set(sum(j.rows for j in self._queue))
             return batch
 
