@@ -247,9 +247,9 @@ class Batcher:
     adds around it; with ``scale_by_size``, :meth:`scale_at` is the same per size class.
     :attr:`overhead_ms` is the :data:`OVERHEAD_QUANTILE` quantile of how much later than
     predicted on arrival the last :data:`OVERHEAD_WINDOW` requests were answered
-    (:attr:`admission`, :meth:`observe`): what a prediction misses (time outside the queue and the batches, a batch that ran
-    long, lines that joined a batch later), as a margin that keeps that share of requests
-    within their predictions. Each error decays with time constant
+    (:attr:`admission`, :meth:`observe`): what a prediction misses (time outside the queue
+    and the batches, a batch that ran long, lines that joined a batch later), as a margin
+    that keeps that share of requests within their predictions. Each error decays with time constant
     :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
     while it was high admits requests again once they stop coming. :attr:`formation_ms`
     is the same quantile of how much later than predicted *when their batch was formed*
