@@ -249,8 +249,8 @@ class Batcher:
     predicted on arrival the last :data:`OVERHEAD_WINDOW` requests were answered
     (:attr:`admission`, :meth:`observe`): what a prediction misses (time outside the queue
     and the batches, a batch that ran long, lines that joined a batch later), as a margin
-    that keeps that share of requests within their predictions. Each error decays with time constant
-    :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
+    that keeps that share of requests within their predictions. Each error decays with
+    time constant :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
     while it was high admits requests again once they stop coming. :attr:`formation_ms`
     is the same quantile of how much later than predicted *when their batch was formed*
     the answers came (:attr:`formation`, :meth:`observe_formed`): the margin a batch's own
