@@ -241,23 +241,23 @@ class Batcher:
         (:class:`~dynaseq.serve.scales.BatchScales`; :attr:`Load.by_size`).
 
     :attr:`scale` follows the ratio of each batch's real time to its estimate (an
-    exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to
-    :data:`SCALE_RANGE`; the first batches weigh more, :meth:`_update_scale`), so
-    predictions from a latency table measured on the bare model include what the server
-    adds around it; with ``scale_by_size``, :meth:`scale_at` is the same per size class.
-    :attr:`overhead_ms` is the :data:`OVERHEAD_QUANTILE` quantile of how much later than
-    predicted on arrival the last :data:`OVERHEAD_WINDOW` requests were answered
-    (:attr:`admission`, :meth:`observe`): what a prediction misses (time outside the queue
-    and the batches, a batch that ran long, lines that joined a batch later), as a margin
-    that keeps that share of requests within their predictions. Each error decays with
-    time constant :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
-    while it was high admits requests again once they stop coming. :attr:`formation_ms`
-    is the same quantile of how much later than predicted *when their batch was formed*
-    the answers came (:attr:`formation`, :meth:`observe_formed`): the margin a batch's own
-    lines need, which knows the batch and no longer the queue.
-    :attr:`arrival_rate` follows the lines submitted per second (decaying with time
-    constant :data:`ARRIVAL_TAU_S`): how many lines will join a batch before it starts;
-    :attr:`arrival_length`, their mean source length, weighted the same way.
+    exponential moving average, weight :data:`SCALE_WEIGHT`, clamped to :data:`SCALE_RANGE`;
+    the first batches weigh more, :meth:`_update_scale`), so predictions from a latency
+    table measured on the bare model include what the server adds around it; with
+    ``scale_by_size``, :meth:`scale_at` is the same per size class. :attr:`overhead_ms` is
+    the :data:`OVERHEAD_QUANTILE` quantile of how much later than predicted on arrival the
+    last :data:`OVERHEAD_WINDOW` requests were answered (:attr:`admission`,
+    :meth:`observe`): what a prediction misses (time outside the queue and the batches, a
+    batch that ran long, lines that joined a batch later), as a margin that keeps that share
+    of requests within their predictions. Each error decays with time constant
+    :data:`OVERHEAD_TAU_S` from when it was observed, so a server that rejected everything
+    while it was high admits requests again once they stop coming. :attr:`formation_ms` is
+    the same quantile of how much later than predicted *when their batch was formed* the
+    answers came (:attr:`formation`, :meth:`observe_formed`): the margin a batch's own lines
+    need, which knows the batch and no longer the queue. :attr:`arrival_rate` follows the
+    lines submitted per second (decaying with time constant :data:`ARRIVAL_TAU_S`): how many
+    lines will join a batch before it starts; :attr:`arrival_length`, their mean source
+    length, weighted the same way.
     """
 
     # OVERHEAD_*: the quantile, window and time constant of both error windows,
