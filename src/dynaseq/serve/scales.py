@@ -13,7 +13,12 @@ load (2 cores, session 54) one factor for every batch left predictions made as a
 formed late by a median of 2.6 ms at 1-7 lines and early by 5.4 / 18.9 / 33.9 ms at 8-15 /
 16-23 / 24+ lines: the large batches that a loaded server runs were predicted too long and
 their lines shed for nothing. A class falls back to the overall factor until it has seen
-:attr:`BatchScales.CLASS_MIN` batches.
+:attr:`BatchScales.CLASS_MIN` batches. Measured (session 55, ``docs/results.md``): 1x
+SLO +0.015 / +0.017 in two runs, within their noise, and the answers of batches of 16+
+lines still came 17-35 ms before their predictions: with early answers a line's answer is
+predicted at its batch's table time at the line's own length (until the longest of n such
+outputs ends), which a factor per batch does not correct. Off by default
+(``ServeConfig.scale_by_size``).
 
 Why by hand: a moving average with a clamp and a median over a window, no library's.
 """
