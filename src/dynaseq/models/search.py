@@ -191,7 +191,7 @@ def _kept(done: Tensor, n_keep: int) -> Tensor:
     first ``n_keep`` rows, each finished one among them replaced by one that goes on from
     the rows after them (swap-remove: a lean decoder's caches then copy only the rows that
     moved, in place, :func:`~dynaseq.nn.lean_step.in_place`, instead of every row that
-    goes on: at 32 rows of the Multi30k CCT at (0.2, 0.2), dropping rows was 15% of a
+    goes on: at 32 rows of the Multi30k CCT at (0.2, 0.2), dropping rows was up to 15% of a
     served batch's time). The search follows each row by its original index, so the
     order is free."""
     keep = torch.arange(n_keep, device=done.device)
