@@ -164,8 +164,9 @@ class LeanState:
         only leave: greedy search). Where few rows move (greedy search drops finished rows
         by swapping the last ones into their places), the caches copy only those, in place
         (:func:`~dynaseq.nn.lean_step.in_place`)."""
-        self.reorder_self(index)
-        self.reorder_cross(index)
+        moved = self._moved(index)  # once for both kinds of cache
+        self._reorder_self(index, moved)
+        self._reorder_cross(index, moved)
         if self.tally is not None:
             self.tally.reorder(index)
         if self.starts is not None:
@@ -241,8 +242,17 @@ class LeanState:
     def reorder_self(self, index: Tensor) -> None:
         """Keep/reorder batch rows of the self-attention caches (filled positions only; an
         index that keeps the row count copies only the rows it moves)."""
+        self._reorder_self(index, self._moved(index))
+
+    def _moved(self, index: Tensor) -> Tensor | None:
+        """:func:`~dynaseq.nn.lean_step.moved_rows` of ``index`` over the rows decoding now
+        (None before any cache holds a row)."""
         rows = next((c.k.size(0) for c in self.caches if c.k is not None), None)
-        moved = None if rows is None else moved_rows(index, rows)
+        if rows is None and self.cross:
+            rows = self.cross[0].k.size(0) * self.cross[0].group
+        return None if rows is None else moved_rows(index, rows)
+
+    def _reorder_self(self, index: Tensor, moved: Tensor | None) -> None:
         for cache in self.caches:
             cache.reorder(index, moved)
 
@@ -250,9 +260,13 @@ class LeanState:
         """Keep/reorder batch rows of the cross-attention keys, values and masks (while
         beams share keys, ``index`` keeps or drops whole sentences' groups of rows, as beam
         search's does: :meth:`CrossKeys.index_select`)."""
-        rows = self.cross[0].k.size(0) if self.cross else 0
-        moved = moved_rows(index, rows) if self.cross and self.cross[0].group == 1 else None
-        self.cross = [keys.index_select(index, moved) for keys in self.cross]
+        self._reorder_cross(index, self._moved(index))
+
+    def _reorder_cross(self, index: Tensor, moved: Tensor | None) -> None:
+        """:meth:`reorder_cross` with ``moved``, the query rows' (keys shared by groups of
+        rows do not read it)."""
+        self.cross = [keys.index_select(index, moved if keys.group == 1 else None)
+                      for keys in self.cross]
 
     def expand_beams(self, index: Tensor, beams: int) -> None:
         """:meth:`reorder` by ``index``, which repeats each row ``beams`` times (beam

@@ -259,11 +259,7 @@ class StepCache:
             self.v = _take_rows(self.v, index, self.length)
             return
         assert moved is not None
-        if moved.numel():
-            sources = index.index_select(0, moved)
-            for cache in (self.k, self.v):
-                filled = cache[:, :, : self.length]
-                filled.index_copy_(0, moved, filled.index_select(0, sources))
+        _copy_moved([c[:, :, : self.length] for c in (self.k, self.v)], index, moved)
         self.k, self.v = self.k[: index.numel()], self.v[: index.numel()]
 
 
@@ -304,13 +300,8 @@ class CrossKeys:
         if self.group == 1 and index.numel() < self.k.size(0) and in_place(
                 index, moved, self.k.size(0)):
             assert moved is not None
-            rows = self.k.size(0)
-            per_row = self.mask is not None and self.mask.size(0) == rows
-            parts = [self.k, self.v] + ([self.mask] if per_row else [])
-            if moved.numel():
-                sources = index.index_select(0, moved)
-                for t in parts:
-                    t.index_copy_(0, moved, t.index_select(0, sources))
+            per_row = self.mask is not None and self.mask.size(0) == self.k.size(0)
+            _copy_moved([self.k, self.v] + ([self.mask] if per_row else []), index, moved)
             n = index.numel()  # a mask of one row serves every row as it is
             return CrossKeys(self.k[:n], self.v[:n],
                              self.mask[:n] if per_row else self.mask, self.group)
@@ -654,6 +645,17 @@ def in_place(index: Tensor, moved: Tensor | None, rows: int) -> bool:
     if moved is None:
         return False
     return index.numel() == rows or moved.numel() <= IN_PLACE_SHARE * index.numel()
+
+
+def _copy_moved(tensors: Sequence[Tensor], index: Tensor, moved: Tensor) -> None:
+    """Rows ``moved`` of each of ``tensors`` set, in place, to their rows ``index[moved]``
+    (read before any is written): with the rows that did not move, the first
+    ``len(index)`` rows are then ``t[index]``."""
+    if not moved.numel():
+        return
+    sources = index.index_select(0, moved)
+    for t in tensors:
+        t.index_copy_(0, moved, t.index_select(0, sources))
 
 
 def _take_rows(cache: Tensor, index: Tensor, filled: int) -> Tensor:

@@ -328,8 +328,7 @@ class Batcher:
             margin = self.overhead_ms
             rows, waiting = self._rows_now()
             return Load(ahead, running, self.scale, margin + self.loop_lag_ms, margin,
-                        self.arrival_rate, rows, waiting,
-                        self.scales.frozen() if self.scales.by_size else None)
+                        self.arrival_rate, rows, waiting, self.scales.sized())
 
     def _rows_now(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(:attr:`Load.rows_left`, :attr:`Load.rows_waiting`) now; the caller holds the
@@ -531,8 +530,7 @@ class Batcher:
         if replan is None:
             return jobs
         try:
-            replan(jobs, self.scales.frozen() if self.scales.by_size else self.scale,
-                   list(self._queue))
+            replan(jobs, self.scales.sized() or self.scale, list(self._queue))
         except Exception as e:
             self.metrics.batch_failures.labels(jobs[0].endpoint).inc()
             for job in jobs:

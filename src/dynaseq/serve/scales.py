@@ -116,6 +116,10 @@ class BatchScales:
         """The median recent ratio for a batch of ``rows`` lines, as :meth:`at` chooses."""
         return self._class(rows).typical
 
+    def sized(self) -> FrozenScales | None:
+        """:meth:`frozen` with ``by_size``; None without (plans read the one factor)."""
+        return self.frozen() if self.by_size else None
+
     def frozen(self) -> FrozenScales:
         """:meth:`at` as it is now, for a plan that reads it while the batches go on."""
         return FrozenScales(self.overall.value, tuple(
